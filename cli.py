@@ -1,0 +1,108 @@
+"""Command line: `python cli.py generate PROMPT`, `python cli.py chat`."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from engine.args import add_engine_args, engine_options
+
+
+def _sampling_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=-1)
+    parser.add_argument("--seed", dest="sample_seed", type=int, default=None, help="sampling seed")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cli.py", description="Phase-aware LLM inference server")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="stream one completion to stdout")
+    gen.add_argument("prompt")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt as one user message (chat template)")
+    chat = sub.add_parser("chat", help="interactive chat loop")
+    for p in (gen, chat):
+        add_engine_args(p)
+        _sampling_args(p)
+    return parser
+
+
+def _sampling_params(args: argparse.Namespace):
+    from engine import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, seed=args.sample_seed)
+
+
+async def _stream_to_stdout(stream) -> str:
+    text = ""
+    async for out in stream:
+        delta = out.outputs[0].delta_text
+        text += delta
+        sys.stdout.write(delta)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    return text
+
+
+async def run_generate(args: argparse.Namespace) -> None:
+    from engine import AsyncLLM
+
+    llm = AsyncLLM(**engine_options(args))
+    try:
+        params = _sampling_params(args)
+        if args.chat:
+            await _stream_to_stdout(llm.chat([{"role": "user", "content": args.prompt}], params))
+        else:
+            await _stream_to_stdout(llm.generate(args.prompt, params))
+    finally:
+        llm.shutdown()
+
+
+async def run_chat(args: argparse.Namespace) -> None:
+    from engine import AsyncLLM
+
+    llm = AsyncLLM(**engine_options(args))
+    messages: list[dict[str, str]] = []
+    try:
+        while True:
+            line = await asyncio.to_thread(_read_line)
+            if line is None:
+                return
+            messages.append({"role": "user", "content": line})
+            reply = await _stream_to_stdout(llm.chat(messages, _sampling_params(args)))
+            messages.append({"role": "assistant", "content": reply})
+    finally:
+        llm.shutdown()
+
+
+def _read_line() -> str | None:
+    try:
+        line = input("> ").strip()
+    except EOFError:
+        return None
+    return None if line in ("/exit", "/quit") else line
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(stream=sys.stderr, level=logging.WARNING)
+    from engine.config import ConfigError
+    from engine.model.errors import ModelLoadError
+
+    runners = {"generate": run_generate, "chat": run_chat}
+    try:
+        asyncio.run(runners[args.command](args))
+    except (ModelLoadError, ConfigError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

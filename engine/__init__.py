@@ -1,0 +1,7 @@
+"""Phase-aware LLM inference engine: `from engine import LLM, AsyncLLM, SamplingParams`."""
+from engine.config import EngineConfig, ModelConfig
+from engine.llm import LLM, AsyncLLM
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.sampling_params import SamplingParams
+
+__all__ = ["LLM", "AsyncLLM", "SamplingParams", "EngineConfig", "ModelConfig", "RequestOutput", "CompletionOutput"]

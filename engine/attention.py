@@ -1,0 +1,127 @@
+"""Paged attention on CPU: one batched gather of the needed KV blocks, then scaled-dot-product attention.
+
+The flat batch holds decode rows first (one new token per sequence, attended as one group), then each
+prefill chunk as a contiguous segment. New keys/values are written into their cache slots before
+attention, so a chunk sees every earlier token of its sequence, cached or computed in this step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSegment:
+    """One sequence's prefill chunk: rows [start, start + length) of the flat batch."""
+
+    start: int
+    length: int
+    context_start: int  # tokens of this sequence already in the cache before the chunk
+    block_table: torch.Tensor  # [num_blocks] int64, covering context_start + length tokens
+    causal_mask: torch.Tensor | None = None  # [length, context_start + length] bool; None when context_start == 0
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each new token's KV goes and which cached blocks each query row attends to."""
+
+    slot_mapping: torch.Tensor  # [T] int64: block_id * block_size + offset
+    num_decode: int = 0
+    decode_block_tables: torch.Tensor | None = None  # [D, max_blocks] int64, padded with block 0
+    decode_mask: torch.Tensor | None = None  # [D, 1, 1, max_blocks * block_size] bool: key is in the context
+    prefills: list[PrefillSegment] = field(default_factory=list)
+
+    @staticmethod
+    def build(block_size: int, decode_rows: list[tuple[list[int], int]],
+              prefill_rows: list[tuple[list[int], int, int]]) -> "AttentionMetadata":
+        """decode_rows: (block_table, context_len); prefill_rows: (block_table, context_start, length)."""
+        slots: list[int] = []
+        for table, context_len in decode_rows:
+            slots.append(_slot(table, context_len - 1, block_size))
+        meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long), num_decode=len(decode_rows))
+        if decode_rows:
+            meta.decode_block_tables, meta.decode_mask = _decode_tables(decode_rows, block_size)
+        start = len(decode_rows)
+        for table, context_start, length in prefill_rows:
+            slots.extend(_slot(table, pos, block_size) for pos in range(context_start, context_start + length))
+            meta.prefills.append(_prefill_segment(table, start, context_start, length, block_size))
+            start += length
+        meta.slot_mapping = torch.tensor(slots, dtype=torch.long)
+        return meta
+
+
+def _slot(block_table: list[int], position: int, block_size: int) -> int:
+    return block_table[position // block_size] * block_size + position % block_size
+
+
+def _decode_tables(rows: list[tuple[list[int], int]], block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    max_blocks = max((context_len + block_size - 1) // block_size for _, context_len in rows)
+    tables = torch.zeros(len(rows), max_blocks, dtype=torch.long)
+    for i, (table, context_len) in enumerate(rows):
+        used = (context_len + block_size - 1) // block_size
+        tables[i, :used] = torch.tensor(table[:used], dtype=torch.long)
+    context_lens = torch.tensor([context_len for _, context_len in rows])
+    mask = torch.arange(max_blocks * block_size) < context_lens[:, None]  # [D, L]
+    return tables, mask[:, None, None, :]
+
+
+def _prefill_segment(table: list[int], start: int, context_start: int, length: int,
+                     block_size: int) -> PrefillSegment:
+    total = context_start + length
+    used = table[: (total + block_size - 1) // block_size]
+    mask = None
+    if context_start:
+        query_pos = torch.arange(context_start, total)[:, None]
+        mask = torch.arange(total)[None, :] <= query_pos  # [length, total]
+    return PrefillSegment(start, length, context_start, torch.tensor(used, dtype=torch.long), mask)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q [T, Hq, D], k/v [T, Hkv, D] for the new tokens; caches [num_blocks, block_size, Hkv, D]. Returns [T, Hq, D]."""
+    k_cache.view(-1, *k.shape[1:]).index_copy_(0, meta.slot_mapping, k)
+    v_cache.view(-1, *v.shape[1:]).index_copy_(0, meta.slot_mapping, v)
+    out = torch.empty_like(q)
+    if meta.num_decode:
+        out[: meta.num_decode] = _decode_attention(q[: meta.num_decode], k_cache, v_cache, meta, scale)
+    for seg in meta.prefills:
+        rows = slice(seg.start, seg.start + seg.length)
+        out[rows] = _prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, seg, scale)
+    return out
+
+
+def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    # cache [N, bs, Hkv, D], block_tables [B, nb] -> [B, Hkv, nb * bs, D]
+    blocks = cache[block_tables]  # [B, nb, bs, Hkv, D]
+    b, nb, bs, h, d = blocks.shape
+    return blocks.view(b, nb * bs, h, d).transpose(1, 2)
+
+
+def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    # One query per sequence: fold each KV head's query group into the query-length axis, so no KV repeat.
+    num_rows, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    keys = _gather(k_cache, meta.decode_block_tables)  # [D, Hkv, L, hd]
+    values = _gather(v_cache, meta.decode_block_tables)
+    grouped_q = q.view(num_rows, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [D, Hkv, G, hd]
+    out = F.scaled_dot_product_attention(grouped_q, keys, values, attn_mask=meta.decode_mask, scale=scale)
+    return out.reshape(num_rows, num_heads, head_dim)
+
+
+def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                       v_cache: torch.Tensor, seg: PrefillSegment, scale: float) -> torch.Tensor:
+    # q [S, Hq, hd]. Without a cached prefix the chunk attends only to itself: skip the gather.
+    qh = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, S, hd]
+    if seg.context_start == 0:
+        keys, values = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+        out = F.scaled_dot_product_attention(qh, keys, values, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        total = seg.context_start + seg.length
+        keys = _gather(k_cache, seg.block_table[None])[:, :, :total]
+        values = _gather(v_cache, seg.block_table[None])[:, :, :total]
+        out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=seg.causal_mask, scale=scale,
+                                             enable_gqa=True)
+    return out[0].transpose(0, 1)

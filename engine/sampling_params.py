@@ -1,0 +1,110 @@
+"""Per-request sampling parameters, validated once at construction."""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+MAX_N = 128
+MAX_LOGPROBS = 20
+MAX_TEMPERATURE = 2.0
+
+
+class SamplingParamsError(ValueError):
+    """A sampling parameter is invalid; ``param`` names the offending field."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _require_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SamplingParamsError(name, f"{name} must be an integer, got {value!r}.")
+
+
+def _require_number(name: str, value: Any) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not ok or math.isnan(value):
+        raise SamplingParamsError(name, f"{name} must be a number, got {value!r}.")
+
+
+def _as_tuple(value: Any) -> tuple:
+    if isinstance(value, str):
+        return (value,)
+    return tuple(value) if value is not None else ()
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to turn next-token logits into tokens, and when to stop."""
+
+    n: int = 1
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop", _as_tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", _as_tuple(self.stop_token_ids))
+        self._check_counts()
+        self._check_distribution()
+        self._check_stops()
+        if self.seed is not None:
+            _require_int("seed", self.seed)
+
+    def _check_counts(self) -> None:
+        _require_int("n", self.n)
+        if not 1 <= self.n <= MAX_N:
+            raise SamplingParamsError("n", f"n must be between 1 and {MAX_N}, got {self.n}.")
+        if self.max_tokens is not None:
+            _require_int("max_tokens", self.max_tokens)
+            if self.max_tokens < 1:
+                raise SamplingParamsError("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}.")
+        _require_int("min_tokens", self.min_tokens)
+        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
+            raise SamplingParamsError(
+                "min_tokens", f"min_tokens must be between 0 and max_tokens ({self.max_tokens}), got {self.min_tokens}.")
+        if self.logprobs is not None:
+            _require_int("logprobs", self.logprobs)
+            if not 0 <= self.logprobs <= MAX_LOGPROBS:
+                raise SamplingParamsError(
+                    "logprobs", f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}.")
+
+    def _check_distribution(self) -> None:
+        _require_number("temperature", self.temperature)
+        if not 0.0 <= self.temperature <= MAX_TEMPERATURE:
+            raise SamplingParamsError(
+                "temperature", f"temperature must be between 0 and {MAX_TEMPERATURE}, got {self.temperature}.")
+        _require_number("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            raise SamplingParamsError("top_p", f"top_p must be in (0, 1], got {self.top_p}.")
+        _require_int("top_k", self.top_k)
+        if self.top_k < -1:
+            raise SamplingParamsError("top_k", f"top_k must be -1 or 0 (disabled) or at least 1, got {self.top_k}.")
+
+    def _check_stops(self) -> None:
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise SamplingParamsError("stop", f"stop strings must be non-empty strings, got {s!r}.")
+        for t in self.stop_token_ids:
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                raise SamplingParamsError(
+                    "stop_token_ids", f"stop_token_ids must be non-negative integers, got {t!r}.")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+    def with_seed(self, seed: int | None) -> SamplingParams:
+        return dataclasses.replace(self, seed=seed)

@@ -1,0 +1,278 @@
+"""Iteration-level scheduling: which tokens of which sequences run in the next forward pass.
+
+Every step spends a token budget: running sequences first (decode tokens before prefill chunks), then new
+or preempted sequences from the waiting queue. When the KV pool runs dry the lowest-priority running
+sequence is preempted by recompute: its blocks are freed and it re-enters the waiting queue keeping its
+sampled tokens, so it later resumes exactly where it stopped (often from the prefix cache).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.block_pool import BlockPool, block_hash, prefix_block_hashes
+from engine.sampler import TokenLogprobs
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class SchedulerLimits:
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    enable_chunked_prefill: bool = True
+
+
+@dataclass
+class ScheduledChunk:
+    """The tokens of one sequence that run this step, and what the runner needs to place them."""
+
+    seq_id: int
+    token_ids: list[int]
+    start_pos: int  # position of token_ids[0] == tokens already in the cache
+    block_table: list[int]
+    sample: bool  # the chunk reaches the end of the known tokens, so its last row yields the next token
+    params: SamplingParams
+    seed: int | None  # per-sequence sampler seed (request seed mixed with the sample index)
+    banned_token_ids: tuple[int, ...] = ()  # EOS / stop ids while under min_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk]
+    finished_seq_ids: list[int] = field(default_factory=list)  # since the last step: drop their runner state
+    preempted_seq_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+@dataclass
+class RunnerOutput:
+    sampled_token_ids: dict[int, int]  # seq_id -> token
+    logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)
+
+
+@dataclass
+class SequenceUpdate:
+    """One sampled token (or a finish without one, e.g. abort) for one sequence."""
+
+    request_id: str
+    sample_index: int
+    token_id: int | None
+    finish_reason: str | None = None
+    logprobs: TokenLogprobs | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+class Scheduler:
+    def __init__(self, pool: BlockPool, limits: SchedulerLimits, eos_token_ids: tuple[int, ...]) -> None:
+        self.pool = pool
+        self.limits = limits
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self._running_by_id: dict[int, Sequence] = {}
+        self.by_request: dict[str, list[Sequence]] = {}
+        self._finished_since_step: list[int] = []
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------------ queue management
+
+    def add(self, seqs: list[Sequence]) -> None:
+        self.by_request.setdefault(seqs[0].request_id, []).extend(seqs)
+        self.waiting.extend(seqs)
+
+    def abort(self, request_id: str, sample_index: int | None = None) -> list[SequenceUpdate]:
+        """Finish the request's unfinished sequences (or just one sample of it) now and free their blocks."""
+        updates = []
+        for seq in list(self.by_request.get(request_id, [])):
+            if not seq.is_finished and sample_index in (None, seq.sample_index):
+                self._finish(seq, "abort")
+                updates.append(_update(seq, None))
+        return updates
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------ one step
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(chunks=[], finished_seq_ids=self._finished_since_step)
+        self._finished_since_step = []
+        budget = self._schedule_running(out, self.limits.max_num_batched_tokens)
+        if not out.preempted_seq_ids:
+            self._admit_waiting(out, budget)
+        return out
+
+    def update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[SequenceUpdate]:
+        updates = []
+        for chunk in sched.chunks:
+            seq = self._live(chunk.seq_id)
+            if seq is None:
+                continue
+            seq.num_computed_tokens += len(chunk.token_ids)
+            self._register_full_blocks(seq)
+            if chunk.sample:
+                updates.append(self._append_token(seq, result.sampled_token_ids[chunk.seq_id],
+                                                  result.logprobs.get(chunk.seq_id)))
+        return updates
+
+    # ------------------------------------------------------------------ running sequences
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        # Decodes first (one token each), then continuing prefills; the queue's tail is the preemption victim.
+        queue = deque(sorted(self.running, key=lambda s: (s.num_uncomputed > 1, s.sort_key)))
+        while queue and budget > 0:
+            seq = queue.popleft()
+            num_new = self._num_tokens_to_run(seq, budget)
+            if num_new == 0:
+                continue
+            if not self._grow_or_preempt(seq, num_new, queue, out):
+                continue
+            out.chunks.append(self._chunk(seq, num_new))
+            budget -= num_new
+        return budget
+
+    def _grow_or_preempt(self, seq: Sequence, num_new: int, queue: deque, out: SchedulerOutput) -> bool:
+        """Give `seq` blocks for `num_new` more tokens, preempting from the queue's tail; False if seq itself went."""
+        needed = self._blocks_needed(seq, num_new)
+        while not self.pool.can_allocate(needed):
+            victim = queue.pop() if queue else seq
+            self._preempt(victim, out)
+            if victim is seq:
+                return False
+        seq.block_ids.extend(self.pool.allocate(needed))
+        return True
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self._release_blocks(seq)
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self._set_waiting(seq)
+        out.preempted_seq_ids.append(seq.seq_id)
+
+    # ------------------------------------------------------------------ waiting sequences
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        for seq in sorted(self.waiting, key=lambda s: s.sort_key):
+            if budget <= 0 or len(self.running) >= self.limits.max_num_seqs:
+                return
+            if not seq.ready_to_admit():
+                continue
+            if not self._admit(seq, budget):
+                return  # head-of-line: later arrivals do not overtake one that does not fit
+            out.chunks.append(self._chunk(seq, self._num_tokens_to_run(seq, budget)))
+            budget -= len(out.chunks[-1].token_ids)
+
+    def _admit(self, seq: Sequence, budget: int) -> bool:
+        self._attach_cached_prefix(seq)
+        num_new = self._num_tokens_to_run(seq, budget)
+        needed = self._blocks_needed(seq, num_new)
+        if num_new == 0 or not self.pool.can_allocate(needed):
+            self._release_blocks(seq)
+            return False
+        seq.block_ids.extend(self.pool.allocate(needed))
+        self.waiting.remove(seq)
+        self.running.append(seq)
+        self._running_by_id[seq.seq_id] = seq
+        seq.status = SequenceStatus.RUNNING
+        return True
+
+    def _attach_cached_prefix(self, seq: Sequence) -> None:
+        # At least one token must run to produce logits, so the last token is never taken from the cache.
+        bs = self.pool.block_size
+        hashes = prefix_block_hashes(seq.token_ids[: seq.num_tokens - 1], bs)
+        blocks = self.pool.find_cached_prefix(hashes)
+        self.pool.acquire(blocks)
+        seq.block_ids, seq.block_hashes = blocks, hashes[: len(blocks)]
+        seq.num_computed_tokens = len(blocks) * bs
+        if seq.num_preemptions == 0:
+            seq.num_cached_tokens = seq.num_computed_tokens
+
+    # ------------------------------------------------------------------ helpers
+
+    def _num_tokens_to_run(self, seq: Sequence, budget: int) -> int:
+        remaining = seq.num_uncomputed
+        if self.limits.enable_chunked_prefill:
+            return min(remaining, budget)
+        return remaining if remaining <= budget else 0
+
+    def _blocks_needed(self, seq: Sequence, num_new: int) -> int:
+        total = seq.num_computed_tokens + num_new
+        return max(0, -(-total // self.pool.block_size) - len(seq.block_ids))
+
+    def _chunk(self, seq: Sequence, num_new: int) -> ScheduledChunk:
+        start = seq.num_computed_tokens
+        p = seq.params
+        banned = () if seq.num_output_tokens >= p.min_tokens else tuple(self._eos_for(p)) + p.stop_token_ids
+        return ScheduledChunk(seq_id=seq.seq_id, token_ids=seq.token_ids[start:start + num_new], start_pos=start,
+                              block_table=list(seq.block_ids), sample=start + num_new == seq.num_tokens,
+                              params=p, seed=_sequence_seed(p.seed, seq.sample_index), banned_token_ids=banned)
+
+    def _eos_for(self, params: SamplingParams) -> frozenset[int]:
+        return frozenset() if params.ignore_eos else self.eos_token_ids
+
+    def _register_full_blocks(self, seq: Sequence) -> None:
+        bs = self.pool.block_size
+        while len(seq.block_hashes) < seq.num_computed_tokens // bs:
+            i = len(seq.block_hashes)
+            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            seq.block_hashes.append(block_hash(parent, seq.token_ids[i * bs:(i + 1) * bs]))
+            self.pool.register(seq.block_ids[i], seq.block_hashes[-1])
+
+    def _append_token(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None) -> SequenceUpdate:
+        seq.token_ids.append(token)
+        reason = self._finish_reason(seq, token)
+        if reason:
+            self._finish(seq, reason)
+        return _update(seq, token, logprobs)
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        if token in seq.params.stop_token_ids or token in self._eos_for(seq.params):
+            return "stop"
+        if seq.num_tokens >= seq.max_total_tokens:
+            return "length"
+        return None
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self._release_blocks(seq)
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+            del self._running_by_id[seq.seq_id]
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+        self._finished_since_step.append(seq.seq_id)
+        siblings = self.by_request.get(seq.request_id, [])
+        if all(s.is_finished for s in siblings):
+            self.by_request.pop(seq.request_id, None)
+
+    def _set_waiting(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        del self._running_by_id[seq.seq_id]
+        self.waiting.append(seq)
+        seq.status = SequenceStatus.WAITING
+
+    def _release_blocks(self, seq: Sequence) -> None:
+        self.pool.free(reversed(seq.block_ids))  # tail first, so the shared prefix is evicted last
+        seq.block_ids, seq.block_hashes, seq.num_computed_tokens = [], [], 0
+
+    def _live(self, seq_id: int) -> Sequence | None:
+        seq = self._running_by_id.get(seq_id)
+        return seq if seq is not None and seq.status is SequenceStatus.RUNNING else None
+
+
+def _sequence_seed(seed: int | None, sample_index: int) -> int | None:
+    return None if seed is None else (seed * 1_000_003 + sample_index) % (1 << 63)
+
+
+def _update(seq: Sequence, token: int | None, logprobs: TokenLogprobs | None = None) -> SequenceUpdate:
+    return SequenceUpdate(seq.request_id, seq.sample_index, token, seq.finish_reason, logprobs,
+                          seq.num_prompt_tokens, seq.num_cached_tokens)

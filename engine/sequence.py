@@ -1,0 +1,63 @@
+"""Per-sequence state kept by the scheduler. One request with n samples owns n sequences."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: int
+    request_id: str
+    sample_index: int
+    token_ids: list[int]  # prompt followed by every sampled token
+    num_prompt_tokens: int
+    params: SamplingParams
+    max_total_tokens: int  # prompt + max_tokens, capped by the model's context
+    priority: int = 0
+    arrival_time: float = 0.0
+    wait_for: "Sequence | None" = None  # sibling whose prompt must be in the prefix cache first (n > 1)
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    num_cached_tokens: int = 0  # of the prompt, found in the prefix cache at first admission
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of the full blocks registered so far
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def prefill_done(self) -> bool:
+        return self.num_computed_tokens >= self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def sort_key(self) -> tuple[int, float, int]:
+        """Lower is served first: priority, then arrival (FCFS), then creation order."""
+        return (self.priority, self.arrival_time, self.seq_id)
+
+    def ready_to_admit(self) -> bool:
+        sibling = self.wait_for
+        return sibling is None or sibling.is_finished or sibling.prefill_done
