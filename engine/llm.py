@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Sequence, Union
 
 from engine.config import EngineConfig
-from engine.engine_core import EngineCore, EngineRequest
+from engine.engine_core import EngineCore, EngineRequest, EngineStats
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -220,6 +220,18 @@ class AsyncLLM:
     def abort(self, request_id: str) -> None:
         if self._client is not None:
             self._client.abort(request_id)
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.source.name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def stats(self) -> EngineStats:
+        """A snapshot of the engine's queues and KV pool (read without stopping the step thread)."""
+        return self.engine.stats()
 
     def _on_updates(self, updates: list[SequenceUpdate]) -> None:
         outputs, to_abort = self.processor.process(updates)
