@@ -101,7 +101,7 @@ class InProcessEngineClient:
 
     def __init__(self, engine: EngineCore, loop: asyncio.AbstractEventLoop, on_updates, on_error) -> None:
         self.engine = engine
-        self._loop = loop
+        self.loop = loop
         self._on_updates = on_updates
         self._on_error = on_error
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -132,7 +132,7 @@ class InProcessEngineClient:
             ids = list(self.engine.scheduler.by_request)
             for rid in ids:
                 self.engine.abort_request(rid)
-                self._loop.call_soon_threadsafe(self._on_error, rid, exc)
+                self.loop.call_soon_threadsafe(self._on_error, rid, exc)
             return []
 
     def _drain_commands(self, block: bool) -> None:
@@ -156,11 +156,11 @@ class InProcessEngineClient:
             try:
                 self.engine.add_request(arg)
             except ValueError as exc:
-                self._loop.call_soon_threadsafe(self._on_error, arg.request_id, exc)
+                self.loop.call_soon_threadsafe(self._on_error, arg.request_id, exc)
 
     def _deliver(self, updates: list[SequenceUpdate]) -> None:
-        if updates and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._on_updates, updates)
+        if updates and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self._on_updates, updates)
 
 
 class AsyncLLM:
@@ -177,8 +177,13 @@ class AsyncLLM:
         self._ids = itertools.count()
 
     def _ensure_client(self) -> InProcessEngineClient:
+        """Bind to the running loop on first use; a closed previous loop (e.g. asyncio.run twice) is replaced."""
+        loop = asyncio.get_running_loop()
+        if self._client is not None and self._client.loop is not loop:
+            if not self._client.loop.is_closed():
+                raise RuntimeError("this AsyncLLM is serving another running event loop")
+            self.shutdown()
         if self._client is None:
-            loop = asyncio.get_running_loop()
             self._client = InProcessEngineClient(self.engine, loop, self._on_updates, self._on_error)
         return self._client
 
@@ -249,6 +254,11 @@ class AsyncLLM:
             stream.put_nowait(exc)
 
     def shutdown(self) -> None:
+        """Stop the step thread and abort whatever is still queued or running."""
         if self._client is not None:
             self._client.shutdown()
             self._client = None
+        for request_id in list(self.engine.scheduler.by_request):
+            self.engine.abort_request(request_id)
+        self.processor.requests.clear()
+        self._streams.clear()
