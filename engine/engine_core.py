@@ -74,15 +74,18 @@ class EngineCore:
 
     def add_request(self, req: EngineRequest) -> None:
         self._validate(req)
-        max_total = self.max_model_len
-        if req.params.max_tokens is not None:
-            max_total = min(max_total, len(req.prompt_token_ids) + req.params.max_tokens)
-        seqs = [Sequence(next(self._seq_ids), req.request_id, i, list(req.prompt_token_ids),
-                         len(req.prompt_token_ids), req.params, max_total, req.priority,
-                         req.arrival_time or time.monotonic()) for i in range(req.params.n)]
+        seqs = self._sequences(req)
         for sibling in seqs[1:]:
             sibling.wait_for = seqs[0]
         self.scheduler.add(seqs)
+
+    def _sequences(self, req: EngineRequest) -> list[Sequence]:
+        max_total = self.max_model_len
+        if req.params.max_tokens is not None:
+            max_total = min(max_total, len(req.prompt_token_ids) + req.params.max_tokens)
+        return [Sequence(next(self._seq_ids), req.request_id, i, list(req.prompt_token_ids),
+                         len(req.prompt_token_ids), req.params, max_total, req.priority,
+                         req.arrival_time or time.monotonic()) for i in range(req.params.n)]
 
     def _validate(self, req: EngineRequest) -> None:
         n = len(req.prompt_token_ids)
@@ -100,7 +103,32 @@ class EngineCore:
             raise RequestError(f"request id {req.request_id!r} is already in use", "request_id")
 
     def abort_request(self, request_id: str, sample_index: int | None = None) -> list[SequenceUpdate]:
+        self.scheduler.cancel_remote(request_id)
         return self.scheduler.abort(request_id, sample_index)
+
+    # ------------------------------------------------------------------ disaggregated prefill (decode side)
+
+    def reserve_remote_prefill(self, request_id: str, prompt_token_ids: list[int],
+                               deadline: float) -> tuple[list[int], int]:
+        """Blocks a prefill actor will write this prompt's KV into; (block table, cached prompt tokens)."""
+        return self.scheduler.reserve_remote(request_id, prompt_token_ids, deadline)
+
+    def add_prefilled_request(self, req: EngineRequest, first_token: int, logprobs=None,
+                              generator_state: bytes | None = None) -> list[SequenceUpdate]:
+        """Start decoding a request whose prompt KV arrived in its reserved blocks."""
+        self._validate(req)
+        if req.params.n != 1:
+            raise RequestError("disaggregated requests take n=1", "n")
+        seq = self._sequences(req)[0]
+        if generator_state is not None:
+            self.runner.import_generator(seq.seq_id, generator_state)
+        return [self.scheduler.admit_prefilled(seq, first_token, logprobs)]
+
+    def cancel_remote_prefill(self, request_id: str) -> bool:
+        return self.scheduler.cancel_remote(request_id)
+
+    def expire_remote_prefills(self, now: float) -> list[str]:
+        return self.scheduler.expire_remote(now)
 
     def step(self) -> list[SequenceUpdate]:
         sched = self.scheduler.schedule()

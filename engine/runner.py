@@ -47,20 +47,23 @@ def prepare_input(chunks: list[ScheduledChunk], block_size: int, device: torch.d
 class ModelRunner:
     """Owns the model, its KV pages and the per-sequence sampler generators."""
 
-    def __init__(self, model: LlamaModel, kv_cache: KVCache, device: torch.device | str = "cpu") -> None:
+    def __init__(self, model: LlamaModel, kv_cache: KVCache | None, device: torch.device | str = "cpu") -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
         self.generators: dict[int, torch.Generator] = {}
 
     @torch.inference_mode()
-    def run(self, sched: SchedulerOutput) -> RunnerOutput:
+    def run(self, sched: SchedulerOutput, kv_cache: KVCache | None = None) -> RunnerOutput:
+        """One forward over the scheduled chunks; `kv_cache` overrides the runner's own pages (a prefill actor
+        computes straight into a decode actor's exported pool)."""
+        kv_cache = kv_cache or self.kv_cache
         for seq_id in sched.finished_seq_ids:
             self.generators.pop(seq_id, None)
         if sched.is_empty:
             return RunnerOutput(sampled_token_ids={})
-        inp = prepare_input(sched.chunks, self.kv_cache.block_size, self.device)
-        hidden = self.model(inp.input_ids, inp.positions, inp.meta, self.kv_cache.layers)  # [T, hidden]
+        inp = prepare_input(sched.chunks, kv_cache.block_size, self.device)
+        hidden = self.model(inp.input_ids, inp.positions, inp.meta, kv_cache.layers)  # [T, hidden]
         if not inp.sampled_chunks:
             return RunnerOutput(sampled_token_ids={})
         logits = self.model.compute_logits(hidden[inp.sample_rows])  # [B, V]
@@ -81,3 +84,13 @@ class ModelRunner:
         if gen is None:
             gen = self.generators[chunk.seq_id] = torch.Generator(device=self.device).manual_seed(chunk.seed)
         return gen
+
+    def export_generator(self, seq_id: int) -> bytes | None:
+        """The sampler RNG state of a sequence handed to another actor, so seeded sampling continues exactly."""
+        gen = self.generators.pop(seq_id, None)
+        return None if gen is None else bytes(gen.get_state().numpy())
+
+    def import_generator(self, seq_id: int, state: bytes) -> None:
+        gen = torch.Generator(device=self.device)
+        gen.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+        self.generators[seq_id] = gen

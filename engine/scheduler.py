@@ -81,6 +81,7 @@ class Scheduler:
         self._running_by_id: dict[int, Sequence] = {}
         self.by_request: dict[str, list[Sequence]] = {}
         self._finished_since_step: list[int] = []
+        self._remote: dict[str, tuple[list[int], list[int]]] = {}  # request -> (cached blocks, their hashes)
         self.num_preemptions = 0
 
     # ------------------------------------------------------------------ queue management
@@ -100,6 +101,51 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------ KV computed by another actor
+
+    def reserve_remote(self, request_id: str, token_ids: list[int], deadline: float) -> tuple[list[int], int]:
+        """Blocks for a prompt whose KV a prefill actor will write: the cached prefix (referenced now) then
+        freshly reserved blocks. Returns (block table, number of prompt tokens already cached)."""
+        if request_id in self._remote or request_id in self.by_request:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        bs = self.pool.block_size
+        hashes = prefix_block_hashes(token_ids[: len(token_ids) - 1], bs)
+        cached = self.pool.find_cached_prefix(hashes)
+        self.pool.acquire(cached)
+        try:
+            fresh = self.pool.reserve(request_id, -(-len(token_ids) // bs) - len(cached), deadline)
+        except Exception:
+            self.pool.free(reversed(cached))
+            raise
+        self._remote[request_id] = (cached, hashes[: len(cached)])
+        return cached + fresh, len(cached) * bs
+
+    def cancel_remote(self, request_id: str) -> bool:
+        """Release a reservation whose KV will not arrive (peer died, deadline passed, request aborted)."""
+        cached, _ = self._remote.pop(request_id, ([], []))
+        self.pool.free(reversed(cached))
+        return self.pool.cancel_reservation(request_id) or bool(cached)
+
+    def expire_remote(self, now: float) -> list[str]:
+        expired = self.pool.expire_reservations(now)
+        for rid in expired:
+            self.cancel_remote(rid)
+        return expired
+
+    def admit_prefilled(self, seq: Sequence, first_token: int, logprobs: TokenLogprobs | None) -> SequenceUpdate:
+        """The prompt's KV has arrived in the reserved blocks: the sequence starts decoding at once."""
+        cached, hashes = self._remote.pop(seq.request_id)
+        seq.block_ids = cached + self.pool.commit_reservation(seq.request_id)
+        seq.block_hashes = list(hashes)
+        seq.num_cached_tokens = len(cached) * self.pool.block_size
+        seq.num_computed_tokens = seq.num_tokens
+        seq.status = SequenceStatus.RUNNING
+        self.by_request.setdefault(seq.request_id, []).append(seq)
+        self.running.append(seq)
+        self._running_by_id[seq.seq_id] = seq
+        self._register_full_blocks(seq)
+        return self._append_token(seq, first_token, logprobs)
 
     # ------------------------------------------------------------------ one step
 
@@ -209,15 +255,11 @@ class Scheduler:
         return max(0, -(-total // self.pool.block_size) - len(seq.block_ids))
 
     def _chunk(self, seq: Sequence, num_new: int) -> ScheduledChunk:
-        start = seq.num_computed_tokens
-        p = seq.params
-        banned = () if seq.num_output_tokens >= p.min_tokens else tuple(self._eos_for(p)) + p.stop_token_ids
-        return ScheduledChunk(seq_id=seq.seq_id, token_ids=seq.token_ids[start:start + num_new], start_pos=start,
-                              block_table=list(seq.block_ids), sample=start + num_new == seq.num_tokens,
-                              params=p, seed=_sequence_seed(p.seed, seq.sample_index), banned_token_ids=banned)
+        return build_chunk(seq.seq_id, seq.token_ids, seq.num_computed_tokens, num_new, seq.block_ids, seq.params,
+                           seq.sample_index, seq.num_prompt_tokens, self.eos_token_ids)
 
     def _eos_for(self, params: SamplingParams) -> frozenset[int]:
-        return frozenset() if params.ignore_eos else self.eos_token_ids
+        return eos_for(params, self.eos_token_ids)
 
     def _register_full_blocks(self, seq: Sequence) -> None:
         bs = self.pool.block_size
@@ -269,7 +311,23 @@ class Scheduler:
         return seq if seq is not None and seq.status is SequenceStatus.RUNNING else None
 
 
-def _sequence_seed(seed: int | None, sample_index: int) -> int | None:
+def build_chunk(seq_id: int, token_ids: list[int], start: int, num_new: int, block_table: list[int],
+                params: SamplingParams, sample_index: int, num_prompt_tokens: int,
+                eos_token_ids: frozenset[int]) -> ScheduledChunk:
+    """The next `num_new` tokens of a sequence from `start`; it samples when it reaches the last known token."""
+    under_min = len(token_ids) - num_prompt_tokens < params.min_tokens
+    banned = tuple(eos_for(params, eos_token_ids)) + params.stop_token_ids if under_min else ()
+    return ScheduledChunk(seq_id=seq_id, token_ids=token_ids[start:start + num_new], start_pos=start,
+                          block_table=list(block_table), sample=start + num_new == len(token_ids), params=params,
+                          seed=sequence_seed(params.seed, sample_index), banned_token_ids=banned)
+
+
+def eos_for(params: SamplingParams, eos_token_ids: frozenset[int]) -> frozenset[int]:
+    return frozenset() if params.ignore_eos else eos_token_ids
+
+
+def sequence_seed(seed: int | None, sample_index: int) -> int | None:
+    """Each of a request's n samples draws from its own RNG stream derived from the request's seed."""
     return None if seed is None else (seed * 1_000_003 + sample_index) % (1 << 63)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import jinja2
 import jinja2.ext
@@ -13,6 +13,11 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, proc
 from tokenizers import Tokenizer as Backend
 
 from engine.model.errors import ModelLoadError
+
+if TYPE_CHECKING:
+    import gguf
+
+    from engine.model.gguf_file import GGUFFile
 
 CONTROL_TOKEN = 3  # llama.cpp token types
 USER_DEFINED_TOKEN = 4
@@ -54,11 +59,12 @@ class Tokenizer:
                    chat_template=_hf_chat_template(folder, config))
 
     @classmethod
-    def from_gguf(cls, reader: Any) -> Tokenizer:
-        """Builds the tokenizer a `gguf.GGUFReader`'s metadata describes (byte-level BPE vocabularies only)."""
-        from engine.model.gguf_loader import field_value  # here: gguf_loader imports this module
+    def from_gguf(cls, source: GGUFFile | gguf.GGUFReader) -> Tokenizer:
+        """Builds the tokenizer a GGUF file's metadata describes (byte-level BPE vocabularies only).
 
-        meta = {name: field_value(field) for name, field in reader.fields.items() if name.startswith("tokenizer.")}
+        `source` is an `engine.model.gguf_file.GGUFFile` or, much slower to open, a `gguf.GGUFReader`.
+        """
+        meta = _gguf_tokenizer_metadata(source)
         kind = meta.get("tokenizer.ggml.model")
         if kind != "gpt2":
             raise ModelLoadError(f"GGUF tokenizer model {kind!r} is not supported; expected 'gpt2' (byte-level BPE)")
@@ -108,8 +114,9 @@ class Tokenizer:
         """Renders `messages` as Hugging Face's `apply_chat_template(..., tokenize=False)` does."""
         if self._compiled_template is None:
             raise ValueError("this model has no chat template; send a plain completion prompt instead")
+        variables = {**self._template_tokens(), **kwargs}  # callers may override bos_token and friends
         return self._compiled_template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                              **self._template_tokens(), **kwargs)
+                                              **variables)
 
     def _template_tokens(self) -> dict[str, str]:
         eos = self._eos_token_ids[0] if self._eos_token_ids else None
@@ -200,6 +207,13 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
+def _gguf_tokenizer_metadata(source: GGUFFile | gguf.GGUFReader) -> dict[str, Any]:
+    metadata = getattr(source, "metadata", None)  # a GGUFFile's is already plain Python values
+    if metadata is None:
+        metadata = {name: field.contents() for name, field in source.fields.items()}
+    return {name: value for name, value in metadata.items() if name.startswith("tokenizer.")}
+
+
 def _byte_level_backend(meta: dict[str, Any]) -> Backend:
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
     merges = [tuple(merge.split(" ", 1)) for merge in meta.get("tokenizer.ggml.merges", [])]
@@ -243,10 +257,11 @@ def _gguf_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
 def _add_gguf_special_tokens(backend: Backend, tokens: list[str], token_types: list[int], alphabet: set[str]) -> None:
     """Control tokens become special added tokens, user-defined ones plain added tokens (matched whole).
 
-    A control token spelled outside the byte alphabet is a llama.cpp mislabel and stays out, as in transformers.
+    As in transformers, one spelled outside the byte alphabet is left out: adding it would grow the vocabulary.
     """
-    control = [t for t, kind in zip(tokens, token_types) if kind == CONTROL_TOKEN and set(t) <= alphabet]
-    user = [t for t, kind in zip(tokens, token_types) if kind == USER_DEFINED_TOKEN]
+    spelled = [(t, kind) for t, kind in zip(tokens, token_types) if set(t) <= alphabet]
+    control = [t for t, kind in spelled if kind == CONTROL_TOKEN]
+    user = [t for t, kind in spelled if kind == USER_DEFINED_TOKEN]
     backend.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in control])
     backend.add_tokens([AddedToken(t, normalized=False, special=False) for t in user])
 

