@@ -1,0 +1,1 @@
+"""The main process's request router: classification, placement and (with actors) dispatch."""

@@ -1,0 +1,73 @@
+"""Measured costs of an actor's phases, fitted from calibration samples and refreshed from live traffic.
+
+Prefill seconds for n new tokens: a + b*n + c*n^2 (the quadratic term is attention over the prompt).
+Decode step seconds for a batch of B sequences: d0 + d1*B.
+Hand-off seconds for a number of bytes: latency + bytes / bandwidth.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class PrefillCost:
+    fixed: float
+    per_token: float
+    per_token_sq: float = 0.0
+
+    def seconds(self, num_tokens: int) -> float:
+        if num_tokens <= 0:
+            return 0.0
+        return self.fixed + self.per_token * num_tokens + self.per_token_sq * num_tokens ** 2
+
+    @staticmethod
+    def fit(samples: list[tuple[int, float]]) -> "PrefillCost":
+        """Least squares over (tokens, seconds) samples; coefficients are clipped at zero."""
+        n = np.array([s[0] for s in samples], dtype=np.float64)
+        t = np.array([s[1] for s in samples], dtype=np.float64)
+        design = np.stack([np.ones_like(n), n, n * n], axis=1)
+        coef = np.linalg.lstsq(design, t, rcond=None)[0] if len(samples) >= 3 else [0.0, (t / n).mean(), 0.0]
+        return PrefillCost(*(max(float(c), 0.0) for c in coef))
+
+
+@dataclass(frozen=True)
+class DecodeCost:
+    fixed: float
+    per_seq: float
+
+    def step_seconds(self, batch: int) -> float:
+        return self.fixed + self.per_seq * max(batch, 1)
+
+    @staticmethod
+    def fit(samples: list[tuple[int, float]]) -> "DecodeCost":
+        b = np.array([s[0] for s in samples], dtype=np.float64)
+        t = np.array([s[1] for s in samples], dtype=np.float64)
+        if len(samples) < 2:
+            return DecodeCost(float(t.mean()), 0.0)
+        slope, intercept = np.polyfit(b, t, 1)
+        return DecodeCost(max(float(intercept), 0.0), max(float(slope), 0.0))
+
+
+@dataclass(frozen=True)
+class TransferCost:
+    latency: float
+    bytes_per_second: float
+
+    def seconds(self, num_bytes: int) -> float:
+        return self.latency + num_bytes / self.bytes_per_second
+
+
+@dataclass(frozen=True)
+class Smoothed:
+    """An exponentially weighted correction factor for a cost estimate: observed / predicted."""
+
+    ratio: float = 1.0
+    weight: float = 0.1
+
+    def observe(self, predicted: float, observed: float) -> "Smoothed":
+        if predicted <= 0 or observed <= 0:
+            return self
+        sample = min(max(observed / predicted, 0.1), 10.0)  # one outlier must not swing the model
+        return replace(self, ratio=(1 - self.weight) * self.ratio + self.weight * sample)

@@ -1,0 +1,110 @@
+"""Per-request placement: colocate on a decode actor (chunked prefill) or disaggregate (prefill actor, then
+KV hand-off), decided from measured costs rather than a fixed prompt-length threshold."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from router.cost_model import DecodeCost, PrefillCost, TransferCost
+
+COLOCATED = "colocated"
+DISAGGREGATED = "disaggregated"
+
+
+@dataclass(frozen=True)
+class DecodeActorView:
+    """What the router knows about one decode actor when it places a request."""
+
+    actor_id: str
+    running: int  # sequences decoding now
+    free_blocks: int
+    cached_prompt_tokens: int  # of this request's prompt, already in the actor's prefix cache
+    prefill: PrefillCost  # its own prefill speed (used when colocating)
+    decode: DecodeCost
+    queued_prefill_tokens: int = 0  # colocated prompt tokens it has not run yet
+
+
+@dataclass(frozen=True)
+class PrefillActorView:
+    actor_id: str
+    prefill: PrefillCost
+    queued_tokens: int = 0  # prompt tokens ahead of this request
+    transfer: TransferCost = TransferCost(0.0, float("inf"))  # to the decode actor being considered
+
+
+@dataclass(frozen=True)
+class PlacementPolicy:
+    mode: str = "auto"  # auto | always | never
+    interference_weight: float = 1.0  # seconds of others' stall valued against seconds of this TTFT
+    margin: float = 0.05  # disaggregate only when it is at least this much cheaper (fraction)
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("auto", "always", "never"):
+            raise ValueError(f"disagg mode must be auto, always or never, got {self.mode!r}")
+
+
+@dataclass(frozen=True)
+class Placement:
+    path: str
+    decode_actor: str
+    prefill_actor: str | None
+    colocated_cost: float  # estimated seconds: own TTFT + weighted stall inflicted on running streams
+    disaggregated_cost: float | None
+    uncached_tokens: int
+    estimated_ttft: float
+
+    def header(self) -> str:
+        """The X-Placement response header: decision and the estimates behind it."""
+        disagg = "n/a" if self.disaggregated_cost is None else f"{self.disaggregated_cost * 1e3:.1f}ms"
+        return (f"{self.path}; decode={self.decode_actor}; prefill={self.prefill_actor or '-'}; "
+                f"colocated={self.colocated_cost * 1e3:.1f}ms; disaggregated={disagg}; "
+                f"uncached={self.uncached_tokens}")
+
+
+def choose_decode_actor(actors: list[DecodeActorView], prompt_tokens: int,
+                        block_size: int) -> DecodeActorView | None:
+    """The actor caching the longest prefix of the prompt, then the least loaded; None if none can fit it."""
+    fitting = [a for a in actors
+               if a.free_blocks * block_size >= prompt_tokens + 1 - a.cached_prompt_tokens]
+    if not fitting:
+        return None
+    return max(fitting, key=lambda a: (a.cached_prompt_tokens, -a.running, -a.queued_prefill_tokens))
+
+
+def colocated_cost(actor: DecodeActorView, prompt_tokens: int, weight: float) -> tuple[float, float]:
+    """(cost, ttft): the prompt's uncached part prefilled on the decode actor, stalling its running streams."""
+    uncached = prompt_tokens - actor.cached_prompt_tokens
+    prefill = actor.prefill.seconds(uncached)
+    ttft = actor.prefill.seconds(actor.queued_prefill_tokens + uncached)
+    stall = actor.running * prefill  # every running stream waits for the prefill compute
+    return ttft + weight * stall, ttft
+
+
+def disaggregated_cost(decode: DecodeActorView, prefill: PrefillActorView, prompt_tokens: int,
+                       kv_bytes_per_token: int) -> float:
+    """TTFT when a prefill actor runs the uncached part and hands the KV over; the decode actor is not stalled."""
+    uncached = prompt_tokens - decode.cached_prompt_tokens
+    queue = prefill.prefill.seconds(prefill.queued_tokens)
+    return queue + prefill.prefill.seconds(uncached) + prefill.transfer.seconds(uncached * kv_bytes_per_token)
+
+
+def place(policy: PlacementPolicy, prompt_tokens: int, block_size: int, decode_actors: list[DecodeActorView],
+          prefill_actors: list[PrefillActorView], kv_bytes_per_token: int) -> Placement | None:
+    """None when no decode actor can hold the request (the caller answers 429)."""
+    decode = choose_decode_actor(decode_actors, prompt_tokens, block_size)
+    if decode is None:
+        return None
+    coloc, ttft = colocated_cost(decode, prompt_tokens, policy.interference_weight)
+    uncached = prompt_tokens - decode.cached_prompt_tokens
+    best = _best_prefill(decode, prefill_actors, prompt_tokens, kv_bytes_per_token)
+    if best is None or policy.mode == "never":
+        return Placement(COLOCATED, decode.actor_id, None, coloc, best and best[1], uncached, ttft)
+    prefill, disagg = best
+    if policy.mode == "always" or disagg * (1 + policy.margin) < coloc:
+        return Placement(DISAGGREGATED, decode.actor_id, prefill.actor_id, coloc, disagg, uncached, disagg)
+    return Placement(COLOCATED, decode.actor_id, None, coloc, disagg, uncached, ttft)
+
+
+def _best_prefill(decode: DecodeActorView, prefill_actors: list[PrefillActorView], prompt_tokens: int,
+                  kv_bytes_per_token: int) -> tuple[PrefillActorView, float] | None:
+    costed = [(p, disaggregated_cost(decode, p, prompt_tokens, kv_bytes_per_token)) for p in prefill_actors]
+    return min(costed, key=lambda pc: pc[1]) if costed else None

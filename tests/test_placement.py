@@ -1,0 +1,103 @@
+"""The placement decision on fabricated calibrations: each rule of the cost model in isolation."""
+from __future__ import annotations
+
+import pytest
+
+from router.cost_model import DecodeCost, PrefillCost, Smoothed, TransferCost
+from router.placement import (COLOCATED, DISAGGREGATED, DecodeActorView, PlacementPolicy, PrefillActorView,
+                              place)
+
+PREFILL = PrefillCost(fixed=0.005, per_token=0.0005)  # 2k tokens/s
+DECODE = DecodeCost(fixed=0.02, per_seq=0.001)
+FAST_LINK = TransferCost(latency=0.0005, bytes_per_second=10e9)
+KV_BYTES = 23_040  # SmolLM2 bf16: 30 layers * 2 * 3 heads * 64 * 2 bytes
+AUTO = PlacementPolicy("auto")
+
+
+def decode_actor(actor_id="d0", running=0, cached=0, free_blocks=1000) -> DecodeActorView:
+    return DecodeActorView(actor_id, running, free_blocks, cached, PREFILL, DECODE)
+
+
+def prefill_actor(link=FAST_LINK, queued=0) -> PrefillActorView:
+    return PrefillActorView("p0", PREFILL, queued, link)
+
+
+def test_long_prompt_while_decode_streams_run_is_disaggregated():
+    p = place(AUTO, 2000, 16, [decode_actor(running=32)], [prefill_actor()], KV_BYTES)
+    assert p.path == DISAGGREGATED and p.prefill_actor == "p0"
+    assert p.disaggregated_cost < p.colocated_cost
+
+
+def test_idle_decode_actor_colocates():
+    p = place(AUTO, 2000, 16, [decode_actor(running=0)], [prefill_actor()], KV_BYTES)
+    assert p.path == COLOCATED and p.prefill_actor is None
+
+
+def test_transfer_slower_than_prefill_colocates():
+    slow_link = TransferCost(latency=0.01, bytes_per_second=1e6)  # 1 MB/s: 46 s for 2000 tokens of KV
+    p = place(AUTO, 2000, 16, [decode_actor(running=32)], [prefill_actor(slow_link)], KV_BYTES)
+    assert p.path == COLOCATED
+    assert p.disaggregated_cost > p.colocated_cost
+
+
+def test_busy_prefill_queue_colocates_short_prompt():
+    p = place(AUTO, 64, 16, [decode_actor(running=2)], [prefill_actor(queued=20_000)], KV_BYTES)
+    assert p.path == COLOCATED
+
+
+def test_cached_prefix_picks_that_actor_and_only_the_tail_counts():
+    actors = [decode_actor("d0", running=1), decode_actor("d1", running=5, cached=1984)]
+    p = place(AUTO, 2000, 16, actors, [prefill_actor()], KV_BYTES)
+    assert p.decode_actor == "d1"
+    assert p.uncached_tokens == 16
+
+
+def test_least_loaded_actor_without_cache():
+    actors = [decode_actor("d0", running=9), decode_actor("d1", running=3)]
+    assert place(AUTO, 100, 16, actors, [], KV_BYTES).decode_actor == "d1"
+
+
+def test_no_actor_can_fit_returns_none():
+    assert place(AUTO, 4000, 16, [decode_actor(free_blocks=10)], [prefill_actor()], KV_BYTES) is None
+
+
+@pytest.mark.parametrize("mode,expected", [("always", DISAGGREGATED), ("never", COLOCATED)])
+def test_fixed_policies_override_the_cost_model(mode, expected):
+    running = 0 if mode == "always" else 64  # the opposite of what auto would pick
+    p = place(PlacementPolicy(mode), 2000, 16, [decode_actor(running=running)], [prefill_actor()], KV_BYTES)
+    assert p.path == expected
+
+
+def test_without_prefill_actors_everything_colocates():
+    p = place(PlacementPolicy("always"), 2000, 16, [decode_actor(running=64)], [], KV_BYTES)
+    assert p.path == COLOCATED and p.disaggregated_cost is None
+
+
+def test_header_names_decision_and_estimates():
+    header = place(AUTO, 2000, 16, [decode_actor(running=32)], [prefill_actor()], KV_BYTES).header()
+    assert header.startswith("disaggregated;") and "colocated=" in header and "uncached=2000" in header
+
+
+def test_prefill_cost_fit_recovers_a_quadratic():
+    truth = PrefillCost(0.01, 0.0004, 1e-8)
+    fitted = PrefillCost.fit([(n, truth.seconds(n)) for n in (32, 128, 512, 1024, 2048)])
+    for n in (64, 700, 3000):
+        assert fitted.seconds(n) == pytest.approx(truth.seconds(n), rel=1e-6)
+
+
+def test_decode_cost_fit_is_linear_in_batch():
+    fitted = DecodeCost.fit([(1, 0.021), (8, 0.028), (32, 0.052)])
+    assert fitted.per_seq == pytest.approx(0.001, rel=1e-6) and fitted.fixed == pytest.approx(0.02, rel=1e-6)
+
+
+def test_smoothing_moves_towards_observations_and_clips_outliers():
+    s = Smoothed()
+    for _ in range(50):
+        s = s.observe(predicted=1.0, observed=2.0)
+    assert s.ratio == pytest.approx(2.0, rel=0.02)
+    assert Smoothed().observe(1.0, 1000.0).ratio == pytest.approx(0.9 + 0.1 * 10.0)
+
+
+def test_invalid_mode_is_rejected():
+    with pytest.raises(ValueError, match="auto, always or never"):
+        PlacementPolicy("sometimes")
