@@ -106,6 +106,12 @@ class EngineCore:
         self.scheduler.cancel_remote(request_id)
         return self.scheduler.abort(request_id, sample_index)
 
+    def abort_all(self) -> list[SequenceUpdate]:
+        updates = []
+        for request_id in list(self.scheduler.by_request):
+            updates += self.abort_request(request_id)
+        return updates
+
     # ------------------------------------------------------------------ disaggregated prefill (decode side)
 
     def reserve_remote_prefill(self, request_id: str, prompt_token_ids: list[int],
@@ -137,6 +143,8 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    has_work = has_unfinished_requests
 
     def stats(self) -> EngineStats:
         pool, sched = self.pool, self.scheduler

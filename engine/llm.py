@@ -3,14 +3,13 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import queue
-import threading
 import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Sequence, Union
 
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore, EngineRequest, EngineStats
+from engine.engine_thread import EngineThread
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -93,76 +92,6 @@ def _per_prompt(params, count: int) -> list[SamplingParams]:
     return list(params)
 
 
-class InProcessEngineClient:
-    """Runs an EngineCore on a worker thread; updates are delivered on the asyncio loop that started it.
-
-    The actor client (a subprocess over msgpack) has the same three calls: add, abort, shutdown.
-    """
-
-    def __init__(self, engine: EngineCore, loop: asyncio.AbstractEventLoop, on_updates, on_error) -> None:
-        self.engine = engine
-        self.loop = loop
-        self._on_updates = on_updates
-        self._on_error = on_error
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._stopped = False
-        self._thread = threading.Thread(target=self._run, name="engine-step", daemon=True)
-        self._thread.start()
-
-    def add(self, request: EngineRequest) -> None:
-        self._commands.put(("add", request))
-
-    def abort(self, request_id: str, sample_index: int | None = None) -> None:
-        self._commands.put(("abort", (request_id, sample_index)))
-
-    def shutdown(self) -> None:
-        self._commands.put(("stop", None))
-        self._thread.join(timeout=10)
-
-    def _run(self) -> None:
-        while not self._stopped:
-            self._drain_commands(block=not self.engine.has_unfinished_requests())
-            if self.engine.has_unfinished_requests():
-                self._deliver(self._step())
-
-    def _step(self) -> list[SequenceUpdate]:
-        try:
-            return self.engine.step()
-        except Exception as exc:  # a bug in a step must not leave callers waiting forever
-            ids = list(self.engine.scheduler.by_request)
-            for rid in ids:
-                self.engine.abort_request(rid)
-                self.loop.call_soon_threadsafe(self._on_error, rid, exc)
-            return []
-
-    def _drain_commands(self, block: bool) -> None:
-        try:
-            kind, arg = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
-        except queue.Empty:
-            return
-        while True:
-            self._apply(kind, arg)
-            try:
-                kind, arg = self._commands.get_nowait()
-            except queue.Empty:
-                return
-
-    def _apply(self, kind: str, arg) -> None:
-        if kind == "stop":
-            self._stopped = True
-        elif kind == "abort":
-            self._deliver(self.engine.abort_request(*arg))
-        else:
-            try:
-                self.engine.add_request(arg)
-            except ValueError as exc:
-                self.loop.call_soon_threadsafe(self._on_error, arg.request_id, exc)
-
-    def _deliver(self, updates: list[SequenceUpdate]) -> None:
-        if updates and not self.loop.is_closed():
-            self.loop.call_soon_threadsafe(self._on_updates, updates)
-
-
 class AsyncLLM:
     """Streaming generation: `async for out in AsyncLLM().generate(prompt, params)` yields outputs whose
     `outputs[i].delta_text` is the new text. Cancelling the iteration aborts the request."""
@@ -173,10 +102,10 @@ class AsyncLLM:
         self.tokenizer = self.engine.source.tokenizer
         self.processor = OutputProcessor(self.tokenizer)
         self._streams: dict[str, asyncio.Queue] = {}
-        self._client: InProcessEngineClient | None = None
+        self._client: EngineThread | None = None
         self._ids = itertools.count()
 
-    def _ensure_client(self) -> InProcessEngineClient:
+    def _ensure_client(self) -> EngineThread:
         """Bind to the running loop on first use; a closed previous loop (e.g. asyncio.run twice) is replaced."""
         loop = asyncio.get_running_loop()
         if self._client is not None and self._client.loop is not loop:
@@ -184,7 +113,7 @@ class AsyncLLM:
                 raise RuntimeError("this AsyncLLM is serving another running event loop")
             self.shutdown()
         if self._client is None:
-            self._client = InProcessEngineClient(self.engine, loop, self._on_updates, self._on_error)
+            self._client = EngineThread(self.engine, loop, self._on_updates, self._on_step_error)
         return self._client
 
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
@@ -207,9 +136,10 @@ class AsyncLLM:
         stream = self._streams[rid] = asyncio.Queue()
         arrival = time.monotonic()
         self.processor.add(rid, prep.prompt, prep.token_ids, params, arrival)
-        client.add(EngineRequest(rid, prep.token_ids, params, priority, arrival))
+        request = EngineRequest(rid, prep.token_ids, params, priority, arrival)
         finished = False
         try:
+            await client.submit(lambda engine: engine.add_request(request))
             while not finished:
                 item = await stream.get()
                 if isinstance(item, Exception):
@@ -220,11 +150,11 @@ class AsyncLLM:
             self._streams.pop(rid, None)
             if not finished:
                 self.processor.abort(rid)
-                client.abort(rid)
+                client.post(lambda engine: engine.abort_request(rid))
 
     def abort(self, request_id: str) -> None:
         if self._client is not None:
-            self._client.abort(request_id)
+            self._client.post(lambda engine: engine.abort_request(request_id))
 
     @property
     def model_name(self) -> str:
@@ -241,24 +171,24 @@ class AsyncLLM:
     def _on_updates(self, updates: list[SequenceUpdate]) -> None:
         outputs, to_abort = self.processor.process(updates)
         for rid, index in to_abort:
-            self._client.abort(rid, index)
+            self._client.post(lambda engine, rid=rid, index=index: engine.abort_request(rid, index))
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is not None:
                 stream.put_nowait(out)
 
-    def _on_error(self, request_id: str, exc: Exception) -> None:
-        self.processor.abort(request_id)
-        stream = self._streams.get(request_id)
-        if stream is not None:
-            stream.put_nowait(exc)
+    def _on_step_error(self, exc: BaseException) -> None:
+        """A step failed: every request in flight ends with the error (the engine aborts them all)."""
+        self._client.post(lambda engine: engine.abort_all())
+        for rid, stream in list(self._streams.items()):
+            self.processor.abort(rid)
+            stream.put_nowait(RuntimeError(f"engine step failed: {exc}"))
 
     def shutdown(self) -> None:
         """Stop the step thread and abort whatever is still queued or running."""
         if self._client is not None:
             self._client.shutdown()
             self._client = None
-        for request_id in list(self.engine.scheduler.by_request):
-            self.engine.abort_request(request_id)
+        self.engine.abort_all()
         self.processor.requests.clear()
         self._streams.clear()

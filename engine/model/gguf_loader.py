@@ -4,7 +4,7 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -48,12 +48,22 @@ def default_model_path() -> Path:
 
 
 def read_gguf(path: str | Path) -> GGUFModel:
+    config, tokenizer, weights = read_gguf_lazily(path)
+    return GGUFModel(config, dict(weights()), tokenizer)
+
+
+def read_gguf_lazily(path: str | Path) -> tuple[ModelConfig, Tokenizer, Callable[[], Iterator[tuple[str, torch.Tensor]]]]:
+    """Header and tokenizer now; the weights (dequantised one tensor at a time) only when iterated."""
     file = _open_file(Path(path))
     meta = file.metadata
-    arch = _architecture(meta, path)
-    config = _model_config(file, meta, arch)
-    weights = {_hf_name(t.name): _load_tensor(file, t, config) for t in file.tensors if t.name != ROPE_FACTORS_TENSOR}
-    return GGUFModel(config, weights, Tokenizer.from_gguf(file))
+    config = _model_config(file, meta, _architecture(meta, path))
+
+    def weights() -> Iterator[tuple[str, torch.Tensor]]:
+        for t in file.tensors:
+            if t.name != ROPE_FACTORS_TENSOR:
+                yield _hf_name(t.name), _load_tensor(file, t, config)
+
+    return config, Tokenizer.from_gguf(file), weights
 
 
 def _open_file(path: Path) -> GGUFFile:

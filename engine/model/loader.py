@@ -9,7 +9,7 @@ import torch
 
 from engine.config import ModelConfig
 from engine.model.errors import ModelLoadError
-from engine.model.gguf_loader import default_model_path, read_gguf
+from engine.model.gguf_loader import default_model_path, read_gguf_lazily
 from engine.model.hf_loader import iter_hf_weights, read_hf_config
 from engine.model.llama import LlamaModel, build_model
 from engine.tokenizer import Tokenizer
@@ -34,8 +34,8 @@ def resolve_model(model: str | Path | None) -> ModelSource:
         return ModelSource(path, path.name, read_hf_config(path), Tokenizer.from_hf_folder(path),
                            lambda: iter_hf_weights(path))
     if path.is_file() and path.suffix == ".gguf":
-        gguf = read_gguf(path)
-        return ModelSource(path, path.stem, gguf.config, gguf.tokenizer, lambda: gguf.weights.items())
+        config, tokenizer, weights = read_gguf_lazily(path)
+        return ModelSource(path, path.stem, config, tokenizer, weights)
     raise ModelLoadError(f"model {str(path)!r} is neither a Hugging Face folder with config.json nor a .gguf file")
 
 

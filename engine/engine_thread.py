@@ -1,0 +1,109 @@
+"""Run an engine's steps on a worker thread while an asyncio loop owns everything else.
+
+Every call that touches the engine is a closure queued to that thread and run between two steps, so the
+engine never sees two threads. Results and step outputs come back on the loop. Both the in-process
+`AsyncLLM` and the actor subprocesses use this, which keeps their loops responsive during long steps.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from typing import Any, Callable, Protocol
+
+log = logging.getLogger(__name__)
+
+
+class Steppable(Protocol):
+    def has_work(self) -> bool: ...
+
+    def step(self) -> list: ...
+
+
+class EngineThread:
+    IDLE_POLL_SECONDS = 0.5
+
+    def __init__(self, engine: Steppable, loop: asyncio.AbstractEventLoop, on_outputs: Callable[[list], None],
+                 on_step_error: Callable[[BaseException], None], name: str = "engine-step") -> None:
+        self.engine = engine
+        self.loop = loop
+        self._on_outputs = on_outputs
+        self._on_step_error = on_step_error
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[[Any], Any]) -> asyncio.Future:
+        """Run fn(engine) on the engine thread; its result (or exception) resolves the returned future."""
+        future = self.loop.create_future()
+        self._calls.put((fn, future))
+        return future
+
+    def post(self, fn: Callable[[Any], Any]) -> None:
+        """Run fn(engine) on the engine thread; a list it returns is delivered like step outputs."""
+        self._calls.put((fn, None))
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stopped.set()
+        self._calls.put((None, None))
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while not self._stopped.is_set():
+            self._run_calls(block=not self.engine.has_work())
+            if self.engine.has_work() and not self._stopped.is_set():
+                self._step()
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:  # a failing step must fail its requests, never leave callers waiting
+            log.exception("engine step failed")
+            self._to_loop(self._on_step_error, exc)
+            return
+        if outputs:
+            self._to_loop(self._on_outputs, outputs)
+
+    def _run_calls(self, block: bool) -> None:
+        try:
+            item = self._calls.get(timeout=self.IDLE_POLL_SECONDS) if block else self._calls.get_nowait()
+        except queue.Empty:
+            return
+        while item[0] is not None:
+            self._run_call(*item)
+            try:
+                item = self._calls.get_nowait()
+            except queue.Empty:
+                return
+
+    def _run_call(self, fn: Callable[[Any], Any], future: asyncio.Future | None) -> None:
+        try:
+            result = fn(self.engine)
+        except Exception as exc:
+            if future is None:
+                log.exception("engine call failed")
+            else:
+                self._to_loop(_settle, future, None, exc)
+            return
+        if future is not None:
+            self._to_loop(_settle, future, result, None)
+        elif isinstance(result, list) and result:
+            self._to_loop(self._on_outputs, result)
+
+    def _to_loop(self, fn: Callable, *args: Any) -> None:
+        if not self.loop.is_closed():
+            try:
+                self.loop.call_soon_threadsafe(fn, *args)
+            except RuntimeError:  # the loop closed between the check and the call
+                pass
+
+
+def _settle(future: asyncio.Future, result: Any, exc: BaseException | None) -> None:
+    if future.cancelled():
+        return
+    if exc is None:
+        future.set_result(result)
+    else:
+        future.set_exception(exc)
