@@ -269,6 +269,10 @@ class BlockPool:
             self.cancel_reservation(owner)
         return expired
 
+    def reserved_blocks(self, owner: str) -> list[int]:
+        reservation = self._reservations.get(owner)
+        return [] if reservation is None else list(reservation.block_ids)
+
     def reserved_owners(self) -> list[str]:
         return list(self._reservations)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import psutil
 import torch
@@ -51,7 +52,9 @@ class EngineStats:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, source: ModelSource | None = None, device: str = "cpu") -> None:
+    def __init__(self, config: EngineConfig, source: ModelSource | None = None, device: str = "cpu",
+                 kv_allocator: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None) -> None:
+        """`kv_allocator(shape, dtype)` provides the KV pool's memory (an actor passes shared memory)."""
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
@@ -64,7 +67,9 @@ class EngineCore:
         model = load_model(self.source, self.dtype, device)
         num_blocks = choose_num_blocks(model_cfg, config.block_size, self.dtype, config.num_kv_blocks,
                                        config.kv_cache_memory, psutil.virtual_memory().available)
-        self.kv_cache = KVCache(model_cfg, num_blocks, config.block_size, self.dtype, device)
+        storage = None if kv_allocator is None else kv_allocator(
+            KVCache.shape_for(model_cfg, num_blocks, config.block_size), self.dtype)
+        self.kv_cache = KVCache(model_cfg, num_blocks, config.block_size, self.dtype, device, storage)
         self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
         limits = SchedulerLimits(config.max_num_batched_tokens, config.max_num_seqs, config.enable_chunked_prefill)
         eos = self.source.tokenizer.eos_token_ids or model_cfg.eos_token_ids
@@ -120,15 +125,23 @@ class EngineCore:
         return self.scheduler.reserve_remote(request_id, prompt_token_ids, deadline)
 
     def add_prefilled_request(self, req: EngineRequest, first_token: int, logprobs=None,
-                              generator_state: bytes | None = None) -> list[SequenceUpdate]:
-        """Start decoding a request whose prompt KV arrived in its reserved blocks."""
+                              generator_state: bytes | None = None,
+                              checksum: int | None = None) -> list[SequenceUpdate]:
+        """Start decoding a request whose prompt KV arrived in its reserved blocks. With a checksum, the
+        blocks written by the peer are verified first: a corrupt transfer is released, never decoded."""
         self._validate(req)
         if req.params.n != 1:
             raise RequestError("disaggregated requests take n=1", "n")
+        if checksum is not None and checksum != self._written_checksum(req.request_id):
+            self.scheduler.cancel_remote(req.request_id)
+            raise RequestError(f"the KV hand-off of {req.request_id!r} failed its checksum", "kv")
         seq = self._sequences(req)[0]
         if generator_state is not None:
             self.runner.import_generator(seq.seq_id, generator_state)
         return [self.scheduler.admit_prefilled(seq, first_token, logprobs)]
+
+    def _written_checksum(self, request_id: str) -> int:
+        return self.kv_cache.checksum(self.scheduler.remote_fresh_blocks(request_id))[1]
 
     def cancel_remote_prefill(self, request_id: str) -> bool:
         return self.scheduler.cancel_remote(request_id)

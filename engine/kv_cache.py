@@ -6,6 +6,8 @@ export the whole pool once (shared memory on CPU, a CUDA IPC handle on GPU) and 
 """
 from __future__ import annotations
 
+import zlib
+
 import torch
 
 from engine.config import ModelConfig
@@ -34,7 +36,7 @@ def choose_num_blocks(cfg: ModelConfig, block_size: int, dtype: torch.dtype, num
 class KVCache:
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device | str = "cpu", storage: torch.Tensor | None = None) -> None:
-        shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = self.shape_for(cfg, num_blocks, block_size)
         if storage is None:
             storage = torch.zeros(shape, dtype=dtype, device=device)
         elif tuple(storage.shape) != shape or storage.dtype != dtype:
@@ -44,6 +46,18 @@ class KVCache:
         self.block_size = block_size
         self.layers = [(storage[i, 0], storage[i, 1]) for i in range(cfg.num_layers)]
 
+    @staticmethod
+    def shape_for(cfg: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        return (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+
     @property
     def bytes_per_token(self) -> int:
         return self.data[:, :, 0, 0].numel() * self.data.element_size()
+
+    def checksum(self, block_ids: list[int]) -> tuple[int, int]:
+        """(bytes, crc32) of the given blocks across all layers: proves a hand-off wrote what was computed."""
+        if not block_ids:
+            return 0, 0
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.data.device)
+        pages = self.data.index_select(2, index).contiguous().view(torch.uint8).cpu().numpy()
+        return pages.nbytes, zlib.crc32(pages)

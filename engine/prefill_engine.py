@@ -42,6 +42,8 @@ class PrefillResult:
     logprobs: TokenLogprobs | None
     generator_state: bytes | None
     num_cached_tokens: int  # prompt tokens that were already in the destination, so not computed here
+    num_bytes: int = 0  # KV bytes written into the destination
+    checksum: int = 0  # crc32 of those bytes, verified by the destination before it decodes
 
 
 class PrefillEngine:
@@ -127,7 +129,10 @@ class PrefillEngine:
             job.num_computed += len(chunk.token_ids)
             if chunk.sample:
                 del self.jobs[job.request_id]
+                written = job.block_table[job.num_cached // self.pools[destination].block_size:]
+                num_bytes, checksum = self.pools[destination].checksum(written)
                 done.append(PrefillResult(job.request_id, destination, result.sampled_token_ids[chunk.seq_id],
                                           result.logprobs.get(chunk.seq_id),
-                                          self.runner.export_generator(chunk.seq_id), job.num_cached))
+                                          self.runner.export_generator(chunk.seq_id), job.num_cached,
+                                          num_bytes, checksum))
         return done

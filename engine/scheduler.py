@@ -121,6 +121,10 @@ class Scheduler:
         self._remote[request_id] = (cached, hashes[: len(cached)])
         return cached + fresh, len(cached) * bs
 
+    def remote_fresh_blocks(self, request_id: str) -> list[int]:
+        """The reserved (not cached) blocks a peer writes for this request."""
+        return self.pool.reserved_blocks(request_id) if request_id in self._remote else []
+
     def cancel_remote(self, request_id: str) -> bool:
         """Release a reservation whose KV will not arrive (peer died, deadline passed, request aborted)."""
         cached, _ = self._remote.pop(request_id, ([], []))

@@ -38,7 +38,8 @@ def run_disaggregated(decode: LLM, prefill: PrefillEngine, prompts: list[list[in
         for res in prefill.step():
             computed[res.request_id] = len(prompts[int(res.request_id[1:])]) - res.num_cached_tokens
             req = EngineRequest(res.request_id, prompts[int(res.request_id[1:])], params)
-            updates = engine.add_prefilled_request(req, res.first_token, res.logprobs, res.generator_state)
+            updates = engine.add_prefilled_request(req, res.first_token, res.logprobs, res.generator_state,
+                                                     res.checksum)
             outs, _ = processor.process(updates)
             finals.update((o.request_id, o) for o in outs if o.finished)
     while engine.has_unfinished_requests():
@@ -88,3 +89,18 @@ def test_expired_reservation_releases_its_blocks(pair):
     assert engine.expire_remote_prefills(time.monotonic()) == ["late"]
     engine.pool.check_integrity()
     assert engine.pool.num_used == 0
+
+
+def test_corrupted_hand_off_is_refused_and_released(pair):
+    decode, prefill = pair
+    engine = decode.engine
+    prompt = make_prompts(1, seed=35)[0]
+    blocks, cached = engine.reserve_remote_prefill("bad", prompt, time.monotonic() + 30)
+    prefill.add(PrefillJob("bad", prompt, GREEDY, blocks, cached, "decode-0", time.monotonic() + 30))
+    (res,) = prefill.step() or prefill.step() or prefill.step()
+    engine.kv_cache.data[0, 0, blocks[-1], 0, 0, 0] += 1.0  # one value flipped after the prefill wrote it
+    with pytest.raises(ValueError, match="checksum"):
+        engine.add_prefilled_request(EngineRequest("bad", prompt, GREEDY), res.first_token, None,
+                                     res.generator_state, res.checksum)
+    engine.pool.check_integrity()
+    assert engine.pool.num_used == 0 and not engine.has_unfinished_requests()
