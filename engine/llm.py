@@ -4,16 +4,17 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import AsyncIterator, Sequence, Union
 
 from engine.config import EngineConfig
-from engine.engine_core import EngineCore, EngineRequest, EngineStats
+from engine.engine_core import EngineCore, EngineRequest, EngineStats, RequestError
 from engine.engine_thread import EngineThread
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SequenceUpdate
+from engine.model.loader import resolve_model
 from engine.tokenizer import Tokenizer
 
 Prompt = Union[str, list[int]]
@@ -92,29 +93,91 @@ def _per_prompt(params, count: int) -> list[SamplingParams]:
     return list(params)
 
 
+class InProcessClient:
+    """The engine in this process, stepping on a worker thread (the default for scripts and tests)."""
+
+    def __init__(self, engine: EngineCore, loop: asyncio.AbstractEventLoop, on_updates, on_error) -> None:
+        self.engine = engine
+        self.loop = loop
+        self._on_error = on_error
+        self.thread = EngineThread(engine, loop, on_updates, self._on_step_error)
+
+    async def add(self, request: EngineRequest) -> None:
+        await self.thread.submit(lambda engine: engine.add_request(request))
+
+    def abort(self, request_id: str, sample_index: int | None = None) -> None:
+        self.thread.post(lambda engine: engine.abort_request(request_id, sample_index))
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    def can_serve(self) -> bool:
+        return True
+
+    def actors(self) -> list[dict]:
+        return []
+
+    def _on_step_error(self, exc: BaseException) -> None:
+        """A step failed: every request in flight ends with the error (the engine aborts them all)."""
+        request_ids = list(self.engine.scheduler.by_request)
+        self.thread.post(lambda engine: engine.abort_all())
+        for rid in request_ids:
+            self._on_error(rid, RuntimeError(f"engine step failed: {exc}"))
+
+    def close(self) -> None:
+        self.thread.shutdown()
+        self.engine.abort_all()
+
+
 class AsyncLLM:
     """Streaming generation: `async for out in AsyncLLM().generate(prompt, params)` yields outputs whose
-    `outputs[i].delta_text` is the new text. Cancelling the iteration aborts the request."""
+    `outputs[i].delta_text` is the new text. Cancelling the iteration aborts the request.
 
-    def __init__(self, model: str | None = None, dtype: str | None = None, **engine_options) -> None:
+    By default the engine runs in this process. With `decode_actors` (and optionally `prefill_actors`) it
+    runs in actor subprocesses behind the router instead, exactly as `cli.py serve` does; call
+    `await start()` first (or let the first request do it) and `await aclose()` at the end.
+    """
+
+    def __init__(self, model: str | None = None, dtype: str | None = None, *, decode_actors: int = 0,
+                 prefill_actors: int = 0, devices: Sequence[str] = (), disagg: str = "auto",
+                 **engine_options) -> None:
         self.config = _engine_config(model, dtype, engine_options)
-        self.engine = EngineCore(self.config)
-        self.tokenizer = self.engine.source.tokenizer
+        self.layout = ActorLayout(prefill_actors, decode_actors, tuple(devices), disagg)
+        self.engine = None if self.layout.uses_actors else EngineCore(self.config)
+        self.source = self.engine.source if self.engine else resolve_model(self.config.model)
+        self.tokenizer = self.source.tokenizer
         self.processor = OutputProcessor(self.tokenizer)
         self._streams: dict[str, asyncio.Queue] = {}
-        self._client: EngineThread | None = None
+        self._client = None
         self._ids = itertools.count()
+        self._starting: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
 
-    def _ensure_client(self) -> EngineThread:
-        """Bind to the running loop on first use; a closed previous loop (e.g. asyncio.run twice) is replaced."""
+    async def start(self) -> None:
+        """Bind to the running loop (spawning the actors, if any). Idempotent and safe to call concurrently."""
         loop = asyncio.get_running_loop()
+        if self._starting is None or self._starting[0] is not loop:
+            self._starting = (loop, asyncio.Lock())
+        async with self._starting[1]:
+            await self._bind(loop)
+
+    async def _bind(self, loop: asyncio.AbstractEventLoop) -> None:
         if self._client is not None and self._client.loop is not loop:
             if not self._client.loop.is_closed():
                 raise RuntimeError("this AsyncLLM is serving another running event loop")
             self.shutdown()
         if self._client is None:
-            self._client = EngineThread(self.engine, loop, self._on_updates, self._on_step_error)
-        return self._client
+            self._client = await self._make_client(loop)
+
+    async def _make_client(self, loop: asyncio.AbstractEventLoop):
+        if not self.layout.uses_actors:
+            return InProcessClient(self.engine, loop, self._on_updates, self._on_error)
+        from router.router import ActorRouter, RouterSettings, actor_specs
+        from router.placement import PlacementPolicy
+
+        specs = actor_specs(self.layout, _config_options(self.config))
+        router = ActorRouter(specs, self._on_updates, self._on_error, RouterSettings(PlacementPolicy(self.layout.disagg)))
+        await router.start()
+        return router
 
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:
@@ -128,18 +191,19 @@ class AsyncLLM:
 
     async def _stream(self, prep: _Prepared, params: SamplingParams | None, request_id: str | None,
                       priority: int) -> AsyncIterator[RequestOutput]:
-        client = self._ensure_client()
+        await self.start()
+        client = self._client
         params = params or SamplingParams()
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self._streams:
             raise ValueError(f"request id {rid!r} is already in use")
+        self._check_length(prep.token_ids)
         stream = self._streams[rid] = asyncio.Queue()
         arrival = time.monotonic()
         self.processor.add(rid, prep.prompt, prep.token_ids, params, arrival)
-        request = EngineRequest(rid, prep.token_ids, params, priority, arrival)
         finished = False
         try:
-            await client.submit(lambda engine: engine.add_request(request))
+            await client.add(EngineRequest(rid, prep.token_ids, params, priority, arrival))
             while not finished:
                 item = await stream.get()
                 if isinstance(item, Exception):
@@ -150,45 +214,102 @@ class AsyncLLM:
             self._streams.pop(rid, None)
             if not finished:
                 self.processor.abort(rid)
-                client.post(lambda engine: engine.abort_request(rid))
+                client.abort(rid)
+
+    def _check_length(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise RequestError("the prompt is empty", "prompt")
+        if len(token_ids) >= self.max_model_len:
+            raise RequestError(f"the prompt has {len(token_ids)} tokens; this model's context is "
+                               f"{self.max_model_len} tokens including at least one output token", "prompt")
 
     def abort(self, request_id: str) -> None:
         if self._client is not None:
-            self._client.post(lambda engine: engine.abort_request(request_id))
+            self._client.abort(request_id)
 
     @property
     def model_name(self) -> str:
-        return self.engine.source.name
+        return self.source.name
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.max_model_len
+        cfg = self.source.config
+        return min(self.config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
 
     def stats(self) -> EngineStats:
-        """A snapshot of the engine's queues and KV pool (read without stopping the step thread)."""
-        return self.engine.stats()
+        """A snapshot of the queues and KV pool(s), read without stopping any step."""
+        if self._client is None:
+            return self.engine.stats() if self.engine else EngineStats(0, 0, 0, 0, 0, 0, 0, 0)
+        return self._client.stats()
+
+    def can_serve(self) -> bool:
+        return self._client is not None and self._client.can_serve()
+
+    def actors(self) -> list[dict]:
+        return [] if self._client is None else self._client.actors()
 
     def _on_updates(self, updates: list[SequenceUpdate]) -> None:
         outputs, to_abort = self.processor.process(updates)
         for rid, index in to_abort:
-            self._client.post(lambda engine, rid=rid, index=index: engine.abort_request(rid, index))
+            self._client.abort(rid, index)
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is not None:
                 stream.put_nowait(out)
 
-    def _on_step_error(self, exc: BaseException) -> None:
-        """A step failed: every request in flight ends with the error (the engine aborts them all)."""
-        self._client.post(lambda engine: engine.abort_all())
-        for rid, stream in list(self._streams.items()):
-            self.processor.abort(rid)
-            stream.put_nowait(RuntimeError(f"engine step failed: {exc}"))
+    def _on_error(self, request_id: str, exc: Exception) -> None:
+        self.processor.abort(request_id)
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.put_nowait(exc)
 
     def shutdown(self) -> None:
-        """Stop the step thread and abort whatever is still queued or running."""
+        """Stop an in-process engine's step thread and abort whatever is still queued or running."""
+        if self.layout.uses_actors:
+            raise RuntimeError("an AsyncLLM with actors is closed with `await aclose()`")
         if self._client is not None:
-            self._client.shutdown()
+            self._client.close()
             self._client = None
         self.engine.abort_all()
+        self._forget_streams()
+
+    async def aclose(self) -> None:
+        """Stop the engine (in-process or actors); every request still in flight ends with an error."""
+        if self._client is None:
+            return
+        if self.layout.uses_actors:
+            await self._client.shutdown()
+            self._client = None
+            self._forget_streams()
+        else:
+            self.shutdown()
+
+    def _forget_streams(self) -> None:
+        for stream in self._streams.values():
+            stream.put_nowait(RuntimeError("the engine was shut down"))
         self.processor.requests.clear()
         self._streams.clear()
+
+
+@dataclass(frozen=True)
+class ActorLayout:
+    """How many actors of each role, on which devices (empty: CPU, cores split between them)."""
+
+    prefill_actors: int = 0
+    decode_actors: int = 0
+    devices: tuple[str, ...] = ()
+    disagg: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.prefill_actors < 0 or self.decode_actors < 0:
+            raise ValueError("actor counts must not be negative")
+        if self.prefill_actors and not self.decode_actors:
+            raise ValueError("prefill actors need at least one decode actor to hand their KV to")
+
+    @property
+    def uses_actors(self) -> bool:
+        return self.decode_actors > 0
+
+
+def _config_options(config: EngineConfig) -> dict:
+    return {f.name: getattr(config, f.name) for f in fields(config)}

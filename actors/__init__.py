@@ -1,0 +1,1 @@
+"""Actor subprocesses (prefill, decode) and their supervision by the main process."""

@@ -1,0 +1,42 @@
+"""Between engine objects and wire messages (the only place that knows both shapes)."""
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from engine.sampler import TokenLogprobs
+from engine.sampling_params import SamplingParams
+from engine.scheduler import SequenceUpdate
+from transport import messages as m
+
+
+def params_to_wire(params: SamplingParams) -> dict:
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(params).items()}
+
+
+def params_from_wire(raw: dict) -> SamplingParams:
+    return SamplingParams(**raw)
+
+
+def logprobs_to_wire(lp: TokenLogprobs | None) -> tuple[float | None, list[m.TopLogprob] | None]:
+    if lp is None:
+        return None, None
+    return lp.logprob, [m.TopLogprob(token_id, logprob) for token_id, logprob in lp.top]
+
+
+def logprobs_from_wire(token_id: int | None, logprob: float | None,
+                       top: list[m.TopLogprob] | None) -> TokenLogprobs | None:
+    if logprob is None or token_id is None:
+        return None
+    return TokenLogprobs(token_id, logprob, [(t.token_id, t.logprob) for t in top or []])
+
+
+def update_to_wire(u: SequenceUpdate) -> m.TokenUpdate:
+    logprob, top = logprobs_to_wire(u.logprobs)
+    return m.TokenUpdate(u.request_id, u.sample_index, u.token_id, u.finish_reason, logprob, top,
+                         u.num_prompt_tokens, u.num_cached_tokens)
+
+
+def update_from_wire(u: m.TokenUpdate) -> SequenceUpdate:
+    return SequenceUpdate(u.request_id, u.sample_index, u.token_id, u.finish_reason,
+                          logprobs_from_wire(u.token_id, u.logprob, u.top_logprobs),
+                          u.num_prompt_tokens, u.num_cached_tokens)

@@ -1,0 +1,60 @@
+"""What the supervisor tells an actor process at start: its role, device share and engine options."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+
+ROLES = ("prefill", "decode")
+
+
+@dataclass(frozen=True)
+class ActorSpec:
+    actor_id: str
+    role: str
+    device: str = "cpu"  # "cpu" or "cuda:N"
+    threads: int = 1  # torch threads; on a CPU-only host the actors' threads sum to the cores
+    cpus: tuple[int, ...] = ()  # CPU affinity (empty: inherit)
+    socket_path: str = ""  # the Unix socket the actor listens on (inside the supervisor's 0700 directory)
+    engine: dict = field(default_factory=dict)  # EngineConfig keyword arguments
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"actor role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if self.threads < 1:
+            raise ValueError(f"actor threads must be positive, got {self.threads}")
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @staticmethod
+    def from_json(text: str) -> "ActorSpec":
+        raw = json.loads(text)
+        raw["cpus"] = tuple(raw.get("cpus", ()))
+        return ActorSpec(**raw)
+
+    def child_environment(self) -> dict[str, str]:
+        """Thread and device settings that must be in place before the child imports torch."""
+        env = dict(os.environ, OMP_NUM_THREADS=str(self.threads), OMP_WAIT_POLICY="PASSIVE",
+                   MKL_NUM_THREADS=str(self.threads))
+        if self.device.startswith("cuda:"):
+            env["CUDA_VISIBLE_DEVICES"] = self.device.split(":", 1)[1]
+        return env
+
+    @property
+    def local_device(self) -> str:
+        """Inside the child, a GPU is always cuda:0 (CUDA_VISIBLE_DEVICES narrows it to one)."""
+        return "cuda:0" if self.device.startswith("cuda") else "cpu"
+
+
+def split_cores(num_actors: int, total: int | None = None) -> list[tuple[int, ...]]:
+    """Give each actor a disjoint share of the cores (at least one each; shares wrap when there are more
+    actors than cores)."""
+    cores = sorted(os.sched_getaffinity(0)) if total is None else list(range(total))
+    if num_actors <= 0:
+        return []
+    if num_actors > len(cores):
+        return [(cores[i % len(cores)],) for i in range(num_actors)]
+    size = len(cores) // num_actors
+    return [tuple(cores[i * size:(i + 1) * size]) if i < num_actors - 1 else tuple(cores[i * size:])
+            for i in range(num_actors)]

@@ -1,0 +1,234 @@
+"""Start, watch and restart actor processes from the main process.
+
+Each actor is a fresh interpreter (`python -m actors.worker`, never a fork of this torch-importing process)
+listening on a socket in a private directory. The supervisor connects, waits for Hello + Ready, then
+heartbeats it. An actor that exits, closes its connection or misses heartbeats is killed, reported down
+(the router fails over its requests) and restarted with exponential back-off; too many restarts in a short
+window is a crash loop, reported and not retried.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import signal
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Awaitable, Callable
+
+from actors.spec import ActorSpec
+from transport import Connection, ConnectionClosed, TransportError, connect_unix, private_socket_dir
+from transport import messages as m
+
+log = logging.getLogger("supervisor")
+
+
+@dataclass(frozen=True)
+class SupervisorSettings:
+    start_timeout: float = 120.0  # model load included
+    heartbeat_interval: float = 0.5
+    heartbeat_timeout: float = 5.0
+    restart_backoff: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0, 8.0)
+    crash_loop_restarts: int = 5  # restarts within crash_loop_window that mean "give up"
+    crash_loop_window: float = 120.0
+
+
+@dataclass(eq=False)
+class ActorHandle:
+    spec: ActorSpec
+    state: str = "starting"  # starting | ready | dead | failed
+    process: asyncio.subprocess.Process | None = None
+    conn: Connection | None = None
+    ready: m.Ready | None = None
+    restarts: int = 0
+    restart_times: list[float] = field(default_factory=list)
+    last_ack: float = 0.0
+    load: m.HeartbeatAck | None = None
+    tasks: list[asyncio.Task] = field(default_factory=list)
+    incarnation: int = 0  # bumps at every (re)start, so stale events of an old process are ignored
+
+    @property
+    def actor_id(self) -> str:
+        return self.spec.actor_id
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.process is None else self.process.pid
+
+    async def send(self, msg: m.Message) -> bool:
+        """False when the actor is not reachable (the router then treats it as down)."""
+        if self.state != "ready" or self.conn is None or self.conn.closed:
+            return False
+        try:
+            await self.conn.send(msg)
+            return True
+        except (TransportError, ConnectionError, OSError):
+            return False
+
+
+OnMessage = Callable[[ActorHandle, m.Message], None]
+OnChange = Callable[[ActorHandle], Awaitable[None] | None]
+
+
+class Supervisor:
+    def __init__(self, specs: list[ActorSpec], on_message: OnMessage, on_up: OnChange, on_down: OnChange,
+                 settings: SupervisorSettings = SupervisorSettings()) -> None:
+        self.settings = settings
+        self.socket_dir = private_socket_dir("phase-serve-actors-")
+        self.handles = [ActorHandle(replace(s, socket_path=str(self.socket_dir / f"{s.actor_id}.sock")))
+                        for s in specs]
+        self._on_message, self._on_up, self._on_down = on_message, on_up, on_down
+        self._stopping = False
+
+    async def start(self) -> None:
+        """Start every actor and wait until each is ready (or has failed to start)."""
+        await asyncio.gather(*(self._start(h) for h in self.handles))
+
+    async def stop(self, grace: float = 5.0) -> None:
+        self._stopping = True
+        await asyncio.gather(*(self._stop(h, grace) for h in self.handles))
+        shutil.rmtree(self.socket_dir, ignore_errors=True)
+
+    def kill(self, actor_id: str, sig: int = signal.SIGKILL) -> None:
+        """Send a signal to an actor's process (tests and operators use this for failure drills)."""
+        handle = self.by_id(actor_id)
+        if handle.process is not None and handle.process.returncode is None:
+            handle.process.send_signal(sig)
+
+    def by_id(self, actor_id: str) -> ActorHandle:
+        return next(h for h in self.handles if h.actor_id == actor_id)
+
+    def ready(self, role: str) -> list[ActorHandle]:
+        return [h for h in self.handles if h.spec.role == role and h.state == "ready"]
+
+    # ---------------------------------------------------------------- start / stop
+
+    async def _start(self, handle: ActorHandle) -> None:
+        handle.incarnation += 1
+        handle.state = "starting"
+        Path(handle.spec.socket_path).unlink(missing_ok=True)
+        handle.process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "actors.worker", "--spec", handle.spec.to_json(),
+            env=handle.spec.child_environment(), cwd=_project_root(), stdin=asyncio.subprocess.DEVNULL)
+        try:
+            await asyncio.wait_for(self._handshake(handle), self.settings.start_timeout)
+        except (asyncio.TimeoutError, TransportError, ConnectionError, OSError) as exc:
+            log.error("actor %s failed to start: %s", handle.actor_id, exc)
+            await self._mark_down(handle, handle.incarnation)
+            return
+        handle.state, handle.last_ack = "ready", time.monotonic()
+        incarnation = handle.incarnation
+        handle.tasks = [asyncio.create_task(self._read(handle, incarnation)),
+                        asyncio.create_task(self._heartbeat(handle, incarnation)),
+                        asyncio.create_task(self._watch_exit(handle, incarnation))]
+        log.info("actor %s ready (pid %s)", handle.actor_id, handle.pid)
+        await _maybe_await(self._on_up(handle))
+
+    async def _handshake(self, handle: ActorHandle) -> None:
+        conn = await self._connect(handle)
+        hello = await conn.recv()
+        ready = await conn.recv()
+        if not isinstance(hello, m.Hello) or not isinstance(ready, m.Ready):
+            raise TransportError(f"expected Hello and Ready, got {type(hello).__name__}, {type(ready).__name__}")
+        if hello.protocol_version != m.PROTOCOL_VERSION:
+            raise TransportError(f"protocol version {hello.protocol_version} != {m.PROTOCOL_VERSION}")
+        handle.conn, handle.ready = conn, ready
+
+    async def _connect(self, handle: ActorHandle) -> Connection:
+        """The actor listens only once its model is loaded: poll for the socket while the process lives."""
+        while True:
+            if handle.process.returncode is not None:
+                raise TransportError(f"process exited with {handle.process.returncode} while starting")
+            if Path(handle.spec.socket_path).exists():
+                try:
+                    return await connect_unix(handle.spec.socket_path, timeout=5.0)
+                except (ConnectionError, OSError):
+                    pass
+            await asyncio.sleep(0.05)
+
+    async def _stop(self, handle: ActorHandle, grace: float) -> None:
+        for task in handle.tasks:
+            task.cancel()
+        await handle.send(m.Shutdown())
+        handle.state = "dead"
+        if handle.process is not None and handle.process.returncode is None:
+            try:
+                await asyncio.wait_for(handle.process.wait(), grace)
+            except asyncio.TimeoutError:
+                handle.process.kill()
+                await handle.process.wait()
+
+    # ---------------------------------------------------------------- watching
+
+    async def _read(self, handle: ActorHandle, incarnation: int) -> None:
+        try:
+            async for msg in handle.conn:
+                if isinstance(msg, m.HeartbeatAck):
+                    handle.last_ack, handle.load = time.monotonic(), msg
+                else:
+                    self._on_message(handle, msg)
+        except (TransportError, ConnectionError, OSError) as exc:
+            log.warning("actor %s connection failed: %s", handle.actor_id, exc)
+        await self._mark_down(handle, incarnation)
+
+    async def _heartbeat(self, handle: ActorHandle, incarnation: int) -> None:
+        seq = 0
+        while handle.incarnation == incarnation and handle.state == "ready":
+            seq += 1
+            await handle.send(m.Heartbeat(seq, time.time()))
+            await asyncio.sleep(self.settings.heartbeat_interval)
+            if time.monotonic() - handle.last_ack > self.settings.heartbeat_timeout:
+                log.error("actor %s missed heartbeats for %.1fs", handle.actor_id, self.settings.heartbeat_timeout)
+                await self._mark_down(handle, incarnation)
+                return
+
+    async def _watch_exit(self, handle: ActorHandle, incarnation: int) -> None:
+        code = await handle.process.wait()
+        if handle.incarnation == incarnation and handle.state == "ready":
+            log.error("actor %s exited with %s", handle.actor_id, code)
+            await self._mark_down(handle, incarnation)
+
+    async def _mark_down(self, handle: ActorHandle, incarnation: int) -> None:
+        if handle.incarnation != incarnation or handle.state in ("dead", "failed"):
+            return
+        was_ready = handle.state == "ready"
+        handle.state = "dead"
+        for task in handle.tasks:
+            if task is not asyncio.current_task():
+                task.cancel()
+        if handle.conn is not None:
+            handle.conn.close(abort=True)
+        if handle.process is not None and handle.process.returncode is None:
+            handle.process.kill()
+            await handle.process.wait()
+        if was_ready:
+            await _maybe_await(self._on_down(handle))
+        if not self._stopping:
+            asyncio.create_task(self._restart(handle))
+
+    async def _restart(self, handle: ActorHandle) -> None:
+        now = time.monotonic()
+        handle.restart_times = [t for t in handle.restart_times if now - t < self.settings.crash_loop_window]
+        if len(handle.restart_times) >= self.settings.crash_loop_restarts:
+            handle.state = "failed"
+            log.error("actor %s is crash-looping (%d restarts in %.0fs): not restarting", handle.actor_id,
+                      len(handle.restart_times), self.settings.crash_loop_window)
+            return
+        delay = self.settings.restart_backoff[min(len(handle.restart_times), len(self.settings.restart_backoff) - 1)]
+        handle.restart_times.append(now)
+        await asyncio.sleep(delay)
+        if not self._stopping:
+            handle.restarts += 1
+            await self._start(handle)
+
+
+def _project_root() -> str:
+    return str(Path(__file__).resolve().parent.parent)
+
+
+async def _maybe_await(result) -> None:
+    if asyncio.iscoroutine(result):
+        await result

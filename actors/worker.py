@@ -1,0 +1,323 @@
+"""The actor process: `python -m actors.worker --spec JSON`.
+
+Lifecycle: load the model and export the KV pool, listen on the spec's Unix socket, greet every connection
+with Hello + Ready, then serve messages until Shutdown. The model step runs on an EngineThread so this loop
+stays responsive (heartbeats, aborts) during long steps. Outputs go back on the connection that submitted
+the request.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+import time
+from typing import Any, Callable
+
+import torch
+
+from actors.convert import logprobs_from_wire, logprobs_to_wire, params_from_wire, update_to_wire
+from actors.kv_export import SharedPool, create_shared_pool, open_shared_pool
+from actors.spec import ActorSpec
+from engine.config import EngineConfig
+from engine.engine_core import EngineCore, EngineRequest, RequestError
+from engine.engine_thread import EngineThread
+from engine.kv_cache import KVCache
+from engine.prefill_engine import PrefillEngine, PrefillJob, PrefillResult
+from transport import Connection, ConnectionClosed, TransportError, serve_unix
+from transport import messages as m
+
+log = logging.getLogger("actor")
+RESERVATION_SWEEP_SECONDS = 0.25
+
+
+def to_monotonic(deadline: float | None, default_seconds: float = 30.0) -> float:
+    """Wire deadlines are Unix times; engines compare against the monotonic clock."""
+    remaining = default_seconds if deadline is None else deadline - time.time()
+    return time.monotonic() + remaining
+
+
+class Actor:
+    """Shared plumbing of both roles: connections, dispatch, heartbeats, lifecycle."""
+
+    def __init__(self, spec: ActorSpec) -> None:
+        self.spec = spec
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.thread: EngineThread | None = None
+        self.owners: dict[str, Connection] = {}  # request id -> connection that submitted it
+        self.stopped = asyncio.Event()
+        self.draining = False
+
+    # ---------------------------------------------------------------- overridden per role
+    def build_engine(self) -> Any: ...
+
+    def ready_message(self) -> m.Ready: ...
+
+    def handlers(self) -> dict[type, Callable]: ...
+
+    def deliver(self, outputs: list) -> None: ...
+
+    def load(self) -> dict[str, int]:
+        return {"running": 0, "waiting": 0, "kv_used": 0, "kv_total": 0}
+
+    # ---------------------------------------------------------------- lifecycle
+    async def run(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        engine = self.build_engine()
+        self.thread = EngineThread(engine, self.loop, self.deliver, self._on_step_error, name=self.spec.actor_id)
+        server = await serve_unix(self.spec.socket_path, self.serve_connection)
+        log.info("actor %s (%s) ready on %s", self.spec.actor_id, self.spec.role, self.spec.socket_path)
+        try:
+            await self.stopped.wait()
+        finally:
+            await server.close()
+            self.thread.shutdown()
+            self.release()
+
+    def release(self) -> None:
+        """Free process-external resources (shared memory) on the way out."""
+
+    async def serve_connection(self, conn: Connection) -> None:
+        await conn.send(m.Hello(self.spec.role, self.spec.device, os.getpid(), self.spec.actor_id))
+        await conn.send(self.ready_message())
+        handlers = self.handlers() | {m.Heartbeat: self.on_heartbeat, m.Shutdown: self.on_shutdown,
+                                      m.Drain: self.on_drain}
+        try:
+            async for msg in conn:
+                handler = handlers.get(type(msg))
+                if handler is None:
+                    await conn.send(m.Error(f"{self.spec.role} actor does not handle {type(msg).__name__}"))
+                    continue
+                await handler(conn, msg)
+        finally:
+            for rid in [rid for rid, owner in self.owners.items() if owner is conn]:
+                self.on_owner_lost(rid)
+
+    def on_owner_lost(self, request_id: str) -> None:
+        """The router that submitted a request went away: nobody will read its output."""
+        self.owners.pop(request_id, None)
+
+    async def on_heartbeat(self, conn: Connection, msg: m.Heartbeat) -> None:
+        await conn.send(m.HeartbeatAck(msg.seq, msg.time, **self.load()))
+
+    async def on_shutdown(self, conn: Connection, msg: m.Shutdown) -> None:
+        self.stopped.set()
+
+    async def on_drain(self, conn: Connection, msg: m.Drain) -> None:
+        self.draining = True
+
+    def send_to_owner(self, request_id: str, msg: m.Message, finished: bool = False) -> None:
+        conn = self.owners.pop(request_id, None) if finished else self.owners.get(request_id)
+        if conn is not None and not conn.closed:
+            asyncio.ensure_future(_send_quietly(conn, msg))
+
+    def _on_step_error(self, exc: BaseException) -> None:
+        log.error("step failed: %s; failing every request", exc)
+        for rid in list(self.owners):
+            self.send_to_owner(rid, m.RequestFailed(rid, f"engine step failed: {exc}", False), finished=True)
+        self.thread.post(self.abort_everything)
+
+    def abort_everything(self, engine: Any) -> None: ...
+
+
+def _retryable(exc: Exception) -> bool:
+    return not isinstance(exc, RequestError) or exc.param == "kv"
+
+
+async def _send_quietly(conn: Connection, msg: m.Message) -> None:
+    try:
+        await conn.send(msg)
+    except (TransportError, ConnectionError, OSError):
+        pass
+
+
+class DecodeActor(Actor):
+    """Owns an EngineCore whose KV pool lives in shared memory: colocated requests and prefilled hand-offs."""
+
+    def __init__(self, spec: ActorSpec) -> None:
+        super().__init__(spec)
+        self.pool: SharedPool | None = None
+        self.engine: EngineCore | None = None
+
+    def build_engine(self) -> EngineCore:
+        def allocate(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+            self.pool = create_shared_pool(shape, dtype, self.spec.local_device, tag=self.spec.actor_id)
+            return self.pool.tensor
+
+        self.engine = EngineCore(EngineConfig(**self.spec.engine), device=self.spec.local_device,
+                                 kv_allocator=allocate)
+        self.loop.create_task(self._sweep_reservations())
+        return self.engine
+
+    def ready_message(self) -> m.Ready:
+        kv = self.engine.kv_cache
+        export = dict(self.pool.export, bytes_per_token=kv.bytes_per_token)
+        return m.Ready(self.spec.actor_id, kv.num_blocks, kv.block_size, export)
+
+    def release(self) -> None:
+        if self.pool is not None:
+            self.pool.unlink()
+
+    def handlers(self) -> dict[type, Callable]:
+        return {m.AddRequest: self.on_add, m.AbortRequest: self.on_abort, m.ReserveBlocks: self.on_reserve,
+                m.ReleaseReservation: self.on_release}
+
+    def load(self) -> dict[str, int]:
+        s = self.engine.stats()
+        return {"running": s.running, "waiting": s.waiting, "kv_used": s.kv_blocks_used,
+                "kv_total": s.kv_blocks_total}
+
+    async def on_add(self, conn: Connection, msg: m.AddRequest) -> None:
+        if self.draining:
+            await conn.send(m.RequestFailed(msg.request_id, "actor is draining", True))
+            return
+        req = EngineRequest(msg.request_id, msg.prompt_token_ids, params_from_wire(msg.sampling), msg.priority,
+                            time.monotonic())
+        self.owners[msg.request_id] = conn
+        try:
+            first = await self.thread.submit(lambda engine: self._admit(engine, req, msg))
+        except Exception as exc:  # an invalid request is final; a failed hand-off may run elsewhere
+            self.owners.pop(msg.request_id, None)
+            await conn.send(m.RequestFailed(msg.request_id, str(exc), _retryable(exc)))
+            return
+        if first:
+            self.deliver(first)
+
+    @staticmethod
+    def _admit(engine: EngineCore, req: EngineRequest, msg: m.AddRequest) -> list:
+        if msg.reserved_block_ids is None:
+            engine.add_request(req)
+            return []
+        logprobs = logprobs_from_wire(msg.first_token, msg.first_logprob, msg.first_top_logprobs)
+        return engine.add_prefilled_request(req, msg.first_token, logprobs, msg.generator_state, msg.checksum)
+
+    async def on_abort(self, conn: Connection, msg: m.AbortRequest) -> None:
+        self.thread.post(lambda engine: engine.abort_request(msg.request_id, msg.sample_index))
+
+    async def on_reserve(self, conn: Connection, msg: m.ReserveBlocks) -> None:
+        deadline = to_monotonic(msg.deadline)
+        try:
+            blocks, cached = await self.thread.submit(
+                lambda engine: engine.reserve_remote_prefill(msg.request_id, msg.prompt_token_ids, deadline))
+        except Exception as exc:
+            await conn.send(m.ReservationFailed(msg.request_id, str(exc)))
+            return
+        await conn.send(m.BlocksReserved(msg.request_id, blocks, cached))
+
+    async def on_release(self, conn: Connection, msg: m.ReleaseReservation) -> None:
+        self.thread.post(lambda engine: engine.cancel_remote_prefill(msg.request_id) and None)
+
+    def on_owner_lost(self, request_id: str) -> None:
+        super().on_owner_lost(request_id)
+        self.thread.post(lambda engine: engine.abort_request(request_id))
+
+    def abort_everything(self, engine: EngineCore) -> None:
+        engine.abort_all()
+
+    def deliver(self, outputs: list) -> None:
+        by_owner: dict[int, tuple[Connection, list]] = {}
+        for update in outputs:
+            conn = self.owners.get(update.request_id)
+            if conn is not None:
+                by_owner.setdefault(id(conn), (conn, []))[1].append(update_to_wire(update))
+            if update.finish_reason is not None and update.request_id not in self.engine.scheduler.by_request:
+                self.owners.pop(update.request_id, None)  # every sample of the request has finished
+        for conn, rows in by_owner.values():
+            asyncio.ensure_future(_send_quietly(conn, m.TokenUpdates(rows)))
+
+    async def _sweep_reservations(self) -> None:
+        while not self.stopped.is_set():
+            await asyncio.sleep(RESERVATION_SWEEP_SECONDS)
+            self.thread.post(lambda engine: engine.expire_remote_prefills(time.monotonic()) and None)
+
+
+class PrefillActor(Actor):
+    """Runs prompts straight into attached decode actors' pools and reports the first token."""
+
+    def build_engine(self) -> PrefillEngine:
+        self.engine = PrefillEngine(EngineConfig(**self.spec.engine), device=self.spec.local_device)
+        self.loop.create_task(self._sweep_deadlines())
+        return self.engine
+
+    def ready_message(self) -> m.Ready:
+        return m.Ready(self.spec.actor_id, 0, self.engine.config.block_size, {"kind": "none"})
+
+    def handlers(self) -> dict[type, Callable]:
+        return {m.PrefillRequest: self.on_prefill, m.AbortRequest: self.on_abort, m.AttachPool: self.on_attach,
+                m.DetachPool: self.on_detach}
+
+    def load(self) -> dict[str, int]:
+        return {"running": len(self.engine.jobs), "waiting": 0, "kv_used": 0, "kv_total": 0}
+
+    async def on_attach(self, conn: Connection, msg: m.AttachPool) -> None:
+        storage = open_shared_pool(msg.kv_export)
+        cfg = self.engine.source.config
+        kv = KVCache(cfg, msg.num_blocks, msg.block_size, storage.dtype, storage.device, storage)
+        self.thread.post(lambda engine: engine.attach_pool(msg.actor_id, kv))
+
+    async def on_detach(self, conn: Connection, msg: m.DetachPool) -> None:
+        dropped = await self.thread.submit(lambda engine: engine.detach_pool(msg.actor_id))
+        for rid in dropped:
+            self.send_to_owner(rid, m.RequestFailed(rid, f"{msg.actor_id} went away", True), finished=True)
+
+    async def on_prefill(self, conn: Connection, msg: m.PrefillRequest) -> None:
+        job = PrefillJob(msg.request_id, msg.prompt_token_ids, params_from_wire(msg.sampling), msg.dest_block_ids,
+                         msg.skip_blocks * self.engine.config.block_size, msg.dest_actor_id,
+                         to_monotonic(msg.deadline))
+        self.owners[msg.request_id] = conn
+        try:
+            await self.thread.submit(lambda engine: engine.add(job))
+        except Exception as exc:
+            self.owners.pop(msg.request_id, None)
+            await conn.send(m.RequestFailed(msg.request_id, str(exc), True))
+
+    async def on_abort(self, conn: Connection, msg: m.AbortRequest) -> None:
+        self.owners.pop(msg.request_id, None)
+        self.thread.post(lambda engine: engine.abort(msg.request_id) and None)
+
+    def on_owner_lost(self, request_id: str) -> None:
+        super().on_owner_lost(request_id)
+        self.thread.post(lambda engine: engine.abort(request_id) and None)
+
+    def abort_everything(self, engine: PrefillEngine) -> None:
+        for rid in list(engine.jobs):
+            engine.abort(rid)
+
+    def deliver(self, outputs: list[PrefillResult]) -> None:
+        for res in outputs:
+            logprob, top = logprobs_to_wire(res.logprobs)
+            msg = m.KVReady(res.request_id, res.first_token, logprob, top, res.num_bytes, res.checksum,
+                            res.num_cached_tokens, res.generator_state)
+            self.send_to_owner(res.request_id, msg, finished=True)
+
+    async def _sweep_deadlines(self) -> None:
+        while not self.stopped.is_set():
+            await asyncio.sleep(RESERVATION_SWEEP_SECONDS)
+            late = await self.thread.submit(lambda engine: engine.expire())
+            for rid in late:
+                self.send_to_owner(rid, m.RequestFailed(rid, "prefill missed its deadline", True), finished=True)
+
+
+ACTOR_CLASSES = {"decode": DecodeActor, "prefill": PrefillActor}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="actors.worker")
+    parser.add_argument("--spec", required=True, help="ActorSpec as JSON")
+    spec = ActorSpec.from_json(parser.parse_args(argv).spec)
+    logging.basicConfig(stream=sys.stderr, level=logging.INFO,
+                        format=f"%(asctime)s {spec.actor_id} %(levelname)s %(message)s")
+    if spec.cpus:
+        os.sched_setaffinity(0, spec.cpus)
+    torch.set_num_threads(spec.threads)
+    try:
+        import uvloop
+        uvloop.run(ACTOR_CLASSES[spec.role](spec).run())
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

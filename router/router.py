@@ -1,0 +1,324 @@
+"""The router: the main process's engine client when the model runs in actor subprocesses.
+
+It places each request (colocated on a decode actor, or prefill actor + KV hand-off), drives the hand-off
+protocol, forwards token updates, and fails over when an actor dies: a request that has not streamed a
+token is retried elsewhere, one that has ends with an error. Every reservation it asks for carries a
+deadline, so a lost message can never pin blocks for longer than that.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from actors.convert import params_to_wire, update_from_wire
+from actors.spec import ActorSpec, split_cores
+from actors.supervisor import ActorHandle, Supervisor, SupervisorSettings
+from engine.engine_core import EngineRequest, EngineStats
+from engine.scheduler import SequenceUpdate
+from router.cost_model import DecodeCost, PrefillCost, TransferCost
+from router.placement import (COLOCATED, DISAGGREGATED, DecodeActorView, Placement, PlacementPolicy,
+                              PrefillActorView, place)
+from transport import messages as m
+
+log = logging.getLogger("router")
+
+# Costs until calibration measures them (a 135M model on one CPU core, roughly).
+DEFAULT_PREFILL = PrefillCost(fixed=0.01, per_token=0.002)
+DEFAULT_DECODE = DecodeCost(fixed=0.03, per_seq=0.002)
+SHM_TRANSFER = TransferCost(latency=0.001, bytes_per_second=float("inf"))  # written in place: no copy
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    policy: PlacementPolicy = PlacementPolicy("auto")
+    handoff_timeout: float = 30.0  # a reservation + prefill + commit must finish within this
+    max_attempts: int = 3
+    park_timeout: float = 60.0  # how long a request waits for a decode actor to come (back) up
+
+
+@dataclass(eq=False)
+class Routed:
+    request: EngineRequest
+    placement: Placement | None = None
+    decode: str | None = None
+    prefill: str | None = None
+    phase: str = "parked"  # parked | reserving | prefilling | decoding
+    streamed: bool = False
+    attempts: int = 0
+    finished_samples: set[int] = field(default_factory=set)
+    parked_at: float = field(default_factory=time.monotonic)
+
+
+class RequestFailedError(RuntimeError):
+    """The request could not be completed (after retries, or after tokens had already been streamed)."""
+
+
+class ActorRouter:
+    def __init__(self, specs: list[ActorSpec], on_updates: Callable[[list[SequenceUpdate]], None],
+                 on_error: Callable[[str, Exception], None], settings: RouterSettings = RouterSettings(),
+                 supervisor_settings: SupervisorSettings = SupervisorSettings()) -> None:
+        self.settings = settings
+        self._on_updates, self._on_error = on_updates, on_error
+        self.supervisor = Supervisor(specs, self._on_message, self._on_up, self._on_down, supervisor_settings)
+        self.routed: dict[str, Routed] = {}
+        self._watchdog: asyncio.Task | None = None
+        self._handlers = {m.TokenUpdates: self._on_tokens, m.BlocksReserved: self._on_reserved,
+                          m.ReservationFailed: self._on_reservation_failed, m.KVReady: self._on_kv_ready,
+                          m.RequestFailed: self._on_request_failed, m.Error: self._on_actor_error}
+
+    # ---------------------------------------------------------------- engine-client interface
+
+    async def start(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        await self.supervisor.start()
+        if not self.supervisor.ready("decode"):
+            raise RuntimeError("no decode actor could start; see the actor logs above")
+        self._watchdog = asyncio.create_task(self._watch())
+
+    async def add(self, request: EngineRequest) -> Placement | None:
+        if request.request_id in self.routed:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        routed = self.routed[request.request_id] = Routed(request)
+        return self._dispatch(routed)
+
+    def abort(self, request_id: str, sample_index: int | None = None) -> None:
+        routed = self.routed.get(request_id)
+        if routed is None:
+            return
+        if sample_index is None or routed.request.params.n == 1:
+            self._forget(routed)
+        self._send(routed.decode, m.AbortRequest(request_id, sample_index))
+        if routed.phase == "prefilling":
+            self._send(routed.prefill, m.AbortRequest(request_id))
+
+    def stats(self) -> EngineStats:
+        loads = [h.load for h in self.supervisor.ready("decode") if h.load is not None]
+        return EngineStats(sum(x.running for x in loads), sum(x.waiting for x in loads) + self._parked_count(),
+                           sum(x.kv_total for x in loads), sum(x.kv_used for x in loads), 0, 0, 0, 0)
+
+    def actors(self) -> list[dict]:
+        return [{"id": h.actor_id, "role": h.spec.role, "device": h.spec.device, "pid": h.pid, "state": h.state,
+                 "restarts": h.restarts, "running": h.load.running if h.load else 0,
+                 "kv_blocks": {"total": h.load.kv_total, "used": h.load.kv_used} if h.load else None}
+                for h in self.supervisor.handles]
+
+    def can_serve(self) -> bool:
+        return bool(self.supervisor.ready("decode"))
+
+    async def shutdown(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        for routed in list(self.routed.values()):
+            self._fail(routed, "the server is shutting down")
+        await self.supervisor.stop()
+
+    # ---------------------------------------------------------------- placement and dispatch
+
+    def _dispatch(self, routed: Routed) -> Placement | None:
+        routed.attempts += 1
+        placement = self._place(routed.request)
+        if placement is None:
+            routed.phase, routed.parked_at = "parked", time.monotonic()
+            return None
+        routed.placement, routed.decode = placement, placement.decode_actor
+        if placement.path == DISAGGREGATED and routed.request.params.n == 1:
+            routed.prefill, routed.phase = placement.prefill_actor, "reserving"
+            deadline = time.time() + self.settings.handoff_timeout
+            self._send(routed.decode, m.ReserveBlocks(routed.request.request_id, routed.request.prompt_token_ids,
+                                                       deadline))
+        else:
+            self._colocate(routed)
+        return placement
+
+    def _place(self, request: EngineRequest) -> Placement | None:
+        decodes = [h for h in self.supervisor.ready("decode")]
+        if not decodes:
+            return None
+        prefills = [PrefillActorView(h.actor_id, DEFAULT_PREFILL, 0, SHM_TRANSFER)
+                    for h in self.supervisor.ready("prefill")]
+        views = [self._decode_view(h) for h in decodes]
+        policy = self.settings.policy if prefills else PlacementPolicy("never")
+        block_size = decodes[0].ready.block_size
+        bytes_per_token = int(decodes[0].ready.kv_export.get("bytes_per_token", 0))
+        return place(policy, len(request.prompt_token_ids), block_size, views, prefills, bytes_per_token) \
+            or place(PlacementPolicy("never"), 0, block_size, views, [], bytes_per_token)
+
+    def _decode_view(self, handle: ActorHandle) -> DecodeActorView:
+        load = handle.load
+        free = handle.ready.num_kv_blocks - (load.kv_used if load else 0)
+        return DecodeActorView(handle.actor_id, load.running if load else 0, free, 0, DEFAULT_PREFILL,
+                               DEFAULT_DECODE)
+
+    def _colocate(self, routed: Routed) -> None:
+        routed.phase, routed.prefill = "decoding", None
+        req = routed.request
+        self._send(routed.decode, m.AddRequest(req.request_id, req.prompt_token_ids, params_to_wire(req.params),
+                                               req.priority, req.arrival_time))
+
+    # ---------------------------------------------------------------- messages from actors
+
+    def _on_message(self, handle: ActorHandle, msg: m.Message) -> None:
+        handler = self._handlers.get(type(msg))
+        if handler is None:
+            log.warning("unexpected %s from %s", type(msg).__name__, handle.actor_id)
+            return
+        handler(handle, msg)
+
+    def _on_tokens(self, handle: ActorHandle, msg: m.TokenUpdates) -> None:
+        updates = []
+        for row in msg.updates:
+            routed = self.routed.get(row.request_id)
+            if routed is None or routed.decode != handle.actor_id:
+                continue  # a request this actor no longer owns (aborted, or failed over)
+            routed.streamed |= row.token_id is not None
+            if row.finish_reason is not None:
+                routed.finished_samples.add(row.sample_index)
+                if len(routed.finished_samples) >= routed.request.params.n:
+                    self._forget(routed)
+            updates.append(update_from_wire(row))
+        if updates:
+            self._on_updates(updates)
+
+    def _on_reserved(self, handle: ActorHandle, msg: m.BlocksReserved) -> None:
+        routed = self._expect(msg.request_id, "reserving", handle)
+        if routed is None:
+            self._send(handle.actor_id, m.ReleaseReservation(msg.request_id))
+            return
+        routed.phase = "prefilling"
+        req = routed.request
+        block_size = handle.ready.block_size
+        self._send(routed.prefill, m.PrefillRequest(req.request_id, req.prompt_token_ids, params_to_wire(req.params),
+                                                    routed.decode, msg.block_ids, msg.num_cached_tokens // block_size,
+                                                    time.time() + self.settings.handoff_timeout))
+
+    def _on_reservation_failed(self, handle: ActorHandle, msg: m.ReservationFailed) -> None:
+        routed = self._expect(msg.request_id, "reserving", handle)
+        if routed is not None:
+            log.info("reservation for %s failed (%s): colocating", msg.request_id, msg.reason)
+            self._colocate(routed)
+
+    def _on_kv_ready(self, handle: ActorHandle, msg: m.KVReady) -> None:
+        routed = self.routed.get(msg.request_id)
+        if routed is None or routed.phase != "prefilling" or routed.prefill != handle.actor_id:
+            return
+        routed.phase = "decoding"
+        req = routed.request
+        self._send(routed.decode, m.AddRequest(
+            req.request_id, req.prompt_token_ids, params_to_wire(req.params), req.priority, req.arrival_time,
+            reserved_block_ids=[], first_token=msg.first_token, first_logprob=msg.logprob,
+            first_top_logprobs=msg.top_logprobs, generator_state=msg.generator_state, checksum=msg.checksum))
+
+    def _on_request_failed(self, handle: ActorHandle, msg: m.RequestFailed) -> None:
+        routed = self.routed.get(msg.request_id)
+        if routed is None:
+            return
+        log.warning("%s failed on %s: %s", msg.request_id, handle.actor_id, msg.reason)
+        if handle.actor_id == routed.prefill and routed.phase == "prefilling":
+            self._send(routed.decode, m.ReleaseReservation(msg.request_id))
+            self._colocate(routed)
+        elif msg.retryable and not routed.streamed:
+            self._retry(routed, msg.reason)
+        else:
+            self._fail(routed, msg.reason)
+
+    def _on_actor_error(self, handle: ActorHandle, msg: m.Error) -> None:
+        log.error("actor %s reports: %s", handle.actor_id, msg.message)
+
+    def _expect(self, request_id: str, phase: str, handle: ActorHandle) -> Routed | None:
+        routed = self.routed.get(request_id)
+        if routed is None or routed.phase != phase or routed.decode != handle.actor_id:
+            return None
+        return routed
+
+    # ---------------------------------------------------------------- actors coming and going
+
+    async def _on_up(self, handle: ActorHandle) -> None:
+        if handle.spec.role == "decode":
+            for prefill in self.supervisor.ready("prefill"):
+                await prefill.send(_attach(handle))
+        else:
+            for decode in self.supervisor.ready("decode"):
+                await handle.send(_attach(decode))
+        self._unpark()
+
+    async def _on_down(self, handle: ActorHandle) -> None:
+        if handle.spec.role == "decode":
+            for prefill in self.supervisor.ready("prefill"):
+                await prefill.send(m.DetachPool(handle.actor_id))
+        for routed in list(self.routed.values()):
+            if routed.decode == handle.actor_id:
+                self._decode_lost(routed)
+            elif routed.prefill == handle.actor_id and routed.phase in ("reserving", "prefilling"):
+                self._send(routed.decode, m.ReleaseReservation(routed.request.request_id))
+                self._colocate(routed)
+
+    def _decode_lost(self, routed: Routed) -> None:
+        if routed.phase == "prefilling":
+            self._send(routed.prefill, m.AbortRequest(routed.request.request_id))
+        if routed.streamed:
+            self._fail(routed, f"decode actor {routed.decode} died after streaming tokens")
+        else:
+            self._retry(routed, f"decode actor {routed.decode} died")
+
+    def _retry(self, routed: Routed, reason: str) -> None:
+        if routed.attempts >= self.settings.max_attempts:
+            self._fail(routed, f"{reason} (after {routed.attempts} attempts)")
+            return
+        log.info("retrying %s elsewhere: %s", routed.request.request_id, reason)
+        routed.decode = routed.prefill = None
+        self._dispatch(routed)
+
+    def _unpark(self) -> None:
+        for routed in [r for r in self.routed.values() if r.phase == "parked"]:
+            self._dispatch(routed)
+
+    async def _watch(self) -> None:
+        """Fail requests that waited too long for a decode actor, and retry parked ones when one is up."""
+        while True:
+            await asyncio.sleep(0.25)
+            now = time.monotonic()
+            for routed in [r for r in self.routed.values() if r.phase == "parked"]:
+                if now - routed.parked_at > self.settings.park_timeout:
+                    self._fail(routed, "no decode actor became available")
+            if self.supervisor.ready("decode"):
+                self._unpark()
+
+    def _parked_count(self) -> int:
+        return sum(r.phase == "parked" for r in self.routed.values())
+
+    def _fail(self, routed: Routed, reason: str) -> None:
+        self._forget(routed)
+        self._on_error(routed.request.request_id, RequestFailedError(reason))
+
+    def _forget(self, routed: Routed) -> None:
+        self.routed.pop(routed.request.request_id, None)
+
+    def _send(self, actor_id: str | None, msg: m.Message) -> None:
+        if actor_id is None:
+            return
+        handle = self.supervisor.by_id(actor_id)
+        asyncio.ensure_future(handle.send(msg))
+
+
+def _attach(decode: ActorHandle) -> m.AttachPool:
+    return m.AttachPool(decode.actor_id, decode.ready.kv_export, decode.ready.num_kv_blocks, decode.ready.block_size)
+
+
+def actor_specs(layout, engine_options: dict) -> list[ActorSpec]:
+    """Prefill actors first, then decode actors; each gets one listed device, or on a CPU-only host a
+    disjoint share of the cores (threads = share size)."""
+    roles = ["prefill"] * layout.prefill_actors + ["decode"] * layout.decode_actors
+    counters = {"prefill": 0, "decode": 0}
+    shares = split_cores(len(roles))
+    specs = []
+    for i, role in enumerate(roles):
+        actor_id = f"{role}-{counters[role]}"
+        counters[role] += 1
+        device = layout.devices[i % len(layout.devices)] if layout.devices else "cpu"
+        cpus = () if device != "cpu" else shares[i]
+        options = dict(engine_options, num_threads=max(len(cpus), 1))
+        specs.append(ActorSpec(actor_id, role, device, max(len(cpus), 1), cpus, "", options))
+    return specs

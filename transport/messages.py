@@ -1,0 +1,312 @@
+"""Every message that crosses a process boundary, in one module.
+
+Each message is a frozen dataclass with a stable wire tag (`TAG`); `MESSAGE_TYPES` maps tag -> class and is
+built from this module's classes at import. Tags are part of the protocol: never rename or reuse one. Adding,
+removing or reordering fields of a message changes the wire format, so bump `PROTOCOL_VERSION` with it (peers
+compare versions in `Hello`).
+
+Field types are restricted to what msgpack carries natively (the codec checks them against these annotations):
+`int` (64-bit), `float`, `str`, `bytes`, `bool`, `None`, `list[T]`, `dict[str, T]`, `Any` (any nesting of those,
+depth-limited), and `Record` subclasses, which travel as positional arrays (compact rows). Large tensors never
+travel as lists of numbers: KV pages go through shared memory / CUDA IPC, or as one `bytes` payload over TCP.
+
+Conventions:
+- ids: `request_id` is the router's request id (str); `actor_id` names an actor ("decode-0").
+- times are seconds. `deadline` is an absolute Unix time (`time.time()`), None = no deadline; peers on other
+  hosts need synchronised clocks (NTP), and should treat a deadline already in the past as expired.
+- `sampling` is the request's `SamplingParams` as a dict of its fields (tuples as lists).
+
+Flows (router = main process):
+- start-up:   actor -> Hello, actor -> Ready (model loaded, KV pool exported).
+- liveness:   router -> Heartbeat, actor -> HeartbeatAck (with load figures).
+- colocated:  router -> AddRequest, actor -> TokenUpdates ..., router -> AbortRequest when a client leaves.
+- hand-off:   router -> ReserveBlocks (decode) -> BlocksReserved | ReservationFailed;
+              router -> PrefillRequest (prefill) -> [KVPages ... over TCP] -> KVReady | RequestFailed;
+              router -> AddRequest(reserved_block_ids, first_token) (decode), or ReleaseReservation on failure.
+- stop:       router -> Drain (finish running work, accept none), router -> Shutdown; either side -> Error.
+"""
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, is_dataclass
+from types import MappingProxyType
+from typing import Any, ClassVar
+
+PROTOCOL_VERSION = 1
+
+KV_EXPORT_KINDS = ("shm", "cuda_ipc", "none")
+"""`Ready.kv_export["kind"]`: how peers map the actor's KV pool."""
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """A positional struct on the wire: a msgpack array of its field values in declaration order."""
+
+
+@dataclass(frozen=True, slots=True)
+class Message(Record):
+    """A top-level wire message; subclasses set a unique, stable `TAG`."""
+
+    TAG: ClassVar[str] = ""
+
+
+# ---- rows (Records nested inside messages) --------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class TopLogprob(Record):
+    """One alternative token and its log-probability; on the wire `[token_id, logprob]`."""
+
+    token_id: int
+    logprob: float
+
+
+@dataclass(frozen=True, slots=True)
+class TokenUpdate(Record):
+    """One step of one sample: a new token and/or the end of the sample. On the wire a compact row:
+    `[request_id, sample_index, token_id, finish_reason, logprob, top_logprobs, num_prompt_tokens,
+    num_cached_tokens]`. `token_id` is None when only the finish is reported (e.g. aborted)."""
+
+    request_id: str
+    sample_index: int
+    token_id: int | None
+    finish_reason: str | None = None
+    logprob: float | None = None
+    top_logprobs: list[TopLogprob] | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+# ---- start-up and liveness ------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Hello(Message):
+    """First message of an actor on a new connection: who it is."""
+
+    TAG: ClassVar[str] = "hello"
+    role: str  # "prefill" | "decode" | "draft"
+    device: str  # "cuda:0", "cpu"
+    pid: int
+    actor_id: str
+    protocol_version: int = PROTOCOL_VERSION
+
+
+@dataclass(frozen=True, slots=True)
+class Ready(Message):
+    """The actor loaded its model and exported its KV pool; it now accepts work.
+
+    `kv_export` describes the pool for peers that write into it: `{"kind": one of KV_EXPORT_KINDS,
+    "name": str (shm segment) | None, "handle": bytes (CUDA IPC) | None, "shape": [int, ...],
+    "dtype": str, ...}`; the actor engineer owns the exact keys (layout per layer, scales)."""
+
+    TAG: ClassVar[str] = "ready"
+    actor_id: str
+    num_kv_blocks: int
+    block_size: int
+    kv_export: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat(Message):
+    TAG: ClassVar[str] = "heartbeat"
+    seq: int
+    time: float
+
+
+@dataclass(frozen=True, slots=True)
+class HeartbeatAck(Message):
+    """Answers `Heartbeat(seq)` with the actor's load; `time` echoes the heartbeat's, for round-trip time."""
+
+    TAG: ClassVar[str] = "heartbeat_ack"
+    seq: int
+    time: float
+    running: int
+    waiting: int
+    kv_used: int
+    kv_total: int
+
+
+# ---- requests -------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class AddRequest(Message):
+    """Schedule a request. With `reserved_block_ids` and `first_token`, the prompt's KV is already in those
+    blocks (a finished hand-off): the actor skips prefill and starts decoding after `first_token`."""
+
+    TAG: ClassVar[str] = "add_request"
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: dict[str, Any]
+    priority: int = 0
+    arrival_time: float = 0.0
+    deadline: float | None = None
+    reserved_block_ids: list[int] | None = None
+    first_token: int | None = None
+    first_logprob: float | None = None
+    first_top_logprobs: list[TopLogprob] | None = None
+    generator_state: bytes | None = None  # the sampler RNG after the first token, so seeded sampling continues
+    checksum: int | None = None  # crc32 of the KV the prefill actor wrote; verified before decoding
+
+
+@dataclass(frozen=True, slots=True)
+class AbortRequest(Message):
+    """Stop a request (all samples, or one) and free its blocks; the actor answers with finish rows."""
+
+    TAG: ClassVar[str] = "abort_request"
+    request_id: str
+    sample_index: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TokenUpdates(Message):
+    """Everything one engine step produced, for all its requests, in one frame."""
+
+    TAG: ClassVar[str] = "token_updates"
+    updates: list[TokenUpdate]
+
+
+@dataclass(frozen=True, slots=True)
+class RequestFailed(Message):
+    """The actor cannot finish this request. `retryable` means no token was streamed and it may run elsewhere."""
+
+    TAG: ClassVar[str] = "request_failed"
+    request_id: str
+    reason: str
+    retryable: bool
+
+
+# ---- KV hand-off ----------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class ReserveBlocks(Message):
+    """Ask a decode actor to hold blocks for a prompt's KV until `deadline`. Blocks already in its prefix cache
+    (found by the prompt's chained block hashes, which the actor computes) are reused and not transferred."""
+
+    TAG: ClassVar[str] = "reserve_blocks"
+    request_id: str
+    prompt_token_ids: list[int]
+    deadline: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class BlocksReserved(Message):
+    """All of the request's blocks, in order; the first `num_cached_tokens // block_size` hold cached KV."""
+
+    TAG: ClassVar[str] = "blocks_reserved"
+    request_id: str
+    block_ids: list[int]
+    num_cached_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReservationFailed(Message):
+    TAG: ClassVar[str] = "reservation_failed"
+    request_id: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseReservation(Message):
+    """Give reserved blocks back (hand-off failed or timed out); idempotent."""
+
+    TAG: ClassVar[str] = "release_reservation"
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillRequest(Message):
+    """Prefill a prompt on a prefill actor and write its KV into `dest_block_ids` of `dest_actor_id`'s pool,
+    skipping the first `skip_blocks` blocks (already cached there)."""
+
+    TAG: ClassVar[str] = "prefill_request"
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: dict[str, Any]
+    dest_actor_id: str
+    dest_block_ids: list[int]
+    skip_blocks: int
+    deadline: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class KVPages(Message):
+    """One layer's pages for some blocks, for peers on another host (same host: shared memory instead).
+    `payload` is the raw page bytes (K then V, scales beside quantised pages) in the pool's layout."""
+
+    TAG: ClassVar[str] = "kv_pages"
+    request_id: str
+    layer: int
+    block_ids: list[int]
+    payload: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class KVReady(Message):
+    """The prefill actor finished writing the KV; `checksum` over the `num_bytes` written lets the decode
+    actor refuse a corrupt transfer instead of producing garbage."""
+
+    TAG: ClassVar[str] = "kv_ready"
+    request_id: str
+    first_token: int
+    logprob: float | None
+    top_logprobs: list[TopLogprob] | None
+    num_bytes: int
+    checksum: int
+    num_cached_tokens: int = 0  # prompt tokens the destination already had (not computed, not written)
+    generator_state: bytes | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AttachPool(Message):
+    """Tell a prefill actor how to map a decode actor's exported KV pool (sent whenever that actor is ready)."""
+
+    TAG: ClassVar[str] = "attach_pool"
+    actor_id: str
+    kv_export: dict[str, Any]
+    num_blocks: int
+    block_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class DetachPool(Message):
+    """A decode actor went away: drop its pool and fail the prefills that were writing into it."""
+
+    TAG: ClassVar[str] = "detach_pool"
+    actor_id: str
+
+
+# ---- lifecycle ------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Drain(Message):
+    """Finish running requests, accept no new ones."""
+
+    TAG: ClassVar[str] = "drain"
+
+
+@dataclass(frozen=True, slots=True)
+class Shutdown(Message):
+    TAG: ClassVar[str] = "shutdown"
+
+
+@dataclass(frozen=True, slots=True)
+class Error(Message):
+    """A peer reports a problem that is not about one request (e.g. a protocol version mismatch)."""
+
+    TAG: ClassVar[str] = "error"
+    message: str
+
+
+def _collect_messages(namespace: Mapping[str, object]) -> Mapping[str, type[Message]]:
+    classes = [v for v in namespace.values()
+               if isinstance(v, type) and issubclass(v, Message) and v is not Message]
+    registry: dict[str, type[Message]] = {}
+    for cls in classes:
+        if not cls.TAG or cls.TAG in registry or not is_dataclass(cls):
+            raise TypeError(f"message {cls.__name__}: missing, duplicate or non-dataclass tag {cls.TAG!r}")
+        registry[cls.TAG] = cls
+    return MappingProxyType(registry)
+
+
+MESSAGE_TYPES: Mapping[str, type[Message]] = _collect_messages(vars(sys.modules[__name__]))
+"""tag -> message class, for every message in this module."""
