@@ -82,7 +82,7 @@ class Actor:
         await conn.send(m.Hello(self.spec.role, self.spec.device, os.getpid(), self.spec.actor_id))
         await conn.send(self.ready_message())
         handlers = self.handlers() | {m.Heartbeat: self.on_heartbeat, m.Shutdown: self.on_shutdown,
-                                      m.Drain: self.on_drain}
+                                      m.Drain: self.on_drain, m.CheckIntegrity: self.on_check_integrity}
         try:
             async for msg in conn:
                 handler = handlers.get(type(msg))
@@ -100,6 +100,12 @@ class Actor:
 
     async def on_heartbeat(self, conn: Connection, msg: m.Heartbeat) -> None:
         await conn.send(m.HeartbeatAck(msg.seq, msg.time, **self.load()))
+
+    async def on_check_integrity(self, conn: Connection, msg: m.CheckIntegrity) -> None:
+        await conn.send(await self.thread.submit(self.integrity_report))
+
+    def integrity_report(self, engine: Any) -> m.IntegrityReport:
+        return m.IntegrityReport(self.spec.actor_id, None, 0, 0, 0, len(self.owners))
 
     async def on_shutdown(self, conn: Connection, msg: m.Shutdown) -> None:
         self.stopped.set()
@@ -176,13 +182,10 @@ class DecodeActor(Actor):
                             time.monotonic())
         self.owners[msg.request_id] = conn
         try:
-            first = await self.thread.submit(lambda engine: self._admit(engine, req, msg))
+            await self.thread.submit(lambda engine: self.thread.emit(self._admit(engine, req, msg)))
         except Exception as exc:  # an invalid request is final; a failed hand-off may run elsewhere
             self.owners.pop(msg.request_id, None)
             await conn.send(m.RequestFailed(msg.request_id, str(exc), _retryable(exc)))
-            return
-        if first:
-            self.deliver(first)
 
     @staticmethod
     def _admit(engine: EngineCore, req: EngineRequest, msg: m.AddRequest) -> list:
@@ -214,6 +217,16 @@ class DecodeActor(Actor):
 
     def abort_everything(self, engine: EngineCore) -> None:
         engine.abort_all()
+
+    def integrity_report(self, engine: EngineCore) -> m.IntegrityReport:
+        pool = engine.pool
+        try:
+            pool.check_integrity()
+            error = None
+        except AssertionError as exc:
+            error = str(exc)
+        return m.IntegrityReport(self.spec.actor_id, error, pool.num_used, pool.num_cached,
+                                 len(pool.reserved_owners()), len(engine.scheduler.running))
 
     def deliver(self, outputs: list) -> None:
         by_owner: dict[int, tuple[Connection, list]] = {}

@@ -45,6 +45,11 @@ class EngineThread:
         """Run fn(engine) on the engine thread; a list it returns is delivered like step outputs."""
         self._calls.put((fn, None))
 
+    def emit(self, outputs: list) -> None:
+        """From the engine thread: deliver outputs now, ahead of the next step's (order is preserved)."""
+        if outputs:
+            self._to_loop(self._on_outputs, outputs)
+
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stopped.set()
         self._calls.put((None, None))

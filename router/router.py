@@ -67,7 +67,11 @@ class ActorRouter:
         self._watchdog: asyncio.Task | None = None
         self._handlers = {m.TokenUpdates: self._on_tokens, m.BlocksReserved: self._on_reserved,
                           m.ReservationFailed: self._on_reservation_failed, m.KVReady: self._on_kv_ready,
-                          m.RequestFailed: self._on_request_failed, m.Error: self._on_actor_error}
+                          m.RequestFailed: self._on_request_failed, m.Error: self._on_actor_error,
+                          m.IntegrityReport: self._on_integrity_report}
+        self._integrity_waiters: dict[str, asyncio.Future] = {}
+        self.kv_bytes_transferred = 0
+        self.kv_transfers = 0
 
     # ---------------------------------------------------------------- engine-client interface
 
@@ -107,6 +111,21 @@ class ActorRouter:
 
     def can_serve(self) -> bool:
         return bool(self.supervisor.ready("decode"))
+
+    async def check_integrity(self, actor_id: str, timeout: float = 10.0) -> m.IntegrityReport:
+        """Ask one actor to verify its block pool; raises TimeoutError if it does not answer."""
+        future = self._integrity_waiters[actor_id] = asyncio.get_running_loop().create_future()
+        if not await self.supervisor.by_id(actor_id).send(m.CheckIntegrity()):
+            raise ConnectionError(f"actor {actor_id} is not reachable")
+        try:
+            return await asyncio.wait_for(future, timeout)
+        finally:
+            self._integrity_waiters.pop(actor_id, None)
+
+    def _on_integrity_report(self, handle: ActorHandle, msg: m.IntegrityReport) -> None:
+        future = self._integrity_waiters.get(handle.actor_id)
+        if future is not None and not future.done():
+            future.set_result(msg)
 
     async def shutdown(self) -> None:
         if self._watchdog is not None:
@@ -205,6 +224,8 @@ class ActorRouter:
         if routed is None or routed.phase != "prefilling" or routed.prefill != handle.actor_id:
             return
         routed.phase = "decoding"
+        self.kv_bytes_transferred += msg.num_bytes
+        self.kv_transfers += 1
         req = routed.request
         self._send(routed.decode, m.AddRequest(
             req.request_id, req.prompt_token_ids, params_to_wire(req.params), req.priority, req.arrival_time,

@@ -1,0 +1,126 @@
+"""Actor subprocesses end to end on the tiny model: hand-off correctness, failover, hostile input."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import pytest
+import pytest_asyncio
+
+from engine import LLM, AsyncLLM, SamplingParams
+from router.router import RequestFailedError
+from tests.test_engine import GREEDY, make_prompts
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+OPTIONS = dict(dtype="float32", num_kv_blocks=256, block_size=8, max_num_batched_tokens=64)
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def cluster(tiny_model_dir):
+    llm = AsyncLLM(str(tiny_model_dir), decode_actors=1, prefill_actors=1, disagg="always", **OPTIONS)
+    await llm.start()
+    yield llm
+    await llm.aclose()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    return LLM(str(tiny_model_dir), **OPTIONS)
+
+
+async def generate(llm: AsyncLLM, prompt, params=GREEDY) -> list[int]:
+    token_ids: list[int] = []
+    async for out in llm.generate(prompt, params):
+        token_ids = out.token_ids
+    return token_ids
+
+
+async def wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.02)
+
+
+async def assert_clean(llm: AsyncLLM) -> None:
+    """No leaked blocks or reservations on any live decode actor once the work is done."""
+    router = llm._client
+    await wait_for(lambda: not router.routed, 10, "the router to forget finished requests")
+    for handle in router.supervisor.ready("decode"):
+        report = await router.check_integrity(handle.actor_id)
+        assert report.error is None, report.error
+        assert (report.used_blocks, report.reservations, report.running) == (0, 0, 0), report
+
+
+async def test_disaggregated_outputs_equal_colocated(cluster, reference):
+    prompts = make_prompts(8, seed=41)
+    outs = await asyncio.gather(*(generate(cluster, p) for p in prompts))
+    assert outs == [o.token_ids for o in reference.generate(prompts, GREEDY)]
+    assert cluster._client.kv_transfers >= 8
+    await assert_clean(cluster)
+
+
+async def test_only_missing_blocks_move_on_a_prefix_hit(cluster, reference):
+    router = cluster._client
+    decode = router.supervisor.ready("decode")[0].ready
+    bytes_per_block = decode.kv_export["bytes_per_token"] * decode.block_size
+    shared = make_prompts(1, seed=42)[0] * 2
+    first, second = shared + [7, 8, 9], shared + [11, 12, 13, 14, 15]
+    assert await generate(cluster, first) == reference.generate([first], GREEDY)[0].token_ids
+    before = router.kv_bytes_transferred
+    assert await generate(cluster, second) == reference.generate([second], GREEDY)[0].token_ids
+    total_blocks = -(-len(second) // 8)
+    cached_blocks = len(shared) // 8
+    assert router.kv_bytes_transferred - before == (total_blocks - cached_blocks) * bytes_per_block
+    await assert_clean(cluster)
+
+
+async def test_garbage_on_an_actor_socket_leaves_it_serving(cluster, reference):
+    handle = cluster._client.supervisor.ready("decode")[0]
+    for payload in (os.urandom(4096), (2 ** 31).to_bytes(4, "big") + b"x" * 64):
+        reader, writer = await asyncio.open_unix_connection(handle.spec.socket_path)
+        writer.write(payload)
+        await writer.drain()
+        await asyncio.wait_for(reader.read(), 10)  # the actor closes this connection (after its greeting)
+        writer.close()
+    prompt = make_prompts(1, seed=43)[0]
+    assert await generate(cluster, prompt) == reference.generate([prompt], GREEDY)[0].token_ids
+    assert handle.state == "ready" and handle.restarts == 0
+
+
+async def test_prefill_actor_killed_mid_prefill_falls_back_to_colocated(cluster, reference):
+    router = cluster._client
+    prompt = make_prompts(1, seed=44, vocab=512)[0] * 12  # hundreds of tokens: many prefill chunks
+    task = asyncio.create_task(generate(cluster, prompt))
+    await wait_for(lambda: any(r.phase == "prefilling" for r in router.routed.values()), 20, "a prefill")
+    prefill = router.supervisor.ready("prefill")[0]
+    restarts = prefill.restarts
+    os.kill(prefill.pid, signal.SIGKILL)
+    assert await task == reference.generate([prompt], GREEDY)[0].token_ids
+    await assert_clean(cluster)
+    await wait_for(lambda: prefill.state == "ready" and prefill.restarts == restarts + 1, 30, "the restart")
+
+
+async def test_decode_actor_killed_mid_decode(cluster, reference):
+    router = cluster._client
+    long = SamplingParams(max_tokens=700, temperature=0.0, ignore_eos=True)
+    streamed = asyncio.Event()
+
+    async def stream_until_killed():
+        async for _ in cluster.generate(make_prompts(1, seed=45)[0], long):
+            streamed.set()
+
+    task = asyncio.create_task(stream_until_killed())
+    await asyncio.wait_for(streamed.wait(), 20)
+    decode = router.supervisor.ready("decode")[0]
+    os.kill(decode.pid, signal.SIGKILL)
+    with pytest.raises(RequestFailedError, match="after streaming"):
+        await asyncio.wait_for(task, 20)
+    # a request that arrives while no decode actor is up waits for the restart, then completes
+    prompt = make_prompts(1, seed=46)[0]
+    late = asyncio.create_task(generate(cluster, prompt))
+    await wait_for(lambda: decode.state == "ready" and decode.restarts == 1, 30, "the decode actor's restart")
+    assert await asyncio.wait_for(late, 30) == reference.generate([prompt], GREEDY)[0].token_ids
+    await assert_clean(cluster)
+    assert cluster.can_serve()
