@@ -268,6 +268,26 @@ class AttachPool(Message):
 
 
 @dataclass(frozen=True, slots=True)
+class CheckIntegrity(Message):
+    """Ask an actor to verify its block bookkeeping (tests and operators; O(blocks), so not per heartbeat)."""
+
+    TAG: ClassVar[str] = "check_integrity"
+
+
+@dataclass(frozen=True, slots=True)
+class IntegrityReport(Message):
+    """`error` is None when every invariant holds; counts let a caller spot leaked blocks or reservations."""
+
+    TAG: ClassVar[str] = "integrity_report"
+    actor_id: str
+    error: str | None
+    used_blocks: int
+    cached_blocks: int
+    reservations: int
+    running: int
+
+
+@dataclass(frozen=True, slots=True)
 class DetachPool(Message):
     """A decode actor went away: drop its pool and fail the prefills that were writing into it."""
 
