@@ -17,6 +17,7 @@ class ActorSpec:
     cpus: tuple[int, ...] = ()  # CPU affinity (empty: inherit)
     socket_path: str = ""  # the Unix socket the actor listens on (inside the supervisor's 0700 directory)
     engine: dict = field(default_factory=dict)  # EngineConfig keyword arguments
+    remote: bool = False  # joined over TCP from another host: its KV pool cannot be mapped here
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Awaitable, Callable
 
-from actors.spec import ActorSpec
-from transport import Connection, ConnectionClosed, TransportError, connect_unix, private_socket_dir
+from actors.spec import ROLES, ActorSpec
+from transport import Connection, TransportError, connect_unix, private_socket_dir, serve_tcp
 from transport import messages as m
 
 log = logging.getLogger("supervisor")
@@ -82,6 +82,7 @@ class Supervisor:
                         for s in specs]
         self._on_message, self._on_up, self._on_down = on_message, on_up, on_down
         self._stopping = False
+        self._tcp = None
 
     async def start(self) -> None:
         """Start every actor and wait until each is ready (or has failed to start)."""
@@ -90,7 +91,38 @@ class Supervisor:
     async def stop(self, grace: float = 5.0) -> None:
         self._stopping = True
         await asyncio.gather(*(self._stop(h, grace) for h in self.handles))
+        if self._tcp is not None:
+            await self._tcp.close()
         shutil.rmtree(self.socket_dir, ignore_errors=True)
+
+    async def listen_for_workers(self, host: str, port: int, secret: bytes) -> tuple[str, int]:
+        """Accept actors on other hosts (`cli.py worker --connect HOST:PORT`) over authenticated TCP."""
+        self._tcp = await serve_tcp(host, port, secret, self._accept_remote)
+        return self._tcp.address
+
+    async def _accept_remote(self, conn: Connection) -> None:
+        hello = await conn.recv(timeout=self.settings.start_timeout)
+        ready = await conn.recv(timeout=self.settings.start_timeout)
+        if not isinstance(hello, m.Hello) or not isinstance(ready, m.Ready) or hello.role not in ROLES:
+            raise TransportError("a remote worker must open with Hello and Ready")
+        handle = self._remote_handle(hello)
+        handle.incarnation += 1
+        handle.conn, handle.ready, handle.state, handle.last_ack = conn, ready, "ready", time.monotonic()
+        incarnation = handle.incarnation
+        handle.tasks = [asyncio.create_task(self._heartbeat(handle, incarnation))]
+        log.info("remote actor %s (%s) joined from %s", handle.actor_id, hello.role, conn.peer)
+        await _maybe_await(self._on_up(handle))
+        await self._read(handle, incarnation)
+
+    def _remote_handle(self, hello: m.Hello) -> ActorHandle:
+        for handle in self.handles:
+            if handle.actor_id == hello.actor_id:
+                if handle.state == "ready" or not handle.spec.remote:
+                    raise TransportError(f"actor id {hello.actor_id!r} is already taken")
+                return handle
+        handle = ActorHandle(ActorSpec(hello.actor_id, hello.role, hello.device, remote=True))
+        self.handles.append(handle)
+        return handle
 
     def kill(self, actor_id: str, sig: int = signal.SIGKILL) -> None:
         """Send a signal to an actor's process (tests and operators use this for failure drills)."""
@@ -206,7 +238,7 @@ class Supervisor:
             await handle.process.wait()
         if was_ready:
             await _maybe_await(self._on_down(handle))
-        if not self._stopping:
+        if not self._stopping and not handle.spec.remote:  # a remote worker reconnects by itself
             asyncio.create_task(self._restart(handle))
 
     async def _restart(self, handle: ActorHandle) -> None:

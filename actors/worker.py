@@ -25,7 +25,7 @@ from engine.engine_core import EngineCore, EngineRequest, RequestError
 from engine.engine_thread import EngineThread
 from engine.kv_cache import KVCache
 from engine.prefill_engine import PrefillEngine, PrefillJob, PrefillResult
-from transport import Connection, ConnectionClosed, TransportError, serve_unix
+from transport import Connection, TransportError, connect_tcp, load_secret, serve_unix
 from transport import messages as m
 
 log = logging.getLogger("actor")
@@ -63,17 +63,40 @@ class Actor:
 
     # ---------------------------------------------------------------- lifecycle
     async def run(self) -> None:
-        self.loop = asyncio.get_running_loop()
-        engine = self.build_engine()
-        self.thread = EngineThread(engine, self.loop, self.deliver, self._on_step_error, name=self.spec.actor_id)
+        """Serve on the spec's Unix socket (spawned by a local supervisor)."""
+        self._start_engine()
         server = await serve_unix(self.spec.socket_path, self.serve_connection)
         log.info("actor %s (%s) ready on %s", self.spec.actor_id, self.spec.role, self.spec.socket_path)
         try:
             await self.stopped.wait()
         finally:
             await server.close()
-            self.thread.shutdown()
-            self.release()
+            self._stop_engine()
+
+    async def run_connected(self, host: str, port: int, secret: bytes) -> None:
+        """Join a server on another host over authenticated TCP, reconnecting until told to shut down."""
+        self._start_engine()
+        try:
+            while not self.stopped.is_set():
+                try:
+                    conn = await connect_tcp(host, port, secret)
+                except (TransportError, OSError, TimeoutError) as exc:
+                    log.warning("cannot reach %s:%s (%s); retrying", host, port, exc)
+                    await asyncio.sleep(1.0)
+                    continue
+                log.info("actor %s joined %s:%s", self.spec.actor_id, host, port)
+                await self.serve_connection(conn)
+        finally:
+            self._stop_engine()
+
+    def _start_engine(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        engine = self.build_engine()
+        self.thread = EngineThread(engine, self.loop, self.deliver, self._on_step_error, name=self.spec.actor_id)
+
+    def _stop_engine(self) -> None:
+        self.thread.shutdown()
+        self.release()
 
     def release(self) -> None:
         """Free process-external resources (shared memory) on the way out."""
@@ -81,18 +104,24 @@ class Actor:
     async def serve_connection(self, conn: Connection) -> None:
         await conn.send(m.Hello(self.spec.role, self.spec.device, os.getpid(), self.spec.actor_id))
         await conn.send(self.ready_message())
-        handlers = self.handlers() | {m.Heartbeat: self.on_heartbeat, m.Shutdown: self.on_shutdown,
-                                      m.Drain: self.on_drain, m.CheckIntegrity: self.on_check_integrity}
         try:
-            async for msg in conn:
-                handler = handlers.get(type(msg))
-                if handler is None:
-                    await conn.send(m.Error(f"{self.spec.role} actor does not handle {type(msg).__name__}"))
-                    continue
-                await handler(conn, msg)
+            await self._dispatch_messages(conn)
+        except (TransportError, ConnectionError, OSError):
+            pass  # the peer left or sent garbage: this connection ends, the actor goes on
         finally:
             for rid in [rid for rid, owner in self.owners.items() if owner is conn]:
                 self.on_owner_lost(rid)
+            conn.close()
+
+    async def _dispatch_messages(self, conn: Connection) -> None:
+        handlers = self.handlers() | {m.Heartbeat: self.on_heartbeat, m.Shutdown: self.on_shutdown,
+                                      m.Drain: self.on_drain, m.CheckIntegrity: self.on_check_integrity}
+        async for msg in conn:
+            handler = handlers.get(type(msg))
+            if handler is None:
+                await conn.send(m.Error(f"{self.spec.role} actor does not handle {type(msg).__name__}"))
+                continue
+            await handler(conn, msg)
 
     def on_owner_lost(self, request_id: str) -> None:
         """The router that submitted a request went away: nobody will read its output."""
@@ -151,14 +180,15 @@ class DecodeActor(Actor):
             self.pool = create_shared_pool(shape, dtype, self.spec.local_device, tag=self.spec.actor_id)
             return self.pool.tensor
 
+        shared = not self.spec.remote  # peers on another host cannot map our memory
         self.engine = EngineCore(EngineConfig(**self.spec.engine), device=self.spec.local_device,
-                                 kv_allocator=allocate)
+                                 kv_allocator=allocate if shared else None)
         self.loop.create_task(self._sweep_reservations())
         return self.engine
 
     def ready_message(self) -> m.Ready:
         kv = self.engine.kv_cache
-        export = dict(self.pool.export, bytes_per_token=kv.bytes_per_token)
+        export = dict(self.pool.export if self.pool else {"kind": "none"}, bytes_per_token=kv.bytes_per_token)
         return m.Ready(self.spec.actor_id, kv.num_blocks, kv.block_size, export)
 
     def release(self) -> None:
@@ -318,7 +348,10 @@ ACTOR_CLASSES = {"decode": DecodeActor, "prefill": PrefillActor}
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="actors.worker")
     parser.add_argument("--spec", required=True, help="ActorSpec as JSON")
-    spec = ActorSpec.from_json(parser.parse_args(argv).spec)
+    parser.add_argument("--connect", default=None, help="HOST:PORT of a server to join over TCP")
+    parser.add_argument("--secret-file", default=None, help="shared secret (else $PHASE_SERVE_SECRET)")
+    args = parser.parse_args(argv)
+    spec = ActorSpec.from_json(args.spec)
     logging.basicConfig(stream=sys.stderr, level=logging.INFO,
                         format=f"%(asctime)s {spec.actor_id} %(levelname)s %(message)s")
     if spec.cpus:
@@ -326,7 +359,12 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(spec.threads)
     try:
         import uvloop
-        uvloop.run(ACTOR_CLASSES[spec.role](spec).run())
+        actor = ACTOR_CLASSES[spec.role](spec)
+        if args.connect is None:
+            uvloop.run(actor.run())
+        else:
+            host, port = args.connect.rsplit(":", 1)
+            uvloop.run(actor.run_connected(host, int(port), load_secret(args.secret_file)))
     except KeyboardInterrupt:
         pass
     return 0

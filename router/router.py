@@ -19,8 +19,8 @@ from actors.supervisor import ActorHandle, Supervisor, SupervisorSettings
 from engine.engine_core import EngineRequest, EngineStats
 from engine.scheduler import SequenceUpdate
 from router.cost_model import DecodeCost, PrefillCost, TransferCost
-from router.placement import (COLOCATED, DISAGGREGATED, DecodeActorView, Placement, PlacementPolicy,
-                              PrefillActorView, place)
+from router.placement import (DISAGGREGATED, DecodeActorView, Placement, PlacementPolicy, PrefillActorView,
+                              choose_decode_actor, place)
 from transport import messages as m
 
 log = logging.getLogger("router")
@@ -153,17 +153,21 @@ class ActorRouter:
         return placement
 
     def _place(self, request: EngineRequest) -> Placement | None:
-        decodes = [h for h in self.supervisor.ready("decode")]
+        decodes = self.supervisor.ready("decode")
         if not decodes:
             return None
-        prefills = [PrefillActorView(h.actor_id, DEFAULT_PREFILL, 0, SHM_TRANSFER)
-                    for h in self.supervisor.ready("prefill")]
-        views = [self._decode_view(h) for h in decodes]
-        policy = self.settings.policy if prefills else PlacementPolicy("never")
         block_size = decodes[0].ready.block_size
-        bytes_per_token = int(decodes[0].ready.kv_export.get("bytes_per_token", 0))
-        return place(policy, len(request.prompt_token_ids), block_size, views, prefills, bytes_per_token) \
-            or place(PlacementPolicy("never"), 0, block_size, views, [], bytes_per_token)
+        prompt = len(request.prompt_token_ids)
+        views = {h.actor_id: self._decode_view(h) for h in decodes}
+        chosen = choose_decode_actor(list(views.values()), prompt, block_size) or min(
+            views.values(), key=lambda v: v.running)  # none has room now: queue on the least loaded
+        handle = self.supervisor.by_id(chosen.actor_id)
+        prefills = [PrefillActorView(h.actor_id, DEFAULT_PREFILL, 0, SHM_TRANSFER)
+                    for h in self.supervisor.ready("prefill")] if _mappable(handle) else []
+        policy = self.settings.policy if prefills else PlacementPolicy("never")
+        bytes_per_token = int(handle.ready.kv_export.get("bytes_per_token", 0))
+        return place(policy, prompt, block_size, [chosen], prefills, bytes_per_token) \
+            or place(PlacementPolicy("never"), 0, block_size, [chosen], [], bytes_per_token)
 
     def _decode_view(self, handle: ActorHandle) -> DecodeActorView:
         load = handle.load
@@ -257,11 +261,11 @@ class ActorRouter:
     # ---------------------------------------------------------------- actors coming and going
 
     async def _on_up(self, handle: ActorHandle) -> None:
-        if handle.spec.role == "decode":
+        if handle.spec.role == "decode" and _mappable(handle):
             for prefill in self.supervisor.ready("prefill"):
                 await prefill.send(_attach(handle))
-        else:
-            for decode in self.supervisor.ready("decode"):
+        elif handle.spec.role == "prefill":
+            for decode in filter(_mappable, self.supervisor.ready("decode")):
                 await handle.send(_attach(decode))
         self._unpark()
 
@@ -322,6 +326,11 @@ class ActorRouter:
             return
         handle = self.supervisor.by_id(actor_id)
         asyncio.ensure_future(handle.send(msg))
+
+
+def _mappable(decode: ActorHandle) -> bool:
+    """Only a pool on this host (shared memory / CUDA IPC) can be written into by our prefill actors."""
+    return decode.ready.kv_export.get("kind") in ("shm", "cuda_ipc")
 
 
 def _attach(decode: ActorHandle) -> m.AttachPool:

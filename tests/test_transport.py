@@ -354,11 +354,14 @@ async def test_explicit_path_needs_a_private_parent(tmp_path):
     assert not (tmp_path / "private").exists()
 
 
-async def test_close_cancels_live_handlers(unix_server):
+async def test_close_cancels_live_handlers(unix_server, caplog):
     conn = await connect_unix(unix_server.address)
     await _round_trip(conn, m.Drain())
-    await asyncio.wait_for(unix_server.close(), timeout=5)
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        await asyncio.wait_for(unix_server.close(), timeout=5)
+        await asyncio.sleep(0.01)
     assert unix_server.num_connections == 0
+    assert not [r for r in caplog.records if r.name == "asyncio"]  # no "Exception in callback" noise
     with pytest.raises(ConnectionClosed):
         await conn.recv(timeout=5)
 

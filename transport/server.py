@@ -55,6 +55,8 @@ class TransportServer:
         try:
             if await self._authenticate(reader, writer):
                 await self._serve(Connection(reader, writer, max_frame=self._max_frame))
+        except asyncio.CancelledError:
+            pass  # close() cancelled us; asyncio's stream callback (3.11) would log a cancelled task as an error
         finally:
             self._tasks.discard(task)
 
