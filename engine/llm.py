@@ -140,9 +140,9 @@ class AsyncLLM:
 
     def __init__(self, model: str | None = None, dtype: str | None = None, *, decode_actors: int = 0,
                  prefill_actors: int = 0, devices: Sequence[str] = (), disagg: str = "auto",
-                 **engine_options) -> None:
+                 listen_workers: str | None = None, **engine_options) -> None:
         self.config = _engine_config(model, dtype, engine_options)
-        self.layout = ActorLayout(prefill_actors, decode_actors, tuple(devices), disagg)
+        self.layout = ActorLayout(prefill_actors, decode_actors, tuple(devices), disagg, listen_workers)
         self.engine = None if self.layout.uses_actors else EngineCore(self.config)
         self.source = self.engine.source if self.engine else resolve_model(self.config.model)
         self.tokenizer = self.source.tokenizer
@@ -176,7 +176,7 @@ class AsyncLLM:
 
         specs = actor_specs(self.layout, _config_options(self.config))
         router = ActorRouter(specs, self._on_updates, self._on_error, RouterSettings(PlacementPolicy(self.layout.disagg)))
-        await router.start()
+        await router.start(self.layout.listen_address())
         return router
 
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
@@ -299,6 +299,7 @@ class ActorLayout:
     decode_actors: int = 0
     devices: tuple[str, ...] = ()
     disagg: str = "auto"
+    listen_workers: str | None = None  # HOST:PORT where workers on other hosts join (secret: $PHASE_SERVE_SECRET)
 
     def __post_init__(self) -> None:
         if self.prefill_actors < 0 or self.decode_actors < 0:
@@ -308,7 +309,15 @@ class ActorLayout:
 
     @property
     def uses_actors(self) -> bool:
-        return self.decode_actors > 0
+        return self.decode_actors > 0 or self.listen_workers is not None
+
+    def listen_address(self) -> tuple[str, int, bytes] | None:
+        if self.listen_workers is None:
+            return None
+        from transport import load_secret
+
+        host, port = self.listen_workers.rsplit(":", 1)
+        return host, int(port), load_secret()
 
 
 def _config_options(config: EngineConfig) -> dict:

@@ -75,10 +75,13 @@ class ActorRouter:
 
     # ---------------------------------------------------------------- engine-client interface
 
-    async def start(self) -> None:
+    async def start(self, listen: tuple[str, int, bytes] | None = None) -> None:
+        """Spawn the local actors; with `listen=(host, port, secret)` also accept workers from other hosts."""
         self.loop = asyncio.get_running_loop()
         await self.supervisor.start()
-        if not self.supervisor.ready("decode"):
+        if listen is not None:
+            self.listen_address = await self.supervisor.listen_for_workers(*listen)
+        elif not self.supervisor.ready("decode"):
             raise RuntimeError("no decode actor could start; see the actor logs above")
         self._watchdog = asyncio.create_task(self._watch())
 

@@ -124,3 +124,29 @@ async def test_decode_actor_killed_mid_decode(cluster, reference):
     assert await asyncio.wait_for(late, 30) == reference.generate([prompt], GREEDY)[0].token_ids
     await assert_clean(cluster)
     assert cluster.can_serve()
+
+
+async def test_worker_joins_over_tcp_and_serves(tiny_model_dir, reference, monkeypatch):
+    import secrets
+    import sys
+
+    from actors.spec import ActorSpec
+
+    secret = secrets.token_hex(16)
+    monkeypatch.setenv("PHASE_SERVE_SECRET", secret)
+    llm = AsyncLLM(str(tiny_model_dir), listen_workers="127.0.0.1:0", **OPTIONS)
+    await llm.start()
+    host, port = llm._client.listen_address
+    spec = ActorSpec("remote-decode-0", "decode", engine=dict(model=str(tiny_model_dir), **OPTIONS))
+    worker = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "actors.worker", "--spec", spec.to_json(), "--connect", f"{host}:{port}",
+        env={**os.environ, "PHASE_SERVE_SECRET": secret})
+    try:
+        prompt = make_prompts(1, seed=47)[0]
+        assert await asyncio.wait_for(generate(llm, prompt), 60) == reference.generate([prompt], GREEDY)[0].token_ids
+        (handle,) = llm._client.supervisor.ready("decode")
+        assert handle.actor_id == "remote-decode-0" and handle.spec.remote
+    finally:
+        await llm.aclose()
+        await asyncio.wait_for(worker.wait(), 20)
+    assert worker.returncode == 0
