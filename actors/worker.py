@@ -20,6 +20,7 @@ import torch
 from actors.convert import logprobs_from_wire, logprobs_to_wire, params_from_wire, update_to_wire
 from actors.kv_export import SharedPool, create_shared_pool, open_shared_pool
 from actors.spec import ActorSpec
+from engine.calibration import calibrate_engine, calibrate_prefill_engine
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore, EngineRequest, RequestError
 from engine.engine_thread import EngineThread
@@ -183,13 +184,15 @@ class DecodeActor(Actor):
         shared = not self.spec.remote  # peers on another host cannot map our memory
         self.engine = EngineCore(EngineConfig(**self.spec.engine), device=self.spec.local_device,
                                  kv_allocator=allocate if shared else None)
+        self.calibration = calibrate_engine(self.engine)
+        log.info("calibrated: %s", self.calibration)
         self.loop.create_task(self._sweep_reservations())
         return self.engine
 
     def ready_message(self) -> m.Ready:
         kv = self.engine.kv_cache
         export = dict(self.pool.export if self.pool else {"kind": "none"}, bytes_per_token=kv.bytes_per_token)
-        return m.Ready(self.spec.actor_id, kv.num_blocks, kv.block_size, export)
+        return m.Ready(self.spec.actor_id, kv.num_blocks, kv.block_size, export, self.calibration.to_wire())
 
     def release(self) -> None:
         if self.pool is not None:
@@ -280,11 +283,14 @@ class PrefillActor(Actor):
 
     def build_engine(self) -> PrefillEngine:
         self.engine = PrefillEngine(EngineConfig(**self.spec.engine), device=self.spec.local_device)
+        self.calibration = calibrate_prefill_engine(self.engine)
+        log.info("calibrated: %s", self.calibration)
         self.loop.create_task(self._sweep_deadlines())
         return self.engine
 
     def ready_message(self) -> m.Ready:
-        return m.Ready(self.spec.actor_id, 0, self.engine.config.block_size, {"kind": "none"})
+        return m.Ready(self.spec.actor_id, 0, self.engine.config.block_size, {"kind": "none"},
+                       self.calibration.to_wire())
 
     def handlers(self) -> dict[type, Callable]:
         return {m.PrefillRequest: self.on_prefill, m.AbortRequest: self.on_abort, m.AttachPool: self.on_attach,

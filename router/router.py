@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -18,7 +19,7 @@ from actors.spec import ActorSpec, split_cores
 from actors.supervisor import ActorHandle, Supervisor, SupervisorSettings
 from engine.engine_core import EngineRequest, EngineStats
 from engine.scheduler import SequenceUpdate
-from router.cost_model import DecodeCost, PrefillCost, TransferCost
+from router.cost_model import DecodeCost, PrefillCost, Smoothed, TransferCost
 from router.placement import (DISAGGREGATED, DecodeActorView, Placement, PlacementPolicy, PrefillActorView,
                               choose_decode_actor, place)
 from transport import messages as m
@@ -50,6 +51,9 @@ class Routed:
     attempts: int = 0
     finished_samples: set[int] = field(default_factory=set)
     parked_at: float = field(default_factory=time.monotonic)
+    dispatched_at: float = 0.0
+    prefill_started_at: float = 0.0
+    cached_tokens: int = 0
 
 
 class RequestFailedError(RuntimeError):
@@ -70,6 +74,8 @@ class ActorRouter:
                           m.RequestFailed: self._on_request_failed, m.Error: self._on_actor_error,
                           m.IntegrityReport: self._on_integrity_report}
         self._integrity_waiters: dict[str, asyncio.Future] = {}
+        self.corrections: dict[str, Smoothed] = {}  # actor -> observed / predicted prefill time
+        self.estimate_errors: deque[float] = deque(maxlen=1024)  # |predicted - observed| / observed
         self.kv_bytes_transferred = 0
         self.kv_transfers = 0
 
@@ -146,6 +152,7 @@ class ActorRouter:
             routed.phase, routed.parked_at = "parked", time.monotonic()
             return None
         routed.placement, routed.decode = placement, placement.decode_actor
+        routed.dispatched_at = time.monotonic()
         if placement.path == DISAGGREGATED and routed.request.params.n == 1:
             routed.prefill, routed.phase = placement.prefill_actor, "reserving"
             deadline = time.time() + self.settings.handoff_timeout
@@ -165,7 +172,7 @@ class ActorRouter:
         chosen = choose_decode_actor(list(views.values()), prompt, block_size) or min(
             views.values(), key=lambda v: v.running)  # none has room now: queue on the least loaded
         handle = self.supervisor.by_id(chosen.actor_id)
-        prefills = [PrefillActorView(h.actor_id, DEFAULT_PREFILL, 0, SHM_TRANSFER)
+        prefills = [PrefillActorView(h.actor_id, self._prefill_cost(h), self._queued_prefill(h), SHM_TRANSFER)
                     for h in self.supervisor.ready("prefill")] if _mappable(handle) else []
         policy = self.settings.policy if prefills else PlacementPolicy("never")
         bytes_per_token = int(handle.ready.kv_export.get("bytes_per_token", 0))
@@ -175,8 +182,43 @@ class ActorRouter:
     def _decode_view(self, handle: ActorHandle) -> DecodeActorView:
         load = handle.load
         free = handle.ready.num_kv_blocks - (load.kv_used if load else 0)
-        return DecodeActorView(handle.actor_id, load.running if load else 0, free, 0, DEFAULT_PREFILL,
-                               DEFAULT_DECODE)
+        calib = handle.ready.calibration or {}
+        decode = DecodeCost.fit(calib["decode"]) if calib.get("decode") else DEFAULT_DECODE
+        return DecodeActorView(handle.actor_id, load.running if load else 0, free, 0, self._prefill_cost(handle),
+                               decode)
+
+    def _prefill_cost(self, handle: ActorHandle) -> PrefillCost:
+        """Fitted from the actor's start-up calibration, scaled by what live traffic has shown since."""
+        samples = (handle.ready.calibration or {}).get("prefill")
+        base = PrefillCost.fit(samples) if samples else DEFAULT_PREFILL
+        ratio = self.corrections.get(handle.actor_id, Smoothed()).ratio
+        return PrefillCost(base.fixed * ratio, base.per_token * ratio, base.per_token_sq * ratio)
+
+    def _queued_prefill(self, handle: ActorHandle) -> int:
+        return sum(len(r.request.prompt_token_ids) for r in self.routed.values()
+                   if r.prefill == handle.actor_id and r.phase in ("reserving", "prefilling"))
+
+    def calibration(self) -> dict:
+        """What /status shows: each actor's fitted costs and the live correction applied to them."""
+        out = {}
+        for h in self.supervisor.handles:
+            if h.state != "ready":
+                continue
+            cost = self._prefill_cost(h)
+            entry = {"prefill_seconds_per_token": cost.per_token, "prefill_fixed_seconds": cost.fixed,
+                     "correction": self.corrections.get(h.actor_id, Smoothed()).ratio}
+            if h.spec.role == "decode":
+                decode = self._decode_view(h).decode
+                entry |= {"decode_step_fixed_seconds": decode.fixed, "decode_step_seconds_per_seq": decode.per_seq}
+            out[h.actor_id] = entry
+        return out
+
+    def _record_estimate(self, handle: ActorHandle, predicted: float, observed: float) -> None:
+        """Check a prefill estimate against what happened: feeds the online correction and the error metric."""
+        self.corrections[handle.actor_id] = self.corrections.get(handle.actor_id, Smoothed()).observe(
+            predicted, observed)
+        if observed > 0:
+            self.estimate_errors.append(abs(predicted - observed) / observed)
 
     def _colocate(self, routed: Routed) -> None:
         routed.phase, routed.prefill = "decoding", None
@@ -199,6 +241,9 @@ class ActorRouter:
             routed = self.routed.get(row.request_id)
             if routed is None or routed.decode != handle.actor_id:
                 continue  # a request this actor no longer owns (aborted, or failed over)
+            if not routed.streamed and routed.prefill is None and routed.placement is not None:
+                self._record_estimate(handle, routed.placement.estimated_ttft,
+                                      time.monotonic() - routed.dispatched_at)
             routed.streamed |= row.token_id is not None
             if row.finish_reason is not None:
                 routed.finished_samples.add(row.sample_index)
@@ -214,6 +259,7 @@ class ActorRouter:
             self._send(handle.actor_id, m.ReleaseReservation(msg.request_id))
             return
         routed.phase = "prefilling"
+        routed.prefill_started_at, routed.cached_tokens = time.monotonic(), msg.num_cached_tokens
         req = routed.request
         block_size = handle.ready.block_size
         self._send(routed.prefill, m.PrefillRequest(req.request_id, req.prompt_token_ids, params_to_wire(req.params),
@@ -231,6 +277,9 @@ class ActorRouter:
         if routed is None or routed.phase != "prefilling" or routed.prefill != handle.actor_id:
             return
         routed.phase = "decoding"
+        uncached = len(routed.request.prompt_token_ids) - routed.cached_tokens
+        self._record_estimate(handle, self._prefill_cost(handle).seconds(uncached),
+                              time.monotonic() - routed.prefill_started_at)
         self.kv_bytes_transferred += msg.num_bytes
         self.kv_transfers += 1
         req = routed.request

@@ -92,10 +92,11 @@ async def test_garbage_on_an_actor_socket_leaves_it_serving(cluster, reference):
 async def test_prefill_actor_killed_mid_prefill_falls_back_to_colocated(cluster, reference):
     router = cluster._client
     prompt = make_prompts(1, seed=44, vocab=512)[0] * 12  # hundreds of tokens: many prefill chunks
-    task = asyncio.create_task(generate(cluster, prompt))
-    await wait_for(lambda: any(r.phase == "prefilling" for r in router.routed.values()), 20, "a prefill")
     prefill = router.supervisor.ready("prefill")[0]
     restarts = prefill.restarts
+    os.kill(prefill.pid, signal.SIGSTOP)  # freeze it so the kill lands while its prefill is in flight
+    task = asyncio.create_task(generate(cluster, prompt))
+    await wait_for(lambda: any(r.phase == "prefilling" for r in router.routed.values()), 20, "a prefill")
     os.kill(prefill.pid, signal.SIGKILL)
     assert await task == reference.generate([prompt], GREEDY)[0].token_ids
     await assert_clean(cluster)

@@ -104,6 +104,7 @@ class Ready(Message):
     num_kv_blocks: int
     block_size: int
     kv_export: dict[str, Any]
+    calibration: dict[str, Any] | None = None  # {"prefill": [[tokens, seconds], ...], "decode": [[batch, s], ...]}
 
 
 @dataclass(frozen=True, slots=True)

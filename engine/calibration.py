@@ -1,0 +1,104 @@
+"""Start-up calibration: how long this engine takes to prefill n tokens and to run a decode step of B
+sequences, measured on the real model so that placement decisions rest on numbers, not guesses."""
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+
+from engine.engine_core import EngineCore, EngineRequest
+from engine.kv_cache import KVCache
+from engine.prefill_engine import PrefillEngine, PrefillJob
+from engine.sampling_params import SamplingParams
+
+PREFILL_LENGTHS = (32, 128, 384)
+DECODE_BATCHES = (1, 4, 16)
+DECODE_STEPS = 4
+ONE_TOKEN = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    prefill: list[tuple[int, float]]  # (prompt tokens, seconds to first token)
+    decode: list[tuple[int, float]]  # (batch size, seconds per decode step)
+
+    def to_wire(self) -> dict:
+        return {"prefill": [list(p) for p in self.prefill], "decode": [list(d) for d in self.decode]}
+
+
+def _random_prompt(rng: random.Random, length: int, vocab: int) -> list[int]:
+    return [rng.randrange(vocab) for _ in range(length)]  # random ids: never hits the prefix cache
+
+
+def _usable_lengths(max_len: int, budget_tokens: int) -> list[int]:
+    return [n for n in PREFILL_LENGTHS if n < max_len and n <= budget_tokens]
+
+
+def calibrate_engine(engine: EngineCore, seed: int = 0) -> Calibration:
+    """Times whole requests through the public engine API; leaves the pool as it found it (blocks end CACHED)."""
+    rng = random.Random(seed)
+    vocab = engine.source.config.vocab_size
+    budget = engine.pool.num_blocks * engine.pool.block_size // 2
+    engine_prefill = [(n, _time_prefill(engine, _random_prompt(rng, n, vocab)))
+                      for n in _usable_lengths(engine.max_model_len, budget)]
+    decode = [(b, _time_decode(engine, b, rng, vocab)) for b in DECODE_BATCHES
+              if b <= engine.config.max_num_seqs and b * 16 < budget]
+    return Calibration(engine_prefill, decode)
+
+
+def _time_prefill(engine: EngineCore, prompt: list[int]) -> float:
+    _run_one(engine, prompt)  # warm-up: first calls of a shape pay for allocation
+    start = time.perf_counter()
+    _run_one(engine, prompt[::-1])
+    return time.perf_counter() - start
+
+
+def _run_one(engine: EngineCore, prompt: list[int]) -> None:
+    rid = f"calibrate-{time.perf_counter_ns()}"
+    engine.add_request(EngineRequest(rid, prompt, ONE_TOKEN))
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def _time_decode(engine: EngineCore, batch: int, rng: random.Random, vocab: int) -> float:
+    params = SamplingParams(max_tokens=DECODE_STEPS + 2, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(EngineRequest(f"calibrate-d{batch}-{i}", _random_prompt(rng, 8, vocab), params))
+    engine.step()  # every prompt prefilled in one step (8 * batch tokens fit the budget)
+    engine.step()
+    start = time.perf_counter()
+    for _ in range(DECODE_STEPS):
+        engine.step()
+    elapsed = (time.perf_counter() - start) / DECODE_STEPS
+    while engine.has_unfinished_requests():
+        engine.step()
+    return elapsed
+
+
+def calibrate_prefill_engine(engine: PrefillEngine, seed: int = 0) -> Calibration:
+    """Prefill timings against a scratch pool attached just for this."""
+    rng = random.Random(seed)
+    cfg, bs = engine.source.config, engine.config.block_size
+    max_len = max(PREFILL_LENGTHS)
+    scratch = KVCache(cfg, -(-max_len // bs) + 1, bs, engine.dtype)
+    engine.attach_pool("calibration", scratch)
+    try:
+        samples = [(n, _time_job(engine, _random_prompt(rng, n, cfg.vocab_size), bs))
+                   for n in _usable_lengths(cfg.max_position_embeddings, max_len)]
+    finally:
+        engine.detach_pool("calibration")
+    return Calibration(samples, [])
+
+
+def _time_job(engine: PrefillEngine, prompt: list[int], block_size: int) -> float:
+    def run() -> None:
+        table = list(range(-(-len(prompt) // block_size)))
+        engine.add(PrefillJob(f"calibrate-{time.perf_counter_ns()}", prompt, ONE_TOKEN, table, 0, "calibration",
+                              time.monotonic() + 600))
+        while engine.has_work():
+            engine.step()
+
+    run()
+    start = time.perf_counter()
+    run()
+    return time.perf_counter() - start
