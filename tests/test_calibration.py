@@ -1,0 +1,27 @@
+"""Start-up calibration measures real steps and leaves the engine as it found it."""
+from __future__ import annotations
+
+from engine.calibration import calibrate_engine, calibrate_prefill_engine
+from engine.config import EngineConfig
+from engine.engine_core import EngineCore
+from engine.prefill_engine import PrefillEngine
+from router.cost_model import DecodeCost, PrefillCost
+
+
+def test_decode_engine_calibration(tiny_model_dir):
+    engine = EngineCore(EngineConfig(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=256, block_size=8))
+    calib = calibrate_engine(engine)
+    assert [n for n, _ in calib.prefill] == [32, 128, 384]
+    assert [b for b, _ in calib.decode] == [1, 4, 16]
+    assert all(seconds > 0 for _, seconds in calib.prefill + calib.decode)
+    assert PrefillCost.fit(calib.prefill).seconds(256) > 0 and DecodeCost.fit(calib.decode).step_seconds(8) > 0
+    engine.pool.check_integrity()
+    assert engine.pool.num_used == 0 and not engine.has_unfinished_requests()
+    assert calib.to_wire()["prefill"][0][0] == 32
+
+
+def test_prefill_engine_calibration_detaches_its_scratch_pool(tiny_model_dir):
+    engine = PrefillEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", block_size=8))
+    calib = calibrate_prefill_engine(engine)
+    assert [n for n, _ in calib.prefill] == [32, 128, 384] and calib.decode == []
+    assert engine.pools == {} and engine.jobs == {}
