@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml | $(PY)
 install: $(STAMP)
 
 serve: install
-	$(PY) cli.py generate --chat "Write one sentence about the sea."
+	$(PY) cli.py serve
 
 test: install
 	$(PY) -m pytest -q

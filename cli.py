@@ -1,4 +1,4 @@
-"""Command line: `python cli.py generate PROMPT`, `python cli.py chat`."""
+"""Command line: `python cli.py serve`, `python cli.py generate PROMPT`, `python cli.py chat`."""
 from __future__ import annotations
 
 import argparse
@@ -27,7 +27,16 @@ def build_parser() -> argparse.ArgumentParser:
     for p in (gen, chat):
         add_engine_args(p)
         _sampling_args(p)
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_engine_args(serve)
+    _add_server_args(serve)
     return parser
+
+
+def _add_server_args(parser: argparse.ArgumentParser) -> None:
+    from server.args import add_server_args  # here: only `serve` needs the server's packages
+
+    add_server_args(parser)
 
 
 def _sampling_params(args: argparse.Namespace):
@@ -89,6 +98,10 @@ def _read_line() -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        from server.main import serve
+
+        return serve(args)
     logging.basicConfig(stream=sys.stderr, level=logging.WARNING)
     from engine.config import ConfigError
     from engine.model.errors import ModelLoadError

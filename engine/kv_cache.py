@@ -55,9 +55,19 @@ class KVCache:
         return self.data[:, :, 0, 0].numel() * self.data.element_size()
 
     def checksum(self, block_ids: list[int]) -> tuple[int, int]:
-        """(bytes, crc32) of the given blocks across all layers: proves a hand-off wrote what was computed."""
+        """(bytes written, crc32 of a fingerprint) of the given blocks, computed by the writer of a hand-off
+        and again by the owner before it decodes from them.
+
+        The fingerprint covers the first and last layer, keys and values, the first and last slot of every
+        block: cheap enough to run on the decode actor's step thread, and it still catches what actually
+        goes wrong with pages shared in place: a writer holding a stale mapping (the owner restarted with a
+        new pool), wrong block ids, or pages overwritten after the writer reported ready.
+        """
         if not block_ids:
             return 0, 0
-        index = torch.tensor(block_ids, dtype=torch.long, device=self.data.device)
-        pages = self.data.index_select(2, index).contiguous().view(torch.uint8).cpu().numpy()
-        return pages.nbytes, zlib.crc32(pages)
+        blocks = torch.tensor(block_ids, dtype=torch.long, device=self.data.device)[:, None]
+        slots = torch.tensor([0, self.block_size - 1], device=self.data.device)[None, :]
+        last = self.data.shape[0] - 1
+        sample = torch.stack([self.data[layer][:, blocks, slots] for layer in (0, last)])  # [2, 2, nb, 2, H, D]
+        num_bytes = len(block_ids) * self.data[:, :, 0].numel() * self.data.element_size()
+        return num_bytes, zlib.crc32(sample.contiguous().view(torch.uint8).cpu().numpy())

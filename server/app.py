@@ -1,0 +1,137 @@
+"""The aiohttp application: routes, middlewares (request ids, access log, errors, API key) and small handlers."""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+import uuid
+from typing import Awaitable, Callable
+
+import structlog
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from engine.llm import AsyncLLM
+from server.context import CONTEXT, REQUEST_ID, TRACKER, ServerContext
+from server.errors import ApiError, error_response, from_http_exception
+from server.generation import handle_generation
+from server.logging import make_logger
+from server.responses import model_list
+from server.settings import ServerSettings
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+CLIENT_CLOSED = 499  # nginx's status for "the client went away before the answer"
+ID_PREFIXES = {"/v1/completions": "cmpl-", "/v1/chat/completions": "chatcmpl-"}
+
+
+def create_app(llm: AsyncLLM, settings: ServerSettings,
+               log: structlog.stdlib.BoundLogger | None = None) -> web.Application:
+    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[_request_scope, _require_api_key])
+    app[CONTEXT] = ServerContext.build(llm, settings, log or make_logger())
+    app.on_response_prepare.append(_add_request_id_header)
+    app.add_routes([web.post("/v1/completions", _completions), web.post("/v1/chat/completions", _chat),
+                    web.get("/v1/models", _models), web.get("/health", _health), web.get("/metrics", _metrics),
+                    web.get("/status", _status)])
+    return app
+
+
+def new_request_id(path: str) -> str:
+    return ID_PREFIXES.get(path, "req-") + uuid.uuid4().hex
+
+
+# ---------------------------------------------------------------------------------------- middlewares
+
+@web.middleware
+async def _request_scope(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Binds the request id to every log line of the request, turns errors into OpenAI-shaped JSON and writes
+    exactly one access line."""
+    ctx = request.app[CONTEXT]
+    request[REQUEST_ID] = new_request_id(request.path)
+    started, status = time.monotonic(), 500
+    with structlog.contextvars.bound_contextvars(request_id=request[REQUEST_ID]):
+        try:
+            response = await _json_errors(ctx, request, handler)
+            status = response.status
+            return response
+        except asyncio.CancelledError:
+            status = CLIENT_CLOSED
+            raise
+        finally:
+            _access_line(ctx, request, status, time.monotonic() - started)
+
+
+async def _json_errors(ctx: ServerContext, request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except ApiError as err:
+        return error_response(err)
+    except web.HTTPException as exc:  # the router's 404 / 405
+        return error_response(from_http_exception(exc))
+    except Exception:
+        ctx.log.exception("unhandled error", method=request.method, path=request.path)
+        return error_response(ApiError(500, f"internal server error (request {request[REQUEST_ID]})", None,
+                                       "internal_error"))
+
+
+def _access_line(ctx: ServerContext, request: web.Request, status: int, seconds: float) -> None:
+    tracker = request.get(TRACKER)
+    usage = {} if tracker is None else {
+        "prompt_tokens": tracker.prompt_tokens, "completion_tokens": tracker.completion_tokens,
+        "ttft": None if tracker.ttft is None else round(tracker.ttft, 4), "quadrant": tracker.quadrant.value,
+        "outcome": "cancelled" if status == CLIENT_CLOSED else tracker.outcome}
+    ctx.log.info("access", method=request.method, path=request.path, status=status,
+                 total_time=round(seconds, 4), **usage)
+
+
+@web.middleware
+async def _require_api_key(request: web.Request, handler: Handler) -> web.StreamResponse:
+    key = request.app[CONTEXT].settings.api_key
+    if key is None or not request.path.startswith("/v1/"):
+        return await handler(request)
+    given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
+    if not hmac.compare_digest(given.encode(), key.encode()):
+        raise ApiError(401, "missing or incorrect API key; send 'Authorization: Bearer <key>'", None,
+                       "invalid_api_key", {"WWW-Authenticate": "Bearer"})
+    return await handler(request)
+
+
+async def _add_request_id_header(request: web.Request, response: web.StreamResponse) -> None:
+    if REQUEST_ID in request:
+        response.headers["X-Request-Id"] = request[REQUEST_ID]
+
+
+# ---------------------------------------------------------------------------------------- handlers
+
+async def _completions(request: web.Request) -> web.StreamResponse:
+    return await handle_generation(request, request.app[CONTEXT], chat=False)
+
+
+async def _chat(request: web.Request) -> web.StreamResponse:
+    return await handle_generation(request, request.app[CONTEXT], chat=True)
+
+
+async def _models(request: web.Request) -> web.Response:
+    ctx = request.app[CONTEXT]
+    return web.json_response(model_list(ctx.limits.name, ctx.created, ctx.limits.max_model_len))
+
+
+async def _health(request: web.Request) -> web.Response:
+    request.app[CONTEXT].admission.check_open()
+    return web.json_response({"status": "ok"})
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    body = request.app[CONTEXT].metrics.render()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def _status(request: web.Request) -> web.Response:
+    ctx = request.app[CONTEXT]
+    s = ctx.llm.stats()
+    return web.json_response({
+        "model": ctx.limits.name, "dtype": ctx.dtype, "max_model_len": ctx.limits.max_model_len,
+        "running": s.running, "waiting": s.waiting, "in_flight": len(ctx.admission.active_ids),
+        "draining": ctx.admission.draining,
+        "kv_blocks": {"total": s.kv_blocks_total, "used": s.kv_blocks_used, "cached": s.kv_blocks_cached},
+        "prefix_cache": {"queries": s.prefix_queries, "hits": s.prefix_hits},
+        "preemptions": s.num_preemptions})

@@ -1,0 +1,48 @@
+"""What every handler of one app shares: the engine client, settings, metrics and admission control."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+from aiohttp import web
+
+from engine.llm import AsyncLLM
+from server.admission import Admission
+from server.metrics import ServerMetrics
+from server.protocol import ModelLimits
+from server.settings import ServerSettings
+
+
+def _request_key(name: str, kind: type) -> Any:
+    # Typed request keys arrived in aiohttp 3.14; older versions take plain strings.
+    key_type = getattr(web, "RequestKey", None)
+    return name if key_type is None else key_type(name, kind)
+
+
+REQUEST_ID = _request_key("phase_serve_request_id", str)  # per-request storage (aiohttp requests are mappings)
+TRACKER = _request_key("phase_serve_tracker", object)
+
+
+@dataclass(frozen=True)
+class ServerContext:
+    llm: AsyncLLM
+    settings: ServerSettings
+    limits: ModelLimits
+    dtype: str
+    metrics: ServerMetrics
+    admission: Admission
+    log: structlog.stdlib.BoundLogger
+    created: int  # unix time the app was built; the model card's `created`
+
+    @classmethod
+    def build(cls, llm: AsyncLLM, settings: ServerSettings, log: structlog.stdlib.BoundLogger) -> ServerContext:
+        limits = ModelLimits(settings.served_model_name or llm.model_name, llm.max_model_len,
+                             llm.engine.source.config.vocab_size)
+        dtype = str(llm.engine.dtype).removeprefix("torch.")
+        return cls(llm, settings, limits, dtype, ServerMetrics(llm.stats), Admission(settings.max_queue), log,
+                   int(time.time()))
+
+
+CONTEXT = web.AppKey("phase_serve_context", ServerContext)

@@ -1,0 +1,200 @@
+"""One generation request end to end: read and validate, tokenise, admit, run on the engine, answer whole or
+as server-sent events, and record its metrics."""
+from __future__ import annotations
+
+import asyncio
+import time
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+import jinja2
+from aiohttp import web
+
+from engine.engine_core import RequestError
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import Tokenizer
+from server.context import REQUEST_ID, TRACKER, ServerContext
+from server.errors import ApiError, bad_request
+from server.metrics import RequestRecord
+from server.protocol import (GenerationRequest, ModelLimits, check_prompt_tokens, effective_max_tokens,
+                             messages_as_dicts, parse_chat, parse_completion, parse_json_body, sampling_params)
+from server.quadrant import Quadrant, QuadrantThresholds, classify
+from server.responses import ResponseMeta, chat_body, completion_body
+from server.streaming import DONE, SSE_HEADERS, ChunkBuilder, encode_events, sse_event
+
+PATH = "colocated"  # the only placement so far; disaggregated comes with the actors
+OFFLOAD_CHARS = 16_384  # longer texts are tokenised on a worker thread so the loop stays responsive
+
+
+@dataclass(frozen=True)
+class Prepared:
+    request: GenerationRequest
+    token_ids: list[int]
+    params: SamplingParams
+    quadrant: Quadrant
+
+
+@dataclass
+class RequestTracker:
+    """What the access log and the metrics need to know about one request as it runs."""
+
+    request_id: str
+    arrival: float  # time.monotonic() when the HTTP request came in
+    prompt_tokens: int
+    quadrant: Quadrant
+    last: RequestOutput | None = None
+    outcome: str = "pending"
+
+    @property
+    def completion_tokens(self) -> int:
+        return 0 if self.last is None else sum(len(o.token_ids) for o in self.last.outputs)
+
+    @property
+    def ttft(self) -> float | None:
+        first = None if self.last is None else self.last.metrics.first_token_time
+        return None if first is None else first - self.arrival
+
+    def record(self, now: float) -> RequestRecord:
+        outputs = self.last.outputs if self.last is not None and self.last.finished else []
+        metrics = self.last.metrics if self.last is not None else None
+        return RequestRecord(self.quadrant.value, PATH, self.prompt_tokens, self.completion_tokens,
+                             tuple(o.finish_reason for o in outputs), self.ttft,
+                             tuple(metrics.inter_token_latencies) if metrics else (),
+                             metrics.tpot if metrics else None, now - self.arrival)
+
+
+# ---------------------------------------------------------------------------------------- preparation
+
+async def read_body(request: web.Request, limit: int) -> bytes:
+    """The body; aiohttp refuses to read more than the app's client_max_size (set to `limit`)."""
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise ApiError(413, f"the request body is larger than the limit of {limit} bytes", None,
+                       "body_too_large") from None
+
+
+async def prepare(req: GenerationRequest, tokenizer: Tokenizer, limits: ModelLimits,
+                  thresholds: QuadrantThresholds) -> Prepared:
+    token_ids = await _encode(req, tokenizer)
+    check_prompt_tokens(token_ids, limits, req.prompt_param)
+    params = sampling_params(req.sampling, len(token_ids), limits)
+    quadrant = classify(len(token_ids), effective_max_tokens(req.sampling, len(token_ids), limits), thresholds)
+    return Prepared(req, token_ids, params, quadrant)
+
+
+async def _encode(req: GenerationRequest, tokenizer: Tokenizer) -> list[int]:
+    if isinstance(req.prompt, str):
+        return await _encode_text(tokenizer, req.prompt, add_special_tokens=True)
+    if not req.chat:
+        return list(req.prompt)
+    return await _encode_text(tokenizer, _render_chat(tokenizer, req), add_special_tokens=False)
+
+
+async def _encode_text(tokenizer: Tokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    if len(text) > OFFLOAD_CHARS:
+        return await asyncio.to_thread(tokenizer.encode, text, add_special_tokens)
+    return tokenizer.encode(text, add_special_tokens)
+
+
+def _render_chat(tokenizer: Tokenizer, req: GenerationRequest) -> str:
+    try:
+        return tokenizer.apply_chat_template(messages_as_dicts(req.prompt), add_generation_prompt=True)
+    except (jinja2.TemplateError, ValueError) as exc:
+        raise bad_request(f"the messages cannot be rendered with this model's chat template: {exc}",
+                          "messages") from None
+
+
+# ---------------------------------------------------------------------------------------- running
+
+async def engine_outputs(ctx: ServerContext, prepared: Prepared, tracker: RequestTracker
+                         ) -> AsyncIterator[RequestOutput]:
+    """The engine's outputs, with its refusals as 400s and a shutdown abort as 503. Close it with aclosing():
+    closing it early aborts the request in the engine."""
+    stream = ctx.llm.generate(prepared.token_ids, prepared.params, request_id=tracker.request_id,
+                              priority=prepared.request.priority)
+    async with aclosing(stream):
+        try:
+            async for out in stream:
+                tracker.last = out
+                if any(o.finish_reason == "abort" for o in out.outputs):
+                    raise ApiError(503, "the request was aborted: the server is shutting down", None,
+                                   "shutting_down")
+                yield out
+        except RequestError as exc:
+            raise bad_request(str(exc), exc.param) from None
+
+
+async def whole_response(ctx: ServerContext, prepared: Prepared, tracker: RequestTracker,
+                         meta: ResponseMeta) -> web.Response:
+    final = None
+    async with aclosing(engine_outputs(ctx, prepared, tracker)) as outputs:
+        async for final in outputs:
+            pass
+    build = chat_body if prepared.request.chat else completion_body
+    tracker.outcome = "ok"
+    return web.json_response(build(meta, final, ctx.llm.tokenizer))
+
+
+async def stream_response(request: web.Request, ctx: ServerContext, prepared: Prepared, tracker: RequestTracker,
+                          meta: ResponseMeta) -> web.StreamResponse:
+    req = prepared.request
+    builder = ChunkBuilder(meta, ctx.llm.tokenizer, chat=req.chat, wants_logprobs=req.sampling.logprobs is not None,
+                           include_usage=req.include_usage)
+    async with aclosing(engine_outputs(ctx, prepared, tracker)) as outputs:
+        first = await anext(outputs)  # before the headers, so that a refusal still gets its status code
+        response = web.StreamResponse(headers=SSE_HEADERS)
+        await response.prepare(request)
+        await _pump(ctx, response, builder, first, outputs, tracker)
+    return response
+
+
+async def _pump(ctx: ServerContext, response: web.StreamResponse, builder: ChunkBuilder, first: RequestOutput,
+                outputs: AsyncIterator[RequestOutput], tracker: RequestTracker) -> None:
+    """Writes the stream; every failure after the headers ends it with an error event instead of a status."""
+    try:
+        await response.write(encode_events(builder.opening(len(first.outputs)) + builder.chunks(first)))
+        async for out in outputs:
+            await response.write(encode_events(builder.chunks(out)))
+        await response.write(encode_events(builder.closing(tracker.last)) + DONE)
+        tracker.outcome = "ok"
+    except ConnectionError:
+        tracker.outcome = "client_disconnected"  # leaving aclosing() aborts the request in the engine
+    except ApiError as err:
+        await _end_with_error(response, tracker, err, "aborted")
+    except Exception:
+        ctx.log.exception("stream failed")
+        internal = ApiError(500, f"internal error while streaming (request {tracker.request_id})", None,
+                            "internal_error")
+        await _end_with_error(response, tracker, internal, "error")
+
+
+async def _end_with_error(response: web.StreamResponse, tracker: RequestTracker, err: ApiError,
+                          outcome: str) -> None:
+    tracker.outcome = outcome
+    try:
+        await response.write(sse_event(err.body()) + DONE)
+    except ConnectionError:
+        tracker.outcome = "client_disconnected"
+
+
+# ---------------------------------------------------------------------------------------- the handler
+
+async def handle_generation(request: web.Request, ctx: ServerContext, chat: bool) -> web.StreamResponse:
+    arrival = time.monotonic()
+    ctx.admission.check_open()
+    body = parse_json_body(await read_body(request, ctx.settings.max_body_bytes))
+    parse = parse_chat if chat else parse_completion
+    prepared = await prepare(parse(body, ctx.limits.name), ctx.llm.tokenizer, ctx.limits, ctx.settings.quadrants)
+    tracker = RequestTracker(request[REQUEST_ID], arrival, len(prepared.token_ids), prepared.quadrant)
+    request[TRACKER] = tracker
+    meta = ResponseMeta(tracker.request_id, int(time.time()), ctx.limits.name)
+    with ctx.admission.slot(tracker.request_id):
+        try:
+            if prepared.request.stream:
+                return await stream_response(request, ctx, prepared, tracker, meta)
+            return await whole_response(ctx, prepared, tracker, meta)
+        finally:
+            ctx.metrics.record(tracker.record(time.monotonic()))

@@ -1,0 +1,105 @@
+"""`python cli.py serve`: load the engine, serve the app on uvloop, drain gracefully on SIGINT / SIGTERM."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+from dataclasses import dataclass
+
+import structlog
+import uvloop
+from aiohttp import web
+
+from engine.args import engine_options
+from engine.config import ConfigError
+from engine.llm import AsyncLLM
+from engine.model.errors import ModelLoadError
+from server.app import create_app
+from server.args import log_settings, server_settings
+from server.context import CONTEXT, ServerContext
+from server.logging import configure_logging
+from server.settings import ServerSettings
+
+ABORT_WAIT_SECONDS = 5.0  # after the grace period: how long aborted requests get to send their last event
+RUNNER_SHUTDOWN_SECONDS = 2.0  # then aiohttp cancels whatever handler is still running
+
+
+def serve(args: argparse.Namespace) -> int:
+    """The `serve` command; returns the process exit status."""
+    log = configure_logging(log_settings(args))
+    try:
+        settings = server_settings(args)
+        return uvloop.run(_serve(settings, engine_options(args), log))
+    except (ModelLoadError, ConfigError) as exc:
+        log.error("cannot start", error=str(exc))
+        return 2
+
+
+@dataclass
+class _Shutdown:
+    """Set by the first SIGINT/SIGTERM (drain), and by a second one (stop waiting, abort now)."""
+
+    requested: asyncio.Event
+    forced: asyncio.Event
+
+    def on_signal(self) -> None:
+        (self.forced if self.requested.is_set() else self.requested).set()
+
+
+async def _serve(settings: ServerSettings, options: dict, log: structlog.stdlib.BoundLogger) -> int:
+    llm = AsyncLLM(**options)
+    app = create_app(llm, settings, log)
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=RUNNER_SHUTDOWN_SECONDS)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, settings.host, settings.port).start()
+    except OSError as exc:
+        await runner.cleanup()
+        llm.shutdown()
+        raise ConfigError(f"cannot listen on {settings.host}:{settings.port}: {exc}") from None
+    _announce(app[CONTEXT], runner, log)
+    shutdown = _Shutdown(asyncio.Event(), asyncio.Event())
+    _install_signal_handlers(shutdown)
+    await shutdown.requested.wait()
+    await drain(app[CONTEXT], shutdown.forced, log)
+    await runner.cleanup()
+    llm.shutdown()
+    log.info("stopped")
+    return 0
+
+
+def _announce(ctx: ServerContext, runner: web.AppRunner, log: structlog.stdlib.BoundLogger) -> None:
+    host, port = runner.addresses[0][:2]
+    url = f"http://{host}:{port}"
+    log.info("serving", url=url, model=ctx.limits.name, dtype=ctx.dtype, max_model_len=ctx.limits.max_model_len)
+    print(f"phase-serve: serving {ctx.limits.name} on {url}", file=sys.stderr, flush=True)
+
+
+def _install_signal_handlers(shutdown: _Shutdown) -> None:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, shutdown.on_signal)
+
+
+async def drain(ctx: ServerContext, forced: asyncio.Event, log: structlog.stdlib.BoundLogger) -> None:
+    """Stop admitting (503), give in-flight requests the grace period, then abort the rest."""
+    ctx.admission.start_draining()
+    log.info("draining", in_flight=len(ctx.admission.active_ids), grace_period=ctx.settings.grace_period)
+    if await _idle_or_forced(ctx, forced, ctx.settings.grace_period):
+        return
+    log.warning("aborting requests still in flight", request_ids=ctx.admission.active_ids)
+    for request_id in ctx.admission.active_ids:
+        ctx.llm.abort(request_id)
+    await ctx.admission.wait_idle(ABORT_WAIT_SECONDS)
+
+
+async def _idle_or_forced(ctx: ServerContext, forced: asyncio.Event, timeout: float) -> bool:
+    """True when every request finished in time; False on timeout or a second signal."""
+    idle = asyncio.ensure_future(ctx.admission.wait_idle(timeout))
+    force = asyncio.ensure_future(forced.wait())
+    await asyncio.wait((idle, force), return_when=asyncio.FIRST_COMPLETED)
+    finished = idle.done() and idle.result()
+    idle.cancel()
+    force.cancel()
+    return finished

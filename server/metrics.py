@@ -1,0 +1,110 @@
+"""Prometheus metrics with vLLM's names under the `phase_serve:` prefix, in a registry owned by one app."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from engine.engine_core import EngineStats
+
+PREFIX = "phase_serve:"
+LATENCY_LABELS = ("quadrant", "path")
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0,
+                80.0, 160.0)
+TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
+                 2.5, 5.0, 10.0)
+E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0, 120.0, 240.0, 480.0, 960.0)
+SUCCESS_REASONS = ("stop", "length")
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """What one finished (or abandoned) request contributes to the metrics."""
+
+    quadrant: str
+    path: str
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reasons: tuple[str | None, ...]  # one per sample; None or "abort" when cut short
+    ttft: float | None = None
+    inter_token_latencies: tuple[float, ...] = ()
+    tpot: float | None = None
+    e2e: float | None = None
+
+    @property
+    def succeeded(self) -> bool:
+        return bool(self.finish_reasons) and all(r in SUCCESS_REASONS for r in self.finish_reasons)
+
+
+class EngineStatsCollector:
+    """Gauges and counters read from the engine at scrape time, so they are never stale."""
+
+    def __init__(self, stats: Callable[[], EngineStats]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats()
+        yield _gauge("num_requests_running", "Requests with sequences in the running batch.", s.running)
+        yield _gauge("num_requests_waiting", "Requests waiting to be scheduled.", s.waiting)
+        usage = s.kv_blocks_used / s.kv_blocks_total if s.kv_blocks_total else 0.0
+        yield _gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).", usage)
+        yield _counter("prefix_cache_queries", "Prompt blocks looked up in the prefix cache.", s.prefix_queries)
+        yield _counter("prefix_cache_hits", "Prompt blocks found in the prefix cache.", s.prefix_hits)
+        yield _counter("num_preemptions", "Sequences preempted (recomputed later) for lack of KV blocks.",
+                       s.num_preemptions)
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(PREFIX + name, doc, value=value)
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(PREFIX + name, doc, value=value)
+
+
+class ServerMetrics:
+    """Request-level histograms and counters plus the engine's live gauges, in this object's registry."""
+
+    def __init__(self, stats: Callable[[], EngineStats]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.ttft = self._histogram("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
+        self.itl = self._histogram("inter_token_latency_seconds", "Time between consecutive output tokens.",
+                                   TOKEN_BUCKETS)
+        self.tpot = self._histogram("time_per_output_token_seconds", "Mean time per output token after the first.",
+                                    TOKEN_BUCKETS)
+        self.e2e = self._histogram("e2e_request_latency_seconds", "Arrival to last token.", E2E_BUCKETS)
+        self.prompt_tokens = self._counter("prompt_tokens", "Prompt tokens of finished requests.")
+        self.generation_tokens = self._counter("generation_tokens", "Generated tokens, all samples.")
+        self.success = self._counter("request_success", "Requests that finished normally.", ("finish_reason",))
+        self.aborted = self._counter("request_aborted", "Requests cut short (client gone, shutdown, error).")
+        self.registry.register(EngineStatsCollector(stats))
+
+    def _histogram(self, name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+        return Histogram(PREFIX + name, doc, LATENCY_LABELS, buckets=buckets, registry=self.registry)
+
+    def _counter(self, name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
+        return Counter(PREFIX + name, doc, labels, registry=self.registry)
+
+    def record(self, rec: RequestRecord) -> None:
+        self.prompt_tokens.inc(rec.prompt_tokens)
+        self.generation_tokens.inc(rec.completion_tokens)
+        if not rec.succeeded:
+            self.aborted.inc()
+            return
+        # One count per request (not per sample), labelled by the first sample's reason.
+        self.success.labels(finish_reason=rec.finish_reasons[0]).inc()
+        self._observe_latencies(rec)
+
+    def _observe_latencies(self, rec: RequestRecord) -> None:
+        labels = {"quadrant": rec.quadrant, "path": rec.path}
+        for histogram, value in ((self.ttft, rec.ttft), (self.tpot, rec.tpot), (self.e2e, rec.e2e)):
+            if value is not None:
+                histogram.labels(**labels).observe(value)
+        itl = self.itl.labels(**labels)
+        for gap in rec.inter_token_latencies:
+            itl.observe(gap)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,351 @@
+"""OpenAI request bodies -> typed, validated requests and SamplingParams. Nothing invalid gets past here.
+
+Parsing happens in two steps: `parse_completion` / `parse_chat` check the body's shape and types; once the
+prompt is tokenised, `sampling_params` checks it against the model's context and builds SamplingParams.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from engine.sampling_params import SamplingParams, SamplingParamsError
+from server.errors import ApiError, bad_request, invalid_type, json_type
+
+INT64_MIN, UINT64_MAX = -(1 << 63), (1 << 64) - 1
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+MAX_STOP_SEQUENCES = 16
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    name: str  # the name clients must send as `model`
+    max_model_len: int
+    vocab_size: int
+
+
+@dataclass(frozen=True)
+class Message:
+    role: str
+    content: str
+
+
+@dataclass(frozen=True)
+class SamplingFields:
+    """The sampling fields of a request, type-checked; ranges are checked by SamplingParams."""
+
+    max_tokens: int | None = None
+    max_tokens_param: str = "max_tokens"  # which field set it, for error messages
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: int | None = None  # top alternatives per token; None = no logprobs
+    logprobs_param: str = "logprobs"
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A parsed /v1/completions or /v1/chat/completions body. `prompt` is text or token ids for completions,
+    messages for chat."""
+
+    prompt: str | tuple[int, ...] | tuple[Message, ...]
+    sampling: SamplingFields
+    chat: bool = False
+    stream: bool = False
+    include_usage: bool = False
+    priority: int = 0
+
+    @property
+    def prompt_param(self) -> str:
+        return "messages" if self.chat else "prompt"
+
+
+# ---------------------------------------------------------------------------------------- body and types
+
+def parse_json_body(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as exc:
+        raise bad_request(f"the request body is not valid JSON: {exc}", None, "invalid_json") from None
+    if not isinstance(body, dict):
+        raise bad_request(f"the request body must be a JSON object, got {json_type(body)}.", None, "invalid_json")
+    return body
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _typed(body: dict[str, Any], name: str, accept: Callable[[Any], bool], expected: str, default: Any) -> Any:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not accept(value):
+        raise invalid_type(name, expected, value)
+    return value
+
+
+def _int(body: dict[str, Any], name: str, default: int | None = None) -> int | None:
+    return _typed(body, name, _is_int, "an integer", default)
+
+
+def _number(body: dict[str, Any], name: str, default: float) -> float:
+    return float(_typed(body, name, _is_number, "a number", default))
+
+
+def _bool(body: dict[str, Any], name: str, default: bool = False) -> bool:
+    return _typed(body, name, lambda v: isinstance(v, bool), "a boolean", default)
+
+
+def _object(body: dict[str, Any], name: str) -> dict[str, Any]:
+    return _typed(body, name, lambda v: isinstance(v, dict), "an object", {})
+
+
+# ---------------------------------------------------------------------------------------- sampling fields
+
+def _stop(body: dict[str, Any]) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise invalid_type("stop", "a string or an array of strings", stop)
+    if len(stops) > MAX_STOP_SEQUENCES:
+        raise bad_request(f"'stop' may hold at most {MAX_STOP_SEQUENCES} sequences, got {len(stops)}.", "stop")
+    return tuple(stops)
+
+
+def _token_ids(body: dict[str, Any], name: str) -> tuple[int, ...]:
+    ids = body.get(name)
+    if ids is None:
+        return ()
+    if not isinstance(ids, list) or not all(_is_int(t) for t in ids):
+        raise invalid_type(name, "an array of integers", ids)
+    return tuple(ids)
+
+
+def _seed(body: dict[str, Any]) -> int | None:
+    seed = _int(body, "seed")
+    if seed is not None and not INT64_MIN <= seed <= UINT64_MAX:
+        raise bad_request(f"'seed' must fit in 64 bits, got {seed}.", "seed")
+    return seed
+
+
+def _max_tokens(body: dict[str, Any], names: tuple[str, ...]) -> tuple[int | None, str]:
+    for name in names:
+        value = _int(body, name)
+        if value is not None:
+            return value, name
+    return None, names[0]
+
+
+def _sampling_fields(body: dict[str, Any], max_token_names: tuple[str, ...], logprobs: tuple[int | None, str],
+                     default_max_tokens: int | None) -> SamplingFields:
+    max_tokens, max_param = _max_tokens(body, max_token_names)
+    return SamplingFields(
+        max_tokens=default_max_tokens if max_tokens is None else max_tokens, max_tokens_param=max_param,
+        logprobs=logprobs[0], logprobs_param=logprobs[1],
+        n=_int(body, "n", 1), temperature=_number(body, "temperature", 1.0), top_p=_number(body, "top_p", 1.0),
+        top_k=_int(body, "top_k", -1), seed=_seed(body), stop=_stop(body),
+        stop_token_ids=_token_ids(body, "stop_token_ids"), ignore_eos=_bool(body, "ignore_eos"),
+        min_tokens=_int(body, "min_tokens", 0))
+
+
+# ---------------------------------------------------------------------------------------- unsupported fields
+
+# Fields whose non-default value would change the output in ways this server does not implement: refusing
+# them is better than silently ignoring them. Other unknown fields are ignored, as OpenAI-compatible servers do.
+_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
+    "echo": lambda v: v is True,
+    "suffix": lambda v: v not in (None, ""),
+    "best_of": lambda v: v not in (None, 1),
+    "logit_bias": lambda v: bool(v),
+    "presence_penalty": lambda v: v not in (None, 0, 0.0),
+    "frequency_penalty": lambda v: v not in (None, 0, 0.0),
+    "repetition_penalty": lambda v: v not in (None, 1, 1.0),
+    "tools": lambda v: bool(v),
+    "functions": lambda v: bool(v),
+    "tool_choice": lambda v: v not in (None, "none"),
+    "response_format": lambda v: v is not None and v != {"type": "text"},
+}
+
+
+def _refuse_unsupported(body: dict[str, Any]) -> None:
+    for name, is_set in _UNSUPPORTED.items():
+        if name in body and is_set(body[name]):
+            raise bad_request(f"'{name}' is not supported by this server.", name, "unsupported_parameter")
+
+
+# ---------------------------------------------------------------------------------------- common envelope
+
+def _check_model(body: dict[str, Any], served: str) -> None:
+    model = _typed(body, "model", lambda v: isinstance(v, str), "a string", served)
+    if model != served:
+        raise bad_request(f"the model '{model}' does not exist; this server serves '{served}'.", "model",
+                          "model_not_found")
+
+
+def _include_usage(body: dict[str, Any], stream: bool) -> bool:
+    options = _object(body, "stream_options")
+    if options and not stream:
+        raise bad_request("'stream_options' is only allowed when 'stream' is true.", "stream_options")
+    value = options.get("include_usage", False)
+    if not isinstance(value, bool):
+        raise invalid_type("stream_options.include_usage", "a boolean", value)
+    return value
+
+
+def _envelope(body: dict[str, Any], served: str) -> dict[str, Any]:
+    _check_model(body, served)
+    _refuse_unsupported(body)
+    stream = _bool(body, "stream")
+    return dict(stream=stream, include_usage=_include_usage(body, stream), priority=_int(body, "priority", 0))
+
+
+# ---------------------------------------------------------------------------------------- completions
+
+def parse_completion(body: dict[str, Any], served_model: str) -> GenerationRequest:
+    envelope = _envelope(body, served_model)
+    logprobs = (_int(body, "logprobs"), "logprobs")
+    fields = _sampling_fields(body, ("max_tokens",), logprobs, DEFAULT_COMPLETION_MAX_TOKENS)
+    return GenerationRequest(_completion_prompt(body.get("prompt")), fields, chat=False, **envelope)
+
+
+def _completion_prompt(prompt: Any) -> str | tuple[int, ...]:
+    if prompt is None:
+        raise bad_request("'prompt' is required.", "prompt", "missing_required_parameter")
+    prompt = _single_prompt(prompt)
+    if isinstance(prompt, list) and all(_is_int(t) for t in prompt):
+        prompt = tuple(prompt)
+    elif not isinstance(prompt, str):
+        raise invalid_type("prompt", "a string or an array of token ids", prompt)
+    if not prompt:
+        raise bad_request("'prompt' must not be empty.", "prompt")
+    return prompt
+
+
+def _single_prompt(prompt: Any) -> Any:
+    """Unwraps a batch of one (`["text"]`, `[[1, 2]]`); a batch of several is refused."""
+    is_batch = isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt)
+    if not is_batch:
+        return prompt
+    if len(prompt) > 1:
+        raise bad_request(f"'prompt' holds {len(prompt)} prompts; this server takes one prompt per request.",
+                          "prompt", "unsupported_parameter")
+    return prompt[0]
+
+
+# ---------------------------------------------------------------------------------------- chat
+
+def parse_chat(body: dict[str, Any], served_model: str) -> GenerationRequest:
+    envelope = _envelope(body, served_model)
+    fields = _sampling_fields(body, ("max_completion_tokens", "max_tokens"), _chat_logprobs(body), None)
+    return GenerationRequest(_messages(body.get("messages")), fields, chat=True, **envelope)
+
+
+def _chat_logprobs(body: dict[str, Any]) -> tuple[int | None, str]:
+    wanted = _bool(body, "logprobs")
+    top = _int(body, "top_logprobs")
+    if top is not None and not wanted:
+        raise bad_request("'top_logprobs' requires 'logprobs' to be true.", "top_logprobs")
+    return ((top or 0) if wanted else None), "top_logprobs"
+
+
+def _messages(messages: Any) -> tuple[Message, ...]:
+    if messages is None:
+        raise bad_request("'messages' is required.", "messages", "missing_required_parameter")
+    if not isinstance(messages, list):
+        raise invalid_type("messages", "an array of messages", messages)
+    if not messages:
+        raise bad_request("'messages' must hold at least one message.", "messages")
+    return tuple(_message(m, f"messages[{i}]") for i, m in enumerate(messages))
+
+
+def _message(item: Any, where: str) -> Message:
+    if not isinstance(item, dict):
+        raise invalid_type(where, "an object with 'role' and 'content'", item)
+    role = item.get("role")
+    if role not in CHAT_ROLES:
+        raise bad_request(f"'{where}.role' must be one of {', '.join(CHAT_ROLES)}, got {role!r}.", f"{where}.role")
+    return Message(role, _content(item.get("content"), f"{where}.content", role))
+
+
+def _content(content: Any, where: str, role: str) -> str:
+    if content is None and role == "assistant":
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(_is_text_part(p) for p in content):
+        return "".join(p["text"] for p in content)
+    raise invalid_type(where, "a string or an array of text parts", content)
+
+
+def _is_text_part(part: Any) -> bool:
+    return isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+
+
+def messages_as_dicts(messages: tuple[Message, ...]) -> list[dict[str, str]]:
+    return [{"role": m.role, "content": m.content} for m in messages]
+
+
+# ---------------------------------------------------------------------------------------- against the model
+
+def check_prompt_tokens(token_ids: list[int], limits: ModelLimits, param: str) -> None:
+    """The tokenised prompt must be non-empty, inside the vocabulary and leave room for one output token."""
+    if not token_ids:
+        raise bad_request(f"'{param}' is empty once tokenised.", param)
+    _check_vocab(token_ids, limits, param)
+    if len(token_ids) >= limits.max_model_len:
+        raise bad_request(f"this model's maximum context length is {limits.max_model_len} tokens, and the "
+                          f"{param} hold {len(token_ids)} tokens, leaving no room for output.", param,
+                          "context_length_exceeded")
+
+
+def _check_vocab(token_ids: Sequence[int], limits: ModelLimits, param: str) -> None:
+    bad = next((t for t in token_ids if not 0 <= t < limits.vocab_size), None)
+    if bad is not None:
+        raise bad_request(f"'{param}' holds token id {bad}, outside this model's vocabulary of "
+                          f"{limits.vocab_size}.", param)
+
+
+def effective_max_tokens(fields: SamplingFields, prompt_tokens: int, limits: ModelLimits) -> int:
+    room = limits.max_model_len - prompt_tokens
+    return room if fields.max_tokens is None else fields.max_tokens
+
+
+def sampling_params(fields: SamplingFields, prompt_tokens: int, limits: ModelLimits) -> SamplingParams:
+    """SamplingParams for a prompt of `prompt_tokens` tokens; 400 naming the field when anything is off."""
+    params = _build_params(fields)
+    _check_vocab(fields.stop_token_ids, limits, "stop_token_ids")
+    if fields.max_tokens is not None and prompt_tokens + fields.max_tokens > limits.max_model_len:
+        raise bad_request(f"this model's maximum context length is {limits.max_model_len} tokens; you asked for "
+                          f"{prompt_tokens + fields.max_tokens} ({prompt_tokens} in the prompt, {fields.max_tokens} "
+                          f"in '{fields.max_tokens_param}').", fields.max_tokens_param, "context_length_exceeded")
+    return params
+
+
+def _build_params(fields: SamplingFields) -> SamplingParams:
+    try:
+        return SamplingParams(n=fields.n, max_tokens=fields.max_tokens, min_tokens=fields.min_tokens,
+                              temperature=fields.temperature, top_p=fields.top_p, top_k=fields.top_k,
+                              seed=fields.seed, stop=fields.stop, stop_token_ids=fields.stop_token_ids,
+                              ignore_eos=fields.ignore_eos, logprobs=fields.logprobs)
+    except SamplingParamsError as exc:
+        renamed = {"max_tokens": fields.max_tokens_param, "logprobs": fields.logprobs_param}
+        param = renamed.get(exc.param, exc.param)
+        raise ApiError(400, str(exc).replace(exc.param, param, 1), param, "invalid_value") from None

@@ -1,0 +1,140 @@
+"""Response bodies and stream chunks in OpenAI's exact shapes, built from the engine's outputs."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.sampler import TokenLogprobs
+from engine.tokenizer import Tokenizer
+
+Json = dict[str, Any]
+LOGPROB_FLOOR = -9999.0  # stands in for -inf / NaN, which JSON cannot carry
+
+
+@dataclass(frozen=True)
+class ResponseMeta:
+    """What every body and chunk of one response repeats."""
+
+    id: str
+    created: int
+    model: str
+
+
+def usage(prompt_tokens: int, outputs: Sequence[CompletionOutput]) -> Json:
+    """The prompt counts once; completion tokens are summed over the n samples."""
+    completion = sum(len(o.token_ids) for o in outputs)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion}
+
+
+def model_list(model: str, created: int, max_model_len: int) -> Json:
+    card = {"id": model, "object": "model", "created": created, "owned_by": "phase-serve",
+            "max_model_len": max_model_len}
+    return {"object": "list", "data": [card]}
+
+
+# ---------------------------------------------------------------------------------------- token strings
+
+def token_text(tokenizer: Tokenizer, token_id: int) -> str:
+    # The token's own text (special tokens spelled out); a byte that is part of a UTF-8 character decodes as U+FFFD.
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def finite(logprob: float) -> float:
+    return logprob if logprob > LOGPROB_FLOOR else LOGPROB_FLOOR  # NaN compares False, so it lands here too
+
+
+def _token_entry(tokenizer: Tokenizer, token_id: int, logprob: float) -> Json:
+    text = token_text(tokenizer, token_id)
+    return {"token": text, "logprob": finite(logprob), "bytes": list(text.encode("utf-8"))}
+
+
+# ---------------------------------------------------------------------------------------- completions
+
+def completion_logprobs(tokenizer: Tokenizer, entries: Sequence[TokenLogprobs], start_offset: int = 0) -> Json:
+    """Legacy shape: parallel lists; `top_logprobs` maps token text to logprob and always holds the sampled
+    token; `text_offset` is each token's character offset in the completion text."""
+    tokens = [token_text(tokenizer, e.token_id) for e in entries]
+    offsets, offset = [], start_offset
+    for text in tokens:
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": [finite(e.logprob) for e in entries],
+            "top_logprobs": [_top_dict(tokenizer, e, text) for e, text in zip(entries, tokens)],
+            "text_offset": offsets}
+
+
+def _top_dict(tokenizer: Tokenizer, entry: TokenLogprobs, sampled_text: str) -> dict[str, float]:
+    # Tokens that spell the same text (e.g. lone UTF-8 bytes, all U+FFFD) share a key: the sampled token's
+    # logprob wins, then the likelier alternative.
+    top = {sampled_text: finite(entry.logprob)}
+    for token_id, logprob in entry.top:
+        top.setdefault(token_text(tokenizer, token_id), finite(logprob))
+    return top
+
+
+def completion_choice(tokenizer: Tokenizer, out: CompletionOutput, text: str, entries: Sequence[TokenLogprobs] | None,
+                      start_offset: int = 0) -> Json:
+    logprobs = None if entries is None else completion_logprobs(tokenizer, entries, start_offset)
+    return {"index": out.index, "text": text, "logprobs": logprobs, "finish_reason": out.finish_reason}
+
+
+def completion_body(meta: ResponseMeta, final: RequestOutput, tokenizer: Tokenizer) -> Json:
+    choices = [completion_choice(tokenizer, o, o.text, o.logprobs) for o in final.outputs]
+    return {"id": meta.id, "object": "text_completion", "created": meta.created, "model": meta.model,
+            "choices": choices, "usage": usage(len(final.prompt_token_ids), final.outputs),
+            "system_fingerprint": None}
+
+
+def completion_chunk(meta: ResponseMeta, choices: list[Json], with_usage_field: bool) -> Json:
+    chunk = {"id": meta.id, "object": "text_completion", "created": meta.created, "model": meta.model,
+             "choices": choices, "system_fingerprint": None}
+    if with_usage_field:
+        chunk["usage"] = None
+    return chunk
+
+
+# ---------------------------------------------------------------------------------------- chat
+
+def chat_logprobs(tokenizer: Tokenizer, entries: Sequence[TokenLogprobs]) -> Json:
+    content = [{**_token_entry(tokenizer, e.token_id, e.logprob),
+                "top_logprobs": [_token_entry(tokenizer, tid, lp) for tid, lp in e.top]} for e in entries]
+    return {"content": content}
+
+
+def chat_choice(tokenizer: Tokenizer, out: CompletionOutput) -> Json:
+    logprobs = None if out.logprobs is None else chat_logprobs(tokenizer, out.logprobs)
+    return {"index": out.index, "message": {"role": "assistant", "content": out.text}, "logprobs": logprobs,
+            "finish_reason": out.finish_reason}
+
+
+def chat_body(meta: ResponseMeta, final: RequestOutput, tokenizer: Tokenizer) -> Json:
+    return {"id": meta.id, "object": "chat.completion", "created": meta.created, "model": meta.model,
+            "choices": [chat_choice(tokenizer, o) for o in final.outputs],
+            "usage": usage(len(final.prompt_token_ids), final.outputs), "system_fingerprint": None}
+
+
+def chat_delta_choice(tokenizer: Tokenizer, out: CompletionOutput, wants_logprobs: bool,
+                      finish_reason: str | None) -> Json:
+    logprobs = chat_logprobs(tokenizer, out.delta_logprobs) if wants_logprobs else None
+    delta = {"content": out.delta_text} if out.delta_text else {}
+    return {"index": out.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def chat_role_choice(index: int) -> Json:
+    return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+
+
+def chat_chunk(meta: ResponseMeta, choices: list[Json], with_usage_field: bool) -> Json:
+    chunk = {"id": meta.id, "object": "chat.completion.chunk", "created": meta.created, "model": meta.model,
+             "choices": choices, "system_fingerprint": None}
+    if with_usage_field:
+        chunk["usage"] = None
+    return chunk
+
+
+def usage_chunk(meta: ResponseMeta, chat: bool, prompt_tokens: int, outputs: Sequence[CompletionOutput]) -> Json:
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    return {"id": meta.id, "object": obj, "created": meta.created, "model": meta.model, "choices": [],
+            "usage": usage(prompt_tokens, outputs), "system_fingerprint": None}

@@ -1,0 +1,104 @@
+"""Starting the real server (`python cli.py serve`) as a subprocess for tests, and small HTTP helpers."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+REPO = Path(__file__).resolve().parents[1]
+TINY_ENGINE_FLAGS = ("--dtype", "float32", "--num-kv-blocks", "256", "--block-size", "8", "--threads", "1")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class HttpResult:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+def http(method: str, url: str, body: bytes | dict | None = None, headers: dict[str, str] | None = None,
+         timeout: float = 30) -> HttpResult:
+    """One plain HTTP request (stdlib only); error statuses are returned, not raised."""
+    data = json.dumps(body).encode() if isinstance(body, dict) else body
+    req = urllib.request.Request(url, data=data, method=method, headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return HttpResult(resp.status, dict(resp.headers), resp.read())
+    except urllib.error.HTTPError as err:
+        return HttpResult(err.code, dict(err.headers), err.read())
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
+
+
+@dataclass
+class ServerProcess:
+    proc: subprocess.Popen
+    url: str
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def get(self, path: str, **kwargs: Any) -> HttpResult:
+        return http("GET", self.url + path, **kwargs)
+
+    def post(self, path: str, body: bytes | dict, **kwargs: Any) -> HttpResult:
+        return http("POST", self.url + path, body, **kwargs)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+
+def start_server(log_path: Path, *args: str, env: dict[str, str] | None = None,
+                 timeout: float = 120) -> ServerProcess:
+    """Runs `cli.py serve ARGS` on a free loopback port and waits until /health answers 200."""
+    port = free_port()
+    cmd = [sys.executable, "cli.py", "serve", "--port", str(port), "--log-format", "json", *args]
+    full_env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", **(env or {})}
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=full_env)
+    server = ServerProcess(proc, f"http://127.0.0.1:{port}", log_path)
+    if not wait_until(lambda: _healthy(server), timeout, interval=0.1):
+        server.stop(signal.SIGKILL)
+        raise RuntimeError(f"the server did not become healthy in {timeout}s; its log:\n{server.log()}")
+    return server
+
+
+def _healthy(server: ServerProcess) -> bool:
+    if server.proc.poll() is not None:
+        raise RuntimeError(f"the server exited with {server.proc.returncode}; its log:\n{server.log()}")
+    try:
+        return server.get("/health", timeout=1).status == 200
+    except OSError:
+        return False
