@@ -34,9 +34,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_server_args(parser: argparse.ArgumentParser) -> None:
-    from server.args import add_server_args  # here: only `serve` needs the server's packages
+    from server.args import add_actor_args, add_server_args  # here: only `serve` needs the server's packages
 
     add_server_args(parser)
+    add_actor_args(parser)
 
 
 def _sampling_params(args: argparse.Namespace):

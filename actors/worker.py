@@ -205,7 +205,8 @@ class DecodeActor(Actor):
     def load(self) -> dict[str, int]:
         s = self.engine.stats()
         return {"running": s.running, "waiting": s.waiting, "kv_used": s.kv_blocks_used,
-                "kv_total": s.kv_blocks_total}
+                "kv_total": s.kv_blocks_total, "kv_cached": s.kv_blocks_cached, "prefix_queries": s.prefix_queries,
+                "prefix_hits": s.prefix_hits, "preemptions": s.num_preemptions}
 
     async def on_add(self, conn: Connection, msg: m.AddRequest) -> None:
         if self.draining:

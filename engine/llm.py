@@ -14,7 +14,7 @@ from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SequenceUpdate
-from engine.model.loader import resolve_model
+from engine.model.loader import resolve_dtype, resolve_model
 from engine.tokenizer import Tokenizer
 
 Prompt = Union[str, list[int]]
@@ -117,6 +117,12 @@ class InProcessClient:
     def actors(self) -> list[dict]:
         return []
 
+    def calibration(self) -> dict:
+        return {}
+
+    def placement_of(self, request_id: str) -> None:
+        return None
+
     def _on_step_error(self, exc: BaseException) -> None:
         """A step failed: every request in flight ends with the error (the engine aborts them all)."""
         request_ids = list(self.engine.scheduler.by_request)
@@ -203,11 +209,14 @@ class AsyncLLM:
         self.processor.add(rid, prep.prompt, prep.token_ids, params, arrival)
         finished = False
         try:
-            await client.add(EngineRequest(rid, prep.token_ids, params, priority, arrival))
+            placement = await client.add(EngineRequest(rid, prep.token_ids, params, priority, arrival))
             while not finished:
                 item = await stream.get()
                 if isinstance(item, Exception):
                     raise item
+                placement = client.placement_of(rid) or placement
+                if placement is not None:
+                    item.path, item.placement = placement.path, placement.header()
                 finished = item.finished
                 yield item
         finally:
@@ -232,6 +241,14 @@ class AsyncLLM:
         return self.source.name
 
     @property
+    def dtype_name(self) -> str:
+        """The serving dtype, resolved as the engine (or its actors) resolve it."""
+        if self.engine is not None:
+            return str(self.engine.dtype).removeprefix("torch.")
+        device = self.layout.devices[0] if self.layout.devices else "cpu"
+        return str(resolve_dtype(self.config.dtype, device)).removeprefix("torch.")
+
+    @property
     def max_model_len(self) -> int:
         cfg = self.source.config
         return min(self.config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
@@ -247,6 +264,10 @@ class AsyncLLM:
 
     def actors(self) -> list[dict]:
         return [] if self._client is None else self._client.actors()
+
+    def calibration(self) -> dict:
+        """Per-actor fitted costs (empty in-process: placement needs no costs there)."""
+        return {} if self._client is None else self._client.calibration()
 
     def _on_updates(self, updates: list[SequenceUpdate]) -> None:
         outputs, to_abort = self.processor.process(updates)

@@ -56,6 +56,8 @@ class RequestOutput:
     metrics: RequestMetrics
     num_cached_tokens: int = 0
     finished: bool = False
+    path: str = "colocated"  # colocated | disaggregated
+    placement: str = "colocated; in-process"  # the decision and its estimates, for the X-Placement header
 
     @property
     def text(self) -> str:

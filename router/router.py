@@ -108,15 +108,22 @@ class ActorRouter:
             self._send(routed.prefill, m.AbortRequest(request_id))
 
     def stats(self) -> EngineStats:
+        """Totals over the decode actors as of their last heartbeat (at most one interval old)."""
         loads = [h.load for h in self.supervisor.ready("decode") if h.load is not None]
-        return EngineStats(sum(x.running for x in loads), sum(x.waiting for x in loads) + self._parked_count(),
-                           sum(x.kv_total for x in loads), sum(x.kv_used for x in loads), 0, 0, 0, 0)
+        total = lambda name: sum(getattr(x, name) for x in loads)  # noqa: E731
+        return EngineStats(total("running"), total("waiting") + self._parked_count(), total("kv_total"),
+                           total("kv_used"), total("kv_cached"), total("prefix_queries"), total("prefix_hits"),
+                           total("preemptions"))
 
     def actors(self) -> list[dict]:
         return [{"id": h.actor_id, "role": h.spec.role, "device": h.spec.device, "pid": h.pid, "state": h.state,
                  "restarts": h.restarts, "running": h.load.running if h.load else 0,
                  "kv_blocks": {"total": h.load.kv_total, "used": h.load.kv_used} if h.load else None}
                 for h in self.supervisor.handles]
+
+    def placement_of(self, request_id: str) -> Placement | None:
+        routed = self.routed.get(request_id)
+        return None if routed is None else routed.placement
 
     def can_serve(self) -> bool:
         return bool(self.supervisor.ready("decode"))

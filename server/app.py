@@ -116,7 +116,10 @@ async def _models(request: web.Request) -> web.Response:
 
 
 async def _health(request: web.Request) -> web.Response:
-    request.app[CONTEXT].admission.check_open()
+    ctx = request.app[CONTEXT]
+    ctx.admission.check_open()
+    if not ctx.llm.can_serve():
+        raise ApiError(503, "no decode actor can take work right now", None, "no_capacity")
     return web.json_response({"status": "ok"})
 
 
@@ -134,4 +137,4 @@ async def _status(request: web.Request) -> web.Response:
         "draining": ctx.admission.draining,
         "kv_blocks": {"total": s.kv_blocks_total, "used": s.kv_blocks_used, "cached": s.kv_blocks_cached},
         "prefix_cache": {"queries": s.prefix_queries, "hits": s.prefix_hits},
-        "preemptions": s.num_preemptions})
+        "preemptions": s.num_preemptions, "actors": ctx.llm.actors(), "calibration": ctx.llm.calibration()})

@@ -39,8 +39,8 @@ class ServerContext:
     @classmethod
     def build(cls, llm: AsyncLLM, settings: ServerSettings, log: structlog.stdlib.BoundLogger) -> ServerContext:
         limits = ModelLimits(settings.served_model_name or llm.model_name, llm.max_model_len,
-                             llm.engine.source.config.vocab_size)
-        dtype = str(llm.engine.dtype).removeprefix("torch.")
+                             llm.source.config.vocab_size)
+        dtype = llm.dtype_name
         return cls(llm, settings, limits, dtype, ServerMetrics(llm.stats), Admission(settings.max_queue), log,
                    int(time.time()))
 

@@ -24,7 +24,6 @@ from server.quadrant import Quadrant, QuadrantThresholds, classify
 from server.responses import ResponseMeta, chat_body, completion_body
 from server.streaming import DONE, SSE_HEADERS, ChunkBuilder, encode_events, sse_event
 
-PATH = "colocated"  # the only placement so far; disaggregated comes with the actors
 OFFLOAD_CHARS = 16_384  # longer texts are tokenised on a worker thread so the loop stays responsive
 
 
@@ -59,7 +58,8 @@ class RequestTracker:
     def record(self, now: float) -> RequestRecord:
         outputs = self.last.outputs if self.last is not None and self.last.finished else []
         metrics = self.last.metrics if self.last is not None else None
-        return RequestRecord(self.quadrant.value, PATH, self.prompt_tokens, self.completion_tokens,
+        path = "colocated" if self.last is None else self.last.path
+        return RequestRecord(self.quadrant.value, path, self.prompt_tokens, self.completion_tokens,
                              tuple(o.finish_reason for o in outputs), self.ttft,
                              tuple(metrics.inter_token_latencies) if metrics else (),
                              metrics.tpot if metrics else None, now - self.arrival)
@@ -135,7 +135,12 @@ async def whole_response(ctx: ServerContext, prepared: Prepared, tracker: Reques
             pass
     build = chat_body if prepared.request.chat else completion_body
     tracker.outcome = "ok"
-    return web.json_response(build(meta, final, ctx.llm.tokenizer))
+    return web.json_response(build(meta, final, ctx.llm.tokenizer), headers=placement_headers(prepared, final))
+
+
+def placement_headers(prepared: Prepared, out: RequestOutput) -> dict[str, str]:
+    """Where the request ran and why: its quadrant and the placement decision with its cost estimates."""
+    return {"X-Quadrant": prepared.quadrant.value, "X-Placement": out.placement}
 
 
 async def stream_response(request: web.Request, ctx: ServerContext, prepared: Prepared, tracker: RequestTracker,
@@ -145,7 +150,7 @@ async def stream_response(request: web.Request, ctx: ServerContext, prepared: Pr
                            include_usage=req.include_usage)
     async with aclosing(engine_outputs(ctx, prepared, tracker)) as outputs:
         first = await anext(outputs)  # before the headers, so that a refusal still gets its status code
-        response = web.StreamResponse(headers=SSE_HEADERS)
+        response = web.StreamResponse(headers=SSE_HEADERS | placement_headers(prepared, first))
         await response.prepare(request)
         await _pump(ctx, response, builder, first, outputs, tracker)
     return response

@@ -5,7 +5,7 @@ import argparse
 import asyncio
 import signal
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import structlog
 import uvloop
@@ -16,7 +16,7 @@ from engine.config import ConfigError
 from engine.llm import AsyncLLM
 from engine.model.errors import ModelLoadError
 from server.app import create_app
-from server.args import log_settings, server_settings
+from server.args import actor_options, log_settings, quadrant_thresholds, server_settings
 from server.context import CONTEXT, ServerContext
 from server.logging import configure_logging
 from server.settings import ServerSettings
@@ -30,7 +30,7 @@ def serve(args: argparse.Namespace) -> int:
     log = configure_logging(log_settings(args))
     try:
         settings = server_settings(args)
-        return uvloop.run(_serve(settings, engine_options(args), log))
+        return uvloop.run(_serve(settings, engine_options(args) | actor_options(args), args, log))
     except (ModelLoadError, ConfigError) as exc:
         log.error("cannot start", error=str(exc))
         return 2
@@ -47,8 +47,17 @@ class _Shutdown:
         (self.forced if self.requested.is_set() else self.requested).set()
 
 
-async def _serve(settings: ServerSettings, options: dict, log: structlog.stdlib.BoundLogger) -> int:
+async def _serve(settings: ServerSettings, options: dict, args: argparse.Namespace,
+                 log: structlog.stdlib.BoundLogger) -> int:
     llm = AsyncLLM(**options)
+    settings = replace(settings, quadrants=quadrant_thresholds(args, llm.max_model_len))
+    log.info("starting engine", actors=llm.layout.uses_actors, decode_actors=llm.layout.decode_actors,
+             prefill_actors=llm.layout.prefill_actors, disagg=llm.layout.disagg)
+    try:
+        await llm.start()
+    except Exception as exc:
+        await llm.aclose()
+        raise ConfigError(f"the engine did not start: {exc}") from None
     app = create_app(llm, settings, log)
     runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=RUNNER_SHUTDOWN_SECONDS)
     await runner.setup()
@@ -56,7 +65,7 @@ async def _serve(settings: ServerSettings, options: dict, log: structlog.stdlib.
         await web.TCPSite(runner, settings.host, settings.port).start()
     except OSError as exc:
         await runner.cleanup()
-        llm.shutdown()
+        await llm.aclose()
         raise ConfigError(f"cannot listen on {settings.host}:{settings.port}: {exc}") from None
     _announce(app[CONTEXT], runner, log)
     shutdown = _Shutdown(asyncio.Event(), asyncio.Event())
@@ -64,7 +73,7 @@ async def _serve(settings: ServerSettings, options: dict, log: structlog.stdlib.
     await shutdown.requested.wait()
     await drain(app[CONTEXT], shutdown.forced, log)
     await runner.cleanup()
-    llm.shutdown()
+    await llm.aclose()
     log.info("stopped")
     return 0
 

@@ -125,6 +125,10 @@ class HeartbeatAck(Message):
     waiting: int
     kv_used: int
     kv_total: int
+    kv_cached: int = 0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    preemptions: int = 0
 
 
 # ---- requests -------------------------------------------------------------------------------------------
