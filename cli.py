@@ -1,4 +1,4 @@
-"""Command line: `python cli.py serve`, `python cli.py generate PROMPT`, `python cli.py chat`."""
+"""Command line: `python cli.py serve`, `generate PROMPT`, `chat`, and `worker --connect HOST:PORT`."""
 from __future__ import annotations
 
 import argparse
@@ -30,6 +30,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_engine_args(serve)
     _add_server_args(serve)
+    worker = sub.add_parser("worker", help="an actor on this host joining a server on another (over TCP)")
+    worker.add_argument("--role", choices=("decode", "prefill"), default="decode")
+    worker.add_argument("--connect", required=True, metavar="HOST:PORT", help="the server's --listen-workers")
+    worker.add_argument("--actor-id", default=None, help="unique name (default: ROLE-HOSTNAME-PID)")
+    worker.add_argument("--secret-file", default=None, help="shared secret file (default: $PHASE_SERVE_SECRET)")
+    worker.add_argument("--device", default="cpu", help="cpu or cuda:N")
+    add_engine_args(worker)
     return parser
 
 
@@ -97,12 +104,29 @@ def _read_line() -> str | None:
     return None if line in ("/exit", "/quit") else line
 
 
+def run_worker(args: argparse.Namespace) -> int:
+    import os
+    import socket
+
+    from actors import worker
+    from actors.spec import ActorSpec
+
+    options = engine_options(args)
+    actor_id = args.actor_id or f"{args.role}-{socket.gethostname()}-{os.getpid()}"
+    spec = ActorSpec(actor_id, args.role, args.device, options.get("num_threads") or os.cpu_count() or 1,
+                     engine=options, remote=True)
+    extra = ["--secret-file", args.secret_file] if args.secret_file else []
+    return worker.main(["--spec", spec.to_json(), "--connect", args.connect, *extra])
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         from server.main import serve
 
         return serve(args)
+    if args.command == "worker":
+        return run_worker(args)
     logging.basicConfig(stream=sys.stderr, level=logging.WARNING)
     from engine.config import ConfigError
     from engine.model.errors import ModelLoadError

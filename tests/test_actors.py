@@ -131,16 +131,15 @@ async def test_worker_joins_over_tcp_and_serves(tiny_model_dir, reference, monke
     import secrets
     import sys
 
-    from actors.spec import ActorSpec
-
     secret = secrets.token_hex(16)
     monkeypatch.setenv("PHASE_SERVE_SECRET", secret)
     llm = AsyncLLM(str(tiny_model_dir), listen_workers="127.0.0.1:0", **OPTIONS)
     await llm.start()
     host, port = llm._client.listen_address
-    spec = ActorSpec("remote-decode-0", "decode", engine=dict(model=str(tiny_model_dir), **OPTIONS))
     worker = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "actors.worker", "--spec", spec.to_json(), "--connect", f"{host}:{port}",
+        sys.executable, "cli.py", "worker", "--role", "decode", "--connect", f"{host}:{port}",
+        "--actor-id", "remote-decode-0", "--model", str(tiny_model_dir), "--dtype", "float32", "--num-kv-blocks",
+        "256", "--block-size", "8", "--max-num-batched-tokens", "64", "--threads", "1",
         env={**os.environ, "PHASE_SERVE_SECRET": secret})
     try:
         prompt = make_prompts(1, seed=47)[0]
