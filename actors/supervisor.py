@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Awaitable, Callable
 
+from actors.kv_export import release_export
 from actors.spec import ROLES, ActorSpec
 from transport import Connection, TransportError, connect_unix, private_socket_dir, serve_tcp
 from transport import messages as m
@@ -236,6 +237,8 @@ class Supervisor:
         if handle.process is not None and handle.process.returncode is None:
             handle.process.kill()
             await handle.process.wait()
+        if handle.ready is not None and not handle.spec.remote:
+            release_export(handle.ready.kv_export)  # a killed actor cannot remove its shared pool itself
         if was_ready:
             await _maybe_await(self._on_down(handle))
         if not self._stopping and not handle.spec.remote:  # a remote worker reconnects by itself

@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
 import sys
 import time
 from typing import Any, Callable
@@ -65,6 +66,7 @@ class Actor:
     # ---------------------------------------------------------------- lifecycle
     async def run(self) -> None:
         """Serve on the spec's Unix socket (spawned by a local supervisor)."""
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, self.stopped.set)
         self._start_engine()
         server = await serve_unix(self.spec.socket_path, self.serve_connection)
         log.info("actor %s (%s) ready on %s", self.spec.actor_id, self.spec.role, self.spec.socket_path)
@@ -350,6 +352,19 @@ class PrefillActor(Actor):
 
 
 ACTOR_CLASSES = {"decode": DecodeActor, "prefill": PrefillActor}
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """Linux: get SIGTERM (a clean stop that removes the shared pool) if the server process dies."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        log.warning("cannot tie this actor's life to its parent; it must be stopped explicitly")
+    if os.getppid() == 1:  # the parent died before prctl took effect
+        sys.exit(0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -363,6 +378,8 @@ def main(argv: list[str] | None = None) -> int:
                         format=f"%(asctime)s {spec.actor_id} %(levelname)s %(message)s")
     if spec.cpus:
         os.sched_setaffinity(0, spec.cpus)
+    if not spec.remote:
+        _die_with_parent()
     torch.set_num_threads(spec.threads)
     try:
         import uvloop

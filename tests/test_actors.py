@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+from pathlib import Path
 
 import pytest
 import pytest_asyncio
@@ -21,7 +22,9 @@ async def cluster(tiny_model_dir):
     llm = AsyncLLM(str(tiny_model_dir), decode_actors=1, prefill_actors=1, disagg="always", **OPTIONS)
     await llm.start()
     yield llm
+    pools = [h.ready.kv_export["name"] for h in llm._client.supervisor.handles if h.spec.role == "decode"]
     await llm.aclose()
+    assert not any(Path(name).exists() for name in pools), "a shared KV pool outlived its actor"
 
 
 @pytest.fixture(scope="module")
