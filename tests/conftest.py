@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.tiny_models import tiny_llama_config, write_tiny_model
 
@@ -10,3 +11,15 @@ def tiny_model_dir(tmp_path_factory):
     """A 2-layer random Llama with grouped-query attention and the tiny BPE tokenizer (vocab 512)."""
     config = tiny_llama_config(num_key_value_heads=2, max_position_embeddings=1024)
     return write_tiny_model(tmp_path_factory.mktemp("tiny-llama"), config, seed=7)
+
+
+@pytest.fixture(scope="session")
+def hf_gguf_model():
+    """transformers' own GGUF loading of the default model (fp32): the oracle for the loader and the model."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from engine.model.gguf_loader import default_model_path
+
+    path = default_model_path()
+    return transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                             dtype=torch.float32).eval()

@@ -5,7 +5,6 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.model.gguf_loader import default_model_path
 from tests.test_model_parity import assert_close_relative, paged_logits
 
 pytestmark = pytest.mark.slow
@@ -13,11 +12,8 @@ PROMPT = "The history of the Roman Empire begins with"
 
 
 @pytest.fixture(scope="module")
-def hf_model():
-    from transformers import AutoModelForCausalLM
-
-    path = default_model_path()
-    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, torch_dtype=torch.float32).eval()
+def hf_model(hf_gguf_model):
+    return hf_gguf_model
 
 
 @pytest.fixture(scope="module")

@@ -201,12 +201,8 @@ def default_model():
 
 
 @pytest.fixture(scope="module")
-def transformers_state_dict() -> dict[str, torch.Tensor]:
-    transformers = pytest.importorskip("transformers")
-    pytest.importorskip("accelerate")
-    path = default_model_path()
-    model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    return model.state_dict()
+def transformers_state_dict(hf_gguf_model) -> dict[str, torch.Tensor]:
+    return hf_gguf_model.state_dict()
 
 
 @pytest.mark.slow
