@@ -150,6 +150,24 @@ def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, batch: SamplingBatch) 
     return out
 
 
+def greedy_tokens(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """The argmax of each row of logits [B, V] after the row's bans: [B] int64."""
+    return _apply_bans(logits, batch).argmax(dim=-1)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, batch: SamplingBatch) -> list[TokenLogprobs | None]:
+    """Logprobs of given tokens [B] under raw logits [B, V], for the rows of ``batch`` that asked for them."""
+    return _logprobs(logits, tokens, batch) if batch.max_logprobs is not None else [None] * batch.size
+
+
+def exponential_race(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One draw per row of probs [B, V] (unnormalised is fine), each row from its own generator: [B] int64."""
+    noise = torch.empty_like(probs)
+    for row, g in enumerate(generators):
+        noise[row].exponential_(generator=g)
+    return (probs / noise.clamp_(min=torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
+
+
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     """Pick one token per row of ``logits`` [B, V]; logprobs come from the raw (unprocessed) logits."""
     if batch.all_greedy:

@@ -4,16 +4,27 @@ Every step spends a token budget: running sequences first (decode tokens before 
 or preempted sequences from the waiting queue. When the KV pool runs dry the lowest-priority running
 sequence is preempted by recompute: its blocks are freed and it re-enters the waiting queue keeping its
 sampled tokens, so it later resumes exactly where it stopped (often from the prefix cache).
+
+Speculative decoding: a speculating sequence's decode step reserves budget and blocks for K draft tokens
+after its last token (a verification chunk of 1 + K tokens); the engine's speculator fills the drafts in.
+After verification the sequence keeps the accepted drafts plus the target's own next token; the KV slots of
+rejected drafts are simply overwritten later, blocks beyond the sequence's length are freed, and only blocks
+whose tokens are final are registered in the prefix cache.
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.block_pool import BlockPool, block_hash, prefix_block_hashes
 from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, SequenceStatus
+from engine.speculative.adaptive import SpecCounters, adapt
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -35,6 +46,10 @@ class ScheduledChunk:
     params: SamplingParams
     seed: int | None  # per-sequence sampler seed (request seed mixed with the sample index)
     banned_token_ids: tuple[int, ...] = ()  # EOS / stop ids while under min_tokens
+    speculative: bool = False  # a decode step of a speculating sequence (its adaptive K learns from it)
+    num_spec_slots: int = 0  # draft tokens budgeted (tokens and blocks) after token_ids[0]
+    num_draft: int = 0  # draft tokens filled in: token_ids = [last token, *drafts]
+    draft_probs: torch.Tensor | None = None  # [num_draft, V] the drafts' distributions; None = point masses
 
 
 @dataclass
@@ -56,6 +71,9 @@ class SchedulerOutput:
 class RunnerOutput:
     sampled_token_ids: dict[int, int]  # seq_id -> token
     logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)
+    # Chunks with drafts: seq_id -> emitted tokens (accepted drafts, then the target's own token) and their logprobs
+    verified_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    verified_logprobs: dict[int, list[TokenLogprobs | None]] = field(default_factory=dict)
 
 
 @dataclass
@@ -83,6 +101,7 @@ class Scheduler:
         self._finished_since_step: list[int] = []
         self._remote: dict[str, tuple[list[int], list[int]]] = {}  # request -> (cached blocks, their hashes)
         self.num_preemptions = 0
+        self.spec_counters = SpecCounters()
 
     # ------------------------------------------------------------------ queue management
 
@@ -101,6 +120,15 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def running_tokens(self, seq_id: int) -> list[int] | None:
+        """The tokens of a running sequence (live; do not modify), for drafters."""
+        seq = self._live(seq_id)
+        return None if seq is None else seq.token_ids
+
+    @property
+    def finished_since_step(self) -> tuple[int, ...]:
+        return tuple(self._finished_since_step)
 
     # ------------------------------------------------------------------ KV computed by another actor
 
@@ -167,11 +195,38 @@ class Scheduler:
             seq = self._live(chunk.seq_id)
             if seq is None:
                 continue
-            seq.num_computed_tokens += len(chunk.token_ids)
-            self._register_full_blocks(seq)
-            if chunk.sample:
-                updates.append(self._append_token(seq, result.sampled_token_ids[chunk.seq_id],
-                                                  result.logprobs.get(chunk.seq_id)))
+            if chunk.seq_id in result.verified_token_ids:
+                updates.extend(self._apply_verified(seq, chunk, result))
+            else:
+                updates.extend(self._apply_chunk(seq, chunk, result))
+            if chunk.speculative:
+                seq.spec = adapt(seq.spec, chunk.num_draft, _num_accepted(chunk, result))
+        return updates
+
+    def _apply_chunk(self, seq: Sequence, chunk: ScheduledChunk, result: RunnerOutput) -> list[SequenceUpdate]:
+        seq.num_computed_tokens += len(chunk.token_ids)
+        self._register_full_blocks(seq)
+        if not chunk.sample:
+            return []
+        update = self._append_token(seq, result.sampled_token_ids[chunk.seq_id], result.logprobs.get(chunk.seq_id))
+        if chunk.num_spec_slots and not seq.is_finished:
+            self._trim_blocks(seq)  # room was made for drafts that never came
+        return [update]
+
+    def _apply_verified(self, seq: Sequence, chunk: ScheduledChunk, result: RunnerOutput) -> list[SequenceUpdate]:
+        """Append the emitted tokens one by one (each may finish the sequence), then keep the KV of the last
+        token and the accepted drafts only."""
+        tokens = result.verified_token_ids[chunk.seq_id]
+        logprobs = result.verified_logprobs.get(chunk.seq_id) or [None] * len(tokens)
+        self.spec_counters.record(chunk.num_draft, len(tokens) - 1)
+        updates = []
+        for token, lp in zip(tokens, logprobs):
+            updates.append(self._append_token(seq, token, lp))
+            if seq.is_finished:
+                return updates
+        seq.num_computed_tokens = chunk.start_pos + len(tokens)  # last token + accepted drafts
+        self._register_full_blocks(seq)
+        self._trim_blocks(seq)
         return updates
 
     # ------------------------------------------------------------------ running sequences
@@ -184,11 +239,24 @@ class Scheduler:
             num_new = self._num_tokens_to_run(seq, budget)
             if num_new == 0:
                 continue
-            if not self._grow_or_preempt(seq, num_new, queue, out):
+            slots = self._spec_slots(seq, budget - num_new)
+            if not self._grow_or_preempt(seq, num_new + slots, queue, out):
                 continue
-            out.chunks.append(self._chunk(seq, num_new))
-            budget -= num_new
+            out.chunks.append(self._chunk(seq, num_new, slots))
+            budget -= num_new + slots
         return budget
+
+    def _spec_slots(self, seq: Sequence, budget: int) -> int:
+        """Draft tokens to verify after a decode token: the sequence's K, within the budget, the free blocks and
+        its length limit; under min_tokens only while every verified position bans the same stop ids."""
+        if seq.spec is None or not seq.in_decode:
+            return 0
+        k = min(seq.spec.k, budget, seq.max_total_tokens - seq.num_tokens - 1)
+        if seq.num_output_tokens < seq.params.min_tokens:
+            k = min(k, seq.params.min_tokens - seq.num_output_tokens - 1)
+        if k > 0 and not self.pool.can_allocate(self._blocks_needed(seq, 1 + k)):
+            return 0  # speculation never preempts anyone
+        return max(k, 0)
 
     def _grow_or_preempt(self, seq: Sequence, num_new: int, queue: deque, out: SchedulerOutput) -> bool:
         """Give `seq` blocks for `num_new` more tokens, preempting from the queue's tail; False if seq itself went."""
@@ -258,9 +326,12 @@ class Scheduler:
         total = seq.num_computed_tokens + num_new
         return max(0, -(-total // self.pool.block_size) - len(seq.block_ids))
 
-    def _chunk(self, seq: Sequence, num_new: int) -> ScheduledChunk:
-        return build_chunk(seq.seq_id, seq.token_ids, seq.num_computed_tokens, num_new, seq.block_ids, seq.params,
-                           seq.sample_index, seq.num_prompt_tokens, self.eos_token_ids)
+    def _chunk(self, seq: Sequence, num_new: int, spec_slots: int = 0) -> ScheduledChunk:
+        chunk = build_chunk(seq.seq_id, seq.token_ids, seq.num_computed_tokens, num_new, seq.block_ids, seq.params,
+                            seq.sample_index, seq.num_prompt_tokens, self.eos_token_ids)
+        chunk.speculative = seq.spec is not None and seq.in_decode
+        chunk.num_spec_slots = spec_slots
+        return chunk
 
     def _eos_for(self, params: SamplingParams) -> frozenset[int]:
         return eos_for(params, self.eos_token_ids)
@@ -306,6 +377,14 @@ class Scheduler:
         self.waiting.append(seq)
         seq.status = SequenceStatus.WAITING
 
+    def _trim_blocks(self, seq: Sequence) -> None:
+        """Free the blocks past the sequence's tokens (they held only rejected or never-filled drafts)."""
+        keep = -(-seq.num_tokens // self.pool.block_size)
+        extra = seq.block_ids[keep:]
+        if extra:
+            del seq.block_ids[keep:]
+            self.pool.free(reversed(extra))
+
     def _release_blocks(self, seq: Sequence) -> None:
         self.pool.free(reversed(seq.block_ids))  # tail first, so the shared prefix is evicted last
         seq.block_ids, seq.block_hashes, seq.num_computed_tokens = [], [], 0
@@ -333,6 +412,11 @@ def eos_for(params: SamplingParams, eos_token_ids: frozenset[int]) -> frozenset[
 def sequence_seed(seed: int | None, sample_index: int) -> int | None:
     """Each of a request's n samples draws from its own RNG stream derived from the request's seed."""
     return None if seed is None else (seed * 1_000_003 + sample_index) % (1 << 63)
+
+
+def _num_accepted(chunk: ScheduledChunk, result: RunnerOutput) -> int:
+    tokens = result.verified_token_ids.get(chunk.seq_id)
+    return 0 if tokens is None else len(tokens) - 1
 
 
 def _update(seq: Sequence, token: int | None, logprobs: TokenLogprobs | None = None) -> SequenceUpdate:

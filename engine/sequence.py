@@ -5,6 +5,7 @@ import enum
 from dataclasses import dataclass, field
 
 from engine.sampling_params import SamplingParams
+from engine.speculative.adaptive import SpecState
 
 
 class SequenceStatus(enum.Enum):
@@ -32,6 +33,12 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of the full blocks registered so far
     num_preemptions: int = 0
     finish_reason: str | None = None
+    spec: SpecState | None = None  # None: this sequence never speculates
+
+    @property
+    def in_decode(self) -> bool:
+        """Only the last sampled token lacks KV: the next step is a decode step."""
+        return self.num_uncomputed == 1 and self.prefill_done
 
     @property
     def num_tokens(self) -> int:

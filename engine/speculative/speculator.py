@@ -1,0 +1,64 @@
+"""The engine's side of speculation each step: ask the proposer for drafts to fill the scheduled slots, then
+tell it what survived. A proposer that fails only turns speculation off for that step."""
+from __future__ import annotations
+
+import logging
+from typing import Callable, Iterable, Sequence
+
+from engine.scheduler import RunnerOutput, ScheduledChunk, SchedulerOutput
+from engine.speculative.proposer import DraftRequest, Proposal, Proposer
+
+log = logging.getLogger(__name__)
+
+
+class Speculator:
+    def __init__(self, proposer: Proposer, vocab_size: int) -> None:
+        self.proposer = proposer
+        self.vocab_size = vocab_size
+        self.num_failures = 0
+
+    def fill(self, sched: SchedulerOutput, tokens_of: Callable[[int], Sequence[int] | None]) -> None:
+        """Append each speculating chunk's drafts to its token_ids (num_draft, draft_probs)."""
+        self._release([*sched.finished_seq_ids, *sched.preempted_seq_ids])
+        chunks = [c for c in sched.chunks if c.num_spec_slots > 0]
+        if not chunks:
+            return
+        requests = [DraftRequest(c.seq_id, tokens_of(c.seq_id), c.num_spec_slots, c.params, c.seed) for c in chunks]
+        try:
+            proposals = self.proposer.propose(requests)
+        except Exception:  # noqa: BLE001 - the requests go on without speculation
+            self.num_failures += 1
+            log.exception("the proposer failed; this step runs without speculation")
+            return
+        for chunk, proposal in zip(chunks, proposals):
+            if self._valid(chunk, proposal):
+                _attach(chunk, proposal)
+
+    def report(self, sched: SchedulerOutput, result: RunnerOutput, finished: Iterable[int]) -> None:
+        """After the scheduler's update: how much of each verified sequence is final; who is gone."""
+        for chunk in sched.chunks:
+            tokens = result.verified_token_ids.get(chunk.seq_id)
+            if tokens is not None:
+                self.proposer.on_accepted(chunk.seq_id, chunk.start_pos + len(tokens))  # last token + accepted
+        self._release(finished)
+
+    def _release(self, seq_ids: Iterable[int]) -> None:
+        for seq_id in seq_ids:
+            self.proposer.release(seq_id)
+
+    def _valid(self, chunk: ScheduledChunk, proposal: Proposal) -> bool:
+        n = len(proposal.token_ids)
+        ok = n <= chunk.num_spec_slots and all(0 <= t < self.vocab_size for t in proposal.token_ids)
+        q = proposal.draft_probs
+        ok = ok and (q is None or tuple(q.shape) == (n, self.vocab_size))
+        if not ok:
+            log.warning("dropping a malformed proposal for sequence %d", chunk.seq_id)
+        return ok
+
+
+def _attach(chunk: ScheduledChunk, proposal: Proposal) -> None:
+    if not proposal.token_ids:
+        return
+    chunk.token_ids = chunk.token_ids + list(proposal.token_ids)
+    chunk.num_draft = len(proposal.token_ids)
+    chunk.draft_probs = proposal.draft_probs
