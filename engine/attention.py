@@ -3,6 +3,12 @@
 The flat batch holds decode rows first (one new token per sequence, attended as one group), then each
 prefill chunk as a contiguous segment. New keys/values are written into their cache slots before
 attention, so a chunk sees every earlier token of its sequence, cached or computed in this step.
+
+A layer's cache is either a tensor [num_blocks, block_size, kv_heads, head_dim] in the serving dtype or
+QuantizedPages (fp8 / fp4, engine/kv_formats.py): those quantise new tokens as they are written and
+dequantise gathered pages to the serving dtype; everything after the gather is the same. A prefill chunk
+without cached context attends to its fresh keys/values directly, so with a quantised cache the first
+chunk of a prompt sees unquantised keys and every later chunk or decode step sees quantised ones.
 """
 from __future__ import annotations
 
@@ -10,6 +16,10 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from engine.kv_formats import PageWrites, QuantizedPages
+
+KVPages = torch.Tensor | QuantizedPages  # one layer's keys or values
 
 
 @dataclass
@@ -32,6 +42,7 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None = None  # [D, max_blocks] int64, padded with block 0
     decode_mask: torch.Tensor | None = None  # [D, 1, 1, max_blocks * block_size] bool: key is in the context
     prefills: list[PrefillSegment] = field(default_factory=list)
+    page_writes: PageWrites | None = None  # built on first use by a quantised cache, shared by its layers
 
     @staticmethod
     def build(block_size: int, decode_rows: list[tuple[list[int], int]],
@@ -78,11 +89,12 @@ def _prefill_segment(table: list[int], start: int, context_start: int, length: i
     return PrefillSegment(start, length, context_start, torch.tensor(used, dtype=torch.long), mask)
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q [T, Hq, D], k/v [T, Hkv, D] for the new tokens; caches [num_blocks, block_size, Hkv, D]. Returns [T, Hq, D]."""
-    k_cache.view(-1, *k.shape[1:]).index_copy_(0, meta.slot_mapping, k)
-    v_cache.view(-1, *v.shape[1:]).index_copy_(0, meta.slot_mapping, v)
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: KVPages,
+                    v_cache: KVPages, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q [T, Hq, D], k/v [T, Hkv, D] for the new tokens; caches [num_blocks, block_size, Hkv, D] (or
+    quantised pages). Returns [T, Hq, D]."""
+    _write(k_cache, k, meta)
+    _write(v_cache, v, meta)
     out = torch.empty_like(q)
     if meta.num_decode:
         out[: meta.num_decode] = _decode_attention(q[: meta.num_decode], k_cache, v_cache, meta, scale)
@@ -92,27 +104,37 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     return out
 
 
-def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+def _write(cache: KVPages, x: torch.Tensor, meta: AttentionMetadata) -> None:
+    if isinstance(cache, torch.Tensor):
+        cache.view(-1, *x.shape[1:]).index_copy_(0, meta.slot_mapping, x)
+        return
+    if meta.page_writes is None:
+        meta.page_writes = PageWrites.build(meta.slot_mapping, cache.block_size)
+    cache.write(meta.page_writes, x)
+
+
+def _gather(cache: KVPages, block_tables: torch.Tensor) -> torch.Tensor:
     # cache [N, bs, Hkv, D], block_tables [B, nb] -> [B, Hkv, nb * bs, D]
-    blocks = cache[block_tables]  # [B, nb, bs, Hkv, D]
+    blocks = cache[block_tables] if isinstance(cache, torch.Tensor) else cache.gather(block_tables)
+    # blocks [B, nb, bs, Hkv, D]
     b, nb, bs, h, d = blocks.shape
     return blocks.view(b, nb * bs, h, d).transpose(1, 2)
 
 
-def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+def _decode_attention(q: torch.Tensor, k_cache: KVPages, v_cache: KVPages,
                       meta: AttentionMetadata, scale: float) -> torch.Tensor:
     # One query per sequence: fold each KV head's query group into the query-length axis, so no KV repeat.
     num_rows, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
     keys = _gather(k_cache, meta.decode_block_tables)  # [D, Hkv, L, hd]
+    num_kv_heads = keys.shape[1]
     values = _gather(v_cache, meta.decode_block_tables)
     grouped_q = q.view(num_rows, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [D, Hkv, G, hd]
     out = F.scaled_dot_product_attention(grouped_q, keys, values, attn_mask=meta.decode_mask, scale=scale)
     return out.reshape(num_rows, num_heads, head_dim)
 
 
-def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                       v_cache: torch.Tensor, seg: PrefillSegment, scale: float) -> torch.Tensor:
+def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: KVPages,
+                       v_cache: KVPages, seg: PrefillSegment, scale: float) -> torch.Tensor:
     # q [S, Hq, hd]. Without a cached prefix the chunk attends only to itself: skip the gather.
     qh = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, S, hd]
     if seg.context_start == 0:

@@ -67,6 +67,9 @@ class ModelConfig:
 
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp4")  # auto = the serving dtype; fp8 / fp4: engine/kv_formats.py
+SPECULATIVE_MODES = ("off", "ngram", "draft")
+MAX_SPECULATIVE_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,10 @@ class EngineConfig:
     max_model_len: int | None = None
     num_threads: int | None = None
     seed: int = 0
+    speculative: str = "off"  # off | ngram (prompt lookup) | draft (a draft model, see draft_model)
+    draft_model: str | None = None  # PATH (HF folder or .gguf, same vocabulary) or self:N (target's first N layers)
+    num_speculative_tokens: int = 4  # most draft tokens verified per step; adapted per sequence below this
+    kv_cache_dtype: str = "auto"  # KV pages: auto (the serving dtype) | fp8 (e4m3) | fp4 (e2m1, NVFP4-style)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -102,3 +109,27 @@ class EngineConfig:
         if not self.enable_chunked_prefill and self.max_model_len and self.max_model_len > self.max_num_batched_tokens:
             raise ConfigError("without chunked prefill, max_num_batched_tokens must be at least max_model_len "
                               f"({self.max_num_batched_tokens} < {self.max_model_len})")
+        self._check_speculative()
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+
+    def _check_speculative(self) -> None:
+        if self.speculative not in SPECULATIVE_MODES:
+            raise ConfigError(f"speculative must be one of {', '.join(SPECULATIVE_MODES)}, got {self.speculative!r}")
+        if self.speculative == "draft" and not self.draft_model:
+            raise ConfigError("speculative='draft' needs draft_model (a model path or self:N)")
+        if self.draft_model and self.speculative != "draft":
+            raise ConfigError(f"draft_model is set but speculative is {self.speculative!r}; use speculative='draft'")
+        if self.draft_model and self.draft_model.startswith("self:"):
+            parse_self_draft(self.draft_model)
+        if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ConfigError(f"num_speculative_tokens must be between 1 and {MAX_SPECULATIVE_TOKENS}, "
+                              f"got {self.num_speculative_tokens}")
+
+
+def parse_self_draft(draft_model: str) -> int:
+    """'self:N' -> N, the number of the target's leading layers that form the draft."""
+    text = draft_model.removeprefix("self:")
+    if not text.isdigit() or int(text) < 1:
+        raise ConfigError(f"draft_model self:N needs a positive layer count N, got {draft_model!r}")
+    return int(text)

@@ -20,6 +20,9 @@ from engine.runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerLimits, SequenceUpdate
 from engine.sequence import Sequence
+from engine.speculative.adaptive import SpecState
+from engine.speculative.build import build_proposer
+from engine.speculative.speculator import Speculator
 
 
 class RequestError(ValueError):
@@ -37,6 +40,7 @@ class EngineRequest:
     params: SamplingParams
     priority: int = 0
     arrival_time: float = 0.0
+    speculate: bool | None = None  # speculative decoding for this request: None = the engine's default
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,10 @@ class EngineStats:
     prefix_queries: int
     prefix_hits: int
     num_preemptions: int
+    spec_proposed: int = 0  # draft tokens verified
+    spec_accepted: int = 0  # ... of which accepted
+    spec_steps: int = 0  # verifications (one sequence, one step, at least one draft)
+    kv_bytes_per_token: float = 0.0  # KV pool bytes per cached token (smaller with --kv-cache-dtype fp8/fp4)
 
 
 class EngineCore:
@@ -65,16 +73,20 @@ class EngineCore:
         self.max_model_len = min(config.max_model_len or model_cfg.max_position_embeddings,
                                  model_cfg.max_position_embeddings)
         model = load_model(self.source, self.dtype, device)
+        kv_format = config.kv_cache_dtype
         num_blocks = choose_num_blocks(model_cfg, config.block_size, self.dtype, config.num_kv_blocks,
-                                       config.kv_cache_memory, psutil.virtual_memory().available)
+                                       config.kv_cache_memory, psutil.virtual_memory().available, kv_format)
         storage = None if kv_allocator is None else kv_allocator(
-            KVCache.shape_for(model_cfg, num_blocks, config.block_size), self.dtype)
-        self.kv_cache = KVCache(model_cfg, num_blocks, config.block_size, self.dtype, device, storage)
+            KVCache.shape_for(model_cfg, num_blocks, config.block_size, kv_format),
+            KVCache.storage_dtype(self.dtype, kv_format))
+        self.kv_cache = KVCache(model_cfg, num_blocks, config.block_size, self.dtype, device, storage, kv_format)
         self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
         limits = SchedulerLimits(config.max_num_batched_tokens, config.max_num_seqs, config.enable_chunked_prefill)
         eos = self.source.tokenizer.eos_token_ids or model_cfg.eos_token_ids
         self.scheduler = Scheduler(self.pool, limits, tuple(eos))
         self.runner = ModelRunner(model, self.kv_cache, device)
+        proposer = build_proposer(config, model, self.source, num_blocks, self.dtype, device)
+        self.speculator = None if proposer is None else Speculator(proposer, model_cfg.vocab_size)
         self._seq_ids = itertools.count()
 
     def add_request(self, req: EngineRequest) -> None:
@@ -90,7 +102,14 @@ class EngineCore:
             max_total = min(max_total, len(req.prompt_token_ids) + req.params.max_tokens)
         return [Sequence(next(self._seq_ids), req.request_id, i, list(req.prompt_token_ids),
                          len(req.prompt_token_ids), req.params, max_total, req.priority,
-                         req.arrival_time or time.monotonic()) for i in range(req.params.n)]
+                         req.arrival_time or time.monotonic(), spec=self._spec_state(req))
+                for i in range(req.params.n)]
+
+    def _spec_state(self, req: EngineRequest) -> SpecState | None:
+        """Requests speculate by the engine's default unless they say otherwise; never without a proposer."""
+        if self.speculator is None or req.speculate is False:
+            return None
+        return SpecState.start(self.config.num_speculative_tokens)
 
     def _validate(self, req: EngineRequest) -> None:
         n = len(req.prompt_token_ids)
@@ -151,8 +170,13 @@ class EngineCore:
 
     def step(self) -> list[SequenceUpdate]:
         sched = self.scheduler.schedule()
+        if self.speculator is not None:
+            self.speculator.fill(sched, self.scheduler.running_tokens)
         result = self.runner.run(sched)
-        return self.scheduler.update(sched, result)
+        updates = self.scheduler.update(sched, result)
+        if self.speculator is not None:
+            self.speculator.report(sched, result, self.scheduler.finished_since_step)
+        return updates
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -161,6 +185,8 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         pool, sched = self.pool, self.scheduler
+        spec = sched.spec_counters
         return EngineStats(len(sched.running), len(sched.waiting), pool.num_blocks, pool.num_used,
                            pool.num_cached, pool.stats.prefix_queries, pool.stats.prefix_hits,
-                           sched.num_preemptions)
+                           sched.num_preemptions, spec.proposed, spec.accepted, spec.steps,
+                           kv_bytes_per_token=self.kv_cache.bytes_per_token)

@@ -1,73 +1,123 @@
 """The paged KV cache: one contiguous tensor holding every layer's key and value pages.
 
-Layout [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]. Keeping it one tensor lets an actor
-export the whole pool once (shared memory on CPU, a CUDA IPC handle on GPU) and lets a block move as
-`data[:, :, block_id]`.
+Layout [num_layers, 2, num_blocks, block_size, kv_heads, head_dim] in the serving dtype (kv_format "auto"),
+or, for a quantised pool (kv_format "fp8" / "fp4", see engine/kv_formats.py), uint8
+[num_layers, 2, num_blocks, page_bytes] with each page's scales stored inside it. Keeping it one tensor lets
+an actor export the whole pool once (shared memory on CPU, a CUDA IPC handle on GPU) and lets a block move
+as `data[:, :, block_id]`.
 """
 from __future__ import annotations
 
 import zlib
+from typing import Any, Union
 
 import torch
 
 from engine.config import ModelConfig
+from engine.kv_formats import PageFormat, QuantizedPages, fingerprint_offsets, page_format
 
 DEFAULT_KV_FRACTION = 0.2  # of available memory, when neither a block count nor a byte budget is given
 MAX_DEFAULT_KV_BYTES = 1 << 30
 
+LayerPages = Union[torch.Tensor, QuantizedPages]  # [num_blocks, bs, H, D] in the serving dtype, or quantised
 
-def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    return cfg.num_layers * 2 * block_size * cfg.kv_size * dtype.itemsize
+
+def _page_format(cfg: ModelConfig, block_size: int, kv_format: str) -> PageFormat | None:
+    return None if kv_format == "auto" else page_format(kv_format, block_size, cfg.num_kv_heads, cfg.head_dim)
+
+
+def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, kv_format: str = "auto") -> int:
+    fmt = _page_format(cfg, block_size, kv_format)
+    page_bytes = block_size * cfg.kv_size * dtype.itemsize if fmt is None else fmt.page_bytes
+    return cfg.num_layers * 2 * page_bytes
 
 
 def choose_num_blocks(cfg: ModelConfig, block_size: int, dtype: torch.dtype, num_blocks: int | None,
-                      memory_bytes: int | None, available_bytes: int) -> int:
+                      memory_bytes: int | None, available_bytes: int, kv_format: str = "auto") -> int:
     """An explicit block count wins, then a byte budget, then a share of the memory that is free now."""
     if num_blocks is not None:
         return num_blocks
     budget = memory_bytes or min(int(available_bytes * DEFAULT_KV_FRACTION), MAX_DEFAULT_KV_BYTES)
-    blocks = budget // bytes_per_block(cfg, block_size, dtype)
-    if blocks < 1:
-        raise ValueError(f"a KV budget of {budget} bytes holds no block of "
-                         f"{bytes_per_block(cfg, block_size, dtype)} bytes; raise --kv-cache-memory")
-    return blocks
+    block_bytes = bytes_per_block(cfg, block_size, dtype, kv_format)
+    if budget < block_bytes:
+        raise ValueError(f"a KV budget of {budget} bytes holds no block of {block_bytes} bytes; "
+                         "raise --kv-cache-memory")
+    return budget // block_bytes
 
 
 class KVCache:
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device | str = "cpu", storage: torch.Tensor | None = None) -> None:
-        shape = self.shape_for(cfg, num_blocks, block_size)
+                 device: torch.device | str = "cpu", storage: torch.Tensor | None = None,
+                 kv_format: str = "auto") -> None:
+        """`dtype` is the serving dtype (what attention computes in); a quantised pool stores uint8."""
+        shape = self.shape_for(cfg, num_blocks, block_size, kv_format)
+        storage_dtype = self.storage_dtype(dtype, kv_format)
         if storage is None:
-            storage = torch.zeros(shape, dtype=dtype, device=device)
-        elif tuple(storage.shape) != shape or storage.dtype != dtype:
-            raise ValueError(f"KV storage is {tuple(storage.shape)} {storage.dtype}, expected {shape} {dtype}")
+            storage = torch.zeros(shape, dtype=storage_dtype, device=device)
+        elif tuple(storage.shape) != shape or storage.dtype != storage_dtype:
+            raise ValueError(f"KV storage is {tuple(storage.shape)} {storage.dtype}, "
+                             f"expected {shape} {storage_dtype} for kv_format {kv_format!r}")
         self.data = storage
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.layers = [(storage[i, 0], storage[i, 1]) for i in range(cfg.num_layers)]
+        self.dtype = dtype
+        self.kv_format = kv_format
+        self.page_format = _page_format(cfg, block_size, kv_format)
+        self.layers: list[tuple[LayerPages, LayerPages]] = [
+            (self._pages(storage[i, 0]), self._pages(storage[i, 1])) for i in range(cfg.num_layers)]
+
+    @classmethod
+    def from_export(cls, cfg: ModelConfig, num_blocks: int, block_size: int, storage: torch.Tensor,
+                    export: dict[str, Any], dtype: torch.dtype) -> "KVCache":
+        """Wrap a pool another actor exported (`export` is its Ready.kv_export); `dtype` is this side's
+        serving dtype, used when the pool is quantised (an unquantised pool is its own dtype)."""
+        kv_format = export.get("kv_format", "auto")
+        serving = storage.dtype if kv_format == "auto" else dtype
+        return cls(cfg, num_blocks, block_size, serving, storage.device, storage, kv_format)
 
     @staticmethod
-    def shape_for(cfg: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        return (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    def shape_for(cfg: ModelConfig, num_blocks: int, block_size: int, kv_format: str = "auto") -> tuple[int, ...]:
+        fmt = _page_format(cfg, block_size, kv_format)
+        if fmt is None:
+            return (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        return (cfg.num_layers, 2, num_blocks, fmt.page_bytes)
+
+    @staticmethod
+    def storage_dtype(dtype: torch.dtype, kv_format: str = "auto") -> torch.dtype:
+        return dtype if kv_format == "auto" else torch.uint8
+
+    def _pages(self, layer: torch.Tensor) -> LayerPages:
+        return layer if self.page_format is None else QuantizedPages(layer, self.page_format, self.dtype)
 
     @property
-    def bytes_per_token(self) -> int:
-        return self.data[:, :, 0, 0].numel() * self.data.element_size()
+    def bytes_per_block(self) -> int:
+        return self.data[:, :, 0].numel() * self.data.element_size()
+
+    @property
+    def bytes_per_token(self) -> float:
+        """Pool bytes per cached token (a block's bytes / block_size: exact, block_size is a power of two)."""
+        return self.bytes_per_block / self.block_size
 
     def checksum(self, block_ids: list[int]) -> tuple[int, int]:
         """(bytes written, crc32 of a fingerprint) of the given blocks, computed by the writer of a hand-off
         and again by the owner before it decodes from them.
 
         The fingerprint covers the first and last layer, keys and values, the first and last slot of every
-        block: cheap enough to run on the decode actor's step thread, and it still catches what actually
-        goes wrong with pages shared in place: a writer holding a stale mapping (the owner restarted with a
-        new pool), wrong block ids, or pages overwritten after the writer reported ready.
+        block (and, in a quantised pool, every page's scales): cheap enough to run on the decode actor's
+        step thread, and it still catches what actually goes wrong with pages shared in place: a writer
+        holding a stale mapping (the owner restarted with a new pool), wrong block ids, or pages
+        overwritten after the writer reported ready.
         """
         if not block_ids:
             return 0, 0
-        blocks = torch.tensor(block_ids, dtype=torch.long, device=self.data.device)[:, None]
-        slots = torch.tensor([0, self.block_size - 1], device=self.data.device)[None, :]
+        device = self.data.device
+        blocks = torch.tensor(block_ids, dtype=torch.long, device=device)[:, None]
         last = self.data.shape[0] - 1
-        sample = torch.stack([self.data[layer][:, blocks, slots] for layer in (0, last)])  # [2, 2, nb, 2, H, D]
-        num_bytes = len(block_ids) * self.data[:, :, 0].numel() * self.data.element_size()
+        if self.page_format is None:
+            slots = torch.tensor([0, self.block_size - 1], device=device)[None, :]
+            sample = torch.stack([self.data[layer][:, blocks, slots] for layer in (0, last)])  # [2, 2, nb, 2, H, D]
+        else:
+            offsets = fingerprint_offsets(self.page_format).to(device)[None, :]
+            sample = torch.stack([self.data[layer][:, blocks, offsets] for layer in (0, last)])  # [2, 2, nb, S]
+        num_bytes = len(block_ids) * self.bytes_per_block
         return num_bytes, zlib.crc32(sample.contiguous().view(torch.uint8).cpu().numpy())

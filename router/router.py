@@ -109,11 +109,13 @@ class ActorRouter:
 
     def stats(self) -> EngineStats:
         """Totals over the decode actors as of their last heartbeat (at most one interval old)."""
-        loads = [h.load for h in self.supervisor.ready("decode") if h.load is not None]
+        decodes = self.supervisor.ready("decode")
+        loads = [h.load for h in decodes if h.load is not None]
         total = lambda name: sum(getattr(x, name) for x in loads)  # noqa: E731
+        per_token = max((h.ready.kv_export.get("bytes_per_token", 0) for h in decodes), default=0)
         return EngineStats(total("running"), total("waiting") + self._parked_count(), total("kv_total"),
                            total("kv_used"), total("kv_cached"), total("prefix_queries"), total("prefix_hits"),
-                           total("preemptions"))
+                           total("preemptions"), kv_bytes_per_token=per_token)
 
     def actors(self) -> list[dict]:
         return [{"id": h.actor_id, "role": h.spec.role, "device": h.spec.device, "pid": h.pid, "state": h.state,

@@ -136,5 +136,6 @@ async def _status(request: web.Request) -> web.Response:
         "running": s.running, "waiting": s.waiting, "in_flight": len(ctx.admission.active_ids),
         "draining": ctx.admission.draining,
         "kv_blocks": {"total": s.kv_blocks_total, "used": s.kv_blocks_used, "cached": s.kv_blocks_cached},
+        "kv_bytes_per_token": s.kv_bytes_per_token,
         "prefix_cache": {"queries": s.prefix_queries, "hits": s.prefix_hits},
         "preemptions": s.num_preemptions, "actors": ctx.llm.actors(), "calibration": ctx.llm.calibration()})
