@@ -119,12 +119,22 @@ class Actor:
     async def _dispatch_messages(self, conn: Connection) -> None:
         handlers = self.handlers() | {m.Heartbeat: self.on_heartbeat, m.Shutdown: self.on_shutdown,
                                       m.Drain: self.on_drain, m.CheckIntegrity: self.on_check_integrity}
-        async for msg in conn:
-            handler = handlers.get(type(msg))
-            if handler is None:
-                await conn.send(m.Error(f"{self.spec.role} actor does not handle {type(msg).__name__}"))
-                continue
-            await handler(conn, msg)
+        in_flight: set[asyncio.Task] = set()
+        try:
+            async for msg in conn:
+                handler = handlers.get(type(msg))
+                if handler is None:
+                    await conn.send(m.Error(f"{self.spec.role} actor does not handle {type(msg).__name__}"))
+                    continue
+                # A task per message: a handler waiting for the engine thread (which answers between steps)
+                # must not hold up heartbeats or aborts behind it. Engine calls still run in arrival order,
+                # because each handler queues its call before its first await.
+                task = asyncio.create_task(handler(conn, msg))
+                in_flight.add(task)
+                task.add_done_callback(_reap(in_flight))
+        finally:
+            for task in in_flight:
+                task.cancel()
 
     def on_owner_lost(self, request_id: str) -> None:
         """The router that submitted a request went away: nobody will read its output."""
@@ -157,6 +167,15 @@ class Actor:
         self.thread.post(self.abort_everything)
 
     def abort_everything(self, engine: Any) -> None: ...
+
+
+def _reap(tasks: set[asyncio.Task]) -> Callable[[asyncio.Task], None]:
+    def done(task: asyncio.Task) -> None:
+        tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("message handler failed: %r", task.exception())
+
+    return done
 
 
 def _retryable(exc: Exception) -> bool:

@@ -215,6 +215,7 @@ class ActorRouter:
                 continue
             cost = self._prefill_cost(h)
             entry = {"prefill_seconds_per_token": cost.per_token, "prefill_fixed_seconds": cost.fixed,
+                     "prefill_seconds_per_token_sq": cost.per_token_sq, "prefill_seconds_512": cost.seconds(512),
                      "correction": self.corrections.get(h.actor_id, Smoothed()).ratio}
             if h.spec.role == "decode":
                 decode = self._decode_view(h).decode

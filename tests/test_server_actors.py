@@ -47,7 +47,7 @@ def test_status_lists_actors_and_calibration(server):
     assert {a["role"] for a in actors.values()} == {"prefill", "decode"}
     assert all(a["state"] == "ready" and a["pid"] and a["pid"] != server.proc.pid for a in actors.values())
     assert set(status["calibration"]) == set(actors)
-    assert status["calibration"]["prefill-0"]["prefill_seconds_per_token"] > 0
+    assert status["calibration"]["prefill-0"]["prefill_seconds_512"] > 0
 
 
 def test_metrics_label_the_disaggregated_path(server, client):
