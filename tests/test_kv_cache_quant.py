@@ -269,6 +269,7 @@ def smollm2_fp8_agreement() -> list[int]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # two SmolLM2 engines plus cold Numba compilation of the page kernels
 def test_smollm2_fp8_greedy_agreement_does_not_regress(smollm2_fp8_agreement):
     # measured: 4/8 prompts identical for 16+ tokens, lengths [19, 11, 24, 3, 14, 13, 24, 24]. SmolLM2's keys
     # are the sensitive part: quantising only K costs 6x the KL of quantising only V (bench/kv_accuracy.py).
@@ -277,6 +278,7 @@ def test_smollm2_fp8_greedy_agreement_does_not_regress(smollm2_fp8_agreement):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 @pytest.mark.xfail(reason="issue 8 asks for 16 identical tokens on most prompts; measured 4/8 with fp8 e4m3 "
                           "pages (scale per block and kv-head)", strict=False)
 def test_smollm2_fp8_greedy_identical_for_16_tokens_on_most_prompts(smollm2_fp8_agreement):
