@@ -1,6 +1,6 @@
 """Accuracy and cost of quantised KV pages (--kv-cache-dtype fp8 / fp4) on the default model.
 
-    python -m bench.kv_accuracy [--formats fp8,fp4] [--windows 21] [--window 512] [--modes decode,pages]
+    python -m bench.kv_accuracy [--formats fp8,fp4] [--windows 23] [--window 512] [--modes decode,pages]
         [--diagnostics fp8:K,fp8:V] [--chat-tokens 64] [--decode-batch 32] [--decode-context 512] [--decode-steps 32] [--rounds 2]
         [--budget-mib 256] [--seq-len 4096] [--threads 2] [--model PATH] [--json OUT] [--skip ...]
 
@@ -10,9 +10,10 @@
    distribution is compared with the same run on a bf16 pool (the serving dtype): KL(bf16 || quantised)
    mean and p99, top-1 agreement, and perplexity of the real next token. Two write patterns:
    `decode` feeds one token per step (every page is re-quantised as it fills, as in decoding: this is where
-   the double rounding happens); `pages` feeds chunks of one block (each page is quantised once, read back
-   by later chunks). Positions below one block are left out of both (the first chunk of a `pages` window
-   attends to its fresh keys, not to the cache). Diagnostic rows (`pages` mode) quantise only the keys or only the values.
+   the double rounding happens); `pages` feeds page-aligned chunks of 4 blocks (each page is quantised
+   once, then read back by its own chunk and later ones). Positions below one chunk are left out of both
+   (the first chunk of a `pages` window attends to its fresh keys, not to the cache). Diagnostic rows
+   (`pages` mode) quantise only the keys or only the values.
 2. Greedy agreement on chat prompts: how many generated tokens stay identical to the bf16 pool.
 3. Decode tokens/s with `--decode-batch` sequences running, each with `--decode-context` tokens of text
    before it (timed steps only, after every prompt is prefilled; formats interleaved over `--rounds`).
@@ -54,6 +55,7 @@ CHAT_PROMPTS = (
     "Suggest a name for a friendly robot and explain why.",
 )
 BLOCK_SIZE = 16
+PAGES_CHUNK = 4 * BLOCK_SIZE  # `pages` mode: page-aligned chunks, so each page is quantised exactly once
 
 
 # ------------------------------------------------------------------------------------------ text windows
@@ -123,14 +125,14 @@ class Scores:
 # nest out of order, and without it the in-place cache writes would chain every step's autograd graph
 def teacher_forced(model: LlamaModel, windows: list[list[int]], variants: list[str], chunk: int,
                    dtype: torch.dtype) -> dict[str, dict]:
-    """Run the bf16 reference and every variant in lockstep; score positions >= BLOCK_SIZE."""
+    """Run the bf16 reference and every variant in lockstep; score positions >= PAGES_CHUNK."""
     runs = {f: forced_steps(model, windows, f, chunk, dtype) for f in ["auto", *variants]}
     scores = {f: Scores() for f in runs}
     length = len(windows[0])
     for start in range(0, length, chunk):
         logits = {f: next(run) for f, run in runs.items()}  # [W * chunk, V] each
         pos = torch.arange(start, start + chunk).repeat(len(windows))
-        rows = (pos >= BLOCK_SIZE) & (pos < length - 1)
+        rows = (pos >= PAGES_CHUNK) & (pos < length - 1)
         if not rows.any():
             continue
         src = torch.arange(len(windows)).repeat_interleave(chunk)[rows]
@@ -244,7 +246,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--formats", default="fp8,fp4")
     p.add_argument("--diagnostics", default="fp8:K,fp8:V",
                    help="extra pools for the `pages` mode: FORMAT:K quantises only keys, FORMAT:V only values")
-    p.add_argument("--windows", type=int, default=21)
+    p.add_argument("--windows", type=int, default=23)
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--modes", default="decode,pages", help="teacher-forced write patterns")
     p.add_argument("--chat-tokens", type=int, default=64)
@@ -273,7 +275,7 @@ def main() -> None:
     if "teacher_forced" not in skip:
         results["teacher_forced"] = {}
         for mode in args.modes.split(","):
-            chunk, variants = (1, formats) if mode == "decode" else (BLOCK_SIZE, formats + diagnostics)
+            chunk, variants = (1, formats) if mode == "decode" else (PAGES_CHUNK, formats + diagnostics)
             results["teacher_forced"][mode] = teacher_forced(base.engine.runner.model, windows, variants, chunk,
                                                              base.engine.dtype)
             checkpoint(results, args)
