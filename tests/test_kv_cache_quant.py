@@ -249,6 +249,31 @@ def test_corrupted_quantised_hand_off_is_refused(tiny_model_dir, kv_format):
         pool.unlink()
 
 
+async def test_prefill_actor_writes_a_quantised_decode_actor_pool(tiny_model_dir):
+    """Real actor processes: the prefill actor maps the decode actor's fp8 pool from its export alone."""
+    from engine import AsyncLLM
+
+    prompts = make_prompts(6, seed=51)
+    colocated = [o.token_ids for o in tiny_llm(tiny_model_dir, "fp8", **OPTIONS).generate(prompts, GREEDY)]
+    llm = AsyncLLM(str(tiny_model_dir), decode_actors=1, prefill_actors=1, disagg="always", kv_cache_dtype="fp8",
+                   **OPTIONS)
+    await llm.start()
+    try:
+        outs = []
+        for prompt in prompts:  # the budget (512) prefills each prompt in one chunk, here and colocated
+            async for out in llm.generate(prompt, GREEDY):
+                token_ids = out.token_ids
+            outs.append(token_ids)
+        router = llm._client
+        decode = router.supervisor.ready("decode")[0].ready
+        assert decode.kv_export["kv_format"] == "fp8" and decode.kv_export["dtype"] == "uint8"
+        assert router.kv_transfers >= len(prompts)  # every prompt was handed over (and its checksum verified)
+        assert outs == colocated
+        assert llm.stats().kv_bytes_per_token == 132.0
+    finally:
+        await llm.aclose()
+
+
 # ----------------------------------------------------------------------------------- the default model
 
 @pytest.fixture(scope="module")
