@@ -478,8 +478,9 @@ def print_profile(summary: dict) -> None:
           f"({s['op_calls_per_step']:.0f} torch op calls per step; other processes used "
           f"{s['others_cpu_plain']:.0%} of the cores during the plain steps)")
     print(f"  self CPU time in torch ops: {s['op_self_ms_per_step']:.1f} ms per step")
-    print(f"  time outside torch ops (Python overhead): {s['outside_ops_share_profiled']:.1%} of profiled step time;"
-          f" {s['outside_ops_share_plain_estimate']:.1%} estimated against the plain step time")
+    print(f"  time outside torch ops (Python overhead): {s['outside_ops_share_profiled']:.1%} of profiled step time; "
+          f"against the plain step time {s['outside_ops_share_plain_estimate']:.1%} (a lower bound: the profiler "
+          f"inflates the ops' own times too)")
     print("  phases (plain steps, ms per step; 'python' = time in the phase outside torch ops, from the profiler):")
     for name, ms in s["phases_ms_per_step"].items():
         py = s["phase_python_ms_per_step"].get(name, math.nan)
