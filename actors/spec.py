@@ -4,8 +4,9 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
-ROLES = ("prefill", "decode")
+ROLES = ("prefill", "decode", "draft")
 
 
 @dataclass(frozen=True)
@@ -18,6 +19,7 @@ class ActorSpec:
     socket_path: str = ""  # the Unix socket the actor listens on (inside the supervisor's 0700 directory)
     engine: dict = field(default_factory=dict)  # EngineConfig keyword arguments
     remote: bool = False  # joined over TCP from another host: its KV pool cannot be mapped here
+    draft_actor: str = ""  # a decode actor's draft actor (same supervisor), if drafts come from one
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -43,9 +45,21 @@ class ActorSpec:
         return env
 
     @property
+    def draft_socket(self) -> str:
+        """Where this decode actor's draft actor listens: beside its own socket, as the supervisor lays them out."""
+        if not self.draft_actor or not self.socket_path:
+            return ""
+        return str(Path(self.socket_path).parent / socket_name(self.draft_actor))
+
+    @property
     def local_device(self) -> str:
         """Inside the child, a GPU is always cuda:0 (CUDA_VISIBLE_DEVICES narrows it to one)."""
         return "cuda:0" if self.device.startswith("cuda") else "cpu"
+
+
+def socket_name(actor_id: str) -> str:
+    """The file name of a local actor's socket inside its supervisor's private directory."""
+    return f"{actor_id}.sock"
 
 
 def split_cores(num_actors: int, total: int | None = None) -> list[tuple[int, ...]]:

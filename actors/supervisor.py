@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Awaitable, Callable
 
 from actors.kv_export import release_export
-from actors.spec import ROLES, ActorSpec
+from actors.spec import ROLES, ActorSpec, socket_name
 from transport import Connection, TransportError, connect_unix, private_socket_dir, serve_tcp
 from transport import messages as m
 
@@ -79,7 +79,7 @@ class Supervisor:
                  settings: SupervisorSettings = SupervisorSettings()) -> None:
         self.settings = settings
         self.socket_dir = private_socket_dir("phase-serve-actors-")
-        self.handles = [ActorHandle(replace(s, socket_path=str(self.socket_dir / f"{s.actor_id}.sock")))
+        self.handles = [ActorHandle(replace(s, socket_path=str(self.socket_dir / socket_name(s.actor_id))))
                         for s in specs]
         self._on_message, self._on_up, self._on_down = on_message, on_up, on_down
         self._stopping = False

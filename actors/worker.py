@@ -20,6 +20,7 @@ import torch
 
 from actors.convert import logprobs_from_wire, logprobs_to_wire, params_from_wire, update_to_wire
 from actors.kv_export import SharedPool, create_shared_pool, open_shared_pool
+from actors.remote_proposer import RemoteProposer
 from actors.spec import ActorSpec
 from engine.calibration import calibrate_engine, calibrate_prefill_engine
 from engine.config import EngineConfig
@@ -204,11 +205,15 @@ class DecodeActor(Actor):
 
         shared = not self.spec.remote  # peers on another host cannot map our memory
         self.engine = EngineCore(EngineConfig(**self.spec.engine), device=self.spec.local_device,
-                                 kv_allocator=allocate if shared else None)
+                                 kv_allocator=allocate if shared else None, proposer=self._draft_client())
         self.calibration = calibrate_engine(self.engine)
         log.info("calibrated: %s", self.calibration)
         self.loop.create_task(self._sweep_reservations())
         return self.engine
+
+    def _draft_client(self) -> RemoteProposer | None:
+        """Drafts from the spec's draft actor instead of a draft model in this process, when it names one."""
+        return RemoteProposer(self.spec.draft_socket, self.spec.local_device) if self.spec.draft_socket else None
 
     def ready_message(self) -> m.Ready:
         kv = self.engine.kv_cache
@@ -372,6 +377,14 @@ class PrefillActor(Actor):
 
 
 ACTOR_CLASSES = {"decode": DecodeActor, "prefill": PrefillActor}
+
+
+def actor_class(role: str) -> type[Actor]:
+    if role == "draft":
+        from actors.draft_actor import DraftActor  # it builds on this module
+
+        return DraftActor
+    return ACTOR_CLASSES[role]
 PR_SET_PDEATHSIG = 1
 
 
@@ -403,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(spec.threads)
     try:
         import uvloop
-        actor = ACTOR_CLASSES[spec.role](spec)
+        actor = actor_class(spec.role)(spec)
         if args.connect is None:
             uvloop.run(actor.run())
         else:

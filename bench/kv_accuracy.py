@@ -1,7 +1,7 @@
 """Accuracy and cost of quantised KV pages (--kv-cache-dtype fp8 / fp4) on the default model.
 
-    python -m bench.kv_accuracy [--formats fp8,fp4] [--windows 23] [--window 512] [--modes decode,pages]
-        [--diagnostics fp8:K,fp8:V] [--chat-tokens 64] [--decode-batch 32] [--decode-context 512]
+    python -m bench.kv_accuracy [--formats fp8,fp4,adaptive] [--compress-after 128] [--windows 23] [--window 512]
+        [--modes decode,pages] [--diagnostics fp8:K,fp8:V] [--chat-tokens 64] [--decode-batch 32] [--decode-context 512]
         [--decode-steps 32] [--rounds 2] [--budget-mib 256] [--seq-len 4096] [--threads 2] [--model PATH] [--json OUT] [--skip ...]
 
 1. Teacher-forced accuracy on English text this model did not write (the license texts Debian ships in
@@ -14,11 +14,16 @@
    once, then read back by its own chunk and later ones). Positions below one chunk are left out of both
    (the first chunk of a `pages` window attends to its fresh keys, not to the cache). Diagnostic rows
    (`pages` mode) quantise only the keys or only the values.
+   `adaptive` (--kv-compress fp4) keeps the newest `--compress-after` tokens of each window in bf16 (in fp8 for
+   `adaptive-fp8`) and, after every step, compresses each older full page to FP4 through the engine's own
+   cold region: the steady state of a pool that always runs short, so the error is an upper bound.
 2. Greedy agreement on chat prompts: how many generated tokens stay identical to the bf16 pool.
 3. Decode tokens/s with `--decode-batch` sequences running, each with `--decode-context` tokens of text
    before it (timed steps only, after every prompt is prefilled; formats interleaved over `--rounds`).
 4. Capacity: how many `--seq-len`-token sequences fit in a `--budget-mib` pool, from the block count the
-   engine itself chooses (`choose_num_blocks`).
+   engine itself chooses (`choose_num_blocks`; `split_kv_budget` for adaptive: the newest `--compress-after`
+   tokens plus one partial page hot, the rest FP4; at the default share and at the share that balances both).
+Sections 2 and 3 run the engine's page formats only (adaptive compression acts only when a pool runs short).
 """
 from __future__ import annotations
 
@@ -39,7 +44,9 @@ import torch  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.attention import AttentionMetadata  # noqa: E402
 from engine.engine_core import EngineCore, EngineRequest  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402
 from engine.kv_cache import KVCache, bytes_per_block, choose_num_blocks  # noqa: E402
+from engine.kv_compress import COLD_FORMAT, ColdRegion, split_kv_budget  # noqa: E402
 from engine.model.llama import LlamaModel  # noqa: E402
 
 LICENSES = Path("/usr/share/common-licenses")
@@ -83,13 +90,42 @@ def pool_layers(cfg, num_blocks: int, dtype: torch.dtype, variant: str) -> list[
     return [(q[0] if only == "K" else f[0], q[1] if only == "V" else f[1]) for q, f in zip(quantised, full)]
 
 
+class AdaptivePool:
+    """Hot pages (bf16 or fp8) over the engine's FP4 cold region, with cold id = hot id + num_blocks."""
+
+    def __init__(self, cfg, num_blocks: int, dtype: torch.dtype, hot_format: str, keep: int) -> None:
+        self.hot = KVCache(cfg, num_blocks, BLOCK_SIZE, dtype, kv_format=hot_format)
+        self.cold = ColdRegion(cfg, num_blocks, num_blocks, BLOCK_SIZE, dtype)
+        self.layers = self.cold.layers_over(self.hot)
+        self.keep = keep
+
+    def compress_old(self, tables: list[list[int]], length: int) -> None:
+        """Move every still-hot full page older than the newest `keep` of `length` cached tokens (in place)."""
+        moves = []
+        for table in tables:
+            for i, block in enumerate(table[: max(0, length - self.keep) // BLOCK_SIZE]):
+                if block < self.hot.num_blocks:
+                    moves.append((block, block + self.hot.num_blocks))
+                    table[i] = block + self.hot.num_blocks
+        if moves:
+            self.cold.compress(self.hot, moves)
+
+
+def adaptive_pool(cfg, num_blocks: int, dtype: torch.dtype, variant: str, keep: int) -> AdaptivePool | None:
+    """`adaptive` (bf16 hot pages) or `adaptive-fp8`; None for any other variant."""
+    if not variant.startswith("adaptive"):
+        return None
+    return AdaptivePool(cfg, num_blocks, dtype, "fp8" if variant == "adaptive-fp8" else "auto", keep)
+
+
 def forced_steps(model: LlamaModel, windows: list[list[int]], kv_format: str, chunk: int,
-                 dtype: torch.dtype) -> Iterator[torch.Tensor]:
+                 dtype: torch.dtype, keep: int) -> Iterator[torch.Tensor]:
     """Feed every window `chunk` tokens per step through a pool of `kv_format`; yield each step's logits
     [W * chunk, V] (window-major). chunk 1 runs as decode rows, larger chunks as prefill segments."""
     num_windows, length = len(windows), len(windows[0])
     per_window = -(-length // BLOCK_SIZE)
-    layers = pool_layers(model.cfg, num_windows * per_window, dtype, kv_format)
+    adaptive = adaptive_pool(model.cfg, num_windows * per_window, dtype, kv_format, keep)
+    layers = adaptive.layers if adaptive else pool_layers(model.cfg, num_windows * per_window, dtype, kv_format)
     tables = [list(range(i * per_window, (i + 1) * per_window)) for i in range(num_windows)]
     for start in range(0, length, chunk):
         ids = [t for w in windows for t in w[start:start + chunk]]
@@ -99,6 +135,8 @@ def forced_steps(model: LlamaModel, windows: list[list[int]], kv_format: str, ch
         else:
             meta = AttentionMetadata.build(BLOCK_SIZE, [], [(t, start, chunk) for t in tables])
         hidden = model(torch.tensor(ids), positions, meta, layers)
+        if adaptive:
+            adaptive.compress_old(tables, start + chunk)
         yield model.compute_logits(hidden)
 
 
@@ -126,9 +164,9 @@ class Scores:
 @torch.inference_mode()  # here, around every step of the lockstep generators: a `with` inside them would
 # nest out of order, and without it the in-place cache writes would chain every step's autograd graph
 def teacher_forced(model: LlamaModel, windows: list[list[int]], variants: list[str], chunk: int,
-                   dtype: torch.dtype) -> dict[str, dict]:
+                   dtype: torch.dtype, keep: int) -> dict[str, dict]:
     """Run the bf16 reference and every variant in lockstep; score positions >= PAGES_CHUNK."""
-    runs = {f: forced_steps(model, windows, f, chunk, dtype) for f in ["auto", *variants]}
+    runs = {f: forced_steps(model, windows, f, chunk, dtype, keep) for f in ["auto", *variants]}
     scores = {f: Scores() for f in runs}
     length = len(windows[0])
     for start in range(0, length, chunk):
@@ -195,13 +233,35 @@ def decode_speed(model: str | None, formats: list[str], windows: list[list[int]]
     return {f: {"tok_s": statistics.median(r), "all": r} for f, r in rates.items()}
 
 
-def capacity(cfg, formats: list[str], budget: int, seq_len: int) -> dict[str, dict]:
+def capacity(cfg, formats: list[str], budget: int, seq_len: int, keep: int) -> dict[str, dict]:
     per_seq = -(-seq_len // BLOCK_SIZE)
     rows = {}
     for f in ["auto", *formats]:
+        if f.startswith("adaptive"):
+            rows.update(adaptive_capacity(cfg, f, budget, seq_len, keep))
+            continue
         blocks = choose_num_blocks(cfg, BLOCK_SIZE, torch.bfloat16, None, budget, 0, f)
         rows[f] = {"blocks": blocks, "bytes_per_token": bytes_per_block(cfg, BLOCK_SIZE, torch.bfloat16, f)
                    / BLOCK_SIZE, "sequences": blocks // per_seq}
+    return rows
+
+
+def adaptive_capacity(cfg, variant: str, budget: int, seq_len: int, keep: int) -> dict[str, dict]:
+    """Each sequence holds its newest `keep` tokens plus one partial page hot, the rest in FP4; rows for the
+    engine's default share of the budget and for the share that fills both regions at once."""
+    hot_format = "fp8" if variant == "adaptive-fp8" else "auto"
+    hot_bytes, cold_bytes = (bytes_per_block(cfg, BLOCK_SIZE, torch.bfloat16, f) for f in (hot_format, COLD_FORMAT))
+    hot_per_seq = min(-(-keep // BLOCK_SIZE) + 1, -(-seq_len // BLOCK_SIZE))
+    cold_per_seq = -(-seq_len // BLOCK_SIZE) - hot_per_seq
+    balanced = cold_per_seq * cold_bytes / (cold_per_seq * cold_bytes + hot_per_seq * hot_bytes)
+    rows = {}
+    for share in (EngineConfig.kv_compress_share, round(balanced, 3)):
+        hot, cold = split_kv_budget(cfg, BLOCK_SIZE, torch.bfloat16, hot_format, None, budget, 0, share)
+        fits = min(hot // hot_per_seq, cold // cold_per_seq if cold_per_seq else hot)
+        rows[f"{variant} (share {share})"] = {
+            "blocks": f"{hot} + {cold} fp4", "sequences": fits,
+            "bytes_per_token": (hot_per_seq * hot_bytes + cold_per_seq * cold_bytes) / BLOCK_SIZE
+                               / (hot_per_seq + cold_per_seq)}
     return rows
 
 
@@ -209,7 +269,9 @@ def capacity(cfg, formats: list[str], budget: int, seq_len: int) -> dict[str, di
 
 def print_tables(results: dict, args: argparse.Namespace) -> None:
     name = {"auto": "bf16", "fp8:K": "fp8 keys only", "fp8:V": "fp8 values only",
-            "fp4:K": "fp4 keys only", "fp4:V": "fp4 values only"}
+            "fp4:K": "fp4 keys only", "fp4:V": "fp4 values only",
+            "adaptive": f"adaptive: newest {args.compress_after} bf16, older fp4",
+            "adaptive-fp8": f"adaptive: newest {args.compress_after} fp8, older fp4"}
     for mode, table in results.get("teacher_forced", {}).items():
         print(f"\nteacher-forced, {mode} writes: {table['auto']['tokens']} positions of English text")
         print("| KV | KL mean | KL p99 | KL max | top-1 agree | ppl |\n|---|---|---|---|---|---|")
@@ -246,7 +308,10 @@ def checkpoint(results: dict, args: argparse.Namespace) -> None:
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None)
-    p.add_argument("--formats", default="fp8,fp4")
+    p.add_argument("--formats", default="fp8,fp4,adaptive",
+                   help="page formats (fp8, fp4) and adaptive compression variants (adaptive, adaptive-fp8)")
+    p.add_argument("--compress-after", type=int, default=128,
+                   help="adaptive: the newest tokens of each sequence that stay uncompressed")
     p.add_argument("--diagnostics", default="fp8:K,fp8:V",
                    help="extra pools for the `pages` mode: FORMAT:K quantises only keys, FORMAT:V only values")
     p.add_argument("--windows", type=int, default=23)
@@ -269,6 +334,7 @@ def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
     formats = [f for f in args.formats.split(",") if f]
+    page_formats = [f for f in formats if not f.startswith("adaptive")]
     diagnostics = [f for f in args.diagnostics.split(",") if f]
     skip = set(args.skip.split(","))
     base = LLM(args.model, num_kv_blocks=4, num_threads=args.threads)  # bf16: the serving dtype
@@ -280,17 +346,18 @@ def main() -> None:
         for mode in args.modes.split(","):
             chunk, variants = (1, formats) if mode == "decode" else (PAGES_CHUNK, formats + diagnostics)
             results["teacher_forced"][mode] = teacher_forced(base.engine.runner.model, windows, variants, chunk,
-                                                             base.engine.dtype)
+                                                             base.engine.dtype, args.compress_after)
             checkpoint(results, args)
     if "chat" not in skip:
-        results["chat"] = chat_agreement(args.model, formats, args.chat_tokens, args.threads)
+        results["chat"] = chat_agreement(args.model, page_formats, args.chat_tokens, args.threads)
         checkpoint(results, args)
     if "speed" not in skip:
-        results["speed"] = decode_speed(args.model, formats, windows, args.decode_batch, args.decode_context,
+        results["speed"] = decode_speed(args.model, page_formats, windows, args.decode_batch, args.decode_context,
                                         args.decode_steps, args.rounds, args.threads)
         checkpoint(results, args)
     if "capacity" not in skip:
-        results["capacity"] = capacity(base.engine.source.config, formats, args.budget_mib << 20, args.seq_len)
+        results["capacity"] = capacity(base.engine.source.config, formats, args.budget_mib << 20, args.seq_len,
+                                       args.compress_after)
     results["seconds"] = time.perf_counter() - started
     results["load_avg_end"] = os.getloadavg()[0]
     print_tables(results, args)

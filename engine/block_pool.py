@@ -167,11 +167,14 @@ class BlockPool:
         blocks in reverse (tail first): the tail is then evicted before the shared prefix.
         """
         block_ids = list(block_ids)
+        self._check_freeable(block_ids)
+        for block_id in block_ids:
+            self._release_one(block_id)
+
+    def _check_freeable(self, block_ids: list[int]) -> None:
         for block_id, count in Counter(block_ids).items():
             if self.refcount(block_id) < count:
                 raise BlockStateError(f"block {block_id} freed {count}x but is {self._describe(block_id)}")
-        for block_id in block_ids:
-            self._release_one(block_id)
 
     def share(self, block_ids: Iterable[int]) -> None:
         """Take one more reference on USED blocks (e.g. forking parallel samples off one prompt)."""
@@ -372,3 +375,77 @@ class BlockPool:
         unhashed_cached = sorted(b for b in self._lru if b not in self._block_to_hash)
         if unhashed_cached:
             raise AssertionError(f"CACHED blocks {unhashed_cached} have no hash")
+
+
+class TieredBlockPool(BlockPool):
+    """A BlockPool (the hot blocks, ids ``0..num_blocks-1``) plus a cold region of compressed pages with ids
+    ``num_blocks..num_blocks+num_cold-1``, so that one block table can mix both (--kv-compress).
+
+    Allocation, prefix caching and reservations concern hot blocks only: a cold block is FREE or USED by
+    exactly the one sequence whose page was compressed into it, and never findable by hash. The hash stays
+    with the hot block the page came from, which is CACHED (findable, in full precision) until reused.
+    ``num_used`` and ``num_blocks`` keep their hot meaning (what allocation and preemption see);
+    ``num_compressed`` counts the cold blocks in use.
+    """
+
+    def __init__(self, num_blocks: int, num_cold: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        super().__init__(num_blocks, block_size, enable_prefix_caching)
+        self.cold = BlockPool(num_cold, block_size, enable_prefix_caching=False)
+
+    @property
+    def first_cold(self) -> int:
+        return self.num_blocks
+
+    @property
+    def num_compressed(self) -> int:
+        return self.cold.num_used
+
+    def is_cold(self, block_id: int) -> bool:
+        return block_id >= self.first_cold
+
+    def allocate_cold(self, n: int) -> list[int]:
+        """Take ``n`` cold blocks (USED, refcount 1); raises NoFreeBlocksError, changing nothing, if too few."""
+        return [self.first_cold + b for b in self.cold.allocate(n)]
+
+    def free(self, block_ids: Iterable[int]) -> None:
+        """As BlockPool.free, for a mix of hot and cold ids; all are checked before any is released."""
+        hot, cold = self._split(block_ids)
+        self._check_freeable(hot)
+        self.cold._check_freeable(cold)
+        super().free(hot)
+        self.cold.free(cold)
+
+    def share(self, block_ids: Iterable[int]) -> None:
+        hot, cold = self._split(block_ids)
+        for block_id in cold:
+            if self.cold.block_state(block_id) is not BlockState.USED:
+                raise BlockStateError(f"cannot share cold block {block_id + self.first_cold}: it is free")
+        super().share(hot)
+        self.cold.share(cold)
+
+    def register(self, block_id: int, block_hash: int) -> bool:
+        """Cold blocks are never findable: their pages are lossy copies (their hot original may still be)."""
+        return False if self.is_cold(block_id) else super().register(block_id, block_hash)
+
+    def block_state(self, block_id: int) -> BlockState:
+        return self.cold.block_state(block_id - self.first_cold) if self.is_cold(block_id) else \
+            super().block_state(block_id)
+
+    def refcount(self, block_id: int) -> int:
+        return self.cold.refcount(block_id - self.first_cold) if self.is_cold(block_id) else super().refcount(block_id)
+
+    def check_integrity(self) -> None:
+        super().check_integrity()
+        self.cold.check_integrity()
+        if self.cold.num_cached or self.cold.reserved_owners():
+            raise AssertionError("the cold region holds cached or reserved blocks; it may hold only free and used")
+
+    def _split(self, block_ids: Iterable[int]) -> tuple[list[int], list[int]]:
+        """(hot ids, cold ids relative to the cold region), each in the given order."""
+        hot, cold = [], []
+        for block_id in block_ids:
+            if block_id >= self.first_cold:
+                cold.append(block_id - self.first_cold)
+            else:
+                hot.append(block_id)
+        return hot, cold

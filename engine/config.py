@@ -68,6 +68,7 @@ class ModelConfig:
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp4")  # auto = the serving dtype; fp8 / fp4: engine/kv_formats.py
+KV_COMPRESS_MODES = ("none", "fp4")  # adaptive compression of old pages (engine/kv_compress.py)
 SPECULATIVE_MODES = ("off", "ngram", "draft")
 MAX_SPECULATIVE_TOKENS = 16
 
@@ -88,10 +89,14 @@ class EngineConfig:
     max_model_len: int | None = None
     num_threads: int | None = None
     seed: int = 0
+    enforce_eager: bool = False  # plain torch ops only: no compiled CPU kernels (engine/kernels/cpu_ops.py)
     speculative: str = "off"  # off | ngram (prompt lookup) | draft (a draft model, see draft_model)
     draft_model: str | None = None  # PATH (HF folder or .gguf, same vocabulary) or self:N (target's first N layers)
     num_speculative_tokens: int = 4  # most draft tokens verified per step; adapted per sequence below this
     kv_cache_dtype: str = "auto"  # KV pages: auto (the serving dtype) | fp8 (e4m3) | fp4 (e2m1, NVFP4-style)
+    kv_compress: str = "none"  # fp4: compress old full pages into an FP4 region when the pool runs short
+    kv_compress_after: int = 256  # newest tokens of each sequence that always stay in kv_cache_dtype
+    kv_compress_share: float = 0.5  # share of the KV memory budget given to the FP4 region
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -112,6 +117,7 @@ class EngineConfig:
         self._check_speculative()
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        self._check_kv_compress()
 
     def _check_speculative(self) -> None:
         if self.speculative not in SPECULATIVE_MODES:
@@ -125,6 +131,20 @@ class EngineConfig:
         if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise ConfigError(f"num_speculative_tokens must be between 1 and {MAX_SPECULATIVE_TOKENS}, "
                               f"got {self.num_speculative_tokens}")
+
+
+    def _check_kv_compress(self) -> None:
+        if self.kv_compress not in KV_COMPRESS_MODES:
+            raise ConfigError(f"kv_compress must be one of {', '.join(KV_COMPRESS_MODES)}, got {self.kv_compress!r}")
+        if isinstance(self.kv_compress_after, bool) or not isinstance(self.kv_compress_after, int) \
+                or self.kv_compress_after < 0:
+            raise ConfigError(f"kv_compress_after must be a whole number of tokens >= 0, "
+                              f"got {self.kv_compress_after!r}")
+        if not 0.0 < self.kv_compress_share < 1.0:
+            raise ConfigError(f"kv_compress_share must lie strictly between 0 and 1, got {self.kv_compress_share}")
+        if self.kv_compress == "fp4" and self.kv_cache_dtype == "fp4":
+            raise ConfigError("kv_compress fp4 needs kv_cache_dtype auto or fp8: fp4 pages cannot be compressed "
+                              "further")
 
 
 def parse_self_draft(draft_model: str) -> int:

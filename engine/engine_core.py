@@ -12,9 +12,11 @@ from typing import Callable
 import psutil
 import torch
 
-from engine.block_pool import BlockPool
+from engine.block_pool import BlockPool, TieredBlockPool
+from engine.compaction import MIN_BATCH_SHARE, Compactor
 from engine.config import EngineConfig
 from engine.kv_cache import KVCache, choose_num_blocks
+from engine.kv_compress import ColdRegion, split_kv_budget
 from engine.model.loader import ModelSource, load_model, resolve_dtype, resolve_model
 from engine.runner import ModelRunner
 from engine.sampling_params import SamplingParams
@@ -22,6 +24,7 @@ from engine.scheduler import Scheduler, SchedulerLimits, SequenceUpdate
 from engine.sequence import Sequence
 from engine.speculative.adaptive import SpecState
 from engine.speculative.build import build_proposer
+from engine.speculative.proposer import Proposer
 from engine.speculative.speculator import Speculator
 
 
@@ -57,12 +60,17 @@ class EngineStats:
     spec_accepted: int = 0  # ... of which accepted
     spec_steps: int = 0  # verifications (one sequence, one step, at least one draft)
     kv_bytes_per_token: float = 0.0  # KV pool bytes per cached token (smaller with --kv-cache-dtype fp8/fp4)
+    kv_blocks_compressed: int = 0  # --kv-compress: FP4 blocks holding compressed pages now
+    kv_blocks_cold_total: int = 0  # ... of this many in the FP4 region (not counted in kv_blocks_total)
+    kv_compressions: int = 0  # pages compressed so far
 
 
 class EngineCore:
     def __init__(self, config: EngineConfig, source: ModelSource | None = None, device: str = "cpu",
-                 kv_allocator: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None) -> None:
-        """`kv_allocator(shape, dtype)` provides the KV pool's memory (an actor passes shared memory)."""
+                 kv_allocator: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None,
+                 proposer: Proposer | None = None) -> None:
+        """`kv_allocator(shape, dtype)` provides the KV pool's memory (an actor passes shared memory).
+        `proposer` replaces the one `config.speculative` would build here (a decode actor's draft actor client)."""
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
@@ -74,20 +82,46 @@ class EngineCore:
                                  model_cfg.max_position_embeddings)
         model = load_model(self.source, self.dtype, device)
         kv_format = config.kv_cache_dtype
-        num_blocks = choose_num_blocks(model_cfg, config.block_size, self.dtype, config.num_kv_blocks,
-                                       config.kv_cache_memory, psutil.virtual_memory().available, kv_format)
+        num_blocks, num_cold = self._kv_block_counts()
         storage = None if kv_allocator is None else kv_allocator(
             KVCache.shape_for(model_cfg, num_blocks, config.block_size, kv_format),
             KVCache.storage_dtype(self.dtype, kv_format))
         self.kv_cache = KVCache(model_cfg, num_blocks, config.block_size, self.dtype, device, storage, kv_format)
-        self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching) if not num_cold else \
+            TieredBlockPool(num_blocks, num_cold, config.block_size, config.enable_prefix_caching)
         limits = SchedulerLimits(config.max_num_batched_tokens, config.max_num_seqs, config.enable_chunked_prefill)
         eos = self.source.tokenizer.eos_token_ids or model_cfg.eos_token_ids
-        self.scheduler = Scheduler(self.pool, limits, tuple(eos))
-        self.runner = ModelRunner(model, self.kv_cache, device)
-        proposer = build_proposer(config, model, self.source, num_blocks, self.dtype, device)
+        self.scheduler = Scheduler(self.pool, limits, tuple(eos), self._compactor())
+        self.runner = ModelRunner(model, self.kv_cache, device, use_kernels=not config.enforce_eager)
+        if num_cold:
+            self.runner.attach_cold_region(ColdRegion(model_cfg, num_cold, num_blocks, config.block_size,
+                                                      self.dtype, device))
+        if proposer is None:
+            proposer = build_proposer(config, model, self.source, num_blocks, self.dtype, device)
         self.speculator = None if proposer is None else Speculator(proposer, model_cfg.vocab_size)
         self._seq_ids = itertools.count()
+
+    def _kv_block_counts(self) -> tuple[int, int]:
+        """(hot blocks, FP4 blocks): adaptive compression splits the KV budget, otherwise all of it is hot."""
+        c, model_cfg = self.config, self.source.config
+        available = psutil.virtual_memory().available
+        if c.kv_compress == "none":
+            return choose_num_blocks(model_cfg, c.block_size, self.dtype, c.num_kv_blocks, c.kv_cache_memory,
+                                     available, c.kv_cache_dtype), 0
+        return split_kv_budget(model_cfg, c.block_size, self.dtype, c.kv_cache_dtype, c.num_kv_blocks,
+                               c.kv_cache_memory, available, c.kv_compress_share)
+
+    def _compactor(self) -> Compactor | None:
+        if not isinstance(self.pool, TieredBlockPool):
+            return None
+        return Compactor(self.pool, self.config.kv_compress_after, int(self.pool.num_blocks * MIN_BATCH_SHARE))
+
+    def _compression_stats(self) -> dict[str, int]:
+        compactor = self.scheduler.compactor
+        if compactor is None:
+            return {}
+        return dict(kv_blocks_compressed=compactor.pool.num_compressed,
+                    kv_blocks_cold_total=compactor.pool.cold.num_blocks, kv_compressions=compactor.num_compressed_total)
 
     def add_request(self, req: EngineRequest) -> None:
         self._validate(req)
@@ -189,4 +223,4 @@ class EngineCore:
         return EngineStats(len(sched.running), len(sched.waiting), pool.num_blocks, pool.num_used,
                            pool.num_cached, pool.stats.prefix_queries, pool.stats.prefix_hits,
                            sched.num_preemptions, spec.proposed, spec.accepted, spec.steps,
-                           kv_bytes_per_token=self.kv_cache.bytes_per_token)
+                           kv_bytes_per_token=self.kv_cache.bytes_per_token, **self._compression_stats())

@@ -144,10 +144,14 @@ class QuantizedPages:
         pages = self.dequantize(plan.pages, torch.float32)  # [P, bs, H, D]
         pages.masked_fill_(plan.stale[:, :, None, None], 0.0)
         pages[plan.page_index, plan.offsets] = x.to(torch.float32)
-        encoded = torch.zeros(len(plan.pages), self.format.page_bytes, dtype=torch.uint8, device=x.device)
+        self.words.index_copy_(0, plan.pages, self.encode(pages).view(torch.int32))
+
+    def encode(self, pages: torch.Tensor) -> torch.Tensor:
+        """pages [P, bs, H, D] (bf16 or fp32) -> [P, page_bytes] uint8 whole pages, one batched kernel call."""
+        encoded = torch.zeros(len(pages), self.format.page_bytes, dtype=torch.uint8, device=pages.device)
         for f, new in zip(self.format.fields, self.format.quantize(pages)):
-            encoded[:, f.offset:f.offset + f.nbytes] = new.reshape(len(plan.pages), -1).view(torch.uint8)
-        self.words.index_copy_(0, plan.pages, encoded.view(torch.int32))
+            encoded[:, f.offset:f.offset + f.nbytes] = new.reshape(len(pages), -1).view(torch.uint8)
+        return encoded
 
     def gather(self, block_tables: torch.Tensor) -> torch.Tensor:
         """block_tables [B, nb] -> [B, nb, bs, H, D] in the serving dtype."""

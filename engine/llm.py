@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, fields
 from typing import AsyncIterator, Sequence, Union
 
-from engine.config import EngineConfig
+from engine.config import ConfigError, EngineConfig
 from engine.engine_core import EngineCore, EngineRequest, EngineStats, RequestError
 from engine.engine_thread import EngineThread
 from engine.output_processor import OutputProcessor
@@ -140,15 +140,18 @@ class AsyncLLM:
     `outputs[i].delta_text` is the new text. Cancelling the iteration aborts the request.
 
     By default the engine runs in this process. With `decode_actors` (and optionally `prefill_actors`) it
-    runs in actor subprocesses behind the router instead, exactly as `cli.py serve` does; call
+    runs in actor subprocesses behind the router instead, exactly as `cli.py serve` does (`draft_actors` moves
+    the draft model of speculative="draft" out of the decode actors into processes of its own); call
     `await start()` first (or let the first request do it) and `await aclose()` at the end.
     """
 
     def __init__(self, model: str | None = None, dtype: str | None = None, *, decode_actors: int = 0,
                  prefill_actors: int = 0, devices: Sequence[str] = (), disagg: str = "auto",
-                 listen_workers: str | None = None, **engine_options) -> None:
+                 listen_workers: str | None = None, draft_actors: int = 0, **engine_options) -> None:
         self.config = _engine_config(model, dtype, engine_options)
-        self.layout = ActorLayout(prefill_actors, decode_actors, tuple(devices), disagg, listen_workers)
+        self.layout = ActorLayout(prefill_actors, decode_actors, tuple(devices), disagg, listen_workers, draft_actors)
+        if draft_actors and self.config.speculative != "draft":
+            raise ConfigError("draft_actors needs speculative='draft' (and a draft_model)")
         self.engine = None if self.layout.uses_actors else EngineCore(self.config)
         self.source = self.engine.source if self.engine else resolve_model(self.config.model)
         self.tokenizer = self.source.tokenizer
@@ -321,10 +324,13 @@ class ActorLayout:
     devices: tuple[str, ...] = ()
     disagg: str = "auto"
     listen_workers: str | None = None  # HOST:PORT where workers on other hosts join (secret: $PHASE_SERVE_SECRET)
+    draft_actors: int = 0  # with speculative="draft": draft model processes (0: the draft runs in each decode actor)
 
     def __post_init__(self) -> None:
-        if self.prefill_actors < 0 or self.decode_actors < 0:
+        if self.prefill_actors < 0 or self.decode_actors < 0 or self.draft_actors < 0:
             raise ValueError("actor counts must not be negative")
+        if self.draft_actors and not self.decode_actors:
+            raise ValueError("draft actors need at least one decode actor to draft for")
         if self.prefill_actors and not self.decode_actors:
             raise ValueError("prefill actors need at least one decode actor to hand their KV to")
 

@@ -53,7 +53,8 @@ class PrefillEngine:
         self.config = config
         self.source = source or resolve_model(config.model)
         self.dtype = resolve_dtype(config.dtype, device)
-        self.runner = ModelRunner(load_model(self.source, self.dtype, device), None, device)
+        self.runner = ModelRunner(load_model(self.source, self.dtype, device), None, device,
+                                  use_kernels=not config.enforce_eager)
         self.eos_token_ids = frozenset(self.source.tokenizer.eos_token_ids or self.source.config.eos_token_ids)
         self.pools: dict[str, KVCache] = {}
         self.jobs: dict[str, PrefillJob] = {}

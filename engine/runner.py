@@ -11,7 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata
+from engine.kernels import cpu_ops
 from engine.kv_cache import KVCache
+from engine.kv_compress import ColdRegion, names_cold
 from engine.model.llama import LlamaModel
 from engine.sampler import SamplingBatch, greedy_tokens, process_logits, sample, token_logprobs
 from engine.scheduler import RunnerOutput, ScheduledChunk, SchedulerOutput
@@ -29,7 +31,8 @@ class ModelInput:
     verified_chunks: list[ScheduledChunk]
 
 
-def prepare_input(chunks: list[ScheduledChunk], block_size: int, device: torch.device | str) -> ModelInput:
+def prepare_input(chunks: list[ScheduledChunk], block_size: int, device: torch.device | str,
+                  use_kernels: bool = False) -> ModelInput:
     """Flatten the chunks: single-token chunks first (the decode group), then each multi-token chunk.
 
     A verification chunk (last token + drafts) is a multi-token segment attending causally to the cached
@@ -54,6 +57,7 @@ def prepare_input(chunks: list[ScheduledChunk], block_size: int, device: torch.d
         block_size,
         [(c.block_table, c.start_pos + 1) for c in decodes],
         [(c.block_table, c.start_pos, len(c.token_ids)) for c in prefills],
+        use_kernels,
     )
     as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
     return ModelInput(as_tensor(ids), as_tensor(positions), meta, as_tensor(sample_rows),
@@ -64,23 +68,33 @@ def prepare_input(chunks: list[ScheduledChunk], block_size: int, device: torch.d
 class ModelRunner:
     """Owns the model, its KV pages and the per-sequence sampler generators."""
 
-    def __init__(self, model: LlamaModel, kv_cache: KVCache | None, device: torch.device | str = "cpu") -> None:
+    def __init__(self, model: LlamaModel, kv_cache: KVCache | None, device: torch.device | str = "cpu",
+                 use_kernels: bool = False) -> None:
+        """`use_kernels`: the compiled CPU kernels where they apply (bf16 on the CPU); False = torch ops only."""
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
+        self.use_kernels = use_kernels and torch.device(device).type == "cpu"
         self.generators: dict[int, torch.Generator] = {}
+        self.cold: ColdRegion | None = None
+        if self.use_kernels:
+            model.use_kernels(True)
 
     @torch.inference_mode()
     def run(self, sched: SchedulerOutput, kv_cache: KVCache | None = None) -> RunnerOutput:
         """One forward over the scheduled chunks; `kv_cache` overrides the runner's own pages (a prefill actor
         computes straight into a decode actor's exported pool)."""
         kv_cache = kv_cache or self.kv_cache
+        if sched.compressions:  # before anything writes this step: a moved hot block may already be reused
+            self.cold.compress(kv_cache, sched.compressions)
         for seq_id in sched.finished_seq_ids:
             self.generators.pop(seq_id, None)
         if sched.is_empty:
             return RunnerOutput(sampled_token_ids={})
-        inp = prepare_input(sched.chunks, kv_cache.block_size, self.device)
-        hidden = self.model(inp.input_ids, inp.positions, inp.meta, kv_cache.layers)  # [T, hidden]
+        if self.use_kernels:
+            cpu_ops.set_threads(torch.get_num_threads())  # numba's pool size is per calling thread
+        inp = prepare_input(sched.chunks, kv_cache.block_size, self.device, self.use_kernels)
+        hidden = self.model(inp.input_ids, inp.positions, inp.meta, self._layers(kv_cache, sched))  # [T, hidden]
         if not inp.sampled_chunks and not inp.verified_chunks:
             return RunnerOutput(sampled_token_ids={})
         logits = self.model.compute_logits(hidden[torch.cat([inp.sample_rows, inp.verify_rows])])  # [B + R, V]
@@ -89,6 +103,18 @@ class ModelRunner:
         if inp.verified_chunks:
             self._verify(logits[num_sampled:], inp.verified_chunks, out)
         return out
+
+    def attach_cold_region(self, cold: ColdRegion) -> None:
+        """Adaptive compression: old pages of this runner's own pool may live in `cold` (engine/kv_compress.py)."""
+        self.cold = cold
+        self._tiered_layers = cold.layers_over(self.kv_cache)
+
+    def _layers(self, kv_cache: KVCache, sched: SchedulerOutput) -> list:
+        """The plain pages unless this step reads compressed blocks of the runner's own pool."""
+        if self.cold is None or kv_cache is not self.kv_cache \
+                or not names_cold((c.block_table for c in sched.chunks), self.cold.first_cold):
+            return kv_cache.layers
+        return self._tiered_layers
 
     def _sample(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> RunnerOutput:
         if not chunks:

@@ -211,7 +211,7 @@ class ActorRouter:
         """What /status shows: each actor's fitted costs and the live correction applied to them."""
         out = {}
         for h in self.supervisor.handles:
-            if h.state != "ready":
+            if h.state != "ready" or h.spec.role == "draft":  # a draft actor neither prefills nor decodes
                 continue
             cost = self._prefill_cost(h)
             entry = {"prefill_seconds_per_token": cost.per_token, "prefill_fixed_seconds": cost.fixed,
@@ -400,17 +400,31 @@ def _attach(decode: ActorHandle) -> m.AttachPool:
 
 
 def actor_specs(layout, engine_options: dict) -> list[ActorSpec]:
-    """Prefill actors first, then decode actors; each gets one listed device, or on a CPU-only host a
-    disjoint share of the cores (threads = share size)."""
-    roles = ["prefill"] * layout.prefill_actors + ["decode"] * layout.decode_actors
-    counters = {"prefill": 0, "decode": 0}
+    """Prefill actors first, then decode actors, then draft actors (with speculative="draft" only); each gets
+    one listed device, or on a CPU-only host a disjoint share of the cores (threads = share size). Decode actor
+    i takes its drafts from draft actor i mod the number of draft actors."""
+    num_drafts = layout.draft_actors if engine_options.get("speculative") == "draft" else 0
+    roles = ["prefill"] * layout.prefill_actors + ["decode"] * layout.decode_actors + ["draft"] * num_drafts
+    counters = {"prefill": 0, "decode": 0, "draft": 0}
     shares = split_cores(len(roles))
     specs = []
     for i, role in enumerate(roles):
-        actor_id = f"{role}-{counters[role]}"
+        index = counters[role]
         counters[role] += 1
         device = layout.devices[i % len(layout.devices)] if layout.devices else "cpu"
         cpus = () if device != "cpu" else shares[i]
         options = dict(engine_options, num_threads=max(len(cpus), 1))
-        specs.append(ActorSpec(actor_id, role, device, max(len(cpus), 1), cpus, "", options))
+        draft_actor = f"draft-{index % num_drafts}" if role == "decode" and num_drafts else ""
+        if role == "draft":
+            options = _draft_options(options, layout.decode_actors, num_drafts, index)
+        specs.append(ActorSpec(f"{role}-{index}", role, device, max(len(cpus), 1), cpus, "", options,
+                               draft_actor=draft_actor))
     return specs
+
+
+def _draft_options(options: dict, num_decodes: int, num_drafts: int, index: int) -> dict:
+    """A draft actor holds draft KV for every sequence of the decode actors it serves."""
+    served = len(range(index, num_decodes, num_drafts))
+    if options.get("num_kv_blocks") and served > 1:
+        return dict(options, num_kv_blocks=options["num_kv_blocks"] * served)
+    return options

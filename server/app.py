@@ -135,7 +135,9 @@ async def _status(request: web.Request) -> web.Response:
         "model": ctx.limits.name, "dtype": ctx.dtype, "max_model_len": ctx.limits.max_model_len,
         "running": s.running, "waiting": s.waiting, "in_flight": len(ctx.admission.active_ids),
         "draining": ctx.admission.draining,
-        "kv_blocks": {"total": s.kv_blocks_total, "used": s.kv_blocks_used, "cached": s.kv_blocks_cached},
+        "kv_blocks": {"total": s.kv_blocks_total, "used": s.kv_blocks_used, "cached": s.kv_blocks_cached,
+                      "compressed": s.kv_blocks_compressed, "compressed_capacity": s.kv_blocks_cold_total,
+                      "compressions": s.kv_compressions},
         "kv_bytes_per_token": s.kv_bytes_per_token,
         "prefix_cache": {"queries": s.prefix_queries, "hits": s.prefix_hits},
         "preemptions": s.num_preemptions, "actors": ctx.llm.actors(), "calibration": ctx.llm.calibration()})

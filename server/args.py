@@ -41,6 +41,9 @@ def add_actor_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--disagg", choices=("auto", "always", "never"), default="auto",
                    help="disaggregate a request (prefill actor + KV hand-off) when the cost model says it pays, "
                    "always, or never")
+    g.add_argument("--draft-actors", type=int, default=0,
+                   help="with --speculative draft: draft model processes serving the decode actors (0: the draft "
+                   "runs inside each decode actor)")
     g.add_argument("--listen-workers", default=None, metavar="HOST:PORT",
                    help="accept `cli.py worker --connect` actors from other hosts (secret: $PHASE_SERVE_SECRET)")
     g.add_argument("--in-process", action="store_true",
@@ -56,7 +59,7 @@ def actor_options(args: argparse.Namespace) -> dict:
         return {}
     devices = tuple(d.strip() for d in args.devices.split(",") if d.strip())
     return dict(decode_actors=args.decode_actors, prefill_actors=args.prefill_actors, devices=devices,
-                disagg=args.disagg, listen_workers=args.listen_workers)
+                disagg=args.disagg, listen_workers=args.listen_workers, draft_actors=args.draft_actors)
 
 
 def quadrant_thresholds(args: argparse.Namespace, context: int) -> QuadrantThresholds:

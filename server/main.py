@@ -52,7 +52,7 @@ async def _serve(settings: ServerSettings, options: dict, args: argparse.Namespa
     llm = AsyncLLM(**options)
     settings = replace(settings, quadrants=quadrant_thresholds(args, llm.max_model_len))
     log.info("starting engine", actors=llm.layout.uses_actors, decode_actors=llm.layout.decode_actors,
-             prefill_actors=llm.layout.prefill_actors, disagg=llm.layout.disagg)
+             prefill_actors=llm.layout.prefill_actors, draft_actors=llm.layout.draft_actors, disagg=llm.layout.disagg)
     try:
         await llm.start()
     except Exception as exc:

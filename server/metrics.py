@@ -50,6 +50,10 @@ class EngineStatsCollector:
         yield _gauge("num_requests_waiting", "Requests waiting to be scheduled.", s.waiting)
         usage = s.kv_blocks_used / s.kv_blocks_total if s.kv_blocks_total else 0.0
         yield _gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).", usage)
+        yield _gauge("kv_cache_compressed_blocks", "KV pages held compressed in the FP4 region (--kv-compress).",
+                     s.kv_blocks_compressed)
+        yield _counter("kv_cache_compressions", "KV pages compressed to FP4 to avoid preemption (--kv-compress).",
+                       s.kv_compressions)
         yield _counter("prefix_cache_queries", "Prompt blocks looked up in the prefix cache.", s.prefix_queries)
         yield _counter("prefix_cache_hits", "Prompt blocks found in the prefix cache.", s.prefix_hits)
         yield _counter("num_preemptions", "Sequences preempted (recomputed later) for lack of KV blocks.",

@@ -23,6 +23,7 @@ Flows (router = main process):
 - hand-off:   router -> ReserveBlocks (decode) -> BlocksReserved | ReservationFailed;
               router -> PrefillRequest (prefill) -> [KVPages ... over TCP] -> KVReady | RequestFailed;
               router -> AddRequest(reserved_block_ids, first_token) (decode), or ReleaseReservation on failure.
+- drafting:   decode actor -> ProposeDrafts (draft actor) -> DraftProposals; decode actor -> ReleaseDrafts.
 - stop:       router -> Drain (finish running work, accept none), router -> Shutdown; either side -> Error.
 """
 from __future__ import annotations
@@ -298,6 +299,64 @@ class DetachPool(Message):
 
     TAG: ClassVar[str] = "detach_pool"
     actor_id: str
+
+
+# ---- speculative decoding (decode actor -> draft actor) -------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class DraftQuery(Record):
+    """One sequence to draft for. The draft actor mirrors each sequence's tokens per connection: it keeps the
+    first `num_kept` tokens it was sent before, appends `new_token_ids`, and rolls its KV back to whatever of it
+    still agrees (rejected drafts). `sampling` and `seed` come with a sequence's first query only (num_kept 0)."""
+
+    seq_id: int
+    num_kept: int
+    new_token_ids: list[int]
+    k: int
+    sampling: dict[str, Any] | None = None
+    seed: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ProposeDrafts(Message):
+    """Ask for up to `k` draft tokens per query; answered by `DraftProposals` with the same `call_id`. After
+    `deadline` the answer is useless: the actor only updates its mirrors and proposes nothing."""
+
+    TAG: ClassVar[str] = "propose_drafts"
+    call_id: int
+    queries: list[DraftQuery]
+    deadline: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class DraftProposal(Record):
+    """`probs`: the distributions the tokens were drawn from, raw little-endian `probs_dtype` bytes of shape
+    `[len(token_ids), vocab_size]`; None for greedy requests (point masses)."""
+
+    seq_id: int
+    token_ids: list[int]
+    probs: bytes | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class DraftProposals(Message):
+    """One proposal per query, in order. `resync` lists sequences the actor has no consistent state for: the
+    client resends them in full (num_kept 0, with sampling)."""
+
+    TAG: ClassVar[str] = "draft_proposals"
+    call_id: int
+    proposals: list[DraftProposal]
+    vocab_size: int
+    probs_dtype: str  # "float32" | "float16"
+    resync: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseDrafts(Message):
+    """These sequences finished or were preempted: drop their draft state and KV (idempotent)."""
+
+    TAG: ClassVar[str] = "release_drafts"
+    seq_ids: list[int]
 
 
 # ---- lifecycle ------------------------------------------------------------------------------------------

@@ -14,9 +14,22 @@ from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention
 from engine.config import ModelConfig
+from engine.kernels import cpu_ops
 from engine.model.rope import RotaryEmbedding, apply_rotary
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, 1, head_dim / 2]
+
+
+class Linear(nn.Linear):
+    """nn.Linear that routes few-row bf16 products on the CPU to the streaming GEMV kernel when the model's
+    kernels are switched on (LlamaModel.use_kernels)."""
+
+    use_kernels = False  # set per instance by LlamaModel.use_kernels
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_kernels and cpu_ops.applies(x, self.weight):
+            return cpu_ops.linear_bf16(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -37,8 +50,8 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.attention_out_bias)
+        self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
+        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, bias=cfg.attention_out_bias)
         self.scale = cfg.head_dim ** -0.5
 
     def forward(self, x: torch.Tensor, rope: Rope, meta: AttentionMetadata,
@@ -56,8 +69,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -103,7 +116,21 @@ class LlamaModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [B, hidden] -> float32 logits [B, vocab]."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if self.kernels_on and cpu_ops.applies(hidden, weight):
+            return cpu_ops.linear_bf16(hidden, weight).float()
         return F.linear(hidden, weight).float()
+
+    kernels_on = False
+
+    def use_kernels(self, on: bool = True) -> None:
+        """Switch the CPU kernels (small-batch bf16 GEMV here, in-place decode attention via the runner) on or
+        off; off is plain torch ops everywhere. Compiles them now, not on the first request."""
+        self.kernels_on = on
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.use_kernels = on
+        if on:
+            cpu_ops.warm_up()
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -19,19 +19,26 @@ def build_proposer(config: EngineConfig, target: LlamaModel, target_source: Mode
         return None
     if config.speculative == "ngram":
         return NgramProposer()
-    spare = config.max_num_seqs * (-(-config.num_speculative_tokens // config.block_size) + 1)
-    return DraftModelProposer(_draft_net(config.draft_model, target, target_source, dtype, device),
-                              num_blocks + spare, config.block_size, dtype, device)
+    return DraftModelProposer(draft_net(config.draft_model, target_source, dtype, device, target),
+                              num_blocks + draft_spare_blocks(config), config.block_size, dtype, device)
 
 
-def _draft_net(draft_model: str, target: LlamaModel, target_source: ModelSource, dtype: torch.dtype,
-               device: torch.device | str):
+def draft_spare_blocks(config: EngineConfig) -> int:
+    """Draft KV blocks beyond the target's: room for each running sequence's K draft positions."""
+    return config.max_num_seqs * (-(-config.num_speculative_tokens // config.block_size) + 1)
+
+
+def draft_net(draft_model: str, target_source: ModelSource, dtype: torch.dtype, device: torch.device | str,
+              target: LlamaModel | None = None):
+    """The draft network. self:N shares the target's weights: loaded here when `target` is not given (a draft
+    actor, which holds no target of its own)."""
     if draft_model.startswith("self:"):
         num_layers = parse_self_draft(draft_model)
-        if num_layers > target.cfg.num_layers:
+        if num_layers > target_source.config.num_layers:
             raise ConfigError(f"draft_model {draft_model} asks for more layers than the target has "
-                              f"({target.cfg.num_layers})")
-        return LayerPrefixModel(target, num_layers)
+                              f"({target_source.config.num_layers})")
+        return LayerPrefixModel(target if target is not None else load_model(target_source, dtype, device),
+                                num_layers)
     source = resolve_model(draft_model)
     if source.config.vocab_size != target_source.config.vocab_size:
         raise ConfigError(f"the draft model's vocabulary ({source.config.vocab_size} tokens) differs from the "
