@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -190,6 +191,15 @@ async def _send_quietly(conn: Connection, msg: m.Message) -> None:
         pass
 
 
+STREAM_WRITE_MARGIN = 1.0  # seconds before a reservation's deadline after which its pages are refused
+
+
+@dataclass(frozen=True)
+class _StreamedReservation:
+    block_ids: frozenset[int]  # the reserved blocks pages may be written into
+    deadline: float  # monotonic
+
+
 class DecodeActor(Actor):
     """Owns an EngineCore whose KV pool lives in shared memory: colocated requests and prefilled hand-offs."""
 
@@ -197,6 +207,7 @@ class DecodeActor(Actor):
         super().__init__(spec)
         self.pool: SharedPool | None = None
         self.engine: EngineCore | None = None
+        self.streams: dict[str, _StreamedReservation] = {}  # hand-offs whose pages arrive as KVPages
 
     def build_engine(self) -> EngineCore:
         def allocate(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -227,7 +238,7 @@ class DecodeActor(Actor):
 
     def handlers(self) -> dict[type, Callable]:
         return {m.AddRequest: self.on_add, m.AbortRequest: self.on_abort, m.ReserveBlocks: self.on_reserve,
-                m.ReleaseReservation: self.on_release}
+                m.ReleaseReservation: self.on_release, m.KVPages: self.on_kv_pages}
 
     def load(self) -> dict[str, int]:
         s = self.engine.stats()
@@ -242,6 +253,7 @@ class DecodeActor(Actor):
         req = EngineRequest(msg.request_id, msg.prompt_token_ids, params_from_wire(msg.sampling), msg.priority,
                             time.monotonic())
         self.owners[msg.request_id] = conn
+        self.streams.pop(msg.request_id, None)  # its pages are all in: nothing more may be written
         try:
             await self.thread.submit(lambda engine: self.thread.emit(self._admit(engine, req, msg)))
         except Exception as exc:  # an invalid request is final; a failed hand-off may run elsewhere
@@ -257,6 +269,7 @@ class DecodeActor(Actor):
         return engine.add_prefilled_request(req, msg.first_token, logprobs, msg.generator_state, msg.checksum)
 
     async def on_abort(self, conn: Connection, msg: m.AbortRequest) -> None:
+        self.streams.pop(msg.request_id, None)
         self.thread.post(lambda engine: engine.abort_request(msg.request_id, msg.sample_index))
 
     async def on_reserve(self, conn: Connection, msg: m.ReserveBlocks) -> None:
@@ -267,13 +280,32 @@ class DecodeActor(Actor):
         except Exception as exc:
             await conn.send(m.ReservationFailed(msg.request_id, str(exc)))
             return
+        fresh = blocks[cached // self.engine.kv_cache.block_size:]
+        self.streams[msg.request_id] = _StreamedReservation(frozenset(fresh), deadline)
         await conn.send(m.BlocksReserved(msg.request_id, blocks, cached))
 
+    async def on_kv_pages(self, conn: Connection, msg: m.KVPages) -> None:
+        """Pages of a hand-off from another host. Written here on the loop thread, at once: the blocks are
+        reserved for this request, so no step reads them, and a reservation is forgotten on this thread
+        before the engine may free its blocks (release, abort, admission, or STREAM_WRITE_MARGIN before its
+        deadline), so late or foreign pages never land in blocks that someone else may own."""
+        stream = self.streams.get(msg.request_id)
+        if stream is None or time.monotonic() > stream.deadline - STREAM_WRITE_MARGIN \
+                or not stream.block_ids.issuperset(msg.block_ids):
+            log.warning("dropping KV pages for %s: no live reservation holds those blocks", msg.request_id)
+            return
+        try:
+            self.engine.kv_cache.write_pages(msg.layer, msg.block_ids, msg.payload)
+        except ValueError as exc:  # the checksum at admission then refuses the hand-off
+            log.warning("dropping malformed KV pages for %s: %s", msg.request_id, exc)
+
     async def on_release(self, conn: Connection, msg: m.ReleaseReservation) -> None:
+        self.streams.pop(msg.request_id, None)
         self.thread.post(lambda engine: engine.cancel_remote_prefill(msg.request_id) and None)
 
     def on_owner_lost(self, request_id: str) -> None:
         super().on_owner_lost(request_id)
+        self.streams.pop(request_id, None)
         self.thread.post(lambda engine: engine.abort_request(request_id))
 
     def abort_everything(self, engine: EngineCore) -> None:
@@ -344,7 +376,10 @@ class PrefillActor(Actor):
                          to_monotonic(msg.deadline))
         self.owners[msg.request_id] = conn
         try:
-            await self.thread.submit(lambda engine: engine.add(job))
+            if msg.stream:
+                await self.thread.submit(lambda engine: engine.add_streamed(job, msg.kv_format))
+            else:
+                await self.thread.submit(lambda engine: engine.add(job))
         except Exception as exc:
             self.owners.pop(msg.request_id, None)
             await conn.send(m.RequestFailed(msg.request_id, str(exc), True))
@@ -363,6 +398,8 @@ class PrefillActor(Actor):
 
     def deliver(self, outputs: list[PrefillResult]) -> None:
         for res in outputs:
+            for layer, payload in enumerate(res.pages or ()):  # sent in order, before KVReady
+                self.send_to_owner(res.request_id, m.KVPages(res.request_id, layer, res.dest_block_ids, payload))
             logprob, top = logprobs_to_wire(res.logprobs)
             msg = m.KVReady(res.request_id, res.first_token, logprob, top, res.num_bytes, res.checksum,
                             res.num_cached_tokens, res.generator_state)

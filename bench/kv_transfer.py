@@ -10,7 +10,8 @@ Geometry is SmolLM2-135M's (30 layers, 3 KV heads x 64, bf16: 23,040 bytes per t
 - shm protocol only: the same without the page write. This is what the zero-copy path adds to a prefill,
   since a prefill actor writes each layer's KV in place as it computes it;
 - tcp: the pages streamed layer by layer as KVPages frames over authenticated loopback TCP and written
-  into the receiver's pool.
+  into the receiver's pool (KVCache.read_pages / write_pages, as a prefill actor and a decode actor on
+  another host do; in the server the frames take one more local hop, prefill actor -> router).
 """
 from __future__ import annotations
 
@@ -114,21 +115,21 @@ async def run_tcp(tokens: int, repeats: int) -> float:
     nblocks = -(-tokens // BLOCK)
     secret = secrets.token_bytes(32)
     dest = torch.zeros(pool_shape(nblocks), dtype=DTYPE)
+    dest_cache = KVCache(GEOMETRY, nblocks, BLOCK, DTYPE, storage=dest)
     done: asyncio.Queue = asyncio.Queue()
 
     async def receiver(conn) -> None:
         async for msg in conn:
-            layer = torch.frombuffer(bytearray(msg.payload), dtype=DTYPE).view(2, len(msg.block_ids), BLOCK, HEADS,
-                                                                                  HEAD_DIM)
-            dest[msg.layer].index_copy_(1, torch.tensor(msg.block_ids), layer)
+            dest_cache.write_pages(msg.layer, msg.block_ids, msg.payload)  # what a remote decode actor does
             if msg.layer == LAYERS - 1:
                 await done.put(True)
 
     server = await serve_tcp("127.0.0.1", 0, secret, receiver)
     conn = await connect_tcp(*server.address, secret)
     pages = torch.randn(pool_shape(nblocks), dtype=torch.float32).to(DTYPE)
-    payloads = [pages[layer].contiguous().view(torch.uint8).numpy().tobytes() for layer in range(LAYERS)]
     block_ids = list(range(nblocks))
+    source = KVCache(GEOMETRY, nblocks, BLOCK, DTYPE, storage=pages)
+    payloads = [source.read_pages(layer, block_ids) for layer in range(LAYERS)]  # what a prefill actor sends
     samples = []
     try:
         for i in range(repeats + 1):

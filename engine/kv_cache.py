@@ -98,6 +98,32 @@ class KVCache:
         """Pool bytes per cached token (a block's bytes / block_size: exact, block_size is a power of two)."""
         return self.bytes_per_block / self.block_size
 
+    @property
+    def bytes_per_layer_block(self) -> int:
+        """Bytes of one block's keys and values in one layer (what read_pages yields per block)."""
+        return self.bytes_per_block // self.data.shape[0]
+
+    def read_pages(self, layer: int, block_ids: list[int]) -> bytes:
+        """One layer's keys and values of `block_ids`, as raw bytes laid out [2, len(block_ids), *page]: what
+        travels to a peer on another host, which cannot map this pool (write_pages is the other end)."""
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self.data.device)
+        pages = self.data[layer].index_select(1, ids)  # [2, n, *page]
+        return pages.contiguous().view(torch.uint8).cpu().numpy().tobytes()
+
+    def write_pages(self, layer: int, block_ids: list[int], payload: bytes) -> None:
+        """Copy read_pages' bytes (from a pool of the same model, block size and format) into `block_ids`."""
+        if not 0 <= layer < self.data.shape[0]:
+            raise ValueError(f"layer {layer} is outside the pool's {self.data.shape[0]} layers")
+        if any(not 0 <= b < self.num_blocks for b in block_ids):
+            raise ValueError(f"block ids outside the pool of {self.num_blocks} blocks")
+        if len(payload) != len(block_ids) * self.bytes_per_layer_block:
+            raise ValueError(f"{len(payload)} bytes of pages for {len(block_ids)} blocks of "
+                             f"{self.bytes_per_layer_block} bytes")
+        pages = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(self.data.dtype)
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self.data.device)
+        layer_pages = self.data[layer]  # [2, N, *page]
+        layer_pages.index_copy_(1, ids, pages.view(2, len(block_ids), *layer_pages.shape[2:]).to(self.data.device))
+
     def checksum(self, block_ids: list[int]) -> tuple[int, int]:
         """(bytes written, crc32 of a fingerprint) of the given blocks, computed by the writer of a hand-off
         and again by the owner before it decodes from them.

@@ -331,8 +331,9 @@ class ActorLayout:
             raise ValueError("actor counts must not be negative")
         if self.draft_actors and not self.decode_actors:
             raise ValueError("draft actors need at least one decode actor to draft for")
-        if self.prefill_actors and not self.decode_actors:
-            raise ValueError("prefill actors need at least one decode actor to hand their KV to")
+        if self.prefill_actors and not self.decode_actors and self.listen_workers is None:
+            raise ValueError("prefill actors need a decode actor (or --listen-workers for remote ones) to hand "
+                             "their KV to")
 
     @property
     def uses_actors(self) -> bool:

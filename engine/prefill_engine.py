@@ -3,6 +3,10 @@
 A decode actor exports its KV pool once; the prefill actor maps it and runs each prompt with that pool as
 its cache and the reserved blocks as the block table, so every layer's keys and values land in place as the
 layer computes them. Only the first sampled token (and the sampler's RNG state) travels back.
+
+A decode actor on another host cannot be mapped: its jobs are *streamed*. The prompt runs into a private
+pool sized to it (the destination's cached prefix is recomputed here, its KV is not on this host), and the
+result carries the pages the destination lacks, per layer, for the actor to send in KVPages messages.
 """
 from __future__ import annotations
 
@@ -21,6 +25,14 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerOutput, build_chunk
 
 
+@dataclass(frozen=True)
+class StreamTarget:
+    """Where a streamed job's pages go: the destination's blocks for prompt blocks skip_blocks, skip_blocks+1..."""
+
+    dest_block_ids: list[int]
+    skip_blocks: int
+
+
 @dataclass
 class PrefillJob:
     request_id: str
@@ -32,6 +44,7 @@ class PrefillJob:
     deadline: float
     seq_id: int = -1
     num_cached: int = field(default=0, init=False)  # num_computed at submission: what the destination had
+    stream: StreamTarget | None = None  # set by add_streamed: the destination is on another host
 
 
 @dataclass
@@ -44,6 +57,8 @@ class PrefillResult:
     num_cached_tokens: int  # prompt tokens that were already in the destination, so not computed here
     num_bytes: int = 0  # KV bytes written into the destination
     checksum: int = 0  # crc32 of those bytes, verified by the destination before it decodes
+    pages: list[bytes] | None = None  # streamed job: each layer's pages (KVCache.read_pages) to send
+    dest_block_ids: list[int] = field(default_factory=list)  # streamed job: where those pages go
 
 
 class PrefillEngine:
@@ -53,6 +68,7 @@ class PrefillEngine:
         self.config = config
         self.source = source or resolve_model(config.model)
         self.dtype = resolve_dtype(config.dtype, device)
+        self.device = device
         self.runner = ModelRunner(load_model(self.source, self.dtype, device), None, device,
                                   use_kernels=not config.enforce_eager)
         self.eos_token_ids = frozenset(self.source.tokenizer.eos_token_ids or self.source.config.eos_token_ids)
@@ -81,6 +97,24 @@ class PrefillEngine:
         job.num_cached = job.num_computed
         self.jobs[job.request_id] = job
 
+    def add_streamed(self, job: PrefillJob, kv_format: str = "auto") -> None:
+        """A job whose destination pool is on another host (`job.block_table` and `job.num_computed` name its
+        blocks and cached prefix): compute the whole prompt into a private pool in the destination's page
+        format; the result carries the pages of the blocks the destination lacks."""
+        bs = self.config.block_size
+        name = f"stream:{job.request_id}"
+        if name in self.pools or job.request_id in self.jobs:
+            raise ValueError(f"request id {job.request_id!r} is already in use")
+        skip = job.num_computed // bs
+        num_blocks = -(-len(job.token_ids) // bs)
+        if len(job.block_table) != num_blocks:
+            raise ValueError(f"{len(job.block_table)} destination blocks for a {num_blocks}-block prompt")
+        self.pools[name] = KVCache(self.source.config, num_blocks, bs, self.dtype, self.device, kv_format=kv_format)
+        job.stream = StreamTarget(job.block_table[skip:], skip)
+        job.block_table, job.num_computed, job.destination = list(range(num_blocks)), 0, name
+        self.add(job)
+        job.num_cached = skip * bs  # what the destination had: those pages are computed here but not sent
+
     def abort(self, request_id: str) -> bool:
         return self._drop(request_id)
 
@@ -95,6 +129,8 @@ class PrefillEngine:
         job = self.jobs.pop(request_id, None)
         if job is not None:
             self._dropped_seq_ids.append(job.seq_id)
+            if job.stream is not None:
+                self.pools.pop(job.destination, None)
         return job is not None
 
     def has_work(self) -> bool:
@@ -129,11 +165,19 @@ class PrefillEngine:
             job = by_seq[chunk.seq_id]
             job.num_computed += len(chunk.token_ids)
             if chunk.sample:
-                del self.jobs[job.request_id]
-                written = job.block_table[job.num_cached // self.pools[destination].block_size:]
-                num_bytes, checksum = self.pools[destination].checksum(written)
-                done.append(PrefillResult(job.request_id, destination, result.sampled_token_ids[chunk.seq_id],
-                                          result.logprobs.get(chunk.seq_id),
-                                          self.runner.export_generator(chunk.seq_id), job.num_cached,
-                                          num_bytes, checksum))
+                done.append(self._finish(job, result, destination))
         return done
+
+    def _finish(self, job: PrefillJob, result, destination: str) -> PrefillResult:
+        del self.jobs[job.request_id]
+        pool = self.pools[destination]
+        written = job.block_table[job.num_cached // pool.block_size:]
+        num_bytes, checksum = pool.checksum(written)
+        out = PrefillResult(job.request_id, destination, result.sampled_token_ids[job.seq_id],
+                            result.logprobs.get(job.seq_id), self.runner.export_generator(job.seq_id),
+                            job.num_cached, num_bytes, checksum)
+        if job.stream is not None:
+            out.pages = [pool.read_pages(layer, written) for layer in range(pool.data.shape[0])]
+            out.dest_block_ids = job.stream.dest_block_ids
+            del self.pools[destination]
+        return out

@@ -30,6 +30,9 @@ log = logging.getLogger("router")
 DEFAULT_PREFILL = PrefillCost(fixed=0.01, per_token=0.002)
 DEFAULT_DECODE = DecodeCost(fixed=0.03, per_seq=0.002)
 SHM_TRANSFER = TransferCost(latency=0.001, bytes_per_second=float("inf"))  # written in place: no copy
+# Pages streamed to a decode actor on another host, relayed by this process (measured on loopback by
+# bench/kv_transfer.py: 0.24-0.47 GB/s; a real network is slower), until live transfers correct it.
+TCP_TRANSFER = TransferCost(latency=0.005, bytes_per_second=2.5e8)
 
 
 @dataclass(frozen=True)
@@ -72,12 +75,13 @@ class ActorRouter:
         self._handlers = {m.TokenUpdates: self._on_tokens, m.BlocksReserved: self._on_reserved,
                           m.ReservationFailed: self._on_reservation_failed, m.KVReady: self._on_kv_ready,
                           m.RequestFailed: self._on_request_failed, m.Error: self._on_actor_error,
-                          m.IntegrityReport: self._on_integrity_report}
+                          m.IntegrityReport: self._on_integrity_report, m.KVPages: self._on_kv_pages}
         self._integrity_waiters: dict[str, asyncio.Future] = {}
         self.corrections: dict[str, Smoothed] = {}  # actor -> observed / predicted prefill time
         self.estimate_errors: deque[float] = deque(maxlen=1024)  # |predicted - observed| / observed
         self.kv_bytes_transferred = 0
         self.kv_transfers = 0
+        self.kv_bytes_streamed = 0  # of those, relayed over TCP to decode actors on other hosts
 
     # ---------------------------------------------------------------- engine-client interface
 
@@ -181,8 +185,9 @@ class ActorRouter:
         chosen = choose_decode_actor(list(views.values()), prompt, block_size) or min(
             views.values(), key=lambda v: v.running)  # none has room now: queue on the least loaded
         handle = self.supervisor.by_id(chosen.actor_id)
-        prefills = [PrefillActorView(h.actor_id, self._prefill_cost(h), self._queued_prefill(h), SHM_TRANSFER)
-                    for h in self.supervisor.ready("prefill")] if _mappable(handle) else []
+        transfer = SHM_TRANSFER if _mappable(handle) else TCP_TRANSFER
+        prefills = [PrefillActorView(h.actor_id, self._prefill_cost(h), self._queued_prefill(h), transfer)
+                    for h in self.supervisor.ready("prefill")]
         policy = self.settings.policy if prefills else PlacementPolicy("never")
         bytes_per_token = int(handle.ready.kv_export.get("bytes_per_token", 0))
         return place(policy, prompt, block_size, [chosen], prefills, bytes_per_token) \
@@ -274,7 +279,18 @@ class ActorRouter:
         block_size = handle.ready.block_size
         self._send(routed.prefill, m.PrefillRequest(req.request_id, req.prompt_token_ids, params_to_wire(req.params),
                                                     routed.decode, msg.block_ids, msg.num_cached_tokens // block_size,
-                                                    time.time() + self.settings.handoff_timeout))
+                                                    time.time() + self.settings.handoff_timeout,
+                                                    stream=not _mappable(handle),
+                                                    kv_format=handle.ready.kv_export.get("kv_format", "auto")))
+
+    def _on_kv_pages(self, handle: ActorHandle, msg: m.KVPages) -> None:
+        """Relay a streamed hand-off's pages to the decode actor on another host (same connection, so they
+        arrive before the AddRequest that KVReady triggers)."""
+        routed = self.routed.get(msg.request_id)
+        if routed is None or routed.phase != "prefilling" or routed.prefill != handle.actor_id:
+            return
+        self.kv_bytes_streamed += len(msg.payload)
+        self._send(routed.decode, msg)
 
     def _on_reservation_failed(self, handle: ActorHandle, msg: m.ReservationFailed) -> None:
         routed = self._expect(msg.request_id, "reserving", handle)

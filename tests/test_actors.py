@@ -130,6 +130,51 @@ async def test_decode_actor_killed_mid_decode(cluster, reference):
     assert cluster.can_serve()
 
 
+async def start_remote_decode_worker(llm: AsyncLLM, model_dir, secret: str, actor_id: str = "remote-decode-0"):
+    import sys
+
+    host, port = llm._client.listen_address
+    return await asyncio.create_subprocess_exec(
+        sys.executable, "cli.py", "worker", "--role", "decode", "--connect", f"{host}:{port}",
+        "--actor-id", actor_id, "--model", str(model_dir), "--dtype", "float32", "--num-kv-blocks",
+        "256", "--block-size", "8", "--max-num-batched-tokens", "64", "--threads", "1",
+        env={**os.environ, "PHASE_SERVE_SECRET": secret})
+
+
+async def test_pages_stream_over_tcp_to_a_decode_actor_on_another_host(tiny_model_dir, reference, monkeypatch):
+    """A local prefill actor hands off to a decode worker that joined over TCP (it cannot map our memory): the
+    pages travel as KVPages through the router, only the blocks the worker lacks, and outputs are exact."""
+    import secrets
+
+    secret = secrets.token_hex(16)
+    monkeypatch.setenv("PHASE_SERVE_SECRET", secret)
+    llm = AsyncLLM(str(tiny_model_dir), prefill_actors=1, disagg="always", listen_workers="127.0.0.1:0", **OPTIONS)
+    await llm.start()
+    worker = await start_remote_decode_worker(llm, tiny_model_dir, secret)
+    router = llm._client
+    try:
+        await wait_for(lambda: router.supervisor.ready("decode"), 60, "the remote decode worker")
+        decode = router.supervisor.ready("decode")[0]
+        assert decode.spec.remote and decode.ready.kv_export["kind"] == "none"
+        bytes_per_block = decode.ready.kv_export["bytes_per_token"] * decode.ready.block_size
+        prompts = make_prompts(3, seed=48)
+        outs = await asyncio.gather(*(asyncio.wait_for(generate(llm, p), 60) for p in prompts))
+        assert outs == [o.token_ids for o in reference.generate(prompts, GREEDY)]
+        assert router.kv_transfers == 3
+        assert router.kv_bytes_streamed == sum(-(-len(p) // 8) for p in prompts) * bytes_per_block
+
+        shared = make_prompts(1, seed=49)[0] * 2
+        first, second = shared + [7, 8, 9], shared + [11, 12, 13, 14, 15]
+        assert await generate(llm, first) == reference.generate([first], GREEDY)[0].token_ids
+        before = router.kv_bytes_streamed
+        assert await generate(llm, second) == reference.generate([second], GREEDY)[0].token_ids
+        assert router.kv_bytes_streamed - before == (-(-len(second) // 8) - len(shared) // 8) * bytes_per_block
+        await assert_clean(llm)
+    finally:
+        await llm.aclose()
+        await asyncio.wait_for(worker.wait(), 20)
+
+
 async def test_worker_joins_over_tcp_and_serves(tiny_model_dir, reference, monkeypatch):
     import secrets
     import sys

@@ -4,6 +4,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
@@ -23,8 +24,11 @@ def pair(tiny_model_dir):
     return decode, prefill
 
 
-def run_disaggregated(decode: LLM, prefill: PrefillEngine, prompts: list[list[int]], params: SamplingParams):
-    """Reserve on the decode side, prefill into those blocks, hand the first token over, decode to the end."""
+def run_disaggregated(decode: LLM, prefill: PrefillEngine, prompts: list[list[int]], params: SamplingParams,
+                      streamed: bool = False):
+    """Reserve on the decode side, prefill into those blocks, hand the first token over, decode to the end.
+    `streamed`: as for a decode actor on another host, the prefill computes into its own pool and the pages
+    are written into the reserved blocks from the result."""
     engine = decode.engine
     processor = OutputProcessor(decode.tokenizer)
     computed = {}
@@ -32,10 +36,13 @@ def run_disaggregated(decode: LLM, prefill: PrefillEngine, prompts: list[list[in
         rid = f"d{i}"
         processor.add(rid, None, prompt, params)
         blocks, cached = engine.reserve_remote_prefill(rid, prompt, time.monotonic() + 30)
-        prefill.add(PrefillJob(rid, prompt, params, blocks, cached, "decode-0", time.monotonic() + 30))
+        job = PrefillJob(rid, prompt, params, blocks, cached, "decode-0", time.monotonic() + 30)
+        prefill.add_streamed(job, engine.kv_cache.kv_format) if streamed else prefill.add(job)
     finals = {}
     while prefill.has_work():
         for res in prefill.step():
+            for layer, payload in enumerate(res.pages or ()):
+                engine.kv_cache.write_pages(layer, res.dest_block_ids, payload)
             computed[res.request_id] = len(prompts[int(res.request_id[1:])]) - res.num_cached_tokens
             req = EngineRequest(res.request_id, prompts[int(res.request_id[1:])], params)
             updates = engine.add_prefilled_request(req, res.first_token, res.logprobs, res.generator_state,
@@ -77,6 +84,37 @@ def test_cached_prefix_on_the_decode_side_is_not_recomputed(pair):
     assert warm["d0"] == len(second) - len(shared) // 8 * 8  # only the uncached tail ran on the prefill side
     assert warm_outs[0].num_cached_tokens == len(shared) // 8 * 8
     decode.engine.pool.check_integrity()
+
+
+def test_streamed_hand_off_carries_exactly_the_missing_pages(pair, tiny_model_dir):
+    """For a destination on another host: the pages come back in the result, only for the blocks the
+    destination lacks, and written into the reserved blocks they decode exactly as colocated."""
+    decode, prefill = pair
+    engine = decode.engine
+    shared = make_prompts(1, seed=36)[0] * 2
+    prompts = [shared + [5, 6, 7], shared + [9, 10, 11, 12]]
+    colocated = LLM(str(tiny_model_dir), **OPTIONS).generate(prompts, GREEDY)
+    first, shipped_first = run_disaggregated(decode, prefill, prompts[:1], GREEDY, streamed=True)
+    second, shipped_second = run_disaggregated(decode, prefill, prompts[1:], GREEDY, streamed=True)
+    assert [o.token_ids for o in first + second] == [o.token_ids for o in colocated]
+    assert shipped_first["d0"] == len(prompts[0])  # nothing was cached: every page went
+    assert second[0].num_cached_tokens == len(shared) // 8 * 8  # the prefix hit: those pages stayed home
+    assert set(prefill.pools) == {"decode-0"}  # the private pools are gone
+    engine.pool.check_integrity()
+    assert engine.pool.num_used == 0
+
+
+def test_pages_round_trip_as_bytes_and_bad_ones_are_refused(pair):
+    decode, _ = pair
+    kv = decode.engine.kv_cache
+    kv.data.normal_()
+    payload = kv.read_pages(1, [3, 7])
+    assert len(payload) == 2 * kv.bytes_per_layer_block
+    kv.write_pages(1, [10, 11], payload)
+    assert torch.equal(kv.data[1][:, [10, 11]], kv.data[1][:, [3, 7]])
+    for layer, ids, data in ((1, [10], payload), (99, [10, 11], payload), (1, [10, 10_000], payload)):
+        with pytest.raises(ValueError):
+            kv.write_pages(layer, ids, data)
 
 
 def test_expired_reservation_releases_its_blocks(pair):

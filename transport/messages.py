@@ -232,12 +232,15 @@ class PrefillRequest(Message):
     dest_block_ids: list[int]
     skip_blocks: int
     deadline: float | None
+    stream: bool = False  # the destination is on another host: send its pages (KVPages) instead of writing them
+    kv_format: str = "auto"  # the destination pool's page format (what streamed pages must be in)
 
 
 @dataclass(frozen=True, slots=True)
 class KVPages(Message):
     """One layer's pages for some blocks, for peers on another host (same host: shared memory instead).
-    `payload` is the raw page bytes (K then V, scales beside quantised pages) in the pool's layout."""
+    `payload` is the raw page bytes (K then V, scales beside quantised pages) in the pool's layout
+    (engine.kv_cache.KVCache.read_pages). Prefill actor -> router -> decode actor, before KVReady."""
 
     TAG: ClassVar[str] = "kv_pages"
     request_id: str
