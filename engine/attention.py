@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from engine.kernels import cpu_ops
+from engine.kernels import cpu_ext
 from engine.kv_compress import TieredPages
 from engine.kv_formats import PageWrites, QuantizedPages
 
@@ -140,8 +140,8 @@ def _gather(cache: KVPages, block_tables: torch.Tensor) -> torch.Tensor:
 def _decode_attention(q: torch.Tensor, k_cache: KVPages, v_cache: KVPages,
                       meta: AttentionMetadata, scale: float) -> torch.Tensor:
     # One query per sequence: fold each KV head's query group into the query-length axis, so no KV repeat.
-    if meta.use_kernels and meta.num_decode <= cpu_ops.MAX_ATTENTION_ROWS and _kernel_applies(q, k_cache):
-        return cpu_ops.decode_attention_bf16(q, k_cache, v_cache, meta.decode_block_tables,
+    if meta.use_kernels and meta.num_decode <= cpu_ext.MAX_ATTENTION_ROWS and _kernel_applies(q, k_cache):
+        return cpu_ext.decode_attention_bf16(q, k_cache, v_cache, meta.decode_block_tables,
                                              meta.decode_context_lens, scale)
     num_rows, num_heads, head_dim = q.shape
     keys = _gather(k_cache, meta.decode_block_tables)  # [D, Hkv, L, hd]

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata
-from engine.kernels import cpu_ops
+from engine.kernels import cpu_ext
 from engine.kv_cache import KVCache
 from engine.kv_compress import ColdRegion, names_cold
 from engine.model.llama import LlamaModel
@@ -74,7 +74,9 @@ class ModelRunner:
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
-        self.use_kernels = use_kernels and torch.device(device).type == "cpu"
+        # Only bf16 has kernels: other dtypes never build (or load) the extension.
+        self.use_kernels = (use_kernels and torch.device(device).type == "cpu"
+                            and next(model.parameters()).dtype == torch.bfloat16 and cpu_ext.available())
         self.generators: dict[int, torch.Generator] = {}
         self.cold: ColdRegion | None = None
         if self.use_kernels:
@@ -91,8 +93,6 @@ class ModelRunner:
             self.generators.pop(seq_id, None)
         if sched.is_empty:
             return RunnerOutput(sampled_token_ids={})
-        if self.use_kernels:
-            cpu_ops.set_threads(torch.get_num_threads())  # numba's pool size is per calling thread
         inp = prepare_input(sched.chunks, kv_cache.block_size, self.device, self.use_kernels)
         hidden = self.model(inp.input_ids, inp.positions, inp.meta, self._layers(kv_cache, sched))  # [T, hidden]
         if not inp.sampled_chunks and not inp.verified_chunks:

@@ -1,4 +1,4 @@
-"""The compiled CPU kernels (engine/kernels/cpu_ops.py) against torch references, alone and inside the model."""
+"""The compiled CPU kernels (engine/kernels/cpu_ext.*) against torch references, alone and inside the model."""
 from __future__ import annotations
 
 import pytest
@@ -9,7 +9,7 @@ from engine import LLM, SamplingParams
 from engine.attention import AttentionMetadata
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
-from engine.kernels import cpu_ops
+from engine.kernels import cpu_ext
 from engine.kv_cache import KVCache
 from engine.model.hf_loader import iter_hf_weights, read_hf_config
 from engine.model.llama import build_model
@@ -26,7 +26,7 @@ def test_linear_matches_fp32_reference_within_bf16_rounding(rows, with_bias):
     x, w = bf16(rows, 96), bf16(200, 96, scale=0.1)
     bias = bf16(200) if with_bias else None
     ref = F.linear(x.float(), w.float(), None if bias is None else bias.float())
-    got = cpu_ops.linear_bf16(x, w, bias)
+    got = cpu_ext.linear_bf16(x, w, bias)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, 200)
     # One rounding to bf16 at the end (relative 2**-8) plus fp32 summation-order noise.
     torch.testing.assert_close(got.float(), ref, rtol=2 ** -8, atol=1e-4)
@@ -34,10 +34,10 @@ def test_linear_matches_fp32_reference_within_bf16_rounding(rows, with_bias):
 
 def test_linear_applies_only_to_few_row_bf16_products():
     w = bf16(8, 16)
-    assert cpu_ops.applies(bf16(1, 16), w)
-    assert not cpu_ops.applies(bf16(cpu_ops.MAX_GEMV_ROWS + 1, 16), w)
-    assert not cpu_ops.applies(torch.randn(1, 16), w.float())
-    assert not cpu_ops.applies(bf16(1, 16), bf16(16, 8).t())  # not contiguous
+    assert cpu_ext.applies(bf16(1, 16), w)
+    assert not cpu_ext.applies(bf16(cpu_ext.MAX_GEMV_ROWS + 1, 16), w)
+    assert not cpu_ext.applies(torch.randn(1, 16), w.float())
+    assert not cpu_ext.applies(bf16(1, 16), bf16(16, 8).t())  # not contiguous
 
 
 def reference_decode_attention(q, k_pages, v_pages, tables, lens, scale):
@@ -60,7 +60,7 @@ def test_decode_attention_reads_pages_in_place(num_heads, num_kv_heads):
     lens = torch.tensor([1, 8, 9, 31, 70])  # one token, a full block, one past it, ...
     tables = torch.stack([torch.randperm(num_blocks)[:10] for _ in lens])  # scattered blocks; tails never read
     q = bf16(len(lens), num_heads, head_dim)
-    got = cpu_ops.decode_attention_bf16(q, k_pages, v_pages, tables, lens, 0.2)
+    got = cpu_ext.decode_attention_bf16(q, k_pages, v_pages, tables, lens, 0.2)
     ref = reference_decode_attention(q, k_pages, v_pages, tables, lens, 0.2)
     torch.testing.assert_close(got.float(), ref, rtol=2 ** -7, atol=2e-3)
 
@@ -69,10 +69,10 @@ def test_decode_attention_ignores_blocks_past_the_context():
     k_pages, v_pages = bf16(6, 4, 1, 16), bf16(6, 4, 1, 16)
     q = bf16(1, 2, 16)
     lens = torch.tensor([5])
-    first = cpu_ops.decode_attention_bf16(q, k_pages, v_pages, torch.tensor([[3, 1, 0]]), lens, 0.25)
+    first = cpu_ext.decode_attention_bf16(q, k_pages, v_pages, torch.tensor([[3, 1, 0]]), lens, 0.25)
     k_pages[0], v_pages[0] = 1e4, -1e4  # block 0 is past the 5-token context
     k_pages[1, 1:], v_pages[1, 1:] = 1e4, -1e4  # slots 1.. of the second block too
-    second = cpu_ops.decode_attention_bf16(q, k_pages, v_pages, torch.tensor([[3, 1, 0]]), lens, 0.25)
+    second = cpu_ext.decode_attention_bf16(q, k_pages, v_pages, torch.tensor([[3, 1, 0]]), lens, 0.25)
     assert torch.equal(first, second)
 
 
@@ -92,12 +92,11 @@ def test_bf16_model_with_kernels_matches_torch_ops(tiny_model_dir, monkeypatch):
             return func(*args, **kwargs)
         return wrapped
 
-    monkeypatch.setattr(cpu_ops, "linear_bf16", spy("linear", cpu_ops.linear_bf16))
-    monkeypatch.setattr(cpu_ops, "decode_attention_bf16", spy("attention", cpu_ops.decode_attention_bf16))
+    monkeypatch.setattr(cpu_ext, "linear_bf16", spy("linear", cpu_ext.linear_bf16))
+    monkeypatch.setattr(cpu_ext, "decode_attention_bf16", spy("attention", cpu_ext.decode_attention_bf16))
     cfg, eager = _model(tiny_model_dir, torch.bfloat16)
     _, fast = _model(tiny_model_dir, torch.bfloat16)
     fast.use_kernels(True)
-    calls.update(linear=0, attention=0)  # not the warm-up's
     block = 4
     prompts = [[5, 9, 33, 2, 7, 100, 3], [11, 12, 13], [400, 401, 402, 403, 404, 405, 406, 407, 408]]
     logits = {}
@@ -116,8 +115,9 @@ def test_bf16_model_with_kernels_matches_torch_ops(tiny_model_dir, monkeypatch):
                 hidden = model(torch.tensor([7 + step] * len(group)), torch.tensor(positions), meta, kv.layers)
                 rows.append(model.compute_logits(hidden))
         logits[name] = torch.cat(rows)
-    assert calls["attention"] == 6 * cfg.num_layers  # every decode step (one or two rows)
-    assert calls["linear"] == 3 * (4 * cfg.num_layers + 1)  # the one-row steps: 4 projections a layer + the head
+    assert calls["attention"] == 6 * cfg.num_layers  # every decode step
+    # every projection of the decode steps (4 a layer + the head) and of the 3-token prompt's prefill
+    assert calls["linear"] == 6 * (4 * cfg.num_layers + 1) + 4 * cfg.num_layers
     ref = logits["eager"]
     assert (logits["fast"] - ref).abs().max() <= 0.05 * ref.abs().max()
     assert (logits["fast"].argmax(-1) == ref.argmax(-1)).float().mean() >= 0.8

@@ -14,7 +14,7 @@ from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention
 from engine.config import ModelConfig
-from engine.kernels import cpu_ops
+from engine.kernels import cpu_ext
 from engine.model.rope import RotaryEmbedding, apply_rotary
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, 1, head_dim / 2]
@@ -27,8 +27,8 @@ class Linear(nn.Linear):
     use_kernels = False  # set per instance by LlamaModel.use_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.use_kernels and cpu_ops.applies(x, self.weight):
-            return cpu_ops.linear_bf16(x, self.weight, self.bias)
+        if self.use_kernels and cpu_ext.applies(x, self.weight):
+            return cpu_ext.linear_bf16(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -103,6 +103,7 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.kernels_on = False  # see use_kernels
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -116,21 +117,18 @@ class LlamaModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [B, hidden] -> float32 logits [B, vocab]."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        if self.kernels_on and cpu_ops.applies(hidden, weight):
-            return cpu_ops.linear_bf16(hidden, weight).float()
+        if self.kernels_on and cpu_ext.applies(hidden, weight):
+            return cpu_ext.linear_bf16(hidden, weight).float()
         return F.linear(hidden, weight).float()
-
-    kernels_on = False
 
     def use_kernels(self, on: bool = True) -> None:
         """Switch the CPU kernels (small-batch bf16 GEMV here, in-place decode attention via the runner) on or
-        off; off is plain torch ops everywhere. Compiles them now, not on the first request."""
-        self.kernels_on = on
+        off; off is plain torch ops everywhere. Builds them now (once per machine), not on the first request;
+        stays off where they cannot be built."""
+        self.kernels_on = on and cpu_ext.available()
         for module in self.modules():
             if isinstance(module, Linear):
-                module.use_kernels = on
-        if on:
-            cpu_ops.warm_up()
+                module.use_kernels = self.kernels_on
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

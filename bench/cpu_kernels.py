@@ -1,0 +1,73 @@
+"""Where the CPU kernels (engine/kernels/cpu_ext.*) pay: one decode forward of the served model (bf16) at
+several batch sizes and context lengths, with plain torch ops, with the GEMV only, and with the GEMV plus the
+in-place decode attention, interleaved so that machine noise hits all three alike.
+
+    python -m bench.cpu_kernels [--batches 1,2,4,8,16,32,64] [--contexts 192,1024] [--repeats 12]
+
+Prints min and median milliseconds per forward (logits included). The thresholds in cpu_ext
+(MAX_GEMV_ROWS, MAX_ATTENTION_ROWS) come from this table; the kernels are forced on for every row here.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Sequence
+
+import torch
+
+from engine.attention import AttentionMetadata
+from engine.kernels import cpu_ext
+from engine.kv_cache import KVCache
+from engine.model.loader import load_model, resolve_model
+
+BLOCK = 16
+
+
+def forward_ms(model, kv: KVCache, tables: list[list[int]], ctx: int, kernels: bool) -> float:
+    batch = len(tables)
+    meta = AttentionMetadata.build(BLOCK, [(t, ctx) for t in tables], [], kernels)
+    ids, pos = torch.randint(0, 40000, (batch,)), torch.full((batch,), ctx - 1)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        model.compute_logits(model(ids, pos, meta, kv.layers))
+    return (time.perf_counter() - start) * 1e3
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=None)
+    p.add_argument("--batches", default="1,2,4,8,16,32,64")
+    p.add_argument("--contexts", default="192,1024")
+    p.add_argument("--repeats", type=int, default=12)
+    p.add_argument("--threads", type=int, default=2)
+    a = p.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    assert cpu_ext.available(), "the CPU kernels could not be built"
+    source = resolve_model(a.model)
+    eager, fast = load_model(source, torch.bfloat16), load_model(source, torch.bfloat16)
+    fast.use_kernels(True)
+    saved = cpu_ext.MAX_GEMV_ROWS, cpu_ext.MAX_ATTENTION_ROWS
+    cpu_ext.MAX_GEMV_ROWS = cpu_ext.MAX_ATTENTION_ROWS = 1 << 30  # forced on: this table decides the limits
+    print(f"torch threads {torch.get_num_threads()}; ms per decode forward (min / median of {a.repeats})")
+    print(f"{'batch':>5} {'ctx':>5}  {'torch ops':>15}  {'gemv':>15}  {'gemv+attention':>15}")
+    try:
+        for ctx in (int(x) for x in a.contexts.split(",")):
+            for batch in (int(x) for x in a.batches.split(",")):
+                nb = ctx // BLOCK + 1
+                kv = KVCache(source.config, batch * nb + 1, BLOCK, torch.bfloat16)
+                kv.data.normal_()
+                tables = [list(range(1 + i * nb, 1 + (i + 1) * nb)) for i in range(batch)]
+                variants = {"torch ops": (eager, False), "gemv": (fast, False), "gemv+attention": (fast, True)}
+                times: dict[str, list[float]] = {name: [] for name in variants}
+                for _ in range(a.repeats):
+                    for name, (model, attention) in variants.items():
+                        times[name].append(forward_ms(model, kv, tables, ctx, attention))
+                cells = [f"{min(t):6.1f} / {statistics.median(t):6.1f}" for t in times.values()]
+                print(f"{batch:>5} {ctx:>5}  " + "  ".join(f"{c:>15}" for c in cells), flush=True)
+    finally:
+        cpu_ext.MAX_GEMV_ROWS, cpu_ext.MAX_ATTENTION_ROWS = saved
+
+
+if __name__ == "__main__":
+    main()
