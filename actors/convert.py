@@ -5,6 +5,7 @@ from dataclasses import asdict
 
 from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
+from engine.speculative.adaptive import SpecCounts
 from engine.scheduler import SequenceUpdate
 from transport import messages as m
 
@@ -30,13 +31,23 @@ def logprobs_from_wire(token_id: int | None, logprob: float | None,
     return TokenLogprobs(token_id, logprob, [(t.token_id, t.logprob) for t in top or []])
 
 
+def spec_to_wire(spec: SpecCounts | None) -> m.SpecCount | None:
+    if spec is None:
+        return None
+    return m.SpecCount(spec.num_draft_proposed, spec.num_draft_accepted, spec.num_verify_steps)
+
+
+def spec_from_wire(spec: m.SpecCount | None) -> SpecCounts | None:
+    return None if spec is None else SpecCounts(spec.proposed, spec.accepted, spec.steps)
+
+
 def update_to_wire(u: SequenceUpdate) -> m.TokenUpdate:
     logprob, top = logprobs_to_wire(u.logprobs)
     return m.TokenUpdate(u.request_id, u.sample_index, u.token_id, u.finish_reason, logprob, top,
-                         u.num_prompt_tokens, u.num_cached_tokens)
+                         u.num_prompt_tokens, u.num_cached_tokens, spec_to_wire(u.spec))
 
 
 def update_from_wire(u: m.TokenUpdate) -> SequenceUpdate:
     return SequenceUpdate(u.request_id, u.sample_index, u.token_id, u.finish_reason,
                           logprobs_from_wire(u.token_id, u.logprob, u.top_logprobs),
-                          u.num_prompt_tokens, u.num_cached_tokens)
+                          u.num_prompt_tokens, u.num_cached_tokens, spec_from_wire(u.spec))

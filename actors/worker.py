@@ -244,14 +244,16 @@ class DecodeActor(Actor):
         s = self.engine.stats()
         return {"running": s.running, "waiting": s.waiting, "kv_used": s.kv_blocks_used,
                 "kv_total": s.kv_blocks_total, "kv_cached": s.kv_blocks_cached, "prefix_queries": s.prefix_queries,
-                "prefix_hits": s.prefix_hits, "preemptions": s.num_preemptions}
+                "prefix_hits": s.prefix_hits, "preemptions": s.num_preemptions, "spec_proposed": s.spec_proposed,
+                "spec_accepted": s.spec_accepted, "spec_steps": s.spec_steps, "kv_compressed": s.kv_blocks_compressed,
+                "kv_cold_total": s.kv_blocks_cold_total, "kv_compressions": s.kv_compressions}
 
     async def on_add(self, conn: Connection, msg: m.AddRequest) -> None:
         if self.draining:
             await conn.send(m.RequestFailed(msg.request_id, "actor is draining", True))
             return
         req = EngineRequest(msg.request_id, msg.prompt_token_ids, params_from_wire(msg.sampling), msg.priority,
-                            time.monotonic())
+                            time.monotonic(), speculate=msg.speculate, compress_first=msg.compress_first)
         self.owners[msg.request_id] = conn
         self.streams.pop(msg.request_id, None)  # its pages are all in: nothing more may be written
         try:

@@ -8,6 +8,9 @@ runner copies those pages into the FP4 region (engine/kv_compress.py) before the
 hot block freed here and handed to another sequence in the same step is overwritten only after its old
 contents were compressed.
 
+Sequences marked `compress_first` (long-in long-out requests, whose KV is largest and lives longest) give
+up their old pages before anyone else's; the keep-recent window and all-or-nothing rule hold for them too.
+
 Only blocks a sequence owns alone (refcount 1) move: a prefix block shared with other sequences would need
 every owner's table rewritten and frees nothing until the last one lets go.
 """
@@ -55,15 +58,15 @@ class Compactor:
         return moves
 
     def candidates(self, running: Iterable[Sequence]) -> list[_Candidate]:
-        """Movable blocks, oldest position first; among equal positions, the lowest-priority sequence first
-        (the one that would be preempted first)."""
+        """Movable blocks: those of `compress_first` sequences before all others, then oldest position first;
+        among equal positions, the lowest-priority sequence first (the one that would be preempted first)."""
         found = []
         for seq in sorted(running, key=lambda s: s.sort_key, reverse=True):
             for i in range(self.num_compressible(seq)):
                 block_id = seq.block_ids[i]
                 if not self.pool.is_cold(block_id) and self.pool.refcount(block_id) == 1:
                     found.append(_Candidate(i, seq))
-        found.sort(key=lambda c: c.position)  # stable: keeps the priority order within a position
+        found.sort(key=lambda c: (not c.seq.compress_first, c.position))  # stable: keeps the priority order
         return found
 
     def num_compressible(self, seq: Sequence) -> int:

@@ -43,7 +43,8 @@ class EngineRequest:
     params: SamplingParams
     priority: int = 0
     arrival_time: float = 0.0
-    speculate: bool | None = None  # speculative decoding for this request: None = the engine's default
+    speculate: bool | None = None  # Treatment.speculate
+    compress_first: bool = False  # Treatment.compress_first
 
 
 @dataclass(frozen=True)
@@ -136,7 +137,8 @@ class EngineCore:
             max_total = min(max_total, len(req.prompt_token_ids) + req.params.max_tokens)
         return [Sequence(next(self._seq_ids), req.request_id, i, list(req.prompt_token_ids),
                          len(req.prompt_token_ids), req.params, max_total, req.priority,
-                         req.arrival_time or time.monotonic(), spec=self._spec_state(req))
+                         req.arrival_time or time.monotonic(), spec=self._spec_state(req),
+                         compress_first=req.compress_first)
                 for i in range(req.params.n)]
 
     def _spec_state(self, req: EngineRequest) -> SpecState | None:

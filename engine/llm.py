@@ -16,6 +16,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import SequenceUpdate
 from engine.model.loader import resolve_dtype, resolve_model
 from engine.tokenizer import Tokenizer
+from engine.treatment import Treatment
 
 Prompt = Union[str, list[int]]
 Messages = list[dict[str, str]]
@@ -189,8 +190,9 @@ class AsyncLLM:
         return router
 
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
-        async for out in self._stream(_prepare(self.tokenizer, prompt), params, request_id, priority):
+                       priority: int = 0, treatment: Treatment = Treatment()) -> AsyncIterator[RequestOutput]:
+        """`treatment`: per-request speculation and KV compression (the server sets it from the quadrant)."""
+        async for out in self._stream(_prepare(self.tokenizer, prompt), params, request_id, priority, treatment):
             yield out
 
     async def chat(self, messages: Messages, params: SamplingParams | None = None,
@@ -199,7 +201,7 @@ class AsyncLLM:
             yield out
 
     async def _stream(self, prep: _Prepared, params: SamplingParams | None, request_id: str | None,
-                      priority: int) -> AsyncIterator[RequestOutput]:
+                      priority: int, treatment: Treatment = Treatment()) -> AsyncIterator[RequestOutput]:
         await self.start()
         client = self._client
         params = params or SamplingParams()
@@ -212,7 +214,8 @@ class AsyncLLM:
         self.processor.add(rid, prep.prompt, prep.token_ids, params, arrival)
         finished = False
         try:
-            placement = await client.add(EngineRequest(rid, prep.token_ids, params, priority, arrival))
+            placement = await client.add(EngineRequest(rid, prep.token_ids, params, priority, arrival,
+                                                       treatment.speculate, treatment.compress_first))
             while not finished:
                 item = await stream.get()
                 if isinstance(item, Exception):

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.speculative.adaptive import SpecCounts
 from engine.scheduler import SequenceUpdate
 from engine.stop_checker import StopChecker
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -16,6 +17,7 @@ class _Sample:
     detok: IncrementalDetokenizer
     stops: StopChecker
     out: CompletionOutput
+    spec: SpecCounts | None = None  # from the engine's finishing update of a speculating sequence
 
 
 @dataclass
@@ -32,6 +34,11 @@ class RequestState:
     @property
     def finished(self) -> bool:
         return all(s.out.finished for s in self.samples)
+
+    @property
+    def spec(self) -> SpecCounts | None:
+        counts = [s.spec for s in self.samples if s.spec is not None]
+        return sum(counts, SpecCounts()) if counts else None
 
 
 class OutputProcessor:
@@ -70,6 +77,8 @@ class OutputProcessor:
         sample = state.samples[upd.sample_index]
         state.num_cached_tokens = upd.num_cached_tokens
         state.changed.add(upd.sample_index)
+        if upd.spec is not None:
+            sample.spec = upd.spec
         if upd.token_id is not None:
             self._record_token(state, sample, upd, now)
         if sample.out.finish_reason is None and upd.finish_reason is not None:
@@ -116,7 +125,7 @@ class OutputProcessor:
             state.metrics.finished_time = now
             del self.requests[state.request_id]
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outputs, state.metrics,
-                             state.num_cached_tokens, state.finished)
+                             state.num_cached_tokens, state.finished, spec=state.spec)
 
     @staticmethod
     def _snapshot(out: CompletionOutput) -> CompletionOutput:

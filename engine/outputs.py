@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.sampler import TokenLogprobs
+from engine.speculative.adaptive import SpecCounts
 
 
 @dataclass
@@ -58,6 +59,7 @@ class RequestOutput:
     finished: bool = False
     path: str = "colocated"  # colocated | disaggregated
     placement: str = "colocated; in-process"  # the decision and its estimates, for the X-Placement header
+    spec: SpecCounts | None = None  # speculative decoding, summed over the samples that finished; None: none did
 
     @property
     def text(self) -> str:

@@ -29,7 +29,7 @@ from engine.compaction import Compactor, Move
 from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, SequenceStatus
-from engine.speculative.adaptive import SpecCounters, adapt
+from engine.speculative.adaptive import SpecCounters, SpecCounts, adapt
 
 if TYPE_CHECKING:
     import torch
@@ -96,6 +96,7 @@ class SequenceUpdate:
     logprobs: TokenLogprobs | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    spec: SpecCounts | None = None  # on the update that finishes a speculating sequence: its drafts in total
 
 
 class Scheduler:
@@ -232,6 +233,7 @@ class Scheduler:
         tokens = result.verified_token_ids[chunk.seq_id]
         logprobs = result.verified_logprobs.get(chunk.seq_id) or [None] * len(tokens)
         self.spec_counters.record(chunk.num_draft, len(tokens) - 1)
+        seq.spec_counts = seq.spec_counts.record(chunk.num_draft, len(tokens) - 1)
         updates = []
         for token, lp in zip(tokens, logprobs):
             updates.append(self._append_token(seq, token, lp))
@@ -446,5 +448,6 @@ def _num_accepted(chunk: ScheduledChunk, result: RunnerOutput) -> int:
 
 
 def _update(seq: Sequence, token: int | None, logprobs: TokenLogprobs | None = None) -> SequenceUpdate:
+    spec = seq.spec_counts if seq.is_finished and seq.spec is not None else None
     return SequenceUpdate(seq.request_id, seq.sample_index, token, seq.finish_reason, logprobs,
-                          seq.num_prompt_tokens, seq.num_cached_tokens)
+                          seq.num_prompt_tokens, seq.num_cached_tokens, spec)

@@ -5,7 +5,7 @@ import enum
 from dataclasses import dataclass, field
 
 from engine.sampling_params import SamplingParams
-from engine.speculative.adaptive import SpecState
+from engine.speculative.adaptive import SpecCounts, SpecState
 
 
 class SequenceStatus(enum.Enum):
@@ -34,6 +34,8 @@ class Sequence:
     num_preemptions: int = 0
     finish_reason: str | None = None
     spec: SpecState | None = None  # None: this sequence never speculates
+    spec_counts: SpecCounts = SpecCounts()  # its drafts so far
+    compress_first: bool = False  # adaptive KV compression takes this sequence's old pages before others'
 
     @property
     def in_decode(self) -> bool:

@@ -36,6 +36,10 @@ class PlacementPolicy:
     mode: str = "auto"  # auto | always | never
     interference_weight: float = 1.0  # seconds of others' stall valued against seconds of this TTFT
     margin: float = 0.05  # disaggregate only when it is at least this much cheaper (fraction)
+    # A stall up to this long costs a running stream nothing: one late token within its inter-token budget
+    # (a decode step is ~0.1 s here and a typical TPOT objective 0.2 s). Short prompts then colocate
+    # while streams run, instead of queueing behind long prompts on a prefill actor.
+    itl_slack: float = 0.1
 
     def __post_init__(self) -> None:
         if self.mode not in ("auto", "always", "never"):
@@ -70,12 +74,14 @@ def choose_decode_actor(actors: list[DecodeActorView], prompt_tokens: int,
     return max(fitting, key=lambda a: (a.cached_prompt_tokens, -a.running, -a.queued_prefill_tokens))
 
 
-def colocated_cost(actor: DecodeActorView, prompt_tokens: int, weight: float) -> tuple[float, float]:
-    """(cost, ttft): the prompt's uncached part prefilled on the decode actor, stalling its running streams."""
+def colocated_cost(actor: DecodeActorView, prompt_tokens: int, weight: float,
+                   itl_slack: float = 0.0) -> tuple[float, float]:
+    """(cost, ttft): the prompt's uncached part prefilled on the decode actor (after the prompts already
+    queued there), stalling each running stream by the prefill compute beyond `itl_slack`."""
     uncached = prompt_tokens - actor.cached_prompt_tokens
     prefill = actor.prefill.seconds(uncached)
     ttft = actor.prefill.seconds(actor.queued_prefill_tokens + uncached)
-    stall = actor.running * prefill  # every running stream waits for the prefill compute
+    stall = actor.running * max(0.0, prefill - itl_slack)
     return ttft + weight * stall, ttft
 
 
@@ -93,7 +99,7 @@ def place(policy: PlacementPolicy, prompt_tokens: int, block_size: int, decode_a
     decode = choose_decode_actor(decode_actors, prompt_tokens, block_size)
     if decode is None:
         return None
-    coloc, ttft = colocated_cost(decode, prompt_tokens, policy.interference_weight)
+    coloc, ttft = colocated_cost(decode, prompt_tokens, policy.interference_weight, policy.itl_slack)
     uncached = prompt_tokens - decode.cached_prompt_tokens
     best = _best_prefill(decode, prefill_actors, prompt_tokens, kv_bytes_per_token)
     if best is None or policy.mode == "never":

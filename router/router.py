@@ -33,6 +33,8 @@ SHM_TRANSFER = TransferCost(latency=0.001, bytes_per_second=float("inf"))  # wri
 # Pages streamed to a decode actor on another host, relayed by this process (measured on loopback by
 # bench/kv_transfer.py: 0.24-0.47 GB/s; a real network is slower), until live transfers correct it.
 TCP_TRANSFER = TransferCost(latency=0.005, bytes_per_second=2.5e8)
+MIN_CORRECTION_TOKENS = 256  # shorter prompts do not correct the prefill cost curves (see _record_estimate)
+STREAMS_AVERAGE_WEIGHT = 0.1  # EWMA of each decode actor's streams, sampled at every placement
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,7 @@ class ActorRouter:
         self.kv_bytes_transferred = 0
         self.kv_transfers = 0
         self.kv_bytes_streamed = 0  # of those, relayed over TCP to decode actors on other hosts
+        self.streams_average: dict[str, float] = {}  # decode actor -> EWMA of its streams at placements
 
     # ---------------------------------------------------------------- engine-client interface
 
@@ -119,7 +122,9 @@ class ActorRouter:
         per_token = max((h.ready.kv_export.get("bytes_per_token", 0) for h in decodes), default=0)
         return EngineStats(total("running"), total("waiting") + self._parked_count(), total("kv_total"),
                            total("kv_used"), total("kv_cached"), total("prefix_queries"), total("prefix_hits"),
-                           total("preemptions"), kv_bytes_per_token=per_token)
+                           total("preemptions"), total("spec_proposed"), total("spec_accepted"), total("spec_steps"),
+                           kv_bytes_per_token=per_token, kv_blocks_compressed=total("kv_compressed"),
+                           kv_blocks_cold_total=total("kv_cold_total"), kv_compressions=total("kv_compressions"))
 
     def actors(self) -> list[dict]:
         return [{"id": h.actor_id, "role": h.spec.role, "device": h.spec.device, "pid": h.pid, "state": h.state,
@@ -194,12 +199,39 @@ class ActorRouter:
             or place(PlacementPolicy("never"), 0, block_size, [chosen], [], bytes_per_token)
 
     def _decode_view(self, handle: ActorHandle) -> DecodeActorView:
+        """Block counts from the last heartbeat; streams and queued prompts from the router's own books,
+        which are current (a burst's second request must see the first)."""
         load = handle.load
         free = handle.ready.num_kv_blocks - (load.kv_used if load else 0)
+        streams, queued = self._decode_load(handle.actor_id)
+        return DecodeActorView(handle.actor_id, self._expected_streams(handle.actor_id, streams), free, 0,
+                               self._prefill_cost(handle), self._decode_cost(handle), queued)
+
+    @staticmethod
+    def _decode_cost(handle: ActorHandle) -> DecodeCost:
         calib = handle.ready.calibration or {}
-        decode = DecodeCost.fit(calib["decode"]) if calib.get("decode") else DEFAULT_DECODE
-        return DecodeActorView(handle.actor_id, load.running if load else 0, free, 0, self._prefill_cost(handle),
-                               decode)
+        return DecodeCost.fit(calib["decode"]) if calib.get("decode") else DEFAULT_DECODE
+
+    def _expected_streams(self, actor_id: str, now: int) -> int:
+        """Streams a colocated prefill would stall: those running now, or as many as usually run. Sampled at
+        arrivals, the average is the time average (Poisson arrivals see time averages); without it an idle
+        moment at a long prompt's arrival colocated it, and the streams arriving next sat behind it."""
+        previous = self.streams_average.get(actor_id, now)
+        average = (1 - STREAMS_AVERAGE_WEIGHT) * previous + STREAMS_AVERAGE_WEIGHT * now
+        self.streams_average[actor_id] = average
+        return max(now, round(average))
+
+    def _decode_load(self, actor_id: str) -> tuple[int, int]:
+        """(sequences decoding on the actor, prompt tokens it has been given to prefill and not finished)."""
+        streams = queued = 0
+        for r in self.routed.values():
+            if r.decode != actor_id or r.phase != "decoding":
+                continue
+            if r.streamed or r.prefill is not None:
+                streams += r.request.params.n
+            else:
+                queued += len(r.request.prompt_token_ids)
+        return streams, queued
 
     def _prefill_cost(self, handle: ActorHandle) -> PrefillCost:
         """Fitted from the actor's start-up calibration, scaled by what live traffic has shown since."""
@@ -223,15 +255,19 @@ class ActorRouter:
                      "prefill_seconds_per_token_sq": cost.per_token_sq, "prefill_seconds_512": cost.seconds(512),
                      "correction": self.corrections.get(h.actor_id, Smoothed()).ratio}
             if h.spec.role == "decode":
-                decode = self._decode_view(h).decode
+                decode = self._decode_cost(h)
                 entry |= {"decode_step_fixed_seconds": decode.fixed, "decode_step_seconds_per_seq": decode.per_seq}
             out[h.actor_id] = entry
         return out
 
-    def _record_estimate(self, handle: ActorHandle, predicted: float, observed: float) -> None:
-        """Check a prefill estimate against what happened: feeds the online correction and the error metric."""
-        self.corrections[handle.actor_id] = self.corrections.get(handle.actor_id, Smoothed()).observe(
-            predicted, observed)
+    def _record_estimate(self, handle: ActorHandle, predicted: float, observed: float,
+                         uncached_tokens: int) -> None:
+        """Check a prefill estimate against what happened: feeds the error metric and, for prompts long enough
+        that compute dominates, the online correction. (The correction scales the whole curve: fed by short
+        prompts, whose time is mostly fixed overhead, it doubled the predicted cost of long prompts.)"""
+        if uncached_tokens >= MIN_CORRECTION_TOKENS:
+            self.corrections[handle.actor_id] = self.corrections.get(handle.actor_id, Smoothed()).observe(
+                predicted, observed)
         if observed > 0:
             self.estimate_errors.append(abs(predicted - observed) / observed)
 
@@ -239,7 +275,8 @@ class ActorRouter:
         routed.phase, routed.prefill = "decoding", None
         req = routed.request
         self._send(routed.decode, m.AddRequest(req.request_id, req.prompt_token_ids, params_to_wire(req.params),
-                                               req.priority, req.arrival_time))
+                                               req.priority, req.arrival_time, speculate=req.speculate,
+                                               compress_first=req.compress_first))
 
     # ---------------------------------------------------------------- messages from actors
 
@@ -258,7 +295,7 @@ class ActorRouter:
                 continue  # a request this actor no longer owns (aborted, or failed over)
             if not routed.streamed and routed.prefill is None and routed.placement is not None:
                 self._record_estimate(handle, routed.placement.estimated_ttft,
-                                      time.monotonic() - routed.dispatched_at)
+                                      time.monotonic() - routed.dispatched_at, routed.placement.uncached_tokens)
             routed.streamed |= row.token_id is not None
             if row.finish_reason is not None:
                 routed.finished_samples.add(row.sample_index)
@@ -303,16 +340,18 @@ class ActorRouter:
         if routed is None or routed.phase != "prefilling" or routed.prefill != handle.actor_id:
             return
         routed.phase = "decoding"
-        uncached = len(routed.request.prompt_token_ids) - routed.cached_tokens
-        self._record_estimate(handle, self._prefill_cost(handle).seconds(uncached),
-                              time.monotonic() - routed.prefill_started_at)
+        # Like for like: the placement's estimate (queue + prefill + transfer) against dispatch -> KV ready.
+        if routed.placement is not None and routed.placement.disaggregated_cost is not None:
+            self._record_estimate(handle, routed.placement.disaggregated_cost,
+                                  time.monotonic() - routed.dispatched_at, routed.placement.uncached_tokens)
         self.kv_bytes_transferred += msg.num_bytes
         self.kv_transfers += 1
         req = routed.request
         self._send(routed.decode, m.AddRequest(
             req.request_id, req.prompt_token_ids, params_to_wire(req.params), req.priority, req.arrival_time,
             reserved_block_ids=[], first_token=msg.first_token, first_logprob=msg.logprob,
-            first_top_logprobs=msg.top_logprobs, generator_state=msg.generator_state, checksum=msg.checksum))
+            first_top_logprobs=msg.top_logprobs, generator_state=msg.generator_state, checksum=msg.checksum,
+            speculate=req.speculate, compress_first=req.compress_first))
 
     def _on_request_failed(self, handle: ActorHandle, msg: m.RequestFailed) -> None:
         routed = self.routed.get(msg.request_id)

@@ -12,10 +12,12 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from engine.llm import AsyncLLM
+from engine.speculative.adaptive import SpecCounts
 from server.context import CONTEXT, REQUEST_ID, TRACKER, ServerContext
 from server.errors import ApiError, error_response, from_http_exception
 from server.generation import handle_generation
 from server.logging import make_logger
+from server.metrics import spec_summary
 from server.responses import model_list
 from server.settings import ServerSettings
 
@@ -140,4 +142,7 @@ async def _status(request: web.Request) -> web.Response:
                       "compressions": s.kv_compressions},
         "kv_bytes_per_token": s.kv_bytes_per_token,
         "prefix_cache": {"queries": s.prefix_queries, "hits": s.prefix_hits},
-        "preemptions": s.num_preemptions, "actors": ctx.llm.actors(), "calibration": ctx.llm.calibration()})
+        "preemptions": s.num_preemptions,
+        "speculation": spec_summary(SpecCounts(s.spec_proposed, s.spec_accepted, s.spec_steps))
+        | {"by_quadrant": ctx.metrics.speculation_by_quadrant()},
+        "actors": ctx.llm.actors(), "calibration": ctx.llm.calibration()})

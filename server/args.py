@@ -9,7 +9,7 @@ import os
 import sys
 
 from server.logging import LOG_FORMATS, LOG_LEVELS, LogSettings, default_log_format
-from server.quadrant import QuadrantThresholds
+from server.quadrant import SPECULATE_QUADRANTS, QuadrantThresholds
 from server.settings import ServerSettings
 
 API_KEY_ENV = "PHASE_SERVE_API_KEY"
@@ -52,6 +52,9 @@ def add_actor_args(parser: argparse.ArgumentParser) -> None:
                    help="prompt tokens from which a request is long-in (default: context / 16, at least 64)")
     g.add_argument("--long-output-threshold", type=int, default=None,
                    help="max_tokens from which a request is long-out (default: context / 32, at least 64)")
+    g.add_argument("--speculate-quadrants", choices=SPECULATE_QUADRANTS, default="silo",
+                   help="with --speculative: which requests speculate, SILO ones only (short in, long out: bound "
+                   "by inter-token latency) or all")
 
 
 def actor_options(args: argparse.Namespace) -> dict:
@@ -71,7 +74,8 @@ def quadrant_thresholds(args: argparse.Namespace, context: int) -> QuadrantThres
 def server_settings(args: argparse.Namespace) -> ServerSettings:
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     return ServerSettings(host=args.host, port=args.port, api_key=api_key, max_queue=args.max_queue,
-                          served_model_name=args.served_model_name, grace_period=args.grace_period)
+                          served_model_name=args.served_model_name, grace_period=args.grace_period,
+                          speculate_quadrants=args.speculate_quadrants)
 
 
 def log_settings(args: argparse.Namespace) -> LogSettings:

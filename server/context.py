@@ -12,6 +12,7 @@ from engine.llm import AsyncLLM
 from server.admission import Admission
 from server.metrics import ServerMetrics
 from server.protocol import ModelLimits
+from server.quadrant import TreatmentOptions
 from server.settings import ServerSettings
 
 
@@ -35,6 +36,7 @@ class ServerContext:
     admission: Admission
     log: structlog.stdlib.BoundLogger
     created: int  # unix time the app was built; the model card's `created`
+    treatment: TreatmentOptions  # what treatment_for() may give each quadrant
 
     @classmethod
     def build(cls, llm: AsyncLLM, settings: ServerSettings, log: structlog.stdlib.BoundLogger) -> ServerContext:
@@ -42,7 +44,12 @@ class ServerContext:
                              llm.source.config.vocab_size)
         dtype = llm.dtype_name
         return cls(llm, settings, limits, dtype, ServerMetrics(llm.stats), Admission(settings.max_queue), log,
-                   int(time.time()))
+                   int(time.time()), treatment_options(llm, settings))
 
 
 CONTEXT = web.AppKey("phase_serve_context", ServerContext)
+
+
+def treatment_options(llm: AsyncLLM, settings: ServerSettings) -> TreatmentOptions:
+    return TreatmentOptions(speculation=llm.config.speculative != "off", kv_compress=llm.config.kv_compress != "none",
+                            speculate_quadrants=settings.speculate_quadrants)

@@ -15,12 +15,13 @@ from engine.engine_core import RequestError
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
+from engine.treatment import Treatment
 from server.context import REQUEST_ID, TRACKER, ServerContext
 from server.errors import ApiError, bad_request
 from server.metrics import RequestRecord
 from server.protocol import (GenerationRequest, ModelLimits, check_prompt_tokens, effective_max_tokens,
                              messages_as_dicts, parse_chat, parse_completion, parse_json_body, sampling_params)
-from server.quadrant import Quadrant, QuadrantThresholds, classify
+from server.quadrant import Quadrant, QuadrantThresholds, TreatmentOptions, classify, treatment_for
 from server.responses import ResponseMeta, chat_body, completion_body
 from server.streaming import DONE, SSE_HEADERS, ChunkBuilder, encode_events, sse_event
 
@@ -33,6 +34,7 @@ class Prepared:
     token_ids: list[int]
     params: SamplingParams
     quadrant: Quadrant
+    treatment: Treatment
 
 
 @dataclass
@@ -62,7 +64,8 @@ class RequestTracker:
         return RequestRecord(self.quadrant.value, path, self.prompt_tokens, self.completion_tokens,
                              tuple(o.finish_reason for o in outputs), self.ttft,
                              tuple(metrics.inter_token_latencies) if metrics else (),
-                             metrics.tpot if metrics else None, now - self.arrival)
+                             metrics.tpot if metrics else None, now - self.arrival,
+                             None if self.last is None else self.last.spec)
 
 
 # ---------------------------------------------------------------------------------------- preparation
@@ -77,12 +80,12 @@ async def read_body(request: web.Request, limit: int) -> bytes:
 
 
 async def prepare(req: GenerationRequest, tokenizer: Tokenizer, limits: ModelLimits,
-                  thresholds: QuadrantThresholds) -> Prepared:
+                  thresholds: QuadrantThresholds, treatments: TreatmentOptions = TreatmentOptions()) -> Prepared:
     token_ids = await _encode(req, tokenizer)
     check_prompt_tokens(token_ids, limits, req.prompt_param)
     params = sampling_params(req.sampling, len(token_ids), limits)
     quadrant = classify(len(token_ids), effective_max_tokens(req.sampling, len(token_ids), limits), thresholds)
-    return Prepared(req, token_ids, params, quadrant)
+    return Prepared(req, token_ids, params, quadrant, treatment_for(quadrant, treatments))
 
 
 async def _encode(req: GenerationRequest, tokenizer: Tokenizer) -> list[int]:
@@ -114,7 +117,7 @@ async def engine_outputs(ctx: ServerContext, prepared: Prepared, tracker: Reques
     """The engine's outputs, with its refusals as 400s and a shutdown abort as 503. Close it with aclosing():
     closing it early aborts the request in the engine."""
     stream = ctx.llm.generate(prepared.token_ids, prepared.params, request_id=tracker.request_id,
-                              priority=prepared.request.priority)
+                              priority=prepared.request.priority, treatment=prepared.treatment)
     async with aclosing(stream):
         try:
             async for out in stream:
@@ -192,7 +195,8 @@ async def handle_generation(request: web.Request, ctx: ServerContext, chat: bool
     ctx.admission.check_open()
     body = parse_json_body(await read_body(request, ctx.settings.max_body_bytes))
     parse = parse_chat if chat else parse_completion
-    prepared = await prepare(parse(body, ctx.limits.name), ctx.llm.tokenizer, ctx.limits, ctx.settings.quadrants)
+    prepared = await prepare(parse(body, ctx.limits.name), ctx.llm.tokenizer, ctx.limits, ctx.settings.quadrants,
+                             ctx.treatment)
     tracker = RequestTracker(request[REQUEST_ID], arrival, len(prepared.token_ids), prepared.quadrant)
     request[TRACKER] = tracker
     meta = ResponseMeta(tracker.request_id, int(time.time()), ctx.limits.name)

@@ -8,6 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from engine.engine_core import EngineStats
+from engine.speculative.adaptive import SpecCounts
 
 PREFIX = "phase_serve:"
 LATENCY_LABELS = ("quadrant", "path")
@@ -32,6 +33,7 @@ class RequestRecord:
     inter_token_latencies: tuple[float, ...] = ()
     tpot: float | None = None
     e2e: float | None = None
+    spec: SpecCounts | None = None  # speculative decoding, when the request speculated
 
     @property
     def succeeded(self) -> bool:
@@ -83,6 +85,13 @@ class ServerMetrics:
         self.generation_tokens = self._counter("generation_tokens", "Generated tokens, all samples.")
         self.success = self._counter("request_success", "Requests that finished normally.", ("finish_reason",))
         self.aborted = self._counter("request_aborted", "Requests cut short (client gone, shutdown, error).")
+        self.spec_drafts = self._counter("spec_decode_num_drafts", "Speculative verification steps (one sequence, "
+                                         "one step, at least one draft token), of finished requests.", ("quadrant",))
+        self.spec_draft_tokens = self._counter("spec_decode_num_draft_tokens", "Draft tokens proposed and verified, "
+                                               "of finished requests.", ("quadrant",))
+        self.spec_accepted_tokens = self._counter("spec_decode_num_accepted_tokens", "Draft tokens accepted, of "
+                                                  "finished requests.", ("quadrant",))
+        self.spec_by_quadrant: dict[str, SpecCounts] = {}  # the same counts, for /status
         self.registry.register(EngineStatsCollector(stats))
 
     def _histogram(self, name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
@@ -94,6 +103,8 @@ class ServerMetrics:
     def record(self, rec: RequestRecord) -> None:
         self.prompt_tokens.inc(rec.prompt_tokens)
         self.generation_tokens.inc(rec.completion_tokens)
+        if rec.spec is not None:  # verified drafts cost work whether or not the request then succeeded
+            self._record_spec(rec.quadrant, rec.spec)
         if not rec.succeeded:
             self.aborted.inc()
             return
@@ -110,5 +121,22 @@ class ServerMetrics:
         for gap in rec.inter_token_latencies:
             itl.observe(gap)
 
+    def _record_spec(self, quadrant: str, spec: SpecCounts) -> None:
+        self.spec_drafts.labels(quadrant=quadrant).inc(spec.num_verify_steps)
+        self.spec_draft_tokens.labels(quadrant=quadrant).inc(spec.num_draft_proposed)
+        self.spec_accepted_tokens.labels(quadrant=quadrant).inc(spec.num_draft_accepted)
+        self.spec_by_quadrant[quadrant] = self.spec_by_quadrant.get(quadrant, SpecCounts()) + spec
+
+    def speculation_by_quadrant(self) -> dict[str, dict[str, float]]:
+        """Per quadrant: draft tokens proposed and accepted, verification steps, acceptance rate and mean
+        accepted drafts per step."""
+        return {quadrant: spec_summary(spec) for quadrant, spec in sorted(self.spec_by_quadrant.items())}
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def spec_summary(spec: SpecCounts) -> dict[str, float]:
+    return {"proposed": spec.num_draft_proposed, "accepted": spec.num_draft_accepted,
+            "steps": spec.num_verify_steps, "acceptance_rate": spec.acceptance_rate,
+            "mean_accepted_length": spec.mean_accepted_length}

@@ -1,6 +1,7 @@
-"""Classifies a request by prompt length and requested output length into one of four quadrants.
+"""Classifies a request by prompt length and requested output length into one of four quadrants, and picks
+the treatment each quadrant gets from the engine (speculative decoding, KV compression priority).
 
-The quadrant labels latency metrics today; a later issue uses it to place requests on actors.
+The quadrant labels the latency and speculation metrics.
 """
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import enum
 from dataclasses import dataclass
 
 from engine.config import ConfigError
+from engine.treatment import Treatment
 
 
 class Quadrant(str, enum.Enum):
@@ -40,3 +42,33 @@ def classify(prompt_tokens: int, max_tokens: int,
     long_in = prompt_tokens >= thresholds.long_prompt_tokens
     long_out = max_tokens >= thresholds.long_output_tokens
     return _BY_LENGTHS[(long_in, long_out)]
+
+
+SPECULATE_QUADRANTS = ("silo", "all")
+
+
+@dataclass(frozen=True)
+class TreatmentOptions:
+    """What the engine is configured for, and which requests may use it."""
+
+    speculation: bool = False  # a proposer is configured (--speculative ngram|draft)
+    kv_compress: bool = False  # adaptive compression of old pages is on (--kv-compress fp4)
+    speculate_quadrants: str = "silo"  # silo: only SILO requests speculate; all: every request does
+
+    def __post_init__(self) -> None:
+        check_speculate_quadrants(self.speculate_quadrants)
+
+
+def check_speculate_quadrants(value: str) -> None:
+    if value not in SPECULATE_QUADRANTS:
+        raise ConfigError(f"speculate_quadrants must be one of {', '.join(SPECULATE_QUADRANTS)}, got {value!r}")
+
+
+def treatment_for(quadrant: Quadrant, options: TreatmentOptions) -> Treatment:
+    """SILO requests are bound by inter-token latency, which speculation shortens; elsewhere the verification
+    work mostly costs batch capacity. LILO requests hold the most KV the longest, so their old pages are the
+    first to be compressed when the pool runs short."""
+    speculate = None
+    if options.speculation:
+        speculate = quadrant is Quadrant.SILO or options.speculate_quadrants == "all"
+    return Treatment(speculate=speculate, compress_first=options.kv_compress and quadrant is Quadrant.LILO)

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.config import ConfigError
-from server.quadrant import QuadrantThresholds
+from server.quadrant import QuadrantThresholds, check_speculate_quadrants
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 
@@ -19,6 +19,7 @@ class ServerSettings:
     grace_period: float = 30.0  # seconds in-flight requests get to finish on SIGINT/SIGTERM
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     quadrants: QuadrantThresholds = field(default_factory=QuadrantThresholds)
+    speculate_quadrants: str = "silo"  # which requests speculate when speculation is configured: silo | all
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -31,5 +32,6 @@ class ServerSettings:
             raise ConfigError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
         if self.api_key is not None and not self.api_key:
             raise ConfigError("api_key must not be empty; leave it unset to disable authentication")
+        check_speculate_quadrants(self.speculate_quadrants)
         if self.served_model_name is not None and not self.served_model_name.strip():
             raise ConfigError("served_model_name must not be blank")

@@ -28,6 +28,23 @@ def test_long_prompt_while_decode_streams_run_is_disaggregated():
     assert p.disaggregated_cost < p.colocated_cost
 
 
+def test_short_prompt_whose_stall_fits_the_itl_slack_colocates_while_streams_run():
+    # 64 tokens: 37 ms of prefill, within the 100 ms slack: the 32 streams lose no inter-token budget.
+    p = place(AUTO, 64, 16, [decode_actor(running=32)], [prefill_actor()], KV_BYTES)
+    assert p.path == COLOCATED
+    no_slack = place(PlacementPolicy("auto", itl_slack=0.0), 64, 16, [decode_actor(running=32)], [prefill_actor()],
+                     KV_BYTES)
+    assert no_slack.path == DISAGGREGATED  # every millisecond of stall counted: the prefill actor wins
+
+
+def test_prompts_queued_on_the_decode_actor_count_towards_colocated_ttft():
+    idle = place(AUTO, 256, 16, [decode_actor(running=0)], [prefill_actor()], KV_BYTES)
+    backlog = DecodeActorView("d0", 0, 1000, 0, PREFILL, DECODE, queued_prefill_tokens=8000)
+    busy = place(AUTO, 256, 16, [backlog], [prefill_actor()], KV_BYTES)
+    assert idle.path == COLOCATED and busy.path == DISAGGREGATED
+    assert busy.estimated_ttft < busy.colocated_cost
+
+
 def test_idle_decode_actor_colocates():
     p = place(AUTO, 2000, 16, [decode_actor(running=0)], [prefill_actor()], KV_BYTES)
     assert p.path == COLOCATED and p.prefill_actor is None

@@ -34,7 +34,7 @@ from dataclasses import dataclass, is_dataclass
 from types import MappingProxyType
 from typing import Any, ClassVar
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: TokenUpdate.spec, HeartbeatAck speculation/compression, AddRequest treatment
 
 KV_EXPORT_KINDS = ("shm", "cuda_ipc", "none")
 """`Ready.kv_export["kind"]`: how peers map the actor's KV pool."""
@@ -63,10 +63,20 @@ class TopLogprob(Record):
 
 
 @dataclass(frozen=True, slots=True)
+class SpecCount(Record):
+    """Speculative decoding of one sample: `[draft tokens verified, accepted, verification steps]`."""
+
+    proposed: int
+    accepted: int
+    steps: int
+
+
+@dataclass(frozen=True, slots=True)
 class TokenUpdate(Record):
     """One step of one sample: a new token and/or the end of the sample. On the wire a compact row:
     `[request_id, sample_index, token_id, finish_reason, logprob, top_logprobs, num_prompt_tokens,
-    num_cached_tokens]`. `token_id` is None when only the finish is reported (e.g. aborted)."""
+    num_cached_tokens, spec]`. `token_id` is None when only the finish is reported (e.g. aborted); `spec` is
+    set only on the row that finishes a speculating sample."""
 
     request_id: str
     sample_index: int
@@ -76,6 +86,7 @@ class TokenUpdate(Record):
     top_logprobs: list[TopLogprob] | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    spec: SpecCount | None = None
 
 
 # ---- start-up and liveness ------------------------------------------------------------------------------
@@ -130,6 +141,12 @@ class HeartbeatAck(Message):
     prefix_queries: int = 0
     prefix_hits: int = 0
     preemptions: int = 0
+    spec_proposed: int = 0  # draft tokens verified (cumulative, like the rest of the counters)
+    spec_accepted: int = 0
+    spec_steps: int = 0
+    kv_compressed: int = 0  # --kv-compress: FP4 blocks holding pages now
+    kv_cold_total: int = 0  # ... of this many
+    kv_compressions: int = 0  # pages compressed so far
 
 
 # ---- requests -------------------------------------------------------------------------------------------
@@ -152,6 +169,8 @@ class AddRequest(Message):
     first_top_logprobs: list[TopLogprob] | None = None
     generator_state: bytes | None = None  # the sampler RNG after the first token, so seeded sampling continues
     checksum: int | None = None  # crc32 of the KV the prefill actor wrote; verified before decoding
+    speculate: bool | None = None  # per-request treatment (engine.engine_core.EngineRequest): None = default
+    compress_first: bool = False
 
 
 @dataclass(frozen=True, slots=True)

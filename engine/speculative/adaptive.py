@@ -55,6 +55,34 @@ def _tick_pause(state: SpecState) -> SpecState:
     return replace(state, pause=0, k=1, acceptance=PROBE_RATE)
 
 
+@dataclass(frozen=True)
+class SpecCounts:
+    """Speculative decoding of one sample (or one request, summed over its samples): draft tokens verified,
+    accepted, and verification steps (one sequence, one step, at least one draft)."""
+
+    num_draft_proposed: int = 0
+    num_draft_accepted: int = 0
+    num_verify_steps: int = 0
+
+    def record(self, proposed: int, accepted: int) -> SpecCounts:
+        return SpecCounts(self.num_draft_proposed + proposed, self.num_draft_accepted + accepted,
+                          self.num_verify_steps + 1)
+
+    def __add__(self, other: SpecCounts) -> SpecCounts:
+        return SpecCounts(self.num_draft_proposed + other.num_draft_proposed,
+                          self.num_draft_accepted + other.num_draft_accepted,
+                          self.num_verify_steps + other.num_verify_steps)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_draft_accepted / self.num_draft_proposed if self.num_draft_proposed else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Drafts accepted per verification step (the target's own token not counted)."""
+        return self.num_draft_accepted / self.num_verify_steps if self.num_verify_steps else 0.0
+
+
 @dataclass
 class SpecCounters:
     """Cumulative engine counters; mean accepted length per verification = accepted / steps."""
