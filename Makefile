@@ -22,7 +22,7 @@ install: $(STAMP) kernels
 # The C++ CPU kernels: compiled once per machine (about a minute), then loaded from torch's extension cache.
 # A machine without a compiler still serves, with plain torch ops.
 kernels: $(STAMP)
-	-$(PY) -m engine.kernels.cpu_ext
+	-$(PY) -m engine.kernels.build
 
 serve: install
 	$(PY) cli.py serve

@@ -1,6 +1,6 @@
 """Where the CPU kernels (engine/kernels/cpu_ext.*) pay: one decode forward of the served model (bf16) at
 several batch sizes and context lengths, with plain torch ops, with the GEMV only, and with the GEMV plus the
-in-place decode attention, interleaved so that machine noise hits all three alike.
+in-place decode attention, alone and together, interleaved so that machine noise hits all variants alike.
 
     python -m bench.cpu_kernels [--batches 1,2,4,8,16,32,64] [--contexts 192,1024] [--repeats 12]
 
@@ -50,7 +50,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     saved = cpu_ext.MAX_GEMV_ROWS, cpu_ext.MAX_ATTENTION_ROWS
     cpu_ext.MAX_GEMV_ROWS = cpu_ext.MAX_ATTENTION_ROWS = 1 << 30  # forced on: this table decides the limits
     print(f"torch threads {torch.get_num_threads()}; ms per decode forward (min / median of {a.repeats})")
-    print(f"{'batch':>5} {'ctx':>5}  {'torch ops':>15}  {'gemv':>15}  {'gemv+attention':>15}")
+    print(f"{'batch':>5} {'ctx':>5}  {'torch ops':>15}  {'gemv':>15}  {'attention':>15}  {'gemv+attention':>15}")
     try:
         for ctx in (int(x) for x in a.contexts.split(",")):
             for batch in (int(x) for x in a.batches.split(",")):
@@ -58,10 +58,12 @@ def main(argv: Sequence[str] | None = None) -> None:
                 kv = KVCache(source.config, batch * nb + 1, BLOCK, torch.bfloat16)
                 kv.data.normal_()
                 tables = [list(range(1 + i * nb, 1 + (i + 1) * nb)) for i in range(batch)]
-                variants = {"torch ops": (eager, False), "gemv": (fast, False), "gemv+attention": (fast, True)}
+                variants = {"torch ops": (eager, False, False), "gemv": (fast, True, False),
+                            "attention": (fast, False, True), "gemv+attention": (fast, True, True)}
                 times: dict[str, list[float]] = {name: [] for name in variants}
                 for _ in range(a.repeats):
-                    for name, (model, attention) in variants.items():
+                    for name, (model, gemv, attention) in variants.items():
+                        cpu_ext.MAX_GEMV_ROWS = 1 << 30 if gemv else 0
                         times[name].append(forward_ms(model, kv, tables, ctx, attention))
                 cells = [f"{min(t):6.1f} / {statistics.median(t):6.1f}" for t in times.values()]
                 print(f"{batch:>5} {ctx:>5}  " + "  ".join(f"{c:>15}" for c in cells), flush=True)
