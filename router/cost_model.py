@@ -71,3 +71,23 @@ class Smoothed:
             return self
         sample = min(max(observed / predicted, 0.1), 10.0)  # one outlier must not swing the model
         return replace(self, ratio=(1 - self.weight) * self.ratio + self.weight * sample)
+
+
+@dataclass(frozen=True)
+class ArrivalRate:
+    """Requests per second, from an exponentially weighted mean of the gaps between arrivals."""
+
+    mean_gap: float | None = None  # seconds
+    last: float | None = None  # monotonic time of the latest arrival
+    weight: float = 0.1
+
+    def observe(self, now: float) -> "ArrivalRate":
+        if self.last is None:
+            return replace(self, last=now)
+        gap = max(now - self.last, 0.0)
+        mean = gap if self.mean_gap is None else (1 - self.weight) * self.mean_gap + self.weight * gap
+        return replace(self, mean_gap=mean, last=now)
+
+    @property
+    def rate(self) -> float:
+        return 0.0 if not self.mean_gap else 1.0 / self.mean_gap

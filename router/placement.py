@@ -15,12 +15,13 @@ class DecodeActorView:
     """What the router knows about one decode actor when it places a request."""
 
     actor_id: str
-    running: int  # sequences decoding now
+    running: float  # streams a colocated prefill would stall: decoding now (or as many as usually do)
     free_blocks: int
     cached_prompt_tokens: int  # of this request's prompt, already in the actor's prefix cache
     prefill: PrefillCost  # its own prefill speed (used when colocating)
     decode: DecodeCost
     queued_prefill_tokens: int = 0  # colocated prompt tokens it has not run yet
+    arrival_rate: float = 0.0  # requests/s reaching this actor: streams that start during a colocated prefill
 
 
 @dataclass(frozen=True)
@@ -77,11 +78,13 @@ def choose_decode_actor(actors: list[DecodeActorView], prompt_tokens: int,
 def colocated_cost(actor: DecodeActorView, prompt_tokens: int, weight: float,
                    itl_slack: float = 0.0) -> tuple[float, float]:
     """(cost, ttft): the prompt's uncached part prefilled on the decode actor (after the prompts already
-    queued there), stalling each running stream by the prefill compute beyond `itl_slack`."""
+    queued there), stalling each running stream by the prefill compute beyond `itl_slack`, and the streams
+    that arrive meanwhile by half of it on average."""
     uncached = prompt_tokens - actor.cached_prompt_tokens
     prefill = actor.prefill.seconds(uncached)
     ttft = actor.prefill.seconds(actor.queued_prefill_tokens + uncached)
     stall = actor.running * max(0.0, prefill - itl_slack)
+    stall += actor.arrival_rate * prefill * max(0.0, prefill / 2 - itl_slack)
     return ttft + weight * stall, ttft
 
 

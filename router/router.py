@@ -19,7 +19,7 @@ from actors.spec import ActorSpec, split_cores
 from actors.supervisor import ActorHandle, Supervisor, SupervisorSettings
 from engine.engine_core import EngineRequest, EngineStats
 from engine.scheduler import SequenceUpdate
-from router.cost_model import DecodeCost, PrefillCost, Smoothed, TransferCost
+from router.cost_model import ArrivalRate, DecodeCost, PrefillCost, Smoothed, TransferCost
 from router.placement import (DISAGGREGATED, DecodeActorView, Placement, PlacementPolicy, PrefillActorView,
                               choose_decode_actor, place)
 from transport import messages as m
@@ -85,6 +85,7 @@ class ActorRouter:
         self.kv_transfers = 0
         self.kv_bytes_streamed = 0  # of those, relayed over TCP to decode actors on other hosts
         self.streams_average: dict[str, float] = {}  # decode actor -> EWMA of its streams at placements
+        self.arrivals = ArrivalRate()
 
     # ---------------------------------------------------------------- engine-client interface
 
@@ -186,7 +187,8 @@ class ActorRouter:
             return None
         block_size = decodes[0].ready.block_size
         prompt = len(request.prompt_token_ids)
-        views = {h.actor_id: self._decode_view(h) for h in decodes}
+        self.arrivals = self.arrivals.observe(time.monotonic())
+        views = {h.actor_id: self._decode_view(h, self.arrivals.rate / len(decodes)) for h in decodes}
         chosen = choose_decode_actor(list(views.values()), prompt, block_size) or min(
             views.values(), key=lambda v: v.running)  # none has room now: queue on the least loaded
         handle = self.supervisor.by_id(chosen.actor_id)
@@ -198,28 +200,28 @@ class ActorRouter:
         return place(policy, prompt, block_size, [chosen], prefills, bytes_per_token) \
             or place(PlacementPolicy("never"), 0, block_size, [chosen], [], bytes_per_token)
 
-    def _decode_view(self, handle: ActorHandle) -> DecodeActorView:
+    def _decode_view(self, handle: ActorHandle, arrival_rate: float) -> DecodeActorView:
         """Block counts from the last heartbeat; streams and queued prompts from the router's own books,
         which are current (a burst's second request must see the first)."""
         load = handle.load
         free = handle.ready.num_kv_blocks - (load.kv_used if load else 0)
         streams, queued = self._decode_load(handle.actor_id)
         return DecodeActorView(handle.actor_id, self._expected_streams(handle.actor_id, streams), free, 0,
-                               self._prefill_cost(handle), self._decode_cost(handle), queued)
+                               self._prefill_cost(handle), self._decode_cost(handle), queued, arrival_rate)
 
     @staticmethod
     def _decode_cost(handle: ActorHandle) -> DecodeCost:
         calib = handle.ready.calibration or {}
         return DecodeCost.fit(calib["decode"]) if calib.get("decode") else DEFAULT_DECODE
 
-    def _expected_streams(self, actor_id: str, now: int) -> int:
+    def _expected_streams(self, actor_id: str, now: int) -> float:
         """Streams a colocated prefill would stall: those running now, or as many as usually run. Sampled at
         arrivals, the average is the time average (Poisson arrivals see time averages); without it an idle
         moment at a long prompt's arrival colocated it, and the streams arriving next sat behind it."""
         previous = self.streams_average.get(actor_id, now)
         average = (1 - STREAMS_AVERAGE_WEIGHT) * previous + STREAMS_AVERAGE_WEIGHT * now
         self.streams_average[actor_id] = average
-        return max(now, round(average))
+        return max(float(now), average)
 
     def _decode_load(self, actor_id: str) -> tuple[int, int]:
         """(sequences decoding on the actor, prompt tokens it has been given to prefill and not finished)."""

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.cost_model import DecodeCost, PrefillCost, Smoothed, TransferCost
+from router.cost_model import ArrivalRate, DecodeCost, PrefillCost, Smoothed, TransferCost
 from router.placement import (COLOCATED, DISAGGREGATED, DecodeActorView, PlacementPolicy, PrefillActorView,
                               place)
 
@@ -43,6 +43,24 @@ def test_prompts_queued_on_the_decode_actor_count_towards_colocated_ttft():
     busy = place(AUTO, 256, 16, [backlog], [prefill_actor()], KV_BYTES)
     assert idle.path == COLOCATED and busy.path == DISAGGREGATED
     assert busy.estimated_ttft < busy.colocated_cost
+
+
+def test_streams_expected_to_arrive_during_a_long_prefill_count_as_stalled():
+    idle_now = DecodeActorView("d0", 0, 1000, 0, PREFILL, DECODE, arrival_rate=2.0)  # 2 req/s keep coming
+    p = place(AUTO, 2000, 16, [idle_now], [prefill_actor()], KV_BYTES)
+    assert p.path == DISAGGREGATED
+    quiet = DecodeActorView("d0", 0, 1000, 0, PREFILL, DECODE, arrival_rate=0.0)
+    assert place(AUTO, 2000, 16, [quiet], [prefill_actor()], KV_BYTES).path == COLOCATED
+
+
+def test_arrival_rate_is_the_inverse_of_the_smoothed_gap():
+    rate = ArrivalRate()
+    assert rate.rate == 0.0
+    for t in range(11):
+        rate = rate.observe(t * 0.5)  # one arrival every 0.5 s
+    assert rate.rate == pytest.approx(2.0)
+    rate = rate.observe(5.0 + 10.0)  # a 10 s pause pulls the rate down, smoothly
+    assert 0.5 < rate.rate < 2.0
 
 
 def test_idle_decode_actor_colocates():
