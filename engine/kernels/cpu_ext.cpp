@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -42,8 +43,46 @@ inline float dot_bf16_f32(const uint16_t* w, const float* x, int64_t k) {
 
 }  // namespace
 
-// x [M, K] bf16, weight [N, K] bf16 (contiguous), bias [N] or empty -> [M, N] bf16.
-// Each weight row is read once and used for all M rows of x (the product is bound by weight traffic).
+// out[r, row] = w[row] . x[r] for rows [begin, end) of w and all R rows of x, R a compile-time constant so the
+// 2R accumulators stay in registers: each weight vector is loaded and widened once and used R times, which
+// keeps the product bound by weight traffic up to R = 8 (a verification chunk of 1 + K tokens).
+template <int R>
+void gemv_rows(const uint16_t* w, const float* x, float* out, int64_t n, int64_t k, int64_t begin, int64_t end) {
+  for (int64_t row = begin; row < end; ++row) {
+    const uint16_t* wr = w + row * k;
+    float total[R];
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    __m512 acc0[R], acc1[R];
+    for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
+    for (; i + 32 <= k; i += 32) {
+      __m512 w0 = _mm512_castsi512_ps(
+          _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(wr + i))), 16));
+      __m512 w1 = _mm512_castsi512_ps(
+          _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(wr + i + 16))), 16));
+      for (int r = 0; r < R; ++r) {
+        acc0[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + r * k + i), acc0[r]);
+        acc1[r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + r * k + i + 16), acc1[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) total[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[r], acc1[r]));
+#else
+    for (int r = 0; r < R; ++r) total[r] = 0.f;
+#endif
+    for (; i < k; ++i) {
+      const float wv = bf16_to_float(wr[i]);
+      for (int r = 0; r < R; ++r) total[r] += wv * x[r * k + i];
+    }
+    for (int r = 0; r < R; ++r) out[r * n + row] = total[r];
+  }
+}
+
+template <int R>
+void gemv_parallel(const uint16_t* w, const float* x, float* out, int64_t n, int64_t k) {
+  at::parallel_for(0, n, 32, [&](int64_t begin, int64_t end) { gemv_rows<R>(w, x, out, n, k, begin, end); });
+}
+
+// x [M, K] bf16, weight [N, K] bf16 (contiguous), bias [N] or empty -> [M, N] bf16, in passes of up to 8 rows.
 torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor weight, torch::Tensor bias) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "linear_bf16: shapes");
   TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.is_contiguous(), "linear_bf16: weight");
@@ -51,13 +90,20 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor weight, torch::Tensor b
   torch::Tensor xf = x.to(torch::kFloat32).contiguous();
   torch::Tensor out = torch::empty({m, n}, x.options().dtype(torch::kFloat32));
   const uint16_t* w = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
-  const float* xp = xf.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) {
-      for (int64_t r = 0; r < m; ++r) op[r * n + row] = dot_bf16_f32(w + row * k, xp + r * k, k);
+  for (int64_t first = 0; first < m; first += 8) {
+    const float* xp = xf.data_ptr<float>() + first * k;
+    float* op = out.data_ptr<float>() + first * n;
+    switch (std::min<int64_t>(8, m - first)) {
+      case 1: gemv_parallel<1>(w, xp, op, n, k); break;
+      case 2: gemv_parallel<2>(w, xp, op, n, k); break;
+      case 3: gemv_parallel<3>(w, xp, op, n, k); break;
+      case 4: gemv_parallel<4>(w, xp, op, n, k); break;
+      case 5: gemv_parallel<5>(w, xp, op, n, k); break;
+      case 6: gemv_parallel<6>(w, xp, op, n, k); break;
+      case 7: gemv_parallel<7>(w, xp, op, n, k); break;
+      default: gemv_parallel<8>(w, xp, op, n, k); break;
     }
-  });
+  }
   if (bias.numel()) out.add_(bias.to(torch::kFloat32));
   return out.to(torch::kBFloat16);
 }
