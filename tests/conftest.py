@@ -14,6 +14,24 @@ def tiny_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def draft_dir(tmp_path_factory):
+    """Another random model with the tiny model's vocabulary: a poor but valid draft."""
+    config = tiny_llama_config(num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_key_value_heads=2,
+                               max_position_embeddings=1024)
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-draft"), config, seed=99)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models gain nothing from a second OpenMP thread, and lose a lot when the cores are shared (and an
+    in-process draft must compute as a one-thread draft actor does). Use with pytest.mark.usefixtures."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="session")
 def hf_gguf_model():
     """transformers' own GGUF loading of the default model (fp32): the oracle for the loader and the model."""
     transformers = pytest.importorskip("transformers")

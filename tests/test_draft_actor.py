@@ -30,7 +30,6 @@ from engine.speculative.proposer import DraftRequest
 from router.router import actor_specs
 from server.args import actor_options, add_actor_args
 from tests.test_spec_decode import repetitive_prompts
-from tests.tiny_models import tiny_llama_config, write_tiny_model
 from transport import private_socket_dir
 from transport import messages as m
 from transport.blocking import BlockingConnection
@@ -40,23 +39,7 @@ GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
 SAMPLED = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True)
 LONG = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from a second thread here, and the in-process draft must compute as the actor."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
-@pytest.fixture(scope="module")
-def draft_dir(tmp_path_factory):
-    """A different random model with the target's vocabulary: a poor but valid draft."""
-    config = tiny_llama_config(num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_key_value_heads=2,
-                               max_position_embeddings=1024)
-    return write_tiny_model(tmp_path_factory.mktemp("tiny-draft"), config, seed=99)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

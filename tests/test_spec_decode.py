@@ -13,7 +13,6 @@ from engine.engine_core import EngineRequest
 from engine.model.loader import load_model, resolve_model
 from engine.speculative.draft_model import DraftModelProposer, LayerPrefixModel
 from engine.speculative.proposer import DraftRequest
-from tests.tiny_models import tiny_llama_config, write_tiny_model
 
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
 SAMPLED = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True)
@@ -21,13 +20,7 @@ SMALL_POOL = dict(num_kv_blocks=24, max_num_batched_tokens=64, enable_chunked_pr
 _ids = itertools.count()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from a second OpenMP thread, and lose a lot when the cores are shared."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def repetitive_prompts(count: int, seed: int = 0, vocab: int = 512) -> list[list[int]]:
@@ -76,14 +69,6 @@ def assert_clean(llm: LLM) -> None:
     if isinstance(proposer, DraftModelProposer):
         proposer.pool.check_integrity()
         assert proposer.pool.num_used == 0 and not proposer.seqs
-
-
-@pytest.fixture(scope="module")
-def draft_dir(tmp_path_factory):
-    """Another random model with the same vocabulary: a poor but valid draft."""
-    config = tiny_llama_config(num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_key_value_heads=2,
-                               max_position_embeddings=1024)
-    return write_tiny_model(tmp_path_factory.mktemp("tiny-draft"), config, seed=99)
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,7 @@ K, V = 3, 6
 CHI2_CRITICAL_DF5 = 20.52  # chi-square, 5 degrees of freedom, p = 0.001
 # Target distributions per output position (zeros as top-k/top-p would leave) and deliberately different drafts,
 # including draft mass on tokens the target forbids.
+pytestmark = pytest.mark.usefixtures("one_thread")
 P = torch.tensor([[0.30, 0.25, 0.20, 0.15, 0.10, 0.00],
                   [0.05, 0.05, 0.40, 0.30, 0.00, 0.20],
                   [0.10, 0.20, 0.30, 0.20, 0.10, 0.10],
@@ -30,15 +31,6 @@ Q = torch.tensor([[0.10, 0.40, 0.05, 0.15, 0.10, 0.20],
                   [0.30, 0.00, 0.30, 0.10, 0.20, 0.10],
                   [0.10, 0.20, 0.30, 0.20, 0.10, 0.10],
                   [1 / 6] * 6])  # [K + 1, V]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from a second OpenMP thread, and lose a lot when the cores are shared."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 def chi_square(tokens: torch.Tensor, probs: torch.Tensor) -> float:
