@@ -93,15 +93,26 @@ async def mixed_batch(llm: AsyncLLM, prompts, plain) -> None:
 
 
 async def drafting_observed(llm: AsyncLLM, prompt, plain) -> bool:
-    """Run a long greedy request; part-way through, does the draft actor hold draft state for it?"""
+    """Run a long greedy request: did drafts verified for it come from the draft actor? (The decode actor has
+    no drafter of its own, so every proposed token counted in its heartbeats did.) Counting beats sampling the
+    draft's state at one instant: adaptive K may pause speculation for a poor random draft at any moment."""
     router = llm._client
-    (draft,) = router.supervisor.ready("draft")
-    seen = asyncio.Event()
-    task = asyncio.create_task(generate(llm, prompt, LONG, lambda n: n >= 24 and seen.set()))
-    await asyncio.wait_for(seen.wait(), 20)
-    report = await router.check_integrity(draft.actor_id)
-    assert await asyncio.wait_for(task, 30) == (await plain([prompt], LONG))[0]
-    return report.running > 0
+    before = router.stats().spec_proposed
+    assert await asyncio.wait_for(generate(llm, prompt, LONG), 30) == (await plain([prompt], LONG))[0]
+    deadline = asyncio.get_running_loop().time() + 5  # the counters arrive with the next heartbeats
+    while router.stats().spec_proposed == before and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.1)
+    return router.stats().spec_proposed > before
+
+
+async def drafts_within(llm: AsyncLLM, prompt, plain, seconds: float) -> bool:
+    """drafting_observed, retried: a draft call that missed its deadline (a cold draft model, a loaded machine)
+    backs speculation off for 1-8 s by design, and one long request can fit inside that window."""
+    deadline = time.monotonic() + seconds
+    while not await drafting_observed(llm, prompt, plain):
+        if time.monotonic() > deadline:
+            return False
+    return True
 
 
 async def assert_clean(llm: AsyncLLM) -> None:
@@ -131,7 +142,7 @@ async def test_greedy_outputs_with_a_draft_actor_equal_plain_decoding(cluster, p
     assert roles == {"decode-0": "decode", "draft-0": "draft"}  # what /status lists
     assert all(a["state"] == "ready" for a in cluster.actors())
     await mixed_batch(cluster, prompts, plain)
-    assert await drafting_observed(cluster, prompts[1], plain)
+    assert await drafts_within(cluster, prompts[1], plain, 30)
     await assert_clean(cluster)
 
 
@@ -147,9 +158,8 @@ async def test_killing_the_draft_actor_mid_stream_loses_no_request(cluster, prom
     outs = await asyncio.wait_for(asyncio.gather(*jobs), 60)
     assert outs == await plain(prompts[:3], LONG)
     await wait_for(lambda: draft.state == "ready" and draft.restarts == 1, 30, "the draft actor's restart")
-    deadline = time.monotonic() + 40  # the decode actor reconnects once its back-off runs out
-    while not await drafting_observed(cluster, prompts[4], plain):
-        assert time.monotonic() < deadline, "the decode actor never drafted with the restarted draft actor"
+    # The decode actor reconnects once its back-off runs out, then drafts with the new draft actor.
+    assert await drafts_within(cluster, prompts[4], plain, 40), "never drafted with the restarted draft actor"
     await assert_clean(cluster)
 
 
@@ -162,7 +172,7 @@ async def test_self_draft_actor_with_disaggregated_prefill(tiny_model_dir, promp
         outs = await asyncio.gather(*(generate(llm, p) for p in prompts[:6]))
         assert outs == await plain(prompts[:6])
         assert llm._client.kv_transfers >= 6
-        assert await drafting_observed(llm, prompts[6], plain)
+        assert await drafts_within(llm, prompts[6], plain, 30)
         await assert_clean(llm)
     finally:
         await llm.aclose()
