@@ -5,7 +5,7 @@ in-place decode attention, alone and together, interleaved so that machine noise
     python -m bench.cpu_kernels [--batches 1,2,4,8,16,32,64] [--contexts 192,1024] [--repeats 12]
 
 Prints min and median milliseconds per forward (logits included). The thresholds in cpu_ext
-(MAX_GEMV_ROWS, MAX_ATTENTION_ROWS) come from this table; the kernels are forced on for every row here.
+(MAX_GEMV_ROWS, MAX_ATTENTION_SEQS) come from this table; the kernels are forced on for every row here.
 """
 from __future__ import annotations
 
@@ -47,8 +47,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     source = resolve_model(a.model)
     eager, fast = load_model(source, torch.bfloat16), load_model(source, torch.bfloat16)
     fast.use_kernels(True)
-    saved = cpu_ext.MAX_GEMV_ROWS, cpu_ext.MAX_ATTENTION_ROWS
-    cpu_ext.MAX_GEMV_ROWS = cpu_ext.MAX_ATTENTION_ROWS = 1 << 30  # forced on: this table decides the limits
+    saved = cpu_ext.MAX_GEMV_ROWS, cpu_ext.MAX_ATTENTION_SEQS
+    cpu_ext.MAX_GEMV_ROWS = cpu_ext.MAX_ATTENTION_SEQS = 1 << 30  # forced on: this table decides the limits
     print(f"torch threads {torch.get_num_threads()}; ms per decode forward (min / median of {a.repeats})")
     print(f"{'batch':>5} {'ctx':>5}  {'torch ops':>15}  {'gemv':>15}  {'attention':>15}  {'gemv+attention':>15}")
     try:
@@ -68,7 +68,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 cells = [f"{min(t):6.1f} / {statistics.median(t):6.1f}" for t in times.values()]
                 print(f"{batch:>5} {ctx:>5}  " + "  ".join(f"{c:>15}" for c in cells), flush=True)
     finally:
-        cpu_ext.MAX_GEMV_ROWS, cpu_ext.MAX_ATTENTION_ROWS = saved
+        cpu_ext.MAX_GEMV_ROWS, cpu_ext.MAX_ATTENTION_SEQS = saved
 
 
 if __name__ == "__main__":

@@ -40,7 +40,8 @@ class AttentionMetadata:
     """Where each new token's KV goes and which cached blocks each query row attends to."""
 
     slot_mapping: torch.Tensor  # [T] int64: block_id * block_size + offset
-    num_decode: int = 0
+    num_decode: int = 0  # rows of the decode group
+    num_decode_seqs: int = 0  # sequences they belong to (a verified sequence brings several rows)
     decode_block_tables: torch.Tensor | None = None  # [D, max_blocks] int64, padded with block 0
     decode_mask: torch.Tensor | None = None  # [D, 1, 1, max_blocks * block_size] bool: key is in the context
     decode_context_lens: torch.Tensor | None = None  # [D] int64
@@ -50,12 +51,15 @@ class AttentionMetadata:
 
     @staticmethod
     def build(block_size: int, decode_rows: list[tuple[list[int], int]],
-              prefill_rows: list[tuple[list[int], int, int]], use_kernels: bool = False) -> "AttentionMetadata":
-        """decode_rows: (block_table, context_len); prefill_rows: (block_table, context_start, length)."""
+              prefill_rows: list[tuple[list[int], int, int]], use_kernels: bool = False,
+              num_decode_seqs: int | None = None) -> "AttentionMetadata":
+        """decode_rows: (block_table, context_len); prefill_rows: (block_table, context_start, length).
+        num_decode_seqs: how many sequences the decode rows belong to (default: one row each)."""
         slots: list[int] = []
         for table, context_len in decode_rows:
             slots.append(_slot(table, context_len - 1, block_size))
         meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long), num_decode=len(decode_rows),
+                                 num_decode_seqs=len(decode_rows) if num_decode_seqs is None else num_decode_seqs,
                                  use_kernels=use_kernels)
         if decode_rows:
             meta.decode_block_tables, meta.decode_context_lens = _decode_tables(decode_rows, block_size)
@@ -140,7 +144,7 @@ def _gather(cache: KVPages, block_tables: torch.Tensor) -> torch.Tensor:
 def _decode_attention(q: torch.Tensor, k_cache: KVPages, v_cache: KVPages,
                       meta: AttentionMetadata, scale: float) -> torch.Tensor:
     # One query per sequence: fold each KV head's query group into the query-length axis, so no KV repeat.
-    if meta.use_kernels and meta.num_decode <= cpu_ext.MAX_ATTENTION_ROWS and _kernel_applies(q, k_cache):
+    if meta.use_kernels and meta.num_decode_seqs <= cpu_ext.MAX_ATTENTION_SEQS and _kernel_applies(q, k_cache):
         return cpu_ext.decode_attention_bf16(q, k_cache, v_cache, meta.decode_block_tables,
                                              meta.decode_context_lens, scale)
     num_rows, num_heads, head_dim = q.shape

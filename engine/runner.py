@@ -32,15 +32,18 @@ class ModelInput:
 
 
 def prepare_input(chunks: list[ScheduledChunk], block_size: int, device: torch.device | str,
-                  use_kernels: bool = False) -> ModelInput:
+                  use_kernels: bool = False, verify_as_rows: bool = False) -> ModelInput:
     """Flatten the chunks: single-token chunks first (the decode group), then each multi-token chunk.
 
     A verification chunk (last token + drafts) is a multi-token segment attending causally to the cached
-    context and itself. (Running its tokens as separate decode rows batches the attention but gathers the
-    context once per row: measured 1.2-3x slower at batch 8 on CPU.)
+    context and itself. (Running its tokens as separate decode rows through gather + SDPA gathers the context
+    once per row: measured 1.2-3x slower at batch 8 on CPU.) With `verify_as_rows` - for the in-place
+    attention kernel, which gathers nothing - verification chunks join the decode group instead, one row per
+    token, each attending to the context up to itself.
     """
-    decodes = [c for c in chunks if len(c.token_ids) == 1]
-    prefills = [c for c in chunks if len(c.token_ids) > 1]
+    in_group = [len(c.token_ids) == 1 or (verify_as_rows and c.num_draft > 0) for c in chunks]
+    decodes = [c for c, grouped in zip(chunks, in_group) if grouped]
+    prefills = [c for c, grouped in zip(chunks, in_group) if not grouped]
     ordered = decodes + prefills
     ids: list[int] = []
     positions: list[int] = []
@@ -55,9 +58,10 @@ def prepare_input(chunks: list[ScheduledChunk], block_size: int, device: torch.d
             sample_rows.append(len(ids) - 1)
     meta = AttentionMetadata.build(
         block_size,
-        [(c.block_table, c.start_pos + 1) for c in decodes],
+        [(c.block_table, c.start_pos + j + 1) for c in decodes for j in range(len(c.token_ids))],
         [(c.block_table, c.start_pos, len(c.token_ids)) for c in prefills],
         use_kernels,
+        num_decode_seqs=len(decodes),
     )
     as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
     return ModelInput(as_tensor(ids), as_tensor(positions), meta, as_tensor(sample_rows),
@@ -93,8 +97,10 @@ class ModelRunner:
             self.generators.pop(seq_id, None)
         if sched.is_empty:
             return RunnerOutput(sampled_token_ids={})
-        inp = prepare_input(sched.chunks, kv_cache.block_size, self.device, self.use_kernels)
-        hidden = self.model(inp.input_ids, inp.positions, inp.meta, self._layers(kv_cache, sched))  # [T, hidden]
+        layers = self._layers(kv_cache, sched)
+        inp = prepare_input(sched.chunks, kv_cache.block_size, self.device, self.use_kernels,
+                            self._verify_as_rows(sched, layers))
+        hidden = self.model(inp.input_ids, inp.positions, inp.meta, layers)  # [T, hidden]
         if not inp.sampled_chunks and not inp.verified_chunks:
             return RunnerOutput(sampled_token_ids={})
         logits = self.model.compute_logits(hidden[torch.cat([inp.sample_rows, inp.verify_rows])])  # [B + R, V]
@@ -108,6 +114,12 @@ class ModelRunner:
         """Adaptive compression: old pages of this runner's own pool may live in `cold` (engine/kv_compress.py)."""
         self.cold = cold
         self._tiered_layers = cold.layers_over(self.kv_cache)
+
+    def _verify_as_rows(self, sched: SchedulerOutput, layers: list) -> bool:
+        """A step that only verifies one sequence's drafts, on plain pages: the decode-attention kernel then
+        serves all its rows (it applies to decode groups of one sequence)."""
+        return (self.use_kernels and len(sched.chunks) == 1 and sched.chunks[0].num_draft > 0
+                and isinstance(layers[0][0], torch.Tensor))
 
     def _layers(self, kv_cache: KVCache, sched: SchedulerOutput) -> list:
         """The plain pages unless this step reads compressed blocks of the runner's own pool."""

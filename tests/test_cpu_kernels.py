@@ -117,7 +117,7 @@ def test_bf16_model_with_kernels_matches_torch_ops(tiny_model_dir, monkeypatch):
         logits[name] = torch.cat(rows)
     # Within the limits: every projection of the decode steps (two rows or one; 4 a layer + the head) and of
     # the 3-token prefill (not the 7- and 9-token ones); the attention kernel for the one-sequence steps.
-    assert (cpu_ext.MAX_GEMV_ROWS, cpu_ext.MAX_ATTENTION_ROWS) == (5, 1)
+    assert (cpu_ext.MAX_GEMV_ROWS, cpu_ext.MAX_ATTENTION_SEQS) == (5, 1)
     assert calls["linear"] == 6 * (4 * cfg.num_layers + 1) + 4 * cfg.num_layers
     assert calls["attention"] == 3 * cfg.num_layers
     ref = logits["eager"]
@@ -142,3 +142,32 @@ def test_enforce_eager_switches_the_kernels_off(tiny_model_dir):
                                   enforce_eager=True))
     assert on.runner.use_kernels and on.runner.model.kernels_on
     assert not off.runner.use_kernels and not off.runner.model.kernels_on
+
+
+def test_verification_rows_through_the_kernel_match_the_causal_segment(tiny_model_dir, monkeypatch):
+    """A sequence's last token + 3 drafts, verified as decode rows with growing context (what the runner does
+    at batch 1 with the kernels on) gives the logits of the causal-segment path, within bf16 noise."""
+    cfg, model = _model(tiny_model_dir, torch.bfloat16)
+    model.use_kernels(True)
+    block, prompt, drafts = 4, [5, 9, 33, 2, 7, 100, 3, 8, 41], [12, 13, 14, 15]
+    table = [9, 3, 7, 1, 5]
+    logits = {}
+    calls = []
+    monkeypatch.setattr(cpu_ext, "decode_attention_bf16",
+                        lambda *a, f=cpu_ext.decode_attention_bf16: calls.append(a[0].shape[0]) or f(*a))
+    for as_rows in (False, True):
+        kv = KVCache(cfg, 12, block, torch.bfloat16)
+        model(torch.tensor(prompt), torch.arange(len(prompt)), AttentionMetadata.build(block, [], [(table, 0, 9)],
+                                                                                        True), kv.layers)
+        start = len(prompt)
+        if as_rows:
+            meta = AttentionMetadata.build(block, [(table, start + j + 1) for j in range(4)], [], True,
+                                           num_decode_seqs=1)
+        else:
+            meta = AttentionMetadata.build(block, [], [(table, start, 4)], True)
+        hidden = model(torch.tensor(drafts), torch.arange(start, start + 4), meta, kv.layers)
+        logits[as_rows] = model.compute_logits(hidden)
+    assert calls == [4] * cfg.num_layers  # the rows version went through the kernel, all four rows at once
+    ref = logits[False]
+    assert (logits[True] - ref).abs().max() <= 0.05 * ref.abs().max()
+    assert torch.equal(logits[True].argmax(-1), ref.argmax(-1))

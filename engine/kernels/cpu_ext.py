@@ -33,7 +33,7 @@ SOURCE = Path(__file__).with_name("cpu_ext.cpp")
 # flash SDPA over the flat-page gather is better vectorised across a batch). Noisy host: the ratios held
 # across runs, the absolute times did not.
 MAX_GEMV_ROWS = 5
-MAX_ATTENTION_ROWS = 1
+MAX_ATTENTION_SEQS = 1  # sequences in a decode group (a verified sequence brings 1 + K rows)
 
 
 @functools.cache
