@@ -53,6 +53,13 @@ class DraftServer:
         self.num_sequences = 0  # kept up to date here, so the loop thread can read it during a call
         self._local_ids = itertools.count()
 
+    def warm_up(self) -> None:
+        """One throwaway proposal at start-up: a process's first forward pays one-time costs that would
+        otherwise make the first real call miss its deadline (and back the decode actor's speculation off)."""
+        local_id = next(self._local_ids)
+        self.proposer.propose([DraftRequest(local_id, [1, 2, 3, 4], 2, SamplingParams(temperature=0.0))])
+        self.proposer.release(local_id)
+
     def has_work(self) -> bool:
         return False
 
@@ -139,6 +146,7 @@ class DraftActor(Actor):
 
     def build_engine(self) -> DraftServer:
         self.engine = build_draft_server(EngineConfig(**self.spec.engine), self.spec.local_device)
+        self.engine.warm_up()
         log.info("draft model %s loaded (%d KV blocks)", self.spec.engine.get("draft_model"),
                  self.engine.proposer.pool.num_blocks)
         return self.engine

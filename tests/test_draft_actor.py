@@ -211,6 +211,17 @@ def integrity(socket_path: str) -> m.IntegrityReport:
         conn.close()
 
 
+def test_warm_up_drafts_once_and_leaves_nothing_behind(draft_process):
+    server = build_draft_server(EngineConfig(**draft_process.engine), "cpu")
+    calls = []
+    propose = server.proposer.propose
+    server.proposer.propose = lambda requests: calls.append(len(requests)) or propose(requests)
+    server.warm_up()
+    assert calls == [1]
+    server.proposer.pool.check_integrity()
+    assert server.proposer.pool.num_used == 0 and not server.proposer.seqs
+
+
 def test_remote_drafts_equal_in_process_drafts(draft_process, prompts):
     """Tokens and probabilities (fp32 bytes) as the in-process draft model proposes them, through accepted and
     rejected drafts; a release and a closed connection free the draft actor's KV."""
