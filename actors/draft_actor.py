@@ -20,7 +20,7 @@ import torch
 
 from actors.convert import params_from_wire
 from actors.spec import ActorSpec
-from actors.worker import Actor
+from actors.worker import Actor, integrity_error, send_quietly
 from engine.config import MAX_SPECULATIVE_TOKENS, EngineConfig
 from engine.kv_cache import choose_num_blocks
 from engine.model.loader import resolve_dtype, resolve_model
@@ -28,7 +28,7 @@ from engine.sampling_params import SamplingParams
 from engine.speculative.build import draft_net, draft_spare_blocks
 from engine.speculative.draft_model import DraftModelProposer
 from engine.speculative.proposer import DraftRequest, Proposal
-from transport import Connection, TransportError
+from transport import Connection
 from transport import messages as m
 
 log = logging.getLogger("actor")
@@ -181,24 +181,13 @@ class DraftActor(Actor):
         except Exception as exc:  # noqa: BLE001 - a bad query costs the client this step's drafts, nothing more
             log.warning("drafting failed: %r", exc)
             reply = m.Error(f"drafting failed: {exc}")
-        await _send_quietly(conn, reply)
+        await send_quietly(conn, reply)
 
     async def on_release(self, conn: Connection, msg: m.ReleaseDrafts) -> None:
         session = self._sessions[conn]
         self.thread.post(lambda engine: engine.release(session, msg.seq_ids))
 
     def integrity_report(self, engine: DraftServer) -> m.IntegrityReport:
-        try:
-            engine.proposer.pool.check_integrity()
-            error = None
-        except AssertionError as exc:
-            error = str(exc)
-        return m.IntegrityReport(self.spec.actor_id, error, engine.proposer.pool.num_used, 0, 0,
-                                 engine.num_sequences)
+        pool = engine.proposer.pool
+        return m.IntegrityReport(self.spec.actor_id, integrity_error(pool), pool.num_used, 0, 0, engine.num_sequences)
 
-
-async def _send_quietly(conn: Connection, msg: m.Message) -> None:
-    try:
-        await conn.send(msg)
-    except (TransportError, ConnectionError, OSError):
-        pass

@@ -160,7 +160,7 @@ class Actor:
     def send_to_owner(self, request_id: str, msg: m.Message, finished: bool = False) -> None:
         conn = self.owners.pop(request_id, None) if finished else self.owners.get(request_id)
         if conn is not None and not conn.closed:
-            asyncio.ensure_future(_send_quietly(conn, msg))
+            asyncio.ensure_future(send_quietly(conn, msg))
 
     def _on_step_error(self, exc: BaseException) -> None:
         log.error("step failed: %s; failing every request", exc)
@@ -180,11 +180,21 @@ def _reap(tasks: set[asyncio.Task]) -> Callable[[asyncio.Task], None]:
     return done
 
 
+def integrity_error(pool: Any) -> str | None:
+    """What a block pool's check_integrity() finds wrong, or None."""
+    try:
+        pool.check_integrity()
+    except AssertionError as exc:
+        return str(exc)
+    return None
+
+
 def _retryable(exc: Exception) -> bool:
     return not isinstance(exc, RequestError) or exc.param == "kv"
 
 
-async def _send_quietly(conn: Connection, msg: m.Message) -> None:
+async def send_quietly(conn: Connection, msg: m.Message) -> None:
+    """Send, ignoring a connection that is already gone."""
     try:
         await conn.send(msg)
     except (TransportError, ConnectionError, OSError):
@@ -282,8 +292,9 @@ class DecodeActor(Actor):
         except Exception as exc:
             await conn.send(m.ReservationFailed(msg.request_id, str(exc)))
             return
-        fresh = blocks[cached // self.engine.kv_cache.block_size:]
-        self.streams[msg.request_id] = _StreamedReservation(frozenset(fresh), deadline)
+        if self.spec.remote:  # only a decode actor on another host gets its pages as KVPages
+            fresh = blocks[cached // self.engine.kv_cache.block_size:]
+            self.streams[msg.request_id] = _StreamedReservation(frozenset(fresh), deadline)
         await conn.send(m.BlocksReserved(msg.request_id, blocks, cached))
 
     async def on_kv_pages(self, conn: Connection, msg: m.KVPages) -> None:
@@ -315,12 +326,7 @@ class DecodeActor(Actor):
 
     def integrity_report(self, engine: EngineCore) -> m.IntegrityReport:
         pool = engine.pool
-        try:
-            pool.check_integrity()
-            error = None
-        except AssertionError as exc:
-            error = str(exc)
-        return m.IntegrityReport(self.spec.actor_id, error, pool.num_used, pool.num_cached,
+        return m.IntegrityReport(self.spec.actor_id, integrity_error(pool), pool.num_used, pool.num_cached,
                                  len(pool.reserved_owners()), len(engine.scheduler.running))
 
     def deliver(self, outputs: list) -> None:
@@ -332,7 +338,7 @@ class DecodeActor(Actor):
             if update.finish_reason is not None and update.request_id not in self.engine.scheduler.by_request:
                 self.owners.pop(update.request_id, None)  # every sample of the request has finished
         for conn, rows in by_owner.values():
-            asyncio.ensure_future(_send_quietly(conn, m.TokenUpdates(rows)))
+            asyncio.ensure_future(send_quietly(conn, m.TokenUpdates(rows)))
 
     async def _sweep_reservations(self) -> None:
         while not self.stopped.is_set():
@@ -424,6 +430,8 @@ def actor_class(role: str) -> type[Actor]:
 
         return DraftActor
     return ACTOR_CLASSES[role]
+
+
 PR_SET_PDEATHSIG = 1
 
 

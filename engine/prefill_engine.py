@@ -25,14 +25,6 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerOutput, build_chunk
 
 
-@dataclass(frozen=True)
-class StreamTarget:
-    """Where a streamed job's pages go: the destination's blocks for prompt blocks skip_blocks, skip_blocks+1..."""
-
-    dest_block_ids: list[int]
-    skip_blocks: int
-
-
 @dataclass
 class PrefillJob:
     request_id: str
@@ -44,7 +36,7 @@ class PrefillJob:
     deadline: float
     seq_id: int = -1
     num_cached: int = field(default=0, init=False)  # num_computed at submission: what the destination had
-    stream: StreamTarget | None = None  # set by add_streamed: the destination is on another host
+    stream_to: list[int] | None = None  # set by add_streamed (destination on another host): where pages go
 
 
 @dataclass
@@ -110,7 +102,7 @@ class PrefillEngine:
         if len(job.block_table) != num_blocks:
             raise ValueError(f"{len(job.block_table)} destination blocks for a {num_blocks}-block prompt")
         self.pools[name] = KVCache(self.source.config, num_blocks, bs, self.dtype, self.device, kv_format=kv_format)
-        job.stream = StreamTarget(job.block_table[skip:], skip)
+        job.stream_to = job.block_table[skip:]
         job.block_table, job.num_computed, job.destination = list(range(num_blocks)), 0, name
         self.add(job)
         job.num_cached = skip * bs  # what the destination had: those pages are computed here but not sent
@@ -129,7 +121,7 @@ class PrefillEngine:
         job = self.jobs.pop(request_id, None)
         if job is not None:
             self._dropped_seq_ids.append(job.seq_id)
-            if job.stream is not None:
+            if job.stream_to is not None:
                 self.pools.pop(job.destination, None)
         return job is not None
 
@@ -176,8 +168,8 @@ class PrefillEngine:
         out = PrefillResult(job.request_id, destination, result.sampled_token_ids[job.seq_id],
                             result.logprobs.get(job.seq_id), self.runner.export_generator(job.seq_id),
                             job.num_cached, num_bytes, checksum)
-        if job.stream is not None:
+        if job.stream_to is not None:
             out.pages = [pool.read_pages(layer, written) for layer in range(pool.data.shape[0])]
-            out.dest_block_ids = job.stream.dest_block_ids
+            out.dest_block_ids = job.stream_to
             del self.pools[destination]
         return out

@@ -57,8 +57,6 @@ class Routed:
     finished_samples: set[int] = field(default_factory=set)
     parked_at: float = field(default_factory=time.monotonic)
     dispatched_at: float = 0.0
-    prefill_started_at: float = 0.0
-    cached_tokens: int = 0
 
 
 class RequestFailedError(RuntimeError):
@@ -103,6 +101,7 @@ class ActorRouter:
         if request.request_id in self.routed:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         routed = self.routed[request.request_id] = Routed(request)
+        self.arrivals = self.arrivals.observe(time.monotonic())  # here, not in _place: a retry is no arrival
         return self._dispatch(routed)
 
     def abort(self, request_id: str, sample_index: int | None = None) -> None:
@@ -187,7 +186,6 @@ class ActorRouter:
             return None
         block_size = decodes[0].ready.block_size
         prompt = len(request.prompt_token_ids)
-        self.arrivals = self.arrivals.observe(time.monotonic())
         views = {h.actor_id: self._decode_view(h, self.arrivals.rate / len(decodes)) for h in decodes}
         chosen = choose_decode_actor(list(views.values()), prompt, block_size) or min(
             views.values(), key=lambda v: v.running)  # none has room now: queue on the least loaded
@@ -313,7 +311,6 @@ class ActorRouter:
             self._send(handle.actor_id, m.ReleaseReservation(msg.request_id))
             return
         routed.phase = "prefilling"
-        routed.prefill_started_at, routed.cached_tokens = time.monotonic(), msg.num_cached_tokens
         req = routed.request
         block_size = handle.ready.block_size
         self._send(routed.prefill, m.PrefillRequest(req.request_id, req.prompt_token_ids, params_to_wire(req.params),

@@ -20,16 +20,21 @@ from engine.model.rope import RotaryEmbedding, apply_rotary
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, 1, head_dim / 2]
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, use_kernels: bool) -> torch.Tensor:
+    """F.linear, or the streaming GEMV kernel for few-row bf16 products on the CPU when kernels are on."""
+    if use_kernels and cpu_ext.applies(x, weight):
+        return cpu_ext.linear_bf16(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
 class Linear(nn.Linear):
-    """nn.Linear that routes few-row bf16 products on the CPU to the streaming GEMV kernel when the model's
-    kernels are switched on (LlamaModel.use_kernels)."""
+    """nn.Linear that uses the GEMV kernel where it applies once the model's kernels are switched on
+    (LlamaModel.use_kernels)."""
 
     use_kernels = False  # set per instance by LlamaModel.use_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.use_kernels and cpu_ext.applies(x, self.weight):
-            return cpu_ext.linear_bf16(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.use_kernels)
 
 
 class RMSNorm(nn.Module):
@@ -117,9 +122,7 @@ class LlamaModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [B, hidden] -> float32 logits [B, vocab]."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        if self.kernels_on and cpu_ext.applies(hidden, weight):
-            return cpu_ext.linear_bf16(hidden, weight).float()
-        return F.linear(hidden, weight).float()
+        return linear(hidden, weight, None, self.kernels_on).float()
 
     def use_kernels(self, on: bool = True) -> None:
         """Switch the CPU kernels (small-batch bf16 GEMV here, in-place decode attention via the runner) on or
