@@ -9,8 +9,8 @@
    model with its KV written into a pool of the format under test, and each position's next-token
    distribution is compared with the same run on a bf16 pool (the serving dtype): KL(bf16 || quantised)
    mean and p99, top-1 agreement, and perplexity of the real next token. Two write patterns:
-   `decode` feeds one token per step (every page is re-quantised as it fills, as in decoding: this is where
-   the double rounding happens); `pages` feeds page-aligned chunks of 4 blocks (each page is quantised
+   `decode` feeds one token per step (every page is re-quantised as it fills, as in decoding; the scales are
+   powers of two so that this does not round earlier tokens twice); `pages` feeds page-aligned chunks of 4 blocks (each page is quantised
    once, then read back by its own chunk and later ones). Positions below one chunk are left out of both
    (the first chunk of a `pages` window attends to its fresh keys, not to the cache). Diagnostic rows
    (`pages` mode) quantise only the keys or only the values.
@@ -60,6 +60,14 @@ CHAT_PROMPTS = (
     "Summarise the plot of Romeo and Juliet.",
     "How do vaccines train the immune system?",
     "Suggest a name for a friendly robot and explain why.",
+    "How does a refrigerator keep food cold?",
+    "List four ways to save water at home.",
+    "Why do cats purr?",
+    "Describe a sunrise over the ocean.",
+    "What should I pack for a weekend camping trip?",
+    "Explain what a prime number is to a child.",
+    "Write a thank-you note to a teacher.",
+    "What are the benefits of regular exercise?",
 )
 BLOCK_SIZE = 16
 PAGES_CHUNK = 4 * BLOCK_SIZE  # `pages` mode: page-aligned chunks, so each page is quantised exactly once

@@ -119,6 +119,7 @@ SCALAR_SIGNATURES = {
     "e2m1_to_f32": (np.uint8, np.float32),
     "f32_to_bf16_bits": (np.float32, np.int64),
     "bf16_bits_to_f32": (np.uint16, np.float32),
+    "pow2_ceil": (np.float32, np.float32),
 }
 
 
@@ -155,7 +156,8 @@ def scalar_cases(rng: np.random.Generator, n_random: int) -> dict[str, np.ndarra
     bf16_specials = np.array([0x0000, 0x8000, 0x0001, 0x7F80, 0xFF80, 0x7FC0, 0xFFC1, 0x7F81], np.uint16)
     bf16 = np.concatenate([np.arange(0, 65536, 97, dtype=np.uint16), bf16_specials])
     return {"f32_to_e4m3": f32, "e4m3_to_f32": np.arange(256, dtype=np.uint8), "f32_to_e2m1": f32,
-            "e2m1_to_f32": np.arange(16, dtype=np.uint8), "f32_to_bf16_bits": f32, "bf16_bits_to_f32": bf16}
+            "e2m1_to_f32": np.arange(16, dtype=np.uint8), "f32_to_bf16_bits": f32, "bf16_bits_to_f32": bf16,
+            "pow2_ceil": np.abs(f32[np.isfinite(f32)])}
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -59,9 +59,17 @@ def finite_abs(x: np.ndarray) -> np.ndarray:
     return np.where(np.isfinite(x), np.abs(x), F32(0)).astype(np.float32)
 
 
+def ref_pow2_ceil(q: np.ndarray) -> np.ndarray:
+    """The smallest power of two >= q, at least 2**-126, for q > 0; 0 stays 0 (by frexp, not bit tricks)."""
+    mantissa, exponent = np.frexp(q.astype(np.float64))  # q = mantissa * 2**exponent, mantissa in [0.5, 1)
+    up = np.where(mantissa == 0.5, q, np.ldexp(1.0, exponent))
+    with np.errstate(over="ignore"):  # above 2**127: inf, as the kernel (scales never get there)
+        return np.where(q == 0, 0, np.maximum(up, 2.0 ** -126)).astype(np.float32)
+
+
 def ref_quantize_fp8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """x [P, bs, H, D] float32 -> (codes [P, bs, H, D], scales [P, H])."""
-    scales = (finite_abs(x).max(axis=(1, 3)) / F32(448)).astype(np.float32)  # [P, H]
+    scales = ref_pow2_ceil((finite_abs(x).max(axis=(1, 3)) / F32(448)).astype(np.float32))  # [P, H]
     scales[scales == 0] = 1
     with np.errstate(invalid="ignore", over="ignore"):
         q = np.where(np.isnan(x), x, x / scales[:, None, :, None])
@@ -71,7 +79,7 @@ def ref_quantize_fp8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def ref_quantize_fp4(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """x [P, bs, H, D] float32 -> (packed [P, bs, H, D/2], block_scales [P, bs, H, D/16], page_scales [P])."""
     num_pages, block_size, heads, dim = x.shape
-    page_scales = (finite_abs(x).max(axis=(1, 2, 3)) / F32(2688)).astype(np.float32)  # [P]
+    page_scales = ref_pow2_ceil((finite_abs(x).max(axis=(1, 2, 3)) / F32(2688)).astype(np.float32))  # [P]
     page_scales[page_scales == 0] = 1
     groups = x.reshape(num_pages, block_size, heads, dim // 16, 16)
     ps = page_scales[:, None, None, None]
@@ -165,6 +173,14 @@ def test_f32_to_e4m3_is_bit_identical_to_ml_dtypes(scalar_f32):
     want = ref_e4m3(scalar_f32)
     bad = np.flatnonzero(got != want)
     assert bad.size == 0, [(hex(u32(scalar_f32[i:i + 1])[0]), hex(got[i]), hex(want[i])) for i in bad[:10]]
+
+
+def test_scales_round_up_to_powers_of_two(scalar_f32):
+    x = np.abs(scalar_f32[np.isfinite(scalar_f32)])  # amax / 448 is finite and >= 0
+    got = cpu_map(cpu_kernels(), "pow2_ceil")(x)
+    assert np.array_equal(u32(got), u32(ref_pow2_ceil(x)))
+    edge = np.array([0.0, 1e-45, 2.0 ** -126, 1.0, 1.5, 2.0 ** 100 * 1.0001], np.float32)
+    assert cpu_map(cpu_kernels(), "pow2_ceil")(edge).tolist() == [0.0, 2.0 ** -126, 2.0 ** -126, 1.0, 2.0, 2.0 ** 101]
 
 
 def test_e4m3_rounding_edge_cases():
@@ -290,7 +306,7 @@ def test_outlier_only_coarsens_its_own_head_and_its_own_group():
     x[0, 3, 1, 7] = 5000.0
     codes, scales = quantize_fp8(x)
     y8 = dequantize_fp8(codes, scales, torch.float32)
-    assert scales[0, 1] == pytest.approx(5000 / 448) and scales[0, 0] < 0.02 and scales[0, 2] < 0.02
+    assert scales[0, 1] == 16.0 and scales[0, 0] < 0.02 and scales[0, 2] < 0.02  # 5000 / 448 = 11.2, rounded up
     assert abs(y8[0, 3, 1, 7].item() - 5000) <= 5000 / 16
     quiet = [0, 2]  # heads without the outlier keep their full precision
     assert ((y8[..., quiet, :] - x[..., quiet, :]).abs() <= x[..., quiet, :].abs() / 16 + 1e-4).all()
@@ -314,14 +330,13 @@ def test_nan_and_inf_do_not_poison_the_scales():
     x[0, 0, 0, 3] = float("-inf")
     amax = x.float()[0, :, 0][x.float()[0, :, 0].isfinite()].abs().max()
     codes, scales = quantize_fp8(x)
-    assert scales[0, 0].item() == pytest.approx(amax.item() / 448, rel=1e-6)
+    assert scales[0, 0].item() == ref_pow2_ceil(np.float32(amax.item() / 448))
     assert codes[0, 0, 0, :4].tolist() == [0x7F, 0xFF, 0x7E, 0xFE]
     y = dequantize_fp8(codes, scales, torch.bfloat16)
     assert y.view(torch.int16)[0, 0, 0, :2].tolist() == [0x7FC0, 0x7FC0]  # canonical NaN
     assert y[0, 0, 0, 2].item() == pytest.approx(448 * scales[0, 0].item(), rel=2 ** -8)
     packed, block_scales, page_scales = quantize_fp4(x)
-    assert page_scales[0].item() == pytest.approx(x.float()[x.float().isfinite()].abs().max().item() / 2688,
-                                                  rel=1e-6)
+    assert page_scales[0].item() == ref_pow2_ceil(np.float32(x.float()[x.float().isfinite()].abs().max().item() / 2688))
     assert packed[0, 0, 0, 0].item() == 0x00  # NaN, NaN -> +0, +0
     assert packed[0, 0, 0, 1].item() == 0xF7  # +inf, -inf saturate to +-6 (codes 0x7 and 0xF)
     y4 = dequantize_fp4(packed, block_scales, page_scales, torch.float32)

@@ -6,9 +6,13 @@ takes a batch of pages [P, bs, H, D]. Scales travel beside the codes so a page i
 FP8 E4M3 (OCP "fn" variant)
     Bits S.EEEE.MMM, exponent bias 7, no infinities, largest finite +-448 (0x7E / 0xFE), NaN = S.1111.111
     (0x7F / 0xFF), subnormals down to 2**-9 (exponent field 0: value = M * 2**-9).
-    Scale: one float32 per (page, kv-head): scale = amax / 448, amax = max |x| over that head's
-    [block_size, head_dim] slice of the page, finite values only (NaN and +-inf are left out). When that
-    quotient is 0 (an all-zero slice, or amax below 448 * 2**-149) the scale is 1.
+    Scale: one float32 per (page, kv-head): scale = pow2_ceil(amax / 448), amax = max |x| over that head's
+    [block_size, head_dim] slice of the page, finite values only (NaN and +-inf are left out); pow2_ceil
+    rounds up to a power of two, at least 2**-126. When amax / 448 is 0 (an all-zero slice, or amax below
+    448 * 2**-149) the scale is 1. Why powers of two: dividing by one is exact, so the scaled values keep
+    E4M3's full precision (its relative step is the same in every binade; the largest lands in (224, 448]),
+    and a page re-quantised under a grown scale keeps its codes up to an exact shift instead of being
+    rounded a second time (engine/kv_formats.py).
     Encode: code = e4m3(x / scale), division in float32, round to nearest even on the bit pattern;
     |x / scale| >= 448 (incl. inf) saturates to +-448; NaN -> 0x7F / 0xFF keeping the input's sign;
     -0 -> 0x80. Decode: e4m3 -> float32, times scale in float32, then to the output dtype (bf16 by round to
@@ -19,8 +23,8 @@ FP8 E4M3 (OCP "fn" variant)
 FP4 E2M1 (NVFP4-style two-level scaling)
     Bits S.EE.M, exponent bias 1: values +-{0, 0.5, 1, 1.5, 2, 3, 4, 6}; no NaN, no inf.
     Packing: two codes per byte along head_dim, element 2i in the low nibble, 2i+1 in the high nibble.
-    Page scale: one float32 per page: page_scale = amax_page / (6 * 448) with amax_page over the whole
-    [block_size, kv_heads, head_dim] page, finite values only; 1 when that is 0.
+    Page scale: one float32 per page: page_scale = pow2_ceil(amax_page / (6 * 448)) with amax_page over the
+    whole [block_size, kv_heads, head_dim] page, finite values only; 1 when amax_page / (6 * 448) is 0.
     Block scale: one E4M3 code per 16 consecutive values along head_dim:
     block = e4m3(amax_16 / (6 * page_scale)) (float32 ops in that order, e4m3 rounding as above).
     Encode: code = e2m1(x / (e4m3_value(block) * page_scale)), round to nearest even, saturating at +-6

@@ -25,6 +25,7 @@ from numba import prange
 F32_ABS_MASK = 0x7FFFFFFF
 F32_INF_BITS = 0x7F800000
 F32_CANONICAL_NAN = 0x7FC00000
+F32_SMALLEST_NORMAL_BITS = 0x00800000  # 2**-126, also one unit of the exponent field
 BF16_CANONICAL_NAN = 0x7FC0  # positive quiet NaN (torch's vectorised CPU cast writes 0xFFFF instead)
 E4M3_MAX_BITS = 0x43E00000  # 448.0
 E2M1_MAX_BITS = 0x40C00000  # 6.0
@@ -177,9 +178,20 @@ def row_amax_bits(x, p, t, h, shift):
     return best
 
 
+def pow2_ceil(q):
+    """float32 q >= 0 -> the smallest power of two >= q, at least 2**-126 (the smallest normal); 0 -> 0;
+    inf above 2**127 (amax / 448 stays below 2**120).
+    Scales are powers of two so that re-quantising a page under a grown scale is exact (see kv_formats)."""
+    b = f32_to_bits(q)
+    exponent = b & F32_INF_BITS
+    up = bits_to_f32(F32_SMALLEST_NORMAL_BITS if exponent == 0 else exponent + F32_SMALLEST_NORMAL_BITS)
+    return q if (b & 0x7FFFFF) == 0 else up
+
+
 def fp8_scale(amax_bits):
-    """Scale of one (page, kv-head): amax / 448, or 1 when that is 0 (an all-zero head, or underflow)."""
-    scale = bits_to_f32(amax_bits) / np.float32(448.0)
+    """Scale of one (page, kv-head): amax / 448 rounded up to a power of two, or 1 when amax / 448 is 0 (an
+    all-zero head, or underflow)."""
+    scale = pow2_ceil(bits_to_f32(amax_bits) / np.float32(448.0))
     return np.float32(1.0) if scale == np.float32(0.0) else scale
 
 
@@ -194,8 +206,8 @@ def fp8_decode(code, scale, out_shift):
 
 
 def fp4_page_scale(amax_bits):
-    """Scale of one page: amax / (6 * 448), or 1 when that is 0."""
-    scale = bits_to_f32(amax_bits) / np.float32(2688.0)
+    """Scale of one page: amax / (6 * 448) rounded up to a power of two, or 1 when amax / 2688 is 0."""
+    scale = pow2_ceil(bits_to_f32(amax_bits) / np.float32(2688.0))
     return np.float32(1.0) if scale == np.float32(0.0) else scale
 
 
@@ -293,7 +305,7 @@ def fp4_dequantize_pages(packed, block_scales, page_scales, out_shift, out):
 DEVICE_FUNCTIONS = (
     f32_to_bits, bits_to_f32, bf16_bits_to_f32, f32_to_bf16_bits, max_int, clamp_shift, rne_shift_right,
     round_to_minifloat, minifloat_to_f32_bits, f32_to_e4m3, e4m3_to_f32, f32_to_e2m1, e2m1_to_f32,
-    load_f32, store_value, finite_abs_bits, row_amax_bits, fp8_scale, fp8_encode, fp8_decode,
+    load_f32, store_value, finite_abs_bits, row_amax_bits, pow2_ceil, fp8_scale, fp8_encode, fp8_decode,
     fp4_page_scale, fp4_encode, fp4_encode_group, fp4_decode_group,
 )
 CPU_DRIVERS = (fp8_quantize_pages, fp8_dequantize_pages, fp4_quantize_pages, fp4_dequantize_pages)
