@@ -1,11 +1,13 @@
 """Where the CPU kernels (engine/kernels/cpu_ext.*) pay: one decode forward of the served model (bf16) at
-several batch sizes and context lengths, with plain torch ops, with the GEMV only, and with the GEMV plus the
-in-place decode attention, alone and together, interleaved so that machine noise hits all variants alike.
+several batch sizes and context lengths, with plain torch ops, with each kind of kernel alone (the GEMV, the
+in-place decode attention, the fused elementwise ops) and with all of them, interleaved so that machine noise
+hits all variants alike.
 
     python -m bench.cpu_kernels [--batches 1,2,4,8,16,32,64] [--contexts 192,1024] [--repeats 12]
 
-Prints min and median milliseconds per forward (logits included). The thresholds in cpu_ext
-(MAX_GEMV_ROWS, MAX_ATTENTION_SEQS) come from this table; the kernels are forced on for every row here.
+Prints min and median milliseconds per forward (logits included). The limits in cpu_ext (MAX_GEMV_ROWS,
+MAX_ATTENTION_SEQS, FUSED_ELEMENTWISE) come from this table: each kernel is forced on in its own column; "all"
+is what an engine runs (every kernel, the GEMV within MAX_GEMV_ROWS).
 """
 from __future__ import annotations
 
@@ -47,10 +49,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     source = resolve_model(a.model)
     eager, fast = load_model(source, torch.bfloat16), load_model(source, torch.bfloat16)
     fast.use_kernels(True)
-    saved = cpu_ext.MAX_GEMV_ROWS, cpu_ext.MAX_ATTENTION_SEQS
-    cpu_ext.MAX_GEMV_ROWS = cpu_ext.MAX_ATTENTION_SEQS = 1 << 30  # forced on: this table decides the limits
+    saved = cpu_ext.MAX_GEMV_ROWS, cpu_ext.MAX_ATTENTION_SEQS, cpu_ext.FUSED_ELEMENTWISE
+    cpu_ext.MAX_ATTENTION_SEQS = 1 << 30  # forced on: this table decides the limits
+    forced, shipped = 1 << 30, cpu_ext.MAX_GEMV_ROWS
+    # name: (model, GEMV row limit, attention kernel, elementwise kernels); "all" keeps the shipped GEMV limit
+    variants = {"torch ops": (eager, 0, False, False), "gemv": (fast, forced, False, False),
+                "attention": (fast, 0, True, False), "elementwise": (fast, 0, False, True),
+                "all": (fast, shipped, True, True)}
     print(f"torch threads {torch.get_num_threads()}; ms per decode forward (min / median of {a.repeats})")
-    print(f"{'batch':>5} {'ctx':>5}  {'torch ops':>15}  {'gemv':>15}  {'attention':>15}  {'gemv+attention':>15}")
+    print(f"{'batch':>5} {'ctx':>5}  " + "  ".join(f"{name:>15}" for name in variants))
     try:
         for ctx in (int(x) for x in a.contexts.split(",")):
             for batch in (int(x) for x in a.batches.split(",")):
@@ -58,17 +65,15 @@ def main(argv: Sequence[str] | None = None) -> None:
                 kv = KVCache(source.config, batch * nb + 1, BLOCK, torch.bfloat16)
                 kv.data.normal_()
                 tables = [list(range(1 + i * nb, 1 + (i + 1) * nb)) for i in range(batch)]
-                variants = {"torch ops": (eager, False, False), "gemv": (fast, True, False),
-                            "attention": (fast, False, True), "gemv+attention": (fast, True, True)}
                 times: dict[str, list[float]] = {name: [] for name in variants}
                 for _ in range(a.repeats):
-                    for name, (model, gemv, attention) in variants.items():
-                        cpu_ext.MAX_GEMV_ROWS = 1 << 30 if gemv else 0
+                    for name, (model, gemv_rows, attention, elementwise) in variants.items():
+                        cpu_ext.MAX_GEMV_ROWS, cpu_ext.FUSED_ELEMENTWISE = gemv_rows, elementwise
                         times[name].append(forward_ms(model, kv, tables, ctx, attention))
                 cells = [f"{min(t):6.1f} / {statistics.median(t):6.1f}" for t in times.values()]
                 print(f"{batch:>5} {ctx:>5}  " + "  ".join(f"{c:>15}" for c in cells), flush=True)
     finally:
-        cpu_ext.MAX_GEMV_ROWS, cpu_ext.MAX_ATTENTION_SEQS = saved
+        cpu_ext.MAX_GEMV_ROWS, cpu_ext.MAX_ATTENTION_SEQS, cpu_ext.FUSED_ELEMENTWISE = saved
 
 
 if __name__ == "__main__":

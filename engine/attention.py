@@ -1,4 +1,5 @@
-"""Paged attention on CPU: one batched gather of the needed KV blocks, then scaled-dot-product attention.
+"""Paged attention on CPU: one batched gather of the needed KV blocks, then scaled-dot-product attention;
+for the decode group of a bf16 engine with its kernels on, the in-place kernel instead (cpu_ext, no gather).
 
 The flat batch holds decode rows first (one new token per sequence, attended as one group), then each
 prefill chunk as a contiguous segment. New keys/values are written into their cache slots before
@@ -109,6 +110,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     quantised pages). Returns [T, Hq, D]."""
     _write(k_cache, k, meta)
     _write(v_cache, v, meta)
+    if meta.num_decode and not meta.prefills:  # decode only: no copy into a shared output
+        return _decode_attention(q, k_cache, v_cache, meta, scale)
     out = torch.empty_like(q)
     if meta.num_decode:
         out[: meta.num_decode] = _decode_attention(q[: meta.num_decode], k_cache, v_cache, meta, scale)
@@ -144,7 +147,7 @@ def _gather(cache: KVPages, block_tables: torch.Tensor) -> torch.Tensor:
 def _decode_attention(q: torch.Tensor, k_cache: KVPages, v_cache: KVPages,
                       meta: AttentionMetadata, scale: float) -> torch.Tensor:
     # One query per sequence: fold each KV head's query group into the query-length axis, so no KV repeat.
-    if meta.use_kernels and meta.num_decode_seqs <= cpu_ext.MAX_ATTENTION_SEQS and _kernel_applies(q, k_cache):
+    if meta.use_kernels and cpu_ext.attention_applies(meta.num_decode_seqs) and _kernel_applies(q, k_cache):
         return cpu_ext.decode_attention_bf16(q, k_cache, v_cache, meta.decode_block_tables,
                                              meta.decode_context_lens, scale)
     num_rows, num_heads, head_dim = q.shape

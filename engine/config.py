@@ -89,7 +89,7 @@ class EngineConfig:
     max_model_len: int | None = None
     num_threads: int | None = None
     seed: int = 0
-    enforce_eager: bool = False  # plain torch ops only: no compiled CPU kernels (engine/kernels/cpu_ops.py)
+    enforce_eager: bool = False  # plain torch ops only: no compiled CPU kernels (engine/kernels/cpu_ext.py)
     speculative: str = "off"  # off | ngram (prompt lookup) | draft (a draft model, see draft_model)
     draft_model: str | None = None  # PATH (HF folder or .gguf, same vocabulary) or self:N (target's first N layers)
     num_speculative_tokens: int = 4  # most draft tokens verified per step; adapted per sequence below this

@@ -117,7 +117,7 @@ class ModelRunner:
 
     def _verify_as_rows(self, sched: SchedulerOutput, layers: list) -> bool:
         """A step that only verifies one sequence's drafts, on plain pages: the decode-attention kernel then
-        serves all its rows (it applies to decode groups of one sequence)."""
+        serves all its rows (measured for one sequence; several keep their causal segments)."""
         return (self.use_kernels and len(sched.chunks) == 1 and sched.chunks[0].num_draft > 0
                 and isinstance(layers[0][0], torch.Tensor))
 

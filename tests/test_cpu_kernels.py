@@ -13,6 +13,7 @@ from engine.kernels import cpu_ext
 from engine.kv_cache import KVCache
 from engine.model.hf_loader import iter_hf_weights, read_hf_config
 from engine.model.llama import build_model
+from engine.model.rope import RotaryEmbedding, apply_rotary
 
 
 def bf16(*shape: int, scale: float = 1.0) -> torch.Tensor:
@@ -41,39 +42,139 @@ def test_linear_applies_only_to_few_row_bf16_products():
 
 
 def reference_decode_attention(q, k_pages, v_pages, tables, lens, scale):
+    """SDPA in fp32 over each row's context, gathered from its pages."""
     out = []
     for b in range(q.shape[0]):
         n = int(lens[b])
-        keys = k_pages[tables[b]].flatten(0, 1)[:n].float().transpose(0, 1)[None]  # [1, Hkv, n, D]
-        values = v_pages[tables[b]].flatten(0, 1)[:n].float().transpose(0, 1)[None]
+        used = tables[b, : (n + k_pages.shape[1] - 1) // k_pages.shape[1]]
+        keys = k_pages[used].flatten(0, 1)[:n].float().transpose(0, 1)[None]  # [1, Hkv, n, D]
+        values = v_pages[used].flatten(0, 1)[:n].float().transpose(0, 1)[None]
         query = q[b].float()[None, :, None, :]  # [1, Hq, 1, D]
         out.append(F.scaled_dot_product_attention(query, keys, values, scale=scale, enable_gqa=True)[0, :, 0])
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2), (3, 1)])
-def test_decode_attention_reads_pages_in_place(num_heads, num_kv_heads):
-    torch.manual_seed(num_heads)
-    num_blocks, block_size, head_dim = 40, 8, 32
-    k_pages, v_pages = bf16(num_blocks, block_size, num_kv_heads, head_dim), bf16(num_blocks, block_size,
-                                                                                   num_kv_heads, head_dim)
-    lens = torch.tensor([1, 8, 9, 31, 70])  # one token, a full block, one past it, ...
-    tables = torch.stack([torch.randperm(num_blocks)[:10] for _ in lens])  # scattered blocks; tails never read
-    q = bf16(len(lens), num_heads, head_dim)
-    got = cpu_ext.decode_attention_bf16(q, k_pages, v_pages, tables, lens, 0.2)
-    ref = reference_decode_attention(q, k_pages, v_pages, tables, lens, 0.2)
-    torch.testing.assert_close(got.float(), ref, rtol=2 ** -7, atol=2e-3)
+CONTEXT_LENS = [1, 15, 16, 17, 70, 300]  # one token, a block -1, a full block, one past it, several, many
 
 
-def test_decode_attention_ignores_blocks_past_the_context():
-    k_pages, v_pages = bf16(6, 4, 1, 16), bf16(6, 4, 1, 16)
-    q = bf16(1, 2, 16)
-    lens = torch.tensor([5])
-    first = cpu_ext.decode_attention_bf16(q, k_pages, v_pages, torch.tensor([[3, 1, 0]]), lens, 0.25)
-    k_pages[0], v_pages[0] = 1e4, -1e4  # block 0 is past the 5-token context
-    k_pages[1, 1:], v_pages[1, 1:] = 1e4, -1e4  # slots 1.. of the second block too
-    second = cpu_ext.decode_attention_bf16(q, k_pages, v_pages, torch.tensor([[3, 1, 0]]), lens, 0.25)
-    assert torch.equal(first, second)
+def scattered_problem(batch, num_heads, num_kv_heads, head_dim, block_size=16, seed=0):
+    """q, pages, block tables and unequal context lengths over scattered blocks; every page slot outside
+    the contexts is NaN, and every table entry past a context an invalid block id: neither may be read."""
+    gen = torch.Generator().manual_seed(seed)
+    lens = torch.tensor([CONTEXT_LENS[(i * 5 + seed) % len(CONTEXT_LENS)] for i in range(batch)])
+    needed = (lens + block_size - 1) // block_size
+    num_blocks = int(needed.sum()) + 7
+    order = torch.randperm(num_blocks, generator=gen)  # blocks scattered through the pool, in no order
+    tables = torch.full((batch, int(needed.max()) + 2), 10 ** 9, dtype=torch.long)
+    inside = torch.zeros(num_blocks, block_size, dtype=torch.bool)  # slots holding a context token
+    for b, start in enumerate(torch.cumsum(needed, 0) - needed):
+        tables[b, : needed[b]] = order[start: start + needed[b]]
+        positions = torch.arange(int(lens[b]))
+        inside[tables[b, positions // block_size], positions % block_size] = True
+    k_pages, v_pages = (torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+                        .masked_fill(~inside[:, :, None, None], float("nan")).to(torch.bfloat16) for _ in range(2))
+    q = torch.randn(batch, num_heads, head_dim, generator=gen).to(torch.bfloat16)
+    return q, k_pages, v_pages, tables, lens
+
+
+# fp32 math in both, from the same bf16 inputs: they differ by fp32 summation order and exp (~1e-6 relative)
+# before the one rounding of the output to bf16, which alone reaches half an ulp (2**-8 relative just above a
+# power of two). So: one ulp (rtol 2**-7), and a small atol for outputs near zero (fp32 cancellation, ~1e-6
+# of the values' scale). A wrong or missing token moves outputs by percents.
+ATTENTION_TOLERANCE = dict(rtol=2 ** -7, atol=1e-5)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 4, 64), (9, 3, 64), (6, 1, 48), (4, 2, 256)],
+                         ids=["MHA", "GQA-smollm2", "MQA-tail-chunk", "GQA-wide-head"])
+@pytest.mark.parametrize("batch", [1, 2, 7, 64])
+def test_decode_attention_matches_sdpa_over_gathered_pages(num_heads, num_kv_heads, head_dim, batch):
+    q, k_pages, v_pages, tables, lens = scattered_problem(batch, num_heads, num_kv_heads, head_dim,
+                                                           seed=batch + 4)  # batch 1: the 300-token row
+    got = cpu_ext.decode_attention_bf16(q, k_pages, v_pages, tables, lens, head_dim ** -0.5)
+    ref = reference_decode_attention(q, k_pages, v_pages, tables, lens, head_dim ** -0.5)
+    assert got.dtype == torch.bfloat16 and got.shape == q.shape
+    assert not got.isnan().any()  # no NaN slot or block past a context was read
+    torch.testing.assert_close(got.float(), ref, **ATTENTION_TOLERANCE)
+
+
+@pytest.mark.parametrize("threads", [1, 3, 5])
+def test_decode_attention_merges_rows_split_between_threads(threads):
+    """Each thread takes an equal share of all tokens, so a row's context may be split between threads and
+    merged from softmax statistics: one long row over 3 and 5 shares, and a mixed batch, match the reference."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for batch, seed in ((1, 5), (7, 3)):  # seed 5: the one row is the 300-token context
+            q, k_pages, v_pages, tables, lens = scattered_problem(batch, 6, 2, 64, block_size=8, seed=seed)
+            got = cpu_ext.decode_attention_bf16(q, k_pages, v_pages, tables, lens, 0.125)
+            ref = reference_decode_attention(q, k_pages, v_pages, tables, lens, 0.125)
+            torch.testing.assert_close(got.float(), ref, **ATTENTION_TOLERANCE)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_decode_attention_rejects_a_context_longer_than_its_table():
+    q, k_pages, v_pages, tables, lens = scattered_problem(2, 4, 2, 64)
+    with pytest.raises(RuntimeError, match="context length"):
+        cpu_ext.decode_attention_bf16(q, k_pages, v_pages, tables[:, :1], lens.clamp(min=17), 0.125)
+
+
+def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Units in the last place between bf16 tensors of the same signs (the bit patterns are then ordered)."""
+    return (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
+
+
+def torch_rms_norm(x, weight, eps):
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+# The fused kernels round every intermediate to bf16 where the torch ops store one, so they agree bit for bit
+# except where an fp32 sum order (RMSNorm's mean) or exp's last bit (SiLU) differs and flips a rounding: one
+# bf16 ulp of an intermediate, at most two of the output after the next product's rounding.
+def assert_matches_torch_chain(got, ref):
+    assert got.dtype == ref.dtype == torch.bfloat16 and got.shape == ref.shape
+    assert ulp_distance(got, ref).max() <= 2
+    assert (got == ref).float().mean() >= 0.999
+
+
+@pytest.mark.parametrize("rows,width", [(1, 576), (64, 576), (300, 100), (3, 5)])  # 300 rows: split over threads
+def test_rms_norm_with_fused_residual_add_matches_torch_ops(rows, width):
+    torch.manual_seed(rows)
+    x, residual = bf16(rows, width, scale=3.0), bf16(rows, width, scale=10.0)
+    weight = (torch.rand(width) * 2).to(torch.bfloat16)
+    normed, total = cpu_ext.rms_norm(x, weight, 1e-5, residual)
+    assert torch.equal(total, residual + x)  # one bf16 add: exact
+    assert_matches_torch_chain(normed, torch_rms_norm(residual + x, weight, 1e-5))
+    normed, same = cpu_ext.rms_norm(x, weight, 1e-5)
+    assert same is x or same.data_ptr() == x.data_ptr()
+    assert_matches_torch_chain(normed, torch_rms_norm(x, weight, 1e-5))
+
+
+@pytest.mark.parametrize("rows,width", [(1, 1536), (64, 1536), (5, 37)])  # 37: a 16-lane tail
+def test_silu_mul_matches_torch_ops(rows, width):
+    torch.manual_seed(width)
+    gate_up = bf16(rows, 2 * width, scale=4.0)
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert_matches_torch_chain(cpu_ext.silu_mul(gate_up), F.silu(gate) * up)
+
+
+@pytest.mark.parametrize("rows,head_dim", [(1, 64), (64, 64), (9, 20)])  # 20: half a head is 10 lanes
+def test_rotary_in_place_is_bit_identical_to_apply_rotary(rows, head_dim):
+    num_heads, num_kv_heads = 9, 3
+    torch.manual_seed(rows)
+    qkv = bf16(rows, (num_heads + 2 * num_kv_heads) * head_dim)
+    cos, sin = RotaryEmbedding(head_dim, 4096, 10000.0, None).lookup(torch.randint(0, 4096, (rows,)),
+                                                                     torch.bfloat16)
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    ref_q = apply_rotary(q.reshape(rows, num_heads, head_dim), cos, sin)
+    ref_k = apply_rotary(k.reshape(rows, num_kv_heads, head_dim), cos, sin)
+    ref_v = v.clone()
+    cpu_ext.rotary_(qkv, cos, sin, num_heads + num_kv_heads, head_dim)
+    assert torch.equal(q.reshape(rows, num_heads, head_dim), ref_q)
+    assert torch.equal(k.reshape(rows, num_kv_heads, head_dim), ref_k)
+    assert torch.equal(v, ref_v)  # the value heads are left alone
 
 
 def _model(folder, dtype):
@@ -83,8 +184,9 @@ def _model(folder, dtype):
 
 def test_bf16_model_with_kernels_matches_torch_ops(tiny_model_dir, monkeypatch):
     """Prefill chunks, then decode steps: logits with the kernels on stay within bf16 noise of the eager
-    model's on the same pages (and the kernels did run)."""
-    calls = {"linear": 0, "attention": 0}
+    model's on the same pages (and the kernels did run, in the fast model only)."""
+    kernels = ("linear_bf16", "decode_attention_bf16", "rms_norm", "silu_mul", "rotary_")
+    calls = dict.fromkeys(kernels, 0)
 
     def spy(name, func):
         def wrapped(*args, **kwargs):
@@ -92,37 +194,50 @@ def test_bf16_model_with_kernels_matches_torch_ops(tiny_model_dir, monkeypatch):
             return func(*args, **kwargs)
         return wrapped
 
-    monkeypatch.setattr(cpu_ext, "linear_bf16", spy("linear", cpu_ext.linear_bf16))
-    monkeypatch.setattr(cpu_ext, "decode_attention_bf16", spy("attention", cpu_ext.decode_attention_bf16))
+    for name in kernels:
+        monkeypatch.setattr(cpu_ext, name, spy(name, getattr(cpu_ext, name)))
     cfg, eager = _model(tiny_model_dir, torch.bfloat16)
     _, fast = _model(tiny_model_dir, torch.bfloat16)
     fast.use_kernels(True)
     block = 4
     prompts = [[5, 9, 33, 2, 7, 100, 3], [11, 12, 13], [400, 401, 402, 403, 404, 405, 406, 407, 408]]
     logits = {}
-    for name, model, kernels in (("eager", eager, False), ("fast", fast, True)):
+    for name, model, kernels_on in (("eager", eager, False), ("fast", fast, True)):
         kv = KVCache(cfg, 32, block, torch.bfloat16)
         tables = [list(range(10 * i + 9, 10 * i - 1, -1)) for i in range(len(prompts))]
         rows = []
         for table, ids in zip(tables, prompts):  # prefill each prompt
-            meta = AttentionMetadata.build(block, [], [(table, 0, len(ids))], kernels)
+            meta = AttentionMetadata.build(block, [], [(table, 0, len(ids))], kernels_on)
             model(torch.tensor(ids), torch.arange(len(ids)), meta, kv.layers)
         for step in range(3):  # then decode: the first two together, the third alone
             for group in ([0, 1], [2]):
                 positions = [len(prompts[i]) + step for i in group]
                 meta = AttentionMetadata.build(block, [(tables[i], p + 1) for i, p in zip(group, positions)], [],
-                                               kernels)
+                                               kernels_on)
                 hidden = model(torch.tensor([7 + step] * len(group)), torch.tensor(positions), meta, kv.layers)
                 rows.append(model.compute_logits(hidden))
         logits[name] = torch.cat(rows)
-    # Within the limits: every projection of the decode steps (two rows or one; 4 a layer + the head) and of
-    # the 3-token prefill (not the 7- and 9-token ones); the attention kernel for the one-sequence steps.
-    assert (cpu_ext.MAX_GEMV_ROWS, cpu_ext.MAX_ATTENTION_SEQS) == (5, 1)
-    assert calls["linear"] == 6 * (4 * cfg.num_layers + 1) + 4 * cfg.num_layers
-    assert calls["attention"] == 3 * cfg.num_layers
+    # 9 forwards (3 prefills, 6 decode steps). GEMV within its limit: every projection of the decode steps
+    # (4 a layer + the head) and of the 3-token prefill (not the 7- and 9-token ones); the attention kernel
+    # for every decode step, one sequence or two; the elementwise kernels in every forward.
+    layers = cfg.num_layers
+    assert cpu_ext.MAX_GEMV_ROWS == 5 and cpu_ext.attention_applies(2)
+    assert calls == {"linear_bf16": 6 * (4 * layers + 1) + 4 * layers, "decode_attention_bf16": 6 * layers,
+                     "rms_norm": 9 * (2 * layers + 1), "silu_mul": 9 * layers, "rotary_": 9 * layers}
     ref = logits["eager"]
     assert (logits["fast"] - ref).abs().max() <= 0.05 * ref.abs().max()
     assert (logits["fast"].argmax(-1) == ref.argmax(-1)).float().mean() >= 0.8
+
+
+def test_kernel_limits_follow_the_switches(monkeypatch):
+    assert cpu_ext.attention_applies(64)
+    monkeypatch.setattr(cpu_ext, "MAX_ATTENTION_SEQS", 1)
+    assert cpu_ext.attention_applies(1) and not cpu_ext.attention_applies(2)
+    x = bf16(4, 8)
+    assert cpu_ext.elementwise_applies(x)
+    assert not cpu_ext.elementwise_applies(x.float()) and not cpu_ext.elementwise_applies(x.t())
+    monkeypatch.setattr(cpu_ext, "FUSED_ELEMENTWISE", False)
+    assert not cpu_ext.elementwise_applies(x)
 
 
 def test_fp32_model_is_untouched_by_the_kernel_switch(tiny_model_dir):

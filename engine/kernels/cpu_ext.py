@@ -1,17 +1,26 @@
-"""CPU kernels (C++, engine/kernels/cpu_ext.cpp) for the two places where plain torch ops leave most of the
-machine idle on a bf16 model: small-batch matrix-vector products and decode attention over paged KV.
+"""CPU kernels (C++, engine/kernels/cpu_ext.cpp) for the places where plain torch ops leave most of the machine
+idle on a bf16 model: small-batch matrix-vector products, decode attention over paged KV, and the small
+elementwise ops between the matrix products.
 
 - `linear_bf16`: y = x W^T + b for a few rows. torch's bf16 GEMM reaches about 8 GB/s of weight traffic at
   one row on a 2-core AVX-512 host (its oneDNN kernels are built for large batches); this kernel streams
   each weight row once, widening bf16 to fp32 with a shift. Accumulation is fp32, as torch's; only the
   summation order differs.
-- `decode_attention_bf16`: one query per sequence attends to its context read in place from the pages
+- `decode_attention_bf16`: one query per row attends to its context read in place from the pages
   [num_blocks, block_size, kv_heads, head_dim] through its block table: no gather copy, no padding mask.
+  Work items are (row, kv head) pairs, each with its whole query group, so a key/value row is loaded once for
+  the group; threads get equal shares of all tokens (an item cut between two is merged from its softmax
+  statistics). fp32 math from the bf16 inputs, one rounding of the output.
+- `rms_norm` (with the residual add before it), `silu_mul` (on the fused gate|up output), `rotary_` (q and k
+  in place in the fused qkv output): one pass each instead of 3-10 torch ops and their temporaries. They round
+  every intermediate to bf16 where the torch ops store one, so they match torch to the bit but for rare
+  one-ulp flips (RMSNorm's fp32 sum order, SiLU's exp).
 
-Both run on torch's intra-op thread pool (at::parallel_for). A first version in Numba lost most of its
+All run on torch's intra-op thread pool (at::parallel_for). A first version in Numba lost most of its
 isolated speed-up inside the model: Numba brings its own OpenMP runtime, whose threads and torch's took
 turns on the same two cores. The extension is compiled on first use (torch cpp_extension, cached under
-TORCH_EXTENSIONS_DIR, ~1 minute once per machine); without a compiler the engine runs plain torch ops.
+TORCH_EXTENSIONS_DIR, ~1 minute once per machine); without a compiler the engine runs plain torch ops, and
+built without AVX-512 only the GEMV is used (the scalar fallbacks of the others lose to torch).
 """
 from __future__ import annotations
 
@@ -27,13 +36,17 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_ext.cpp")
 # Where the kernels measured faster than torch inside the SmolLM2 forward (python -m bench.cpu_kernels,
 # 2 cores): rows of a product, sequences of a decode group.
-# Measured (min of 10 forwards, ctx 192 / 1024): at one row torch 52.0 / 57.8 ms, GEMV 37.8 / 43.3; at 4-5 rows
+# GEMV (min of 10 forwards, ctx 192 / 1024): at one row torch 52.0 / 57.8 ms, GEMV 37.8 / 43.3; at 4-5 rows
 # (a verification chunk of 1 + K=4 drafts) the GEMV still wins by 5-10% (each weight vector is widened once
-# for all rows); at 8 it breaks even. The attention kernel wins for one sequence and loses from two (torch's
-# flash SDPA over the flat-page gather is better vectorised across a batch). Noisy host: the ratios held
-# across runs, the absolute times did not.
+# for all rows); at 8 it breaks even.
+# Attention and elementwise kernels: faster at every batch measured, 1 to 64 sequences. Min of 8 forwards,
+# ctx 192 / 1024, torch ops -> attention kernel alone: batch 1 38.1 -> 33.2 / 64.5 -> 57.6 ms, batch 64
+# 106.0 -> 76.5 / 357.0 -> 162.8 (no gather, no padded SDPA); elementwise kernels alone: 10-15% at ctx 192;
+# all kernels as an engine runs them: batch 1 23.1 / 31.4, batch 64 63.6 / 150.2.
+# Noisy host: the ratios held across runs, the absolute times did not.
 MAX_GEMV_ROWS = 5
-MAX_ATTENTION_SEQS = 1  # sequences in a decode group (a verified sequence brings 1 + K rows)
+MAX_ATTENTION_SEQS = 1 << 30  # sequences in a decode group (a verified sequence brings 1 + K rows): no limit
+FUSED_ELEMENTWISE = True  # RMSNorm (+ residual add), RoPE, SiLU * up
 
 
 @functools.cache
@@ -68,11 +81,46 @@ def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return extension().linear_bf16(x, weight, bias if bias is not None else torch.empty(0))
 
 
+def attention_applies(num_seqs: int) -> bool:
+    """Whether `decode_attention_bf16` is the faster choice for a decode group of `num_seqs` sequences."""
+    return num_seqs <= MAX_ATTENTION_SEQS and vectorized()
+
+
 def decode_attention_bf16(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [B, Hq, D] bf16; pages [num_blocks, bs, Hkv, D] bf16; block_tables [B, nb] int64 (entries past a
-    sequence's context are never read); context_lens [B] int64 (>= 1) -> [B, Hq, D] bf16."""
+    """q [B, Hq, D] bf16; pages [num_blocks, bs, Hkv, D] bf16; block_tables [B, nb] int64 (entries and slots
+    past a row's context are never read); context_lens [B] int64 (>= 1) -> [B, Hq, D] bf16."""
     return extension().decode_attention_bf16(q, k_pages, v_pages, block_tables, context_lens, scale)
+
+
+def elementwise_applies(x: torch.Tensor) -> bool:
+    """Whether the fused elementwise kernels take this activation: bf16 [T, width] on the CPU, unit stride."""
+    return (FUSED_ELEMENTWISE and x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() == 2
+            and x.stride(1) == 1 and vectorized())
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, H] bf16 -> (RMSNorm(s) [T, H], s) with s = residual + x (s = x without a residual), each rounded
+    to bf16 where the torch ops round."""
+    return tuple(extension().rms_norm_bf16(x, torch.empty(0) if residual is None else residual, weight, eps))
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [T, 2I] bf16 (gate | up) -> silu(gate) * up [T, I] bf16."""
+    return extension().silu_mul_bf16(gate_up)
+
+
+def rotary_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, head_dim: int) -> None:
+    """Rotates the first `heads` heads of each row of qkv [T, >= heads * D] bf16 in place (half-split layout);
+    cos, sin [T, 1, D/2] (or [T, D/2]) bf16, as RotaryEmbedding.lookup returns them."""
+    extension().rotary_bf16_(qkv, cos.reshape(cos.shape[0], -1), sin.reshape(sin.shape[0], -1), heads, head_dim)
+
+
+@functools.cache
+def vectorized() -> bool:
+    """Whether the extension was built with its AVX-512 paths (its scalar fallbacks lose to torch)."""
+    return available() and extension().vectorized()
 
 
 def main() -> int:

@@ -6,6 +6,7 @@ them. Projections are fused (q|k|v and gate|up) so that one step issues few, lar
 """
 from __future__ import annotations
 
+from itertools import islice
 from typing import Iterable
 
 import torch
@@ -40,18 +41,34 @@ class Linear(nn.Linear):
 class RMSNorm(nn.Module):
     """Root-mean-square norm computed in float32, as the reference implementation does."""
 
+    use_kernels = False  # set per instance by LlamaModel.use_kernels
+
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_kernels and cpu_ext.elementwise_applies(x):
+            return cpu_ext.rms_norm(x, self.weight, self.eps)[0]
+        return self._norm(x)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x): the residual add, fused into the norm when the kernels are on."""
+        if self.use_kernels and cpu_ext.elementwise_applies(x):
+            return cpu_ext.rms_norm(x, self.weight, self.eps, residual)
+        residual = residual + x
+        return self._norm(residual), residual
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
 
 
 class Attention(nn.Module):
+    use_kernels = False  # set per instance by LlamaModel.use_kernels
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
@@ -62,23 +79,33 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: Rope, meta: AttentionMetadata,
                 kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         c = self.cfg
-        q, k, v = self.qkv_proj(x).split([c.q_size, c.kv_size, c.kv_size], dim=-1)  # [T, *]
+        qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
+        rotate_in_place = self.use_kernels and cpu_ext.elementwise_applies(qkv)
+        if rotate_in_place:
+            cpu_ext.rotary_(qkv, *rope, c.num_heads + c.num_kv_heads, c.head_dim)  # the q and k heads
+        q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)  # [T, *]
         q = q.view(-1, c.num_heads, c.head_dim)
         k = k.view(-1, c.num_kv_heads, c.head_dim)
         v = v.view(-1, c.num_kv_heads, c.head_dim)
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        if not rotate_in_place:
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         out = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)  # [T, Hq, hd]
         return self.o_proj(out.view(-1, c.q_size))
 
 
 class MLP(nn.Module):
+    use_kernels = False  # set per instance by LlamaModel.use_kernels
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
+        if self.use_kernels and cpu_ext.elementwise_applies(gate_up):
+            return self.down_proj(cpu_ext.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -90,10 +117,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, rope: Rope, meta: AttentionMetadata,
-                kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, meta, kv)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope, meta: AttentionMetadata,
+                kv: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's output, not yet added to the residual stream (None before the first layer)
+        -> this layer's output and the stream: each add happens inside the norm that follows it."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm.add_forward(x, residual)
+        h = self.self_attn(h, rope, meta, kv)
+        h, residual = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -111,13 +145,15 @@ class LlamaModel(nn.Module):
         self.kernels_on = False  # see use_kernels
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """input_ids, positions [T] -> final hidden states [T, hidden]."""
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], num_layers: int | None = None) -> torch.Tensor:
+        """input_ids, positions [T] -> final hidden states [T, hidden]; after the first `num_layers` layers
+        only when given (a self-draft: the final norm still applies)."""
         x = self.embed_tokens(input_ids)
         rope = self.rope.lookup(positions, x.dtype)
-        for layer, kv in zip(self.layers, kv_caches):
-            x = layer(x, rope, meta, kv)
-        return self.norm(x)
+        residual = None
+        for layer, kv in zip(islice(self.layers, num_layers), kv_caches):
+            x, residual = layer(x, residual, rope, meta, kv)
+        return self.norm.add_forward(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [B, hidden] -> float32 logits [B, vocab]."""
@@ -125,12 +161,12 @@ class LlamaModel(nn.Module):
         return linear(hidden, weight, None, self.kernels_on).float()
 
     def use_kernels(self, on: bool = True) -> None:
-        """Switch the CPU kernels (small-batch bf16 GEMV here, in-place decode attention via the runner) on or
-        off; off is plain torch ops everywhere. Builds them now (once per machine), not on the first request;
-        stays off where they cannot be built."""
+        """Switch the CPU kernels (small-batch bf16 GEMV, fused RMSNorm / RoPE / SiLU*up here, in-place decode
+        attention via the runner) on or off; off is plain torch ops everywhere. Builds them now (once per
+        machine), not on the first request; stays off where they cannot be built."""
         self.kernels_on = on and cpu_ext.available()
         for module in self.modules():
-            if isinstance(module, Linear):
+            if isinstance(module, (Linear, RMSNorm, Attention, MLP)):
                 module.use_kernels = self.kernels_on
 
     @torch.no_grad()

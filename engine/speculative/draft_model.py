@@ -47,12 +47,7 @@ class LayerPrefixModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        t = self.target
-        x = t.embed_tokens(input_ids)  # [T, hidden]
-        rope = t.rope.lookup(positions, x.dtype)
-        for layer, kv in zip(t.layers[: self.cfg.num_layers], kv_caches):
-            x = layer(x, rope, meta, kv)
-        return t.norm(x)
+        return self.target(input_ids, positions, meta, kv_caches, num_layers=self.cfg.num_layers)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.target.compute_logits(hidden)
