@@ -31,6 +31,7 @@ import torch
 
 from engine import LLM, EngineConfig, ModelConfig, SamplingParams
 from engine.engine_core import EngineRequest
+from engine.kernels import cpu_ext
 from engine.kv_cache import bytes_per_block
 from engine.model.loader import resolve_model
 from engine.output_processor import OutputProcessor
@@ -404,6 +405,30 @@ def engine_step(llm: LLM, processor: OutputProcessor, times: StepTimes, annotate
     times.wall.append(time.perf_counter() - start)
 
 
+CPU_KERNELS = ("linear_bf16", "decode_attention_bf16", "rms_norm", "silu_mul", "rotary_")
+
+
+@contextlib.contextmanager
+def annotated_kernels():
+    """Our C++ kernels are pybind functions, not torch ops: the profiler would count their time as Python.
+    While profiling, each call is wrapped in a record_function named cpu_ext::NAME, which the summary counts
+    as an op."""
+    def annotate(fn, name: str):
+        def wrapper(*args, **kwargs):
+            with torch.profiler.record_function(f"cpu_ext::{name}"):
+                return fn(*args, **kwargs)
+        return wrapper
+
+    originals = {name: getattr(cpu_ext, name) for name in CPU_KERNELS}
+    for name, fn in originals.items():
+        setattr(cpu_ext, name, annotate(fn, name))
+    try:
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(cpu_ext, name, fn)
+
+
 def all_decoding(llm: LLM) -> bool:
     sched = llm.engine.scheduler
     return not sched.waiting and all(seq.prefill_done for seq in sched.running)
@@ -427,7 +452,7 @@ def profile_decode(llm: LLM, factory: PromptFactory, batch: int, steps: int, top
         engine_step(llm, processor, plain, annotate=False)
     others = others_cpu_share(cpu_before, cpu_sample())
     profiled = StepTimes()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    with annotated_kernels(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             engine_step(llm, processor, profiled, annotate=True)
     running = len(llm.engine.scheduler.running)
@@ -464,7 +489,8 @@ def summarise_profile(prof, plain: StepTimes, profiled: StepTimes, batch: int, r
                      "self_ms_per_step": e.self_cpu_time_total / steps / 1000,
                      "share_of_step": e.self_cpu_time_total / prof_wall_us} for e in ranked],
         "method": ("torch.profiler (CPU activity): outside-ops time = wall time of the profiled steps minus the sum "
-                   "of self CPU time of all torch ops (the phase annotations excluded); py-spy "
+                   "of self CPU time of all torch ops and of our C++ kernels (cpu_ext::*; the phase annotations "
+                   "excluded); py-spy "
                    + ("is installed but was not used" if shutil.which("py-spy") else "is not installed")),
     }
 

@@ -112,7 +112,7 @@ def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         scaled = _apply_top_k_top_p(scaled, batch)
     probs = scaled.softmax(dim=-1)  # [B, V]
     if batch.any_greedy:
-        one_hot = F.one_hot(logits.argmax(dim=-1), logits.shape[-1]).to(probs.dtype)  # [B, V]
+        one_hot = F.one_hot(row_argmax(logits), logits.shape[-1]).to(probs.dtype)  # [B, V]
         probs = torch.where(batch.greedy[:, None], one_hot, probs)
     return probs
 
@@ -150,9 +150,15 @@ def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, batch: SamplingBatch) 
     return out
 
 
+def row_argmax(x: torch.Tensor) -> torch.Tensor:
+    """x [B, V] -> [B] int64: argmax's answer (the first maximal index; NaN counts as the maximum) by max(dim),
+    which takes half argmax's time on this CPU (fp32 [64, 49152], 2 threads: 1.9 against 3.9 ms)."""
+    return x.max(dim=-1).indices
+
+
 def greedy_tokens(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """The argmax of each row of logits [B, V] after the row's bans: [B] int64."""
-    return _apply_bans(logits, batch).argmax(dim=-1)
+    return row_argmax(_apply_bans(logits, batch))
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, batch: SamplingBatch) -> list[TokenLogprobs | None]:
@@ -171,7 +177,7 @@ def exponential_race(probs: torch.Tensor, generators: list[torch.Generator | Non
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     """Pick one token per row of ``logits`` [B, V]; logprobs come from the raw (unprocessed) logits."""
     if batch.all_greedy:
-        tokens = _apply_bans(logits, batch).argmax(dim=-1)  # [B]
+        tokens = greedy_tokens(logits, batch)  # [B]
     else:
         tokens = _draw(process_logits(logits, batch), batch)  # [B]
     logprobs = _logprobs(logits, tokens, batch) if batch.max_logprobs is not None else None

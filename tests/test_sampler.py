@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import engine.sampler as sampler_mod
-from engine.sampler import SamplingBatch, process_logits, sample
+from engine.sampler import SamplingBatch, process_logits, row_argmax, sample
 from engine.sampling_params import SamplingParams
 
 # Hand-made distribution, deliberately not sorted by id.
@@ -202,3 +202,15 @@ def test_cuda_matches_cpu_and_seeded_rows_are_batch_invariant():
     batched = [sample(logits.cuda(), cuda_batch).token_ids[0] for _ in range(10)]
     solo_batch = SamplingBatch.build(params[:1], [torch.Generator("cuda").manual_seed(5)], [()], "cuda")
     assert [sample(logits[:1].cuda(), solo_batch).token_ids[0] for _ in range(10)] == batched
+
+
+def test_row_argmax_answers_as_argmax_on_ties_nan_and_inf():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 4, (16, 3000), generator=gen).float()  # many tied maxima per row
+    x[3, 100] = float("nan")  # NaN wins, the first NaN when there are several
+    x[5, 7] = x[5, 2000] = float("nan")
+    x[7] = -float("inf")
+    x[8, 2999] = float("inf")
+    want = x.argmax(dim=-1)
+    assert want[5] == 7 and want[7] == 0 and want[8] == 2999
+    assert torch.equal(row_argmax(x), want)

@@ -72,7 +72,7 @@ def available() -> bool:
 
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `linear_bf16` is the faster choice for this product."""
-    return (x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.device.type == "cpu"
+    return (x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.is_cpu
             and x.dim() == 2 and x.shape[0] <= MAX_GEMV_ROWS and weight.is_contiguous())
 
 
@@ -95,7 +95,7 @@ def decode_attention_bf16(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch
 
 def elementwise_applies(x: torch.Tensor) -> bool:
     """Whether the fused elementwise kernels take this activation: bf16 [T, width] on the CPU, unit stride."""
-    return (FUSED_ELEMENTWISE and x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() == 2
+    return (FUSED_ELEMENTWISE and x.dtype == torch.bfloat16 and x.is_cpu and x.dim() == 2
             and x.stride(1) == 1 and vectorized())
 
 
