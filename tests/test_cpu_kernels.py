@@ -9,10 +9,10 @@ from engine import LLM, SamplingParams
 from engine.attention import AttentionMetadata
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
-from engine.kernels import cpu_ext
+from engine.kernels import cpu_ext, packed_linear
 from engine.kv_cache import KVCache
 from engine.model.hf_loader import iter_hf_weights, read_hf_config
-from engine.model.llama import build_model
+from engine.model.llama import Linear, build_model
 from engine.model.rope import RotaryEmbedding, apply_rotary
 
 
@@ -196,6 +196,8 @@ def test_bf16_model_with_kernels_matches_torch_ops(tiny_model_dir, monkeypatch):
 
     for name in kernels:
         monkeypatch.setattr(cpu_ext, name, spy(name, getattr(cpu_ext, name)))
+    calls["packed"] = 0
+    monkeypatch.setattr(packed_linear, "linear", spy("packed", packed_linear.linear))
     cfg, eager = _model(tiny_model_dir, torch.bfloat16)
     _, fast = _model(tiny_model_dir, torch.bfloat16)
     fast.use_kernels(True)
@@ -217,13 +219,15 @@ def test_bf16_model_with_kernels_matches_torch_ops(tiny_model_dir, monkeypatch):
                 hidden = model(torch.tensor([7 + step] * len(group)), torch.tensor(positions), meta, kv.layers)
                 rows.append(model.compute_logits(hidden))
         logits[name] = torch.cat(rows)
-    # 9 forwards (3 prefills, 6 decode steps). GEMV within its limit: every projection of the decode steps
-    # (4 a layer + the head) and of the 3-token prefill (not the 7- and 9-token ones); the attention kernel
-    # for every decode step, one sequence or two; the elementwise kernels in every forward.
+    # 9 forwards (3 prefills, 6 decode steps). The GEMV serves the products of one row: each projection (4 a
+    # layer) and the head of the 3 one-sequence decode steps; the packed weights those of 2+ rows: the 3
+    # two-sequence decode steps and the 3 prefills (no head there); the attention kernel every decode step,
+    # one sequence or two; the elementwise kernels every forward.
     layers = cfg.num_layers
-    assert cpu_ext.MAX_GEMV_ROWS == 5 and cpu_ext.attention_applies(2)
-    assert calls == {"linear_bf16": 6 * (4 * layers + 1) + 4 * layers, "decode_attention_bf16": 6 * layers,
-                     "rms_norm": 9 * (2 * layers + 1), "silu_mul": 9 * layers, "rotary_": 9 * layers}
+    assert cpu_ext.attention_applies(2) and packed_linear.available()
+    assert calls == {"linear_bf16": 3 * (4 * layers + 1), "packed": 3 * (4 * layers + 1) + 3 * 4 * layers,
+                     "decode_attention_bf16": 6 * layers, "rms_norm": 9 * (2 * layers + 1), "silu_mul": 9 * layers,
+                     "rotary_": 9 * layers}
     ref = logits["eager"]
     assert (logits["fast"] - ref).abs().max() <= 0.05 * ref.abs().max()
     assert (logits["fast"].argmax(-1) == ref.argmax(-1)).float().mean() >= 0.8
@@ -286,3 +290,34 @@ def test_verification_rows_through_the_kernel_match_the_causal_segment(tiny_mode
     ref = logits[False]
     assert (logits[True] - ref).abs().max() <= 0.05 * ref.abs().max()
     assert torch.equal(logits[True].argmax(-1), ref.argmax(-1))
+
+
+@pytest.mark.skipif(not packed_linear.available(), reason="this torch has no oneDNN packing ops")
+@pytest.mark.parametrize("rows", [2, 5, 64, 128])
+def test_packed_weights_give_f_linear_bit_for_bit(rows):
+    gen = torch.Generator().manual_seed(rows)
+    weight = (torch.randn(200, 96, generator=gen) * 0.1).to(torch.bfloat16)
+    bias = torch.randn(200, generator=gen).to(torch.bfloat16)
+    x = torch.randn(rows, 96, generator=gen).to(torch.bfloat16)
+    packed = packed_linear.pack(weight)
+    assert packed is not None and packed_linear.applies(x)
+    assert torch.equal(packed_linear.linear(x, packed, bias), F.linear(x, weight, bias))
+    assert torch.equal(packed_linear.linear(x, packed, None), F.linear(x, weight))
+    assert packed_linear.pack(weight.float()) is None  # bf16 only
+    assert not packed_linear.applies(x[:1]) and not packed_linear.applies(x[:1].expand(129, 96))
+
+
+@pytest.mark.skipif(not packed_linear.available(), reason="this torch has no oneDNN packing ops")
+def test_model_products_use_the_packed_weights_between_two_and_max_rows(tiny_model_dir, monkeypatch):
+    _, model = _model(tiny_model_dir, torch.bfloat16)
+    model.use_kernels(True)
+    rows_seen = []
+    monkeypatch.setattr(packed_linear, "linear", lambda x, p, b, f=packed_linear.linear: rows_seen.append(len(x))
+                        or f(x, p, b))
+    for rows in (1, 3, packed_linear.MAX_PACKED_ROWS + 1):
+        meta = AttentionMetadata.build(4, [], [(list(range(40)), 0, rows)], True)
+        model.compute_logits(model(torch.arange(rows) + 3, torch.arange(rows), meta,
+                                   KVCache(model.cfg, 40, 4, torch.bfloat16).layers))
+    assert rows_seen == [3] * (4 * model.cfg.num_layers + 1)  # every projection and the logits, at 3 rows only
+    model.use_kernels(False)
+    assert all(m.packed is None for m in model.modules() if isinstance(m, Linear)) and model.lm_packed is None

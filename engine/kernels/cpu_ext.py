@@ -38,7 +38,8 @@ SOURCE = Path(__file__).with_name("cpu_ext.cpp")
 # 2 cores): rows of a product, sequences of a decode group.
 # GEMV (min of 10 forwards, ctx 192 / 1024): at one row torch 52.0 / 57.8 ms, GEMV 37.8 / 43.3; at 4-5 rows
 # (a verification chunk of 1 + K=4 drafts) the GEMV still wins by 5-10% (each weight vector is widened once
-# for all rows); at 8 it breaks even.
+# for all rows); at 8 it breaks even. Where the weights have a oneDNN-packed copy (engine/kernels/packed_linear.py,
+# the usual case) that copy serves 2+ rows and the GEMV only one row (GEMV 10-30% faster than it there).
 # Attention and elementwise kernels: faster at every batch measured, 1 to 64 sequences. Min of 8 forwards,
 # ctx 192 / 1024, torch ops -> attention kernel alone: batch 1 38.1 -> 33.2 / 64.5 -> 57.6 ms, batch 64
 # 106.0 -> 76.5 / 357.0 -> 162.8 (no gather, no padded SDPA); elementwise kernels alone: 10-15% at ctx 192;

@@ -15,27 +15,33 @@ from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention
 from engine.config import ModelConfig
-from engine.kernels import cpu_ext
+from engine.kernels import cpu_ext, packed_linear
 from engine.model.rope import RotaryEmbedding, apply_rotary
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, 1, head_dim / 2]
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, use_kernels: bool) -> torch.Tensor:
-    """F.linear, or the streaming GEMV kernel for few-row bf16 products on the CPU when kernels are on."""
-    if use_kernels and cpu_ext.applies(x, weight):
-        return cpu_ext.linear_bf16(x, weight, bias)
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, use_kernels: bool,
+           packed: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, or with the kernels on (bf16 on the CPU): the weight's oneDNN-packed copy for decode-sized
+    products, the streaming GEMV for a row (for a few rows when there is no packed copy)."""
+    if use_kernels:
+        if packed is not None and packed_linear.applies(x):
+            return packed_linear.linear(x, packed, bias)
+        if cpu_ext.applies(x, weight):
+            return cpu_ext.linear_bf16(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
 class Linear(nn.Linear):
-    """nn.Linear that uses the GEMV kernel where it applies once the model's kernels are switched on
-    (LlamaModel.use_kernels)."""
+    """nn.Linear that uses the packed weight or the GEMV kernel where they apply once the model's kernels are
+    switched on (LlamaModel.use_kernels)."""
 
     use_kernels = False  # set per instance by LlamaModel.use_kernels
+    packed: torch.Tensor | None = None  # oneDNN-packed copy of the weight, made by LlamaModel.use_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.use_kernels)
+        return linear(x, self.weight, self.bias, self.use_kernels, self.packed)
 
 
 class RMSNorm(nn.Module):
@@ -143,6 +149,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.kernels_on = False  # see use_kernels
+        self.lm_packed: torch.Tensor | None = None  # oneDNN-packed LM head, see use_kernels
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], num_layers: int | None = None) -> torch.Tensor:
@@ -157,17 +164,23 @@ class LlamaModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [B, hidden] -> float32 logits [B, vocab]."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return linear(hidden, weight, None, self.kernels_on).float()
+        return linear(hidden, self._lm_weight(), None, self.kernels_on, self.lm_packed).float()
+
+    def _lm_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def use_kernels(self, on: bool = True) -> None:
-        """Switch the CPU kernels (small-batch bf16 GEMV, fused RMSNorm / RoPE / SiLU*up here, in-place decode
-        attention via the runner) on or off; off is plain torch ops everywhere. Builds them now (once per
-        machine), not on the first request; stays off where they cannot be built."""
+        """Switch the CPU kernels (oneDNN-packed weights, one-row GEMV, fused RMSNorm / RoPE / SiLU*up here,
+        in-place decode attention via the runner) on or off; off is plain torch ops everywhere. Builds them now
+        (once per machine), not on the first request; stays off where they cannot be built. Call it after the
+        weights are loaded: the packed copies are taken here."""
         self.kernels_on = on and cpu_ext.available()
         for module in self.modules():
             if isinstance(module, (Linear, RMSNorm, Attention, MLP)):
                 module.use_kernels = self.kernels_on
+            if isinstance(module, Linear):
+                module.packed = packed_linear.pack(module.weight) if self.kernels_on else None
+        self.lm_packed = packed_linear.pack(self._lm_weight()) if self.kernels_on else None
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
