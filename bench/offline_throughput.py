@@ -405,7 +405,8 @@ def engine_step(llm: LLM, processor: OutputProcessor, times: StepTimes, annotate
     times.wall.append(time.perf_counter() - start)
 
 
-CPU_KERNELS = ("linear_bf16", "decode_attention_bf16", "rms_norm", "silu_mul", "rotary_")
+CPU_KERNELS = ("linear_bf16", "decode_attention_bf16", "decode_attention_fp8", "rms_norm", "silu_mul",
+               "rotary_")
 
 
 @contextlib.contextmanager

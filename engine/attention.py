@@ -1,5 +1,6 @@
 """Paged attention on CPU: one batched gather of the needed KV blocks, then scaled-dot-product attention;
-for the decode group of a bf16 engine with its kernels on, the in-place kernel instead (cpu_ext, no gather).
+for the decode group of a bf16 engine with its kernels on, the in-place kernel instead (cpu_ext, no gather),
+over bf16 pages or fp8 QuantizedPages.
 
 The flat batch holds decode rows first (one new token per sequence, attended as one group), then each
 prefill chunk as a contiguous segment. New keys/values are written into their cache slots before
@@ -147,9 +148,15 @@ def _gather(cache: KVPages, block_tables: torch.Tensor) -> torch.Tensor:
 def _decode_attention(q: torch.Tensor, k_cache: KVPages, v_cache: KVPages,
                       meta: AttentionMetadata, scale: float) -> torch.Tensor:
     # One query per sequence: fold each KV head's query group into the query-length axis, so no KV repeat.
-    if meta.use_kernels and cpu_ext.attention_applies(meta.num_decode_seqs) and _kernel_applies(q, k_cache):
-        return cpu_ext.decode_attention_bf16(q, k_cache, v_cache, meta.decode_block_tables,
-                                             meta.decode_context_lens, scale)
+    if meta.use_kernels and cpu_ext.attention_applies(meta.num_decode_seqs):
+        if _kernel_applies(q, k_cache):
+            return cpu_ext.decode_attention_bf16(q, k_cache, v_cache, meta.decode_block_tables,
+                                                 meta.decode_context_lens, scale)
+        if _fp8_kernel_applies(q, k_cache, v_cache):
+            block_size, kv_heads, head_dim = k_cache.format.page_shape
+            return cpu_ext.decode_attention_fp8(q, k_cache.raw, v_cache.raw, k_cache.format.fields[1].offset,
+                                                block_size, kv_heads, head_dim, meta.decode_block_tables,
+                                                meta.decode_context_lens, scale)
     num_rows, num_heads, head_dim = q.shape
     keys = _gather(k_cache, meta.decode_block_tables)  # [D, Hkv, L, hd]
     num_kv_heads = keys.shape[1]
@@ -163,6 +170,14 @@ def _decode_attention(q: torch.Tensor, k_cache: KVPages, v_cache: KVPages,
 def _kernel_applies(q: torch.Tensor, cache: KVPages) -> bool:
     return (isinstance(cache, torch.Tensor) and cache.dtype == torch.bfloat16 and q.dtype == torch.bfloat16
             and cache.device.type == "cpu")
+
+
+def _fp8_kernel_applies(q: torch.Tensor, k_cache: KVPages, v_cache: KVPages) -> bool:
+    # exact types: a TieredPages (hot and cold regions) keeps the gather path
+    return (type(k_cache) is QuantizedPages and type(v_cache) is QuantizedPages
+            and k_cache.format.name == "fp8" and v_cache.format == k_cache.format
+            and k_cache.dtype == torch.bfloat16 and q.dtype == torch.bfloat16
+            and k_cache.raw.device.type == "cpu" and k_cache.raw.is_contiguous() and v_cache.raw.is_contiguous())
 
 
 def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: KVPages,

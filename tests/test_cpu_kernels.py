@@ -6,11 +6,13 @@ import torch
 import torch.nn.functional as F
 
 from engine import LLM, SamplingParams
+from engine import attention
 from engine.attention import AttentionMetadata
-from engine.config import EngineConfig
+from engine.config import EngineConfig, ModelConfig
 from engine.engine_core import EngineCore
 from engine.kernels import cpu_ext, packed_linear
 from engine.kv_cache import KVCache
+from engine.kv_formats import PageWrites, QuantizedPages, page_format
 from engine.model.hf_loader import iter_hf_weights, read_hf_config
 from engine.model.llama import Linear, build_model
 from engine.model.rope import RotaryEmbedding, apply_rotary
@@ -321,3 +323,115 @@ def test_model_products_use_the_packed_weights_between_two_and_max_rows(tiny_mod
     assert rows_seen == [3] * (4 * model.cfg.num_layers + 1)  # every projection and the logits, at 3 rows only
     model.use_kernels(False)
     assert all(m.packed is None for m in model.modules() if isinstance(m, Linear)) and model.lm_packed is None
+
+
+# ---- decode attention over fp8 pages ----------------------------------------------------------------------
+
+def fp8_problem(batch, num_heads, num_kv_heads, head_dim, block_size=16, seed=0):
+    """scattered_problem's contexts written through an fp8 KVCache (one layer). Returns q, the clean cache's
+    (keys, values), the engine's metadata (tables padded with block 0), and a garbage copy of the pages for
+    the kernel: every block outside the contexts random bytes (NaN codes and scales among them), every slot
+    past a context NaN codes, every table entry past a context an invalid block id."""
+    q, k, v, tables, lens = scattered_problem(batch, num_heads, num_kv_heads, head_dim, block_size, seed)
+    cfg = ModelConfig(vocab_size=8, hidden_size=num_heads * head_dim, intermediate_size=8, num_layers=1,
+                      num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
+    cache = KVCache(cfg, k.shape[0], block_size, torch.bfloat16, kv_format="fp8")
+    rows = [(tables[b, : (int(n) + block_size - 1) // block_size].tolist(), int(n)) for b, n in enumerate(lens)]
+    slots = torch.tensor([t[p // block_size] * block_size + p % block_size for t, n in rows for p in range(n)])
+    meta = AttentionMetadata.build(block_size, rows, [], use_kernels=True)
+    plan = PageWrites.build(slots, block_size)
+    blocks, offsets = slots // block_size, slots % block_size
+    for pages, x in zip(cache.layers[0], (k, v)):
+        pages.write(plan, x[blocks, offsets])
+    gen = torch.Generator().manual_seed(seed)
+    garbage = []
+    for pages in cache.layers[0]:
+        raw = torch.randint(0, 256, pages.raw.shape, dtype=torch.uint8, generator=gen)
+        codes_bytes = block_size * num_kv_heads * head_dim
+        written = raw[:, :codes_bytes].view(-1, block_size, num_kv_heads * head_dim)
+        written[blocks, offsets] = pages.raw[:, :codes_bytes].view_as(written)[blocks, offsets]
+        used = blocks.unique()
+        raw[used, codes_bytes:] = pages.raw[used, codes_bytes:]  # the used pages' scales (and padding)
+        stale = torch.ones(raw.shape[0], block_size, dtype=torch.bool)
+        stale[blocks, offsets] = False
+        written[used] = torch.where(stale[used, :, None], torch.tensor(0x7F, dtype=torch.uint8), written[used])
+        garbage.append(raw)
+    return q, cache.layers[0], meta, garbage, tables
+
+
+def fp8_kernel(q, pages, meta, garbage, tables, scale):
+    k_pages = pages[0]
+    block_size, kv_heads, head_dim = k_pages.format.page_shape
+    return cpu_ext.decode_attention_fp8(q, garbage[0], garbage[1], k_pages.format.fields[1].offset, block_size,
+                                        kv_heads, head_dim, tables, meta.decode_context_lens, scale)
+
+
+def gather_reference(q, pages, meta, scale):
+    """What _decode_attention does with the kernels off: gather + dequantise to bf16, then SDPA."""
+    meta.use_kernels = False
+    try:
+        return attention._decode_attention(q, pages[0], pages[1], meta, scale)
+    finally:
+        meta.use_kernels = True
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (4, 4, 64), (6, 2, 48)],
+                         ids=["GQA-smollm2", "MHA", "GQA-tail-chunk"])
+@pytest.mark.parametrize("batch", [1, 3, 33])
+def test_fp8_decode_attention_matches_the_gather_path(num_heads, num_kv_heads, head_dim, batch):
+    q, pages, meta, garbage, tables = fp8_problem(batch, num_heads, num_kv_heads, head_dim, seed=batch + 4)
+    assert set(meta.decode_context_lens.tolist()) == ({300} if batch == 1 else {1, 15, 300} if batch == 3
+                                                      else set(CONTEXT_LENS))
+    got = fp8_kernel(q, pages, meta, garbage, tables, head_dim ** -0.5)
+    ref = gather_reference(q, pages, meta, head_dim ** -0.5)
+    assert got.dtype == torch.bfloat16 and got.shape == q.shape
+    assert not got.isnan().any()  # no garbage block, stale slot or table entry past a context was read
+    torch.testing.assert_close(got.float(), ref.float(), rtol=2 ** -7, atol=2e-3)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_fp8_decode_attention_merges_rows_split_between_threads(threads):
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        q, pages, meta, garbage, tables = fp8_problem(1, 6, 2, 64, block_size=8, seed=5)  # one 300-token row
+        got = fp8_kernel(q, pages, meta, garbage, tables, 0.125)
+        torch.testing.assert_close(got.float(), gather_reference(q, pages, meta, 0.125).float(),
+                                   rtol=2 ** -7, atol=2e-3)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_fp8_decode_attention_decodes_every_e4m3_code():
+    """Rows with a single context token return their value row exactly: 16 rows of 16 codes cover all 256
+    (subnormals, -0, NaN), each decoded as the gather path decodes it."""
+    head_dim, block_size = 16, 16
+    fmt = page_format("fp8", block_size, 1, head_dim)
+    raw = torch.zeros(16, fmt.page_bytes, dtype=torch.uint8)
+    codes = torch.arange(256, dtype=torch.int64).to(torch.uint8).view(16, 16)  # page i, slot 0: codes 16i..16i+15
+    raw[:, :head_dim] = codes
+    raw[:, fmt.fields[1].offset:fmt.fields[1].offset + 4] = torch.tensor([0.5]).view(torch.uint8)
+    q = torch.zeros(16, 1, head_dim, dtype=torch.bfloat16)
+    keys = raw.clone()
+    keys[:, :head_dim] = 0
+    out = cpu_ext.decode_attention_fp8(q, keys, raw, fmt.fields[1].offset, block_size, 1, head_dim,
+                                       torch.arange(16)[:, None], torch.ones(16, dtype=torch.long), 1.0)
+    expected = QuantizedPages(raw, fmt, torch.bfloat16).gather(torch.arange(16)[:, None])[:, 0, 0]  # [16, 1, D]
+    nan = codes.view(16, 1, 16).bitwise_and(0x7F) == 0x7F
+    assert torch.equal(out.isnan(), nan) and torch.equal(expected.isnan(), nan)
+    assert torch.equal(out[~nan], expected[~nan])
+
+
+def test_fp8_engine_uses_the_kernel_and_matches_enforce_eager(tiny_model_dir, monkeypatch):
+    calls = []
+    monkeypatch.setattr(cpu_ext, "decode_attention_fp8",
+                        lambda *a, f=cpu_ext.decode_attention_fp8: calls.append(a[0].shape[0]) or f(*a))
+    prompts = ["the cat sat on the mat", "hello there world", "one two three four five six seven"]
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    tokens = {}
+    for eager in (True, False):
+        llm = LLM(model=str(tiny_model_dir), dtype="bfloat16", num_kv_blocks=64, kv_cache_dtype="fp8",
+                  enforce_eager=eager)
+        tokens[eager] = [o.token_ids for o in llm.generate(prompts, params)]
+        assert bool(calls) != eager  # the eager engine never called it; the fast one did
+    assert tokens[False] == tokens[True]

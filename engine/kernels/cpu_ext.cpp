@@ -191,12 +191,16 @@ constexpr int64_t kTile = 16;  // tokens scored together: one fp32 lane each
 
 struct AttentionProblem {
   const uint16_t* q;  // [B, Hq, D]
-  const uint16_t* k;  // [N, bs, Hkv, D]
+  const uint16_t* k;  // bf16 pages [N, bs, Hkv, D]; null for fp8 pages
   const uint16_t* v;
+  const uint8_t* k8;  // fp8 pages [N, page_bytes]: codes [bs, Hkv, D] e4m3 | scales [Hkv] fp32; null for bf16
+  const uint8_t* v8;
   const int64_t* tables;  // [B, nb]
   const int64_t* lens;    // [B]
   uint16_t* out;          // [B, Hq, D]
   int64_t num_heads, num_kv_heads, group, head_dim, block_size, max_blocks;
+  int64_t page_stride;   // from one block to the next: elements (bf16) or bytes (fp8)
+  int64_t scale_offset;  // fp8: byte offset of a page's scales
   float scale;
 };
 
@@ -210,11 +214,15 @@ struct Scratch {
   std::vector<int64_t> rows;  // [n]: element offset of each token's row (this kv head) in the pages
   std::vector<float> scores;  // [G, n rounded up to kTile]: scaled scores, then probabilities
   std::vector<float> pairs;   // [G, D rounded up to 32]: value sums in the vector path's pair layout (scalar: a row)
+  // fp8 pages only
+  std::vector<float> token_scales;     // [n]: each token's page scale (this kv head), for keys then values
+  std::vector<uint16_t> decoded;       // [n, D]: the segment's keys, then its values, decoded to bf16
+  std::vector<int64_t> decoded_rows;   // [n]: t * D
 };
 
-// Element offsets of the rows of tokens [first, first + n) of row b, kv head h.
+// Element (bf16) or byte (fp8) offsets of the rows of tokens [first, first + n) of row b, kv head h.
 void token_rows(const AttentionProblem& p, int64_t b, int64_t h, int64_t first, int64_t n, int64_t* rows) {
-  const int64_t slot_stride = p.num_kv_heads * p.head_dim, block_stride = p.block_size * slot_stride;
+  const int64_t slot_stride = p.num_kv_heads * p.head_dim, block_stride = p.page_stride;
   const int64_t* table = p.tables + b * p.max_blocks;
   int64_t block = first / p.block_size, slot = first % p.block_size;
   int64_t base = table[block] * block_stride + h * p.head_dim;
@@ -480,6 +488,145 @@ void segment_values(const AttentionProblem& p, const int64_t* rows, int64_t n, c
 
 #endif
 
+// ---- fp8 (E4M3 "fn") pages: a segment's key (then value) rows are decoded to bf16 (exact: e4m3 has 3
+// mantissa bits and exponents 2^-9..2^8, no bf16 denormal) and fed to the bf16 steps above. A page's
+// per-kv-head scale is a power of two, so e4m3 * scale is exact: it multiplies each score (keys) and each
+// probability weight (values) instead of every element.
+
+// Scales [n] of tokens [first, first + n) of row b, kv head h: scale[h] of each token's page.
+void fp8_token_scales(const AttentionProblem& p, const uint8_t* pages, int64_t b, int64_t h, int64_t first,
+                      int64_t n, float* scales) {
+  const int64_t* table = p.tables + b * p.max_blocks;
+  for (int64_t t = 0; t < n;) {
+    const int64_t block = (first + t) / p.block_size, end = std::min(n, (block + 1) * p.block_size - first);
+    float value;
+    std::memcpy(&value, pages + table[block] * p.page_stride + p.scale_offset + h * sizeof(float), sizeof(value));
+    std::fill(scales + t, scales + end, value);
+    t = end;
+  }
+}
+
+// x[g, t] *= scales[t] for the n tokens of each of `group` rows of x [group, stride].
+void scale_tokens(float* x, int64_t stride, int64_t n, int64_t group, const float* scales) {
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t t = 0; t < n; ++t) x[g * stride + t] *= scales[t];
+}
+
+inline float e4m3_to_float(uint8_t code) {
+  if ((code & 0x7F) == 0x7F) return NAN;
+  const uint32_t bits = static_cast<uint32_t>(code & 0x7F) << 20;  // an fp32 of value e4m3 * 2^-120
+  float value;
+  std::memcpy(&value, &bits, sizeof(value));
+  value *= 0x1p120f;
+  return code & 0x80 ? -value : value;
+}
+
+#if defined(CPU_EXT_AVX512)
+
+// bf16 bit patterns of the 128 e4m3 magnitudes, 32 to a register (0x7F: NaN).
+struct E4m3Table {
+  alignas(64) uint16_t bits[128];
+  E4m3Table() {
+    for (int code = 0; code < 128; ++code) bits[code] = float_to_bf16(e4m3_to_float(static_cast<uint8_t>(code)));
+  }
+};
+const E4m3Table kE4m3Table;
+
+// 32 e4m3 codes (the lanes of `mask`; the rest 0) -> bf16: the magnitude looked up (2 two-table word
+// permutes, picked by bit 6), the sign bit moved to bit 15.
+inline __m512i e4m3x32_bf16(const uint8_t* p, __mmask32 mask, const __m512i* table) {
+  const __m512i codes = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(mask, p));
+  const __m512i low = _mm512_permutex2var_epi16(table[0], codes, table[1]);  // index bits 0..5
+  const __m512i high = _mm512_permutex2var_epi16(table[2], codes, table[3]);
+  const __m512i magnitude = _mm512_mask_mov_epi16(low, _mm512_test_epi16_mask(codes, _mm512_set1_epi16(0x40)), high);
+  return _mm512_ternarylogic_epi32(magnitude, _mm512_slli_epi16(codes, 8),  // magnitude | (codes << 8 & 0x8000)
+                                   _mm512_set1_epi16(static_cast<short>(0x8000)), 0xF8);
+}
+
+inline __mmask32 lanes32_below(int64_t n) { return n >= 32 ? ~0u : static_cast<__mmask32>((1u << n) - 1); }
+
+// Every cache line of the D-byte row at `row`: pages are not a multiple of 64 bytes, so rows straddle lines.
+template <_mm_hint Hint>
+inline void prefetch_fp8_row(const uint8_t* row, int64_t head_dim) {
+  for (int64_t e = 0; e < head_dim; e += 64) _mm_prefetch(reinterpret_cast<const char*>(row + e), Hint);
+  _mm_prefetch(reinterpret_cast<const char*>(row + head_dim - 1), Hint);
+}
+
+constexpr int64_t kPrefetchRows = 32;  // rows scattered over pages defeat the hardware prefetcher
+
+// out [n, D] bf16 = e4m3 values (unscaled) of the n rows at byte offsets `rows`; `later` (or null): pages read
+// at the same offsets next (the values, while decoding the keys), asked for into L2.
+void decode_rows(const uint8_t* pages, const uint8_t* later, const int64_t* rows, int64_t n, int64_t head_dim,
+                 uint16_t* out) {
+  __m512i table[4];
+  for (int i = 0; i < 4; ++i) table[i] = _mm512_load_si512(kE4m3Table.bits + 32 * i);
+  for (int64_t t = 0; t < std::min(n, kPrefetchRows); ++t) prefetch_fp8_row<_MM_HINT_T0>(pages + rows[t], head_dim);
+  for (int64_t t = 0; t < n; ++t) {
+    if (t + kPrefetchRows < n) prefetch_fp8_row<_MM_HINT_T0>(pages + rows[t + kPrefetchRows], head_dim);
+    if (later) prefetch_fp8_row<_MM_HINT_T1>(later + rows[t], head_dim);
+    for (int64_t c = 0; c < head_dim; c += 32) {
+      const __mmask32 mask = lanes32_below(head_dim - c);
+      _mm512_mask_storeu_epi16(out + t * head_dim + c, mask, e4m3x32_bf16(pages + rows[t] + c, mask, table));
+    }
+  }
+}
+
+// The bf16 problem reading the decoded rows: scratch.decoded [n, D], row t at element t * D.
+AttentionProblem decoded_problem(const AttentionProblem& p, const uint8_t* pages, const uint8_t* later,
+                                 const int64_t* rows, int64_t n, Scratch& scratch) {
+  scratch.decoded.resize(n * p.head_dim);
+  scratch.decoded_rows.resize(n);
+  for (int64_t t = 0; t < n; ++t) scratch.decoded_rows[t] = t * p.head_dim;
+  decode_rows(pages, later, rows, n, p.head_dim, scratch.decoded.data());
+  AttentionProblem decoded = p;
+  decoded.k = decoded.v = scratch.decoded.data();
+  return decoded;
+}
+
+// S[g, t] = scale * q_g . e4m3(k_t) (unscaled keys); lanes past n in the last tile = -inf.
+void fp8_segment_scores(const AttentionProblem& p, const uint16_t* q, const int64_t* rows, int64_t n, float* scores,
+                        int64_t stride, Scratch& scratch) {
+  const AttentionProblem decoded = decoded_problem(p, p.k8, p.v8, rows, n, scratch);
+  segment_scores(decoded, q, scratch.decoded_rows.data(), n, scores, stride);
+}
+
+// acc[g, d] = sum_t P[g, t] e4m3(v_t)[d] (unscaled values).
+void fp8_segment_values(const AttentionProblem& p, const int64_t* rows, int64_t n, const float* probs, int64_t stride,
+                        Scratch& scratch, float* acc) {
+  const AttentionProblem decoded = decoded_problem(p, p.v8, nullptr, rows, n, scratch);
+  segment_values(decoded, scratch.decoded_rows.data(), n, probs, stride, scratch, acc);
+}
+
+#else  // scalar fallback
+
+void fp8_segment_scores(const AttentionProblem& p, const uint16_t* q, const int64_t* rows, int64_t n, float* scores,
+                        int64_t stride, Scratch&) {
+  const int64_t padded = (n + kTile - 1) / kTile * kTile;
+  for (int64_t g = 0; g < p.group; ++g) {
+    const uint16_t* qg = q + g * p.head_dim;
+    for (int64_t t = 0; t < n; ++t) {
+      float dot = 0.f;
+      for (int64_t d = 0; d < p.head_dim; ++d) dot += bf16_to_float(qg[d]) * e4m3_to_float(p.k8[rows[t] + d]);
+      scores[g * stride + t] = dot * p.scale;
+    }
+    std::fill(scores + g * stride + n, scores + g * stride + padded, -INFINITY);
+  }
+}
+
+void fp8_segment_values(const AttentionProblem& p, const int64_t* rows, int64_t n, const float* probs, int64_t stride,
+                        Scratch& scratch, float* acc) {
+  std::vector<float>& value = scratch.pairs;
+  value.resize(p.head_dim);
+  std::fill(acc, acc + p.group * p.head_dim, 0.f);
+  for (int64_t t = 0; t < n; ++t) {
+    for (int64_t d = 0; d < p.head_dim; ++d) value[d] = e4m3_to_float(p.v8[rows[t] + d]);
+    for (int64_t g = 0; g < p.group; ++g)
+      for (int64_t d = 0; d < p.head_dim; ++d) acc[g * p.head_dim + d] += probs[g * stride + t] * value[d];
+  }
+}
+
+#endif
+
 // Tiles [first_tile, end_tile) of one item -> its softmax statistics and unnormalised output.
 void attend_segment(const AttentionProblem& p, int64_t item, int64_t first_tile, int64_t end_tile, Scratch& scratch,
                     SegmentResult& result) {
@@ -494,9 +641,20 @@ void attend_segment(const AttentionProblem& p, int64_t item, int64_t first_tile,
   result.acc.resize(p.group * p.head_dim);
   token_rows(p, b, h, first, n, scratch.rows.data());
   const uint16_t* q = p.q + (b * p.num_heads + h * p.group) * p.head_dim;
-  segment_scores(p, q, scratch.rows.data(), n, scratch.scores.data(), stride);
+  if (!p.k8) {
+    segment_scores(p, q, scratch.rows.data(), n, scratch.scores.data(), stride);
+    segment_softmax(scratch.scores.data(), stride, n, p.group, result.max.data(), result.sum.data());
+    segment_values(p, scratch.rows.data(), n, scratch.scores.data(), stride, scratch, result.acc.data());
+    return;
+  }
+  scratch.token_scales.resize(n);
+  fp8_segment_scores(p, q, scratch.rows.data(), n, scratch.scores.data(), stride, scratch);
+  fp8_token_scales(p, p.k8, b, h, first, n, scratch.token_scales.data());
+  scale_tokens(scratch.scores.data(), stride, n, p.group, scratch.token_scales.data());
   segment_softmax(scratch.scores.data(), stride, n, p.group, result.max.data(), result.sum.data());
-  segment_values(p, scratch.rows.data(), n, scratch.scores.data(), stride, scratch, result.acc.data());
+  fp8_token_scales(p, p.v8, b, h, first, n, scratch.token_scales.data());
+  scale_tokens(scratch.scores.data(), stride, n, p.group, scratch.token_scales.data());  // after the sums
+  fp8_segment_values(p, scratch.rows.data(), n, scratch.scores.data(), stride, scratch, result.acc.data());
 }
 
 void write_output(const AttentionProblem& p, const SegmentResult& r) {
@@ -538,38 +696,35 @@ void attend_share(const AttentionProblem& p, const std::vector<int64_t>& item_st
 
 }  // namespace
 
-// q [B, Hq, D] bf16; k/v pages [N, bs, Hkv, D] bf16; block_tables [B, nb] int64; context_lens [B] int64
-// -> [B, Hq, D] bf16. Blocks and slots past a row's context are never read.
-torch::Tensor decode_attention_bf16(torch::Tensor q, torch::Tensor k_pages, torch::Tensor v_pages,
-                                   torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
-  TORCH_CHECK(q.dim() == 3 && k_pages.dim() == 4 && k_pages.sizes() == v_pages.sizes(),
-              "decode_attention_bf16: shapes");
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_pages.scalar_type() == at::kBFloat16 &&
-              v_pages.scalar_type() == at::kBFloat16, "decode_attention_bf16: q and pages must be bf16");
-  TORCH_CHECK(k_pages.is_contiguous() && v_pages.is_contiguous(), "decode_attention_bf16: pages");
+namespace {
+
+void check_decode_inputs(const torch::Tensor& q, const torch::Tensor& block_tables, const torch::Tensor& context_lens,
+                         const char* name) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kBFloat16, name, ": q must be bf16 [B, Hq, D]");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong &&
               block_tables.dim() == 2 && block_tables.size(0) == q.size(0) && context_lens.numel() == q.size(0),
-              "decode_attention_bf16: block tables / context lengths");
-  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
-  const int64_t num_blocks = k_pages.size(0), block_size = k_pages.size(1), num_kv_heads = k_pages.size(2);
-  TORCH_CHECK(k_pages.size(3) == head_dim && num_heads % num_kv_heads == 0, "decode_attention_bf16: heads");
-  torch::Tensor qc = q.contiguous(), tables = block_tables.contiguous(), lens = context_lens.contiguous();
-  torch::Tensor out = torch::empty({num_seqs, num_heads, head_dim}, q.options());
-  const int64_t max_blocks = tables.size(1);
-  AttentionProblem p{reinterpret_cast<const uint16_t*>(qc.data_ptr<at::BFloat16>()),
-                     reinterpret_cast<const uint16_t*>(k_pages.data_ptr<at::BFloat16>()),
-                     reinterpret_cast<const uint16_t*>(v_pages.data_ptr<at::BFloat16>()),
-                     tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
-                     reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()),
-                     num_heads, num_kv_heads, num_heads / num_kv_heads, head_dim, block_size, max_blocks,
-                     static_cast<float>(scale)};
+              name, ": block tables / context lengths");
+}
+
+// Fills p's query, table and output fields from the tensors (kept alive by the caller) and runs it.
+void run_decode_attention(AttentionProblem& p, const torch::Tensor& q, const torch::Tensor& tables,
+                          const torch::Tensor& lens, torch::Tensor& out, int64_t num_blocks, const char* name) {
+  const int64_t num_seqs = q.size(0), block_size = p.block_size, num_kv_heads = p.num_kv_heads;
+  TORCH_CHECK(p.num_heads % num_kv_heads == 0, name, ": heads");
+  p.q = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
+  p.tables = tables.data_ptr<int64_t>();
+  p.lens = lens.data_ptr<int64_t>();
+  p.out = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  p.group = p.num_heads / num_kv_heads;
+  p.max_blocks = tables.size(1);
+  const int64_t max_blocks = p.max_blocks;
   std::vector<int64_t> item_start(num_seqs * num_kv_heads + 1, 0);  // first global tile of each item
   for (int64_t b = 0; b < num_seqs; ++b) {  // checked here: an exception inside parallel_for is worse to read
     const int64_t length = p.lens[b];
-    TORCH_CHECK(length >= 1 && length <= max_blocks * block_size, "decode_attention_bf16: context length ", length);
+    TORCH_CHECK(length >= 1 && length <= max_blocks * block_size, name, ": context length ", length);
     for (int64_t j = 0; j < (length + block_size - 1) / block_size; ++j)
       TORCH_CHECK(p.tables[b * max_blocks + j] >= 0 && p.tables[b * max_blocks + j] < num_blocks,
-                  "decode_attention_bf16: block id ", p.tables[b * max_blocks + j]);
+                  name, ": block id ", p.tables[b * max_blocks + j]);
     for (int64_t h = 0; h < num_kv_heads; ++h)
       item_start[b * num_kv_heads + h + 1] = item_start[b * num_kv_heads + h] + (length + kTile - 1) / kTile;
   }
@@ -587,10 +742,67 @@ torch::Tensor decode_attention_bf16(torch::Tensor q, torch::Tensor k_pages, torc
     SegmentResult& merged = edges[i];
     size_t j = i + 1;
     for (; j < edges.size() && (edges[j].item < 0 || edges[j].item == merged.item); ++j)
-      if (edges[j].item == merged.item) merge_into(merged, edges[j], head_dim);
+      if (edges[j].item == merged.item) merge_into(merged, edges[j], p.head_dim);
     write_output(p, merged);
     i = j;
   }
+}
+
+}  // namespace
+
+// q [B, Hq, D] bf16; k/v pages [N, bs, Hkv, D] bf16; block_tables [B, nb] int64; context_lens [B] int64
+// -> [B, Hq, D] bf16. Blocks and slots past a row's context are never read.
+torch::Tensor decode_attention_bf16(torch::Tensor q, torch::Tensor k_pages, torch::Tensor v_pages,
+                                   torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
+  const char* name = "decode_attention_bf16";
+  check_decode_inputs(q, block_tables, context_lens, name);
+  TORCH_CHECK(k_pages.dim() == 4 && k_pages.sizes() == v_pages.sizes(), name, ": shapes");
+  TORCH_CHECK(k_pages.scalar_type() == at::kBFloat16 && v_pages.scalar_type() == at::kBFloat16, name,
+              ": pages must be bf16");
+  TORCH_CHECK(k_pages.is_contiguous() && v_pages.is_contiguous(), name, ": pages");
+  TORCH_CHECK(k_pages.size(3) == q.size(2), name, ": head_dim");
+  torch::Tensor qc = q.contiguous(), tables = block_tables.contiguous(), lens = context_lens.contiguous();
+  torch::Tensor out = torch::empty_like(qc);
+  AttentionProblem p{};
+  p.k = reinterpret_cast<const uint16_t*>(k_pages.data_ptr<at::BFloat16>());
+  p.v = reinterpret_cast<const uint16_t*>(v_pages.data_ptr<at::BFloat16>());
+  p.num_heads = q.size(1);
+  p.num_kv_heads = k_pages.size(2);
+  p.head_dim = q.size(2);
+  p.block_size = k_pages.size(1);
+  p.page_stride = p.block_size * p.num_kv_heads * p.head_dim;
+  p.scale = static_cast<float>(scale);
+  run_decode_attention(p, qc, tables, lens, out, k_pages.size(0), name);
+  return out;
+}
+
+// q [B, Hq, D] bf16; k_raw/v_raw [N, page_bytes] uint8 fp8 pages: codes [block_size, kv_heads, head_dim] e4m3 at
+// byte 0, scales [kv_heads] fp32 at byte scale_offset (value = e4m3(code) * scale[h]); block_tables [B, nb]
+// int64; context_lens [B] int64 -> [B, Hq, D] bf16. Blocks and slots past a row's context are never read.
+torch::Tensor decode_attention_fp8(torch::Tensor q, torch::Tensor k_raw, torch::Tensor v_raw, int64_t scale_offset,
+                                  int64_t block_size, int64_t kv_heads, int64_t head_dim, torch::Tensor block_tables,
+                                  torch::Tensor context_lens, double scale) {
+  const char* name = "decode_attention_fp8";
+  check_decode_inputs(q, block_tables, context_lens, name);
+  TORCH_CHECK(k_raw.dim() == 2 && k_raw.sizes() == v_raw.sizes(), name, ": shapes");
+  TORCH_CHECK(k_raw.scalar_type() == at::kByte && v_raw.scalar_type() == at::kByte, name, ": pages must be uint8");
+  TORCH_CHECK(k_raw.is_contiguous() && v_raw.is_contiguous(), name, ": pages");
+  TORCH_CHECK(q.size(2) == head_dim && block_size >= 1 && kv_heads >= 1, name, ": head_dim");
+  TORCH_CHECK(scale_offset >= block_size * kv_heads * head_dim &&
+              scale_offset + kv_heads * static_cast<int64_t>(sizeof(float)) <= k_raw.size(1), name, ": page layout");
+  torch::Tensor qc = q.contiguous(), tables = block_tables.contiguous(), lens = context_lens.contiguous();
+  torch::Tensor out = torch::empty_like(qc);
+  AttentionProblem p{};
+  p.k8 = k_raw.data_ptr<uint8_t>();
+  p.v8 = v_raw.data_ptr<uint8_t>();
+  p.num_heads = q.size(1);
+  p.num_kv_heads = kv_heads;
+  p.head_dim = head_dim;
+  p.block_size = block_size;
+  p.page_stride = k_raw.size(1);
+  p.scale_offset = scale_offset;
+  p.scale = static_cast<float>(scale);
+  run_decode_attention(p, qc, tables, lens, out, k_raw.size(0), name);
   return out;
 }
 
@@ -761,6 +973,7 @@ void rotary_bf16_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_bf16", &linear_bf16, "x W^T + b for a few bf16 rows, streaming each weight row once");
   m.def("decode_attention_bf16", &decode_attention_bf16, "decode attention reading bf16 KV pages in place");
+  m.def("decode_attention_fp8", &decode_attention_fp8, "decode attention reading fp8 (e4m3) KV pages in place");
   m.def("rms_norm_bf16", &rms_norm_bf16, "RMSNorm of x (+ residual), also returning the sum");
   m.def("silu_mul_bf16", &silu_mul_bf16, "silu(gate) * up on a fused gate|up row");
   m.def("rotary_bf16_", &rotary_bf16_, "rotary embedding in place on the leading heads of each row");
