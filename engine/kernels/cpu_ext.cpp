@@ -448,19 +448,33 @@ void segment_values(const AttentionProblem& p, const int64_t* rows, int64_t n, c
       acc[g * p.head_dim + d] = pairs[g * pair_stride + d / 32 * 32 + (d % 2) * 16 + (d % 32) / 2];
 }
 
-#else  // scalar fallback: same steps, one token at a time
+#else  // scalar fallback: same steps, one token at a time; `load(i)` reads element i of the pages as fp32
 
-void segment_scores(const AttentionProblem& p, const uint16_t* q, const int64_t* rows, int64_t n, float* scores,
-                    int64_t stride) {
+template <typename Load>
+void scalar_scores(const AttentionProblem& p, const uint16_t* q, const int64_t* rows, int64_t n, float* scores,
+                   int64_t stride, Load load) {
   const int64_t padded = (n + kTile - 1) / kTile * kTile;
   for (int64_t g = 0; g < p.group; ++g) {
     const uint16_t* qg = q + g * p.head_dim;
     for (int64_t t = 0; t < n; ++t) {
       float dot = 0.f;
-      for (int64_t d = 0; d < p.head_dim; ++d) dot += bf16_to_float(qg[d]) * bf16_to_float(p.k[rows[t] + d]);
+      for (int64_t d = 0; d < p.head_dim; ++d) dot += bf16_to_float(qg[d]) * load(rows[t] + d);
       scores[g * stride + t] = dot * p.scale;
     }
     std::fill(scores + g * stride + n, scores + g * stride + padded, -INFINITY);
+  }
+}
+
+template <typename Load>
+void scalar_values(const AttentionProblem& p, const int64_t* rows, int64_t n, const float* probs, int64_t stride,
+                   Scratch& scratch, float* acc, Load load) {
+  std::vector<float>& value = scratch.pairs;
+  value.resize(p.head_dim);
+  std::fill(acc, acc + p.group * p.head_dim, 0.f);
+  for (int64_t t = 0; t < n; ++t) {
+    for (int64_t d = 0; d < p.head_dim; ++d) value[d] = load(rows[t] + d);
+    for (int64_t g = 0; g < p.group; ++g)
+      for (int64_t d = 0; d < p.head_dim; ++d) acc[g * p.head_dim + d] += probs[g * stride + t] * value[d];
   }
 }
 
@@ -474,16 +488,14 @@ void segment_softmax(float* scores, int64_t stride, int64_t n, int64_t group, fl
   }
 }
 
+void segment_scores(const AttentionProblem& p, const uint16_t* q, const int64_t* rows, int64_t n, float* scores,
+                    int64_t stride) {
+  scalar_scores(p, q, rows, n, scores, stride, [&](int64_t i) { return bf16_to_float(p.k[i]); });
+}
+
 void segment_values(const AttentionProblem& p, const int64_t* rows, int64_t n, const float* probs, int64_t stride,
                     Scratch& scratch, float* acc) {
-  std::vector<float>& value = scratch.pairs;
-  value.resize(p.head_dim);
-  std::fill(acc, acc + p.group * p.head_dim, 0.f);
-  for (int64_t t = 0; t < n; ++t) {
-    for (int64_t d = 0; d < p.head_dim; ++d) value[d] = bf16_to_float(p.v[rows[t] + d]);
-    for (int64_t g = 0; g < p.group; ++g)
-      for (int64_t d = 0; d < p.head_dim; ++d) acc[g * p.head_dim + d] += probs[g * stride + t] * value[d];
-  }
+  scalar_values(p, rows, n, probs, stride, scratch, acc, [&](int64_t i) { return bf16_to_float(p.v[i]); });
 }
 
 #endif
@@ -601,28 +613,12 @@ void fp8_segment_values(const AttentionProblem& p, const int64_t* rows, int64_t 
 
 void fp8_segment_scores(const AttentionProblem& p, const uint16_t* q, const int64_t* rows, int64_t n, float* scores,
                         int64_t stride, Scratch&) {
-  const int64_t padded = (n + kTile - 1) / kTile * kTile;
-  for (int64_t g = 0; g < p.group; ++g) {
-    const uint16_t* qg = q + g * p.head_dim;
-    for (int64_t t = 0; t < n; ++t) {
-      float dot = 0.f;
-      for (int64_t d = 0; d < p.head_dim; ++d) dot += bf16_to_float(qg[d]) * e4m3_to_float(p.k8[rows[t] + d]);
-      scores[g * stride + t] = dot * p.scale;
-    }
-    std::fill(scores + g * stride + n, scores + g * stride + padded, -INFINITY);
-  }
+  scalar_scores(p, q, rows, n, scores, stride, [&](int64_t i) { return e4m3_to_float(p.k8[i]); });
 }
 
 void fp8_segment_values(const AttentionProblem& p, const int64_t* rows, int64_t n, const float* probs, int64_t stride,
                         Scratch& scratch, float* acc) {
-  std::vector<float>& value = scratch.pairs;
-  value.resize(p.head_dim);
-  std::fill(acc, acc + p.group * p.head_dim, 0.f);
-  for (int64_t t = 0; t < n; ++t) {
-    for (int64_t d = 0; d < p.head_dim; ++d) value[d] = e4m3_to_float(p.v8[rows[t] + d]);
-    for (int64_t g = 0; g < p.group; ++g)
-      for (int64_t d = 0; d < p.head_dim; ++d) acc[g * p.head_dim + d] += probs[g * stride + t] * value[d];
-  }
+  scalar_values(p, rows, n, probs, stride, scratch, acc, [&](int64_t i) { return e4m3_to_float(p.v8[i]); });
 }
 
 #endif
