@@ -15,7 +15,7 @@ from engine.kernels import cpu_ext
 from engine.kv_cache import KVCache
 from engine.kv_compress import ColdRegion, names_cold
 from engine.model.llama import LlamaModel
-from engine.sampler import SamplingBatch, greedy_tokens, process_logits, sample, token_logprobs
+from engine.sampler import SamplingBatch, greedy_tokens, process_logits, row_argmax, sample, token_logprobs
 from engine.scheduler import RunnerOutput, ScheduledChunk, SchedulerOutput
 from engine.speculative.acceptance import Verdict, verify_drafts, verify_greedy
 
@@ -103,11 +103,12 @@ class ModelRunner:
         hidden = self.model(inp.input_ids, inp.positions, inp.meta, layers)  # [T, hidden]
         if not inp.sampled_chunks and not inp.verified_chunks:
             return RunnerOutput(sampled_token_ids={})
-        logits = self.model.compute_logits(hidden[torch.cat([inp.sample_rows, inp.verify_rows])])  # [B + R, V]
+        rows = hidden[torch.cat([inp.sample_rows, inp.verify_rows])]
+        logits = self.model.compute_logits(rows, float32=False)  # [B + R, V] in the model's dtype
         num_sampled = len(inp.sampled_chunks)
         out = self._sample(logits[:num_sampled], inp.sampled_chunks)
         if inp.verified_chunks:
-            self._verify(logits[num_sampled:], inp.verified_chunks, out)
+            self._verify(logits[num_sampled:].float(), inp.verified_chunks, out)
         return out
 
     def attach_cold_region(self, cold: ColdRegion) -> None:
@@ -133,7 +134,7 @@ class ModelRunner:
             return RunnerOutput(sampled_token_ids={})
         batch = SamplingBatch.build([c.params for c in chunks], [self._generator(c) for c in chunks],
                                     [c.banned_token_ids for c in chunks], self.device)
-        out = sample(logits, batch)
+        out = sample(logits, batch, cpu_ext.row_argmax if self.use_kernels else row_argmax)
         ids = [c.seq_id for c in chunks]
         logprobs = {} if out.logprobs is None else {i: lp for i, lp in zip(ids, out.logprobs) if lp is not None}
         return RunnerOutput(sampled_token_ids=dict(zip(ids, out.token_ids)), logprobs=logprobs)

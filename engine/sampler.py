@@ -1,12 +1,15 @@
 """Batched token sampling with per-row temperature / top-k / top-p, bans, seeds and logprobs."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from engine.sampling_params import SamplingParams
+
+Argmax = Callable[[torch.Tensor], torch.Tensor]  # [B, V] -> [B] int64, the first maximal index of each row
 
 
 @dataclass
@@ -156,9 +159,9 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:
     return x.max(dim=-1).indices
 
 
-def greedy_tokens(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+def greedy_tokens(logits: torch.Tensor, batch: SamplingBatch, argmax: Argmax = row_argmax) -> torch.Tensor:
     """The argmax of each row of logits [B, V] after the row's bans: [B] int64."""
-    return row_argmax(_apply_bans(logits, batch))
+    return argmax(_apply_bans(logits, batch))
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, batch: SamplingBatch) -> list[TokenLogprobs | None]:
@@ -174,10 +177,14 @@ def exponential_race(probs: torch.Tensor, generators: list[torch.Generator | Non
     return (probs / noise.clamp_(min=torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-    """Pick one token per row of ``logits`` [B, V]; logprobs come from the raw (unprocessed) logits."""
+def sample(logits: torch.Tensor, batch: SamplingBatch, argmax: Argmax = row_argmax) -> SamplerOutput:
+    """Pick one token per row of ``logits`` [B, V] (any float dtype: all but a plain greedy pick run in fp32);
+    logprobs come from the raw (unprocessed) logits. `argmax` makes greedy picks (row_argmax's contract)."""
+    if batch.all_greedy and batch.max_logprobs is None:
+        return SamplerOutput(token_ids=greedy_tokens(logits, batch, argmax).tolist(), logprobs=None)
+    logits = logits.float()
     if batch.all_greedy:
-        tokens = greedy_tokens(logits, batch)  # [B]
+        tokens = greedy_tokens(logits, batch, argmax)  # [B]
     else:
         tokens = _draw(process_logits(logits, batch), batch)  # [B]
     logprobs = _logprobs(logits, tokens, batch) if batch.max_logprobs is not None else None

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -966,12 +967,66 @@ void rotary_bf16_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t
   });
 }
 
+// ---- Greedy pick ---------------------------------------------------------------------------------------------
+
+namespace {
+
+// The index torch's max(dim) returns for one row: the first NaN if there is one, else the first maximal element.
+// bf16 widens to fp32 exactly, so this is also the answer for the row converted to fp32.
+int64_t argmax_row(const uint16_t* x, int64_t n) {
+  int64_t i = 0;
+  float best = -std::numeric_limits<float>::infinity();
+#if defined(CPU_EXT_AVX512)
+  __m512 lanes_best = _mm512_set1_ps(best);
+  __mmask16 any_nan = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = load_bf16x16(x + i);
+    any_nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    lanes_best = _mm512_max_ps(lanes_best, v);
+  }
+  if (any_nan) i = 0;  // the scalar scan below finds the first NaN
+  else best = _mm512_reduce_max_ps(lanes_best);
+#endif
+  for (int64_t j = i; j < n; ++j) {
+    const float v = bf16_to_float(x[j]);
+    if (std::isnan(v)) return j;
+    best = std::max(best, v);
+  }
+  i = 0;
+#if defined(CPU_EXT_AVX512)
+  for (const __m512 target = _mm512_set1_ps(best); i + 16 <= n; i += 16) {
+    const __mmask16 hit = _mm512_cmp_ps_mask(load_bf16x16(x + i), target, _CMP_EQ_OQ);
+    if (hit) return i + __builtin_ctz(hit);
+  }
+#endif
+  for (; i < n; ++i)
+    if (bf16_to_float(x[i]) == best) return i;
+  return 0;  // unreachable for n >= 1: best is one of the row's values
+}
+
+}  // namespace
+
+// x [B, V] bf16 -> [B] int64: x.max(dim=-1).indices, reading the bf16 logits in place (no fp32 copy).
+torch::Tensor row_argmax_bf16(torch::Tensor x) {
+  check_rows(x, "row_argmax_bf16: x");
+  TORCH_CHECK(x.size(1) > 0, "row_argmax_bf16: empty rows");
+  const int64_t rows = x.size(0), n = x.size(1), stride = x.stride(0);
+  torch::Tensor out = torch::empty({rows}, x.options().dtype(at::kLong));
+  const uint16_t* xp = bf16_data(x);
+  int64_t* op = out.data_ptr<int64_t>();
+  for_rows(rows, n, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) op[b] = argmax_row(xp + b * stride, n);
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_bf16", &linear_bf16, "x W^T + b for a few bf16 rows, streaming each weight row once");
   m.def("decode_attention_bf16", &decode_attention_bf16, "decode attention reading bf16 KV pages in place");
   m.def("decode_attention_fp8", &decode_attention_fp8, "decode attention reading fp8 (e4m3) KV pages in place");
   m.def("rms_norm_bf16", &rms_norm_bf16, "RMSNorm of x (+ residual), also returning the sum");
   m.def("silu_mul_bf16", &silu_mul_bf16, "silu(gate) * up on a fused gate|up row");
+  m.def("row_argmax_bf16", &row_argmax_bf16, "first index of each row's maximum (NaN first), as max(dim)");
   m.def("rotary_bf16_", &rotary_bf16_, "rotary embedding in place on the leading heads of each row");
   m.def("vectorized", [] {
 #if defined(CPU_EXT_AVX512)

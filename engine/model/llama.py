@@ -162,9 +162,10 @@ class LlamaModel(nn.Module):
             x, residual = layer(x, residual, rope, meta, kv)
         return self.norm.add_forward(x, residual)[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [B, hidden] -> float32 logits [B, vocab]."""
-        return linear(hidden, self._lm_weight(), None, self.kernels_on, self.lm_packed).float()
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        """hidden [B, hidden] -> logits [B, vocab], in float32 or (float32=False) in the model's dtype."""
+        logits = linear(hidden, self._lm_weight(), None, self.kernels_on, self.lm_packed)
+        return logits.float() if float32 else logits
 
     def _lm_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
