@@ -2,11 +2,13 @@
 
     python -m bench.offline_throughput [--batch-sizes 1,8,32,64] [--input-len 128] [--output-len 128]
         [--threads 2] [--dtype bfloat16] [--model PATH] [--skip-hf] [--json OUT]
-        [--profile] [--profile-batch 64] [--profile-steps 20]
+        [--rounds 1] [--profile] [--profile-batch 64] [--profile-steps 20]
 
 For each batch size B, both run B distinct token-id prompts of exactly --input-len tokens (rotated English text
 with a numbered header, so that the prefix cache cannot skip prefill) and produce exactly --output-len tokens each
 (greedy, EOS ignored). Output tokens/s is total output tokens / wall time of the whole batch, prefill included.
+--rounds N alternates the two N times per batch (fresh prompts each round) and reports the median run of each
+side and the median of the per-round ratios: on a shared host the HF side alone has swung by 30-50%.
 The batch-1 decode rate (1 / TPOT) is compared with the memory-bandwidth bound: bytes of weights read per decode
 step / copy bandwidth measured in the same run. --profile runs decode steps under torch.profiler.
 """
@@ -109,6 +111,8 @@ class OursResult:
     others_cpu: float = math.nan  # share of all cores used by other processes during the run
     error: str | None = None
     outputs: list[list[int]] = field(default_factory=list, repr=False)
+    round_ratios: list[float] = field(default_factory=list)  # ours / HF of each round (--rounds)
+    round_rates: list[tuple[float, float]] = field(default_factory=list)  # (ours, HF) tokens/s of each round
 
 
 @dataclass
@@ -535,6 +539,8 @@ def print_table(ours: list[OursResult], hf: dict[int, HFResult], agree: dict[int
     for r in ours:
         h = hf.get(r.batch)
         ratio = r.tokens_per_s / h.tokens_per_s if h and h.tokens_per_s == h.tokens_per_s else math.nan
+        if len(r.round_ratios) > 1:
+            ratio = float(np.median(r.round_ratios))
         a = agree.get(r.batch)
         agree_text = (f"first token {a.first_token_matches}/{r.batch}, identical {a.full_matches}/{r.batch}, "
                       f"mean common prefix {a.mean_common_prefix:.1f}/{output_len}") if a else ""
@@ -552,6 +558,11 @@ def others_text(r: OursResult, h: HFResult | None) -> str:
 
 
 def print_notes(ours: list[OursResult], hf: dict[int, HFResult]) -> None:
+    for r in ours:
+        if len(r.round_rates) > 1:
+            pairs = ", ".join(f"{a:.1f}/{b:.1f}={a / b:.2f}x" for a, b in r.round_rates)
+            print(f"B={r.batch} rounds (ours/HF tok/s): {pairs}; the table shows the median run of each side and "
+                  f"the median of the rounds' ratios")
     print("others = share of all cores used by other processes during the run (psutil; 0% = we ran alone)")
     busiest = max([r.others_cpu for r in ours] + [h.others_cpu for h in hf.values()] + [0.0])
     if busiest > 0.10:
@@ -586,6 +597,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="HF folder or .gguf file; default: SmolLM2-135M GGUF")
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="our engine's step token budget")
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="alternate ours and HF this many times at each batch; report medians")
     p.add_argument("--max-attempts", type=int, default=1,
                    help="repeat a run while other processes use more than --busy-threshold of the cores")
     p.add_argument("--busy-threshold", type=float, default=0.10)
@@ -611,13 +624,24 @@ def run_table(args: argparse.Namespace, llm: LLM, factory: PromptFactory
         run_hf(hf_model, factory.make(2), 4, args.threads)  # warm-up
     ours, hf, agree = [], {}, {}
     for batch in args.batch_list:
-        llm, prompts, result = quietest_ours(args, llm, factory, batch)
-        ours.append(result)
+        rounds: list[tuple[OursResult, HFResult | None]] = []
+        for _ in range(args.rounds):  # alternate, so that a slow spell of the machine hits both sides
+            llm, prompts, result = quietest_ours(args, llm, factory, batch)
+            rounds.append((result, None if hf_model is None else quietest_hf(args, hf_model, prompts)))
+        first, first_hf = rounds[0]
+        if first_hf is not None and first.outputs and first_hf.outputs:
+            agree[batch] = agreement(first.outputs, first_hf.outputs)
+        ours.append(median_run([r for r, _ in rounds]))
         if hf_model is not None:
-            hf[batch] = quietest_hf(args, hf_model, prompts)
-            if result.outputs and hf[batch].outputs:
-                agree[batch] = agreement(result.outputs, hf[batch].outputs)
+            hf[batch] = median_run([h for _, h in rounds])
+            ours[-1].round_ratios = [r.tokens_per_s / h.tokens_per_s for r, h in rounds]
+            ours[-1].round_rates = [(r.tokens_per_s, h.tokens_per_s) for r, h in rounds]
     return ours, hf, agree, hf_desc
+
+
+def median_run(runs: list):
+    """The run with the median throughput (the lower middle one of an even count)."""
+    return sorted(runs, key=lambda r: r.tokens_per_s)[(len(runs) - 1) // 2]
 
 
 def quietest_ours(args: argparse.Namespace, llm: LLM, factory: PromptFactory, batch: int
