@@ -154,7 +154,8 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], num_layers: int | None = None) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden]; after the first `num_layers` layers
-        only when given (a self-draft: the final norm still applies)."""
+        only when given (a self-draft: the final norm still applies). A decode-only step with the kernels on
+        runs the layers as one C++ call (_stack_applies), to the same bits."""
         x = self.embed_tokens(input_ids)
         rope = self.rope.lookup(positions, x.dtype)
         kv_caches = kv_caches[:len(self.layers) if num_layers is None else num_layers]
