@@ -1,7 +1,8 @@
 """Where the CPU kernels pay: one decode forward of the served model (bf16) at several batch sizes and context
 lengths, with plain torch ops, with each kind alone (engine/kernels/cpu_ext's GEMV, in-place decode attention
-and fused elementwise ops; engine/kernels/packed_linear's oneDNN-packed weights) and with all of them,
-interleaved so that machine noise hits all variants alike.
+and fused elementwise ops; engine/kernels/packed_linear's oneDNN-packed weights), with all of them from the
+Python layers ("layers") and with all of them as an engine runs them (the decode stack, one C++ call for the
+layers), interleaved so that machine noise hits all variants alike.
 
     python -m bench.cpu_kernels [--batches 1,2,4,8,16,32,64] [--contexts 192,1024] [--repeats 12]
 
@@ -49,14 +50,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     source = resolve_model(a.model)
     eager, fast = load_model(source, torch.bfloat16), load_model(source, torch.bfloat16)
     fast.use_kernels(True)
-    saved = cpu_ext.MAX_GEMV_ROWS, cpu_ext.MAX_ATTENTION_SEQS, cpu_ext.FUSED_ELEMENTWISE, packed_linear.MAX_PACKED_ROWS
+    saved = (cpu_ext.MAX_GEMV_ROWS, cpu_ext.MAX_ATTENTION_SEQS, cpu_ext.FUSED_ELEMENTWISE, cpu_ext.DECODE_STACK,
+             packed_linear.MAX_PACKED_ROWS)
     cpu_ext.MAX_ATTENTION_SEQS = 1 << 30  # forced on: this table decides the limits
     forced, shipped_gemv, shipped_packed = 1 << 30, cpu_ext.MAX_GEMV_ROWS, packed_linear.MAX_PACKED_ROWS
-    # name: (model, GEMV row limit, packed-weight row limit, attention kernel, elementwise kernels); "all" keeps
-    # the shipped limits
-    variants = {"torch ops": (eager, 0, 0, False, False), "gemv": (fast, forced, 0, False, False),
-                "packed": (fast, 0, forced, False, False), "attention": (fast, 0, 0, True, False),
-                "elementwise": (fast, 0, 0, False, True), "all": (fast, shipped_gemv, shipped_packed, True, True)}
+    # name: (model, GEMV row limit, packed-weight row limit, attention kernel, elementwise kernels, decode stack);
+    # "layers" and "all" keep the shipped limits
+    variants = {"torch ops": (eager, 0, 0, False, False, False), "gemv": (fast, forced, 0, False, False, False),
+                "packed": (fast, 0, forced, False, False, False), "attention": (fast, 0, 0, True, False, False),
+                "elementwise": (fast, 0, 0, False, True, False),
+                "layers": (fast, shipped_gemv, shipped_packed, True, True, False),
+                "all": (fast, shipped_gemv, shipped_packed, True, True, True)}
     print(f"torch threads {torch.get_num_threads()}; ms per decode forward (min / median of {a.repeats})")
     print(f"{'batch':>5} {'ctx':>5}  " + "  ".join(f"{name:>15}" for name in variants))
     try:
@@ -68,14 +72,15 @@ def main(argv: Sequence[str] | None = None) -> None:
                 tables = [list(range(1 + i * nb, 1 + (i + 1) * nb)) for i in range(batch)]
                 times: dict[str, list[float]] = {name: [] for name in variants}
                 for _ in range(a.repeats):
-                    for name, (model, gemv_rows, packed_rows, attention, elementwise) in variants.items():
+                    for name, (model, gemv_rows, packed_rows, attention, elementwise, stack) in variants.items():
                         cpu_ext.MAX_GEMV_ROWS, cpu_ext.FUSED_ELEMENTWISE = gemv_rows, elementwise
+                        cpu_ext.DECODE_STACK = stack
                         packed_linear.MAX_PACKED_ROWS = packed_rows
                         times[name].append(forward_ms(model, kv, tables, ctx, attention))
                 cells = [f"{min(t):6.1f} / {statistics.median(t):6.1f}" for t in times.values()]
                 print(f"{batch:>5} {ctx:>5}  " + "  ".join(f"{c:>15}" for c in cells), flush=True)
     finally:
-        (cpu_ext.MAX_GEMV_ROWS, cpu_ext.MAX_ATTENTION_SEQS, cpu_ext.FUSED_ELEMENTWISE,
+        (cpu_ext.MAX_GEMV_ROWS, cpu_ext.MAX_ATTENTION_SEQS, cpu_ext.FUSED_ELEMENTWISE, cpu_ext.DECODE_STACK,
          packed_linear.MAX_PACKED_ROWS) = saved
 
 

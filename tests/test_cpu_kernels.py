@@ -196,6 +196,7 @@ def test_bf16_model_with_kernels_matches_torch_ops(tiny_model_dir, monkeypatch):
             return func(*args, **kwargs)
         return wrapped
 
+    monkeypatch.setattr(cpu_ext, "DECODE_STACK", False)  # the Python layers, whose kernel calls the spies see
     for name in kernels:
         monkeypatch.setattr(cpu_ext, name, spy(name, getattr(cpu_ext, name)))
     calls["packed"] = 0
@@ -306,6 +307,7 @@ def test_verification_rows_through_the_kernel_match_the_causal_segment(tiny_mode
     table = [9, 3, 7, 1, 5]
     logits = {}
     calls = []
+    monkeypatch.setattr(cpu_ext, "DECODE_STACK", False)  # the Python layers, whose kernel calls the spy sees
     monkeypatch.setattr(cpu_ext, "decode_attention_bf16",
                         lambda *a, f=cpu_ext.decode_attention_bf16: calls.append(a[0].shape[0]) or f(*a))
     for as_rows in (False, True):

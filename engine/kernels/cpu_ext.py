@@ -25,6 +25,9 @@ elementwise ops between the matrix products.
   in place in the fused qkv output): one pass each instead of 3-10 torch ops and their temporaries. They round
   every intermediate to bf16 where the torch ops store one, so they match torch to the bit but for rare
   one-ulp flips (RMSNorm's fp32 sum order, SiLU's exp).
+- `DecodeStack` (engine/kernels/decode_stack.cpp): the decoder layers of a decode-only step in one call, the
+  ops above and the packed products in the order the Python layers run them (bit-identical hidden states),
+  without the interpreter between them; LlamaModel.forward takes it where it applies.
 
 All run on torch's intra-op thread pool (at::parallel_for). A first version in Numba lost most of its
 isolated speed-up inside the model: Numba brings its own OpenMP runtime, whose threads and torch's took
@@ -43,7 +46,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_ext.cpp")
+SOURCES = [Path(__file__).with_name("cpu_ext.cpp"), Path(__file__).with_name("decode_stack.cpp")]
 # Where the kernels measured faster than torch inside the SmolLM2 forward (python -m bench.cpu_kernels,
 # 2 cores): rows of a product, sequences of a decode group.
 # GEMV (min of 10 forwards, ctx 192 / 1024): at one row torch 52.0 / 57.8 ms, GEMV 37.8 / 43.3; at 4-5 rows
@@ -58,6 +61,7 @@ SOURCE = Path(__file__).with_name("cpu_ext.cpp")
 MAX_GEMV_ROWS = 5
 MAX_ATTENTION_SEQS = 1 << 30  # sequences in a decode group (a verified sequence brings 1 + K rows): no limit
 FUSED_ELEMENTWISE = True  # RMSNorm (+ residual add), RoPE, SiLU * up
+DECODE_STACK = True  # decode-only steps: the layers in one C++ call (off: the same kernels from Python)
 
 
 @functools.cache
@@ -69,7 +73,7 @@ def extension() -> ModuleType | None:
     try:
         # -fopenmp: at::parallel_for is inline OpenMP; without it the kernels ran on one thread. The
         # extension then binds to the libgomp torch already loaded (same soname): one pool for both.
-        return load(name="phase_serve_cpu_ext", sources=[str(SOURCE)],
+        return load(name="phase_serve_cpu_ext", sources=[str(s) for s in SOURCES],
                     extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
                     verbose=False)
     except Exception as exc:  # noqa: BLE001 - no compiler, no headers: fall back to torch ops

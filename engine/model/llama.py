@@ -6,7 +6,6 @@ them. Projections are fused (q|k|v and gate|up) so that one step issues few, lar
 """
 from __future__ import annotations
 
-from itertools import islice
 from typing import Iterable
 
 import torch
@@ -150,17 +149,39 @@ class LlamaModel(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.kernels_on = False  # see use_kernels
         self.lm_packed: torch.Tensor | None = None  # oneDNN-packed LM head, see use_kernels
+        self.stack = None  # the layers as one C++ call for decode-only steps (cpu_ext DecodeStack), see use_kernels
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], num_layers: int | None = None) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden]; after the first `num_layers` layers
-        only when given (a self-draft: the final norm still applies)."""
+        only when given (a self-draft: the final norm still applies). A decode-only step with the kernels on
+        runs the layers as one C++ call (_stack_applies), to the same bits."""
         x = self.embed_tokens(input_ids)
         rope = self.rope.lookup(positions, x.dtype)
-        residual = None
-        for layer, kv in zip(islice(self.layers, num_layers), kv_caches):
-            x, residual = layer(x, residual, rope, meta, kv)
+        kv_caches = kv_caches[:len(self.layers) if num_layers is None else num_layers]
+        if self._stack_applies(x, meta, kv_caches):
+            x, residual = self._run_stack(x, rope, meta, kv_caches)
+        else:
+            residual = None
+            for layer, kv in zip(self.layers, kv_caches):
+                x, residual = layer(x, residual, rope, meta, kv)
         return self.norm.add_forward(x, residual)[0]
+
+    def _stack_applies(self, x: torch.Tensor, meta: AttentionMetadata,
+                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+        """Whether the C++ stack computes exactly what the layers would: kernels on, a decode-only step (one
+        token a row, all in the group of the decode-attention kernel), bf16 activations the fused kernels take,
+        plain bf16 pages (no quantised or tiered caches) in every layer that runs."""
+        return (self.stack is not None and cpu_ext.DECODE_STACK and len(kv_caches) > 0
+                and meta.use_kernels and not meta.prefills and 0 < meta.num_decode == x.shape[0]
+                and cpu_ext.attention_applies(meta.num_decode_seqs) and cpu_ext.elementwise_applies(x)
+                and all(_plain_bf16_pages(k) and _plain_bf16_pages(v) for k, v in kv_caches))
+
+    def _run_stack(self, x: torch.Tensor, rope: Rope, meta: AttentionMetadata,
+                   kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layers of a decode-only step in one call -> (last layer's output, residual stream)."""
+        return self.stack.forward(x, *rope, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens,
+                                  kv_caches, cpu_ext.MAX_GEMV_ROWS, packed_linear.MAX_PACKED_ROWS)
 
     def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
         """hidden [B, hidden] -> logits [B, vocab], in float32 or (float32=False) in the model's dtype."""
@@ -182,6 +203,20 @@ class LlamaModel(nn.Module):
             if isinstance(module, Linear):
                 module.packed = packed_linear.pack(module.weight) if self.kernels_on else None
         self.lm_packed = packed_linear.pack(self._lm_weight()) if self.kernels_on else None
+        self.stack = self._build_stack() if self.kernels_on else None
+
+    def _build_stack(self) -> object:
+        """The C++ decode stack holding every layer's weights (and packed copies): built once, so that a step
+        passes only its own tensors."""
+        c = self.cfg
+        stack = cpu_ext.extension().DecodeStack(c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps,
+                                                self.layers[0].self_attn.scale)
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            stack.add_layer(layer.input_layernorm.weight, _projection(attn.qkv_proj), _projection(attn.o_proj),
+                            layer.post_attention_layernorm.weight, _projection(mlp.gate_up_proj),
+                            _projection(mlp.down_proj))
+        return stack
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -216,6 +251,14 @@ class LlamaModel(nn.Module):
             if f".{part}." in name:
                 return name.replace(part, fused_part), offset
         return name, 0
+
+
+def _projection(linear: Linear) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    return linear.weight, linear.bias, linear.packed
+
+
+def _plain_bf16_pages(cache: object) -> bool:
+    return isinstance(cache, torch.Tensor) and cache.dtype == torch.bfloat16 and cache.is_cpu
 
 
 def build_model(cfg: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype,

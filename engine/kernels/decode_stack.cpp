@@ -1,0 +1,148 @@
+// The decoder layers of a decode-only step in one call: the ops engine/model/llama.py runs for each layer with
+// its kernels on, in the same order and through the same kernels, so the hidden states are bit-identical to
+// the Python layer loop; only the interpreter's time between the ~50 ops of a layer goes. Built into the
+// cpu_ext extension (engine/kernels/cpu_ext.py); LlamaModel decides when a step may take it.
+#include <torch/extension.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+
+#include <optional>
+#include <string_view>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+// Kernels of cpu_ext.cpp.
+torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor weight, torch::Tensor bias);
+torch::Tensor decode_attention_bf16(torch::Tensor q, torch::Tensor k_pages, torch::Tensor v_pages,
+                                   torch::Tensor block_tables, torch::Tensor context_lens, double scale);
+std::vector<torch::Tensor> rms_norm_bf16(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
+torch::Tensor silu_mul_bf16(torch::Tensor gate_up);
+void rotary_bf16_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t heads, int64_t head_dim);
+
+namespace {
+
+// mkldnn::_linear_pointwise(Tensor X, Tensor W, Tensor? B, str attr, Scalar?[] scalars, str? algorithm)
+using PackedLinear = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                                std::string_view, c10::List<std::optional<c10::Scalar>>,
+                                std::optional<std::string_view>);
+
+const c10::TypedOperatorHandle<PackedLinear>& packed_linear_op() {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "").typed<PackedLinear>();
+  return op;
+}
+
+// A Linear module's tensors, as Python passes them: (weight [N, K], bias [N] or None, oneDNN-packed weight or None).
+using ProjectionArgs = std::tuple<torch::Tensor, std::optional<torch::Tensor>, std::optional<torch::Tensor>>;
+
+struct Projection {
+  torch::Tensor weight;
+  std::optional<torch::Tensor> bias;
+  std::optional<torch::Tensor> packed;
+  torch::Tensor gemv_bias;  // bias, or empty: linear_bf16's "no bias"
+
+  explicit Projection(const ProjectionArgs& args)
+      : weight(std::get<0>(args)), bias(std::get<1>(args)), packed(std::get<2>(args)),
+        gemv_bias(bias ? *bias : torch::empty({0})) {}
+};
+
+// The row limits of engine/kernels/cpu_ext.py (MAX_GEMV_ROWS) and packed_linear.py (MAX_PACKED_ROWS), read
+// by Python at each step as its own `linear` reads them.
+struct RowLimits {
+  int64_t gemv;
+  int64_t packed;
+};
+
+// engine/model/llama.py `linear` with the kernels on: the packed weight for 2..limits.packed rows, else the
+// GEMV for up to limits.gemv rows, else F.linear.
+torch::Tensor project(const Projection& p, const torch::Tensor& x, const RowLimits& limits) {
+  const int64_t rows = x.size(0);
+  if (p.packed && rows >= 2 && rows <= limits.packed)
+    return packed_linear_op().call(x.contiguous(), *p.packed, p.bias, "none", c10::List<std::optional<c10::Scalar>>(),
+                                   std::string_view(""));
+  if (rows <= limits.gemv && p.weight.is_contiguous()) return linear_bf16(x, p.weight, p.gemv_bias);
+  return at::linear(x, p.weight, p.bias);
+}
+
+struct Layer {
+  torch::Tensor input_norm, post_norm;  // RMSNorm weights [hidden]
+  Projection qkv, o, gate_up, down;
+};
+
+// What one step brings, shared by all layers.
+struct Step {
+  torch::Tensor cos, sin;  // [T, head_dim / 2]
+  torch::Tensor slot_mapping, block_tables, context_lens;
+  RowLimits limits;
+};
+
+using LayerPages = std::pair<torch::Tensor, torch::Tensor>;  // keys, values [num_blocks, block_size, Hkv, D]
+
+class DecodeStack {
+ public:
+  DecodeStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale)
+      : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale) {}
+
+  void add_layer(torch::Tensor input_norm, const ProjectionArgs& qkv, const ProjectionArgs& o,
+                 torch::Tensor post_norm, const ProjectionArgs& gate_up, const ProjectionArgs& down) {
+    layers_.push_back(Layer{input_norm, post_norm, Projection(qkv), Projection(o), Projection(gate_up),
+                            Projection(down)});
+  }
+
+  // x [T, hidden] bf16 (the embeddings), one decode token a row; cos, sin [T, 1, D/2]; the attention metadata's
+  // slot mapping, decode block tables and context lengths; the pages of the first kv.size() layers, which
+  // run -> (the last layer's output, the residual stream), not yet added: the final norm adds them.
+  std::vector<torch::Tensor> forward(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
+                                     torch::Tensor slot_mapping, torch::Tensor block_tables,
+                                     torch::Tensor context_lens, const std::vector<LayerPages>& kv,
+                                     int64_t max_gemv_rows, int64_t max_packed_rows) const {
+    TORCH_CHECK(!kv.empty() && kv.size() <= layers_.size(), "DecodeStack: ", kv.size(), " layers of pages for ",
+                layers_.size(), " layers");
+    const Step step{cos.reshape({cos.size(0), -1}), sin.reshape({sin.size(0), -1}), std::move(slot_mapping),
+                    std::move(block_tables), std::move(context_lens), RowLimits{max_gemv_rows, max_packed_rows}};
+    torch::Tensor residual = no_residual_;
+    for (size_t i = 0; i < kv.size(); ++i) {
+      const Layer& layer = layers_[i];
+      std::vector<torch::Tensor> normed = rms_norm_bf16(x, residual, layer.input_norm, eps_);
+      torch::Tensor h = attention(layer, normed[0], step, kv[i]);
+      normed = rms_norm_bf16(h, normed[1], layer.post_norm, eps_);
+      residual = normed[1];
+      x = project(layer.down, silu_mul_bf16(project(layer.gate_up, normed[0], step.limits)), step.limits);
+    }
+    return {x, residual};
+  }
+
+ private:
+  // Attention.forward, then paged_attention's page writes and decode-group kernel (engine/attention.py).
+  torch::Tensor attention(const Layer& layer, const torch::Tensor& h, const Step& step, const LayerPages& pages) const {
+    const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
+    torch::Tensor qkv = project(layer.qkv, h, step.limits);
+    rotary_bf16_(qkv, step.cos, step.sin, num_heads_ + num_kv_heads_, head_dim_);
+    torch::Tensor q = qkv.narrow(1, 0, q_size).view({-1, num_heads_, head_dim_});
+    torch::Tensor k = qkv.narrow(1, q_size, kv_size).view({-1, num_kv_heads_, head_dim_});
+    torch::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({-1, num_kv_heads_, head_dim_});
+    write_pages(pages.first, k, step.slot_mapping);
+    write_pages(pages.second, v, step.slot_mapping);
+    torch::Tensor out = decode_attention_bf16(q, pages.first, pages.second, step.block_tables, step.context_lens,
+                                              scale_);
+    return project(layer.o, out.view({-1, q_size}), step.limits);
+  }
+
+  void write_pages(const torch::Tensor& pages, const torch::Tensor& x, const torch::Tensor& slot_mapping) const {
+    pages.view({-1, num_kv_heads_, head_dim_}).index_copy_(0, slot_mapping, x);
+  }
+
+  int64_t num_heads_, num_kv_heads_, head_dim_;
+  double eps_, scale_;
+  std::vector<Layer> layers_;
+  torch::Tensor no_residual_ = torch::empty({0});  // rms_norm_bf16's "no residual": the first layer's input norm
+};
+
+}  // namespace
+
+void bind_decode_stack(pybind11::module& m) {
+  pybind11::class_<DecodeStack>(m, "DecodeStack", "the decoder layers of a decode-only bf16 step in one call")
+      .def(pybind11::init<int64_t, int64_t, int64_t, double, double>())
+      .def("add_layer", &DecodeStack::add_layer)
+      .def("forward", &DecodeStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
+}

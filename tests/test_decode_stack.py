@@ -1,0 +1,175 @@
+"""The C++ decode stack (engine/kernels/decode_stack.cpp): bit-identical to the Python layer loop it replaces, and
+taken only for the steps it covers."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.attention import AttentionMetadata
+from engine.kernels import cpu_ext, packed_linear
+from engine.kv_cache import KVCache
+from engine.model.hf_loader import iter_hf_weights, read_hf_config
+from engine.model.llama import LlamaModel, build_model
+from tests.tiny_models import write_tiny_model
+
+pytestmark = pytest.mark.skipif(not cpu_ext.vectorized() or not packed_linear.available(),
+                                reason="needs the AVX-512 CPU kernels and oneDNN packing")
+
+BLOCK = 4
+PROMPTS = [[5, 9, 33, 2, 7, 100, 3], [11, 12, 13], [400, 401, 402, 403, 404, 405, 406, 407, 408, 409, 410, 411, 412],
+           [21], [7, 8, 9, 10, 11]]  # contexts of 1 to 13 tokens: part blocks, whole blocks, several blocks
+
+
+@pytest.fixture(scope="module")
+def qwen2_dir(tmp_path_factory):
+    """A tiny Qwen2: biases on the q/k/v projection."""
+    from transformers import Qwen2Config
+
+    config = Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         tie_word_embeddings=False, rms_norm_eps=1e-6)
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), config, seed=3)
+
+
+@pytest.fixture
+def stack_calls(monkeypatch) -> list[int]:
+    """Rows of every step that went through the stack."""
+    calls: list[int] = []
+    run = LlamaModel._run_stack
+    monkeypatch.setattr(LlamaModel, "_run_stack", lambda self, x, *a: calls.append(x.shape[0]) or run(self, x, *a))
+    return calls
+
+
+def kernel_model(folder) -> LlamaModel:
+    model = build_model(read_hf_config(folder), iter_hf_weights(folder), torch.bfloat16)
+    model.use_kernels(True)
+    return model
+
+
+def prefilled(model: LlamaModel) -> tuple[KVCache, list[list[int]]]:
+    """Pages holding every prompt (prefilled by the Python layers), and each prompt's block table."""
+    kv = KVCache(model.cfg, 40, BLOCK, torch.bfloat16)
+    tables = [list(range(8 * i + 7, 8 * i - 1, -1)) for i in range(len(PROMPTS))]  # descending: scattered blocks
+    with torch.inference_mode():
+        for table, ids in zip(tables, PROMPTS):
+            model(torch.tensor(ids), torch.arange(len(ids)), AttentionMetadata.build(BLOCK, [], [(table, 0, len(ids))],
+                                                                                     True), kv.layers)
+    return kv, tables
+
+
+def decode_steps(model: LlamaModel, kv: KVCache, tables: list[list[int]], seqs: list[int], stack: bool,
+                 num_layers: int | None = None, steps: int = 3) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """`steps` decode steps of the sequences `seqs` on a copy of kv -> (logits of each step, the pages after)."""
+    pages = KVCache(model.cfg, kv.num_blocks, BLOCK, torch.bfloat16)
+    pages.data.copy_(kv.data)
+    cpu_ext.DECODE_STACK = stack
+    logits = []
+    try:
+        with torch.inference_mode():
+            for step in range(steps):
+                positions = [len(PROMPTS[i]) + step for i in seqs]
+                meta = AttentionMetadata.build(BLOCK, [(tables[i], p + 1) for i, p in zip(seqs, positions)], [], True)
+                hidden = model(torch.tensor([30 + 7 * step + i for i in seqs]), torch.tensor(positions), meta,
+                               pages.layers, num_layers)
+                logits.append(model.compute_logits(hidden))
+    finally:
+        cpu_ext.DECODE_STACK = True
+    return logits, pages.data
+
+
+def assert_stack_matches_layers(model, seqs, stack_calls, num_layers=None):
+    kv, tables = prefilled(model)
+    layers_logits, layers_pages = decode_steps(model, kv, tables, seqs, stack=False, num_layers=num_layers)
+    assert stack_calls == []
+    stack_logits, stack_pages = decode_steps(model, kv, tables, seqs, stack=True, num_layers=num_layers)
+    assert stack_calls == [len(seqs)] * 3
+    for got, ref in zip(stack_logits, layers_logits):
+        assert torch.equal(got, ref)
+    assert torch.equal(stack_pages, layers_pages)  # the same keys and values written
+
+
+@pytest.mark.parametrize("seqs", [[0], [2], [0, 1], [4, 2, 0, 3, 1]], ids=["1-seq", "1-seq-long", "2-seqs", "5-seqs"])
+def test_stack_is_bit_identical_to_the_python_layers(tiny_model_dir, seqs, stack_calls):
+    """Logits and written pages, at 1 row (GEMV products) and several (packed products), unequal contexts."""
+    assert_stack_matches_layers(kernel_model(tiny_model_dir), seqs, stack_calls)
+
+
+@pytest.mark.parametrize("gemv_rows,packed_rows", [(0, 0), (8, 0)], ids=["f-linear", "gemv-several-rows"])
+def test_stack_follows_the_product_limits(tiny_model_dir, gemv_rows, packed_rows, monkeypatch, stack_calls):
+    monkeypatch.setattr(cpu_ext, "MAX_GEMV_ROWS", gemv_rows)
+    monkeypatch.setattr(packed_linear, "MAX_PACKED_ROWS", packed_rows)
+    assert_stack_matches_layers(kernel_model(tiny_model_dir), [0, 1, 2], stack_calls)
+
+
+def test_stack_with_projection_biases(qwen2_dir, stack_calls):
+    model = kernel_model(qwen2_dir)
+    assert model.layers[0].self_attn.qkv_proj.bias is not None
+    for seqs in ([1], [0, 1, 2]):
+        stack_calls.clear()
+        assert_stack_matches_layers(model, seqs, stack_calls)
+
+
+def test_stack_runs_the_first_layers_of_a_self_draft(tiny_model_dir, stack_calls):
+    assert_stack_matches_layers(kernel_model(tiny_model_dir), [0, 1], stack_calls, num_layers=1)
+
+
+def test_verification_rows_take_the_stack(tiny_model_dir, stack_calls):
+    """A sequence's last token + drafts as decode rows with growing contexts (the runner's verify_as_rows)."""
+    model = kernel_model(tiny_model_dir)
+    kv, tables = prefilled(model)
+    start = len(PROMPTS[0])
+    hidden = {}
+    for stack in (False, True):
+        pages = KVCache(model.cfg, kv.num_blocks, BLOCK, torch.bfloat16)
+        pages.data.copy_(kv.data)
+        meta = AttentionMetadata.build(BLOCK, [(tables[0], start + j + 1) for j in range(4)], [], True,
+                                       num_decode_seqs=1)
+        cpu_ext.DECODE_STACK = stack
+        try:
+            hidden[stack] = model(torch.tensor([12, 13, 14, 15]), torch.arange(start, start + 4), meta, pages.layers)
+        finally:
+            cpu_ext.DECODE_STACK = True
+    assert stack_calls == [4] and torch.equal(hidden[True], hidden[False])
+
+
+def test_stack_is_not_taken_outside_decode_only_bf16_steps(tiny_model_dir, stack_calls):
+    model = kernel_model(tiny_model_dir)
+    kv, tables = prefilled(model)
+    ids, positions = torch.tensor([3, 4, 5]), torch.tensor([len(PROMPTS[0]), 0, 1])
+    mixed = AttentionMetadata.build(BLOCK, [(tables[0], len(PROMPTS[0]) + 1)], [(tables[1], 0, 2)], True)
+    fp8 = KVCache(model.cfg, kv.num_blocks, BLOCK, torch.bfloat16, kv_format="fp8")
+
+    def decode_meta(kernels: bool = True) -> AttentionMetadata:
+        return AttentionMetadata.build(BLOCK, [(tables[0], len(PROMPTS[0]) + 1)], [], kernels)
+
+    with torch.inference_mode():
+        model(ids, positions, mixed, kv.layers)  # decode rows and a prefill chunk
+        model(ids[:1], positions[:1], decode_meta(), fp8.layers)  # fp8 pages
+        model(ids[:1], positions[:1], decode_meta(kernels=False), kv.layers)  # attention by gather + SDPA
+        model.use_kernels(False)
+        model(ids[:1], positions[:1], decode_meta(), kv.layers)  # kernels off: plain torch ops
+    assert stack_calls == [] and model.stack is None
+
+
+def test_engine_decode_steps_take_the_stack_and_generate_the_same_tokens(tiny_model_dir, stack_calls):
+    prompts = ["the cat sat on the mat", "hello there world", "one two three four five six seven"]
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    tokens = {}
+    for stack in (False, True):
+        cpu_ext.DECODE_STACK = stack
+        try:
+            llm = LLM(model=str(tiny_model_dir), dtype="bfloat16", num_kv_blocks=64)
+            tokens[stack] = [o.token_ids for o in llm.generate(prompts, params)]
+        finally:
+            cpu_ext.DECODE_STACK = True
+        assert bool(stack_calls) == stack
+    assert tokens[True] == tokens[False]
+    assert max(stack_calls) == len(prompts)  # the three sequences decoded together
+
+
+@pytest.mark.parametrize("options", [dict(kv_cache_dtype="fp8"), dict(enforce_eager=True)], ids=["fp8", "eager"])
+def test_engine_without_plain_bf16_kernels_never_takes_the_stack(tiny_model_dir, options, stack_calls):
+    llm = LLM(model=str(tiny_model_dir), dtype="bfloat16", num_kv_blocks=64, **options)
+    llm.generate(["the cat sat on the mat"], SamplingParams(max_tokens=6, temperature=0.0))
+    assert stack_calls == []
