@@ -173,3 +173,12 @@ def test_engine_without_plain_bf16_kernels_never_takes_the_stack(tiny_model_dir,
     llm = LLM(model=str(tiny_model_dir), dtype="bfloat16", num_kv_blocks=64, **options)
     llm.generate(["the cat sat on the mat"], SamplingParams(max_tokens=6, temperature=0.0))
     assert stack_calls == []
+
+
+def test_stack_rejects_a_slot_outside_the_pages(tiny_model_dir):
+    model = kernel_model(tiny_model_dir)
+    kv, tables = prefilled(model)
+    meta = AttentionMetadata.build(BLOCK, [(tables[0], len(PROMPTS[0]) + 1)], [], True)
+    meta.slot_mapping = torch.tensor([kv.num_blocks * BLOCK])  # one past the last slot
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="outside the pages"):
+        model(torch.tensor([3]), torch.tensor([len(PROMPTS[0])]), meta, kv.layers)

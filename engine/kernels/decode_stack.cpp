@@ -5,6 +5,7 @@
 #include <torch/extension.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
+#include <cstring>
 #include <optional>
 #include <string_view>
 #include <tuple>
@@ -128,8 +129,22 @@ class DecodeStack {
     return project(layer.o, out.view({-1, q_size}), step.limits);
   }
 
+  // pages.view(-1, Hkv, D).index_copy_(0, slot_mapping, x) as engine/attention.py writes them, one row copy per
+  // token: index_copy_'s dispatch and checks cost more than the 64 copies of 384 bytes themselves.
   void write_pages(const torch::Tensor& pages, const torch::Tensor& x, const torch::Tensor& slot_mapping) const {
-    pages.view({-1, num_kv_heads_, head_dim_}).index_copy_(0, slot_mapping, x);
+    TORCH_CHECK(pages.is_contiguous() && pages.scalar_type() == x.scalar_type() && x.stride(2) == 1 &&
+                    x.stride(1) == head_dim_ && slot_mapping.scalar_type() == at::kLong &&
+                    slot_mapping.is_contiguous() && slot_mapping.numel() == x.size(0),
+                "DecodeStack: page write layout");
+    const int64_t row = num_kv_heads_ * head_dim_, num_slots = pages.numel() / row;
+    const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+    const auto* src = static_cast<const char*>(x.data_ptr());
+    auto* dst = static_cast<char*>(pages.data_ptr());
+    const int64_t bytes = row * x.element_size(), src_stride = x.stride(0) * x.element_size();
+    for (int64_t t = 0; t < x.size(0); ++t) {
+      TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "DecodeStack: slot ", slots[t], " outside the pages");
+      std::memcpy(dst + slots[t] * bytes, src + t * src_stride, bytes);
+    }
   }
 
   int64_t num_heads_, num_kv_heads_, head_dim_;
