@@ -211,7 +211,14 @@ struct SegmentResult {
   std::vector<float> max, sum, acc;  // [G], [G], [G, D]
 };
 
+#if defined(CPU_EXT_AVX512)
+struct QueryChunk;
+#endif
+
 struct Scratch {
+#if defined(CPU_EXT_AVX512)
+  std::vector<QueryChunk> query;  // [G, chunks]: the query group as the scores read it
+#endif
   std::vector<int64_t> rows;  // [n]: element offset of each token's row (this kv head) in the pages
   std::vector<float> scores;  // [G, n rounded up to kTile]: scaled scores, then probabilities
   std::vector<float> pairs;   // [G, D rounded up to 32]: value sums in the vector path's pair layout (scalar: a row)
@@ -319,8 +326,9 @@ inline __m512 tile_scores(const Chunks& chunks, const QueryChunk* q, const uint1
 // S[g, t] = scale * q_g . k_t for the segment's n tokens; lanes past n in the last tile = -inf.
 template <int NC>
 void scores_by_chunks(const AttentionProblem& p, const Chunks& chunks, const uint16_t* q, const int64_t* rows,
-                      int64_t n, float* scores, int64_t stride) {
-  std::vector<QueryChunk> qp(p.group * chunks.count);  // [G, chunks]
+                      int64_t n, float* scores, int64_t stride, Scratch& scratch) {
+  std::vector<QueryChunk>& qp = scratch.query;
+  qp.resize(p.group * chunks.count);
   for (int64_t g = 0; g < p.group; ++g)
     for (int64_t c = 0; c < chunks.count; ++c)
       qp[g * chunks.count + c].pairs = query_pairs(load_chunk<0>(q + g * p.head_dim, c, chunks.count, chunks.tail));
@@ -337,13 +345,13 @@ void scores_by_chunks(const AttentionProblem& p, const Chunks& chunks, const uin
 }
 
 void segment_scores(const AttentionProblem& p, const uint16_t* q, const int64_t* rows, int64_t n, float* scores,
-                    int64_t stride) {
+                    int64_t stride, Scratch& scratch) {
   const Chunks chunks(p.head_dim);
   switch (chunks.count) {
-    case 1: scores_by_chunks<1>(p, chunks, q, rows, n, scores, stride); break;
-    case 2: scores_by_chunks<2>(p, chunks, q, rows, n, scores, stride); break;
-    case 4: scores_by_chunks<4>(p, chunks, q, rows, n, scores, stride); break;
-    default: scores_by_chunks<0>(p, chunks, q, rows, n, scores, stride); break;
+    case 1: scores_by_chunks<1>(p, chunks, q, rows, n, scores, stride, scratch); break;
+    case 2: scores_by_chunks<2>(p, chunks, q, rows, n, scores, stride, scratch); break;
+    case 4: scores_by_chunks<4>(p, chunks, q, rows, n, scores, stride, scratch); break;
+    default: scores_by_chunks<0>(p, chunks, q, rows, n, scores, stride, scratch); break;
   }
 }
 
@@ -490,7 +498,7 @@ void segment_softmax(float* scores, int64_t stride, int64_t n, int64_t group, fl
 }
 
 void segment_scores(const AttentionProblem& p, const uint16_t* q, const int64_t* rows, int64_t n, float* scores,
-                    int64_t stride) {
+                    int64_t stride, Scratch&) {
   scalar_scores(p, q, rows, n, scores, stride, [&](int64_t i) { return bf16_to_float(p.k[i]); });
 }
 
@@ -600,7 +608,7 @@ AttentionProblem decoded_problem(const AttentionProblem& p, const uint8_t* pages
 void fp8_segment_scores(const AttentionProblem& p, const uint16_t* q, const int64_t* rows, int64_t n, float* scores,
                         int64_t stride, Scratch& scratch) {
   const AttentionProblem decoded = decoded_problem(p, p.k8, p.v8, rows, n, scratch);
-  segment_scores(decoded, q, scratch.decoded_rows.data(), n, scores, stride);
+  segment_scores(decoded, q, scratch.decoded_rows.data(), n, scores, stride, scratch);
 }
 
 // acc[g, d] = sum_t P[g, t] e4m3(v_t)[d] (unscaled values).
@@ -639,7 +647,7 @@ void attend_segment(const AttentionProblem& p, int64_t item, int64_t first_tile,
   token_rows(p, b, h, first, n, scratch.rows.data());
   const uint16_t* q = p.q + (b * p.num_heads + h * p.group) * p.head_dim;
   if (!p.k8) {
-    segment_scores(p, q, scratch.rows.data(), n, scratch.scores.data(), stride);
+    segment_scores(p, q, scratch.rows.data(), n, scratch.scores.data(), stride, scratch);
     segment_softmax(scratch.scores.data(), stride, n, p.group, result.max.data(), result.sum.data());
     segment_values(p, scratch.rows.data(), n, scratch.scores.data(), stride, scratch, result.acc.data());
     return;
