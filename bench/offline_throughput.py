@@ -35,6 +35,7 @@ from engine import LLM, EngineConfig, ModelConfig, SamplingParams
 from engine.engine_core import EngineRequest
 from engine.kernels import cpu_ext
 from engine.kv_cache import bytes_per_block
+from engine.model.llama import LlamaModel
 from engine.model.loader import resolve_model
 from engine.output_processor import OutputProcessor
 from engine.tokenizer import Tokenizer
@@ -410,7 +411,7 @@ def engine_step(llm: LLM, processor: OutputProcessor, times: StepTimes, annotate
 
 
 CPU_KERNELS = ("linear_bf16", "decode_attention_bf16", "decode_attention_fp8", "rms_norm", "silu_mul",
-               "rotary_")
+               "rotary_", "row_argmax")
 
 
 @contextlib.contextmanager
@@ -427,11 +428,16 @@ def annotated_kernels():
     originals = {name: getattr(cpu_ext, name) for name in CPU_KERNELS}
     for name, fn in originals.items():
         setattr(cpu_ext, name, annotate(fn, name))
+    # the decode stack (all layers of a decode-only step in one C++ call): its self time is our kernels inside
+    # it; the oneDNN products it dispatches show as their own ops
+    run_stack = LlamaModel._run_stack
+    LlamaModel._run_stack = annotate(run_stack, "decode_stack")
     try:
         yield
     finally:
         for name, fn in originals.items():
             setattr(cpu_ext, name, fn)
+        LlamaModel._run_stack = run_stack
 
 
 def all_decoding(llm: LLM) -> bool:
@@ -439,8 +445,16 @@ def all_decoding(llm: LLM) -> bool:
     return not sched.waiting and all(seq.prefill_done for seq in sched.running)
 
 
-def profile_decode(llm: LLM, factory: PromptFactory, batch: int, steps: int, top: int) -> dict:
-    """Prefill `batch` prompts, then time `steps` decode steps plainly and `steps` more under torch.profiler."""
+def profile_decode(llm: LLM, factory: PromptFactory, batch: int, steps: int, top: int,
+                   python_layers: bool = False) -> dict:
+    """Prefill `batch` prompts, then time `steps` decode steps plainly and `steps` more under torch.profiler.
+    python_layers: the layers run from Python (the decode stack off), so that each kernel shows by itself."""
+    if python_layers:
+        cpu_ext.DECODE_STACK = False
+        try:
+            return profile_decode(llm, factory, batch, steps, top)
+        finally:
+            cpu_ext.DECODE_STACK = True
     processor = OutputProcessor(llm.tokenizer)
     params = greedy(profile_output_len(steps))
     ids = add_requests(llm, processor, factory.make(batch), params, "profile")
@@ -609,6 +623,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile-batch", type=int, default=64)
     p.add_argument("--profile-steps", type=int, default=20)
     p.add_argument("--profile-top", type=int, default=15)
+    p.add_argument("--profile-python-layers", action="store_true",
+                   help="profile with the decode stack off: each kernel's time by itself, at the Python layers' cost")
     args = p.parse_args(argv)
     args.batch_list = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
     return args
@@ -724,7 +740,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.profile:
         torch.set_num_threads(args.threads)
         wait_for_quiet(args.busy_threshold, args.wait_quiet)
-        profile = profile_decode(llm, factory, args.profile_batch, args.profile_steps, args.profile_top)
+        profile = profile_decode(llm, factory, args.profile_batch, args.profile_steps, args.profile_top,
+                                 args.profile_python_layers)
         print_profile(profile)
     if args.json:
         write_json(args, ours, hf, agree, bw, bound, profile)
