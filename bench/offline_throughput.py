@@ -510,8 +510,14 @@ def summarise_profile(prof, plain: StepTimes, profiled: StepTimes, batch: int, r
         "method": ("torch.profiler (CPU activity): outside-ops time = wall time of the profiled steps minus the sum "
                    "of self CPU time of all torch ops and of our C++ kernels (cpu_ext::*; the phase annotations "
                    "excluded); py-spy "
-                   + ("is installed but was not used" if shutil.which("py-spy") else "is not installed")),
+                   + ("is installed but was not used (see bench/decode_loop.py)" if py_spy_installed()
+                      else "is not installed")),
     }
+
+
+def py_spy_installed() -> bool:
+    """On PATH, or beside this interpreter (a virtual environment run without activating it)."""
+    return bool(shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent)))
 
 
 def print_profile(summary: dict) -> None:
