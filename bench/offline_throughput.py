@@ -112,7 +112,6 @@ class OursResult:
     others_cpu: float = math.nan  # share of all cores used by other processes during the run
     error: str | None = None
     outputs: list[list[int]] = field(default_factory=list, repr=False)
-    round_ratios: list[float] = field(default_factory=list)  # ours / HF of each round (--rounds)
     round_rates: list[tuple[float, float]] = field(default_factory=list)  # (ours, HF) tokens/s of each round
 
 
@@ -449,12 +448,20 @@ def profile_decode(llm: LLM, factory: PromptFactory, batch: int, steps: int, top
                    python_layers: bool = False) -> dict:
     """Prefill `batch` prompts, then time `steps` decode steps plainly and `steps` more under torch.profiler.
     python_layers: the layers run from Python (the decode stack off), so that each kernel shows by itself."""
-    if python_layers:
-        cpu_ext.DECODE_STACK = False
-        try:
-            return profile_decode(llm, factory, batch, steps, top)
-        finally:
-            cpu_ext.DECODE_STACK = True
+    with decode_stack(not python_layers):
+        return profile_steps(llm, factory, batch, steps, top)
+
+
+@contextlib.contextmanager
+def decode_stack(on: bool):
+    saved, cpu_ext.DECODE_STACK = cpu_ext.DECODE_STACK, on
+    try:
+        yield
+    finally:
+        cpu_ext.DECODE_STACK = saved
+
+
+def profile_steps(llm: LLM, factory: PromptFactory, batch: int, steps: int, top: int) -> dict:
     processor = OutputProcessor(llm.tokenizer)
     params = greedy(profile_output_len(steps))
     ids = add_requests(llm, processor, factory.make(batch), params, "profile")
@@ -559,8 +566,8 @@ def print_table(ours: list[OursResult], hf: dict[int, HFResult], agree: dict[int
     for r in ours:
         h = hf.get(r.batch)
         ratio = r.tokens_per_s / h.tokens_per_s if h and h.tokens_per_s == h.tokens_per_s else math.nan
-        if len(r.round_ratios) > 1:
-            ratio = float(np.median(r.round_ratios))
+        if len(r.round_rates) > 1:
+            ratio = float(np.median([a / b for a, b in r.round_rates]))
         a = agree.get(r.batch)
         agree_text = (f"first token {a.first_token_matches}/{r.batch}, identical {a.full_matches}/{r.batch}, "
                       f"mean common prefix {a.mean_common_prefix:.1f}/{output_len}") if a else ""
@@ -656,7 +663,6 @@ def run_table(args: argparse.Namespace, llm: LLM, factory: PromptFactory
         ours.append(median_run([r for r, _ in rounds]))
         if hf_model is not None:
             hf[batch] = median_run([h for _, h in rounds])
-            ours[-1].round_ratios = [r.tokens_per_s / h.tokens_per_s for r, h in rounds]
             ours[-1].round_rates = [(r.tokens_per_s, h.tokens_per_s) for r, h in rounds]
     return ours, hf, agree, hf_desc
 

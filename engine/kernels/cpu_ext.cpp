@@ -699,10 +699,6 @@ void attend_share(const AttentionProblem& p, const std::vector<int64_t>& item_st
   }
 }
 
-}  // namespace
-
-namespace {
-
 void check_decode_inputs(const torch::Tensor& q, const torch::Tensor& block_tables, const torch::Tensor& context_lens,
                          const char* name) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kBFloat16, name, ": q must be bf16 [B, Hq, D]");
