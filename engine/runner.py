@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata
+from engine.host_memory import keep_freed_memory
 from engine.kernels import cpu_ext
 from engine.kv_cache import KVCache
 from engine.kv_compress import ColdRegion, names_cold
@@ -83,6 +84,8 @@ class ModelRunner:
                             and next(model.parameters()).dtype == torch.bfloat16 and cpu_ext.available())
         self.generators: dict[int, torch.Generator] = {}
         self.cold: ColdRegion | None = None
+        if torch.device(device).type == "cpu":
+            keep_freed_memory()
         if self.use_kernels:
             model.use_kernels(True)
 
