@@ -5,6 +5,8 @@ over bf16 pages or fp8 QuantizedPages.
 The flat batch holds decode rows first (one new token per sequence, attended as one group), then each
 prefill chunk as a contiguous segment. New keys/values are written into their cache slots before
 attention, so a chunk sees every earlier token of its sequence, cached or computed in this step.
+Consecutive whole prompts of one length (no cached context) attend in one batched call: bit-identical to
+one call each, and one call per layer instead of one per prompt when a step prefills many short prompts.
 
 A layer's cache is either a tensor [num_blocks, block_size, kv_heads, head_dim] in the serving dtype or
 QuantizedPages (fp8 / fp4, engine/kv_formats.py): those quantise new tokens as they are written and
@@ -116,10 +118,38 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     out = torch.empty_like(q)
     if meta.num_decode:
         out[: meta.num_decode] = _decode_attention(q[: meta.num_decode], k_cache, v_cache, meta, scale)
-    for seg in meta.prefills:
-        rows = slice(seg.start, seg.start + seg.length)
-        out[rows] = _prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, seg, scale)
+    for run in _prefill_runs(meta.prefills):
+        rows = slice(run[0].start, run[-1].start + run[-1].length)
+        if len(run) > 1:
+            out[rows] = _fresh_batch_attention(q[rows], k[rows], v[rows], len(run), scale)
+        else:
+            out[rows] = _prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, run[0], scale)
     return out
+
+
+def _prefill_runs(segments: list[PrefillSegment]) -> list[list[PrefillSegment]]:
+    """Consecutive segments without cached context and of one length form a run (one batched attention);
+    any other segment is a run of its own."""
+    runs: list[list[PrefillSegment]] = []
+    for seg in segments:
+        last = runs[-1][-1] if runs else None
+        if (last is not None and seg.context_start == 0 and last.context_start == 0
+                and seg.length == last.length and seg.start == last.start + last.length):
+            runs[-1].append(seg)
+        else:
+            runs.append([seg])
+    return runs
+
+
+def _fresh_batch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: int,
+                           scale: float) -> torch.Tensor:
+    # q [count * S, Hq, hd]: `count` whole prompts of S tokens each, attending only to themselves
+    rows, num_heads, head_dim = q.shape
+    qh = q.view(count, rows // count, num_heads, head_dim).transpose(1, 2)  # [count, Hq, S, hd]
+    kh = k.view(count, rows // count, *k.shape[1:]).transpose(1, 2)  # [count, Hkv, S, hd]
+    vh = v.view(count, rows // count, *v.shape[1:]).transpose(1, 2)
+    out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
+    return out.transpose(1, 2).reshape(rows, num_heads, head_dim)
 
 
 def _write(cache: KVPages, x: torch.Tensor, meta: AttentionMetadata) -> None:
