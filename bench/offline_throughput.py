@@ -6,7 +6,10 @@
 
 For each batch size B, both run B distinct token-id prompts of exactly --input-len tokens (rotated English text
 with a numbered header, so that the prefix cache cannot skip prefill) and produce exactly --output-len tokens each
-(greedy, EOS ignored). Output tokens/s is total output tokens / wall time of the whole batch, prefill included.
+(greedy, EOS ignored). Output tokens/s is total output tokens / wall time of the whole batch, prefill included;
+a second table splits each run into its prefill phase (ours: the last first token; HF: its first call of a
+logits processor that leaves the scores alone) and the decode steps after it. Our engine runs with LLM's default
+step budget (--max-num-batched-tokens to change it).
 --rounds N alternates the two N times per batch (fresh prompts each round) and reports the median run of each
 side and the median of the per-round ratios: on a shared host the HF side alone has swung by 30-50%.
 The batch-1 decode rate (1 / TPOT) is compared with the memory-bandwidth bound: bytes of weights read per decode
@@ -33,6 +36,7 @@ import torch
 
 from engine import LLM, EngineConfig, ModelConfig, SamplingParams
 from engine.engine_core import EngineRequest
+from engine.llm import OFFLINE_MAX_NUM_BATCHED_TOKENS
 from engine.kernels import cpu_ext
 from engine.kv_cache import bytes_per_block
 from engine.model.llama import LlamaModel
@@ -109,6 +113,7 @@ class OursResult:
     ttft_p99_ms: float = math.nan
     tpot_p50_ms: float = math.nan
     tpot_p99_ms: float = math.nan
+    ttft_max_ms: float = math.nan  # the last first token: every prompt is prefilled by then
     others_cpu: float = math.nan  # share of all cores used by other processes during the run
     error: str | None = None
     outputs: list[list[int]] = field(default_factory=list, repr=False)
@@ -120,6 +125,7 @@ class HFResult:
     batch: int
     wall_s: float = math.nan
     tokens_per_s: float = math.nan
+    prefill_s: float = math.nan  # generate() start to its first logits processor call (the batch's prefill)
     others_cpu: float = math.nan
     error: str | None = None
     outputs: list[list[int]] = field(default_factory=list, repr=False)
@@ -277,6 +283,7 @@ def run_ours(llm: LLM, prompts: list[list[int]], output_len: int) -> OursResult:
     ttfts = [o.metrics.ttft for o in outs if o.metrics.ttft is not None]
     tpots = [o.metrics.tpot for o in outs if o.metrics.tpot is not None]
     result.ttft_p50_ms, result.ttft_p99_ms = percentile_ms(ttfts, 50), percentile_ms(ttfts, 99)
+    result.ttft_max_ms = max(ttfts, default=math.nan) * 1000
     result.tpot_p50_ms, result.tpot_p99_ms = percentile_ms(tpots, 50), percentile_ms(tpots, 99)
     return result
 
@@ -329,16 +336,34 @@ def hf_pad_id(hf: torch.nn.Module) -> int:
     return 0
 
 
+def first_call_clock():
+    """A logits processor that leaves the scores alone and notes when generate() first calls it: the end of
+    the prefill forward."""
+    from transformers import LogitsProcessor
+
+    class FirstCallClock(LogitsProcessor):
+        first = math.nan
+
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            if math.isnan(self.first):
+                self.first = time.perf_counter()
+            return scores
+
+    return FirstCallClock()
+
+
 def run_hf(hf: torch.nn.Module, prompts: list[list[int]], output_len: int, threads: int) -> HFResult:
     torch.set_num_threads(threads)
     result = HFResult(batch=len(prompts))
     pad_id = hf_pad_id(hf)
     ids, mask = left_pad(prompts, pad_id)
+    clock = first_call_clock()
     cpu_before, start = cpu_sample(), time.perf_counter()
     with torch.inference_mode():
         out = hf.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=output_len,
-                          min_new_tokens=output_len, pad_token_id=pad_id)
+                          min_new_tokens=output_len, pad_token_id=pad_id, logits_processor=[clock])
     result.wall_s = time.perf_counter() - start
+    result.prefill_s = clock.first - start
     result.others_cpu = others_cpu_share(cpu_before, cpu_sample())
     result.outputs = out[:, ids.shape[1]:].tolist()
     result.tokens_per_s = sum(len(o) for o in result.outputs) / result.wall_s
@@ -580,6 +605,24 @@ def print_table(ours: list[OursResult], hf: dict[int, HFResult], agree: dict[int
                 print(f"      ERROR: {err}")
 
 
+def print_phases(ours: list[OursResult], hf: dict[int, HFResult], output_len: int) -> None:
+    """Each side's run split into its prefill phase (ours: the last first token; HF: its first logits) and the
+    decode phase after it, per decode step, for the runs in the table."""
+    print("\nphases of the runs above: prefill (s) = until every prompt has its first token; decode = the rest "
+          f"/ {output_len - 1} steps")
+    print(f"{'batch':>5} {'ours prefill':>12} {'HF prefill':>10} {'ratio':>6} {'ours decode':>11} {'HF decode':>9} "
+          f"{'ratio':>6}")
+    for r in ours:
+        h = hf.get(r.batch)
+        if h is None or math.isnan(r.ttft_max_ms) or math.isnan(h.prefill_s):
+            continue
+        ours_decode = (r.wall_s * 1000 - r.ttft_max_ms) / (output_len - 1)
+        hf_decode = (h.wall_s - h.prefill_s) * 1000 / (output_len - 1)
+        prefill_s = r.ttft_max_ms / 1000
+        print(f"{r.batch:>5} {prefill_s:>11.2f}s {h.prefill_s:>9.2f}s {h.prefill_s / prefill_s:>5.2f}x "
+              f"{ours_decode:>9.1f}ms {hf_decode:>7.1f}ms {hf_decode / ours_decode:>5.2f}x")
+
+
 def others_text(r: OursResult, h: HFResult | None) -> str:
     return f"{fmt(r.others_cpu * 100, '.0f')}%/{fmt(h.others_cpu * 100, '.0f') if h else '-'}%"
 
@@ -622,7 +665,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--model", default=None, help="HF folder or .gguf file; default: SmolLM2-135M GGUF")
-    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="our engine's step token budget")
+    p.add_argument("--max-num-batched-tokens", type=int, default=OFFLINE_MAX_NUM_BATCHED_TOKENS,
+                   help="our engine's step token budget (default: LLM's own)")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--rounds", type=int, default=1,
                    help="alternate ours and HF this many times at each batch; report medians")
@@ -747,6 +791,7 @@ def main(argv: list[str] | None = None) -> None:
         print()
         print_table(ours, hf, agree, args.output_len)
         print_notes(ours, hf)
+        print_phases(ours, hf, args.output_len)
     bound = print_bound(ours, decode_weight_bytes(llm.engine.runner.model), bw)
     profile = None
     if args.profile:

@@ -6,6 +6,8 @@ import random
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.config import EngineConfig
+from engine.llm import OFFLINE_MAX_NUM_BATCHED_TOKENS
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
@@ -126,3 +128,9 @@ def test_eos_ends_a_sequence_unless_ignored(tiny_model_dir):
     out = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0, stop_token_ids=[stop_id]))[0]
     assert out.token_ids == free[: free.index(stop_id) + 1]
     assert out.finish_reason == "stop"
+
+
+def test_llm_takes_larger_steps_than_the_server_unless_told(tiny_model_dir):
+    assert tiny_llm(tiny_model_dir).config.max_num_batched_tokens == OFFLINE_MAX_NUM_BATCHED_TOKENS
+    assert EngineConfig().max_num_batched_tokens < OFFLINE_MAX_NUM_BATCHED_TOKENS
+    assert tiny_llm(tiny_model_dir, max_num_batched_tokens=40).config.max_num_batched_tokens == 40
