@@ -6,7 +6,8 @@ threshold are unmapped on free, and free space at the top of the heap is trimmed
 page fault and a zeroed page for every 4 KiB it touches again. Counted with getrusage around the prefill of
 64 prompts of 128 tokens in 2048-token steps (SmolLM2, bf16): 35-54 thousand minor faults per step with
 glibc's defaults, 0.5-4.3 thousand with the thresholds raised. vLLM's CPU backend asks for tcmalloc for the
-same reason; raising glibc's two thresholds gets most of it without a preloaded library.
+same reason; raising glibc's two thresholds gets most of it without a preloaded library. The price: the
+resident size stays at its peak (about one step's largest activations) after a burst instead of shrinking.
 """
 from __future__ import annotations
 
