@@ -607,7 +607,9 @@ def print_table(ours: list[OursResult], hf: dict[int, HFResult], agree: dict[int
 
 def print_phases(ours: list[OursResult], hf: dict[int, HFResult], output_len: int) -> None:
     """Each side's run split into its prefill phase (ours: the last first token; HF: its first logits) and the
-    decode phase after it, per decode step, for the runs in the table."""
+    decode phase after it, per decode step, for the runs in the table (no decode phase with one output token)."""
+    if output_len < 2:
+        return
     print("\nphases of the runs above: prefill (s) = until every prompt has its first token; decode = the rest "
           f"/ {output_len - 1} steps")
     print(f"{'batch':>5} {'ours prefill':>12} {'HF prefill':>10} {'ratio':>6} {'ours decode':>11} {'HF decode':>9} "
