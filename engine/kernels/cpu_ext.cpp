@@ -1026,6 +1026,8 @@ torch::Tensor row_argmax_bf16(torch::Tensor x) {
 
 void bind_decode_stack(pybind11::module& m);  // decode_stack.cpp
 
+void bind_amx_linear(pybind11::module& m);  // amx_linear.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_bf16", &linear_bf16, "x W^T + b for a few bf16 rows, streaming each weight row once");
   m.def("decode_attention_bf16", &decode_attention_bf16, "decode attention reading bf16 KV pages in place");
@@ -1042,4 +1044,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
   }, "whether the AVX-512 paths were compiled in (else scalar loops)");
   bind_decode_stack(m);
+  bind_amx_linear(m);
 }

@@ -46,7 +46,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name("cpu_ext.cpp"), Path(__file__).with_name("decode_stack.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_ext.cpp", "decode_stack.cpp", "amx_linear.cpp")]
 # Where the kernels measured faster than torch inside the SmolLM2 forward (python -m bench.cpu_kernels,
 # 2 cores): rows of a product, sequences of a decode group.
 # GEMV (min of 10 forwards, ctx 192 / 1024): at one row torch 52.0 / 57.8 ms, GEMV 37.8 / 43.3; at 4-5 rows
@@ -149,6 +149,23 @@ def rotary_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
     """Rotates the first `heads` heads of each row of qkv [T, >= heads * D] bf16 in place (half-split layout);
     cos, sin [T, 1, D/2] (or [T, D/2]) bf16, as RotaryEmbedding.lookup returns them."""
     extension().rotary_bf16_(qkv, cos.reshape(cos.shape[0], -1), sin.reshape(sin.shape[0], -1), heads, head_dim)
+
+
+@functools.cache
+def amx_available() -> bool:
+    """Whether `amx_linear` runs here: built with AMX (-march=native on a CPU that has it) and granted the
+    tile state by the kernel."""
+    return available() and extension().amx_linear_available()
+
+
+def amx_pack(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] bf16 (N % 16 == 0, K % 32 == 0) -> AMX tiles [N/16, K/32, 16, 32] for `amx_linear`."""
+    return extension().amx_pack_bf16(weight)
+
+
+def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] bf16, packed from `amx_pack` -> [M, N] bf16 = x W^T + b, fp32 sums rounded once."""
+    return extension().amx_linear_bf16(x, packed, bias if bias is not None else torch.empty(0))
 
 
 @functools.cache

@@ -19,6 +19,7 @@ torch::Tensor decode_attention_bf16(torch::Tensor q, torch::Tensor k_pages, torc
 std::vector<torch::Tensor> rms_norm_bf16(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
 torch::Tensor silu_mul_bf16(torch::Tensor gate_up);
 void rotary_bf16_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t heads, int64_t head_dim);
+torch::Tensor amx_linear_bf16(torch::Tensor x, torch::Tensor packed, torch::Tensor bias);  // amx_linear.cpp
 
 namespace {
 
@@ -33,7 +34,8 @@ const c10::TypedOperatorHandle<PackedLinear>& packed_linear_op() {
   return op;
 }
 
-// A Linear module's tensors, as Python passes them: (weight [N, K], bias [N] or None, oneDNN-packed weight or None).
+// A Linear module's tensors, as Python passes them: (weight [N, K], bias [N] or None, packed weight or None).
+// The packed weight is AMX tiles (4-D, from amx_pack_bf16) or oneDNN's packed copy (engine/kernels/packed_linear.py).
 using ProjectionArgs = std::tuple<torch::Tensor, std::optional<torch::Tensor>, std::optional<torch::Tensor>>;
 
 struct Projection {
@@ -58,6 +60,8 @@ struct RowLimits {
 // GEMV for up to limits.gemv rows, else F.linear.
 torch::Tensor project(const Projection& p, const torch::Tensor& x, const RowLimits& limits) {
   const int64_t rows = x.size(0);
+  if (p.packed && rows >= 2 && rows <= limits.packed && p.packed->dim() == 4)
+    return amx_linear_bf16(x, *p.packed, p.gemv_bias);
   if (p.packed && rows >= 2 && rows <= limits.packed)
     return packed_linear_op().call(x.contiguous(), *p.packed, p.bias, "none", c10::List<std::optional<c10::Scalar>>(),
                                    std::string_view(""));

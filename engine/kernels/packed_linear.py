@@ -1,15 +1,19 @@
-"""bf16 linear layers on weights pre-packed for oneDNN (torch's mkldnn ops), for decode-sized products.
+"""bf16 linear layers on weights packed once at start-up, for decode-sized products (2..MAX_PACKED_ROWS rows).
 
-F.linear hands oneDNN a plain [N, K] weight, which its AMX / AVX-512 matmul re-blocks on every call; a copy
-packed once at start-up skips that. Measured on this 2-core host (2 threads, ms per call, SmolLM2 shapes,
-F.linear -> packed; outputs bit-identical up to 128 rows):
-    rows      qkv 576x960     gate_up 576x3072   down 1536x576   lm_head 576x49152
-      8       0.081 -> 0.048   0.238 -> 0.167     0.103 -> 0.062   2.57 -> 1.58
-     64       0.156 -> 0.126   0.506 -> 0.393     0.238 -> 0.174   5.38 -> 2.70
-    128       0.238 -> 0.203   0.713 -> 0.562     0.388 -> 0.294   8.50 -> 5.58
-    512       0.762 -> 0.709   2.268 -> 2.092     1.134 -> 1.890  40.8  -> 59.5
-so the packed copy serves 2..MAX_PACKED_ROWS rows; one row goes to our GEMV (cpu_ext, 10-30% faster there),
-prefill chunks to F.linear on the plain weight, which is kept (the embedding shares it, and so does the GEMV).
+Two packings, the first that applies:
+- AMX tiles for our kernel (engine/kernels/amx_linear.cpp, `cpu_ext.amx_linear`), on CPUs with AMX.
+- oneDNN's own packed copy (torch's mkldnn ops). F.linear hands oneDNN a plain [N, K] weight, which its AMX /
+  AVX-512 matmul re-blocks on every call; a copy packed once skips that. Measured on this 2-core host
+  (2 threads, ms per call, SmolLM2 shapes, F.linear -> oneDNN packed; outputs bit-identical up to 128 rows):
+      rows      qkv 576x960     gate_up 576x3072   down 1536x576   lm_head 576x49152
+        8       0.081 -> 0.048   0.238 -> 0.167     0.103 -> 0.062   2.57 -> 1.58
+       64       0.156 -> 0.126   0.506 -> 0.393     0.238 -> 0.174   5.38 -> 2.70
+      128       0.238 -> 0.203   0.713 -> 0.562     0.388 -> 0.294   8.50 -> 5.58
+      512       0.762 -> 0.709   2.268 -> 2.092     1.134 -> 1.890  40.8  -> 59.5
+  The AMX kernel against oneDNN's packed copy, all 121 products of a SmolLM2 decode step with the weights
+  cold (python -m bench.amx_linear): see that benchmark's docstring for the figures.
+One row goes to our GEMV (cpu_ext, 10-30% faster there), prefill chunks to F.linear on the plain weight, which
+is kept (the embedding shares it, and so does the GEMV).
 """
 from __future__ import annotations
 
@@ -18,10 +22,13 @@ import logging
 
 import torch
 
+from engine.kernels import cpu_ext
+
 log = logging.getLogger(__name__)
 
 PACK_BATCH_HINT = 64  # the row count oneDNN picks its blocking for
 MAX_PACKED_ROWS = 128
+AMX_PACKING = True  # off: oneDNN's packed copy even where the AMX kernel runs (for comparisons)
 
 
 @functools.cache
@@ -33,9 +40,19 @@ def available() -> bool:
         return False
 
 
+def amx_applies(weight: torch.Tensor) -> bool:
+    return (AMX_PACKING and weight.dim() == 2 and weight.shape[0] % 16 == 0 and weight.shape[1] % 32 == 0
+            and cpu_ext.amx_available())
+
+
 def pack(weight: torch.Tensor) -> torch.Tensor | None:
-    """weight [N, K] bf16 on the CPU -> its packed copy, or None where packing does not apply."""
-    if weight.dtype != torch.bfloat16 or not weight.is_cpu or weight.dim() != 2 or not available():
+    """weight [N, K] bf16 on the CPU -> its packed copy (AMX tiles: 4-D; oneDNN: 2-D), or None where packing
+    does not apply."""
+    if weight.dtype != torch.bfloat16 or not weight.is_cpu or weight.dim() != 2:
+        return None
+    if amx_applies(weight):
+        return cpu_ext.amx_pack(weight.detach())
+    if not available():
         return None
     try:
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_BATCH_HINT)
@@ -50,4 +67,6 @@ def applies(x: torch.Tensor) -> bool:
 
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [M, K] bf16, packed (from `pack`) -> [M, N] bf16, as F.linear(x, weight, bias)."""
+    if packed.dim() == 4:
+        return cpu_ext.amx_linear(x, packed, bias)
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")

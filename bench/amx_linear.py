@@ -1,0 +1,119 @@
+"""Decode-sized bf16 products: our AMX kernel (engine/kernels/amx_linear.cpp) against oneDNN's packed matmul.
+
+    python -m bench.amx_linear [--rows 2,8,32,64,128] [--batches 32,64] [--rounds 5]
+
+Part 1, products: the 121 products of one SmolLM2-135M decode step (30 layers of qkv, o, gate_up, down, then
+the LM head; random weights of the real shapes, 269 MB), at each --rows, with the caches flushed by a 512 MB
+write before each pass. Both packings alternate within each round; prints the median ms per pass and the
+weight bytes read per second, beside a plain sum over the same weights (the read bandwidth to compare with).
+Part 2, engine: two `LLM`s in this process, one packing its weights for the AMX kernel and one for oneDNN,
+generating --batches prompts of 128 tokens to 128 new tokens (greedy), alternating; prints median output
+tokens/s and TPOT. Needs a CPU with AMX (Sapphire Rapids or newer).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Sequence
+
+import torch
+
+from engine.kernels import cpu_ext, packed_linear
+
+LAYERS, HIDDEN, QKV, INTERMEDIATE, VOCAB = 30, 576, 960, 1536, 49152  # SmolLM2-135M
+SHAPES = [(QKV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)]
+
+
+def step_weights() -> list[torch.Tensor]:
+    weights = [torch.randn(n, k, dtype=torch.bfloat16) * 0.02 for _ in range(LAYERS) for n, k in SHAPES]
+    return weights + [torch.randn(VOCAB, HIDDEN, dtype=torch.bfloat16) * 0.02]
+
+
+def one_pass(rows: int, weights: list[torch.Tensor], packed: list[torch.Tensor]) -> float:
+    inputs = {k: torch.randn(rows, k, dtype=torch.bfloat16) for k in (HIDDEN, INTERMEDIATE)}
+    start = time.perf_counter()
+    for weight, pack in zip(weights, packed):
+        packed_linear.linear(inputs[weight.shape[1]], pack, None)
+    return time.perf_counter() - start
+
+
+def read_pass(weights: list[torch.Tensor]) -> float:
+    start = time.perf_counter()
+    for weight in weights:
+        weight.sum()
+    return time.perf_counter() - start
+
+
+def products(rows_list: list[int], rounds: int) -> None:
+    weights = step_weights()
+    nbytes = sum(w.numel() * w.element_size() for w in weights)
+    packings = {"amx": [cpu_ext.amx_pack(w) for w in weights],
+                "onednn": [torch.ops.mkldnn._reorder_linear_weight(w, packed_linear.PACK_BATCH_HINT) for w in weights]}
+    flush = torch.empty(256 << 20, dtype=torch.bfloat16)
+    times: dict[tuple[str, int], list[float]] = {}
+    for _ in range(rounds):
+        for rows in rows_list:
+            for name, packed in packings.items():
+                flush.fill_(1)
+                times.setdefault((name, rows), []).append(one_pass(rows, weights, packed))
+        flush.fill_(1)
+        times.setdefault(("sum", 0), []).append(read_pass(weights))
+    read_s = statistics.median(times[("sum", 0)])
+    print(f"products of one decode step ({len(weights)} products, {nbytes / 1e6:.0f} MB of weights, caches flushed), "
+          f"median of {rounds}; plain sum over the weights: {read_s * 1e3:.1f} ms ({nbytes / read_s / 1e9:.1f} GB/s)")
+    print(f"{'rows':>5} {'oneDNN ms':>10} {'GB/s':>6} {'AMX ms':>8} {'GB/s':>6} {'speed-up':>9}")
+    for rows in rows_list:
+        onednn, amx = (statistics.median(times[(n, rows)]) for n in ("onednn", "amx"))
+        print(f"{rows:>5} {onednn * 1e3:>10.1f} {nbytes / onednn / 1e9:>6.1f} {amx * 1e3:>8.1f} "
+              f"{nbytes / amx / 1e9:>6.1f} {onednn / amx:>8.2f}x")
+
+
+def engine(batches: list[int], rounds: int, threads: int) -> None:
+    from bench.offline_throughput import PromptFactory, build_engine, parse_args, run_ours
+
+    engines, prompts = {}, {}
+    for name, amx in (("amx", True), ("onednn", False)):
+        packed_linear.AMX_PACKING = amx  # read when the model packs its weights, at load
+        args = parse_args(["--batch-sizes", str(max(batches)), "--threads", str(threads)])
+        engines[name] = build_engine(args, max(batches))
+        prompts[name] = PromptFactory(engines[name].tokenizer, 128)
+        run_ours(engines[name], prompts[name].make(4), 4)  # warm-up
+    packed_linear.AMX_PACKING = True
+    results: dict[tuple[str, int], list] = {}
+    for round_index in range(rounds):
+        for batch in batches:
+            for name in engines:
+                r = run_ours(engines[name], prompts[name].make(batch), 128)
+                results.setdefault((name, batch), []).append(r)
+                print(f"round {round_index + 1} B={batch} {name:>6}: {r.tokens_per_s:6.1f} tok/s, "
+                      f"TPOT p50 {r.tpot_p50_ms:5.1f} ms", flush=True)
+    print(f"\nengine, 128 in / 128 out, greedy, {threads} threads, median of {rounds} alternated rounds")
+    for batch in batches:
+        line = []
+        for name in engines:
+            runs = results[(name, batch)]
+            line.append(f"{name} {statistics.median(r.tokens_per_s for r in runs):6.1f} tok/s "
+                        f"(TPOT p50 {statistics.median(r.tpot_p50_ms for r in runs):5.1f} ms)")
+        ratios = [a.tokens_per_s / o.tokens_per_s for a, o in zip(results[("amx", batch)], results[("onednn", batch)])]
+        print(f"B={batch}: " + ", ".join(line) + f"; ratio of rounds median {statistics.median(ratios):.2f}x")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rows", default="2,8,32,64,128", help="rows of the products pass; empty skips it")
+    p.add_argument("--batches", default="32,64", help="engine batches; empty skips the engine part")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--threads", type=int, default=2)
+    a = p.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    if not cpu_ext.amx_available():
+        raise SystemExit("no AMX here (cpu_ext.amx_available() is False): nothing to compare")
+    if a.rows:
+        products([int(r) for r in a.rows.split(",")], a.rounds)
+    if a.batches:
+        engine([int(b) for b in a.batches.split(",")], a.rounds, a.threads)
+
+
+if __name__ == "__main__":
+    main()

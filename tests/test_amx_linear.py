@@ -1,0 +1,93 @@
+"""The AMX product kernel (engine/kernels/amx_linear.cpp) and where the model uses it."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.kernels import cpu_ext, packed_linear
+from engine.model.llama import Linear
+from tests.test_decode_stack import assert_stack_matches_layers, kernel_model, qwen2_dir, stack_calls  # noqa: F401 (fixtures)
+
+pytestmark = pytest.mark.skipif(not cpu_ext.amx_available(), reason="no AMX tiles on this CPU (or no kernels)")
+
+
+def operands(rows: int, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    weight = (torch.randn(n, k, generator=gen) * 0.05).to(torch.bfloat16)
+    bias = torch.randn(n, generator=gen).to(torch.bfloat16)
+    return torch.randn(rows, k, generator=gen).to(torch.bfloat16), weight, bias
+
+
+def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    out = x.double() @ weight.double().T
+    return out if bias is None else out + bias.double()
+
+
+@pytest.mark.parametrize("rows", [2, 5, 16, 17, 33, 64, 128])
+@pytest.mark.parametrize("n,k", [(48, 64), (960, 576), (576, 1536)], ids=["odd-blocks", "qkv", "down"])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
+def test_amx_product_is_x_times_w_transposed_rounded_once(rows, n, k, with_bias):
+    x, weight, bias = operands(rows, n, k, seed=rows + n)
+    bias = bias if with_bias else None
+    out = cpu_ext.amx_linear(x, cpu_ext.amx_pack(weight), bias)
+    assert out.shape == (rows, n) and out.dtype == torch.bfloat16
+    exact = reference(x, weight, bias)
+    # fp32 sums rounded once to bf16: within half a bf16 ulp of the exact value, plus fp32 summation error
+    assert ((out.double() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-4).all()
+    # and torch's own bf16 product (also fp32 sums, another order) differs by at most one rounding step
+    torch_out = F.linear(x, weight, bias).double()
+    assert ((out.double() - torch_out).abs() <= torch_out.abs() * 2 ** -7 + 1e-4).all()
+
+
+def test_each_row_is_independent_of_the_rest_of_the_batch():
+    x, weight, _ = operands(64, 960, 576)
+    packed = cpu_ext.amx_pack(weight)
+    whole = cpu_ext.amx_linear(x, packed)
+    for first, count in [(0, 2), (5, 3), (16, 17), (40, 24)]:
+        assert torch.equal(cpu_ext.amx_linear(x[first:first + count], packed), whole[first:first + count])
+
+
+def test_strided_rows_and_bad_operands():
+    x, weight, bias = operands(20, 96, 64)
+    packed = cpu_ext.amx_pack(weight)
+    wide = torch.zeros(20, 100, dtype=torch.bfloat16)
+    wide[:, 3:67] = x
+    assert torch.equal(cpu_ext.amx_linear(wide[:, 3:67], packed, bias), cpu_ext.amx_linear(x, packed, bias))
+    assert cpu_ext.amx_linear(x[:0], packed).shape == (0, 96)
+    with pytest.raises(RuntimeError, match="same K"):
+        cpu_ext.amx_linear(torch.zeros(4, 96, dtype=torch.bfloat16), packed)
+    with pytest.raises(RuntimeError, match="bias"):
+        cpu_ext.amx_linear(x, packed, bias[:50])
+    with pytest.raises(RuntimeError, match="N % 16"):
+        cpu_ext.amx_pack(weight[:40])
+    with pytest.raises(RuntimeError, match="K % 32"):
+        cpu_ext.amx_pack(weight[:, :48].contiguous())
+
+
+def test_pack_takes_amx_tiles_where_the_shape_allows_else_onednn(monkeypatch):
+    _, weight, _ = operands(2, 96, 64)
+    assert packed_linear.pack(weight).dim() == 4
+    assert packed_linear.pack(weight[:40]).dim() != 4  # N % 16 != 0: oneDNN's packing (or none)
+    monkeypatch.setattr(packed_linear, "AMX_PACKING", False)
+    assert packed_linear.pack(weight).dim() != 4
+
+
+def test_model_products_and_decode_stack_run_on_amx_tiles(tiny_model_dir, stack_calls):
+    model = kernel_model(tiny_model_dir)
+    packs = [m.packed for m in model.modules() if isinstance(m, Linear)] + [model.lm_packed]
+    assert packs and all(p is not None and p.dim() == 4 for p in packs)
+    assert_stack_matches_layers(model, [0, 1, 2], stack_calls)  # stack and Python layers: same kernel, same bits
+
+
+def test_decode_stack_still_matches_the_layers_on_onednn_packing(tiny_model_dir, stack_calls, monkeypatch):
+    monkeypatch.setattr(packed_linear, "AMX_PACKING", False)
+    model = kernel_model(tiny_model_dir)
+    assert all(m.packed.dim() == 2 for m in model.modules() if isinstance(m, Linear))
+    assert_stack_matches_layers(model, [0, 1, 2], stack_calls)
+
+
+def test_decode_stack_with_biases_on_amx_tiles(qwen2_dir, stack_calls):
+    model = kernel_model(qwen2_dir)
+    assert model.layers[0].self_attn.qkv_proj.bias is not None and model.layers[0].self_attn.qkv_proj.packed.dim() == 4
+    assert_stack_matches_layers(model, [0, 1, 2], stack_calls)
