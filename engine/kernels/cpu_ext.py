@@ -25,6 +25,9 @@ elementwise ops between the matrix products.
   in place in the fused qkv output): one pass each instead of 3-10 torch ops and their temporaries. They round
   every intermediate to bf16 where the torch ops store one, so they match torch to the bit but for rare
   one-ulp flips (RMSNorm's fp32 sum order, SiLU's exp).
+- `amx_linear` (engine/kernels/amx_linear.cpp): products of 2..128 bf16 rows on AMX tiles, on weights packed
+  once into tile order; it streams the weights once and prefetches ahead, where oneDNN's packed matmul read
+  them at 7-11 GB/s (engine/kernels/packed_linear.py has the figures). Only where the CPU has AMX.
 - `DecodeStack` (engine/kernels/decode_stack.cpp): the decoder layers of a decode-only step in one call, the
   ops above and the packed products in the order the Python layers run them (bit-identical hidden states),
   without the interpreter between them; LlamaModel.forward takes it where it applies.
