@@ -1,9 +1,10 @@
 // bf16 products for decode-sized batches (2..128 rows) on Intel AMX tiles, streaming the weights once.
 //
-// oneDNN's packed matmul (torch.ops.mkldnn._linear_pointwise) read the weights of a decode step at about 7-9 GB/s
-// on this 2-core host, against 11-14 GB/s for a plain sum over the same bytes. This kernel walks the weights
-// in the order they lie in memory, prefetches the next pair of column blocks into L2 while the tiles work on
-// the current one, and converts each 16x16 fp32 result tile to bf16 in registers.
+// oneDNN's packed matmul (torch.ops.mkldnn._linear_pointwise) read the weights of a decode step at 7-11 GB/s at
+// 32-64 rows on this 2-core host, against 12-14 GB/s for a plain sum over the same bytes. This kernel walks
+// the weights in the order they lie in memory, prefetches the next pair of column blocks into L2 while the
+// tiles work on the current one, and converts each 16x16 fp32 result tile to bf16 in registers. Figures:
+// engine/kernels/packed_linear.py (python -m bench.amx_linear).
 //
 // Layout of a packed weight, from amx_pack_bf16: [N/16, K/32, 16, 32] bf16. Block (n, k) is the B tile of
 // columns n*16..n*16+15 and reduction indices k*32..k*32+31, in AMX's pair layout: tile row r holds, for each
