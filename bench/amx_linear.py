@@ -70,24 +70,16 @@ def products(rows_list: list[int], rounds: int) -> None:
 
 
 def engine(batches: list[int], rounds: int, threads: int) -> None:
-    from bench.offline_throughput import PromptFactory, build_engine, parse_args, run_ours
+    from bench.offline_throughput import build_engine, parse_args
+    from bench.step_budget import alternate
 
-    engines, prompts = {}, {}
+    engines = {}
     for name, amx in (("amx", True), ("onednn", False)):
         packed_linear.AMX_PACKING = amx  # read when the model packs its weights, at load
-        args = parse_args(["--batch-sizes", str(max(batches)), "--threads", str(threads)])
-        engines[name] = build_engine(args, max(batches))
-        prompts[name] = PromptFactory(engines[name].tokenizer, 128)
-        run_ours(engines[name], prompts[name].make(4), 4)  # warm-up
+        engines[name] = build_engine(parse_args(["--batch-sizes", str(max(batches)), "--threads", str(threads)]),
+                                     max(batches))
     packed_linear.AMX_PACKING = True
-    results: dict[tuple[str, int], list] = {}
-    for round_index in range(rounds):
-        for batch in batches:
-            for name in engines:
-                r = run_ours(engines[name], prompts[name].make(batch), 128)
-                results.setdefault((name, batch), []).append(r)
-                print(f"round {round_index + 1} B={batch} {name:>6}: {r.tokens_per_s:6.1f} tok/s, "
-                      f"TPOT p50 {r.tpot_p50_ms:5.1f} ms", flush=True)
+    results = alternate(engines, batches, 128, 128, rounds)
     print(f"\nengine, 128 in / 128 out, greedy, {threads} threads, median of {rounds} alternated rounds")
     for batch in batches:
         line = []

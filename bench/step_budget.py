@@ -15,6 +15,25 @@ from collections.abc import Sequence
 import torch
 
 from bench.offline_throughput import OursResult, PromptFactory, build_engine, parse_args, run_ours
+from engine import LLM
+
+
+def alternate(engines: dict[str, LLM], batches: list[int], input_len: int, output_len: int,
+              rounds: int) -> dict[tuple[str, int], list[OursResult]]:
+    """Warm each engine up, then run each batch on every engine in turn, `rounds` times, with fresh prompts for
+    every run (no prefix-cache hits); prints each run. -> runs by (engine name, batch)."""
+    prompts = {name: PromptFactory(llm.tokenizer, input_len) for name, llm in engines.items()}
+    for name, llm in engines.items():
+        run_ours(llm, prompts[name].make(4), 4)
+    results: dict[tuple[str, int], list[OursResult]] = {}
+    for round_index in range(rounds):
+        for batch in batches:
+            for name, llm in engines.items():
+                r = run_ours(llm, prompts[name].make(batch), output_len)
+                results.setdefault((name, batch), []).append(r)
+                print(f"round {round_index + 1} B={batch} {name}: {r.tokens_per_s:7.1f} tok/s in {r.wall_s:5.2f} s, "
+                      f"last first token {r.ttft_max_ms:6.0f} ms, TPOT p50 {r.tpot_p50_ms:5.1f} ms", flush=True)
+    return results
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -27,25 +46,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=2)
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
-    budgets = [int(b) for b in a.budgets.split(",")]
-    engines, prompts = {}, {}
-    for budget in budgets:
+    engines = {}
+    for budget in a.budgets.split(","):
         args = parse_args(["--batch-sizes", str(a.batch), "--input-len", str(a.input_len), "--output-len",
-                           str(a.output_len), "--threads", str(a.threads), "--max-num-batched-tokens", str(budget)])
-        engines[budget] = build_engine(args, a.batch)
-        prompts[budget] = PromptFactory(engines[budget].tokenizer, a.input_len)  # fresh prompts: no cache hits
-        run_ours(engines[budget], prompts[budget].make(4), 4)  # warm-up
-    results: dict[int, list[OursResult]] = {b: [] for b in budgets}
-    for round_index in range(a.rounds):
-        for budget in budgets:
-            r = run_ours(engines[budget], prompts[budget].make(a.batch), a.output_len)
-            results[budget].append(r)
-            print(f"round {round_index + 1} budget {budget:>5}: {r.tokens_per_s:7.1f} tok/s in {r.wall_s:5.2f} s, "
-                  f"last first token {r.ttft_max_ms:6.0f} ms, TPOT p50 {r.tpot_p50_ms:5.1f} ms", flush=True)
+                           str(a.output_len), "--threads", str(a.threads), "--max-num-batched-tokens", budget])
+        engines[f"budget {int(budget):>5}"] = build_engine(args, a.batch)
+    results = alternate(engines, [a.batch], a.input_len, a.output_len, a.rounds)
     print(f"\nmedians over {a.rounds} rounds, batch {a.batch}, {a.input_len} in, {a.output_len} out, "
           f"{a.threads} threads")
-    for budget, runs in results.items():
-        print(f"budget {budget:>5}: {statistics.median(r.tokens_per_s for r in runs):7.1f} tok/s, last first token "
+    for name in engines:
+        runs = results[(name, a.batch)]
+        print(f"{name}: {statistics.median(r.tokens_per_s for r in runs):7.1f} tok/s, last first token "
               f"{statistics.median(r.ttft_max_ms for r in runs):6.0f} ms, "
               f"TPOT p50 {statistics.median(r.tpot_p50_ms for r in runs):5.1f} ms")
 

@@ -16,7 +16,6 @@
 #include <ATen/Parallel.h>
 
 #include <cstdint>
-#include <cstring>
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define CPU_EXT_AMX 1
@@ -76,7 +75,6 @@ void store_tile(const Problem& p, const float* c, int64_t row_tile, int64_t col_
   }
 }
 
-// Column blocks n0 and n0 + 1 (n0 alone when `two_cols` is false) for row tiles m0 and m0 + 1.
 // The next pair's weights, asked into L2 a few lines per k block over all of this pair's row-tile passes, so
 // that every pass has memory traffic under its tile work (not only the first, which streams its own B).
 struct Prefetch {
@@ -88,6 +86,7 @@ struct Prefetch {
   }
 };
 
+// Column blocks n0 and n0 + 1 (n0 alone when `two_cols` is false) for row tiles m0 and m0 + 1.
 void tile_pair(const Problem& p, int64_t n0, bool two_cols, int64_t m0, Prefetch& prefetch, float* c) {
   const bool two_rows = m0 + 1 < p.row_tiles;
   const uint16_t* b0 = p.b + n0 * p.k_blocks * kBlockElems;

@@ -60,11 +60,11 @@ struct RowLimits {
 // GEMV for up to limits.gemv rows, else F.linear.
 torch::Tensor project(const Projection& p, const torch::Tensor& x, const RowLimits& limits) {
   const int64_t rows = x.size(0);
-  if (p.packed && rows >= 2 && rows <= limits.packed && p.packed->dim() == 4)
-    return amx_linear_bf16(x, *p.packed, p.gemv_bias);
-  if (p.packed && rows >= 2 && rows <= limits.packed)
+  if (p.packed && rows >= 2 && rows <= limits.packed) {
+    if (p.packed->dim() == 4) return amx_linear_bf16(x, *p.packed, p.gemv_bias);  // AMX tiles
     return packed_linear_op().call(x.contiguous(), *p.packed, p.bias, "none", c10::List<std::optional<c10::Scalar>>(),
                                    std::string_view(""));
+  }
   if (rows <= limits.gemv && p.weight.is_contiguous()) return linear_bf16(x, p.weight, p.gemv_bias);
   return at::linear(x, p.weight, p.bias);
 }
