@@ -25,7 +25,9 @@ Messages = list[dict[str, str]]
 # LLM runs whole batches for throughput, so it takes larger steps than the server's default (512, chosen for
 # inter-token latency): 64 prompts of 128 tokens prefilled in 5 steps instead of 18 gave 533.9 -> 625.8 output
 # tokens/s end to end on SmolLM2, bf16, 2 threads (medians of 4 interleaved rounds; the last first token
-# 5.6 -> 3.8 s): `python -m bench.step_budget --budgets 512,2048`.
+# 5.6 -> 3.8 s): `python -m bench.step_budget --budgets 512,2048`. Larger steps gain nothing end to end:
+# `--budgets 2048,4096,8192` gave 727.5 / 662.2 / 670.1 tok/s (medians of 4 rounds, session 7), although one
+# 8192-token forward costs ~13% less per token than four of 2048 (401 against 459 us a token, in one process).
 OFFLINE_MAX_NUM_BATCHED_TOKENS = 2048
 
 
