@@ -41,7 +41,7 @@ STEPS = textwrap.dedent("""
 """)
 
 
-def one_step_in_a_subprocess(mode: str) -> dict[str, float]:
+def median_step_in_a_subprocess(mode: str) -> dict[str, float]:
     env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES" and not k.startswith("MALLOC_")}
     done = subprocess.run([sys.executable, "-c", STEPS, mode], capture_output=True, text=True, timeout=120,
                           check=True, env=env)
@@ -49,7 +49,7 @@ def one_step_in_a_subprocess(mode: str) -> dict[str, float]:
 
 
 def test_kept_memory_is_not_handed_back_to_the_kernel_between_steps():
-    handing_back, kept = one_step_in_a_subprocess("hand back"), one_step_in_a_subprocess("keep")
+    handing_back, kept = median_step_in_a_subprocess("hand back"), median_step_in_a_subprocess("keep")
     assert handing_back["handed_back"] > 30 * MIB  # the step's 40 MiB go back to the kernel on every free
     assert handing_back["faults"] > 10  # ~10,240 with 4 KiB pages, ~20 with 2 MiB pages
     assert kept["handed_back"] < 2 * MIB
