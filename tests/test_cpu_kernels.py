@@ -101,8 +101,9 @@ def test_decode_attention_matches_sdpa_over_gathered_pages(num_heads, num_kv_hea
 
 @pytest.mark.parametrize("threads", [1, 3, 5])
 def test_decode_attention_merges_rows_split_between_threads(threads):
-    """Each thread takes an equal share of all tokens, so a row's context may be split between threads and
-    merged from softmax statistics: one long row over 3 and 5 shares, and a mixed batch, match the reference."""
+    """Below 8 items a thread, each thread takes an equal share of all tokens, so a row's context may be split
+    between threads and merged from softmax statistics: one long row over 3 and 5 shares, and a mixed batch,
+    match the reference."""
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -113,6 +114,24 @@ def test_decode_attention_merges_rows_split_between_threads(threads):
             torch.testing.assert_close(got.float(), ref, **ATTENTION_TOLERANCE)
     finally:
         torch.set_num_threads(previous)
+
+
+def test_decode_attention_of_many_items_gives_the_same_bits_on_any_thread_count():
+    """At 8+ (row, kv head) items a thread, threads claim whole items as they free up: no item is cut, so the
+    bits cannot depend on how many threads ran or which took what."""
+    previous = torch.get_num_threads()
+    q, k_pages, v_pages, tables, lens = scattered_problem(64, 9, 3, 64, seed=11)
+    try:
+        outputs = []
+        for threads in (1, 2, 3, 2):
+            torch.set_num_threads(threads)
+            outputs.append(cpu_ext.decode_attention_bf16(q, k_pages, v_pages, tables, lens, 0.125))
+    finally:
+        torch.set_num_threads(previous)
+    ref = reference_decode_attention(q, k_pages, v_pages, tables, lens, 0.125)
+    torch.testing.assert_close(outputs[0].float(), ref, **ATTENTION_TOLERANCE)
+    for out in outputs[1:]:
+        assert torch.equal(out, outputs[0])
 
 
 def test_decode_attention_rejects_a_context_longer_than_its_table():

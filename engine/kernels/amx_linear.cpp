@@ -26,6 +26,8 @@
 
 #include <cstdint>
 
+#include "parallel.h"
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define CPU_EXT_AMX 1
 #include <immintrin.h>
@@ -134,26 +136,30 @@ void tile_pair(const Problem& p, int64_t n0, bool two_cols, int64_t m0, Prefetch
   }
 }
 
-// Threads take contiguous ranges of column-block pairs: each streams its own part of the weights once.
-void run(const Problem& p) {
-  const int64_t pairs = (p.col_blocks + 1) / 2, pair_bytes = 2 * p.k_blocks * kBlockElems * 2;
-  at::parallel_for(0, pairs, 2, [&](int64_t begin, int64_t end) {
-    load_tile_config();
-    alignas(64) float c[kTileRows * kTileN];
-    for (int64_t pair = begin; pair < end; ++pair) {
-      const int64_t n0 = 2 * pair;
-      const bool two_cols = n0 + 1 < p.col_blocks;
-      Prefetch prefetch;
-      if (pair + 1 < end) {
-        const int64_t iterations = (p.row_tiles + 1) / 2 * p.k_blocks;
-        prefetch = {reinterpret_cast<const char*>(p.b) + (pair + 1) * pair_bytes, pair_bytes / 64,
-                    (pair_bytes / 64 + iterations - 1) / iterations, 0};
-      }
-      for (int64_t m0 = 0; m0 < p.row_tiles; m0 += 2)  // after the first pass, B comes from cache
-        tile_pair(p, n0, two_cols, m0, prefetch, c);
+// Pairs [begin, end) of column blocks: the weights of each streamed once, the next pair's prefetched meanwhile.
+void run_pairs(const Problem& p, int64_t begin, int64_t end) {
+  const int64_t pair_bytes = 2 * p.k_blocks * kBlockElems * 2;
+  load_tile_config();
+  alignas(64) float c[kTileRows * kTileN];
+  for (int64_t pair = begin; pair < end; ++pair) {
+    const int64_t n0 = 2 * pair;
+    const bool two_cols = n0 + 1 < p.col_blocks;
+    Prefetch prefetch;
+    if (pair + 1 < end) {
+      const int64_t iterations = (p.row_tiles + 1) / 2 * p.k_blocks;
+      prefetch = {reinterpret_cast<const char*>(p.b) + (pair + 1) * pair_bytes, pair_bytes / 64,
+                  (pair_bytes / 64 + iterations - 1) / iterations, 0};
     }
-    _tile_release();
-  });
+    for (int64_t m0 = 0; m0 < p.row_tiles; m0 += 2)  // after the first pass, B comes from cache
+      tile_pair(p, n0, two_cols, m0, prefetch, c);
+  }
+  _tile_release();
+}
+
+// Threads claim runs of pairs as they free up (parallel.h); each pair's result is the same whoever computes it.
+void run(const Problem& p) {
+  const int64_t pairs = (p.col_blocks + 1) / 2;
+  cpu_ext::parallel_claim(pairs, 2, [&](int64_t begin, int64_t end) { run_pairs(p, begin, end); });
 }
 
 #endif  // CPU_EXT_AMX

@@ -11,6 +11,8 @@
 #include <limits>
 #include <vector>
 
+#include "parallel.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define CPU_EXT_AVX512 1
 #include <immintrin.h>
@@ -720,6 +722,12 @@ void check_decode_inputs(const torch::Tensor& q, const torch::Tensor& block_tabl
               name, ": block tables / context lengths");
 }
 
+// With this many items a thread or more, threads claim whole items as they go (cpu_ext::parallel_claim): no
+// thread waits long for a slower one, and no item is cut, so the output does not depend on which thread ran
+// what. Fewer items (small batches) are split into equal token shares, cut items merged after. At 64
+// sequences claiming saved 1-3 ms of a 41-54 ms step, mean of 100 steps alternated with the shares (session 8).
+constexpr int64_t kClaimItemsPerThread = 8;
+
 // Fills p's query, table and output fields from the tensors (kept alive by the caller) and runs it.
 void run_decode_attention(AttentionProblem& p, const torch::Tensor& q, const torch::Tensor& tables,
                           const torch::Tensor& lens, torch::Tensor& out, int64_t num_blocks, const char* name) {
@@ -742,7 +750,18 @@ void run_decode_attention(AttentionProblem& p, const torch::Tensor& q, const tor
     for (int64_t h = 0; h < num_kv_heads; ++h)
       item_start[b * num_kv_heads + h + 1] = item_start[b * num_kv_heads + h] + (length + kTile - 1) / kTile;
   }
-  const int64_t total = item_start.back();
+  const int64_t total = item_start.back(), items = num_seqs * num_kv_heads;
+  if (items >= kClaimItemsPerThread * at::get_num_threads()) {  // whole items, claimed as threads free up
+    cpu_ext::parallel_claim(items, 1, [&](int64_t begin, int64_t end) {
+      Scratch scratch;
+      SegmentResult whole;
+      for (int64_t item = begin; item < end; ++item) {
+        attend_segment(p, item, 0, item_start[item + 1] - item_start[item], scratch, whole);
+        write_output(p, whole);
+      }
+    });
+    return;
+  }
   const int64_t shares = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), total));
   std::vector<SegmentResult> edges(2 * shares);
   at::parallel_for(0, shares, 1, [&](int64_t begin, int64_t end) {

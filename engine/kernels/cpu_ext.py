@@ -9,7 +9,8 @@ elementwise ops between the matrix products.
 - `decode_attention_bf16`: one query per row attends to its context read in place from the pages
   [num_blocks, block_size, kv_heads, head_dim] through its block table: no gather copy, no padding mask.
   Work items are (row, kv head) pairs, each with its whole query group, so a key/value row is loaded once for
-  the group; threads get equal shares of all tokens (an item cut between two is merged from its softmax
+  the group; at 8+ items a thread, threads claim whole items as they free up (engine/kernels/parallel.h),
+  below that they get equal shares of all tokens (an item cut between two is merged from its softmax
   statistics). fp32 math from the bf16 inputs, one rounding of the output.
 - `decode_attention_fp8`: the same over fp8 pages [num_blocks, page_bytes] (e4m3 codes | per-kv-head fp32
   scales), read in place instead of gathered and dequantised each step. A segment's key (then value) rows
@@ -41,6 +42,7 @@ built without AVX-512 only the GEMV is used (the scalar fallbacks of the others 
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 from pathlib import Path
 from types import ModuleType
@@ -50,6 +52,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_ext.cpp", "decode_stack.cpp", "amx_linear.cpp")]
+HEADERS = [Path(__file__).with_name("parallel.h")]
 # Where the kernels measured faster than torch inside the SmolLM2 forward (python -m bench.cpu_kernels,
 # 2 cores): rows of a product, sequences of a decode group.
 # GEMV (min of 10 forwards, ctx 192 / 1024): at one row torch 52.0 / 57.8 ms, GEMV 37.8 / 43.3; at 4-5 rows
@@ -77,11 +80,17 @@ def extension() -> ModuleType | None:
         # -fopenmp: at::parallel_for is inline OpenMP; without it the kernels ran on one thread. The
         # extension then binds to the libgomp torch already loaded (same soname): one pool for both.
         return load(name="phase_serve_cpu_ext", sources=[str(s) for s in SOURCES],
-                    extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                    verbose=False)
+                    extra_cflags=["-O3", "-march=native", "-fopenmp", f"-DCPU_EXT_HEADERS={_headers_digest()}"],
+                    extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # noqa: BLE001 - no compiler, no headers: fall back to torch ops
         log.warning("CPU kernels unavailable (%s); running plain torch ops", str(exc).splitlines()[0][:200])
         return None
+
+
+def _headers_digest() -> str:
+    """A digest of our headers: torch rebuilds a cached extension only when its sources or flags change, so
+    the headers' content goes into the flags."""
+    return hashlib.sha1(b"".join(h.read_bytes() for h in HEADERS)).hexdigest()[:16]
 
 
 def available() -> bool:
