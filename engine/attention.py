@@ -7,6 +7,7 @@ prefill chunk as a contiguous segment. New keys/values are written into their ca
 attention, so a chunk sees every earlier token of its sequence, cached or computed in this step.
 Consecutive whole prompts of one length (no cached context) attend in one batched call: bit-identical to
 one call each, and one call per layer instead of one per prompt when a step prefills many short prompts.
+With the kernels on (bf16, a CPU with AMX), such runs go to cpu_ext.prompt_attention instead of SDPA.
 
 A layer's cache is either a tensor [num_blocks, block_size, kv_heads, head_dim] in the serving dtype or
 QuantizedPages (fp8 / fp4, engine/kv_formats.py): those quantise new tokens as they are written and
@@ -120,10 +121,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         out[: meta.num_decode] = _decode_attention(q[: meta.num_decode], k_cache, v_cache, meta, scale)
     for run in _prefill_runs(meta.prefills):
         rows = slice(run[0].start, run[-1].start + run[-1].length)
-        if len(run) > 1:
-            out[rows] = _fresh_batch_attention(q[rows], k[rows], v[rows], len(run), scale)
+        if run[0].context_start == 0:
+            out[rows] = _fresh_attention(q[rows], k[rows], v[rows], len(run), scale, meta.use_kernels)
         else:
-            out[rows] = _prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, run[0], scale)
+            out[rows] = _prefill_attention(q[rows], k_cache, v_cache, run[0], scale)
     return out
 
 
@@ -141,9 +142,11 @@ def _prefill_runs(segments: list[PrefillSegment]) -> list[list[PrefillSegment]]:
     return runs
 
 
-def _fresh_batch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: int,
-                           scale: float) -> torch.Tensor:
+def _fresh_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: int, scale: float,
+                     use_kernels: bool) -> torch.Tensor:
     # q [count * S, Hq, hd]: `count` whole prompts of S tokens each, attending only to themselves
+    if use_kernels and cpu_ext.prompt_attention_applies(q, k, v, count):
+        return cpu_ext.prompt_attention(q, k, v, count, scale)
     rows, num_heads, head_dim = q.shape
     qh = q.view(count, rows // count, num_heads, head_dim).transpose(1, 2)  # [count, Hq, S, hd]
     kh = k.view(count, rows // count, *k.shape[1:]).transpose(1, 2)  # [count, Hkv, S, hd]
@@ -210,17 +213,13 @@ def _fp8_kernel_applies(q: torch.Tensor, k_cache: KVPages, v_cache: KVPages) -> 
             and k_cache.raw.device.type == "cpu" and k_cache.raw.is_contiguous() and v_cache.raw.is_contiguous())
 
 
-def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: KVPages,
-                       v_cache: KVPages, seg: PrefillSegment, scale: float) -> torch.Tensor:
-    # q [S, Hq, hd]. Without a cached prefix the chunk attends only to itself: skip the gather.
+def _prefill_attention(q: torch.Tensor, k_cache: KVPages, v_cache: KVPages, seg: PrefillSegment,
+                       scale: float) -> torch.Tensor:
+    # q [S, Hq, hd], a chunk after `seg.context_start` cached tokens: it attends to them and to itself, all
+    # gathered from the pages (its own keys/values were written there first).
     qh = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, S, hd]
-    if seg.context_start == 0:
-        keys, values = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
-        out = F.scaled_dot_product_attention(qh, keys, values, is_causal=True, scale=scale, enable_gqa=True)
-    else:
-        total = seg.context_start + seg.length
-        keys = _gather(k_cache, seg.block_table[None])[:, :, :total]
-        values = _gather(v_cache, seg.block_table[None])[:, :, :total]
-        out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=seg.causal_mask, scale=scale,
-                                             enable_gqa=True)
+    total = seg.context_start + seg.length
+    keys = _gather(k_cache, seg.block_table[None])[:, :, :total]
+    values = _gather(v_cache, seg.block_table[None])[:, :, :total]
+    out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=seg.causal_mask, scale=scale, enable_gqa=True)
     return out[0].transpose(0, 1)

@@ -53,7 +53,10 @@ def one_segment_at_a_time(q, k, v, k_cache, v_cache, meta, scale):
     out[: meta.num_decode] = attention._decode_attention(q[: meta.num_decode], k_cache, v_cache, meta, scale)
     for seg in meta.prefills:
         rows = slice(seg.start, seg.start + seg.length)
-        out[rows] = attention._prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, seg, scale)
+        if seg.context_start == 0:
+            out[rows] = attention._fresh_attention(q[rows], k[rows], v[rows], 1, scale, use_kernels=False)
+        else:
+            out[rows] = attention._prefill_attention(q[rows], k_cache, v_cache, seg, scale)
     return out
 
 
@@ -80,8 +83,8 @@ def test_engine_with_equal_length_prompts_matches_one_at_a_time(tiny_model_dir, 
     alone = tiny_llm(tiny_model_dir, enable_prefix_caching=False)
     expected = [alone.generate([p], params)[0].token_ids for p in prompts]
     together = tiny_llm(tiny_model_dir, enable_prefix_caching=False, max_num_batched_tokens=256)
-    batched = attention._fresh_batch_attention
+    batched = attention._fresh_attention
     sizes = []
-    monkeypatch.setattr(attention, "_fresh_batch_attention", lambda q, *a: sizes.append(a[2]) or batched(q, *a))
+    monkeypatch.setattr(attention, "_fresh_attention", lambda q, *a: sizes.append(a[2]) or batched(q, *a))
     assert [o.token_ids for o in together.generate(prompts, params)] == expected
     assert sizes and max(sizes) == len(prompts)  # all eight prompts in one call per layer

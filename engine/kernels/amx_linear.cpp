@@ -26,46 +26,14 @@
 
 #include <cstdint>
 
+#include "amx.h"
 #include "parallel.h"
-
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#define CPU_EXT_AMX 1
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
 
 namespace {
 
-constexpr int64_t kTileRows = 16;  // rows of an A or C tile; k pairs of a B tile
-constexpr int64_t kTileK = 32;     // bf16 reduction indices in one tile row of A
-constexpr int64_t kTileN = 16;     // fp32 columns of a C tile
-constexpr int64_t kBlockElems = kTileRows * 2 * kTileN;  // bf16 elements of one packed B tile (1 KiB)
+using namespace cpu_ext::amx;
 
 #if defined(CPU_EXT_AMX)
-
-// Linux hands out AMX's tile state only to a process that asks for it (once per process).
-bool amx_permitted() {
-  constexpr int kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-  static const bool permitted = syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  return permitted;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};  // bytes per row of each tile
-  uint8_t rows[16] = {};
-};
-
-// Tiles: 0-3 C (two row tiles x two column blocks), 4-5 B (two column blocks), 6-7 A (two row tiles).
-void load_tile_config() {
-  TileConfig config;
-  for (int t = 0; t < 8; ++t) {
-    config.rows[t] = kTileRows;
-    config.colsb[t] = 64;
-  }
-  _tile_loadconfig(&config);
-}
 
 struct Problem {
   const uint16_t* a;     // [row_tiles * 16, K] bf16, rows past M zero
@@ -98,6 +66,7 @@ struct Prefetch {
 };
 
 // Column blocks n0 and n0 + 1 (n0 alone when `two_cols` is false) for row tiles m0 and m0 + 1.
+// Tiles: 0-3 C (two row tiles x two column blocks), 4-5 B (two column blocks), 6-7 A (two row tiles).
 void tile_pair(const Problem& p, int64_t n0, bool two_cols, int64_t m0, Prefetch& prefetch, float* c) {
   const bool two_rows = m0 + 1 < p.row_tiles;
   const uint16_t* b0 = p.b + n0 * p.k_blocks * kBlockElems;
@@ -168,7 +137,7 @@ void run(const Problem& p) {
 
 bool amx_linear_available() {
 #if defined(CPU_EXT_AMX)
-  return amx_permitted();
+  return permitted();
 #else
   return false;
 #endif
@@ -210,7 +179,7 @@ torch::Tensor amx_linear_bf16(torch::Tensor x, torch::Tensor packed, torch::Tens
   torch::Tensor out = torch::empty({m, n}, x.options());
   if (m == 0) return out;
 #if defined(CPU_EXT_AMX)
-  TORCH_CHECK(amx_permitted(), "amx_linear_bf16: the kernel did not grant this process AMX tiles");
+  TORCH_CHECK(permitted(), "amx_linear_bf16: the kernel did not grant this process AMX tiles");
   const int64_t row_tiles = (m + kTileRows - 1) / kTileRows;
   torch::Tensor a = x;
   if (m % kTileRows || !x.is_contiguous()) {  // whole tiles of rows: the rows past M are zero

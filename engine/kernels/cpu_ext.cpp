@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "parallel.h"
+#include "vec.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define CPU_EXT_AVX512 1
@@ -70,20 +71,7 @@ inline void store_bf16x16(uint16_t* p, __m512 x, __mmask16 mask = 0xFFFF) {
 
 inline __mmask16 lanes_below(int64_t n) { return n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1); }
 
-// exp(x) to about 1 ulp (degree-7 Taylor on |r| <= ln2/2, then 2^n by scalef); exactly 0 below -103
-// (where the true value is under fp32's smallest denormal) and for -inf.
-inline __m512 exp512(__m512 x) {
-  const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-103.f), _CMP_GE_OQ);
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-103.f)), _mm512_set1_ps(89.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // ln2 in two parts (Cephes): n * hi is exact
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 poly = _mm512_set1_ps(1.f / 5040);
-  for (float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f})
-    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(c));
-  return _mm512_maskz_scalef_ps(keep, poly, n);
-}
+using cpu_ext::exp512;
 
 #endif
 
@@ -1059,6 +1047,7 @@ torch::Tensor row_argmax_bf16(torch::Tensor x) {
 void bind_decode_stack(pybind11::module& m);  // decode_stack.cpp
 
 void bind_amx_linear(pybind11::module& m);  // amx_linear.cpp
+void bind_amx_attention(pybind11::module& m);  // amx_attention.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_bf16", &linear_bf16, "x W^T + b for a few bf16 rows, streaming each weight row once");
@@ -1077,4 +1066,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   }, "whether the AVX-512 paths were compiled in (else scalar loops)");
   bind_decode_stack(m);
   bind_amx_linear(m);
+  bind_amx_attention(m);
 }

@@ -1,0 +1,26 @@
+// AVX-512 math shared by the kernels' translation units.
+#pragma once
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+namespace cpu_ext {
+
+// exp(x) to about 1 ulp (degree-7 Taylor on |r| <= ln2/2, then 2^n by scalef); exactly 0 below -103
+// (where the true value is under fp32's smallest denormal) and for -inf.
+inline __m512 exp512(__m512 x) {
+  const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-103.f), _CMP_GE_OQ);
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-103.f)), _mm512_set1_ps(89.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // ln2 in two parts (Cephes): n * hi is exact
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 poly = _mm512_set1_ps(1.f / 5040);
+  for (float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f})
+    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(c));
+  return _mm512_maskz_scalef_ps(keep, poly, n);
+}
+
+}  // namespace cpu_ext
+
+#endif  // __AVX512F__

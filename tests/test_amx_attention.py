@@ -1,0 +1,147 @@
+"""The prompt-attention kernel (engine/kernels/amx_attention.cpp) and where paged attention uses it."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.attention import AttentionMetadata
+from engine.kernels import cpu_ext
+from engine.kv_cache import KVCache
+from engine.model.hf_loader import iter_hf_weights, read_hf_config
+from engine.model.llama import build_model
+from tests.tiny_models import tiny_llama_config, write_tiny_model
+
+pytestmark = pytest.mark.skipif(not cpu_ext.prompt_attention_available(),
+                                reason="no AMX tiles on this CPU (or no kernels)")
+
+
+def fused_views(count: int, length: int, heads: int, kv_heads: int, head_dim: int, seed: int = 0):
+    """q, k, v as the model passes them: strided views of one fused qkv output [count * length, ...]."""
+    gen = torch.Generator().manual_seed(seed)
+    qkv = (torch.randn(count * length, (heads + 2 * kv_heads) * head_dim, generator=gen) * 2).to(torch.bfloat16)
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    return q.view(-1, heads, head_dim), k.view(-1, kv_heads, head_dim), v.view(-1, kv_heads, head_dim)
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: int, scale: float) -> torch.Tensor:
+    """Causal attention of each prompt to itself in float64."""
+    rows, heads, head_dim = q.shape
+    length, group = rows // count, heads // k.shape[1]
+    qh, kh, vh = (x.double().reshape(count, length, -1, head_dim).transpose(1, 2) for x in (q, k, v))
+    kh, vh = kh.repeat_interleave(group, 1), vh.repeat_interleave(group, 1)
+    scores = (qh @ kh.transpose(-1, -2) * scale).masked_fill(torch.ones(length, length).triu(1).bool(), -torch.inf)
+    return (scores.softmax(-1) @ vh).transpose(1, 2).reshape(rows, heads, head_dim)
+
+
+@pytest.mark.parametrize("count,length", [(1, 1), (2, 5), (3, 17), (16, 128), (1, 300), (4, 33)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (6, 1, 64), (4, 2, 128)],
+                         ids=["GQA-smollm2", "MHA-32", "MQA", "GQA-128"])
+def test_prompt_attention_matches_a_float64_reference(count, length, heads, kv_heads, head_dim):
+    q, k, v = fused_views(count, length, heads, kv_heads, head_dim, seed=count * length)
+    scale = head_dim ** -0.5
+    assert cpu_ext.prompt_attention_applies(q, k, v, count)
+    out = cpu_ext.prompt_attention(q, k, v, count, scale)
+    assert out.shape == q.shape and out.dtype == torch.bfloat16 and out.is_contiguous()
+    exact = reference(q, k, v, count, scale)
+    # Probabilities rounded to bf16 for the product with V (as torch's flash attention does), fp32 sums, one
+    # rounding of the output: within about one bf16 ulp of the output plus one of the values' scale.
+    bound = exact.abs() * 2 ** -7 + v.abs().max().double() * 2 ** -9
+    assert ((out.double() - exact).abs() <= bound).all()
+
+
+def test_a_query_sees_only_its_own_prompt_up_to_itself():
+    """Changing prompt 1's key and value at token 40 leaves every query before it and every other prompt
+    bit-identical, and changes the queries from token 40 on. A NaN there reaches no other prompt (within the
+    prompt, queries 32-39 share a tile product with token 40: zero probability times NaN, as in SDPA)."""
+    count, length = 3, 70
+    q, k, v = fused_views(count, length, 9, 3, 64, seed=7)
+    before = cpu_ext.prompt_attention(q, k, v, count, 0.125)
+    row = length + 40
+    for value in (3.0, -50.0, float("nan")):
+        k2, v2 = k.clone(), v.clone()
+        k2[row], v2[row] = value, -value
+        after = cpu_ext.prompt_attention(q, k2, v2, count, 0.125)
+        untouched = torch.ones(count * length, dtype=torch.bool)
+        untouched[(length + 32 if value != value else row):2 * length] = False
+        assert torch.equal(after[untouched], before[untouched])
+        assert (after[row:2 * length] != before[row:2 * length]).any(dim=(1, 2)).all()
+
+
+def test_prompt_attention_equals_one_prompt_at_a_time():
+    count, length = 5, 45
+    q, k, v = fused_views(count, length, 9, 3, 64, seed=3)
+    together = cpu_ext.prompt_attention(q, k, v, count, 0.125)
+    for p in range(count):
+        rows = slice(p * length, (p + 1) * length)
+        assert torch.equal(cpu_ext.prompt_attention(q[rows], k[rows], v[rows], 1, 0.125), together[rows])
+
+
+def test_prompt_attention_gives_the_same_bits_on_any_thread_count():
+    q, k, v = fused_views(8, 64, 9, 3, 64, seed=5)
+    previous = torch.get_num_threads()
+    try:
+        outputs = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            outputs.append(cpu_ext.prompt_attention(q, k, v, 8, 0.125))
+    finally:
+        torch.set_num_threads(previous)
+    assert all(torch.equal(out, outputs[0]) for out in outputs[1:])
+
+
+def test_prompt_attention_takes_only_what_it_can_and_rejects_the_rest():
+    q, k, v = fused_views(2, 8, 4, 2, 48)  # head_dim 48: not whole tiles
+    assert not cpu_ext.prompt_attention_applies(q, k, v, 2)
+    with pytest.raises(RuntimeError, match="head_dim 48"):
+        cpu_ext.prompt_attention(q, k, v, 2, 0.1)
+    q, k, v = fused_views(3, 8, 4, 2, 64)
+    with pytest.raises(RuntimeError, match="count x S"):
+        cpu_ext.prompt_attention(q, k, v, 5, 0.1)  # 24 rows are not 5 prompts
+    assert not cpu_ext.prompt_attention_applies(q.float(), k.float(), v.float(), 3)
+    long_q, long_k, long_v = fused_views(1, cpu_ext.MAX_PROMPT_ATTENTION_TOKENS + 1, 1, 1, 32)
+    assert not cpu_ext.prompt_attention_applies(long_q, long_k, long_v, 1)
+    with pytest.raises(RuntimeError, match="prompt length"):
+        cpu_ext.prompt_attention(long_q, long_k, long_v, 1, 0.1)
+
+
+@pytest.fixture(scope="module")
+def head_dim_32_dir(tmp_path_factory):
+    """A tiny model whose heads the kernel takes (head_dim 32; the shared tiny model's is 16)."""
+    config = tiny_llama_config(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
+    return write_tiny_model(tmp_path_factory.mktemp("head_dim_32"), config)
+
+
+def test_bf16_prefill_uses_the_kernel_and_stays_within_bf16_noise(head_dim_32_dir, monkeypatch):
+    """A step with three fresh prompts of one length (one run), a longer fresh prompt and a chunk after cached
+    context: the kernel serves the two fresh runs (and the forward that cached the context), SDPA the chunk;
+    logits stay within bf16 noise of the model with the kernels off, on the same pages."""
+    calls = []
+    kernel = cpu_ext.prompt_attention
+    monkeypatch.setattr(cpu_ext, "prompt_attention", lambda q, k, v, count, scale: calls.append((len(q), count))
+                        or kernel(q, k, v, count, scale))
+    cfg = read_hf_config(head_dim_32_dir)
+    block = 4
+    same = [[(7 * i + j) % 500 + 3 for j in range(11)] for i in range(3)]
+    longer = list(range(20, 57))
+    cached, chunk = list(range(100, 112)), list(range(200, 209))
+    logits = {}
+    for name, kernels_on in (("eager", False), ("fast", True)):
+        model = build_model(cfg, iter_hf_weights(head_dim_32_dir), torch.bfloat16)
+        model.use_kernels(kernels_on)
+        kv = KVCache(cfg, 64, block, torch.bfloat16)
+        tables = [list(range(10 * i, 10 * i + 10)) for i in range(5)]
+        warm = AttentionMetadata.build(block, [], [(tables[4], 0, len(cached))], kernels_on)
+        model(torch.tensor(cached), torch.arange(len(cached)), warm, kv.layers)  # the chunk's cached context
+        segments = [(tables[i], 0, 11) for i in range(3)] + [(tables[3], 0, len(longer)),
+                                                             (tables[4], len(cached), len(chunk))]
+        meta = AttentionMetadata.build(block, [], segments, kernels_on)
+        ids = [t for p in same for t in p] + longer + chunk
+        positions = [j for _ in same for j in range(11)] + list(range(len(longer))) + \
+            list(range(len(cached), len(cached) + len(chunk)))
+        hidden = model(torch.tensor(ids), torch.tensor(positions), meta, kv.layers)
+        logits[name] = model.compute_logits(hidden)
+    assert calls == [(len(cached), 1)] * cfg.num_layers + [(33, 3), (len(longer), 1)] * cfg.num_layers
+    ref = logits["eager"]
+    assert (logits["fast"] - ref).abs().max() <= 0.05 * ref.abs().max()
+    assert (logits["fast"].argmax(-1) == ref.argmax(-1)).float().mean() >= 0.8
