@@ -103,10 +103,13 @@ class ModelRunner:
         layers = self._layers(kv_cache, sched)
         inp = prepare_input(sched.chunks, kv_cache.block_size, self.device, self.use_kernels,
                             self._verify_as_rows(sched, layers))
-        hidden = self.model(inp.input_ids, inp.positions, inp.meta, layers)  # [T, hidden]
+        read = torch.cat([inp.sample_rows, inp.verify_rows])  # [B + R]: the rows whose logits are needed
+        every_row = len(read) == len(inp.input_ids)  # a decode step: no row to leave out
+        hidden = self.model(inp.input_ids, inp.positions, inp.meta, layers,
+                            keep_rows=None if every_row else read)  # [T or B + R, hidden]
         if not inp.sampled_chunks and not inp.verified_chunks:
             return RunnerOutput(sampled_token_ids={})
-        rows = hidden[torch.cat([inp.sample_rows, inp.verify_rows])]
+        rows = hidden[read] if every_row else hidden
         logits = self.model.compute_logits(rows, float32=False)  # [B + R, V] in the model's dtype
         num_sampled = len(inp.sampled_chunks)
         out = self._sample(logits[:num_sampled], inp.sampled_chunks)

@@ -89,3 +89,25 @@ def test_decode_logits_match_transformers(checkpoint):
     model = build_model(cfg, iter_hf_weights(checkpoint), torch.float32)
     token_ids = torch.randint(0, cfg.vocab_size, (21,), generator=torch.Generator().manual_seed(4)).tolist()
     assert_close_relative(decode_logits(model, cfg, token_ids), reference_logits(checkpoint, token_ids), 1e-4)
+
+
+@pytest.mark.parametrize("keep", [[36, 5, 0], []], ids=["three-rows", "none"])
+def test_kept_rows_match_transformers_and_every_row_reaches_the_pages(checkpoint, keep):
+    """keep_rows: the last layer's products after attention run on those rows only (a prefill step reads only
+    the sampled rows). Their logits still match transformers, in the order asked, and the pages hold every
+    row's keys and values, bit for bit as a forward without keep_rows writes them."""
+    cfg = read_hf_config(checkpoint)
+    model = build_model(cfg, iter_hf_weights(checkpoint), torch.float32)
+    token_ids = torch.randint(0, cfg.vocab_size, (37,), generator=torch.Generator().manual_seed(5)).tolist()
+    table = list(range(10))
+    pages = []
+    for keep_rows in (None, torch.tensor(keep, dtype=torch.long)):
+        kv = KVCache(cfg, 10, BLOCK, torch.float32)
+        meta = AttentionMetadata.build(BLOCK, [], [(table, 0, len(token_ids))])
+        hidden = model(torch.tensor(token_ids), torch.arange(len(token_ids)), meta, kv.layers, keep_rows=keep_rows)
+        pages.append(kv.layers)
+    assert hidden.shape == (len(keep), cfg.hidden_size)
+    if keep:
+        assert_close_relative(model.compute_logits(hidden), reference_logits(checkpoint, token_ids)[keep], 1e-4)
+    for full, kept in zip(*pages):
+        assert torch.equal(full[0], kept[0]) and torch.equal(full[1], kept[1])

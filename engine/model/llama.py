@@ -82,7 +82,9 @@ class Attention(nn.Module):
         self.scale = cfg.head_dim ** -0.5
 
     def forward(self, x: torch.Tensor, rope: Rope, meta: AttentionMetadata,
-                kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+                kv: tuple[torch.Tensor, torch.Tensor], keep_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """-> [T, hidden], or [len(keep_rows), hidden]: the output projection of those rows only (every row's
+        keys and values are written all the same)."""
         c = self.cfg
         qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
         rotate_in_place = self.use_kernels and cpu_ext.elementwise_applies(qkv)
@@ -95,7 +97,9 @@ class Attention(nn.Module):
         if not rotate_in_place:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         out = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)  # [T, Hq, hd]
-        return self.o_proj(out.view(-1, c.q_size))
+        if keep_rows is not None:
+            out = out[keep_rows]  # [K, Hq, hd]
+        return self.o_proj(out.reshape(len(out), c.q_size))
 
 
 class MLP(nn.Module):
@@ -123,14 +127,18 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope, meta: AttentionMetadata,
-                kv: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+                kv: tuple[torch.Tensor, torch.Tensor],
+                keep_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's output, not yet added to the residual stream (None before the first layer)
-        -> this layer's output and the stream: each add happens inside the norm that follows it."""
+        -> this layer's output and the stream: each add happens inside the norm that follows it. With
+        `keep_rows`, everything after attention runs on those rows only (they are all a last layer must give)."""
         if residual is None:
             h, residual = self.input_layernorm(x), x
         else:
             h, residual = self.input_layernorm.add_forward(x, residual)
-        h = self.self_attn(h, rope, meta, kv)
+        h = self.self_attn(h, rope, meta, kv, keep_rows)
+        if keep_rows is not None:
+            residual = residual[keep_rows]
         h, residual = self.post_attention_layernorm.add_forward(h, residual)
         return self.mlp(h), residual
 
@@ -152,19 +160,26 @@ class LlamaModel(nn.Module):
         self.stack = None  # the layers as one C++ call for decode-only steps (cpu_ext DecodeStack), see use_kernels
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], num_layers: int | None = None) -> torch.Tensor:
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], num_layers: int | None = None,
+                keep_rows: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden]; after the first `num_layers` layers
-        only when given (a self-draft: the final norm still applies). A decode-only step with the kernels on
-        runs the layers as one C++ call (_stack_applies), to the same bits."""
+        only when given (a self-draft: the final norm still applies). With `keep_rows` [K] (the rows the
+        caller reads, e.g. the sampled ones) -> [K, hidden] for those rows, in that order: the last layer
+        then runs its output projection and MLP on them only, which in a prefill step of whole prompts
+        skips nearly all of that layer's products. A decode-only step with the kernels on runs the layers
+        as one C++ call (_stack_applies), to the same bits."""
         x = self.embed_tokens(input_ids)
         rope = self.rope.lookup(positions, x.dtype)
         kv_caches = kv_caches[:len(self.layers) if num_layers is None else num_layers]
         if self._stack_applies(x, meta, kv_caches):
             x, residual = self._run_stack(x, rope, meta, kv_caches)
+            if keep_rows is not None:
+                x, residual = x[keep_rows], residual[keep_rows]
         else:
             residual = None
-            for layer, kv in zip(self.layers, kv_caches):
-                x, residual = layer(x, residual, rope, meta, kv)
+            last = len(kv_caches) - 1
+            for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
+                x, residual = layer(x, residual, rope, meta, kv, keep_rows if i == last else None)
         return self.norm.add_forward(x, residual)[0]
 
     def _stack_applies(self, x: torch.Tensor, meta: AttentionMetadata,
