@@ -70,6 +70,11 @@ def prepare_input(chunks: list[ScheduledChunk], block_size: int, device: torch.d
                       [c for c in ordered if c.num_draft])
 
 
+def _plain_greedy(chunks: list[ScheduledChunk]) -> bool:
+    """Every row takes its argmax as it is: greedy, no logprobs, no banned tokens."""
+    return all(c.params.greedy and c.params.logprobs is None and not c.banned_token_ids for c in chunks)
+
+
 class ModelRunner:
     """Owns the model, its KV pages and the per-sequence sampler generators."""
 
@@ -110,6 +115,10 @@ class ModelRunner:
         if not inp.sampled_chunks and not inp.verified_chunks:
             return RunnerOutput(sampled_token_ids={})
         rows = hidden[read] if every_row else hidden
+        if not inp.verified_chunks and _plain_greedy(inp.sampled_chunks):
+            tokens = self.model.greedy_tokens(rows)  # the argmax without the logits, where the kernels allow
+            if tokens is not None:
+                return RunnerOutput(sampled_token_ids=dict(zip((c.seq_id for c in inp.sampled_chunks), tokens.tolist())))
         logits = self.model.compute_logits(rows, float32=False)  # [B + R, V] in the model's dtype
         num_sampled = len(inp.sampled_chunks)
         out = self._sample(logits[:num_sampled], inp.sampled_chunks)

@@ -91,3 +91,40 @@ def test_decode_stack_with_biases_on_amx_tiles(qwen2_dir, stack_calls):
     model = kernel_model(qwen2_dir)
     assert model.layers[0].self_attn.qkv_proj.bias is not None and model.layers[0].self_attn.qkv_proj.packed.dim() == 4
     assert_stack_matches_layers(model, [0, 1, 2], stack_calls)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 16, 17, 33, 64, 128])
+@pytest.mark.parametrize("n,k", [(48, 64), (4096, 576)], ids=["odd-blocks", "head-like"])
+def test_fused_argmax_is_the_argmax_of_the_bf16_product(rows, n, k):
+    x, weight, _ = operands(rows, n, k, seed=rows + n)
+    packed = cpu_ext.amx_pack(weight)
+    assert torch.equal(cpu_ext.amx_linear_argmax(x, packed), cpu_ext.row_argmax(cpu_ext.amx_linear(x, packed)))
+
+
+def test_fused_argmax_takes_the_first_of_equal_maxima_and_nan_first_on_any_thread_count():
+    """Equal columns far apart (different pairs, different threads' claims): the first wins; a NaN column wins
+    over every number, the first NaN over later ones; the same answer on 1, 2 and 3 threads."""
+    x, weight, _ = operands(64, 1024, 64, seed=9)
+    weight[40] = weight[1000] = weight[700] = weight[3] * 3  # columns 40, 700 and 1000: equal and largest
+    weight[[3, 9]] = -weight[3]
+    x[5, 0] = float("nan")  # row 5: every column NaN: the first is 0
+    packed_plain = cpu_ext.amx_pack(weight)
+    weight[512, 7] = weight[900, 7] = float("nan")  # columns 512 and 900 NaN in every row (NaN times anything)
+    packed_nan = cpu_ext.amx_pack(weight)
+    previous = torch.get_num_threads()
+    try:
+        answers = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            answers.append((cpu_ext.amx_linear_argmax(x, packed_plain), cpu_ext.amx_linear_argmax(x, packed_nan)))
+    finally:
+        torch.set_num_threads(previous)
+    plain, with_nan = answers[0]
+    for other in answers[1:]:
+        assert torch.equal(other[0], plain) and torch.equal(other[1], with_nan)
+    assert torch.equal(plain, cpu_ext.row_argmax(cpu_ext.amx_linear(x, packed_plain)))
+    assert torch.equal(with_nan, cpu_ext.row_argmax(cpu_ext.amx_linear(x, packed_nan)))
+    assert plain[5] == 0 and with_nan[5] == 0
+    assert (with_nan[[r for r in range(64) if r != 5]] == 512).all()  # column 512 is NaN for every other row
+    ties = [r for r in range(64) if r != 5 and plain[r] in (40, 700, 1000)]
+    assert ties and all(plain[r] == 40 for r in ties)  # equal maxima: the first column

@@ -294,15 +294,19 @@ def test_row_argmax_matches_torch_max_on_ties_nan_and_infinities(width):
 
 
 def test_greedy_engine_picks_from_bf16_logits_with_the_kernel(tiny_model_dir, monkeypatch):
-    """A greedy bf16 engine picks by the kernel on the LM head's bf16 output (no fp32 copy), and picks what the
-    fp32 conversion would; sampled or logprob rows still go the fp32 way."""
+    """A greedy bf16 engine picks by a kernel on the LM head's bf16 output (no fp32 copy): the argmax taken as
+    the AMX head's tiles come out (2+ rows, AMX), or the argmax kernel on the head's bf16 logits. Both pick
+    what the fp32 conversion would; sampled or logprob rows still go the fp32 way."""
     seen = []
     monkeypatch.setattr(cpu_ext, "row_argmax", lambda x, f=cpu_ext.row_argmax: seen.append(x.dtype) or f(x))
+    monkeypatch.setattr(cpu_ext, "amx_linear_argmax",
+                        lambda x, w, f=cpu_ext.amx_linear_argmax: seen.append("fused") or f(x, w))
     prompts = ["the cat", "a dog sat on", "1 2 3 4"]
     greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     fast = LLM(model=str(tiny_model_dir), dtype="bfloat16", num_kv_blocks=64)
     got = [o.token_ids for o in fast.generate(prompts, greedy)]
-    assert seen and set(seen) == {torch.bfloat16}
+    assert seen and set(seen) <= {torch.bfloat16, "fused"}
+    assert ("fused" in seen) == cpu_ext.amx_available()  # three rows a step: the AMX head where there is one
     seen.clear()
     with_logprobs = fast.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True,
                                                          logprobs=2))

@@ -10,6 +10,11 @@
 // columns n*16..n*16+15 and reduction indices k*32..k*32+31, in AMX's pair layout: tile row r holds, for each
 // of the 16 columns c, the two bf16 W[c][2r] and W[c][2r+1]. One column block's K/32 tiles are contiguous.
 //
+// amx_linear_argmax_bf16 runs the same product and keeps each row's argmax as the tiles come out, for greedy
+// steps: the [M, N] logits are neither written nor read back by a separate argmax. At 64 sequences it saved
+// 0.4-0.7 ms of a 56-62 ms decode step, 0.2-0.3 ms at 32 (100 steps alternated with the two-pass path, medians
+// and means of the paired differences, session 8).
+//
 // Each row's result depends only on that row (fixed reduction order over K), not on the other rows of the
 // batch. Accumulation is fp32, one rounding to bf16 at the end (round to nearest even), as torch's.
 //
@@ -21,10 +26,17 @@
 // stores) ran at ~0.5 TFLOPS a thread, ~10% more with software prefetch. This kernel at 2048 rows (row blocks
 // of 64-512, A re-laid as contiguous tiles, either loop order) ran at 0.6-0.7 TFLOPS against oneDNN's 0.7-0.8
 // in the same process (session 7).
+//
+// Also no faster at 64 rows (session 8, the 121 products of a decode step, alternated in one process, 3 runs):
+// passes grouped over 256 KiB-1 MiB of pairs (so that rows 0-31 of A stay in L1 while B comes from L2), with
+// or without B loaded by the streaming hint (tileloaddt1); within +-10% of this order in every run, either way.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <cmath>
 #include <cstdint>
+#include <mutex>
+#include <vector>
 
 #include "amx.h"
 #include "parallel.h"
@@ -65,9 +77,12 @@ struct Prefetch {
   }
 };
 
-// Column blocks n0 and n0 + 1 (n0 alone when `two_cols` is false) for row tiles m0 and m0 + 1.
+// Column blocks n0 and n0 + 1 (n0 alone when `two_cols` is false) for row tiles m0 and m0 + 1; each fp32
+// result tile goes to sink(c, row_tile, col_block) through `c`.
 // Tiles: 0-3 C (two row tiles x two column blocks), 4-5 B (two column blocks), 6-7 A (two row tiles).
-void tile_pair(const Problem& p, int64_t n0, bool two_cols, int64_t m0, Prefetch& prefetch, float* c) {
+template <typename Sink>
+void tile_pair(const Problem& p, int64_t n0, bool two_cols, int64_t m0, Prefetch& prefetch, float* c,
+               const Sink& sink) {
   const bool two_rows = m0 + 1 < p.row_tiles;
   const uint16_t* b0 = p.b + n0 * p.k_blocks * kBlockElems;
   const uint16_t* b1 = two_cols ? b0 + p.k_blocks * kBlockElems : b0;
@@ -90,23 +105,24 @@ void tile_pair(const Problem& p, int64_t n0, bool two_cols, int64_t m0, Prefetch
     _tile_dpbf16ps(3, 7, 5);
   }
   _tile_stored(0, c, 64);
-  store_tile(p, c, m0, n0);
+  sink(c, m0, n0);
   if (two_cols) {
     _tile_stored(1, c, 64);
-    store_tile(p, c, m0, n0 + 1);
+    sink(c, m0, n0 + 1);
   }
   if (two_rows) {
     _tile_stored(2, c, 64);
-    store_tile(p, c, m0 + 1, n0);
+    sink(c, m0 + 1, n0);
     if (two_cols) {
       _tile_stored(3, c, 64);
-      store_tile(p, c, m0 + 1, n0 + 1);
+      sink(c, m0 + 1, n0 + 1);
     }
   }
 }
 
 // Pairs [begin, end) of column blocks: the weights of each streamed once, the next pair's prefetched meanwhile.
-void run_pairs(const Problem& p, int64_t begin, int64_t end) {
+template <typename Sink>
+void run_pairs(const Problem& p, int64_t begin, int64_t end, const Sink& sink) {
   const int64_t pair_bytes = 2 * p.k_blocks * kBlockElems * 2;
   load_tile_config();
   alignas(64) float c[kTileRows * kTileN];
@@ -120,15 +136,65 @@ void run_pairs(const Problem& p, int64_t begin, int64_t end) {
                   (pair_bytes / 64 + iterations - 1) / iterations, 0};
     }
     for (int64_t m0 = 0; m0 < p.row_tiles; m0 += 2)  // after the first pass, B comes from cache
-      tile_pair(p, n0, two_cols, m0, prefetch, c);
+      tile_pair(p, n0, two_cols, m0, prefetch, c, sink);
   }
   _tile_release();
 }
 
 // Threads claim runs of pairs as they free up (parallel.h); each pair's result is the same whoever computes it.
 void run(const Problem& p) {
-  const int64_t pairs = (p.col_blocks + 1) / 2;
-  cpu_ext::parallel_claim(pairs, 2, [&](int64_t begin, int64_t end) { run_pairs(p, begin, end); });
+  const auto store = [&](const float* c, int64_t row_tile, int64_t col_block) { store_tile(p, c, row_tile, col_block); };
+  cpu_ext::parallel_claim((p.col_blocks + 1) / 2, 2, [&](int64_t begin, int64_t end) { run_pairs(p, begin, end, store); });
+}
+
+// Each row's best column so far, by row_argmax_bf16's rule: NaN first, then the larger value, then the lower
+// column (so the result does not depend on which thread saw which columns).
+struct RowBest {
+  std::vector<float> value;
+  std::vector<int64_t> column;  // -1: none yet
+
+  explicit RowBest(int64_t rows) : value(rows, 0.f), column(rows, -1) {}
+
+  void offer(int64_t row, float v, int64_t col) {
+    const int64_t best = column[row];
+    const bool v_nan = std::isnan(v), best_nan = best >= 0 && std::isnan(value[row]);
+    const bool wins = best < 0 || (v_nan != best_nan ? v_nan : (!v_nan && v != value[row] ? v > value[row] : col < best));
+    if (wins) {
+      value[row] = v;
+      column[row] = col;
+    }
+  }
+};
+
+// The rows of one 16x16 fp32 tile as store_tile would write them (bf16), offered to `best`.
+void best_in_tile(const Problem& p, const float* c, int64_t row_tile, int64_t col_block, RowBest& best) {
+  const int64_t row0 = row_tile * kTileRows, col0 = col_block * kTileN;
+  const __m512 bias = p.bias ? _mm512_loadu_ps(p.bias + col0) : _mm512_setzero_ps();
+  for (int64_t r = 0; r < kTileRows && row0 + r < p.m; ++r) {
+    const __m256i stored = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(c + r * kTileN), bias));
+    const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(stored), 16));
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    if (nan) {
+      best.offer(row0 + r, v[__builtin_ctz(nan)], col0 + __builtin_ctz(nan));
+      continue;
+    }
+    const float top = _mm512_reduce_max_ps(v);
+    best.offer(row0 + r, top, col0 + __builtin_ctz(_mm512_cmp_ps_mask(v, _mm512_set1_ps(top), _CMP_EQ_OQ)));
+  }
+}
+
+// Each claim keeps its rows' best in its own RowBest, folded into `into` at its end.
+void run_argmax(const Problem& p, RowBest& into) {
+  std::mutex fold;
+  cpu_ext::parallel_claim((p.col_blocks + 1) / 2, 2, [&](int64_t begin, int64_t end) {
+    RowBest mine(p.m);
+    run_pairs(p, begin, end, [&](const float* c, int64_t row_tile, int64_t col_block) {
+      best_in_tile(p, c, row_tile, col_block, mine);
+    });
+    const std::lock_guard<std::mutex> hold(fold);
+    for (int64_t row = 0; row < p.m; ++row)
+      if (mine.column[row] >= 0) into.offer(row, mine.value[row], mine.column[row]);
+  });
 }
 
 #endif  // CPU_EXT_AMX
@@ -168,39 +234,74 @@ torch::Tensor amx_pack_bf16(torch::Tensor weight) {
   return packed;
 }
 
-// x [M, K] bf16, packed from amx_pack_bf16, bias [N] or empty -> [M, N] bf16 = x W^T + b.
-torch::Tensor amx_linear_bf16(torch::Tensor x, torch::Tensor packed, torch::Tensor bias) {
+namespace {
+
+void check_operands(const torch::Tensor& x, const torch::Tensor& packed, const char* name) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && packed.dim() == 4 &&
                   packed.scalar_type() == at::kBFloat16 && packed.size(2) == kTileRows &&
                   packed.size(3) == 2 * kTileN && packed.is_contiguous() && x.size(1) == packed.size(1) * kTileK,
-              "amx_linear_bf16: x [M, K] bf16 and a weight from amx_pack_bf16 with the same K");
-  const int64_t m = x.size(0), k = x.size(1), n = packed.size(0) * kTileN;
-  TORCH_CHECK(bias.numel() == 0 || bias.numel() == n, "amx_linear_bf16: bias");
-  torch::Tensor out = torch::empty({m, n}, x.options());
-  if (m == 0) return out;
+              name, ": x [M, K] bf16 and a weight from amx_pack_bf16 with the same K");
 #if defined(CPU_EXT_AMX)
-  TORCH_CHECK(permitted(), "amx_linear_bf16: the kernel did not grant this process AMX tiles");
-  const int64_t row_tiles = (m + kTileRows - 1) / kTileRows;
-  torch::Tensor a = x;
-  if (m % kTileRows || !x.is_contiguous()) {  // whole tiles of rows: the rows past M are zero
-    a = torch::zeros({row_tiles * kTileRows, k}, x.options());
-    a.narrow(0, 0, m).copy_(x);
-  }
+  TORCH_CHECK(permitted(), name, ": the kernel did not grant this process AMX tiles");
+#else
+  TORCH_CHECK(false, name, ": built without AMX (see amx_linear_available)");
+#endif
+}
+
+// x's rows as whole tiles (rows past M zero; `x` itself when it already is).
+torch::Tensor whole_row_tiles(const torch::Tensor& x) {
+  const int64_t m = x.size(0), row_tiles = (m + kTileRows - 1) / kTileRows;
+  if (m % kTileRows == 0 && x.is_contiguous()) return x;
+  torch::Tensor a = torch::zeros({row_tiles * kTileRows, x.size(1)}, x.options());
+  a.narrow(0, 0, m).copy_(x);
+  return a;
+}
+
+}  // namespace
+
+// x [M, K] bf16, packed from amx_pack_bf16, bias [N] or empty -> [M, N] bf16 = x W^T + b.
+torch::Tensor amx_linear_bf16(torch::Tensor x, torch::Tensor packed, torch::Tensor bias) {
+  const int64_t n = packed.dim() == 4 ? packed.size(0) * kTileN : 0;
+  TORCH_CHECK(bias.numel() == 0 || bias.numel() == n, "amx_linear_bf16: bias");
+  if (x.dim() == 2 && x.size(0) == 0) return torch::empty({0, n}, x.options());
+  check_operands(x, packed, "amx_linear_bf16");
+  torch::Tensor out = torch::empty({x.size(0), n}, x.options());
+#if defined(CPU_EXT_AMX)
+  const torch::Tensor a = whole_row_tiles(x);
   torch::Tensor bias32 = bias.numel() ? bias.to(torch::kFloat32).contiguous() : bias;
   const Problem p{reinterpret_cast<const uint16_t*>(a.data_ptr<at::BFloat16>()),
                   reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()),
                   bias.numel() ? bias32.data_ptr<float>() : nullptr,
                   reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()),
-                  m, n, k, row_tiles, packed.size(0), packed.size(1)};
+                  x.size(0), n, x.size(1), a.size(0) / kTileRows, packed.size(0), packed.size(1)};
   run(p);
-  return out;
-#else
-  TORCH_CHECK(false, "amx_linear_bf16: built without AMX (see amx_linear_available)");
 #endif
+  return out;
+}
+
+// x [M, K] bf16 (M >= 1), packed from amx_pack_bf16 -> [M] int64: for each row, the first column of the maximum
+// (NaN counting as the maximum) of amx_linear_bf16(x, packed) as bf16, row_argmax_bf16's answer, without
+// writing the [M, N] product: the greedy pick straight off the LM head.
+torch::Tensor amx_linear_argmax_bf16(torch::Tensor x, torch::Tensor packed) {
+  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1, "amx_linear_argmax_bf16: x must have rows");
+  check_operands(x, packed, "amx_linear_argmax_bf16");
+  torch::Tensor out = torch::empty({x.size(0)}, x.options().dtype(torch::kLong));
+#if defined(CPU_EXT_AMX)
+  const torch::Tensor a = whole_row_tiles(x);
+  const Problem p{reinterpret_cast<const uint16_t*>(a.data_ptr<at::BFloat16>()),
+                  reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), nullptr, nullptr,
+                  x.size(0), packed.size(0) * kTileN, x.size(1), a.size(0) / kTileRows, packed.size(0), packed.size(1)};
+  RowBest best(p.m);
+  run_argmax(p, best);
+  std::copy(best.column.begin(), best.column.end(), out.data_ptr<int64_t>());
+#endif
+  return out;
 }
 
 void bind_amx_linear(pybind11::module& m) {
   m.def("amx_linear_available", &amx_linear_available, "whether this build and this process can use AMX tiles");
   m.def("amx_pack_bf16", &amx_pack_bf16, "pack a bf16 [N, K] weight into AMX B tiles");
   m.def("amx_linear_bf16", &amx_linear_bf16, "x W^T + b for 2..128 bf16 rows on AMX tiles, weights streamed once");
+  m.def("amx_linear_argmax_bf16", &amx_linear_argmax_bf16,
+        "each row's first argmax of the bf16 product x W^T, without writing the product");
 }

@@ -29,6 +29,8 @@ elementwise ops between the matrix products.
 - `amx_linear` (engine/kernels/amx_linear.cpp): products of 2..128 bf16 rows on AMX tiles, on weights packed
   once into tile order; it streams the weights once and prefetches ahead, where oneDNN's packed matmul read
   them at 7-11 GB/s (engine/kernels/packed_linear.py has the figures). Only where the CPU has AMX.
+  `amx_linear_argmax` is the same product reduced to each row's argmax as the tiles come out: a greedy step
+  neither writes nor rereads the [rows, vocab] logits.
 - `prompt_attention` (engine/kernels/amx_attention.cpp): causal attention of whole fresh prompts (no cached
   context), `count` prompts of one length in one call, on AMX tiles: scores and the product with V as tile
   products, softmax in fp32, probabilities rounded to bf16 as torch's flash attention rounds them. 1.3-2.6x
@@ -207,6 +209,12 @@ def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: i
     """q [count * S, Hq, D], k/v [count * S, Hkv, D] bf16: `count` whole prompts of S tokens, one after another
     -> [count * S, Hq, D] bf16, each prompt attending causally to itself (no cached context)."""
     return extension().prompt_attention_bf16(q, k, v, count, scale)
+
+
+def amx_linear_argmax(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """x [M, K] bf16 (M >= 1), packed from `amx_pack` -> [M] int64 = row_argmax(amx_linear(x, packed)), without
+    writing the [M, N] product: the greedy pick straight off the LM head."""
+    return extension().amx_linear_argmax_bf16(x, packed)
 
 
 @functools.cache

@@ -203,6 +203,14 @@ class LlamaModel(nn.Module):
         logits = linear(hidden, self._lm_weight(), None, self.kernels_on, self.lm_packed)
         return logits.float() if float32 else logits
 
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden [B, hidden] -> [B] int64: each row's argmax of compute_logits(hidden, float32=False), taken as
+        the AMX LM head's tiles come out, without the [B, V] logits. None where that path does not apply
+        (kernels off, an LM head not packed for AMX, a row count the packed product does not take)."""
+        if self.lm_packed is None or self.lm_packed.dim() != 4 or not packed_linear.applies(hidden):
+            return None
+        return cpu_ext.amx_linear_argmax(hidden, self.lm_packed)
+
     def _lm_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
