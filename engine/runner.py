@@ -115,16 +115,25 @@ class ModelRunner:
         if not inp.sampled_chunks and not inp.verified_chunks:
             return RunnerOutput(sampled_token_ids={})
         rows = hidden[read] if every_row else hidden
-        if not inp.verified_chunks and _plain_greedy(inp.sampled_chunks):
-            tokens = self.model.greedy_tokens(rows)  # the argmax without the logits, where the kernels allow
-            if tokens is not None:
-                return RunnerOutput(sampled_token_ids=dict(zip((c.seq_id for c in inp.sampled_chunks), tokens.tolist())))
+        greedy = self._greedy_without_logits(rows, inp)
+        if greedy is not None:
+            return greedy
         logits = self.model.compute_logits(rows, float32=False)  # [B + R, V] in the model's dtype
         num_sampled = len(inp.sampled_chunks)
         out = self._sample(logits[:num_sampled], inp.sampled_chunks)
         if inp.verified_chunks:
             self._verify(logits[num_sampled:].float(), inp.verified_chunks, out)
         return out
+
+    def _greedy_without_logits(self, rows: torch.Tensor, inp: ModelInput) -> RunnerOutput | None:
+        """A step whose rows all take their plain argmax (no drafts to verify): the picks straight off the LM
+        head where the kernels allow (LlamaModel.greedy_tokens), else None."""
+        if inp.verified_chunks or not _plain_greedy(inp.sampled_chunks):
+            return None
+        tokens = self.model.greedy_tokens(rows)  # [B] or None
+        if tokens is None:
+            return None
+        return RunnerOutput(sampled_token_ids=dict(zip((c.seq_id for c in inp.sampled_chunks), tokens.tolist())))
 
     def attach_cold_region(self, cold: ColdRegion) -> None:
         """Adaptive compression: old pages of this runner's own pool may live in `cold` (engine/kv_compress.py)."""

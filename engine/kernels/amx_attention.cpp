@@ -34,6 +34,15 @@ constexpr int64_t kMaxPromptTokens = 8192;  // an item's scores: 32 x 8192 fp32 
 
 #if defined(CPU_EXT_AMX)
 
+// Lanes [0, n) of 16 (none for n <= 0).
+inline __mmask16 lanes_below(int64_t n) {
+  return n >= 16 ? 0xFFFF : n <= 0 ? 0 : static_cast<__mmask16>((1u << n) - 1);
+}
+
+inline __m512i load_row16(const uint16_t* p) {  // 16 bf16 into the low half
+  return _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
 struct Prompts {
   const uint16_t* q;
   const uint16_t* k;
@@ -47,22 +56,25 @@ struct Prompts {
 };
 
 uint16_t* key_tile(const Prompts& p, int64_t b, int64_t h, int64_t key_tile, int64_t dim_block) {
-  return p.keys + (((b * p.kv_heads + h) * 2 * p.blocks + key_tile) * (p.head_dim / kTileK) + dim_block) * kBlockElems;
+  const int64_t tile = ((b * p.kv_heads + h) * 2 * p.blocks + key_tile) * (p.head_dim / kTileK) + dim_block;
+  return p.keys + tile * kBlockElems;
 }
 
 uint16_t* value_tile(const Prompts& p, int64_t b, int64_t h, int64_t key_block, int64_t dim_block) {
-  return p.values + (((b * p.kv_heads + h) * p.blocks + key_block) * (p.head_dim / kTileN) + dim_block) * kBlockElems;
+  const int64_t tile = ((b * p.kv_heads + h) * p.blocks + key_block) * (p.head_dim / kTileN) + dim_block;
+  return p.values + tile * kBlockElems;
 }
 
 // Key tiles of (prompt b, kv head h): tile row r holds, for each of the 16 keys, dims 2r and 2r + 1 (one
 // 32-bit pair), so row r is column r of the keys' rows read as pairs: one gather per row.
 void pack_keys(const Prompts& p, int64_t b, int64_t h) {
   const int64_t pair_stride = p.k_stride / 2;
-  const __m512i key_offsets = _mm512_mullo_epi32(_mm512_set1_epi32(static_cast<int32_t>(pair_stride)),
-                                                 _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+  const __m512i key_offsets =
+      _mm512_mullo_epi32(_mm512_set1_epi32(static_cast<int32_t>(pair_stride)),
+                         _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
   for (int64_t kt = 0; kt < 2 * p.blocks; ++kt) {
-    const int64_t first = kt * kTileN, keys = std::min<int64_t>(kTileN, std::max<int64_t>(0, p.len - first));
-    const __mmask16 present = keys >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << keys) - 1);
+    const int64_t first = kt * kTileN;
+    const __mmask16 present = lanes_below(p.len - first);
     for (int64_t d = 0; d < p.head_dim / kTileK; ++d) {
       uint16_t* tile = key_tile(p, b, h, kt, d);
       const uint16_t* base = p.k + (b * p.len + first) * p.k_stride + h * p.head_dim + d * kTileK;
@@ -86,11 +98,8 @@ void pack_values(const Prompts& p, int64_t b, int64_t h) {
       for (int64_t r = 0; r < kTileRows; ++r) {
         const int64_t key = kb * kBlock + 2 * r;
         const uint16_t* row = p.v + (b * p.len + key) * p.v_stride + h * p.head_dim + n * kTileN;
-        const __m512i even = key < p.len ? _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row)))
-                                         : _mm512_setzero_si512();
-        const __m512i odd = key + 1 < p.len
-                                ? _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + p.v_stride)))
-                                : _mm512_setzero_si512();
+        const __m512i even = key < p.len ? load_row16(row) : _mm512_setzero_si512();
+        const __m512i odd = key + 1 < p.len ? load_row16(row + p.v_stride) : _mm512_setzero_si512();
         _mm512_storeu_si512(tile + r * 2 * kTileN, _mm512_permutex2var_epi16(even, interleave, odd));
       }
     }
@@ -142,16 +151,13 @@ void block_softmax(const Prompts& p, int64_t q0, int64_t rows, int64_t width, Sc
     uint16_t* probs = s.probs.data() + i * width;
     const int64_t keys = q0 + i + 1;
     __m512 peak = _mm512_set1_ps(-INFINITY);
-    for (int64_t j = 0; j < keys; j += 16) {
-      const __mmask16 inside = keys - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (keys - j)) - 1);
-      peak = _mm512_mask_max_ps(peak, inside, peak, _mm512_mul_ps(_mm512_loadu_ps(row + j), scale));
-    }
+    for (int64_t j = 0; j < keys; j += 16)
+      peak = _mm512_mask_max_ps(peak, lanes_below(keys - j), peak, _mm512_mul_ps(_mm512_loadu_ps(row + j), scale));
     const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(peak));
     __m512 total = _mm512_setzero_ps();
     for (int64_t j = 0; j < width; j += 16) {
-      const __mmask16 inside = j >= keys ? 0 : keys - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (keys - j)) - 1);
-      const __m512 e = _mm512_maskz_mov_ps(inside, cpu_ext::exp512(_mm512_fmsub_ps(_mm512_loadu_ps(row + j), scale,
-                                                                                  shift)));
+      const __m512 x = _mm512_fmsub_ps(_mm512_loadu_ps(row + j), scale, shift);
+      const __m512 e = _mm512_maskz_mov_ps(lanes_below(keys - j), cpu_ext::exp512(x));
       total = _mm512_add_ps(total, e);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + j), (__m256i)_mm512_cvtneps_pbh(e));
     }
@@ -197,8 +203,10 @@ void attend_block(const Prompts& p, int64_t item, Scratch& s) {
   const int64_t q0 = qb * kBlock, rows = std::min(kBlock, p.len - q0), width = (qb + 1) * kBlock;
   const bool two_rows = rows > kTileRows;
   s.q.assign(kBlock * p.head_dim, 0);
-  for (int64_t i = 0; i < rows; ++i)
-    std::memcpy(s.q.data() + i * p.head_dim, p.q + (b * p.len + q0 + i) * p.q_stride + hq * p.head_dim, p.head_dim * 2);
+  for (int64_t i = 0; i < rows; ++i) {
+    const uint16_t* query = p.q + (b * p.len + q0 + i) * p.q_stride + hq * p.head_dim;
+    std::memcpy(s.q.data() + i * p.head_dim, query, p.head_dim * 2);
+  }
   s.scores.resize(kBlock * width);
   s.probs.resize(kBlock * width);
   s.out.resize(kBlock * p.head_dim);
@@ -208,9 +216,10 @@ void attend_block(const Prompts& p, int64_t item, Scratch& s) {
   for (int64_t i = 0; i < rows; ++i) {
     uint16_t* out = p.out + ((b * p.len + q0 + i) * p.heads + hq) * p.head_dim;
     const __m512 sum = _mm512_set1_ps(s.sum[i]);
-    for (int64_t d = 0; d < p.head_dim; d += 16)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + d),
-                          (__m256i)_mm512_cvtneps_pbh(_mm512_div_ps(_mm512_loadu_ps(s.out.data() + i * p.head_dim + d), sum)));
+    for (int64_t d = 0; d < p.head_dim; d += 16) {
+      const __m512 value = _mm512_div_ps(_mm512_loadu_ps(s.out.data() + i * p.head_dim + d), sum);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + d), (__m256i)_mm512_cvtneps_pbh(value));
+    }
   }
 }
 
@@ -234,7 +243,8 @@ void run(const Prompts& p) {
 void check_rows(const torch::Tensor& x, int64_t rows, int64_t head_dim, const char* what) {
   TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kBFloat16 && x.size(0) == rows && x.size(2) == head_dim &&
                   x.stride(2) == 1 && x.stride(1) == head_dim && x.stride(0) % 2 == 0,
-              "prompt_attention_bf16: ", what, " must be bf16 [T, heads, D], heads and dims contiguous, even row stride");
+              "prompt_attention_bf16: ", what,
+              " must be bf16 [T, heads, D], heads and dims contiguous, an even row stride");
 }
 
 }  // namespace

@@ -143,8 +143,11 @@ void run_pairs(const Problem& p, int64_t begin, int64_t end, const Sink& sink) {
 
 // Threads claim runs of pairs as they free up (parallel.h); each pair's result is the same whoever computes it.
 void run(const Problem& p) {
-  const auto store = [&](const float* c, int64_t row_tile, int64_t col_block) { store_tile(p, c, row_tile, col_block); };
-  cpu_ext::parallel_claim((p.col_blocks + 1) / 2, 2, [&](int64_t begin, int64_t end) { run_pairs(p, begin, end, store); });
+  const auto store = [&](const float* c, int64_t row_tile, int64_t col_block) {
+    store_tile(p, c, row_tile, col_block);
+  };
+  cpu_ext::parallel_claim((p.col_blocks + 1) / 2, 2,
+                          [&](int64_t begin, int64_t end) { run_pairs(p, begin, end, store); });
 }
 
 // Each row's best column so far, by row_argmax_bf16's rule: NaN first, then the larger value, then the lower
@@ -158,7 +161,8 @@ struct RowBest {
   void offer(int64_t row, float v, int64_t col) {
     const int64_t best = column[row];
     const bool v_nan = std::isnan(v), best_nan = best >= 0 && std::isnan(value[row]);
-    const bool wins = best < 0 || (v_nan != best_nan ? v_nan : (!v_nan && v != value[row] ? v > value[row] : col < best));
+    const bool wins = best < 0 || (v_nan != best_nan ? v_nan
+                                                     : !v_nan && v != value[row] ? v > value[row] : col < best);
     if (wins) {
       value[row] = v;
       column[row] = col;
@@ -290,7 +294,8 @@ torch::Tensor amx_linear_argmax_bf16(torch::Tensor x, torch::Tensor packed) {
   const torch::Tensor a = whole_row_tiles(x);
   const Problem p{reinterpret_cast<const uint16_t*>(a.data_ptr<at::BFloat16>()),
                   reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), nullptr, nullptr,
-                  x.size(0), packed.size(0) * kTileN, x.size(1), a.size(0) / kTileRows, packed.size(0), packed.size(1)};
+                  x.size(0), packed.size(0) * kTileN, x.size(1), a.size(0) / kTileRows, packed.size(0),
+                  packed.size(1)};
   RowBest best(p.m);
   run_argmax(p, best);
   std::copy(best.column.begin(), best.column.end(), out.data_ptr<int64_t>());
