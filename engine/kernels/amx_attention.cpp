@@ -113,33 +113,47 @@ struct Scratch {
   float sum[kBlock];
 };
 
+// One k step of a 2 x 2 block: C tiles 0-3 += A rows 0-15 | 16-31 (from `a`, `a_bytes` a row; the second
+// tile `second` elements on) x B tiles b0 | b1. Tiles 4-5 hold B, 6-7 A. Without two_rows, rows 0-15 only.
+inline void block_step(const uint16_t* a, int64_t a_bytes, int64_t second, const uint16_t* b0, const uint16_t* b1,
+                       bool two_rows) {
+  _tile_loadd(6, a, a_bytes);
+  _tile_loadd(4, b0, 64);
+  _tile_loadd(5, b1, 64);
+  _tile_dpbf16ps(0, 6, 4);
+  _tile_dpbf16ps(1, 6, 5);
+  if (two_rows) {
+    _tile_loadd(7, a + second, a_bytes);
+    _tile_dpbf16ps(2, 7, 4);
+    _tile_dpbf16ps(3, 7, 5);
+  }
+}
+
+inline void zero_block() {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+}
+
+// C tiles 0-3 -> c [32, 32] fp32 at `ld` floats a row (rows 0-15 only without two_rows).
+inline void store_block(float* c, int64_t ld, bool two_rows) {
+  _tile_stored(0, c, ld * 4);
+  _tile_stored(1, c + kTileN, ld * 4);
+  if (two_rows) {
+    _tile_stored(2, c + kTileRows * ld, ld * 4);
+    _tile_stored(3, c + kTileRows * ld + kTileN, ld * 4);
+  }
+}
+
 // scores[i, j] = q_i . k_j for the item's 32 queries and keys [0, width).
 void block_scores(const Prompts& p, int64_t b, int64_t h, int64_t width, bool two_rows, Scratch& s) {
-  const int64_t q_bytes = p.head_dim * 2, s_bytes = width * 4;
   for (int64_t kb = 0; kb < width / kBlock; ++kb) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int64_t d = 0; d < p.head_dim / kTileK; ++d) {
-      _tile_loadd(6, s.q.data() + d * kTileK, q_bytes);
-      _tile_loadd(4, key_tile(p, b, h, 2 * kb, d), 64);
-      _tile_loadd(5, key_tile(p, b, h, 2 * kb + 1, d), 64);
-      _tile_dpbf16ps(0, 6, 4);
-      _tile_dpbf16ps(1, 6, 5);
-      if (two_rows) {
-        _tile_loadd(7, s.q.data() + kTileRows * p.head_dim + d * kTileK, q_bytes);
-        _tile_dpbf16ps(2, 7, 4);
-        _tile_dpbf16ps(3, 7, 5);
-      }
-    }
-    float* c = s.scores.data() + kb * kBlock;
-    _tile_stored(0, c, s_bytes);
-    _tile_stored(1, c + kTileN, s_bytes);
-    if (two_rows) {
-      _tile_stored(2, c + kTileRows * width, s_bytes);
-      _tile_stored(3, c + kTileRows * width + kTileN, s_bytes);
-    }
+    zero_block();
+    for (int64_t d = 0; d < p.head_dim / kTileK; ++d)
+      block_step(s.q.data() + d * kTileK, p.head_dim * 2, kTileRows * p.head_dim, key_tile(p, b, h, 2 * kb, d),
+                 key_tile(p, b, h, 2 * kb + 1, d), two_rows);
+    store_block(s.scores.data() + kb * kBlock, width, two_rows);
   }
 }
 
@@ -168,31 +182,12 @@ void block_softmax(const Prompts& p, int64_t q0, int64_t rows, int64_t width, Sc
 
 // out[i, :] = sum_j probs[i, j] v_j, fp32, for the item's 32 queries.
 void block_values(const Prompts& p, int64_t b, int64_t h, int64_t width, bool two_rows, Scratch& s) {
-  const int64_t p_bytes = width * 2, o_bytes = p.head_dim * 4;
   for (int64_t n = 0; n < p.head_dim / kTileN; n += 2) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int64_t kb = 0; kb < width / kBlock; ++kb) {
-      _tile_loadd(6, s.probs.data() + kb * kBlock, p_bytes);
-      _tile_loadd(4, value_tile(p, b, h, kb, n), 64);
-      _tile_loadd(5, value_tile(p, b, h, kb, n + 1), 64);
-      _tile_dpbf16ps(0, 6, 4);
-      _tile_dpbf16ps(1, 6, 5);
-      if (two_rows) {
-        _tile_loadd(7, s.probs.data() + kTileRows * width + kb * kBlock, p_bytes);
-        _tile_dpbf16ps(2, 7, 4);
-        _tile_dpbf16ps(3, 7, 5);
-      }
-    }
-    float* c = s.out.data() + n * kTileN;
-    _tile_stored(0, c, o_bytes);
-    _tile_stored(1, c + kTileN, o_bytes);
-    if (two_rows) {
-      _tile_stored(2, c + kTileRows * p.head_dim, o_bytes);
-      _tile_stored(3, c + kTileRows * p.head_dim + kTileN, o_bytes);
-    }
+    zero_block();
+    for (int64_t kb = 0; kb < width / kBlock; ++kb)
+      block_step(s.probs.data() + kb * kBlock, width * 2, kTileRows * width, value_tile(p, b, h, kb, n),
+                 value_tile(p, b, h, kb, n + 1), two_rows);
+    store_block(s.out.data() + n * kTileN, p.head_dim, two_rows);
   }
 }
 
