@@ -57,7 +57,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
-    if not cpu_ext.prompt_attention_available():
+    if not cpu_ext.amx_available():
         raise SystemExit("the prompt-attention kernel needs a CPU with AMX tiles (and the compiled kernels)")
     torch.set_num_threads(args.threads)
     keep_freed_memory()  # as the engine runs: no page faults on each call's fresh output

@@ -12,7 +12,7 @@ from engine.model.hf_loader import iter_hf_weights, read_hf_config
 from engine.model.llama import build_model
 from tests.tiny_models import tiny_llama_config, write_tiny_model
 
-pytestmark = pytest.mark.skipif(not cpu_ext.prompt_attention_available(),
+pytestmark = pytest.mark.skipif(not cpu_ext.amx_available(),
                                 reason="no AMX tiles on this CPU (or no kernels)")
 
 

@@ -28,16 +28,12 @@
 namespace {
 
 using namespace cpu_ext::amx;
+using cpu_ext::lanes_below;
 
 constexpr int64_t kBlock = 2 * kTileRows;  // queries of an item (two A tiles); keys of a step (two C tiles)
 constexpr int64_t kMaxPromptTokens = 8192;  // an item's scores: 32 x 8192 fp32 = 1 MiB, still in L2
 
 #if defined(CPU_EXT_AMX)
-
-// Lanes [0, n) of 16 (none for n <= 0).
-inline __mmask16 lanes_below(int64_t n) {
-  return n >= 16 ? 0xFFFF : n <= 0 ? 0 : static_cast<__mmask16>((1u << n) - 1);
-}
 
 inline __m512i load_row16(const uint16_t* p) {  // 16 bf16 into the low half
   return _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -244,14 +240,6 @@ void check_rows(const torch::Tensor& x, int64_t rows, int64_t head_dim, const ch
 
 }  // namespace
 
-bool prompt_attention_available() {
-#if defined(CPU_EXT_AMX)
-  return permitted();
-#else
-  return false;
-#endif
-}
-
 // q [count * S, Hq, D], k/v [count * S, Hkv, D] bf16 (rows may be strided) -> [count * S, Hq, D] bf16: each of
 // the `count` prompts of S tokens attends causally to itself. D % 32 == 0, S <= 8192.
 torch::Tensor prompt_attention_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t count, double scale) {
@@ -276,12 +264,11 @@ torch::Tensor prompt_attention_bf16(torch::Tensor q, torch::Tensor k, torch::Ten
   run(p);
   return out;
 #else
-  TORCH_CHECK(false, "prompt_attention_bf16: built without AMX (see prompt_attention_available)");
+  TORCH_CHECK(false, "prompt_attention_bf16: built without AMX (see amx_linear_available)");
 #endif
 }
 
 void bind_amx_attention(pybind11::module& m) {
-  m.def("prompt_attention_available", &prompt_attention_available, "whether prompt_attention_bf16 runs here");
   m.def("prompt_attention_bf16", &prompt_attention_bf16,
         "causal self-attention of count whole prompts of one length on AMX tiles");
 }

@@ -69,9 +69,8 @@ inline void store_bf16x16(uint16_t* p, __m512 x, __mmask16 mask = 0xFFFF) {
   _mm256_mask_storeu_epi16(p, mask, pack_bf16x16(x));
 }
 
-inline __mmask16 lanes_below(int64_t n) { return n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1); }
-
 using cpu_ext::exp512;
+using cpu_ext::lanes_below;
 
 #endif
 

@@ -173,8 +173,8 @@ def rotary_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
 
 @functools.cache
 def amx_available() -> bool:
-    """Whether `amx_linear` runs here: built with AMX (-march=native on a CPU that has it) and granted the
-    tile state by the kernel."""
+    """Whether `amx_linear`, `amx_linear_argmax` and `prompt_attention` run here: built with AMX
+    (-march=native on a CPU that has it) and granted the tile state by the kernel."""
     return available() and extension().amx_linear_available()
 
 
@@ -188,12 +188,6 @@ def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None 
     return extension().amx_linear_bf16(x, packed, bias if bias is not None else torch.empty(0))
 
 
-@functools.cache
-def prompt_attention_available() -> bool:
-    """Whether `prompt_attention` runs here: built with AMX and granted the tile state."""
-    return available() and extension().prompt_attention_available()
-
-
 def prompt_attention_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: int) -> bool:
     """Whether `prompt_attention` takes these views: bf16 on the CPU, head_dim a multiple of 32, prompts of at
     most MAX_PROMPT_ATTENTION_TOKENS, heads and dims contiguous in each row (the fused qkv's views are)."""
@@ -202,7 +196,7 @@ def prompt_attention_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
             and rows // count <= MAX_PROMPT_ATTENTION_TOKENS
             and all(x.dtype == q.dtype and x.stride(2) == 1 and x.stride(1) == head_dim and x.stride(0) % 2 == 0
                     for x in (q, k, v))
-            and prompt_attention_available())
+            and amx_available())
 
 
 def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: int, scale: float) -> torch.Tensor:

@@ -4,7 +4,14 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
+#include <cstdint>
+
 namespace cpu_ext {
+
+// Lanes [0, n) of 16 (none for n <= 0).
+inline __mmask16 lanes_below(int64_t n) {
+  return n >= 16 ? 0xFFFF : n <= 0 ? 0 : static_cast<__mmask16>((1u << n) - 1);
+}
 
 // exp(x) to about 1 ulp (degree-7 Taylor on |r| <= ln2/2, then 2^n by scalef); exactly 0 below -103
 // (where the true value is under fp32's smallest denormal) and for -inf.
