@@ -5,7 +5,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine.attention import AttentionMetadata
 from engine.kernels import cpu_ext, packed_linear
+from engine.kv_cache import KVCache
 from engine.model.llama import Linear
 from tests.test_decode_stack import assert_stack_matches_layers, kernel_model, qwen2_dir, stack_calls  # noqa: F401 (fixtures)
 
@@ -46,6 +48,41 @@ def test_each_row_is_independent_of_the_rest_of_the_batch():
     whole = cpu_ext.amx_linear(x, packed)
     for first, count in [(0, 2), (5, 3), (16, 17), (40, 24)]:
         assert torch.equal(cpu_ext.amx_linear(x[first:first + count], packed), whole[first:first + count])
+
+
+# Prefill chunks: rows past one slice of A (amx_linear.cpp's run(): about 1 MiB of rows, 896 at K = 576, 320 at
+# K = 1536), the last slice partial.
+@pytest.mark.parametrize("rows", [200, 511, 1000])
+@pytest.mark.parametrize("n,k", [(960, 576), (576, 1536)], ids=["qkv", "down"])
+def test_prefill_sized_products_span_row_slices(rows, n, k):
+    x, weight, bias = operands(rows, n, k, seed=rows + k)
+    out = cpu_ext.amx_linear(x, cpu_ext.amx_pack(weight), bias)
+    exact = reference(x, weight, bias)
+    assert out.shape == (rows, n)
+    assert ((out.double() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-4).all()
+
+
+@pytest.mark.parametrize("n,k", [(960, 576), (576, 1536)], ids=["qkv", "down"])
+def test_rows_are_independent_across_row_slices(n, k):
+    x, weight, bias = operands(1000, n, k, seed=k)
+    packed = cpu_ext.amx_pack(weight)
+    whole = cpu_ext.amx_linear(x, packed, bias)
+    for first, count in [(0, 2), (300, 40), (880, 40), (960, 40)]:  # 880..920 and 300..340 cross slice edges
+        assert torch.equal(cpu_ext.amx_linear(x[first:first + count], packed, bias), whole[first:first + count])
+
+
+def test_model_prefill_chunks_take_amx_tiles_up_to_the_row_limit(tiny_model_dir, monkeypatch):
+    model = kernel_model(tiny_model_dir)
+    assert all(m.packed.dim() == 4 for m in model.modules() if isinstance(m, Linear))
+    rows_seen = []
+    monkeypatch.setattr(cpu_ext, "amx_linear", lambda x, p, b=None, f=cpu_ext.amx_linear: rows_seen.append(len(x))
+                        or f(x, p, b))
+    monkeypatch.setattr(packed_linear, "MAX_AMX_ROWS", 300)
+    for rows in (200, 300, 301):
+        meta = AttentionMetadata.build(4, [], [(list(range(80)), 0, rows)], True)
+        model(torch.arange(rows) % 40 + 3, torch.arange(rows), meta, KVCache(model.cfg, 80, 4, torch.bfloat16).layers)
+    per_forward = 4 * model.cfg.num_layers  # qkv, o, gate_up, down of each layer
+    assert rows_seen == [200] * per_forward + [300] * per_forward  # 301 rows: F.linear
 
 
 def test_strided_rows_and_bad_operands():

@@ -359,11 +359,12 @@ def test_packed_weights_give_f_linear_bit_for_bit(rows):
     bias = torch.randn(200, generator=gen).to(torch.bfloat16)
     x = torch.randn(rows, 96, generator=gen).to(torch.bfloat16)
     packed = packed_linear.pack(weight)
-    assert packed is not None and packed_linear.applies(x)
+    assert packed is not None and packed_linear.applies(x, packed)
     assert torch.equal(packed_linear.linear(x, packed, bias), F.linear(x, weight, bias))
     assert torch.equal(packed_linear.linear(x, packed, None), F.linear(x, weight))
     assert packed_linear.pack(weight.float()) is None  # bf16 only
-    assert not packed_linear.applies(x[:1]) and not packed_linear.applies(x[:1].expand(129, 96))
+    too_many = packed_linear.max_rows(packed) + 1
+    assert not packed_linear.applies(x[:1], packed) and not packed_linear.applies(x[:1].expand(too_many, 96), packed)
 
 
 @pytest.mark.skipif(not packed_linear.available(), reason="this torch has no oneDNN packing ops")
@@ -373,10 +374,13 @@ def test_model_products_use_the_packed_weights_between_two_and_max_rows(tiny_mod
     rows_seen = []
     monkeypatch.setattr(packed_linear, "linear", lambda x, p, b, f=packed_linear.linear: rows_seen.append(len(x))
                         or f(x, p, b))
-    for rows in (1, 3, packed_linear.MAX_PACKED_ROWS + 1):
-        meta = AttentionMetadata.build(4, [], [(list(range(40)), 0, rows)], True)
-        model.compute_logits(model(torch.arange(rows) + 3, torch.arange(rows), meta,
-                                   KVCache(model.cfg, 40, 4, torch.bfloat16).layers))
+    for rows in (1, 3, packed_linear.max_rows(model.lm_packed) + 1):
+        prompts = [min(512, rows - first) for first in range(0, rows, 512)]  # within the model's positions
+        tables = [list(range(i * 129, i * 129 + n // 4 + 1)) for i, n in enumerate(prompts)]
+        meta = AttentionMetadata.build(4, [], [(t, 0, n) for t, n in zip(tables, prompts)], True)
+        positions = torch.cat([torch.arange(n) for n in prompts])
+        model.compute_logits(model(torch.arange(rows) % 40 + 3, positions, meta,
+                                   KVCache(model.cfg, 129 * len(prompts), 4, torch.bfloat16).layers))
     assert rows_seen == [3] * (4 * model.cfg.num_layers + 1)  # every projection and the logits, at 3 rows only
     model.use_kernels(False)
     assert all(m.packed is None for m in model.modules() if isinstance(m, Linear)) and model.lm_packed is None

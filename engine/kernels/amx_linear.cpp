@@ -1,4 +1,5 @@
-// bf16 products for decode-sized batches (2..128 rows) on Intel AMX tiles, streaming the weights once.
+// bf16 products on Intel AMX tiles for decode batches and prefill chunks (2..1024 rows in the engine:
+// packed_linear.MAX_AMX_ROWS), streaming the weights once per slice of rows.
 //
 // oneDNN's packed matmul (torch.ops.mkldnn._linear_pointwise) read the weights of a decode step at 7-11 GB/s at
 // 32-64 rows on this 2-core host, against 12-14 GB/s for a plain sum over the same bytes. This kernel walks
@@ -18,14 +19,16 @@
 // Each row's result depends only on that row (fixed reduction order over K), not on the other rows of the
 // batch. Accumulation is fp32, one rounding to bf16 at the end (round to nearest even), as torch's.
 //
-// Not for prefill. oneDNN's brgemm runs the 2048-row products of a prefill step at 0.4-1.0 TFLOPS here, and
-// two threads often gain little over one (a layer's four products: 20.9 ms on one, 18.8-21.2 on two). The
-// tile units are not the limit: a loop of tile products on registers alone reaches 2.0-2.5 TFLOPS a core,
-// and two processes each reach it at once. With K = 576 an A or B panel is 36 KiB, so in 2x2 blocking one
-// operand streams from L2, 1 KiB of tile loads per product; a probe of that loop (A and B pre-tiled, no
-// stores) ran at ~0.5 TFLOPS a thread, ~10% more with software prefetch. This kernel at 2048 rows (row blocks
-// of 64-512, A re-laid as contiguous tiles, either loop order) ran at 0.6-0.7 TFLOPS against oneDNN's 0.7-0.8
-// in the same process (session 7).
+// Prefill chunks up to 1024 rows, not full 2048-row offline steps. The 120 layer products of a SmolLM2 forward,
+// weights from memory, against F.linear (oneDNN's brgemm on the plain weight), 5 alternated passes (session 9):
+// with A in the row slices of run(), 1.39x at 512 rows, 1.30x at 1024, 0.91x at 2048 (a quiet minute: F.linear
+// ran 2.2 TFLOPS); unsliced, in a busy minute, 1.03x / 1.38x / 1.14x. In the engine, 16 and 64 prompts of 128
+// tokens prefilled in the server's 512-token steps: 1.31x and 1.16x the prompt tokens/s (medians of the paired
+// ratios of 8 alternated runs). So the 2048-token offline steps keep F.linear.
+// Earlier (session 7), unsliced and in 64-512-row blocks with A re-laid as contiguous tiles, this kernel ran
+// 2048 rows at 0.6-0.7 TFLOPS against oneDNN's 0.7-0.8. The tile units are not the limit (a loop of tile
+// products on registers alone reaches 2.0-2.5 TFLOPS a core); with K = 576 an A or B panel is 36 KiB, so in
+// 2x2 blocking one operand streams from L2, 1 KiB of tile loads per product.
 //
 // Also no faster at 64 rows (session 8, the 121 products of a decode step, alternated in one process, 3 runs):
 // passes grouped over 256 KiB-1 MiB of pairs (so that rows 0-31 of A stay in L1 while B comes from L2), with
@@ -33,6 +36,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <mutex>
@@ -141,13 +145,33 @@ void run_pairs(const Problem& p, int64_t begin, int64_t end, const Sink& sink) {
   _tile_release();
 }
 
+// A's rows in slices of about 1 MiB, so that a slice stays in L2 while every pair of column blocks passes over
+// it (a 2048 x 576 A is 2.3 MiB: unsliced, it streamed from L3 once per pair). Each slice streams the weights
+// again, which is cheap next to that. Slices of 0.25 / 0.5 / 1 MiB / none at 1024 rows, a layer's four
+// products x 30 from memory: 118 / 111 / 109 / 116 ms (session 9).
+constexpr int64_t kSliceBytes = 1 << 20;
+
+// Rows [first_tile, first_tile + tiles) of p as a problem of their own.
+Problem row_slice(const Problem& p, int64_t first_tile, int64_t tiles) {
+  Problem s = p;
+  s.a += first_tile * kTileRows * p.k;
+  s.out += first_tile * kTileRows * p.n;
+  s.m = std::min(p.m - first_tile * kTileRows, tiles * kTileRows);
+  s.row_tiles = tiles;
+  return s;
+}
+
 // Threads claim runs of pairs as they free up (parallel.h); each pair's result is the same whoever computes it.
 void run(const Problem& p) {
-  const auto store = [&](const float* c, int64_t row_tile, int64_t col_block) {
-    store_tile(p, c, row_tile, col_block);
-  };
-  cpu_ext::parallel_claim((p.col_blocks + 1) / 2, 2,
-                          [&](int64_t begin, int64_t end) { run_pairs(p, begin, end, store); });
+  const int64_t slice = std::max<int64_t>(2, kSliceBytes / (p.k * 2 * kTileRows) / 2 * 2);  // row tiles, even
+  for (int64_t first = 0; first < p.row_tiles; first += slice) {
+    const Problem s = row_slice(p, first, std::min(slice, p.row_tiles - first));
+    const auto store = [&](const float* c, int64_t row_tile, int64_t col_block) {
+      store_tile(s, c, row_tile, col_block);
+    };
+    cpu_ext::parallel_claim((s.col_blocks + 1) / 2, 2,
+                            [&](int64_t begin, int64_t end) { run_pairs(s, begin, end, store); });
+  }
 }
 
 // Each row's best column so far, by row_argmax_bf16's rule: NaN first, then the larger value, then the lower
@@ -306,7 +330,8 @@ torch::Tensor amx_linear_argmax_bf16(torch::Tensor x, torch::Tensor packed) {
 void bind_amx_linear(pybind11::module& m) {
   m.def("amx_linear_available", &amx_linear_available, "whether this build and this process can use AMX tiles");
   m.def("amx_pack_bf16", &amx_pack_bf16, "pack a bf16 [N, K] weight into AMX B tiles");
-  m.def("amx_linear_bf16", &amx_linear_bf16, "x W^T + b for 2..128 bf16 rows on AMX tiles, weights streamed once");
+  m.def("amx_linear_bf16", &amx_linear_bf16,
+        "x W^T + b for bf16 rows on AMX tiles (2..packed_linear.MAX_AMX_ROWS rows in the engine)");
   m.def("amx_linear_argmax_bf16", &amx_linear_argmax_bf16,
         "each row's first argmax of the bf16 product x W^T, without writing the product");
 }

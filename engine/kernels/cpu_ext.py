@@ -26,9 +26,10 @@ elementwise ops between the matrix products.
   in place in the fused qkv output): one pass each instead of 3-10 torch ops and their temporaries. They round
   every intermediate to bf16 where the torch ops store one, so they match torch to the bit but for rare
   one-ulp flips (RMSNorm's fp32 sum order, SiLU's exp).
-- `amx_linear` (engine/kernels/amx_linear.cpp): products of 2..128 bf16 rows on AMX tiles, on weights packed
-  once into tile order; it streams the weights once and prefetches ahead, where oneDNN's packed matmul read
-  them at 7-11 GB/s (engine/kernels/packed_linear.py has the figures). Only where the CPU has AMX.
+- `amx_linear` (engine/kernels/amx_linear.cpp): bf16 products on AMX tiles, on weights packed once into tile
+  order, for decode batches and prefill chunks (2..packed_linear.MAX_AMX_ROWS rows); it streams the weights once
+  (per ~1 MiB slice of rows) and prefetches ahead, where oneDNN's packed matmul read them at 7-11 GB/s
+  (engine/kernels/packed_linear.py has the figures). Only where the CPU has AMX.
   `amx_linear_argmax` is the same product reduced to each row's argmax as the tiles come out: a greedy step
   neither writes nor rereads the [rows, vocab] logits.
 - `prompt_attention` (engine/kernels/amx_attention.cpp): causal attention of whole fresh prompts (no cached

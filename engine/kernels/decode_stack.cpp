@@ -49,19 +49,21 @@ struct Projection {
         gemv_bias(bias ? *bias : torch::empty({0})) {}
 };
 
-// The row limits of engine/kernels/cpu_ext.py (MAX_GEMV_ROWS) and packed_linear.py (MAX_PACKED_ROWS), read
-// by Python at each step as its own `linear` reads them.
+// The row limits of engine/kernels/cpu_ext.py (MAX_GEMV_ROWS) and packed_linear.py (MAX_PACKED_ROWS for oneDNN's
+// packed copy, MAX_AMX_ROWS for AMX tiles), read by Python at each step as its own `linear` reads them.
 struct RowLimits {
   int64_t gemv;
   int64_t packed;
+  int64_t amx;
 };
 
-// engine/model/llama.py `linear` with the kernels on: the packed weight for 2..limits.packed rows, else the
-// GEMV for up to limits.gemv rows, else F.linear.
+// engine/model/llama.py `linear` with the kernels on: the packed weight for 2..limits.amx rows (AMX tiles) or
+// 2..limits.packed (oneDNN's copy), else the GEMV for up to limits.gemv rows, else F.linear.
 torch::Tensor project(const Projection& p, const torch::Tensor& x, const RowLimits& limits) {
   const int64_t rows = x.size(0);
-  if (p.packed && rows >= 2 && rows <= limits.packed) {
-    if (p.packed->dim() == 4) return amx_linear_bf16(x, *p.packed, p.gemv_bias);  // AMX tiles
+  const bool amx = p.packed && p.packed->dim() == 4;
+  if (p.packed && rows >= 2 && rows <= (amx ? limits.amx : limits.packed)) {
+    if (amx) return amx_linear_bf16(x, *p.packed, p.gemv_bias);
     return packed_linear_op().call(x.contiguous(), *p.packed, p.bias, "none", c10::List<std::optional<c10::Scalar>>(),
                                    std::string_view(""));
   }
@@ -100,11 +102,12 @@ class DecodeStack {
   std::vector<torch::Tensor> forward(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
                                      torch::Tensor slot_mapping, torch::Tensor block_tables,
                                      torch::Tensor context_lens, const std::vector<LayerPages>& kv,
-                                     int64_t max_gemv_rows, int64_t max_packed_rows) const {
+                                     int64_t max_gemv_rows, int64_t max_packed_rows, int64_t max_amx_rows) const {
     TORCH_CHECK(!kv.empty() && kv.size() <= layers_.size(), "DecodeStack: ", kv.size(), " layers of pages for ",
                 layers_.size(), " layers");
     const Step step{cos.reshape({cos.size(0), -1}), sin.reshape({sin.size(0), -1}), std::move(slot_mapping),
-                    std::move(block_tables), std::move(context_lens), RowLimits{max_gemv_rows, max_packed_rows}};
+                    std::move(block_tables), std::move(context_lens),
+                    RowLimits{max_gemv_rows, max_packed_rows, max_amx_rows}};
     torch::Tensor residual = no_residual_;
     for (size_t i = 0; i < kv.size(); ++i) {
       const Layer& layer = layers_[i];

@@ -1,4 +1,4 @@
-"""bf16 linear layers on weights packed once at start-up, for decode-sized products (2..MAX_PACKED_ROWS rows).
+"""bf16 linear layers on weights packed once at start-up, for decode-sized products and (AMX) prefill chunks.
 
 Two packings, the first that applies:
 - AMX tiles for our kernel (engine/kernels/amx_linear.cpp, `cpu_ext.amx_linear`), on CPUs with AMX.
@@ -16,7 +16,9 @@ Two packings, the first that applies:
   over the same weights: 18.9). In the engine (same command): batch 32 669 -> 847 tok/s, batch 64 955 -> 967.
   Both sum in fp32 and round once; results differ from oneDNN's by the order of the sums (a bf16 ulp, rarely).
 One row goes to our GEMV (cpu_ext, 10-30% faster there), prefill chunks to F.linear on the plain weight, which
-is kept (the embedding shares it, and so does the GEMV).
+is kept (the embedding shares it, and so does the GEMV). A third copy packed by oneDNN for prefill would not pay:
+at 2048 rows (a full offline step) it ran each SmolLM2 product within 2% of F.linear, and bit-identical (session
+9, 15 alternated calls a shape). At 200 rows it was 17-27% faster; at 512 rows it was 0.65x on o_proj and down.
 """
 from __future__ import annotations
 
@@ -30,7 +32,10 @@ from engine.kernels import cpu_ext
 log = logging.getLogger(__name__)
 
 PACK_BATCH_HINT = 64  # the row count oneDNN picks its blocking for
-MAX_PACKED_ROWS = 128
+MAX_PACKED_ROWS = 128  # oneDNN's packed copy: 2..this many rows
+# AMX tiles: 2..this many rows, prefill chunks of the server's 512-token steps among them; the 2048-token offline
+# steps keep F.linear (figures in engine/kernels/amx_linear.cpp)
+MAX_AMX_ROWS = 1024
 AMX_PACKING = True  # off: oneDNN's packed copy even where the AMX kernel runs (for comparisons)
 
 
@@ -64,8 +69,13 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
-def applies(x: torch.Tensor) -> bool:
-    return 2 <= x.shape[0] <= MAX_PACKED_ROWS and x.dim() == 2 and x.dtype == torch.bfloat16
+def max_rows(packed: torch.Tensor) -> int:
+    """The most rows a product on this packed copy (from `pack`) takes."""
+    return MAX_AMX_ROWS if packed.dim() == 4 else MAX_PACKED_ROWS
+
+
+def applies(x: torch.Tensor, packed: torch.Tensor) -> bool:
+    return x.dim() == 2 and x.dtype == torch.bfloat16 and 2 <= x.shape[0] <= max_rows(packed)
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -22,10 +22,11 @@ Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, 1, head_dim / 2]
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, use_kernels: bool,
            packed: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, or with the kernels on (bf16 on the CPU): the weight's oneDNN-packed copy for decode-sized
-    products, the streaming GEMV for a row (for a few rows when there is no packed copy)."""
+    """F.linear, or with the kernels on (bf16 on the CPU): the weight's packed copy (AMX tiles or oneDNN's) for
+    products within its row limit (packed_linear.max_rows), the streaming GEMV for a row (for a few rows when
+    there is no packed copy)."""
     if use_kernels:
-        if packed is not None and packed_linear.applies(x):
+        if packed is not None and packed_linear.applies(x, packed):
             return packed_linear.linear(x, packed, bias)
         if cpu_ext.applies(x, weight):
             return cpu_ext.linear_bf16(x, weight, bias)
@@ -196,7 +197,8 @@ class LlamaModel(nn.Module):
                    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
         """The layers of a decode-only step in one call -> (last layer's output, residual stream)."""
         return self.stack.forward(x, *rope, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens,
-                                  kv_caches, cpu_ext.MAX_GEMV_ROWS, packed_linear.MAX_PACKED_ROWS)
+                                  kv_caches, cpu_ext.MAX_GEMV_ROWS, packed_linear.MAX_PACKED_ROWS,
+                                  packed_linear.MAX_AMX_ROWS)
 
     def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
         """hidden [B, hidden] -> logits [B, vocab], in float32 or (float32=False) in the model's dtype."""
@@ -207,7 +209,7 @@ class LlamaModel(nn.Module):
         """hidden [B, hidden] -> [B] int64: each row's argmax of compute_logits(hidden, float32=False), taken as
         the AMX LM head's tiles come out, without the [B, V] logits. None where that path does not apply
         (kernels off, an LM head not packed for AMX, a row count the packed product does not take)."""
-        if self.lm_packed is None or self.lm_packed.dim() != 4 or not packed_linear.applies(hidden):
+        if self.lm_packed is None or self.lm_packed.dim() != 4 or not packed_linear.applies(hidden, self.lm_packed):
             return None
         return cpu_ext.amx_linear_argmax(hidden, self.lm_packed)
 
