@@ -1,6 +1,7 @@
-"""Decode-sized bf16 products: our AMX kernel (engine/kernels/amx_linear.cpp) against oneDNN's packed matmul.
+"""bf16 products on AMX tiles (engine/kernels/amx_linear.cpp) against oneDNN: decode batches and prefill chunks.
 
-    python -m bench.amx_linear [--rows 2,8,32,64,128] [--batches 32,64] [--rounds 5]
+    python -m bench.amx_linear [--rows 2,8,32,64,128] [--batches 32,64] [--prefill-rows 512,1024,2048]
+                               [--prefill-prompts 16,64] [--rounds 5]
 
 Part 1, products: the 121 products of one SmolLM2-135M decode step (30 layers of qkv, o, gate_up, down, then
 the LM head; random weights of the real shapes, 269 MB), at each --rows, with the caches flushed by a 512 MB
@@ -8,7 +9,15 @@ write before each pass. Both packings alternate within each round; prints the me
 weight bytes read per second, beside a plain sum over the same weights (the read bandwidth to compare with).
 Part 2, engine: two `LLM`s in this process, one packing its weights for the AMX kernel and one for oneDNN,
 generating --batches prompts of 128 tokens to 128 new tokens (greedy), alternating; prints median output
-tokens/s and TPOT. Needs a CPU with AMX (Sapphire Rapids or newer).
+tokens/s and TPOT.
+Part 3, prefill products: the 120 layer products of a forward over --prefill-rows rows (weights from memory, 30
+distinct layers), F.linear on the plain weight (oneDNN's brgemm, what prefill used to run) against the AMX kernel,
+alternated; median ms, TFLOPS, speed-up.
+Part 4, engine prefill: one `LLM` at the server's step budget (EngineConfig's max_num_batched_tokens),
+prefilling --prefill-prompts prompts of 128 tokens (one output token), with the AMX kernel for up to
+packed_linear.MAX_AMX_ROWS rows (shipped) and for up to MAX_PACKED_ROWS rows only (F.linear above, as before),
+alternated; median prompt tokens/s and the median of the paired ratios.
+Needs a CPU with AMX (Sapphire Rapids or newer).
 """
 from __future__ import annotations
 
@@ -18,6 +27,7 @@ import time
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 
 from engine.kernels import cpu_ext, packed_linear
 
@@ -91,10 +101,67 @@ def engine(batches: list[int], rounds: int, threads: int) -> None:
         print(f"B={batch}: " + ", ".join(line) + f"; ratio of rounds median {statistics.median(ratios):.2f}x")
 
 
+def prefill_products(rows_list: list[int], rounds: int) -> None:
+    weights = step_weights()[:-1]  # the layers' products; prefill samples the LM head on a few rows only
+    packed = [cpu_ext.amx_pack(w) for w in weights]
+    flops_per_row = 2 * sum(w.numel() for w in weights)
+    print(f"\nprefill products ({len(weights)} per forward, weights from memory), median of {rounds} alternated")
+    print(f"{'rows':>5} {'F.linear ms':>12} {'TFLOPS':>7} {'AMX ms':>8} {'TFLOPS':>7} {'speed-up':>9}")
+    for rows in rows_list:
+        inputs = {k: torch.randn(rows, k, dtype=torch.bfloat16) for k in (HIDDEN, INTERMEDIATE)}
+        times: dict[str, list[float]] = {"F.linear": [], "AMX": []}
+        for _ in range(rounds):
+            start = time.perf_counter()
+            for weight in weights:
+                F.linear(inputs[weight.shape[1]], weight)
+            times["F.linear"].append(time.perf_counter() - start)
+            start = time.perf_counter()
+            for weight, pack in zip(weights, packed):
+                cpu_ext.amx_linear(inputs[weight.shape[1]], pack)
+            times["AMX"].append(time.perf_counter() - start)
+        onednn, amx = statistics.median(times["F.linear"]), statistics.median(times["AMX"])
+        print(f"{rows:>5} {onednn * 1e3:>12.1f} {flops_per_row * rows / onednn / 1e12:>7.2f} {amx * 1e3:>8.1f} "
+              f"{flops_per_row * rows / amx / 1e12:>7.2f} {onednn / amx:>8.2f}x")
+
+
+def engine_prefill(prompt_counts: list[int], rounds: int, threads: int) -> None:
+    from bench.offline_throughput import PromptFactory, greedy
+    from engine import LLM
+    from engine.config import EngineConfig
+
+    budget = EngineConfig().max_num_batched_tokens
+    llm = LLM(num_threads=threads, max_num_seqs=max(prompt_counts), max_num_batched_tokens=budget)
+    factory = PromptFactory(llm.tokenizer, 128)
+    llm.generate(factory.make(2), greedy(4))  # warm-up
+    limits = {"AMX to MAX_AMX_ROWS": packed_linear.MAX_AMX_ROWS,
+              "AMX to MAX_PACKED_ROWS": packed_linear.MAX_PACKED_ROWS}
+    rates: dict[tuple[str, int], list[float]] = {}
+    try:
+        for round_index in range(rounds):
+            for count in prompt_counts:
+                for name in (list(limits) if round_index % 2 == 0 else list(reversed(limits))):
+                    packed_linear.MAX_AMX_ROWS = limits[name]
+                    prompts = factory.make(count)  # fresh: no prefix-cache hit on the other variant's blocks
+                    start = time.perf_counter()
+                    llm.generate(prompts, greedy(1))
+                    rates.setdefault((name, count), []).append(count * 128 / (time.perf_counter() - start))
+    finally:
+        packed_linear.MAX_AMX_ROWS = limits["AMX to MAX_AMX_ROWS"]
+    print(f"\nengine prefill, {budget}-token steps, 128-token prompts, one output token, {threads} threads, "
+          f"median of {rounds} alternated rounds (prompt tokens/s)")
+    new, old = limits
+    for count in prompt_counts:
+        ratios = [a / b for a, b in zip(rates[(new, count)], rates[(old, count)])]
+        print(f"{count:>3} prompts: {new} {statistics.median(rates[(new, count)]):7.1f}, {old} "
+              f"{statistics.median(rates[(old, count)]):7.1f}; paired ratio median {statistics.median(ratios):.2f}x")
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rows", default="2,8,32,64,128", help="rows of the products pass; empty skips it")
     p.add_argument("--batches", default="32,64", help="engine batches; empty skips the engine part")
+    p.add_argument("--prefill-rows", default="512,1024,2048", help="rows of the prefill products; empty skips it")
+    p.add_argument("--prefill-prompts", default="16,64", help="prompts of the engine prefill part; empty skips it")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
     a = p.parse_args(argv)
@@ -105,6 +172,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         products([int(r) for r in a.rows.split(",")], a.rounds)
     if a.batches:
         engine([int(b) for b in a.batches.split(",")], a.rounds, a.threads)
+    if a.prefill_rows:
+        prefill_products([int(r) for r in a.prefill_rows.split(",")], a.rounds)
+    if a.prefill_prompts:
+        engine_prefill([int(n) for n in a.prefill_prompts.split(",")], a.rounds, a.threads)
 
 
 if __name__ == "__main__":
