@@ -20,11 +20,12 @@
 // batch. Accumulation is fp32, one rounding to bf16 at the end (round to nearest even), as torch's.
 //
 // Prefill chunks up to 1024 rows, not full 2048-row offline steps. The 120 layer products of a SmolLM2 forward,
-// weights from memory, against F.linear (oneDNN's brgemm on the plain weight), 5 alternated passes (session 9):
-// with A in the row slices of run(), 1.39x at 512 rows, 1.30x at 1024, 0.91x at 2048 (a quiet minute: F.linear
-// ran 2.2 TFLOPS); unsliced, in a busy minute, 1.03x / 1.38x / 1.14x. In the engine, 16 and 64 prompts of 128
-// tokens prefilled in the server's 512-token steps: 1.31x and 1.16x the prompt tokens/s (medians of the paired
-// ratios of 8 alternated runs). So the 2048-token offline steps keep F.linear.
+// weights from memory, against F.linear (oneDNN's brgemm on the plain weight), 5 alternated passes (session 9,
+// python -m bench.amx_linear's part 3): with A in the row slices of run(), 1.39-1.46x at 512 rows, 1.30-1.90x at
+// 1024, and at 2048 1.05x in one run but 0.91x in a quiet minute (F.linear then ran 2.2 TFLOPS). In the engine
+// (part 4), 16 and 64 prompts of 128 tokens prefilled in the server's 512-token steps: 1.12x and 1.46x the
+// prompt tokens/s (medians of the paired ratios of 5 alternated rounds). The 2048-token offline steps keep
+// F.linear: AMX there made whole 64 x 128 offline runs 2-6% slower (6 alternated runs at 32 and at 64).
 // Earlier (session 7), unsliced and in 64-512-row blocks with A re-laid as contiguous tiles, this kernel ran
 // 2048 rows at 0.6-0.7 TFLOPS against oneDNN's 0.7-0.8. The tile units are not the limit (a loop of tile
 // products on registers alone reaches 2.0-2.5 TFLOPS a core); with K = 576 an A or B panel is 36 KiB, so in
