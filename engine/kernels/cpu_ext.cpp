@@ -190,10 +190,11 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor weight, torch::Tensor b
 // Session 9, same 64 x 192 x 30 layers. With the pages hot in L2 the kernel still takes ~14 ms: scores 8.6,
 // value sums 3.8, softmax 1.2, the rest 1.5 (each measured by skipping it). Cold it takes 23-27 ms.
 // - scores as S^T = K Q^T on AMX tiles (16 key rows of a page as the A tile, read in place with the slot
-//   stride; the query group as the B tile; two key tiles in flight; columns gathered out of C): 10.1 against
-//   11.7 ms hot and 20.8 against 23.1 ms cold, yet no faster in an engine step at 64 (two runs of 128-160
-//   alternated steps, medians 48.7 against 49.4 ms and 49.9 against 49.1). Skipping the scores altogether
-//   saved 5.4 ms of a 52 ms step, so in the engine the key reads, not the dot products, set that cost;
+//   stride; the query group as the B tile; columns gathered out of C). One key tile at a time: 14.0 against
+//   16.8 ms hot, 20.8 against 23.1 cold; two in flight: 10.1 against 11.7 hot, 25.2 against 26.8 cold. The
+//   latter was no faster in an engine step at 64 (two runs of 128-160 alternated steps, medians 48.7 against
+//   49.4 ms and 49.9 against 49.1). Skipping the scores altogether saved 5.4 ms of a 52 ms step, so in the
+//   engine the key reads, not the dot products, set that cost;
 // - contiguous rows (one kv head of 192 dims, the layout an item covering all heads of a page would read),
 //   with or without software prefetch, and 64-token pages: 26.8-32.4 ms, none under the current 26.2;
 // - prefetching one line of each 128-byte row and leaving the other to the adjacent-line prefetcher:
