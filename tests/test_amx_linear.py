@@ -130,7 +130,7 @@ def test_decode_stack_with_biases_on_amx_tiles(qwen2_dir, stack_calls):
     assert_stack_matches_layers(model, [0, 1, 2], stack_calls)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 16, 17, 33, 64, 128])
+@pytest.mark.parametrize("rows", [1, 2, 5, 16, 17, 33, 64, 128, 1000])
 @pytest.mark.parametrize("n,k", [(48, 64), (4096, 576)], ids=["odd-blocks", "head-like"])
 def test_fused_argmax_is_the_argmax_of_the_bf16_product(rows, n, k):
     x, weight, _ = operands(rows, n, k, seed=rows + n)

@@ -152,27 +152,29 @@ void run_pairs(const Problem& p, int64_t begin, int64_t end, const Sink& sink) {
 // products x 30 from memory: 118 / 111 / 109 / 116 ms (session 9).
 constexpr int64_t kSliceBytes = 1 << 20;
 
-// Rows [first_tile, first_tile + tiles) of p as a problem of their own.
-Problem row_slice(const Problem& p, int64_t first_tile, int64_t tiles) {
-  Problem s = p;
-  s.a += first_tile * kTileRows * p.k;
-  s.out += first_tile * kTileRows * p.n;
-  s.m = std::min(p.m - first_tile * kTileRows, tiles * kTileRows);
-  s.row_tiles = tiles;
-  return s;
+// Calls fn(slice, first_row) for p's rows in slices of about kSliceBytes of A, each slice a problem of its own.
+template <typename Fn>
+void for_row_slices(const Problem& p, const Fn& fn) {
+  const int64_t slice = std::max<int64_t>(2, kSliceBytes / (p.k * 2 * kTileRows) / 2 * 2);  // row tiles, even
+  for (int64_t first = 0; first < p.row_tiles; first += slice) {
+    Problem s = p;
+    s.a += first * kTileRows * p.k;
+    if (s.out) s.out += first * kTileRows * p.n;
+    s.m = std::min(p.m - first * kTileRows, slice * kTileRows);
+    s.row_tiles = std::min(slice, p.row_tiles - first);
+    fn(s, first * kTileRows);
+  }
 }
 
 // Threads claim runs of pairs as they free up (parallel.h); each pair's result is the same whoever computes it.
 void run(const Problem& p) {
-  const int64_t slice = std::max<int64_t>(2, kSliceBytes / (p.k * 2 * kTileRows) / 2 * 2);  // row tiles, even
-  for (int64_t first = 0; first < p.row_tiles; first += slice) {
-    const Problem s = row_slice(p, first, std::min(slice, p.row_tiles - first));
+  for_row_slices(p, [](const Problem& s, int64_t) {
     const auto store = [&](const float* c, int64_t row_tile, int64_t col_block) {
       store_tile(s, c, row_tile, col_block);
     };
     cpu_ext::parallel_claim((s.col_blocks + 1) / 2, 2,
                             [&](int64_t begin, int64_t end) { run_pairs(s, begin, end, store); });
-  }
+  });
 }
 
 // Each row's best column so far, by row_argmax_bf16's rule: NaN first, then the larger value, then the lower
@@ -215,14 +217,16 @@ void best_in_tile(const Problem& p, const float* c, int64_t row_tile, int64_t co
 // Each claim keeps its rows' best in its own RowBest, folded into `into` at its end.
 void run_argmax(const Problem& p, RowBest& into) {
   std::mutex fold;
-  cpu_ext::parallel_claim((p.col_blocks + 1) / 2, 2, [&](int64_t begin, int64_t end) {
-    RowBest mine(p.m);
-    run_pairs(p, begin, end, [&](const float* c, int64_t row_tile, int64_t col_block) {
-      best_in_tile(p, c, row_tile, col_block, mine);
+  for_row_slices(p, [&](const Problem& s, int64_t first_row) {
+    cpu_ext::parallel_claim((s.col_blocks + 1) / 2, 2, [&](int64_t begin, int64_t end) {
+      RowBest mine(s.m);
+      run_pairs(s, begin, end, [&](const float* c, int64_t row_tile, int64_t col_block) {
+        best_in_tile(s, c, row_tile, col_block, mine);
+      });
+      const std::lock_guard<std::mutex> hold(fold);
+      for (int64_t row = 0; row < s.m; ++row)
+        if (mine.column[row] >= 0) into.offer(first_row + row, mine.value[row], mine.column[row]);
     });
-    const std::lock_guard<std::mutex> hold(fold);
-    for (int64_t row = 0; row < p.m; ++row)
-      if (mine.column[row] >= 0) into.offer(row, mine.value[row], mine.column[row]);
   });
 }
 
