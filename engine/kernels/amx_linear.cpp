@@ -36,14 +36,16 @@
 // or without B loaded by the streaming hint (tileloaddt1); within +-10% of this order in every run, either way.
 //
 // Session 10, 2048 rows again. In a standalone copy of this kernel, products alternated one by one, the output
-// stores took 25-35% of a product and A's tile loads from L2 10-20%; yet whole 64-byte output lines (both blocks of
+// stores took 10-33% of a product and A's tile loads from L2 10-20%; yet whole 64-byte output lines (both blocks of
 // a pair per row) gained nothing here (0.77-1.10x per shape, 3 rounds of the 120 products), nor did A re-laid as
-// contiguous tiles (~1.0x), A loaded with tileloaddt1 (0.8-0.93x) or K in chunks of 4-8 blocks with C spilled to
+// contiguous tiles (~1.0x), A loaded with tileloaddt1 (0.8-0.9x) or K in chunks of 4-8 blocks with C spilled to
 // fp32 between them (0.40-0.45 against 0.54-0.59 TFLOPS). In the engine's 2048-token steps, timed call by call and
 // alternated, this kernel beat F.linear on all four shapes (qkv 1.91 vs 2.78 ms, o 1.21 vs 1.58, gate_up 6.07 vs
-// 7.87, down 3.00 vs 4.34; ~700 calls each), but whole prefills of 64 prompts did not follow: 0.79x and 0.96x (8
-// and 6 alternated rounds), 1.04x with the two alternated step by step (20 prefills). The host's tile units
-// themselves swing: a loop of tile products on registers ran 1.0-2.5 TFLOPS on one core within minutes.
+// 7.87, down 3.00 vs 4.34; ~700 calls each), and that run's whole prefills of 64 prompts took 1.99 against 2.57 s;
+// other runs gave 0.79x and 0.96x (8 and 6 alternated prefills), and 1.04x with the two alternated step by step (20
+// prefills). The sign follows the minute: AMX lost every round in which F.linear's prefill took 1.3-1.5 s and won
+// the one at 2.1 s; choosing at run time would make the bits depend on the minute. The host's tile units themselves
+// swing: a loop of tile products on registers ran 1.0-2.5 TFLOPS on one core within minutes.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
