@@ -54,12 +54,16 @@ def main(argv: Sequence[str] | None = None) -> None:
              packed_linear.MAX_PACKED_ROWS, packed_linear.MAX_AMX_ROWS)
     cpu_ext.MAX_ATTENTION_SEQS = 1 << 30  # forced on: this table decides the limits
     forced, shipped_gemv = 1 << 30, cpu_ext.MAX_GEMV_ROWS
-    shipped_packed = (packed_linear.MAX_PACKED_ROWS, packed_linear.MAX_AMX_ROWS)  # oneDNN's copy, AMX tiles
-    # name: (model, GEMV row limit, packed-weight row limit, attention kernel, elementwise kernels, decode stack);
+    # packed-weight row limits: (oneDNN's copy, AMX tiles)
+    no_packed, all_packed = (0, 0), (forced, forced)
+    shipped_packed = (packed_linear.MAX_PACKED_ROWS, packed_linear.MAX_AMX_ROWS)
+    # name: (model, GEMV row limit, packed-weight row limits, attention kernel, elementwise kernels, decode stack);
     # "layers" and "all" keep the shipped limits
-    variants = {"torch ops": (eager, 0, 0, False, False, False), "gemv": (fast, forced, 0, False, False, False),
-                "packed": (fast, 0, forced, False, False, False), "attention": (fast, 0, 0, True, False, False),
-                "elementwise": (fast, 0, 0, False, True, False),
+    variants = {"torch ops": (eager, 0, no_packed, False, False, False),
+                "gemv": (fast, forced, no_packed, False, False, False),
+                "packed": (fast, 0, all_packed, False, False, False),
+                "attention": (fast, 0, no_packed, True, False, False),
+                "elementwise": (fast, 0, no_packed, False, True, False),
                 "layers": (fast, shipped_gemv, shipped_packed, True, True, False),
                 "all": (fast, shipped_gemv, shipped_packed, True, True, True)}
     print(f"torch threads {torch.get_num_threads()}; ms per decode forward (min / median of {a.repeats})")
@@ -76,8 +80,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                     for name, (model, gemv_rows, packed_rows, attention, elementwise, stack) in variants.items():
                         cpu_ext.MAX_GEMV_ROWS, cpu_ext.FUSED_ELEMENTWISE = gemv_rows, elementwise
                         cpu_ext.DECODE_STACK = stack
-                        limits = packed_rows if isinstance(packed_rows, tuple) else (packed_rows, packed_rows)
-                        packed_linear.MAX_PACKED_ROWS, packed_linear.MAX_AMX_ROWS = limits
+                        packed_linear.MAX_PACKED_ROWS, packed_linear.MAX_AMX_ROWS = packed_rows
                         times[name].append(forward_ms(model, kv, tables, ctx, attention))
                 cells = [f"{min(t):6.1f} / {statistics.median(t):6.1f}" for t in times.values()]
                 print(f"{batch:>5} {ctx:>5}  " + "  ".join(f"{c:>15}" for c in cells), flush=True)

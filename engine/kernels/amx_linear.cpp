@@ -44,8 +44,8 @@
 // 7.87, down 3.00 vs 4.34; ~700 calls each), and that run's whole prefills of 64 prompts took 1.99 against 2.57 s;
 // other runs gave 0.79x and 0.96x (8 and 6 alternated prefills), and 1.04x with the two alternated step by step (20
 // prefills). The sign follows the minute: AMX lost every round in which F.linear's prefill took 1.3-1.5 s and won
-// the one at 2.1 s; choosing at run time would make the bits depend on the minute. The host's tile units themselves
-// swing: a loop of tile products on registers ran 1.0-2.5 TFLOPS on one core within minutes.
+// the one at 2.1 s; choosing at run time would make the bits depend on the minute. The tile units themselves swing:
+// the loop of tile products on registers above fell to 1.0 TFLOPS on one core in busy minutes.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
