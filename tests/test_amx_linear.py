@@ -73,16 +73,21 @@ def test_rows_are_independent_across_row_slices(n, k):
 
 def test_model_prefill_chunks_take_amx_tiles_up_to_the_row_limit(tiny_model_dir, monkeypatch):
     model = kernel_model(tiny_model_dir)
-    assert all(m.packed.dim() == 4 for m in model.modules() if isinstance(m, Linear))
-    rows_seen = []
+    assert all(layer.mlp.gate_up_silu.dim() == 4 and layer.mlp.gate_up_proj.packed is None for layer in model.layers)
+    assert all(m.packed.dim() == 4 for m in model.modules() if isinstance(m, Linear) and m.packed is not None)
+    rows_seen, fused_rows_seen = [], []
     monkeypatch.setattr(cpu_ext, "amx_linear", lambda x, p, b=None, f=cpu_ext.amx_linear: rows_seen.append(len(x))
                         or f(x, p, b))
+    monkeypatch.setattr(cpu_ext, "amx_linear_silu_mul",
+                        lambda x, p, f=cpu_ext.amx_linear_silu_mul: fused_rows_seen.append(len(x)) or f(x, p))
     monkeypatch.setattr(packed_linear, "MAX_AMX_ROWS", 300)
     for rows in (200, 300, 301):
         meta = AttentionMetadata.build(4, [], [(list(range(80)), 0, rows)], True)
         model(torch.arange(rows) % 40 + 3, torch.arange(rows), meta, KVCache(model.cfg, 80, 4, torch.bfloat16).layers)
-    per_forward = 4 * model.cfg.num_layers  # qkv, o, gate_up, down of each layer
+    per_forward = 3 * model.cfg.num_layers  # qkv, o, down of each layer
     assert rows_seen == [200] * per_forward + [300] * per_forward  # 301 rows: F.linear
+    # the MLP's gate|up product with SiLU * up: AMX tiles at any row count
+    assert fused_rows_seen == [rows for rows in (200, 300, 301) for _ in range(model.cfg.num_layers)]
 
 
 def test_strided_rows_and_bad_operands():
@@ -112,15 +117,21 @@ def test_pack_takes_amx_tiles_where_the_shape_allows_else_onednn(monkeypatch):
 
 def test_model_products_and_decode_stack_run_on_amx_tiles(tiny_model_dir, stack_calls):
     model = kernel_model(tiny_model_dir)
-    packs = [m.packed for m in model.modules() if isinstance(m, Linear)] + [model.lm_packed]
+    packs = [m.packed for m in model.modules() if isinstance(m, Linear) and m not in gate_up_projections(model)]
+    packs += [layer.mlp.gate_up_silu for layer in model.layers] + [model.lm_packed]
     assert packs and all(p is not None and p.dim() == 4 for p in packs)
     assert_stack_matches_layers(model, [0, 1, 2], stack_calls)  # stack and Python layers: same kernel, same bits
+
+
+def gate_up_projections(model) -> list[Linear]:
+    return [layer.mlp.gate_up_proj for layer in model.layers]
 
 
 def test_decode_stack_still_matches_the_layers_on_onednn_packing(tiny_model_dir, stack_calls, monkeypatch):
     monkeypatch.setattr(packed_linear, "AMX_PACKING", False)
     model = kernel_model(tiny_model_dir)
     assert all(m.packed.dim() == 2 for m in model.modules() if isinstance(m, Linear))
+    assert all(layer.mlp.gate_up_silu is None for layer in model.layers)  # the fused product needs AMX tiles
     assert_stack_matches_layers(model, [0, 1, 2], stack_calls)
 
 
@@ -165,3 +176,74 @@ def test_fused_argmax_takes_the_first_of_equal_maxima_and_nan_first_on_any_threa
     assert (with_nan[[r for r in range(64) if r != 5]] == 512).all()  # column 512 is NaN for every other row
     ties = [r for r in range(64) if r != 5 and plain[r] in (40, 700, 1000)]
     assert ties and all(plain[r] == 40 for r in ties)  # equal maxima: the first column
+
+
+# ---- the MLP's gate|up product with SiLU * up on its tiles (amx_linear_silu_mul) ----------------------------
+
+def gate_up_operands(rows: int, width: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [rows, k] and a gate|up weight [2 * width, k], scaled so that the gates span SiLU's curved part."""
+    gen = torch.Generator().manual_seed(seed)
+    weight = (torch.randn(2 * width, k, generator=gen) * 2 / k ** 0.5).to(torch.bfloat16)
+    return torch.randn(rows, k, generator=gen).to(torch.bfloat16), weight
+
+
+# Rows within a tile, across tiles, across row slices of A (896 rows at K = 576) and past a 2048-token step.
+@pytest.mark.parametrize("rows", [2, 5, 16, 17, 64, 200, 1000, 2100])
+@pytest.mark.parametrize("width,k", [(48, 64), (1536, 576)], ids=["small", "smollm2"])
+def test_fused_gate_up_is_silu_mul_of_the_product_to_the_bit(rows, width, k):
+    x, weight = gate_up_operands(rows, width, k, seed=rows + width)
+    out = cpu_ext.amx_linear_silu_mul(x, packed_linear.pack_gate_up(weight))
+    product = cpu_ext.amx_linear(x, cpu_ext.amx_pack(weight))  # [rows, 2 * width]
+    assert out.shape == (rows, width) and out.dtype == torch.bfloat16
+    assert torch.equal(out, cpu_ext.silu_mul(product))
+    gate, up = product.chunk(2, dim=-1)
+    assert torch.equal(out, F.silu(gate) * up) or (out != F.silu(gate) * up).float().mean() < 1e-3  # torch's ops
+
+
+def test_fused_gate_up_rows_are_independent_of_the_batch():
+    x, weight = gate_up_operands(1000, 1536, 576, seed=3)
+    packed = packed_linear.pack_gate_up(weight)
+    whole = cpu_ext.amx_linear_silu_mul(x, packed)
+    for first, count in [(0, 2), (7, 9), (880, 40), (960, 40)]:
+        assert torch.equal(cpu_ext.amx_linear_silu_mul(x[first:first + count], packed), whole[first:first + count])
+
+
+def test_fused_gate_up_packing_and_bad_operands(monkeypatch):
+    x, weight = gate_up_operands(4, 48, 64)
+    packed = packed_linear.pack_gate_up(weight)
+    # gate block j, then up block j: the packed copy is amx_pack of the weight with its blocks interleaved
+    interleaved = torch.cat([weight[16 * j:16 * j + 16] if i % 2 == 0 else weight[48 + 16 * j:48 + 16 * j + 16]
+                             for j in range(3) for i in range(2)])
+    assert torch.equal(packed, cpu_ext.amx_pack(interleaved))
+    assert cpu_ext.amx_linear_silu_mul(x[:0], packed).shape == (0, 48)
+    with pytest.raises(RuntimeError, match="even number"):
+        cpu_ext.amx_linear_silu_mul(x, cpu_ext.amx_pack(weight[:80]))
+    with pytest.raises(RuntimeError, match="same K"):
+        cpu_ext.amx_linear_silu_mul(torch.zeros(4, 32, dtype=torch.bfloat16), packed)
+    assert packed_linear.pack_gate_up(weight[:80]) is None  # 40 gate rows: not whole blocks
+    assert packed_linear.pack_gate_up(weight.float()) is None
+    monkeypatch.setattr(packed_linear, "FUSED_GATE_UP", False)
+    assert packed_linear.pack_gate_up(weight) is None
+
+
+def test_model_mlp_takes_the_fused_product_from_two_rows(tiny_model_dir, monkeypatch):
+    """One row: the GEMV on the plain weight, then silu_mul; two or more: the fused product. The MLP's output is
+    the same either way as the unfused ops give it (amx_linear then silu_mul)."""
+    model = kernel_model(tiny_model_dir)
+    mlp = model.layers[0].mlp
+    seen = []
+    monkeypatch.setattr(cpu_ext, "amx_linear_silu_mul",
+                        lambda x, p, f=cpu_ext.amx_linear_silu_mul: seen.append(len(x)) or f(x, p))
+    x = torch.randn(9, model.cfg.hidden_size).to(torch.bfloat16)
+    out = mlp(x)
+    plain = cpu_ext.silu_mul(cpu_ext.amx_linear(x, cpu_ext.amx_pack(mlp.gate_up_proj.weight)))
+    assert torch.equal(out, mlp.down_proj(plain))
+    assert torch.equal(mlp(x[:1]), mlp.down_proj(cpu_ext.silu_mul(cpu_ext.linear_bf16(x[:1], mlp.gate_up_proj.weight))))
+    assert seen == [9]
+
+
+def test_decode_stack_matches_the_layers_without_the_fused_gate_up(tiny_model_dir, stack_calls, monkeypatch):
+    monkeypatch.setattr(packed_linear, "FUSED_GATE_UP", False)
+    model = kernel_model(tiny_model_dir)
+    assert all(layer.mlp.gate_up_silu is None and layer.mlp.gate_up_proj.packed.dim() == 4 for layer in model.layers)
+    assert_stack_matches_layers(model, [0, 1, 2], stack_calls)

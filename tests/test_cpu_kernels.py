@@ -206,7 +206,7 @@ def _model(folder, dtype):
 def test_bf16_model_with_kernels_matches_torch_ops(tiny_model_dir, monkeypatch):
     """Prefill chunks, then decode steps: logits with the kernels on stay within bf16 noise of the eager
     model's on the same pages (and the kernels did run, in the fast model only)."""
-    kernels = ("linear_bf16", "decode_attention_bf16", "rms_norm", "silu_mul", "rotary_")
+    kernels = ("linear_bf16", "decode_attention_bf16", "rms_norm", "silu_mul", "rotary_", "amx_linear_silu_mul")
     calls = dict.fromkeys(kernels, 0)
 
     def spy(name, func):
@@ -243,12 +243,17 @@ def test_bf16_model_with_kernels_matches_torch_ops(tiny_model_dir, monkeypatch):
         logits[name] = torch.cat(rows)
     # 9 forwards (3 prefills, 6 decode steps). The GEMV serves the products of one row: each projection (4 a
     # layer) and the head of the 3 one-sequence decode steps; the packed weights those of 2+ rows: the 3
-    # two-sequence decode steps and the 3 prefills (no head there); the attention kernel every decode step,
-    # one sequence or two; the elementwise kernels every forward.
+    # two-sequence decode steps and the 3 prefills (no head there), but for the MLP's gate|up product where
+    # the CPU has AMX tiles: that one and SiLU * up are then one fused call; the attention kernel every decode
+    # step, one sequence or two; the elementwise kernels every forward.
     layers = cfg.num_layers
+    fused = int(fast.layers[0].mlp.gate_up_silu is not None)
+    assert fused == cpu_ext.amx_available()
     assert cpu_ext.attention_applies(2) and packed_linear.available()
-    assert calls == {"linear_bf16": 3 * (4 * layers + 1), "packed": 3 * (4 * layers + 1) + 3 * 4 * layers,
-                     "decode_attention_bf16": 6 * layers, "rms_norm": 9 * (2 * layers + 1), "silu_mul": 9 * layers,
+    assert calls == {"linear_bf16": 3 * (4 * layers + 1),
+                     "packed": 3 * (4 * layers + 1) + 3 * 4 * layers - fused * 6 * layers,
+                     "decode_attention_bf16": 6 * layers, "rms_norm": 9 * (2 * layers + 1),
+                     "silu_mul": (9 - fused * 6) * layers, "amx_linear_silu_mul": fused * 6 * layers,
                      "rotary_": 9 * layers}
     ref = logits["eager"]
     assert (logits["fast"] - ref).abs().max() <= 0.05 * ref.abs().max()
@@ -381,9 +386,12 @@ def test_model_products_use_the_packed_weights_between_two_and_max_rows(tiny_mod
         positions = torch.cat([torch.arange(n) for n in prompts])
         model.compute_logits(model(torch.arange(rows) % 40 + 3, positions, meta,
                                    KVCache(model.cfg, 129 * len(prompts), 4, torch.bfloat16).layers))
-    assert rows_seen == [3] * (4 * model.cfg.num_layers + 1)  # every projection and the logits, at 3 rows only
+    # every projection and the logits, at 3 rows only (with AMX, the MLP's gate|up product is a fused call)
+    projections = 4 - int(model.layers[0].mlp.gate_up_silu is not None)
+    assert rows_seen == [3] * (projections * model.cfg.num_layers + 1)
     model.use_kernels(False)
     assert all(m.packed is None for m in model.modules() if isinstance(m, Linear)) and model.lm_packed is None
+    assert all(layer.mlp.gate_up_silu is None for layer in model.layers)
 
 
 # ---- decode attention over fp8 pages ----------------------------------------------------------------------

@@ -1,5 +1,6 @@
 // bf16 products on Intel AMX tiles for decode batches and prefill chunks (2..1024 rows in the engine:
-// packed_linear.MAX_AMX_ROWS), streaming the weights once per slice of rows.
+// packed_linear.MAX_AMX_ROWS; the MLP's gate|up product with SiLU * up at any row count), streaming the weights
+// once per slice of rows.
 //
 // oneDNN's packed matmul (torch.ops.mkldnn._linear_pointwise) read the weights of a decode step at 7-11 GB/s at
 // 32-64 rows on this 2-core host, against 12-14 GB/s for a plain sum over the same bytes. This kernel walks
@@ -15,6 +16,23 @@
 // steps: the [M, N] logits are neither written nor read back by a separate argmax. At 64 sequences it saved
 // 0.4-0.7 ms of a 56-62 ms decode step, 0.2-0.3 ms at 32 (100 steps alternated with the two-pass path, medians
 // and means of the paired differences, session 8).
+//
+// amx_linear_silu_mul_bf16 is the MLP's gate|up product on a weight packed with its 16-column blocks interleaved
+// (gate block j, then up block j: packed_linear.pack_gate_up), so that each pair of column blocks holds the gate
+// and up columns of the same 16 outputs. SiLU(gate) * up is computed from their bf16 values as the tiles come
+// out, to the bit as silu_mul_bf16 computes it from the stored product, and only the [M, I] result is written.
+//
+// Each tile_pair's results go out while the next one's tile products run (Results): a few output rows per k
+// block, so that the vector work after the tiles (conversion, stores, SiLU) overlaps the tile units. For SiLU,
+// whose exp and division cost about as much as the tile work of its pair, that made the fused product 1.10-1.45x
+// faster at 64-2048 rows (SmolLM2's 576 -> 3072, 2 threads, medians of paired ratios of 10-20 alternated rounds,
+// in cache, two runs, session 11); the plain product 0.99-1.03x at 64-1024 rows, and 0.87-0.90x at 2048, where
+// the engine does not use it. The two passes the fused product replaces, their time over its time (same
+// setting, 20 alternated rounds, two runs):
+//   rows                           64          512         1024        2048        4096
+//   F.linear, then silu_mul        2.33-2.37x  1.42-1.47x  1.23-1.30x  1.11-1.13x  1.11-1.12x
+//   this product, then silu_mul    1.23-1.28x  1.36-1.40x  1.32-1.80x  1.70-1.83x  1.49-1.81x
+// so it serves the gate|up product at every row count from 2, the 2048-token offline steps included.
 //
 // Each row's result depends only on that row (fixed reduction order over K), not on the other rows of the
 // batch. Accumulation is fp32, one rounding to bf16 at the end (round to nearest even), as torch's.
@@ -57,6 +75,7 @@
 
 #include "amx.h"
 #include "parallel.h"
+#include "vec.h"
 
 namespace {
 
@@ -68,19 +87,21 @@ struct Problem {
   const uint16_t* a;     // [row_tiles * 16, K] bf16, rows past M zero
   const uint16_t* b;     // packed [N/16, K/32, 16, 32]
   const float* bias;     // [N] fp32 or null
-  uint16_t* out;         // [M, N] bf16
-  int64_t m, n, k, row_tiles, col_blocks, k_blocks;
+  uint16_t* out;         // [M, out_cols] bf16: out_cols = N, or N / 2 for silu(gate) * up
+  int64_t m, n, k, row_tiles, col_blocks, k_blocks, out_cols;
 };
 
-// One 16x16 fp32 tile (already stored to `c`) -> bf16 rows of the output, bias added first.
-void store_tile(const Problem& p, const float* c, int64_t row_tile, int64_t col_block) {
-  const int64_t row0 = row_tile * kTileRows, col0 = col_block * kTileN;
+// Rounded to bf16 and widened back: the value a bf16 store followed by a bf16 load gives.
+inline __m512 bf16_value(__m512 x) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)), 16));
+}
+
+// One row of a 16x16 fp32 result tile -> 16 bf16 of the output, bias added first.
+void store_row(const Problem& p, const float* c_row, int64_t row, int64_t col_block) {
+  const int64_t col0 = col_block * kTileN;
   const __m512 bias = p.bias ? _mm512_loadu_ps(p.bias + col0) : _mm512_setzero_ps();
-  for (int64_t r = 0; r < kTileRows && row0 + r < p.m; ++r) {
-    const __m512 values = _mm512_add_ps(_mm512_load_ps(c + r * kTileN), bias);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p.out + (row0 + r) * p.n + col0),
-                        (__m256i)_mm512_cvtneps_pbh(values));
-  }
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p.out + row * p.out_cols + col0),
+                      (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(c_row), bias)));
 }
 
 // The next pair's weights, asked into L2 a few lines per k block over all of this pair's row-tile passes, so
@@ -94,18 +115,37 @@ struct Prefetch {
   }
 };
 
-// Column blocks n0 and n0 + 1 (n0 alone when `two_cols` is false) for row tiles m0 and m0 + 1; each fp32
-// result tile goes to sink(c, row_tile, col_block) through `c`.
+// The results of one tile_pair, parked in `c` [2 row tiles, 2 column blocks, 16, 16] fp32, handed to the sink
+// a few rows at a time while the next tile_pair's products run: the sink's vector work (conversion, stores,
+// an epilogue) overlaps the tile units' instead of following it. sink(c0_row, c1_row, row, n0) takes one
+// output row of column block n0 (c0_row) and of n0 + 1 (c1_row, null when there is none).
+template <typename Sink>
+struct Results {
+  const Sink& sink;
+  float* c;
+  int64_t row0 = 0, rows = 0, next = 0, n0 = 0;  // rows parked: [row0, row0 + rows); `next` the first not given
+  bool two_cols = false;
+
+  void give(int64_t count) {
+    for (; count > 0 && next < rows; --count, ++next) {
+      const float* c0 = c + ((next / kTileRows) * 2 * kTileRows + next % kTileRows) * kTileN;
+      sink(c0, two_cols ? c0 + kTileRows * kTileN : nullptr, row0 + next, n0);
+    }
+  }
+  void give_all() { give(rows); }
+};
+
+// Column blocks n0 and n0 + 1 (n0 alone when `two_cols` is false) for row tiles m0 and m0 + 1; the previous
+// tile_pair's results go to the sink during the products, this one's are parked in `results` at the end.
 // Tiles: 0-3 C (two row tiles x two column blocks), 4-5 B (two column blocks), 6-7 A (two row tiles).
 template <typename Sink>
-void tile_pair(const Problem& p, int64_t n0, bool two_cols, int64_t m0, Prefetch& prefetch, float* c,
-               const Sink& sink) {
+void tile_pair(const Problem& p, int64_t n0, bool two_cols, int64_t m0, Prefetch& prefetch, Results<Sink>& results) {
   const bool two_rows = m0 + 1 < p.row_tiles;
   const uint16_t* b0 = p.b + n0 * p.k_blocks * kBlockElems;
   const uint16_t* b1 = two_cols ? b0 + p.k_blocks * kBlockElems : b0;
   const uint16_t* a0 = p.a + m0 * kTileRows * p.k;
   const uint16_t* a1 = two_rows ? a0 + kTileRows * p.k : a0;
-  const int64_t a_stride = p.k * 2;
+  const int64_t a_stride = p.k * 2, rows_per_block = (2 * kTileRows + p.k_blocks - 1) / p.k_blocks;
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
@@ -120,21 +160,23 @@ void tile_pair(const Problem& p, int64_t n0, bool two_cols, int64_t m0, Prefetch
     _tile_loadd(7, a1 + kb * kTileK, a_stride);
     _tile_dpbf16ps(2, 7, 4);
     _tile_dpbf16ps(3, 7, 5);
+    results.give(rows_per_block);
   }
+  results.give_all();
+  float* c = results.c;
+  constexpr int64_t kTile = kTileRows * kTileN;
   _tile_stored(0, c, 64);
-  sink(c, m0, n0);
-  if (two_cols) {
-    _tile_stored(1, c, 64);
-    sink(c, m0, n0 + 1);
-  }
+  if (two_cols) _tile_stored(1, c + kTile, 64);
   if (two_rows) {
-    _tile_stored(2, c, 64);
-    sink(c, m0 + 1, n0);
-    if (two_cols) {
-      _tile_stored(3, c, 64);
-      sink(c, m0 + 1, n0 + 1);
-    }
+    _tile_stored(2, c + 2 * kTile, 64);
+    if (two_cols) _tile_stored(3, c + 3 * kTile, 64);
   }
+  const int64_t row0 = m0 * kTileRows;
+  results.row0 = row0;
+  results.rows = std::min<int64_t>((two_rows ? 2 : 1) * kTileRows, p.m - row0);
+  results.next = 0;
+  results.n0 = n0;
+  results.two_cols = two_cols;
 }
 
 // Pairs [begin, end) of column blocks: the weights of each streamed once, the next pair's prefetched meanwhile.
@@ -142,7 +184,8 @@ template <typename Sink>
 void run_pairs(const Problem& p, int64_t begin, int64_t end, const Sink& sink) {
   const int64_t pair_bytes = 2 * p.k_blocks * kBlockElems * 2;
   load_tile_config();
-  alignas(64) float c[kTileRows * kTileN];
+  alignas(64) float c[4 * kTileRows * kTileN];
+  Results<Sink> results{sink, c};
   for (int64_t pair = begin; pair < end; ++pair) {
     const int64_t n0 = 2 * pair;
     const bool two_cols = n0 + 1 < p.col_blocks;
@@ -153,8 +196,9 @@ void run_pairs(const Problem& p, int64_t begin, int64_t end, const Sink& sink) {
                   (pair_bytes / 64 + iterations - 1) / iterations, 0};
     }
     for (int64_t m0 = 0; m0 < p.row_tiles; m0 += 2)  // after the first pass, B comes from cache
-      tile_pair(p, n0, two_cols, m0, prefetch, c, sink);
+      tile_pair(p, n0, two_cols, m0, prefetch, results);
   }
+  results.give_all();
   _tile_release();
 }
 
@@ -171,7 +215,7 @@ void for_row_slices(const Problem& p, const Fn& fn) {
   for (int64_t first = 0; first < p.row_tiles; first += slice) {
     Problem s = p;
     s.a += first * kTileRows * p.k;
-    if (s.out) s.out += first * kTileRows * p.n;
+    if (s.out) s.out += first * kTileRows * p.out_cols;
     s.m = std::min(p.m - first * kTileRows, slice * kTileRows);
     s.row_tiles = std::min(slice, p.row_tiles - first);
     fn(s, first * kTileRows);
@@ -181,11 +225,35 @@ void for_row_slices(const Problem& p, const Fn& fn) {
 // Threads claim runs of pairs as they free up (parallel.h); each pair's result is the same whoever computes it.
 void run(const Problem& p) {
   for_row_slices(p, [](const Problem& s, int64_t) {
-    const auto store = [&](const float* c, int64_t row_tile, int64_t col_block) {
-      store_tile(s, c, row_tile, col_block);
+    const auto store = [&](const float* c0, const float* c1, int64_t row, int64_t n0) {
+      store_row(s, c0, row, n0);
+      if (c1) store_row(s, c1, row, n0 + 1);
     };
     cpu_ext::parallel_claim((s.col_blocks + 1) / 2, 2,
                             [&](int64_t begin, int64_t end) { run_pairs(s, begin, end, store); });
+  });
+}
+
+// One row of an interleaved gate|up pair (gate and up columns of block `block`, fp32) -> 16 bf16 of
+// silu(gate) * up, computed as silu_mul_bf16 (cpu_ext.cpp) computes it from the bf16 products store_row would
+// have written (the + 0 is store_row's bias: it turns -0 into +0 as there).
+void store_silu_mul_row(const Problem& p, const float* gate_row, const float* up_row, int64_t row, int64_t block) {
+  const __m512 zero = _mm512_setzero_ps();
+  const __m512 gate = bf16_value(_mm512_add_ps(_mm512_load_ps(gate_row), zero));
+  const __m512 up = bf16_value(_mm512_add_ps(_mm512_load_ps(up_row), zero));
+  const __m512 exp_minus_gate = cpu_ext::exp512(_mm512_sub_ps(zero, gate));
+  const __m512 silu = bf16_value(_mm512_div_ps(gate, _mm512_add_ps(_mm512_set1_ps(1.f), exp_minus_gate)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p.out + row * p.out_cols + block * kTileN),
+                      (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(silu, up)));
+}
+
+// run() for an interleaved gate|up weight: each pair of column blocks is (gate block j, up block j).
+void run_silu_mul(const Problem& p) {
+  for_row_slices(p, [](const Problem& s, int64_t) {
+    const auto store = [&](const float* gate_row, const float* up_row, int64_t row, int64_t n0) {
+      store_silu_mul_row(s, gate_row, up_row, row, n0 / 2);
+    };
+    cpu_ext::parallel_claim(s.col_blocks / 2, 2, [&](int64_t begin, int64_t end) { run_pairs(s, begin, end, store); });
   });
 }
 
@@ -209,21 +277,18 @@ struct RowBest {
   }
 };
 
-// The rows of one 16x16 fp32 tile as store_tile would write them (bf16), offered to `best`.
-void best_in_tile(const Problem& p, const float* c, int64_t row_tile, int64_t col_block, RowBest& best) {
-  const int64_t row0 = row_tile * kTileRows, col0 = col_block * kTileN;
+// One row of a 16x16 fp32 tile as store_row would write it (bf16), offered to `best`.
+void best_in_row(const Problem& p, const float* c_row, int64_t row, int64_t col_block, RowBest& best) {
+  const int64_t col0 = col_block * kTileN;
   const __m512 bias = p.bias ? _mm512_loadu_ps(p.bias + col0) : _mm512_setzero_ps();
-  for (int64_t r = 0; r < kTileRows && row0 + r < p.m; ++r) {
-    const __m256i stored = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(c + r * kTileN), bias));
-    const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(stored), 16));
-    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    if (nan) {
-      best.offer(row0 + r, v[__builtin_ctz(nan)], col0 + __builtin_ctz(nan));
-      continue;
-    }
-    const float top = _mm512_reduce_max_ps(v);
-    best.offer(row0 + r, top, col0 + __builtin_ctz(_mm512_cmp_ps_mask(v, _mm512_set1_ps(top), _CMP_EQ_OQ)));
+  const __m512 v = bf16_value(_mm512_add_ps(_mm512_load_ps(c_row), bias));
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  if (nan) {
+    best.offer(row, v[__builtin_ctz(nan)], col0 + __builtin_ctz(nan));
+    return;
   }
+  const float top = _mm512_reduce_max_ps(v);
+  best.offer(row, top, col0 + __builtin_ctz(_mm512_cmp_ps_mask(v, _mm512_set1_ps(top), _CMP_EQ_OQ)));
 }
 
 // Each claim keeps its rows' best in its own RowBest, folded into `into` at its end.
@@ -232,8 +297,9 @@ void run_argmax(const Problem& p, RowBest& into) {
   for_row_slices(p, [&](const Problem& s, int64_t first_row) {
     cpu_ext::parallel_claim((s.col_blocks + 1) / 2, 2, [&](int64_t begin, int64_t end) {
       RowBest mine(s.m);
-      run_pairs(s, begin, end, [&](const float* c, int64_t row_tile, int64_t col_block) {
-        best_in_tile(s, c, row_tile, col_block, mine);
+      run_pairs(s, begin, end, [&](const float* c0, const float* c1, int64_t row, int64_t n0) {
+        best_in_row(s, c0, row, n0, mine);
+        if (c1) best_in_row(s, c1, row, n0 + 1, mine);
       });
       const std::lock_guard<std::mutex> hold(fold);
       for (int64_t row = 0; row < s.m; ++row)
@@ -318,8 +384,29 @@ torch::Tensor amx_linear_bf16(torch::Tensor x, torch::Tensor packed, torch::Tens
                   reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()),
                   bias.numel() ? bias32.data_ptr<float>() : nullptr,
                   reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()),
-                  x.size(0), n, x.size(1), a.size(0) / kTileRows, packed.size(0), packed.size(1)};
+                  x.size(0), n, x.size(1), a.size(0) / kTileRows, packed.size(0), packed.size(1), n};
   run(p);
+#endif
+  return out;
+}
+
+// x [M, K] bf16, packed from amx_pack_bf16 of a gate|up weight [2I, K] interleaved by 16-row blocks (gate block
+// j, then up block j: packed_linear.pack_gate_up) -> [M, I] bf16 silu(gate) * up: silu_mul_bf16 of the plain
+// product to the bit, without writing or rereading the [M, 2I] product.
+torch::Tensor amx_linear_silu_mul_bf16(torch::Tensor x, torch::Tensor packed) {
+  TORCH_CHECK(packed.dim() == 4 && packed.size(0) % 2 == 0, "amx_linear_silu_mul_bf16: the packed weight must have "
+              "an even number of 16-column blocks (gate and up interleaved)");
+  const int64_t width = packed.size(0) / 2 * kTileN;
+  if (x.dim() == 2 && x.size(0) == 0) return torch::empty({0, width}, x.options());
+  check_operands(x, packed, "amx_linear_silu_mul_bf16");
+  torch::Tensor out = torch::empty({x.size(0), width}, x.options());
+#if defined(CPU_EXT_AMX)
+  const torch::Tensor a = whole_row_tiles(x);
+  const Problem p{reinterpret_cast<const uint16_t*>(a.data_ptr<at::BFloat16>()),
+                  reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), nullptr,
+                  reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), x.size(0), 2 * width, x.size(1),
+                  a.size(0) / kTileRows, packed.size(0), packed.size(1), width};
+  run_silu_mul(p);
 #endif
   return out;
 }
@@ -336,7 +423,7 @@ torch::Tensor amx_linear_argmax_bf16(torch::Tensor x, torch::Tensor packed) {
   const Problem p{reinterpret_cast<const uint16_t*>(a.data_ptr<at::BFloat16>()),
                   reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), nullptr, nullptr,
                   x.size(0), packed.size(0) * kTileN, x.size(1), a.size(0) / kTileRows, packed.size(0),
-                  packed.size(1)};
+                  packed.size(1), packed.size(0) * kTileN};
   RowBest best(p.m);
   run_argmax(p, best);
   std::copy(best.column.begin(), best.column.end(), out.data_ptr<int64_t>());
@@ -349,6 +436,8 @@ void bind_amx_linear(pybind11::module& m) {
   m.def("amx_pack_bf16", &amx_pack_bf16, "pack a bf16 [N, K] weight into AMX B tiles");
   m.def("amx_linear_bf16", &amx_linear_bf16,
         "x W^T + b for bf16 rows on AMX tiles (2..packed_linear.MAX_AMX_ROWS rows in the engine)");
+  m.def("amx_linear_silu_mul_bf16", &amx_linear_silu_mul_bf16,
+        "silu(gate) * up straight off the tiles of a gate|up product packed with its blocks interleaved");
   m.def("amx_linear_argmax_bf16", &amx_linear_argmax_bf16,
         "each row's first argmax of the bf16 product x W^T, without writing the product");
 }

@@ -31,7 +31,8 @@ elementwise ops between the matrix products.
   (per ~1 MiB slice of rows) and prefetches ahead, where oneDNN's packed matmul read them at 7-11 GB/s
   (engine/kernels/packed_linear.py has the figures). Only where the CPU has AMX.
   `amx_linear_argmax` is the same product reduced to each row's argmax as the tiles come out: a greedy step
-  neither writes nor rereads the [rows, vocab] logits.
+  neither writes nor rereads the [rows, vocab] logits. `amx_linear_silu_mul` is the MLP's gate|up product with
+  SiLU(gate) * up computed as its tiles come out, for any number of rows (figures in packed_linear.py).
 - `prompt_attention` (engine/kernels/amx_attention.cpp): causal attention of whole fresh prompts (no cached
   context), `count` prompts of one length in one call, on AMX tiles: scores and the product with V as tile
   products, softmax in fp32, probabilities rounded to bf16 as torch's flash attention rounds them. 1.3-2.6x
@@ -187,6 +188,13 @@ def amx_pack(weight: torch.Tensor) -> torch.Tensor:
 def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] bf16, packed from `amx_pack` -> [M, N] bf16 = x W^T + b, fp32 sums rounded once."""
     return extension().amx_linear_bf16(x, packed, bias if bias is not None else torch.empty(0))
+
+
+def amx_linear_silu_mul(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """x [M, K] bf16, packed: `amx_pack` of a gate|up weight [2I, K] with its 16-row blocks interleaved (gate
+    block j, then up block j; packed_linear.pack_gate_up) -> silu(gate) * up [M, I] bf16, silu_mul of the plain
+    product to the bit, without writing the [M, 2I] product."""
+    return extension().amx_linear_silu_mul_bf16(x, packed)
 
 
 def prompt_attention_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: int) -> bool:

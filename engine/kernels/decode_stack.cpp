@@ -20,6 +20,7 @@ std::vector<torch::Tensor> rms_norm_bf16(torch::Tensor x, torch::Tensor residual
 torch::Tensor silu_mul_bf16(torch::Tensor gate_up);
 void rotary_bf16_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t heads, int64_t head_dim);
 torch::Tensor amx_linear_bf16(torch::Tensor x, torch::Tensor packed, torch::Tensor bias);  // amx_linear.cpp
+torch::Tensor amx_linear_silu_mul_bf16(torch::Tensor x, torch::Tensor packed);              // amx_linear.cpp
 
 namespace {
 
@@ -74,6 +75,7 @@ torch::Tensor project(const Projection& p, const torch::Tensor& x, const RowLimi
 struct Layer {
   torch::Tensor input_norm, post_norm;  // RMSNorm weights [hidden]
   Projection qkv, o, gate_up, down;
+  std::optional<torch::Tensor> gate_up_silu;  // MLP.gate_up_silu: gate|up interleaved in AMX tiles, or None
 };
 
 // What one step brings, shared by all layers.
@@ -91,9 +93,10 @@ class DecodeStack {
       : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale) {}
 
   void add_layer(torch::Tensor input_norm, const ProjectionArgs& qkv, const ProjectionArgs& o,
-                 torch::Tensor post_norm, const ProjectionArgs& gate_up, const ProjectionArgs& down) {
+                 torch::Tensor post_norm, const ProjectionArgs& gate_up, const ProjectionArgs& down,
+                 std::optional<torch::Tensor> gate_up_silu) {
     layers_.push_back(Layer{input_norm, post_norm, Projection(qkv), Projection(o), Projection(gate_up),
-                            Projection(down)});
+                            Projection(down), std::move(gate_up_silu)});
   }
 
   // x [T, hidden] bf16 (the embeddings), one decode token a row; cos, sin [T, 1, D/2]; the attention metadata's
@@ -115,12 +118,18 @@ class DecodeStack {
       torch::Tensor h = attention(layer, normed[0], step, kv[i]);
       normed = rms_norm_bf16(h, normed[1], layer.post_norm, eps_);
       residual = normed[1];
-      x = project(layer.down, silu_mul_bf16(project(layer.gate_up, normed[0], step.limits)), step.limits);
+      x = project(layer.down, gate_up_silu_mul(layer, normed[0], step.limits), step.limits);
     }
     return {x, residual};
   }
 
  private:
+  // MLP.forward up to the down projection: silu(gate) * up [T, intermediate].
+  static torch::Tensor gate_up_silu_mul(const Layer& layer, const torch::Tensor& h, const RowLimits& limits) {
+    if (layer.gate_up_silu && h.size(0) >= 2) return amx_linear_silu_mul_bf16(h, *layer.gate_up_silu);
+    return silu_mul_bf16(project(layer.gate_up, h, limits));
+  }
+
   // Attention.forward, then paged_attention's page writes and decode-group kernel (engine/attention.py).
   torch::Tensor attention(const Layer& layer, const torch::Tensor& h, const Step& step, const LayerPages& pages) const {
     const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;

@@ -19,6 +19,9 @@ One row goes to our GEMV (cpu_ext, 10-30% faster there), prefill chunks to F.lin
 is kept (the embedding shares it, and so does the GEMV). A third copy packed by oneDNN for prefill would not pay:
 at 2048 rows (a full offline step) it ran each SmolLM2 product within 2% of F.linear, and bit-identical (session
 9, 15 alternated calls a shape). At 200 rows it was 17-27% faster; at 512 rows it was 0.65x on o_proj and down.
+With AMX, an MLP's gate|up weight is packed instead with its blocks interleaved (`pack_gate_up`), and its product
+with SiLU * up is one call at every row count from 2 (the prefill steps above 1024 rows included): that call is
+1.1-2.4x the two passes it replaces (figures in engine/kernels/amx_linear.cpp).
 """
 from __future__ import annotations
 
@@ -37,6 +40,7 @@ MAX_PACKED_ROWS = 128  # oneDNN's packed copy: 2..this many rows
 # steps keep F.linear (figures in engine/kernels/amx_linear.cpp)
 MAX_AMX_ROWS = 1024
 AMX_PACKING = True  # off: oneDNN's packed copy even where the AMX kernel runs (for comparisons)
+FUSED_GATE_UP = True  # off: the MLP's gate|up product packed and run like the others, SiLU * up a pass of its own
 
 
 @functools.cache
@@ -67,6 +71,23 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
     except RuntimeError as exc:  # an ISA or shape oneDNN does not pack: plain F.linear serves
         log.warning("could not pack a %s weight for oneDNN (%s); using F.linear", tuple(weight.shape), exc)
         return None
+
+
+def pack_gate_up(weight: torch.Tensor) -> torch.Tensor | None:
+    """An MLP's gate|up weight [2I, K] bf16 (gate rows, then up rows) -> AMX tiles of it with its 16-row blocks
+    interleaved (gate block j, then up block j), for cpu_ext.amx_linear_silu_mul; None where that does not apply
+    (no AMX here, FUSED_GATE_UP off, I not a multiple of 16)."""
+    if (not FUSED_GATE_UP or weight.dtype != torch.bfloat16 or not weight.is_cpu or weight.dim() != 2
+            or weight.shape[0] % 32 or not amx_applies(weight)):
+        return None
+    rows, k = weight.shape
+    interleaved = weight.detach().reshape(2, rows // 32, 16, k).transpose(0, 1).reshape(rows, k)
+    return cpu_ext.amx_pack(interleaved.contiguous())
+
+
+def gate_up_applies(x: torch.Tensor) -> bool:
+    """Whether a product on pack_gate_up's copy takes x: bf16 [M, K] with at least 2 rows (one row: the GEMV)."""
+    return x.dim() == 2 and x.dtype == torch.bfloat16 and x.shape[0] >= 2
 
 
 def max_rows(packed: torch.Tensor) -> int:

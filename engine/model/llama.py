@@ -105,6 +105,9 @@ class Attention(nn.Module):
 
 class MLP(nn.Module):
     use_kernels = False  # set per instance by LlamaModel.use_kernels
+    # gate|up packed with its blocks interleaved for the fused AMX product (packed_linear.pack_gate_up), made by
+    # LlamaModel.use_kernels; gate_up_proj then keeps no packed copy of its own
+    gate_up_silu: torch.Tensor | None = None
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -112,6 +115,8 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_silu is not None and packed_linear.gate_up_applies(x):
+            return self.down_proj(cpu_ext.amx_linear_silu_mul(x, self.gate_up_silu))  # [T, intermediate] between
         gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
         if self.use_kernels and cpu_ext.elementwise_applies(gate_up):
             return self.down_proj(cpu_ext.silu_mul(gate_up))
@@ -227,6 +232,11 @@ class LlamaModel(nn.Module):
                 module.use_kernels = self.kernels_on
             if isinstance(module, Linear):
                 module.packed = packed_linear.pack(module.weight) if self.kernels_on else None
+        for layer in self.layers:
+            mlp = layer.mlp
+            mlp.gate_up_silu = packed_linear.pack_gate_up(mlp.gate_up_proj.weight) if self.kernels_on else None
+            if mlp.gate_up_silu is not None:
+                mlp.gate_up_proj.packed = None  # one row takes the GEMV on the plain weight; 2+ the fused copy
         self.lm_packed = packed_linear.pack(self._lm_weight()) if self.kernels_on else None
         self.stack = self._build_stack() if self.kernels_on else None
 
@@ -240,7 +250,7 @@ class LlamaModel(nn.Module):
             attn, mlp = layer.self_attn, layer.mlp
             stack.add_layer(layer.input_layernorm.weight, _projection(attn.qkv_proj), _projection(attn.o_proj),
                             layer.post_attention_layernorm.weight, _projection(mlp.gate_up_proj),
-                            _projection(mlp.down_proj))
+                            _projection(mlp.down_proj), mlp.gate_up_silu)
         return stack
 
     @torch.no_grad()
