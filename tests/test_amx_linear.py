@@ -240,6 +240,9 @@ def test_model_mlp_takes_the_fused_product_from_two_rows(tiny_model_dir, monkeyp
     assert torch.equal(out, mlp.down_proj(plain))
     assert torch.equal(mlp(x[:1]), mlp.down_proj(cpu_ext.silu_mul(cpu_ext.linear_bf16(x[:1], mlp.gate_up_proj.weight))))
     assert seen == [9]
+    monkeypatch.setattr(cpu_ext, "FUSED_ELEMENTWISE", False)  # torch's ops after the plain product
+    gate, up = F.linear(x, mlp.gate_up_proj.weight).chunk(2, dim=-1)
+    assert torch.equal(mlp(x), mlp.down_proj(F.silu(gate) * up)) and seen == [9]
 
 
 def test_decode_stack_matches_the_layers_without_the_fused_gate_up(tiny_model_dir, stack_calls, monkeypatch):

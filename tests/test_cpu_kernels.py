@@ -267,8 +267,10 @@ def test_kernel_limits_follow_the_switches(monkeypatch):
     x = bf16(4, 8)
     assert cpu_ext.elementwise_applies(x)
     assert not cpu_ext.elementwise_applies(x.float()) and not cpu_ext.elementwise_applies(x.t())
+    assert packed_linear.gate_up_applies(bf16(2, 8)) and not packed_linear.gate_up_applies(bf16(1, 8))
     monkeypatch.setattr(cpu_ext, "FUSED_ELEMENTWISE", False)
     assert not cpu_ext.elementwise_applies(x)
+    assert not packed_linear.gate_up_applies(x)  # SiLU * up fused into the gate|up product: an elementwise kernel
 
 
 def test_fp32_model_is_untouched_by_the_kernel_switch(tiny_model_dir):

@@ -86,8 +86,10 @@ def pack_gate_up(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def gate_up_applies(x: torch.Tensor) -> bool:
-    """Whether a product on pack_gate_up's copy takes x: bf16 [M, K] with at least 2 rows (one row: the GEMV)."""
-    return x.dim() == 2 and x.dtype == torch.bfloat16 and x.shape[0] >= 2
+    """Whether a product on pack_gate_up's copy takes x: bf16 [M, K] with at least 2 rows (one row: the GEMV),
+    the fused elementwise kernels on (cpu_ext.FUSED_ELEMENTWISE: off, SiLU * up are torch ops after the plain
+    product)."""
+    return cpu_ext.FUSED_ELEMENTWISE and x.dim() == 2 and x.dtype == torch.bfloat16 and x.shape[0] >= 2
 
 
 def max_rows(packed: torch.Tensor) -> int:
