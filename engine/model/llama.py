@@ -116,7 +116,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_silu is not None and packed_linear.gate_up_applies(x):
-            return self.down_proj(cpu_ext.amx_linear_silu_mul(x, self.gate_up_silu))  # [T, intermediate] between
+            return self.down_proj(cpu_ext.amx_linear_silu_mul(x, self.gate_up_silu))  # silu(gate) * up [T, I]
         gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
         if self.use_kernels and cpu_ext.elementwise_applies(gate_up):
             return self.down_proj(cpu_ext.silu_mul(gate_up))
@@ -227,16 +227,16 @@ class LlamaModel(nn.Module):
         (once per machine), not on the first request; stays off where they cannot be built. Call it after the
         weights are loaded: the packed copies are taken here."""
         self.kernels_on = on and cpu_ext.available()
+        for layer in self.layers:
+            mlp = layer.mlp
+            mlp.gate_up_silu = packed_linear.pack_gate_up(mlp.gate_up_proj.weight) if self.kernels_on else None
+        # a gate|up product with the fused copy packs none of its own: 2+ rows take that copy, one row the GEMV
+        fused = {layer.mlp.gate_up_proj for layer in self.layers if layer.mlp.gate_up_silu is not None}
         for module in self.modules():
             if isinstance(module, (Linear, RMSNorm, Attention, MLP)):
                 module.use_kernels = self.kernels_on
             if isinstance(module, Linear):
-                module.packed = packed_linear.pack(module.weight) if self.kernels_on else None
-        for layer in self.layers:
-            mlp = layer.mlp
-            mlp.gate_up_silu = packed_linear.pack_gate_up(mlp.gate_up_proj.weight) if self.kernels_on else None
-            if mlp.gate_up_silu is not None:
-                mlp.gate_up_proj.packed = None  # one row takes the GEMV on the plain weight; 2+ the fused copy
+                module.packed = packed_linear.pack(module.weight) if self.kernels_on and module not in fused else None
         self.lm_packed = packed_linear.pack(self._lm_weight()) if self.kernels_on else None
         self.stack = self._build_stack() if self.kernels_on else None
 
