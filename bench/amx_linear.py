@@ -1,7 +1,8 @@
 """bf16 products on AMX tiles (engine/kernels/amx_linear.cpp) against oneDNN: decode batches and prefill chunks.
 
     python -m bench.amx_linear [--rows 2,8,32,64,128] [--batches 32,64] [--prefill-rows 512,1024,2048]
-                               [--prefill-prompts 16,64] [--rounds 5]
+                               [--prefill-prompts 16,64] [--gate-up-rows 64,512,1024,2048,4096]
+                               [--gate-up-batches 64] [--rounds 5]
 
 Part 1, products: the 121 products of one SmolLM2-135M decode step (30 layers of qkv, o, gate_up, down, then
 the LM head; random weights of the real shapes, 269 MB), at each --rows, with the caches flushed by a 512 MB
@@ -17,6 +18,10 @@ Part 4, engine prefill: one `LLM` at the server's step budget (EngineConfig's ma
 prefilling --prefill-prompts prompts of 128 tokens (one output token), with the AMX kernel for up to
 packed_linear.MAX_AMX_ROWS rows (shipped) and for up to MAX_PACKED_ROWS rows only (F.linear above, as before),
 alternated; median prompt tokens/s and the median of the paired ratios.
+Part 5, gate|up with SiLU: the MLP's gate|up product and SiLU(gate) * up over the 30 layers' weights (from memory)
+at --gate-up-rows rows, three ways alternated: the fused call (amx_linear_silu_mul, shipped), the AMX product then
+silu_mul, F.linear then silu_mul; median ms, and each two-pass way's time over the fused one's (paired medians).
+Part 6, engine gate|up: two `LLM`s, with packed_linear.FUSED_GATE_UP on and off, as part 2 at --gate-up-batches.
 Needs a CPU with AMX (Sapphire Rapids or newer).
 """
 from __future__ import annotations
@@ -79,16 +84,18 @@ def products(rows_list: list[int], rounds: int) -> None:
               f"{nbytes / amx / 1e9:>6.1f} {onednn / amx:>8.2f}x")
 
 
-def engine(batches: list[int], rounds: int, threads: int) -> None:
+def engine(batches: list[int], rounds: int, threads: int, switch: str = "AMX_PACKING",
+           names: tuple[str, str] = ("amx", "onednn")) -> None:
+    """Two engines alternated: packed_linear.<switch> on (names[0]) and off (names[1]) when each packs its weights."""
     from bench.offline_throughput import build_engine, parse_args
     from bench.step_budget import alternate
 
     engines = {}
-    for name, amx in (("amx", True), ("onednn", False)):
-        packed_linear.AMX_PACKING = amx  # read when the model packs its weights, at load
+    for name, on in zip(names, (True, False)):
+        setattr(packed_linear, switch, on)  # read when the model packs its weights, at load
         engines[name] = build_engine(parse_args(["--batch-sizes", str(max(batches)), "--threads", str(threads)]),
                                      max(batches))
-    packed_linear.AMX_PACKING = True
+    setattr(packed_linear, switch, True)
     results = alternate(engines, batches, 128, 128, rounds)
     print(f"\nengine, 128 in / 128 out, greedy, {threads} threads, median of {rounds} alternated rounds")
     for batch in batches:
@@ -97,7 +104,7 @@ def engine(batches: list[int], rounds: int, threads: int) -> None:
             runs = results[(name, batch)]
             line.append(f"{name} {statistics.median(r.tokens_per_s for r in runs):6.1f} tok/s "
                         f"(TPOT p50 {statistics.median(r.tpot_p50_ms for r in runs):5.1f} ms)")
-        ratios = [a.tokens_per_s / o.tokens_per_s for a, o in zip(results[("amx", batch)], results[("onednn", batch)])]
+        ratios = [a.tokens_per_s / o.tokens_per_s for a, o in zip(results[(names[0], batch)], results[(names[1], batch)])]
         print(f"B={batch}: " + ", ".join(line) + f"; ratio of rounds median {statistics.median(ratios):.2f}x")
 
 
@@ -156,12 +163,38 @@ def engine_prefill(prompt_counts: list[int], rounds: int, threads: int) -> None:
               f"{statistics.median(rates[(old, count)]):7.1f}; paired ratio median {statistics.median(ratios):.2f}x")
 
 
+def gate_up_products(rows_list: list[int], rounds: int) -> None:
+    weights = [torch.randn(2 * INTERMEDIATE, HIDDEN, dtype=torch.bfloat16) * 0.02 for _ in range(LAYERS)]
+    fused = [packed_linear.pack_gate_up(w) for w in weights]
+    plain = [cpu_ext.amx_pack(w) for w in weights]
+    ways = {"fused": lambda x: [cpu_ext.amx_linear_silu_mul(x, f) for f in fused],
+            "AMX, silu_mul": lambda x: [cpu_ext.silu_mul(cpu_ext.amx_linear(x, p)) for p in plain],
+            "F.linear, silu_mul": lambda x: [cpu_ext.silu_mul(F.linear(x, w)) for w in weights]}
+    print(f"\ngate|up with SiLU ({LAYERS} layers' weights), ms per forward, median of {rounds} alternated rounds; "
+          "(x) = time over the fused call's, paired")
+    print(f"{'rows':>5} " + " ".join(f"{name:>24}" for name in ways))
+    for rows in rows_list:
+        x = torch.randn(rows, HIDDEN, dtype=torch.bfloat16)
+        times: dict[str, list[float]] = {name: [] for name in ways}
+        for round_index in range(rounds):
+            for name in (list(ways) if round_index % 2 == 0 else list(reversed(ways))):
+                start = time.perf_counter()
+                ways[name](x)
+                times[name].append(time.perf_counter() - start)
+        cells = [f"{statistics.median(times[name]) * 1e3:>15.2f} ({statistics.median(t / f for t, f in zip(times[name], times['fused'])):.2f}x)"
+                 for name in ways]
+        print(f"{rows:>5} " + " ".join(f"{cell:>24}" for cell in cells))
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rows", default="2,8,32,64,128", help="rows of the products pass; empty skips it")
     p.add_argument("--batches", default="32,64", help="engine batches; empty skips the engine part")
     p.add_argument("--prefill-rows", default="512,1024,2048", help="rows of the prefill products; empty skips it")
     p.add_argument("--prefill-prompts", default="16,64", help="prompts of the engine prefill part; empty skips it")
+    p.add_argument("--gate-up-rows", default="64,512,1024,2048,4096",
+                   help="rows of the gate|up with SiLU part; empty skips it")
+    p.add_argument("--gate-up-batches", default="64", help="batches of the engine gate|up part; empty skips it")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
     a = p.parse_args(argv)
@@ -176,6 +209,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         prefill_products([int(r) for r in a.prefill_rows.split(",")], a.rounds)
     if a.prefill_prompts:
         engine_prefill([int(n) for n in a.prefill_prompts.split(",")], a.rounds, a.threads)
+    if a.gate_up_rows:
+        gate_up_products([int(r) for r in a.gate_up_rows.split(",")], a.rounds)
+    if a.gate_up_batches:
+        engine([int(b) for b in a.gate_up_batches.split(",")], a.rounds, a.threads, "FUSED_GATE_UP",
+               ("fused", "two-pass"))
 
 
 if __name__ == "__main__":

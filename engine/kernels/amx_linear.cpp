@@ -27,12 +27,16 @@
 // whose exp and division cost about as much as the tile work of its pair, that made the fused product 1.10-1.45x
 // faster at 64-2048 rows (SmolLM2's 576 -> 3072, 2 threads, medians of paired ratios of 10-20 alternated rounds,
 // in cache, two runs, session 11); the plain product 0.99-1.03x at 64-1024 rows, and 0.87-0.90x at 2048, where
-// the engine does not use it. The two passes the fused product replaces, their time over its time (same
-// setting, 20 alternated rounds, two runs):
+// the engine does not use it. The two passes the fused product replaces, their time over its time
+// (python -m bench.amx_linear's part 5: the 30 layers' weights from memory, 2 threads, medians of the paired
+// ratios of 15 alternated rounds, two runs):
 //   rows                           64          512         1024        2048        4096
-//   F.linear, then silu_mul        2.33-2.37x  1.42-1.47x  1.23-1.30x  1.11-1.13x  1.11-1.12x
-//   this product, then silu_mul    1.23-1.28x  1.36-1.40x  1.32-1.80x  1.70-1.83x  1.49-1.81x
-// so it serves the gate|up product at every row count from 2, the 2048-token offline steps included.
+//   F.linear, then silu_mul        2.37-2.44x  1.36-1.40x  0.97-1.43x  0.92-0.95x  0.96-1.11x
+//   this product, then silu_mul    1.12-1.16x  1.47-1.65x  1.55-1.56x  1.48-1.67x  1.53x
+// With one layer's weight in cache, F.linear's two passes took 1.11-1.13x the fused call's time at 2048 and
+// 4096 rows. In the engine, whole prefills of 64 prompts of 128 tokens in 2048-token steps ran 1.03x and 1.09x
+// faster with the fused call at 2048 rows than with F.linear and silu_mul there (paired medians of 12 alternated
+// rounds, twice), so it serves the gate|up product at every row count from 2.
 //
 // Each row's result depends only on that row (fixed reduction order over K), not on the other rows of the
 // batch. Accumulation is fp32, one rounding to bf16 at the end (round to nearest even), as torch's.

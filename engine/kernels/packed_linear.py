@@ -20,8 +20,9 @@ is kept (the embedding shares it, and so does the GEMV). A third copy packed by 
 at 2048 rows (a full offline step) it ran each SmolLM2 product within 2% of F.linear, and bit-identical (session
 9, 15 alternated calls a shape). At 200 rows it was 17-27% faster; at 512 rows it was 0.65x on o_proj and down.
 With AMX, an MLP's gate|up weight is packed instead with its blocks interleaved (`pack_gate_up`), and its product
-with SiLU * up is one call at every row count from 2 (the prefill steps above 1024 rows included): that call is
-1.1-2.4x the two passes it replaces (figures in engine/kernels/amx_linear.cpp).
+with SiLU * up is one call at every row count from 2 (the prefill steps above 1024 rows included). The two passes
+it replaces took 1.1-2.4x its time at 64-512 rows; at 2048, F.linear's took 0.92-0.95x from memory and 1.11-1.13x
+in cache, and whole offline prefills ran 1.03-1.09x faster with it (figures in engine/kernels/amx_linear.cpp).
 """
 from __future__ import annotations
 
