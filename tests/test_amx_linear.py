@@ -115,16 +115,16 @@ def test_pack_takes_amx_tiles_where_the_shape_allows_else_onednn(monkeypatch):
     assert packed_linear.pack(weight).dim() != 4
 
 
+def gate_up_projections(model) -> list[Linear]:
+    return [layer.mlp.gate_up_proj for layer in model.layers]
+
+
 def test_model_products_and_decode_stack_run_on_amx_tiles(tiny_model_dir, stack_calls):
     model = kernel_model(tiny_model_dir)
     packs = [m.packed for m in model.modules() if isinstance(m, Linear) and m not in gate_up_projections(model)]
     packs += [layer.mlp.gate_up_silu for layer in model.layers] + [model.lm_packed]
     assert packs and all(p is not None and p.dim() == 4 for p in packs)
     assert_stack_matches_layers(model, [0, 1, 2], stack_calls)  # stack and Python layers: same kernel, same bits
-
-
-def gate_up_projections(model) -> list[Linear]:
-    return [layer.mlp.gate_up_proj for layer in model.layers]
 
 
 def test_decode_stack_still_matches_the_layers_on_onednn_packing(tiny_model_dir, stack_calls, monkeypatch):
