@@ -57,9 +57,10 @@ class AttentionMetadata:
     @staticmethod
     def build(block_size: int, decode_rows: list[tuple[list[int], int]],
               prefill_rows: list[tuple[list[int], int, int]], use_kernels: bool = False,
-              num_decode_seqs: int | None = None) -> "AttentionMetadata":
+              num_decode_seqs: int | None = None, device: torch.device | str = "cpu") -> "AttentionMetadata":
         """decode_rows: (block_table, context_len); prefill_rows: (block_table, context_start, length).
-        num_decode_seqs: how many sequences the decode rows belong to (default: one row each)."""
+        num_decode_seqs: how many sequences the decode rows belong to (default: one row each). The tensors
+        are made on `device`, the KV pages' device."""
         slots: list[int] = []
         for table, context_len in decode_rows:
             slots.append(_slot(table, context_len - 1, block_size))
@@ -67,13 +68,13 @@ class AttentionMetadata:
                                  num_decode_seqs=len(decode_rows) if num_decode_seqs is None else num_decode_seqs,
                                  use_kernels=use_kernels)
         if decode_rows:
-            meta.decode_block_tables, meta.decode_context_lens = _decode_tables(decode_rows, block_size)
+            meta.decode_block_tables, meta.decode_context_lens = _decode_tables(decode_rows, block_size, device)
         start = len(decode_rows)
         for table, context_start, length in prefill_rows:
             slots.extend(_slot(table, pos, block_size) for pos in range(context_start, context_start + length))
-            meta.prefills.append(_prefill_segment(table, start, context_start, length, block_size))
+            meta.prefills.append(_prefill_segment(table, start, context_start, length, block_size, device))
             start += length
-        meta.slot_mapping = torch.tensor(slots, dtype=torch.long)
+        meta.slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
         return meta
 
 
@@ -81,11 +82,13 @@ def _slot(block_table: list[int], position: int, block_size: int) -> int:
     return block_table[position // block_size] * block_size + position % block_size
 
 
-def _decode_tables(rows: list[tuple[list[int], int]], block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _decode_tables(rows: list[tuple[list[int], int]], block_size: int,
+                   device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
     """Block tables [D, max_blocks] padded with block 0, and context lengths [D]."""
     max_blocks = max((context_len + block_size - 1) // block_size for _, context_len in rows)
     padded = [table[:max_blocks] + [0] * (max_blocks - min(len(table), max_blocks)) for table, _ in rows]
-    return torch.tensor(padded, dtype=torch.long), torch.tensor([n for _, n in rows], dtype=torch.long)
+    return (torch.tensor(padded, dtype=torch.long, device=device),
+            torch.tensor([n for _, n in rows], dtype=torch.long, device=device))
 
 
 def _decode_mask(meta: AttentionMetadata, block_size: int) -> torch.Tensor:
@@ -93,19 +96,20 @@ def _decode_mask(meta: AttentionMetadata, block_size: int) -> torch.Tensor:
     in-place kernel does not need it)."""
     if meta.decode_mask is None:
         width = meta.decode_block_tables.shape[1] * block_size
-        meta.decode_mask = (torch.arange(width) < meta.decode_context_lens[:, None])[:, None, None, :]
+        lens = meta.decode_context_lens
+        meta.decode_mask = (torch.arange(width, device=lens.device) < lens[:, None])[:, None, None, :]
     return meta.decode_mask
 
 
-def _prefill_segment(table: list[int], start: int, context_start: int, length: int,
-                     block_size: int) -> PrefillSegment:
+def _prefill_segment(table: list[int], start: int, context_start: int, length: int, block_size: int,
+                     device: torch.device | str) -> PrefillSegment:
     total = context_start + length
     used = table[: (total + block_size - 1) // block_size]
     mask = None
     if context_start:
-        query_pos = torch.arange(context_start, total)[:, None]
-        mask = torch.arange(total)[None, :] <= query_pos  # [length, total]
-    return PrefillSegment(start, length, context_start, torch.tensor(used, dtype=torch.long), mask)
+        query_pos = torch.arange(context_start, total, device=device)[:, None]
+        mask = torch.arange(total, device=device)[None, :] <= query_pos  # [length, total]
+    return PrefillSegment(start, length, context_start, torch.tensor(used, dtype=torch.long, device=device), mask)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: KVPages,

@@ -63,6 +63,7 @@ def prepare_input(chunks: list[ScheduledChunk], block_size: int, device: torch.d
         [(c.block_table, c.start_pos, len(c.token_ids)) for c in prefills],
         use_kernels,
         num_decode_seqs=len(decodes),
+        device=device,
     )
     as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
     return ModelInput(as_tensor(ids), as_tensor(positions), meta, as_tensor(sample_rows),
