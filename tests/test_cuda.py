@@ -1,0 +1,95 @@
+"""The GPU paths on a real CUDA device: the KV quantisers' CUDA kernels against their njit twins, and the engine
+core with its model, KV pages and sampling on the GPU against the CPU engine. Skipped without CUDA (CI has
+none); the simulator check in test_kv_quant.py covers the kernels' logic there."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engine import SamplingParams
+from engine.engine_core import EngineCore
+from engine.kernels import (build_cuda_kernels, cpu_kernels, dequantize_fp4, dequantize_fp8, quantize_fp4,
+                            quantize_fp8)
+from tests.kv_quant_cudasim_check import cpu_map, gpu_map, make_pages, same_bits, scalar_cases
+from tests.test_engine import assert_pool_clean, make_prompts, tiny_llm
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def test_scalar_helpers_on_the_gpu_match_njit_bit_for_bit():
+    cpu, gpu = cpu_kernels(), build_cuda_kernels()
+    for name, x in scalar_cases(np.random.default_rng(1), n_random=200_000).items():
+        assert same_bits(cpu_map(cpu, name)(x), gpu_map(gpu, name)(x)), name
+
+
+def round_trips(x: torch.Tensor) -> dict[str, torch.Tensor]:
+    """fp8 and fp4 quantisation of x and both dequantisations (to bf16 and fp32, as raw bits), on x's device."""
+    codes, scales = quantize_fp8(x)
+    packed, block_scales, page_scales = quantize_fp4(x)
+    out = {"codes": codes, "scales": scales, "packed": packed, "block_scales": block_scales,
+           "page_scales": page_scales}
+    for dtype, bits in ((torch.bfloat16, torch.int16), (torch.float32, torch.int32)):
+        out[f"fp8 to {dtype}"] = dequantize_fp8(codes, scales, dtype).view(bits)
+        out[f"fp4 to {dtype}"] = dequantize_fp4(packed, block_scales, page_scales, dtype).view(bits)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_kv_quantisers_on_cuda_tensors_match_the_cpu_bit_for_bit(dtype):
+    """Pages with subnormals, ties, saturation, inf and NaN (make_pages), the SmolLM2 page shape, through the
+    torch API: CUDA tensors take the CUDA kernels on torch's stream, CPU tensors the njit ones."""
+    pages = torch.from_numpy(make_pages(np.random.default_rng(2), (48, 16, 3, 64))).to(dtype)
+    want, got = round_trips(pages), round_trips(pages.cuda())
+    assert all(t.is_cuda for t in got.values())
+    for key in want:
+        assert torch.equal(got[key].cpu(), want[key]), key
+
+
+def cuda_llm(model_dir, **options):
+    llm = tiny_llm(model_dir, **options)
+    llm.engine = EngineCore(llm.config, device="cuda")  # LLM builds its in-process engine on the CPU
+    return llm
+
+
+# The smallest top-2 log-probability gap of this model on these prompts, on the CPU: 2.6e-3 with fp32 pages,
+# 1.4e-3 with fp8, 5e-4 with fp4; the GPU's fp32 sums differ from the CPU's by ~1e-6.
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8", "fp4"])
+def test_engine_on_cuda_generates_what_the_cpu_engine_does(tiny_model_dir, kv_cache_dtype):
+    """Model, KV pages (fp32, or quantised by the CUDA kernels) and sampler on the GPU, fp32 with TF32 off as
+    torch defaults: the CPU engine's greedy tokens and log-probabilities, and a clean pool afterwards."""
+    assert not torch.backends.cuda.matmul.allow_tf32
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=2)
+    prompts = make_prompts(8)
+    options = dict(max_num_batched_tokens=64, kv_cache_dtype=kv_cache_dtype)  # chunks mixed with decode rows
+    cpu, gpu = tiny_llm(tiny_model_dir, **options), cuda_llm(tiny_model_dir, **options)
+    assert gpu.engine.kv_cache.data.is_cuda
+    want, got = cpu.generate(prompts, params), gpu.generate(prompts, params)
+    for w, g in zip(want, got):
+        assert g.token_ids == w.token_ids
+        for lw, lg in zip(w.logprobs, g.logprobs):
+            assert [t for t, _ in lg.top] == [t for t, _ in lw.top]
+            assert np.allclose([v for _, v in lg.top], [v for _, v in lw.top], atol=1e-4)
+    assert_pool_clean(gpu)
+
+
+def test_bf16_engine_on_cuda_is_deterministic_and_frees_every_block(tiny_model_dir):
+    """bf16, the GPU's default serving dtype (its sums differ from the CPU kernels', so no token comparison)."""
+    gpu = cuda_llm(tiny_model_dir, dtype="bfloat16", max_num_batched_tokens=64, enable_prefix_caching=False)
+    assert gpu.engine.kv_cache.data.dtype == torch.bfloat16
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    first, again = gpu.generate(make_prompts(8), params), gpu.generate(make_prompts(8), params)
+    assert all(len(o.token_ids) == 16 and o.finish_reason == "length" for o in first)
+    assert [o.token_ids for o in again] == [o.token_ids for o in first]  # same steps, same shapes, same bits
+    assert_pool_clean(gpu)
+
+
+def test_seeded_samples_on_cuda_repeat_and_do_not_depend_on_the_batch(tiny_model_dir):
+    gpu = cuda_llm(tiny_model_dir)
+    seeded = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=11, n=2, ignore_eos=True)
+    prompt = make_prompts(1, seed=5)
+    alone = gpu.generate(prompt, seeded)[0]
+    in_batch = gpu.generate(make_prompts(6, seed=9) + prompt, [SamplingParams(max_tokens=12)] * 6 + [seeded])[-1]
+    assert [s.token_ids for s in in_batch.outputs] == [s.token_ids for s in alone.outputs]
+    assert alone.outputs[0].token_ids != alone.outputs[1].token_ids  # two samples, not one twice
+    assert_pool_clean(gpu)
