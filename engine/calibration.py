@@ -80,7 +80,8 @@ def calibrate_prefill_engine(engine: PrefillEngine, seed: int = 0) -> Calibratio
     rng = random.Random(seed)
     cfg, bs = engine.source.config, engine.config.block_size
     max_len = max(PREFILL_LENGTHS)
-    scratch = KVCache(cfg, -(-max_len // bs) + 1, bs, engine.dtype, kv_format=engine.config.kv_cache_dtype)
+    scratch = KVCache(cfg, -(-max_len // bs) + 1, bs, engine.dtype, engine.device,
+                      kv_format=engine.config.kv_cache_dtype)
     engine.attach_pool("calibration", scratch)
     try:
         samples = [(n, _time_job(engine, _random_prompt(rng, n, cfg.vocab_size), bs))
