@@ -3,11 +3,13 @@ core with its model, KV pages and sampling on the GPU against the CPU engine. Sk
 none); the simulator check in test_kv_quant.py covers the kernels' logic there."""
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import pytest
 import torch
 
-from engine import SamplingParams
+from engine import AsyncLLM, SamplingParams
 from engine.engine_core import EngineCore
 from engine.kernels import (build_cuda_kernels, cpu_kernels, dequantize_fp4, dequantize_fp8, quantize_fp4,
                             quantize_fp8)
@@ -93,3 +95,39 @@ def test_seeded_samples_on_cuda_repeat_and_do_not_depend_on_the_batch(tiny_model
     assert [s.token_ids for s in in_batch.outputs] == [s.token_ids for s in alone.outputs]
     assert alone.outputs[0].token_ids != alone.outputs[1].token_ids  # two samples, not one twice
     assert_pool_clean(gpu)
+
+
+def test_disaggregated_actors_on_cuda_hand_pages_over_by_cuda_ipc(tiny_model_dir):
+    """A prefill and a decode actor subprocess on the GPU (both on device 0): the decode actor exports its KV pool
+    as a CUDA IPC handle, the prefill actor writes each prompt's pages straight into it, the decode actor carries
+    on from them. Greedy outputs equal the CPU engine's (fp32, the gaps above), and the pool ends clean."""
+    options = dict(dtype="float32", num_kv_blocks=256, block_size=8, max_num_batched_tokens=64)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    prompts = make_prompts(8)
+    want = [o.token_ids for o in tiny_llm(tiny_model_dir, **options).generate(prompts, params)]
+
+    async def collect(llm: AsyncLLM, prompt: list[int]) -> list[int]:
+        token_ids: list[int] = []
+        async for out in llm.generate(prompt, params):
+            token_ids = out.token_ids
+        return token_ids
+
+    async def run() -> tuple[list[str], list[list[int]], int, object]:
+        llm = AsyncLLM(str(tiny_model_dir), decode_actors=1, prefill_actors=1, disagg="always",
+                       devices=("cuda:0", "cuda:0"), **options)
+        await llm.start()
+        try:
+            router = llm._client
+            kinds = [h.ready.kv_export["kind"] for h in router.supervisor.handles if h.spec.role == "decode"]
+            outs = await asyncio.gather(*(collect(llm, p) for p in prompts))
+            while router.routed:  # finished requests are forgotten a moment after their last output
+                await asyncio.sleep(0.02)
+            report = await router.check_integrity(router.supervisor.ready("decode")[0].actor_id)
+            return kinds, outs, router.kv_transfers, report
+        finally:
+            await llm.aclose()
+
+    kinds, outs, transfers, report = asyncio.run(run())
+    assert kinds == ["cuda_ipc"]
+    assert outs == want and transfers >= len(prompts)
+    assert report.error is None and (report.used_blocks, report.reservations, report.running) == (0, 0, 0)
