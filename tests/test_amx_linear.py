@@ -250,3 +250,20 @@ def test_decode_stack_matches_the_layers_without_the_fused_gate_up(tiny_model_di
     model = kernel_model(tiny_model_dir)
     assert all(layer.mlp.gate_up_silu is None and layer.mlp.gate_up_proj.packed.dim() == 4 for layer in model.layers)
     assert_stack_matches_layers(model, [0, 1, 2], stack_calls)
+
+
+def test_products_are_the_same_on_1_2_and_3_threads():
+    """Each pair of column blocks is one thread's whole work, results handed out while the next pair runs:
+    which thread takes which pairs, and in what order, does not change a bit."""
+    x, weight = gate_up_operands(333, 1536, 576, seed=4)
+    fused, plain = packed_linear.pack_gate_up(weight), cpu_ext.amx_pack(weight)
+    previous = torch.get_num_threads()
+    try:
+        results = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            results.append((cpu_ext.amx_linear_silu_mul(x, fused), cpu_ext.amx_linear(x, plain)))
+    finally:
+        torch.set_num_threads(previous)
+    for silu, product in results[1:]:
+        assert torch.equal(silu, results[0][0]) and torch.equal(product, results[0][1])
