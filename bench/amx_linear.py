@@ -17,7 +17,8 @@ alternated; median ms, TFLOPS, speed-up.
 Part 4, engine prefill: one `LLM` at the server's step budget (EngineConfig's max_num_batched_tokens),
 prefilling --prefill-prompts prompts of 128 tokens (one output token), with the AMX kernel for up to
 packed_linear.MAX_AMX_ROWS rows (shipped) and for up to MAX_PACKED_ROWS rows only (F.linear above, as before),
-alternated; median prompt tokens/s and the median of the paired ratios.
+alternated; median prompt tokens/s and the median of the paired ratios. The MLP's gate|up product takes the fused
+AMX call in both (part 6 compares that call with the two passes).
 Part 5, gate|up with SiLU: the MLP's gate|up product and SiLU(gate) * up over the 30 layers' weights (from memory)
 at --gate-up-rows rows, three ways alternated: the fused call (amx_linear_silu_mul, shipped), the AMX product then
 silu_mul, F.linear then silu_mul; median ms, and each two-pass way's time over the fused one's (paired medians).
