@@ -149,6 +149,15 @@ def test_fused_argmax_is_the_argmax_of_the_bf16_product(rows, n, k):
     assert torch.equal(cpu_ext.amx_linear_argmax(x, packed), cpu_ext.row_argmax(cpu_ext.amx_linear(x, packed)))
 
 
+def on_1_2_and_3_threads(run):
+    """[run() on 1 thread, on 2, on 3]; torch's thread count restored after."""
+    previous = torch.get_num_threads()
+    try:
+        return [torch.set_num_threads(threads) or run() for threads in (1, 2, 3)]
+    finally:
+        torch.set_num_threads(previous)
+
+
 def test_fused_argmax_takes_the_first_of_equal_maxima_and_nan_first_on_any_thread_count():
     """Equal columns far apart (different pairs, different threads' claims): the first wins; a NaN column wins
     over every number, the first NaN over later ones; the same answer on 1, 2 and 3 threads."""
@@ -159,14 +168,8 @@ def test_fused_argmax_takes_the_first_of_equal_maxima_and_nan_first_on_any_threa
     packed_plain = cpu_ext.amx_pack(weight)
     weight[512, 7] = weight[900, 7] = float("nan")  # columns 512 and 900 NaN in every row (NaN times anything)
     packed_nan = cpu_ext.amx_pack(weight)
-    previous = torch.get_num_threads()
-    try:
-        answers = []
-        for threads in (1, 2, 3):
-            torch.set_num_threads(threads)
-            answers.append((cpu_ext.amx_linear_argmax(x, packed_plain), cpu_ext.amx_linear_argmax(x, packed_nan)))
-    finally:
-        torch.set_num_threads(previous)
+    answers = on_1_2_and_3_threads(lambda: (cpu_ext.amx_linear_argmax(x, packed_plain),
+                                            cpu_ext.amx_linear_argmax(x, packed_nan)))
     plain, with_nan = answers[0]
     for other in answers[1:]:
         assert torch.equal(other[0], plain) and torch.equal(other[1], with_nan)
@@ -257,13 +260,6 @@ def test_products_are_the_same_on_1_2_and_3_threads():
     which thread takes which pairs, and in what order, does not change a bit."""
     x, weight = gate_up_operands(333, 1536, 576, seed=4)
     fused, plain = packed_linear.pack_gate_up(weight), cpu_ext.amx_pack(weight)
-    previous = torch.get_num_threads()
-    try:
-        results = []
-        for threads in (1, 2, 3):
-            torch.set_num_threads(threads)
-            results.append((cpu_ext.amx_linear_silu_mul(x, fused), cpu_ext.amx_linear(x, plain)))
-    finally:
-        torch.set_num_threads(previous)
+    results = on_1_2_and_3_threads(lambda: (cpu_ext.amx_linear_silu_mul(x, fused), cpu_ext.amx_linear(x, plain)))
     for silu, product in results[1:]:
         assert torch.equal(silu, results[0][0]) and torch.equal(product, results[0][1])
