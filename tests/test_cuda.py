@@ -1,6 +1,7 @@
-"""The GPU paths on a real CUDA device: the KV quantisers' CUDA kernels against their njit twins, and the engine
-core with its model, KV pages and sampling on the GPU against the CPU engine. Skipped without CUDA (CI has
-none); the simulator check in test_kv_quant.py covers the kernels' logic there."""
+"""The GPU paths on a real CUDA device: the KV quantisers' CUDA kernels against their njit twins, the engine core
+with its model, KV pages and sampling on the GPU against the CPU engine, and a prefill and a decode actor on the
+GPU handing pages over by CUDA IPC. Skipped without CUDA (CI has none); the simulator check in test_kv_quant.py
+covers the kernels' logic there."""
 from __future__ import annotations
 
 import asyncio
