@@ -92,7 +92,7 @@ struct Problem {
   const uint16_t* b;     // packed [N/16, K/32, 16, 32]
   const float* bias;     // [N] fp32 or null
   uint16_t* out;         // [M, out_cols] bf16: out_cols = N, or N / 2 for silu(gate) * up
-  int64_t m, n, k, row_tiles, col_blocks, k_blocks, out_cols;
+  int64_t m, k, row_tiles, col_blocks, k_blocks, out_cols;
 };
 
 // Rounded to bf16 and widened back: the value a bf16 store followed by a bf16 load gives.
@@ -137,6 +137,15 @@ struct Results {
     }
   }
   void give_all() { give(rows); }
+
+  // rows [first, first + count) of column blocks n0 (and n0 + 1 when `both`) are now in `c`
+  void park(int64_t first, int64_t count, int64_t block, bool both) {
+    row0 = first;
+    rows = count;
+    next = 0;
+    n0 = block;
+    two_cols = both;
+  }
 };
 
 // Column blocks n0 and n0 + 1 (n0 alone when `two_cols` is false) for row tiles m0 and m0 + 1; the previous
@@ -176,11 +185,7 @@ void tile_pair(const Problem& p, int64_t n0, bool two_cols, int64_t m0, Prefetch
     if (two_cols) _tile_stored(3, c + 3 * kTile, 64);
   }
   const int64_t row0 = m0 * kTileRows;
-  results.row0 = row0;
-  results.rows = std::min<int64_t>((two_rows ? 2 : 1) * kTileRows, p.m - row0);
-  results.next = 0;
-  results.n0 = n0;
-  results.two_cols = two_cols;
+  results.park(row0, std::min<int64_t>((two_rows ? 2 : 1) * kTileRows, p.m - row0), n0, two_cols);
 }
 
 // Pairs [begin, end) of column blocks: the weights of each streamed once, the next pair's prefetched meanwhile.
@@ -388,7 +393,7 @@ torch::Tensor amx_linear_bf16(torch::Tensor x, torch::Tensor packed, torch::Tens
                   reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()),
                   bias.numel() ? bias32.data_ptr<float>() : nullptr,
                   reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()),
-                  x.size(0), n, x.size(1), a.size(0) / kTileRows, packed.size(0), packed.size(1), n};
+                  x.size(0), x.size(1), a.size(0) / kTileRows, packed.size(0), packed.size(1), n};
   run(p);
 #endif
   return out;
@@ -408,7 +413,7 @@ torch::Tensor amx_linear_silu_mul_bf16(torch::Tensor x, torch::Tensor packed) {
   const torch::Tensor a = whole_row_tiles(x);
   const Problem p{reinterpret_cast<const uint16_t*>(a.data_ptr<at::BFloat16>()),
                   reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), nullptr,
-                  reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), x.size(0), 2 * width, x.size(1),
+                  reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), x.size(0), x.size(1),
                   a.size(0) / kTileRows, packed.size(0), packed.size(1), width};
   run_silu_mul(p);
 #endif
@@ -426,8 +431,8 @@ torch::Tensor amx_linear_argmax_bf16(torch::Tensor x, torch::Tensor packed) {
   const torch::Tensor a = whole_row_tiles(x);
   const Problem p{reinterpret_cast<const uint16_t*>(a.data_ptr<at::BFloat16>()),
                   reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), nullptr, nullptr,
-                  x.size(0), packed.size(0) * kTileN, x.size(1), a.size(0) / kTileRows, packed.size(0),
-                  packed.size(1), packed.size(0) * kTileN};
+                  x.size(0), x.size(1), a.size(0) / kTileRows, packed.size(0), packed.size(1),
+                  packed.size(0) * kTileN};
   RowBest best(p.m);
   run_argmax(p, best);
   std::copy(best.column.begin(), best.column.end(), out.data_ptr<int64_t>());
