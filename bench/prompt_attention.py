@@ -1,14 +1,16 @@
-"""Prefill attention of fresh prompts: our AMX kernel (engine/kernels/amx_attention.cpp) against torch's SDPA.
+"""Prefill attention of fresh prompts: our kernel (engine/kernels/prompt_attention.cpp) against torch's SDPA.
 
     python -m bench.prompt_attention [--shapes 128x16,64x32,16x128,4x512,1x2048] [--rounds 15] [--threads 2]
 
 Each shape is COUNTxS: COUNT prompts of S tokens in one call, SmolLM2's heads (9 query, 3 kv, head_dim 64),
-q/k/v as strided views of one fused qkv output as the model passes them. The two alternate within each round;
-prints median ms per call, the ratio, and the largest difference between the two outputs.
+q/k/v as strided views of one fused qkv output as the model passes them. Each engine the CPU has (AMX tiles,
+AVX-512 BF16 vectors) and SDPA alternate within each round; prints median ms per call, SDPA's time over each
+engine's, and the largest difference between each engine's output and SDPA's.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
@@ -38,17 +40,23 @@ def views(count: int, length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 def measure(count: int, length: int, rounds: int) -> None:
     q, k, v = views(count, length)
     scale = HEAD_DIM ** -0.5
-    times: dict[str, list[float]] = {"kernel": [], "sdpa": []}
+    runs = {engine: functools.partial(cpu_ext.prompt_attention, engine=engine)
+            for engine in cpu_ext.prompt_attention_engines()}
+    runs["sdpa"] = sdpa
+    times: dict[str, list[float]] = {name: [] for name in runs}
     outputs = {}
     for _ in range(rounds):
-        for name, fn in (("kernel", cpu_ext.prompt_attention), ("sdpa", sdpa)):
+        for name, fn in runs.items():
             start = time.perf_counter()
             outputs[name] = fn(q, k, v, count, scale)
             times[name].append(time.perf_counter() - start)
-    kernel, torch_ms = (statistics.median(times[n]) * 1e3 for n in ("kernel", "sdpa"))
-    diff = (outputs["kernel"].float() - outputs["sdpa"].float()).abs().max().item()
-    print(f"{count:5d} x {length:5d}: kernel {kernel:8.3f} ms  sdpa {torch_ms:8.3f} ms  "
-          f"sdpa/kernel {torch_ms / kernel:5.2f}x  max |difference| {diff:.4f}")
+    ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+    line = f"{count:5d} x {length:5d}: sdpa {ms['sdpa']:8.3f} ms"
+    for engine in cpu_ext.prompt_attention_engines():
+        diff = (outputs[engine].float() - outputs["sdpa"].float()).abs().max().item()
+        line += (f" | {engine} {ms[engine]:8.3f} ms, sdpa/{engine} {ms['sdpa'] / ms[engine]:5.2f}x,"
+                 f" max |difference| {diff:.4f}")
+    print(line)
 
 
 def main() -> None:
@@ -57,8 +65,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
-    if not cpu_ext.amx_available():
-        raise SystemExit("the prompt-attention kernel needs a CPU with AMX tiles (and the compiled kernels)")
+    if not cpu_ext.prompt_attention_engines():
+        raise SystemExit("the prompt-attention kernel needs AMX tiles or AVX-512 BF16 (and the compiled kernels)")
     torch.set_num_threads(args.threads)
     keep_freed_memory()  # as the engine runs: no page faults on each call's fresh output
     for shape in args.shapes.split(","):

@@ -7,7 +7,8 @@ prefill chunk as a contiguous segment. New keys/values are written into their ca
 attention, so a chunk sees every earlier token of its sequence, cached or computed in this step.
 Consecutive whole prompts of one length (no cached context) attend in one batched call: bit-identical to
 one call each, and one call per layer instead of one per prompt when a step prefills many short prompts.
-With the kernels on (bf16, a CPU with AMX), such runs go to cpu_ext.prompt_attention instead of SDPA.
+With the kernels on (bf16, a CPU with AMX or AVX-512 BF16), such runs go to cpu_ext.prompt_attention instead
+of SDPA.
 
 A layer's cache is either a tensor [num_blocks, block_size, kv_heads, head_dim] in the serving dtype or
 QuantizedPages (fp8 / fp4, engine/kv_formats.py): those quantise new tokens as they are written and

@@ -1058,7 +1058,7 @@ torch::Tensor row_argmax_bf16(torch::Tensor x) {
 void bind_decode_stack(pybind11::module& m);  // decode_stack.cpp
 
 void bind_amx_linear(pybind11::module& m);  // amx_linear.cpp
-void bind_amx_attention(pybind11::module& m);  // amx_attention.cpp
+void bind_prompt_attention(pybind11::module& m);  // prompt_attention.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_bf16", &linear_bf16, "x W^T + b for a few bf16 rows, streaming each weight row once");
@@ -1077,5 +1077,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   }, "whether the AVX-512 paths were compiled in (else scalar loops)");
   bind_decode_stack(m);
   bind_amx_linear(m);
-  bind_amx_attention(m);
+  bind_prompt_attention(m);
 }

@@ -33,11 +33,12 @@ elementwise ops between the matrix products.
   `amx_linear_argmax` is the same product reduced to each row's argmax as the tiles come out: a greedy step
   neither writes nor rereads the [rows, vocab] logits. `amx_linear_silu_mul` is the MLP's gate|up product with
   SiLU(gate) * up computed as its tiles come out, for any number of rows (figures in packed_linear.py).
-- `prompt_attention` (engine/kernels/amx_attention.cpp): causal attention of whole fresh prompts (no cached
-  context), `count` prompts of one length in one call, on AMX tiles: scores and the product with V as tile
-  products, softmax in fp32, probabilities rounded to bf16 as torch's flash attention rounds them. 1.3-2.6x
-  torch's SDPA from 128 prompts of 16 tokens to one of 2048 (python -m bench.prompt_attention). Only where
-  the CPU has AMX; chunks after cached context keep SDPA.
+- `prompt_attention` (engine/kernels/prompt_attention.cpp): causal attention of whole fresh prompts (no cached
+  context), `count` prompts of one length in one call: scores and the product with V on AMX tiles, or on
+  AVX-512 BF16 vectors where the CPU has no AMX (AMD Zen 4/5), softmax in fp32, probabilities rounded to bf16
+  as torch's flash attention rounds them. Against torch's SDPA from 128 prompts of 16 tokens to one of 2048
+  (python -m bench.prompt_attention): tiles 1.3-2.6x, vectors 3.7-6.5x (that CPU's SDPA is slower). Chunks
+  after cached context keep SDPA.
 - `DecodeStack` (engine/kernels/decode_stack.cpp): the decoder layers of a decode-only step in one call, the
   ops above and the packed products in the order the Python layers run them (bit-identical hidden states),
   without the interpreter between them; LlamaModel.forward takes it where it applies.
@@ -60,7 +61,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_ext.cpp", "decode_stack.cpp", "amx_linear.cpp", "amx_attention.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_ext.cpp", "decode_stack.cpp", "amx_linear.cpp", "prompt_attention.cpp")]
 HEADERS = [Path(__file__).with_name(name) for name in ("amx.h", "parallel.h", "vec.h")]
 # Where the kernels measured faster than torch inside the SmolLM2 forward (python -m bench.cpu_kernels,
 # 2 cores): rows of a product, sequences of a decode group.
@@ -74,7 +75,7 @@ HEADERS = [Path(__file__).with_name(name) for name in ("amx.h", "parallel.h", "v
 # all kernels as an engine runs them: batch 1 23.1 / 31.4, batch 64 63.6 / 150.2.
 # Noisy host: the ratios held across runs, the absolute times did not.
 MAX_GEMV_ROWS = 5
-MAX_PROMPT_ATTENTION_TOKENS = 8192  # the kernel's own limit (amx_attention.cpp): one item's scores stay in L2
+MAX_PROMPT_ATTENTION_TOKENS = 8192  # the kernel's own limit (prompt_attention.cpp): one item's scores stay in L2
 MAX_ATTENTION_SEQS = 1 << 30  # sequences in a decode group (a verified sequence brings 1 + K rows): no limit
 FUSED_ELEMENTWISE = True  # RMSNorm (+ residual add), RoPE, SiLU * up
 DECODE_STACK = True  # decode-only steps: the layers in one C++ call (off: the same kernels from Python)
@@ -175,7 +176,7 @@ def rotary_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
 
 @functools.cache
 def amx_available() -> bool:
-    """Whether `amx_linear`, `amx_linear_argmax` and `prompt_attention` run here: built with AMX
+    """Whether `amx_linear`, `amx_linear_argmax` and `amx_linear_silu_mul` run here: built with AMX
     (-march=native on a CPU that has it) and granted the tile state by the kernel."""
     return available() and extension().amx_linear_available()
 
@@ -205,13 +206,28 @@ def prompt_attention_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
             and rows // count <= MAX_PROMPT_ATTENTION_TOKENS
             and all(x.dtype == q.dtype and x.stride(2) == 1 and x.stride(1) == head_dim and x.stride(0) % 2 == 0
                     for x in (q, k, v))
-            and amx_available())
+            and bool(prompt_attention_engines()))
 
 
-def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: int, scale: float) -> torch.Tensor:
+PROMPT_ATTENTION_ENGINES = ("auto", "tiles", "vectors")  # prompt_attention_bf16's engine codes 0, 1, 2
+
+
+@functools.cache
+def prompt_attention_engines() -> tuple[str, ...]:
+    """The engines `prompt_attention` can run here, fastest first: "tiles" (AMX), "vectors" (AVX-512 BF16)."""
+    if not available():
+        return ()
+    return tuple(PROMPT_ATTENTION_ENGINES[code] for code in extension().prompt_attention_engines())
+
+
+def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: int, scale: float,
+                     engine: str = "auto") -> torch.Tensor:
     """q [count * S, Hq, D], k/v [count * S, Hkv, D] bf16: `count` whole prompts of S tokens, one after another
-    -> [count * S, Hq, D] bf16, each prompt attending causally to itself (no cached context)."""
-    return extension().prompt_attention_bf16(q, k, v, count, scale)
+    -> [count * S, Hq, D] bf16, each prompt attending causally to itself (no cached context). engine: "auto"
+    (the first of `prompt_attention_engines`), "tiles" or "vectors"."""
+    if engine not in PROMPT_ATTENTION_ENGINES:
+        raise ValueError(f"engine must be one of {PROMPT_ATTENTION_ENGINES}, not {engine!r}")
+    return extension().prompt_attention_bf16(q, k, v, count, scale, PROMPT_ATTENTION_ENGINES.index(engine))
 
 
 def amx_linear_argmax(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:

@@ -1,19 +1,25 @@
-// Causal self-attention of whole prompts without cached context, on AMX tiles: the attention of prefill steps
-// that start prompts (the usual offline case: many short prompts in one 2048-token step).
+// Causal self-attention of whole prompts without cached context: the attention of prefill steps that start
+// prompts (the usual offline case: many short prompts in one 2048-token step).
 //
 // Inputs are the views paged_attention gets from the fused qkv output: q [count * S, Hq, D] and k, v
 // [count * S, Hkv, D], rows strided, `count` prompts of S tokens one after another. The keys and values of
-// each (prompt, kv head) are first packed into B tiles (zeros past the prompt). Then each work item, (prompt,
-// q head, block of 32 queries), computes
-//   scores = Q K^T over the keys up to its last query, on 2 x 2 tiles (fp32 sums over D);
+// each (prompt, kv head) are first packed into 16 x 16-pair bf16 blocks (zeros past the prompt). Then each work
+// item, (prompt, q head, block of 32 queries), computes
+//   scores = Q K^T over the keys up to its last query (fp32 sums over D);
 //   exp(scale * score - max) in fp32 over each query's causal keys, its fp32 sum kept, the values rounded to
 //   bf16 for the product with V (as torch's CPU flash attention rounds them);
-//   out = (P V) / sum on 2 x 2 tiles, rounded once to bf16.
+//   out = (P V) / sum, rounded once to bf16.
+// The two products run on one of two engines over the same packed blocks:
+// - tiles (AMX): each packed block is a B tile; a 32 x 32 output block is four C tiles;
+// - vectors (AVX-512 BF16, e.g. AMD Zen 4/5): a packed block's row k is one vector (16 columns x one pair of
+//   the reduction), so 8 rows of the output are 16 registers, each step one vdpbf16ps per row and column block.
 //
 // Against torch's SDPA (its CPU flash attention) on SmolLM2's heads, 2 threads, medians of 15 alternated calls
-// (python -m bench.prompt_attention, session 8): 128 prompts x 16 tokens 1.06 vs 2.60 ms, 64 x 32 0.85 vs
-// 2.21, 16 x 128 (a 2048-token offline prefill step) 1.30 vs 2.05, 4 x 512 2.80 vs 5.05, 1 x 2048 10.2 vs
-// 13.1. The outputs differ from SDPA's by at most one bf16 rounding.
+// (python -m bench.prompt_attention). Tiles, Sapphire Rapids (session 8): 128 prompts x 16 tokens 1.06 vs
+// 2.60 ms, 64 x 32 0.85 vs 2.21, 16 x 128 (a 2048-token offline prefill step) 1.30 vs 2.05, 4 x 512 2.80 vs
+// 5.05, 1 x 2048 10.2 vs 13.1. Vectors, AMD EPYC (Zen 5, session 12): 128 x 16 0.49 vs 1.79 ms, 64 x 32 0.44
+// vs 1.78, 16 x 128 0.78 vs 4.56, 4 x 512 2.20 vs 14.3, 1 x 2048 7.67 vs 34.7. The outputs differ from SDPA's
+// by at most one bf16 rounding.
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -25,6 +31,10 @@
 #include "parallel.h"
 #include "vec.h"
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define CPU_EXT_VECTOR_ATTENTION 1
+#endif
+
 namespace {
 
 using namespace cpu_ext::amx;
@@ -33,7 +43,26 @@ using cpu_ext::lanes_below;
 constexpr int64_t kBlock = 2 * kTileRows;  // queries of an item (two A tiles); keys of a step (two C tiles)
 constexpr int64_t kMaxPromptTokens = 8192;  // an item's scores: 32 x 8192 fp32 = 1 MiB, still in L2
 
+// Which engine runs the products (prompt_attention_bf16's `engine` argument).
+enum class Engine : int64_t { kAuto = 0, kTiles = 1, kVectors = 2 };
+
+bool tiles_available() {
 #if defined(CPU_EXT_AMX)
+  return permitted();
+#else
+  return false;
+#endif
+}
+
+constexpr bool vectors_available() {
+#if defined(CPU_EXT_VECTOR_ATTENTION)
+  return true;
+#else
+  return false;
+#endif
+}
+
+#if defined(CPU_EXT_VECTOR_ATTENTION)
 
 inline __m512i load_row16(const uint16_t* p) {  // 16 bf16 into the low half
   return _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -109,6 +138,8 @@ struct Scratch {
   float sum[kBlock];
 };
 
+#if defined(CPU_EXT_AMX)
+
 // One k step of a 2 x 2 block: C tiles 0-3 += A rows 0-15 | 16-31 (from `a`, `a_bytes` a row; the second
 // tile `second` elements on) x B tiles b0 | b1. Tiles 4-5 hold B, 6-7 A. Without two_rows, rows 0-15 only.
 inline void block_step(const uint16_t* a, int64_t a_bytes, int64_t second, const uint16_t* b0, const uint16_t* b1,
@@ -153,6 +184,81 @@ void block_scores(const Prompts& p, int64_t b, int64_t h, int64_t width, bool tw
   }
 }
 
+// out[i, :] = sum_j probs[i, j] v_j, fp32, for the item's 32 queries.
+void block_values(const Prompts& p, int64_t b, int64_t h, int64_t width, bool two_rows, Scratch& s) {
+  for (int64_t n = 0; n < p.head_dim / kTileN; n += 2) {
+    zero_block();
+    for (int64_t kb = 0; kb < width / kBlock; ++kb)
+      block_step(s.probs.data() + kb * kBlock, width * 2, kTileRows * width, value_tile(p, b, h, kb, n),
+                 value_tile(p, b, h, kb, n + 1), two_rows);
+    store_block(s.out.data() + n * kTileN, p.head_dim, two_rows);
+  }
+}
+
+struct Tiles {
+  static void scores(const Prompts& p, int64_t b, int64_t h, int64_t width, int64_t rows, Scratch& s) {
+    block_scores(p, b, h, width, rows > kTileRows, s);
+  }
+  static void values(const Prompts& p, int64_t b, int64_t h, int64_t width, int64_t rows, Scratch& s) {
+    block_values(p, b, h, width, rows > kTileRows, s);
+  }
+  struct ThreadState {  // the tile configuration is per thread
+    ThreadState() { load_tile_config(); }
+    ~ThreadState() { _tile_release(); }
+  };
+};
+
+#endif  // CPU_EXT_AMX
+
+// c[r, 0..31] = sum over the 16 pair steps of `steps` packed blocks of a_r's pair j . (b0 | b1) row j, for
+// kRows rows r of a (`a_stride` elements apart): b0 and b1 advance by `b_step` elements a block, a by 32.
+template <int kRows>
+inline void vector_block(const uint16_t* a, int64_t a_stride, const uint16_t* b0, const uint16_t* b1, int64_t b_step,
+                         int64_t steps, float* c, int64_t c_stride) {
+  __m512 acc[kRows][2];
+  for (int r = 0; r < kRows; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t step = 0; step < steps; ++step, a += kTileK, b0 += b_step, b1 += b_step)
+    for (int64_t j = 0; j < kTileRows; ++j) {
+      const __m512bh left = (__m512bh)_mm512_loadu_si512(b0 + j * 2 * kTileN);
+      const __m512bh right = (__m512bh)_mm512_loadu_si512(b1 + j * 2 * kTileN);
+#pragma GCC unroll 8
+      for (int r = 0; r < kRows; ++r) {
+        int32_t pair;
+        std::memcpy(&pair, a + r * a_stride + 2 * j, sizeof pair);
+        const __m512bh x = (__m512bh)_mm512_set1_epi32(pair);
+        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], x, left);
+        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], x, right);
+      }
+    }
+  for (int r = 0; r < kRows; ++r) {
+    _mm512_storeu_ps(c + r * c_stride, acc[r][0]);
+    _mm512_storeu_ps(c + r * c_stride + kTileN, acc[r][1]);
+  }
+}
+
+constexpr int64_t kVectorRows = 8;  // output rows a vector block keeps in registers: 16 accumulators
+
+struct Vectors {
+  // As Tiles::scores, `rows` rounded up to 8 (the scratch rows past the prompt are zero).
+  static void scores(const Prompts& p, int64_t b, int64_t h, int64_t width, int64_t rows, Scratch& s) {
+    const int64_t dim_blocks = p.head_dim / kTileK;
+    for (int64_t kb = 0; kb < width / kBlock; ++kb)
+      for (int64_t i = 0; i < rows; i += kVectorRows)
+        vector_block<kVectorRows>(s.q.data() + i * p.head_dim, p.head_dim, key_tile(p, b, h, 2 * kb, 0),
+                                  key_tile(p, b, h, 2 * kb + 1, 0), kBlockElems, dim_blocks,
+                                  s.scores.data() + i * width + kb * kBlock, width);
+  }
+  static void values(const Prompts& p, int64_t b, int64_t h, int64_t width, int64_t rows, Scratch& s) {
+    const int64_t value_step = (p.head_dim / kTileN) * kBlockElems;  // from one key block to the next
+    for (int64_t n = 0; n < p.head_dim / kTileN; n += 2)
+      for (int64_t i = 0; i < rows; i += kVectorRows)
+        vector_block<kVectorRows>(s.probs.data() + i * width, width, value_tile(p, b, h, 0, n),
+                                  value_tile(p, b, h, 0, n + 1), value_step, width / kBlock,
+                                  s.out.data() + i * p.head_dim + n * kTileN, p.head_dim);
+  }
+  struct ThreadState {};
+};
+
 // Row i (query q0 + i) of the scores -> bf16 exp(scale * s - max) over keys [0, q0 + i], zero after; fp32 sum.
 void block_softmax(const Prompts& p, int64_t q0, int64_t rows, int64_t width, Scratch& s) {
   const __m512 scale = _mm512_set1_ps(p.scale);
@@ -173,26 +279,15 @@ void block_softmax(const Prompts& p, int64_t q0, int64_t rows, int64_t width, Sc
     }
     s.sum[i] = _mm512_reduce_add_ps(total);
   }
-  std::fill(s.probs.begin() + rows * width, s.probs.end(), 0);  // the second A tile's rows past the prompt
-}
-
-// out[i, :] = sum_j probs[i, j] v_j, fp32, for the item's 32 queries.
-void block_values(const Prompts& p, int64_t b, int64_t h, int64_t width, bool two_rows, Scratch& s) {
-  for (int64_t n = 0; n < p.head_dim / kTileN; n += 2) {
-    zero_block();
-    for (int64_t kb = 0; kb < width / kBlock; ++kb)
-      block_step(s.probs.data() + kb * kBlock, width * 2, kTileRows * width, value_tile(p, b, h, kb, n),
-                 value_tile(p, b, h, kb, n + 1), two_rows);
-    store_block(s.out.data() + n * kTileN, p.head_dim, two_rows);
-  }
+  std::fill(s.probs.begin() + rows * width, s.probs.end(), 0);  // rows past the prompt, which the products read
 }
 
 // Item = (prompt, q head, block of 32 queries).
+template <typename Products>
 void attend_block(const Prompts& p, int64_t item, Scratch& s) {
   const int64_t qb = item % p.blocks, hq = item / p.blocks % p.heads, b = item / (p.blocks * p.heads);
   const int64_t h = hq / (p.heads / p.kv_heads);
   const int64_t q0 = qb * kBlock, rows = std::min(kBlock, p.len - q0), width = (qb + 1) * kBlock;
-  const bool two_rows = rows > kTileRows;
   s.q.assign(kBlock * p.head_dim, 0);
   for (int64_t i = 0; i < rows; ++i) {
     const uint16_t* query = p.q + (b * p.len + q0 + i) * p.q_stride + hq * p.head_dim;
@@ -201,9 +296,9 @@ void attend_block(const Prompts& p, int64_t item, Scratch& s) {
   s.scores.resize(kBlock * width);
   s.probs.resize(kBlock * width);
   s.out.resize(kBlock * p.head_dim);
-  block_scores(p, b, h, width, two_rows, s);
+  Products::scores(p, b, h, width, rows, s);
   block_softmax(p, q0, rows, width, s);
-  block_values(p, b, h, width, two_rows, s);
+  Products::values(p, b, h, width, rows, s);
   for (int64_t i = 0; i < rows; ++i) {
     uint16_t* out = p.out + ((b * p.len + q0 + i) * p.heads + hq) * p.head_dim;
     const __m512 sum = _mm512_set1_ps(s.sum[i]);
@@ -214,6 +309,7 @@ void attend_block(const Prompts& p, int64_t item, Scratch& s) {
   }
 }
 
+template <typename Products>
 void run(const Prompts& p) {
   cpu_ext::parallel_claim(p.count * p.kv_heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
@@ -222,14 +318,13 @@ void run(const Prompts& p) {
     }
   });
   cpu_ext::parallel_claim(p.count * p.heads * p.blocks, 1, [&](int64_t begin, int64_t end) {
-    load_tile_config();
+    const typename Products::ThreadState state{};
     Scratch scratch;
-    for (int64_t item = begin; item < end; ++item) attend_block(p, item, scratch);
-    _tile_release();
+    for (int64_t item = begin; item < end; ++item) attend_block<Products>(p, item, scratch);
   });
 }
 
-#endif  // CPU_EXT_AMX
+#endif  // CPU_EXT_VECTOR_ATTENTION
 
 void check_rows(const torch::Tensor& x, int64_t rows, int64_t head_dim, const char* what) {
   TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kBFloat16 && x.size(0) == rows && x.size(2) == head_dim &&
@@ -240,9 +335,19 @@ void check_rows(const torch::Tensor& x, int64_t rows, int64_t head_dim, const ch
 
 }  // namespace
 
+// Which engines this build and process can run: 1 tiles, 2 vectors (Engine's values).
+std::vector<int64_t> prompt_attention_engines() {
+  std::vector<int64_t> engines;
+  if (tiles_available()) engines.push_back(static_cast<int64_t>(Engine::kTiles));
+  if (vectors_available()) engines.push_back(static_cast<int64_t>(Engine::kVectors));
+  return engines;
+}
+
 // q [count * S, Hq, D], k/v [count * S, Hkv, D] bf16 (rows may be strided) -> [count * S, Hq, D] bf16: each of
-// the `count` prompts of S tokens attends causally to itself. D % 32 == 0, S <= 8192.
-torch::Tensor prompt_attention_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t count, double scale) {
+// the `count` prompts of S tokens attends causally to itself. D % 32 == 0, S <= 8192. engine: 0 the fastest
+// available (tiles, then vectors), 1 tiles, 2 vectors.
+torch::Tensor prompt_attention_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t count, double scale,
+                                    int64_t engine) {
   TORCH_CHECK(count >= 1 && q.dim() == 3 && q.size(0) % count == 0 && q.size(0) > 0,
               "prompt_attention_bf16: q rows must be count x S, S >= 1");
   const int64_t rows = q.size(0), head_dim = q.size(2), len = rows / count;
@@ -252,23 +357,33 @@ torch::Tensor prompt_attention_bf16(torch::Tensor q, torch::Tensor k, torch::Ten
   TORCH_CHECK(k.size(1) == v.size(1) && q.size(1) % k.size(1) == 0, "prompt_attention_bf16: heads");
   TORCH_CHECK(head_dim % kTileK == 0 && len <= kMaxPromptTokens, "prompt_attention_bf16: head_dim ", head_dim,
               " (a multiple of 32) or prompt length ", len, " (at most ", kMaxPromptTokens, ")");
+  const bool tiles = engine == static_cast<int64_t>(Engine::kTiles) ||
+                     (engine == static_cast<int64_t>(Engine::kAuto) && tiles_available());
+  TORCH_CHECK(engine >= 0 && engine <= 2, "prompt_attention_bf16: engine ", engine, " (0 auto, 1 tiles, 2 vectors)");
+  TORCH_CHECK(tiles ? tiles_available() : vectors_available(), "prompt_attention_bf16: no ",
+              tiles ? "AMX tiles" : "AVX-512 BF16", " in this build or process (see prompt_attention_engines)");
   torch::Tensor out = torch::empty({rows, q.size(1), head_dim}, q.options());
-#if defined(CPU_EXT_AMX)
-  TORCH_CHECK(permitted(), "prompt_attention_bf16: the kernel did not grant this process AMX tiles");
+#if defined(CPU_EXT_VECTOR_ATTENTION)
   const int64_t kv_heads = k.size(1), blocks = (len + kBlock - 1) / kBlock;
   torch::Tensor keys = torch::empty({count * kv_heads * 2 * blocks * (head_dim / kTileK) * kBlockElems}, q.options());
   torch::Tensor values = torch::empty({count * kv_heads * blocks * (head_dim / kTileN) * kBlockElems}, q.options());
   auto bf16 = [](const torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); };
-  Prompts p{bf16(q), bf16(k), bf16(v), bf16(out), q.stride(0), k.stride(0), v.stride(0),
-            count, len, q.size(1), kv_heads, head_dim, blocks, static_cast<float>(scale), bf16(keys), bf16(values)};
-  run(p);
-  return out;
-#else
-  TORCH_CHECK(false, "prompt_attention_bf16: built without AMX (see amx_linear_available)");
+  const Prompts p{bf16(q), bf16(k), bf16(v), bf16(out), q.stride(0), k.stride(0), v.stride(0), count, len,
+                  q.size(1), kv_heads, head_dim, blocks, static_cast<float>(scale), bf16(keys), bf16(values)};
+#if defined(CPU_EXT_AMX)
+  if (tiles) {
+    run<Tiles>(p);
+    return out;
+  }
 #endif
+  run<Vectors>(p);
+#endif
+  return out;
 }
 
-void bind_amx_attention(pybind11::module& m) {
+void bind_prompt_attention(pybind11::module& m) {
   m.def("prompt_attention_bf16", &prompt_attention_bf16,
-        "causal self-attention of count whole prompts of one length on AMX tiles");
+        "causal self-attention of count whole prompts of one length (engine: 0 auto, 1 AMX tiles, 2 AVX-512 BF16)");
+  m.def("prompt_attention_engines", &prompt_attention_engines,
+        "the engines prompt_attention_bf16 can run here: 1 AMX tiles, 2 AVX-512 BF16");
 }

@@ -1,4 +1,5 @@
-"""The prompt-attention kernel (engine/kernels/amx_attention.cpp) and where paged attention uses it."""
+"""The prompt-attention kernel (engine/kernels/prompt_attention.cpp) on each engine this CPU has (AMX tiles,
+AVX-512 BF16 vectors), and where paged attention uses it."""
 from __future__ import annotations
 
 import pytest
@@ -12,8 +13,9 @@ from engine.model.hf_loader import iter_hf_weights, read_hf_config
 from engine.model.llama import build_model
 from tests.tiny_models import tiny_llama_config, write_tiny_model
 
-pytestmark = pytest.mark.skipif(not cpu_ext.amx_available(),
-                                reason="no AMX tiles on this CPU (or no kernels)")
+pytestmark = pytest.mark.skipif(not cpu_ext.prompt_attention_engines(),
+                                reason="neither AMX tiles nor AVX-512 BF16 on this CPU (or no kernels)")
+ENGINES = cpu_ext.prompt_attention_engines()
 
 
 def fused_views(count: int, length: int, heads: int, kv_heads: int, head_dim: int, seed: int = 0):
@@ -34,14 +36,15 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: int, sca
     return (scores.softmax(-1) @ vh).transpose(1, 2).reshape(rows, heads, head_dim)
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("count,length", [(1, 1), (2, 5), (3, 17), (16, 128), (1, 300), (4, 33)])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (6, 1, 64), (4, 2, 128)],
                          ids=["GQA-smollm2", "MHA-32", "MQA", "GQA-128"])
-def test_prompt_attention_matches_a_float64_reference(count, length, heads, kv_heads, head_dim):
+def test_prompt_attention_matches_a_float64_reference(count, length, heads, kv_heads, head_dim, engine):
     q, k, v = fused_views(count, length, heads, kv_heads, head_dim, seed=count * length)
     scale = head_dim ** -0.5
     assert cpu_ext.prompt_attention_applies(q, k, v, count)
-    out = cpu_ext.prompt_attention(q, k, v, count, scale)
+    out = cpu_ext.prompt_attention(q, k, v, count, scale, engine)
     assert out.shape == q.shape and out.dtype == torch.bfloat16 and out.is_contiguous()
     exact = reference(q, k, v, count, scale)
     # Probabilities rounded to bf16 for the product with V (as torch's flash attention does), fp32 sums, one
@@ -50,59 +53,82 @@ def test_prompt_attention_matches_a_float64_reference(count, length, heads, kv_h
     assert ((out.double() - exact).abs() <= bound).all()
 
 
-def test_a_query_sees_only_its_own_prompt_up_to_itself():
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_query_sees_only_its_own_prompt_up_to_itself(engine):
     """Changing prompt 1's key and value at token 40 leaves every query before it and every other prompt
     bit-identical, and changes the queries from token 40 on. A NaN there reaches no other prompt (within the
-    prompt, queries 32-39 share a tile product with token 40: zero probability times NaN, as in SDPA)."""
+    prompt, queries 32-39 share a block product with token 40: zero probability times NaN, as in SDPA)."""
     count, length = 3, 70
     q, k, v = fused_views(count, length, 9, 3, 64, seed=7)
-    before = cpu_ext.prompt_attention(q, k, v, count, 0.125)
+    before = cpu_ext.prompt_attention(q, k, v, count, 0.125, engine)
     row = length + 40
     for value in (3.0, -50.0, float("nan")):
         k2, v2 = k.clone(), v.clone()
         k2[row], v2[row] = value, -value
-        after = cpu_ext.prompt_attention(q, k2, v2, count, 0.125)
+        after = cpu_ext.prompt_attention(q, k2, v2, count, 0.125, engine)
         untouched = torch.ones(count * length, dtype=torch.bool)
         untouched[(length + 32 if value != value else row):2 * length] = False
         assert torch.equal(after[untouched], before[untouched])
         assert (after[row:2 * length] != before[row:2 * length]).any(dim=(1, 2)).all()
 
 
-def test_prompt_attention_equals_one_prompt_at_a_time():
+@pytest.mark.parametrize("engine", ENGINES)
+def test_prompt_attention_equals_one_prompt_at_a_time(engine):
     count, length = 5, 45
     q, k, v = fused_views(count, length, 9, 3, 64, seed=3)
-    together = cpu_ext.prompt_attention(q, k, v, count, 0.125)
+    together = cpu_ext.prompt_attention(q, k, v, count, 0.125, engine)
     for p in range(count):
         rows = slice(p * length, (p + 1) * length)
-        assert torch.equal(cpu_ext.prompt_attention(q[rows], k[rows], v[rows], 1, 0.125), together[rows])
+        assert torch.equal(cpu_ext.prompt_attention(q[rows], k[rows], v[rows], 1, 0.125, engine), together[rows])
 
 
-def test_prompt_attention_gives_the_same_bits_on_any_thread_count():
+@pytest.mark.parametrize("engine", ENGINES)
+def test_prompt_attention_gives_the_same_bits_on_any_thread_count(engine):
     q, k, v = fused_views(8, 64, 9, 3, 64, seed=5)
     previous = torch.get_num_threads()
     try:
         outputs = []
         for threads in (1, 2, 3):
             torch.set_num_threads(threads)
-            outputs.append(cpu_ext.prompt_attention(q, k, v, 8, 0.125))
+            outputs.append(cpu_ext.prompt_attention(q, k, v, 8, 0.125, engine))
     finally:
         torch.set_num_threads(previous)
     assert all(torch.equal(out, outputs[0]) for out in outputs[1:])
 
 
-def test_prompt_attention_takes_only_what_it_can_and_rejects_the_rest():
+def test_auto_takes_the_first_engine_and_an_engine_not_here_is_refused():
+    q, k, v = fused_views(4, 40, 9, 3, 64, seed=11)
+    assert torch.equal(cpu_ext.prompt_attention(q, k, v, 4, 0.125),
+                       cpu_ext.prompt_attention(q, k, v, 4, 0.125, ENGINES[0]))
+    with pytest.raises(ValueError, match="engine must be one of"):
+        cpu_ext.prompt_attention(q, k, v, 4, 0.125, "amx")
+    for missing in {"tiles", "vectors"} - set(ENGINES):
+        with pytest.raises(RuntimeError, match="no (AMX tiles|AVX-512 BF16) in this build"):
+            cpu_ext.prompt_attention(q, k, v, 4, 0.125, missing)
+
+
+@pytest.mark.skipif(len(ENGINES) < 2, reason="one engine on this CPU: nothing to compare")
+def test_tiles_and_vectors_agree_within_one_rounding():
+    q, k, v = fused_views(6, 77, 9, 3, 64, seed=13)
+    tiles = cpu_ext.prompt_attention(q, k, v, 6, 0.125, "tiles").float()
+    vectors = cpu_ext.prompt_attention(q, k, v, 6, 0.125, "vectors").float()
+    assert ((tiles - vectors).abs() <= tiles.abs() * 2 ** -7 + v.abs().max().float() * 2 ** -8).all()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_prompt_attention_takes_only_what_it_can_and_rejects_the_rest(engine):
     q, k, v = fused_views(2, 8, 4, 2, 48)  # head_dim 48: not whole tiles
     assert not cpu_ext.prompt_attention_applies(q, k, v, 2)
     with pytest.raises(RuntimeError, match="head_dim 48"):
-        cpu_ext.prompt_attention(q, k, v, 2, 0.1)
+        cpu_ext.prompt_attention(q, k, v, 2, 0.1, engine)
     q, k, v = fused_views(3, 8, 4, 2, 64)
     with pytest.raises(RuntimeError, match="count x S"):
-        cpu_ext.prompt_attention(q, k, v, 5, 0.1)  # 24 rows are not 5 prompts
+        cpu_ext.prompt_attention(q, k, v, 5, 0.1, engine)  # 24 rows are not 5 prompts
     assert not cpu_ext.prompt_attention_applies(q.float(), k.float(), v.float(), 3)
     long_q, long_k, long_v = fused_views(1, cpu_ext.MAX_PROMPT_ATTENTION_TOKENS + 1, 1, 1, 32)
     assert not cpu_ext.prompt_attention_applies(long_q, long_k, long_v, 1)
     with pytest.raises(RuntimeError, match="prompt length"):
-        cpu_ext.prompt_attention(long_q, long_k, long_v, 1, 0.1)
+        cpu_ext.prompt_attention(long_q, long_k, long_v, 1, 0.1, engine)
 
 
 @pytest.fixture(scope="module")
