@@ -7,7 +7,7 @@ layers), interleaved so that machine noise hits all variants alike.
     python -m bench.cpu_kernels [--batches 1,2,4,8,16,32,64] [--contexts 192,1024] [--repeats 12]
 
 Prints min and median milliseconds per forward (logits included). The limits (cpu_ext.MAX_GEMV_ROWS,
-MAX_ATTENTION_SEQS, FUSED_ELEMENTWISE, packed_linear.MAX_PACKED_ROWS / MAX_AMX_ROWS) come from this table: each
+MAX_ATTENTION_SEQS, FUSED_ELEMENTWISE, packed_linear.MAX_PACKED_ROWS / MAX_TILED_ROWS) come from this table: each
 kind is forced on in its own column; "all" is what an engine runs (every kind within its shipped limits).
 """
 from __future__ import annotations
@@ -51,12 +51,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     eager, fast = load_model(source, torch.bfloat16), load_model(source, torch.bfloat16)
     fast.use_kernels(True)
     saved = (cpu_ext.MAX_GEMV_ROWS, cpu_ext.MAX_ATTENTION_SEQS, cpu_ext.FUSED_ELEMENTWISE, cpu_ext.DECODE_STACK,
-             packed_linear.MAX_PACKED_ROWS, packed_linear.MAX_AMX_ROWS)
+             packed_linear.MAX_PACKED_ROWS, packed_linear.MAX_TILED_ROWS)
     cpu_ext.MAX_ATTENTION_SEQS = 1 << 30  # forced on: this table decides the limits
     forced, shipped_gemv = 1 << 30, cpu_ext.MAX_GEMV_ROWS
-    # packed-weight row limits: (oneDNN's copy, AMX tiles)
+    # packed-weight row limits: (oneDNN's copy, packed blocks)
     no_packed, all_packed = (0, 0), (forced, forced)
-    shipped_packed = (packed_linear.MAX_PACKED_ROWS, packed_linear.MAX_AMX_ROWS)
+    shipped_packed = (packed_linear.MAX_PACKED_ROWS, packed_linear.MAX_TILED_ROWS)
     # name: (model, GEMV row limit, packed-weight row limits, attention kernel, elementwise kernels, decode stack);
     # "layers" and "all" keep the shipped limits
     variants = {"torch ops": (eager, 0, no_packed, False, False, False),
@@ -80,13 +80,13 @@ def main(argv: Sequence[str] | None = None) -> None:
                     for name, (model, gemv_rows, packed_rows, attention, elementwise, stack) in variants.items():
                         cpu_ext.MAX_GEMV_ROWS, cpu_ext.FUSED_ELEMENTWISE = gemv_rows, elementwise
                         cpu_ext.DECODE_STACK = stack
-                        packed_linear.MAX_PACKED_ROWS, packed_linear.MAX_AMX_ROWS = packed_rows
+                        packed_linear.MAX_PACKED_ROWS, packed_linear.MAX_TILED_ROWS = packed_rows
                         times[name].append(forward_ms(model, kv, tables, ctx, attention))
                 cells = [f"{min(t):6.1f} / {statistics.median(t):6.1f}" for t in times.values()]
                 print(f"{batch:>5} {ctx:>5}  " + "  ".join(f"{c:>15}" for c in cells), flush=True)
     finally:
         (cpu_ext.MAX_GEMV_ROWS, cpu_ext.MAX_ATTENTION_SEQS, cpu_ext.FUSED_ELEMENTWISE, cpu_ext.DECODE_STACK,
-         packed_linear.MAX_PACKED_ROWS, packed_linear.MAX_AMX_ROWS) = saved
+         packed_linear.MAX_PACKED_ROWS, packed_linear.MAX_TILED_ROWS) = saved
 
 
 if __name__ == "__main__":

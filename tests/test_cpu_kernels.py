@@ -206,7 +206,7 @@ def _model(folder, dtype):
 def test_bf16_model_with_kernels_matches_torch_ops(tiny_model_dir, monkeypatch):
     """Prefill chunks, then decode steps: logits with the kernels on stay within bf16 noise of the eager
     model's on the same pages (and the kernels did run, in the fast model only)."""
-    kernels = ("linear_bf16", "decode_attention_bf16", "rms_norm", "silu_mul", "rotary_", "amx_linear_silu_mul")
+    kernels = ("linear_bf16", "decode_attention_bf16", "rms_norm", "silu_mul", "rotary_", "tiled_linear_silu_mul")
     calls = dict.fromkeys(kernels, 0)
 
     def spy(name, func):
@@ -244,16 +244,16 @@ def test_bf16_model_with_kernels_matches_torch_ops(tiny_model_dir, monkeypatch):
     # 9 forwards (3 prefills, 6 decode steps). The GEMV serves the products of one row: each projection (4 a
     # layer) and the head of the 3 one-sequence decode steps; the packed weights those of 2+ rows: the 3
     # two-sequence decode steps and the 3 prefills (no head there), but for the MLP's gate|up product where
-    # the CPU has AMX tiles: that one and SiLU * up are then one fused call; the attention kernel every decode
-    # step, one sequence or two; the elementwise kernels every forward.
+    # the packed blocks run here (AMX or AVX-512 BF16): that one and SiLU * up are then one fused call; the
+    # attention kernel every decode step, one sequence or two; the elementwise kernels every forward.
     layers = cfg.num_layers
     fused = int(fast.layers[0].mlp.gate_up_silu is not None)
-    assert fused == cpu_ext.amx_available()
+    assert fused == cpu_ext.tiled_available()
     assert cpu_ext.attention_applies(2) and packed_linear.available()
     assert calls == {"linear_bf16": 3 * (4 * layers + 1),
                      "packed": 3 * (4 * layers + 1) + 3 * 4 * layers - fused * 6 * layers,
                      "decode_attention_bf16": 6 * layers, "rms_norm": 9 * (2 * layers + 1),
-                     "silu_mul": (9 - fused * 6) * layers, "amx_linear_silu_mul": fused * 6 * layers,
+                     "silu_mul": (9 - fused * 6) * layers, "tiled_linear_silu_mul": fused * 6 * layers,
                      "rotary_": 9 * layers}
     ref = logits["eager"]
     assert (logits["fast"] - ref).abs().max() <= 0.05 * ref.abs().max()
@@ -302,18 +302,18 @@ def test_row_argmax_matches_torch_max_on_ties_nan_and_infinities(width):
 
 def test_greedy_engine_picks_from_bf16_logits_with_the_kernel(tiny_model_dir, monkeypatch):
     """A greedy bf16 engine picks by a kernel on the LM head's bf16 output (no fp32 copy): the argmax taken as
-    the AMX head's tiles come out (2+ rows, AMX), or the argmax kernel on the head's bf16 logits. Both pick
+    the packed head's results come out (2+ rows, packed blocks), or the argmax kernel on the head's bf16 logits. Both pick
     what the fp32 conversion would; sampled or logprob rows still go the fp32 way."""
     seen = []
     monkeypatch.setattr(cpu_ext, "row_argmax", lambda x, f=cpu_ext.row_argmax: seen.append(x.dtype) or f(x))
-    monkeypatch.setattr(cpu_ext, "amx_linear_argmax",
-                        lambda x, w, f=cpu_ext.amx_linear_argmax: seen.append("fused") or f(x, w))
+    monkeypatch.setattr(cpu_ext, "tiled_linear_argmax",
+                        lambda x, w, f=cpu_ext.tiled_linear_argmax: seen.append("fused") or f(x, w))
     prompts = ["the cat", "a dog sat on", "1 2 3 4"]
     greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     fast = LLM(model=str(tiny_model_dir), dtype="bfloat16", num_kv_blocks=64)
     got = [o.token_ids for o in fast.generate(prompts, greedy)]
     assert seen and set(seen) <= {torch.bfloat16, "fused"}
-    assert ("fused" in seen) == cpu_ext.amx_available()  # three rows a step: the AMX head where there is one
+    assert ("fused" in seen) == cpu_ext.tiled_available()  # three rows a step: the packed head where it runs
     seen.clear()
     with_logprobs = fast.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True,
                                                          logprobs=2))

@@ -99,7 +99,7 @@ def test_stack_is_bit_identical_to_the_python_layers(tiny_model_dir, seqs, stack
 def test_stack_follows_the_product_limits(tiny_model_dir, gemv_rows, packed_rows, monkeypatch, stack_calls):
     monkeypatch.setattr(cpu_ext, "MAX_GEMV_ROWS", gemv_rows)
     monkeypatch.setattr(packed_linear, "MAX_PACKED_ROWS", packed_rows)
-    monkeypatch.setattr(packed_linear, "MAX_AMX_ROWS", packed_rows)
+    monkeypatch.setattr(packed_linear, "MAX_TILED_ROWS", packed_rows)
     assert_stack_matches_layers(kernel_model(tiny_model_dir), [0, 1, 2], stack_calls)
 
 

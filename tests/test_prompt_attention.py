@@ -13,9 +13,9 @@ from engine.model.hf_loader import iter_hf_weights, read_hf_config
 from engine.model.llama import build_model
 from tests.tiny_models import tiny_llama_config, write_tiny_model
 
-pytestmark = pytest.mark.skipif(not cpu_ext.prompt_attention_engines(),
+pytestmark = pytest.mark.skipif(not cpu_ext.matrix_engines(),
                                 reason="neither AMX tiles nor AVX-512 BF16 on this CPU (or no kernels)")
-ENGINES = cpu_ext.prompt_attention_engines()
+ENGINES = cpu_ext.matrix_engines()
 
 
 def fused_views(count: int, length: int, heads: int, kv_heads: int, head_dim: int, seed: int = 0):

@@ -1,10 +1,19 @@
 // Intel AMX tiles: whether this build and process may use them, and the one tile configuration the kernels
-// share (all eight tiles 16 rows x 64 bytes: a 16x32 bf16 A tile, a 16x16-pair bf16 B tile, a 16x16 fp32 C tile).
+// share (all eight tiles 16 rows x 64 bytes: a 16x32 bf16 A tile, a 16x16-pair bf16 B tile, a 16x16 fp32 C tile);
+// and the choice between the tiles and AVX-512 BF16 vectors, which run the same packed blocks.
 #pragma once
 
-#include <cstdint>
+#include <c10/util/Exception.h>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include <cstdint>
+#include <vector>
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define CPU_EXT_VECTOR_BF16 1  // the vector engine: vdpbf16ps on zmm registers (AMD Zen 4/5, Intel since Cooper Lake)
+#include <immintrin.h>
+#endif
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(CPU_EXT_VECTOR_BF16)
 #define CPU_EXT_AMX 1
 #include <immintrin.h>
 #include <sys/syscall.h>
@@ -44,5 +53,43 @@ inline void load_tile_config() {
 }
 
 #endif  // CPU_EXT_AMX
+
+// The engines of the products on packed bf16 blocks (tiled_linear.cpp, prompt_attention.cpp): AMX tiles, or the
+// same blocks read a row at a time into zmm registers for vdpbf16ps. The codes are the kernels' `engine` argument.
+enum class Engine : int64_t { kAuto = 0, kTiles = 1, kVectors = 2 };
+
+inline bool tiles_available() {
+#if defined(CPU_EXT_AMX)
+  return permitted();
+#else
+  return false;
+#endif
+}
+
+constexpr bool vectors_available() {
+#if defined(CPU_EXT_VECTOR_BF16)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// engine (a code above) -> true for the tiles, false for the vectors; throws where that engine is not here.
+inline bool use_tiles(int64_t engine, const char* name) {
+  TORCH_CHECK(engine >= 0 && engine <= 2, name, ": engine ", engine, " (0 auto, 1 tiles, 2 vectors)");
+  const bool tiles = engine == static_cast<int64_t>(Engine::kTiles) ||
+                     (engine == static_cast<int64_t>(Engine::kAuto) && tiles_available());
+  TORCH_CHECK(tiles ? tiles_available() : vectors_available(), name, ": no ", tiles ? "AMX tiles" : "AVX-512 BF16",
+              " in this build or process (see cpu_ext.matrix_engines)");
+  return tiles;
+}
+
+// The engines here, as codes: what cpu_ext.matrix_engines reports.
+inline std::vector<int64_t> available_engines() {
+  std::vector<int64_t> engines;
+  if (tiles_available()) engines.push_back(static_cast<int64_t>(Engine::kTiles));
+  if (vectors_available()) engines.push_back(static_cast<int64_t>(Engine::kVectors));
+  return engines;
+}
 
 }  // namespace cpu_ext::amx

@@ -1057,7 +1057,7 @@ torch::Tensor row_argmax_bf16(torch::Tensor x) {
 
 void bind_decode_stack(pybind11::module& m);  // decode_stack.cpp
 
-void bind_amx_linear(pybind11::module& m);  // amx_linear.cpp
+void bind_tiled_linear(pybind11::module& m);  // tiled_linear.cpp
 void bind_prompt_attention(pybind11::module& m);  // prompt_attention.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -1076,6 +1076,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
   }, "whether the AVX-512 paths were compiled in (else scalar loops)");
   bind_decode_stack(m);
-  bind_amx_linear(m);
+  bind_tiled_linear(m);
   bind_prompt_attention(m);
 }

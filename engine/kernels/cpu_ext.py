@@ -26,13 +26,15 @@ elementwise ops between the matrix products.
   in place in the fused qkv output): one pass each instead of 3-10 torch ops and their temporaries. They round
   every intermediate to bf16 where the torch ops store one, so they match torch to the bit but for rare
   one-ulp flips (RMSNorm's fp32 sum order, SiLU's exp).
-- `amx_linear` (engine/kernels/amx_linear.cpp): bf16 products on AMX tiles, on weights packed once into tile
-  order, for decode batches and prefill chunks (2..packed_linear.MAX_AMX_ROWS rows); it streams the weights once
-  (per ~1 MiB slice of rows) and prefetches ahead, where oneDNN's packed matmul read them at 7-11 GB/s
-  (engine/kernels/packed_linear.py has the figures). Only where the CPU has AMX.
-  `amx_linear_argmax` is the same product reduced to each row's argmax as the tiles come out: a greedy step
-  neither writes nor rereads the [rows, vocab] logits. `amx_linear_silu_mul` is the MLP's gate|up product with
-  SiLU(gate) * up computed as its tiles come out, for any number of rows (figures in packed_linear.py).
+- `tiled_linear` (engine/kernels/tiled_linear.cpp): bf16 products on weights packed once into 16x16-pair
+  blocks (AMX's tile order), for decode batches and prefill chunks (2..packed_linear.max_tiled_rows() rows), on
+  one of two engines (`matrix_engines`): AMX tiles, or AVX-512 BF16 vectors where the CPU has no AMX (AMD Zen
+  4/5). It streams the weights once (per ~1 MiB slice of rows) and prefetches ahead, where oneDNN's packed
+  matmul read them at 7-11 GB/s on the AMX host and ran at 670 GFLOPS at 64 rows on the Zen 5 one (the vectors:
+  860) (engine/kernels/packed_linear.py has the figures). `tiled_linear_argmax` is the same product reduced to
+  each row's argmax as the results come out: a greedy step neither writes nor rereads the [rows, vocab]
+  logits. `tiled_linear_silu_mul` is the MLP's gate|up product with SiLU(gate) * up computed as its results
+  come out, for any number of rows (figures in packed_linear.py).
 - `prompt_attention` (engine/kernels/prompt_attention.cpp): causal attention of whole fresh prompts (no cached
   context), `count` prompts of one length in one call: scores and the product with V on AMX tiles, or on
   AVX-512 BF16 vectors where the CPU has no AMX (AMD Zen 4/5), softmax in fp32, probabilities rounded to bf16
@@ -61,7 +63,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_ext.cpp", "decode_stack.cpp", "amx_linear.cpp", "prompt_attention.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_ext.cpp", "decode_stack.cpp", "tiled_linear.cpp", "prompt_attention.cpp")]
 HEADERS = [Path(__file__).with_name(name) for name in ("amx.h", "parallel.h", "vec.h")]
 # Where the kernels measured faster than torch inside the SmolLM2 forward (python -m bench.cpu_kernels,
 # 2 cores): rows of a product, sequences of a decode group.
@@ -174,28 +176,46 @@ def rotary_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
     extension().rotary_bf16_(qkv, cos.reshape(cos.shape[0], -1), sin.reshape(sin.shape[0], -1), heads, head_dim)
 
 
+MATRIX_ENGINES = ("auto", "tiles", "vectors")  # the kernels' engine codes 0, 1, 2 (amx.h)
+
+
 @functools.cache
-def amx_available() -> bool:
-    """Whether `amx_linear`, `amx_linear_argmax` and `amx_linear_silu_mul` run here: built with AMX
-    (-march=native on a CPU that has it) and granted the tile state by the kernel."""
-    return available() and extension().amx_linear_available()
+def matrix_engines() -> tuple[str, ...]:
+    """The engines of the products on packed blocks here, fastest first: "tiles" (AMX; -march=native on a CPU
+    that has it, and the tile state granted by the kernel), "vectors" (AVX-512 BF16). `tiled_linear*` and
+    `prompt_attention` run on either; "auto" takes the first."""
+    if not available():
+        return ()
+    return tuple(MATRIX_ENGINES[code] for code in extension().matrix_engines())
 
 
-def amx_pack(weight: torch.Tensor) -> torch.Tensor:
-    """weight [N, K] bf16 (N % 16 == 0, K % 32 == 0) -> AMX tiles [N/16, K/32, 16, 32] for `amx_linear`."""
-    return extension().amx_pack_bf16(weight)
+def tiled_available() -> bool:
+    """Whether `tile_pack`, `tiled_linear*` and `prompt_attention` run here (on either engine)."""
+    return bool(matrix_engines())
 
 
-def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] bf16, packed from `amx_pack` -> [M, N] bf16 = x W^T + b, fp32 sums rounded once."""
-    return extension().amx_linear_bf16(x, packed, bias if bias is not None else torch.empty(0))
+def _engine_code(engine: str) -> int:
+    if engine not in MATRIX_ENGINES:
+        raise ValueError(f"engine must be one of {MATRIX_ENGINES}, not {engine!r}")
+    return MATRIX_ENGINES.index(engine)
 
 
-def amx_linear_silu_mul(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    """x [M, K] bf16, packed: `amx_pack` of a gate|up weight [2I, K] with its 16-row blocks interleaved (gate
+def tile_pack(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] bf16 (N % 16 == 0, K % 32 == 0) -> 16x16-pair blocks [N/16, K/32, 16, 32] for `tiled_linear`."""
+    return extension().tile_pack_bf16(weight)
+
+
+def tiled_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None,
+                 engine: str = "auto") -> torch.Tensor:
+    """x [M, K] bf16, packed from `tile_pack` -> [M, N] bf16 = x W^T + b, fp32 sums rounded once."""
+    return extension().tiled_linear_bf16(x, packed, bias if bias is not None else torch.empty(0), _engine_code(engine))
+
+
+def tiled_linear_silu_mul(x: torch.Tensor, packed: torch.Tensor, engine: str = "auto") -> torch.Tensor:
+    """x [M, K] bf16, packed: `tile_pack` of a gate|up weight [2I, K] with its 16-row blocks interleaved (gate
     block j, then up block j; packed_linear.pack_gate_up) -> silu(gate) * up [M, I] bf16, silu_mul of the plain
     product to the bit, without writing the [M, 2I] product."""
-    return extension().amx_linear_silu_mul_bf16(x, packed)
+    return extension().tiled_linear_silu_mul_bf16(x, packed, _engine_code(engine))
 
 
 def prompt_attention_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: int) -> bool:
@@ -206,34 +226,21 @@ def prompt_attention_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
             and rows // count <= MAX_PROMPT_ATTENTION_TOKENS
             and all(x.dtype == q.dtype and x.stride(2) == 1 and x.stride(1) == head_dim and x.stride(0) % 2 == 0
                     for x in (q, k, v))
-            and bool(prompt_attention_engines()))
-
-
-PROMPT_ATTENTION_ENGINES = ("auto", "tiles", "vectors")  # prompt_attention_bf16's engine codes 0, 1, 2
-
-
-@functools.cache
-def prompt_attention_engines() -> tuple[str, ...]:
-    """The engines `prompt_attention` can run here, fastest first: "tiles" (AMX), "vectors" (AVX-512 BF16)."""
-    if not available():
-        return ()
-    return tuple(PROMPT_ATTENTION_ENGINES[code] for code in extension().prompt_attention_engines())
+            and tiled_available())
 
 
 def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: int, scale: float,
                      engine: str = "auto") -> torch.Tensor:
     """q [count * S, Hq, D], k/v [count * S, Hkv, D] bf16: `count` whole prompts of S tokens, one after another
     -> [count * S, Hq, D] bf16, each prompt attending causally to itself (no cached context). engine: "auto"
-    (the first of `prompt_attention_engines`), "tiles" or "vectors"."""
-    if engine not in PROMPT_ATTENTION_ENGINES:
-        raise ValueError(f"engine must be one of {PROMPT_ATTENTION_ENGINES}, not {engine!r}")
-    return extension().prompt_attention_bf16(q, k, v, count, scale, PROMPT_ATTENTION_ENGINES.index(engine))
+    (the first of `matrix_engines`), "tiles" or "vectors"."""
+    return extension().prompt_attention_bf16(q, k, v, count, scale, _engine_code(engine))
 
 
-def amx_linear_argmax(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    """x [M, K] bf16 (M >= 1), packed from `amx_pack` -> [M] int64 = row_argmax(amx_linear(x, packed)), without
+def tiled_linear_argmax(x: torch.Tensor, packed: torch.Tensor, engine: str = "auto") -> torch.Tensor:
+    """x [M, K] bf16 (M >= 1), packed from `tile_pack` -> [M] int64 = row_argmax(tiled_linear(x, packed)), without
     writing the [M, N] product: the greedy pick straight off the LM head."""
-    return extension().amx_linear_argmax_bf16(x, packed)
+    return extension().tiled_linear_argmax_bf16(x, packed, _engine_code(engine))
 
 
 @functools.cache

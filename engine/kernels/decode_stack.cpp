@@ -19,8 +19,9 @@ torch::Tensor decode_attention_bf16(torch::Tensor q, torch::Tensor k_pages, torc
 std::vector<torch::Tensor> rms_norm_bf16(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
 torch::Tensor silu_mul_bf16(torch::Tensor gate_up);
 void rotary_bf16_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t heads, int64_t head_dim);
-torch::Tensor amx_linear_bf16(torch::Tensor x, torch::Tensor packed, torch::Tensor bias);  // amx_linear.cpp
-torch::Tensor amx_linear_silu_mul_bf16(torch::Tensor x, torch::Tensor packed);              // amx_linear.cpp
+// tiled_linear.cpp (engine 0: the fastest here)
+torch::Tensor tiled_linear_bf16(torch::Tensor x, torch::Tensor packed, torch::Tensor bias, int64_t engine);
+torch::Tensor tiled_linear_silu_mul_bf16(torch::Tensor x, torch::Tensor packed, int64_t engine);
 
 namespace {
 
@@ -36,7 +37,8 @@ const c10::TypedOperatorHandle<PackedLinear>& packed_linear_op() {
 }
 
 // A Linear module's tensors, as Python passes them: (weight [N, K], bias [N] or None, packed weight or None).
-// The packed weight is AMX tiles (4-D, from amx_pack_bf16) or oneDNN's packed copy (engine/kernels/packed_linear.py).
+// The packed weight is 16x16-pair blocks (4-D, from tile_pack_bf16) or oneDNN's packed copy
+// (engine/kernels/packed_linear.py).
 using ProjectionArgs = std::tuple<torch::Tensor, std::optional<torch::Tensor>, std::optional<torch::Tensor>>;
 
 struct Projection {
@@ -51,20 +53,20 @@ struct Projection {
 };
 
 // The row limits of engine/kernels/cpu_ext.py (MAX_GEMV_ROWS) and packed_linear.py (MAX_PACKED_ROWS for oneDNN's
-// packed copy, MAX_AMX_ROWS for AMX tiles), read by Python at each step as its own `linear` reads them.
+// packed copy, max_tiled_rows() for the packed blocks), read by Python at each step as its own `linear` reads them.
 struct RowLimits {
   int64_t gemv;
   int64_t packed;
-  int64_t amx;
+  int64_t tiled;
 };
 
-// engine/model/llama.py `linear` with the kernels on: the packed weight for 2..limits.amx rows (AMX tiles) or
-// 2..limits.packed (oneDNN's copy), else the GEMV for up to limits.gemv rows, else F.linear.
+// engine/model/llama.py `linear` with the kernels on: the packed weight for 2..limits.tiled rows (packed blocks)
+// or 2..limits.packed (oneDNN's copy), else the GEMV for up to limits.gemv rows, else F.linear.
 torch::Tensor project(const Projection& p, const torch::Tensor& x, const RowLimits& limits) {
   const int64_t rows = x.size(0);
-  const bool amx = p.packed && p.packed->dim() == 4;
-  if (p.packed && rows >= 2 && rows <= (amx ? limits.amx : limits.packed)) {
-    if (amx) return amx_linear_bf16(x, *p.packed, p.gemv_bias);
+  const bool tiled = p.packed && p.packed->dim() == 4;
+  if (p.packed && rows >= 2 && rows <= (tiled ? limits.tiled : limits.packed)) {
+    if (tiled) return tiled_linear_bf16(x, *p.packed, p.gemv_bias, 0);
     return packed_linear_op().call(x.contiguous(), *p.packed, p.bias, "none", c10::List<std::optional<c10::Scalar>>(),
                                    std::string_view(""));
   }
@@ -75,7 +77,7 @@ torch::Tensor project(const Projection& p, const torch::Tensor& x, const RowLimi
 struct Layer {
   torch::Tensor input_norm, post_norm;  // RMSNorm weights [hidden]
   Projection qkv, o, gate_up, down;
-  std::optional<torch::Tensor> gate_up_silu;  // MLP.gate_up_silu: gate|up interleaved in AMX tiles, or None
+  std::optional<torch::Tensor> gate_up_silu;  // MLP.gate_up_silu: gate|up interleaved in packed blocks, or None
 };
 
 // What one step brings, shared by all layers.
@@ -105,12 +107,12 @@ class DecodeStack {
   std::vector<torch::Tensor> forward(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
                                      torch::Tensor slot_mapping, torch::Tensor block_tables,
                                      torch::Tensor context_lens, const std::vector<LayerPages>& kv,
-                                     int64_t max_gemv_rows, int64_t max_packed_rows, int64_t max_amx_rows) const {
+                                     int64_t max_gemv_rows, int64_t max_packed_rows, int64_t max_tiled_rows) const {
     TORCH_CHECK(!kv.empty() && kv.size() <= layers_.size(), "DecodeStack: ", kv.size(), " layers of pages for ",
                 layers_.size(), " layers");
     const Step step{cos.reshape({cos.size(0), -1}), sin.reshape({sin.size(0), -1}), std::move(slot_mapping),
                     std::move(block_tables), std::move(context_lens),
-                    RowLimits{max_gemv_rows, max_packed_rows, max_amx_rows}};
+                    RowLimits{max_gemv_rows, max_packed_rows, max_tiled_rows}};
     torch::Tensor residual = no_residual_;
     for (size_t i = 0; i < kv.size(); ++i) {
       const Layer& layer = layers_[i];
@@ -126,7 +128,7 @@ class DecodeStack {
  private:
   // MLP.forward up to the down projection: silu(gate) * up [T, intermediate].
   static torch::Tensor gate_up_silu_mul(const Layer& layer, const torch::Tensor& h, const RowLimits& limits) {
-    if (layer.gate_up_silu && h.size(0) >= 2) return amx_linear_silu_mul_bf16(h, *layer.gate_up_silu);
+    if (layer.gate_up_silu && h.size(0) >= 2) return tiled_linear_silu_mul_bf16(h, *layer.gate_up_silu, 0);
     return silu_mul_bf16(project(layer.gate_up, h, limits));
   }
 

@@ -31,10 +31,6 @@
 #include "parallel.h"
 #include "vec.h"
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-#define CPU_EXT_VECTOR_ATTENTION 1
-#endif
-
 namespace {
 
 using namespace cpu_ext::amx;
@@ -43,26 +39,7 @@ using cpu_ext::lanes_below;
 constexpr int64_t kBlock = 2 * kTileRows;  // queries of an item (two A tiles); keys of a step (two C tiles)
 constexpr int64_t kMaxPromptTokens = 8192;  // an item's scores: 32 x 8192 fp32 = 1 MiB, still in L2
 
-// Which engine runs the products (prompt_attention_bf16's `engine` argument).
-enum class Engine : int64_t { kAuto = 0, kTiles = 1, kVectors = 2 };
-
-bool tiles_available() {
-#if defined(CPU_EXT_AMX)
-  return permitted();
-#else
-  return false;
-#endif
-}
-
-constexpr bool vectors_available() {
-#if defined(CPU_EXT_VECTOR_ATTENTION)
-  return true;
-#else
-  return false;
-#endif
-}
-
-#if defined(CPU_EXT_VECTOR_ATTENTION)
+#if defined(CPU_EXT_VECTOR_BF16)
 
 inline __m512i load_row16(const uint16_t* p) {  // 16 bf16 into the low half
   return _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -324,7 +301,7 @@ void run(const Prompts& p) {
   });
 }
 
-#endif  // CPU_EXT_VECTOR_ATTENTION
+#endif  // CPU_EXT_VECTOR_BF16
 
 void check_rows(const torch::Tensor& x, int64_t rows, int64_t head_dim, const char* what) {
   TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kBFloat16 && x.size(0) == rows && x.size(2) == head_dim &&
@@ -334,14 +311,6 @@ void check_rows(const torch::Tensor& x, int64_t rows, int64_t head_dim, const ch
 }
 
 }  // namespace
-
-// Which engines this build and process can run: 1 tiles, 2 vectors (Engine's values).
-std::vector<int64_t> prompt_attention_engines() {
-  std::vector<int64_t> engines;
-  if (tiles_available()) engines.push_back(static_cast<int64_t>(Engine::kTiles));
-  if (vectors_available()) engines.push_back(static_cast<int64_t>(Engine::kVectors));
-  return engines;
-}
 
 // q [count * S, Hq, D], k/v [count * S, Hkv, D] bf16 (rows may be strided) -> [count * S, Hq, D] bf16: each of
 // the `count` prompts of S tokens attends causally to itself. D % 32 == 0, S <= 8192. engine: 0 the fastest
@@ -357,13 +326,9 @@ torch::Tensor prompt_attention_bf16(torch::Tensor q, torch::Tensor k, torch::Ten
   TORCH_CHECK(k.size(1) == v.size(1) && q.size(1) % k.size(1) == 0, "prompt_attention_bf16: heads");
   TORCH_CHECK(head_dim % kTileK == 0 && len <= kMaxPromptTokens, "prompt_attention_bf16: head_dim ", head_dim,
               " (a multiple of 32) or prompt length ", len, " (at most ", kMaxPromptTokens, ")");
-  const bool tiles = engine == static_cast<int64_t>(Engine::kTiles) ||
-                     (engine == static_cast<int64_t>(Engine::kAuto) && tiles_available());
-  TORCH_CHECK(engine >= 0 && engine <= 2, "prompt_attention_bf16: engine ", engine, " (0 auto, 1 tiles, 2 vectors)");
-  TORCH_CHECK(tiles ? tiles_available() : vectors_available(), "prompt_attention_bf16: no ",
-              tiles ? "AMX tiles" : "AVX-512 BF16", " in this build or process (see prompt_attention_engines)");
+  const bool tiles = use_tiles(engine, "prompt_attention_bf16");
   torch::Tensor out = torch::empty({rows, q.size(1), head_dim}, q.options());
-#if defined(CPU_EXT_VECTOR_ATTENTION)
+#if defined(CPU_EXT_VECTOR_BF16)
   const int64_t kv_heads = k.size(1), blocks = (len + kBlock - 1) / kBlock;
   torch::Tensor keys = torch::empty({count * kv_heads * 2 * blocks * (head_dim / kTileK) * kBlockElems}, q.options());
   torch::Tensor values = torch::empty({count * kv_heads * blocks * (head_dim / kTileN) * kBlockElems}, q.options());
@@ -384,6 +349,4 @@ torch::Tensor prompt_attention_bf16(torch::Tensor q, torch::Tensor k, torch::Ten
 void bind_prompt_attention(pybind11::module& m) {
   m.def("prompt_attention_bf16", &prompt_attention_bf16,
         "causal self-attention of count whole prompts of one length (engine: 0 auto, 1 AMX tiles, 2 AVX-512 BF16)");
-  m.def("prompt_attention_engines", &prompt_attention_engines,
-        "the engines prompt_attention_bf16 can run here: 1 AMX tiles, 2 AVX-512 BF16");
 }

@@ -22,7 +22,7 @@ Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, 1, head_dim / 2]
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, use_kernels: bool,
            packed: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, or with the kernels on (bf16 on the CPU): the weight's packed copy (AMX tiles or oneDNN's) for
+    """F.linear, or with the kernels on (bf16 on the CPU): the weight's packed copy (16x16-pair blocks or oneDNN's) for
     products within its row limit (packed_linear.max_rows), the streaming GEMV for a row (for a few rows when
     there is no packed copy)."""
     if use_kernels:
@@ -105,7 +105,7 @@ class Attention(nn.Module):
 
 class MLP(nn.Module):
     use_kernels = False  # set per instance by LlamaModel.use_kernels
-    # gate|up packed with its blocks interleaved for the fused AMX product (packed_linear.pack_gate_up), made by
+    # gate|up packed with its blocks interleaved for the fused product (packed_linear.pack_gate_up), made by
     # LlamaModel.use_kernels; gate_up_proj then keeps no packed copy of its own
     gate_up_silu: torch.Tensor | None = None
 
@@ -116,7 +116,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_silu is not None and packed_linear.gate_up_applies(x):
-            return self.down_proj(cpu_ext.amx_linear_silu_mul(x, self.gate_up_silu))  # silu(gate) * up [T, I]
+            return self.down_proj(cpu_ext.tiled_linear_silu_mul(x, self.gate_up_silu))  # silu(gate) * up [T, I]
         gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
         if self.use_kernels and cpu_ext.elementwise_applies(gate_up):
             return self.down_proj(cpu_ext.silu_mul(gate_up))
@@ -203,7 +203,7 @@ class LlamaModel(nn.Module):
         """The layers of a decode-only step in one call -> (last layer's output, residual stream)."""
         return self.stack.forward(x, *rope, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens,
                                   kv_caches, cpu_ext.MAX_GEMV_ROWS, packed_linear.MAX_PACKED_ROWS,
-                                  packed_linear.MAX_AMX_ROWS)
+                                  packed_linear.max_tiled_rows())
 
     def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
         """hidden [B, hidden] -> logits [B, vocab], in float32 or (float32=False) in the model's dtype."""
@@ -212,11 +212,11 @@ class LlamaModel(nn.Module):
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden [B, hidden] -> [B] int64: each row's argmax of compute_logits(hidden, float32=False), taken as
-        the AMX LM head's tiles come out, without the [B, V] logits. None where that path does not apply
-        (kernels off, an LM head not packed for AMX, a row count the packed product does not take)."""
+        the packed LM head's results come out, without the [B, V] logits. None where that path does not apply
+        (kernels off, an LM head not packed in blocks, a row count the packed product does not take)."""
         if self.lm_packed is None or self.lm_packed.dim() != 4 or not packed_linear.applies(hidden, self.lm_packed):
             return None
-        return cpu_ext.amx_linear_argmax(hidden, self.lm_packed)
+        return cpu_ext.tiled_linear_argmax(hidden, self.lm_packed)
 
     def _lm_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

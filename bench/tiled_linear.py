@@ -1,6 +1,6 @@
-"""bf16 products on AMX tiles (engine/kernels/amx_linear.cpp) against oneDNN: decode batches and prefill chunks.
+"""bf16 products on packed blocks (engine/kernels/tiled_linear.cpp) against oneDNN: decode batches and prefill chunks.
 
-    python -m bench.amx_linear [--rows 2,8,32,64,128] [--batches 32,64] [--prefill-rows 512,1024,2048]
+    python -m bench.tiled_linear [--rows 2,8,32,64,128] [--batches 32,64] [--prefill-rows 512,1024,2048]
                                [--prefill-prompts 16,64] [--gate-up-rows 64,512,1024,2048,4096]
                                [--gate-up-batches 64] [--rounds 5]
 
@@ -8,22 +8,23 @@ Part 1, products: the 121 products of one SmolLM2-135M decode step (30 layers of
 the LM head; random weights of the real shapes, 269 MB), at each --rows, with the caches flushed by a 512 MB
 write before each pass. Both packings alternate within each round; prints the median ms per pass and the
 weight bytes read per second, beside a plain sum over the same weights (the read bandwidth to compare with).
-Part 2, engine: two `LLM`s in this process, one packing its weights for the AMX kernel and one for oneDNN,
+Part 2, engine: two `LLM`s in this process, one packing its weights for our kernel and one for oneDNN,
 generating --batches prompts of 128 tokens to 128 new tokens (greedy), alternating; prints median output
 tokens/s and TPOT.
 Part 3, prefill products: the 120 layer products of a forward over --prefill-rows rows (weights from memory, 30
-distinct layers), F.linear on the plain weight (oneDNN's brgemm, what prefill used to run) against the AMX kernel,
+distinct layers), F.linear on the plain weight (oneDNN's brgemm, what prefill used to run) against our kernel,
 alternated; median ms, TFLOPS, speed-up.
 Part 4, engine prefill: one `LLM` at the server's step budget (EngineConfig's max_num_batched_tokens),
-prefilling --prefill-prompts prompts of 128 tokens (one output token), with the AMX kernel for up to
-packed_linear.MAX_AMX_ROWS rows (shipped) and for up to MAX_PACKED_ROWS rows only (F.linear above, as before),
+prefilling --prefill-prompts prompts of 128 tokens (one output token), with our kernel for up to
+packed_linear.max_tiled_rows() rows (shipped) and for up to MAX_PACKED_ROWS rows only (F.linear above, as before),
 alternated; median prompt tokens/s and the median of the paired ratios. The MLP's gate|up product takes the fused
-AMX call in both (part 6 compares that call with the two passes).
+call in both (part 6 compares that call with the two passes).
 Part 5, gate|up with SiLU: the MLP's gate|up product and SiLU(gate) * up over the 30 layers' weights (from memory)
-at --gate-up-rows rows, three ways alternated: the fused call (amx_linear_silu_mul, shipped), the AMX product then
+at --gate-up-rows rows, three ways alternated: the fused call (tiled_linear_silu_mul, shipped), our product then
 silu_mul, F.linear then silu_mul; median ms, and each two-pass way's time over the fused one's (paired medians).
 Part 6, engine gate|up: two `LLM`s, with packed_linear.FUSED_GATE_UP on and off, as part 2 at --gate-up-batches.
-Needs a CPU with AMX (Sapphire Rapids or newer).
+Our kernel runs on the CPU's first engine (cpu_ext.matrix_engines: AMX tiles, else AVX-512 BF16 vectors); it
+needs one of them.
 """
 from __future__ import annotations
 
@@ -64,7 +65,7 @@ def read_pass(weights: list[torch.Tensor]) -> float:
 def products(rows_list: list[int], rounds: int) -> None:
     weights = step_weights()
     nbytes = sum(w.numel() * w.element_size() for w in weights)
-    packings = {"amx": [cpu_ext.amx_pack(w) for w in weights],
+    packings = {"ours": [cpu_ext.tile_pack(w) for w in weights],
                 "onednn": [torch.ops.mkldnn._reorder_linear_weight(w, packed_linear.PACK_BATCH_HINT) for w in weights]}
     flush = torch.empty(256 << 20, dtype=torch.bfloat16)
     times: dict[tuple[str, int], list[float]] = {}
@@ -78,15 +79,15 @@ def products(rows_list: list[int], rounds: int) -> None:
     read_s = statistics.median(times[("sum", 0)])
     print(f"products of one decode step ({len(weights)} products, {nbytes / 1e6:.0f} MB of weights, caches flushed), "
           f"median of {rounds}; plain sum over the weights: {read_s * 1e3:.1f} ms ({nbytes / read_s / 1e9:.1f} GB/s)")
-    print(f"{'rows':>5} {'oneDNN ms':>10} {'GB/s':>6} {'AMX ms':>8} {'GB/s':>6} {'speed-up':>9}")
+    print(f"{'rows':>5} {'oneDNN ms':>10} {'GB/s':>6} {'ours ms':>8} {'GB/s':>6} {'speed-up':>9}")
     for rows in rows_list:
-        onednn, amx = (statistics.median(times[(n, rows)]) for n in ("onednn", "amx"))
-        print(f"{rows:>5} {onednn * 1e3:>10.1f} {nbytes / onednn / 1e9:>6.1f} {amx * 1e3:>8.1f} "
-              f"{nbytes / amx / 1e9:>6.1f} {onednn / amx:>8.2f}x")
+        onednn, ours = (statistics.median(times[(n, rows)]) for n in ("onednn", "ours"))
+        print(f"{rows:>5} {onednn * 1e3:>10.1f} {nbytes / onednn / 1e9:>6.1f} {ours * 1e3:>8.1f} "
+              f"{nbytes / ours / 1e9:>6.1f} {onednn / ours:>8.2f}x")
 
 
-def engine(batches: list[int], rounds: int, threads: int, switch: str = "AMX_PACKING",
-           names: tuple[str, str] = ("amx", "onednn")) -> None:
+def engine(batches: list[int], rounds: int, threads: int, switch: str = "TILED_PACKING",
+           names: tuple[str, str] = ("ours", "onednn")) -> None:
     """Two engines alternated: packed_linear.<switch> on (names[0]) and off (names[1]) when each packs its weights."""
     from bench.offline_throughput import build_engine, parse_args
     from bench.step_budget import alternate
@@ -111,13 +112,13 @@ def engine(batches: list[int], rounds: int, threads: int, switch: str = "AMX_PAC
 
 def prefill_products(rows_list: list[int], rounds: int) -> None:
     weights = step_weights()[:-1]  # the layers' products; prefill samples the LM head on a few rows only
-    packed = [cpu_ext.amx_pack(w) for w in weights]
+    packed = [cpu_ext.tile_pack(w) for w in weights]
     flops_per_row = 2 * sum(w.numel() for w in weights)
     print(f"\nprefill products ({len(weights)} per forward, weights from memory), median of {rounds} alternated")
-    print(f"{'rows':>5} {'F.linear ms':>12} {'TFLOPS':>7} {'AMX ms':>8} {'TFLOPS':>7} {'speed-up':>9}")
+    print(f"{'rows':>5} {'F.linear ms':>12} {'TFLOPS':>7} {'ours ms':>8} {'TFLOPS':>7} {'speed-up':>9}")
     for rows in rows_list:
         inputs = {k: torch.randn(rows, k, dtype=torch.bfloat16) for k in (HIDDEN, INTERMEDIATE)}
-        times: dict[str, list[float]] = {"F.linear": [], "AMX": []}
+        times: dict[str, list[float]] = {"F.linear": [], "ours": []}
         for _ in range(rounds):
             start = time.perf_counter()
             for weight in weights:
@@ -125,11 +126,11 @@ def prefill_products(rows_list: list[int], rounds: int) -> None:
             times["F.linear"].append(time.perf_counter() - start)
             start = time.perf_counter()
             for weight, pack in zip(weights, packed):
-                cpu_ext.amx_linear(inputs[weight.shape[1]], pack)
-            times["AMX"].append(time.perf_counter() - start)
-        onednn, amx = statistics.median(times["F.linear"]), statistics.median(times["AMX"])
-        print(f"{rows:>5} {onednn * 1e3:>12.1f} {flops_per_row * rows / onednn / 1e12:>7.2f} {amx * 1e3:>8.1f} "
-              f"{flops_per_row * rows / amx / 1e12:>7.2f} {onednn / amx:>8.2f}x")
+                cpu_ext.tiled_linear(inputs[weight.shape[1]], pack)
+            times["ours"].append(time.perf_counter() - start)
+        onednn, ours = statistics.median(times["F.linear"]), statistics.median(times["ours"])
+        print(f"{rows:>5} {onednn * 1e3:>12.1f} {flops_per_row * rows / onednn / 1e12:>7.2f} {ours * 1e3:>8.1f} "
+              f"{flops_per_row * rows / ours / 1e12:>7.2f} {onednn / ours:>8.2f}x")
 
 
 def engine_prefill(prompt_counts: list[int], rounds: int, threads: int) -> None:
@@ -141,20 +142,20 @@ def engine_prefill(prompt_counts: list[int], rounds: int, threads: int) -> None:
     llm = LLM(num_threads=threads, max_num_seqs=max(prompt_counts), max_num_batched_tokens=budget)
     factory = PromptFactory(llm.tokenizer, 128)
     llm.generate(factory.make(2), greedy(4))  # warm-up
-    limits = {"AMX to MAX_AMX_ROWS": packed_linear.MAX_AMX_ROWS,
-              "AMX to MAX_PACKED_ROWS": packed_linear.MAX_PACKED_ROWS}
+    limits = {"ours to max_tiled_rows()": packed_linear.max_tiled_rows(),
+              "ours to MAX_PACKED_ROWS": packed_linear.MAX_PACKED_ROWS}
     rates: dict[tuple[str, int], list[float]] = {}
     try:
         for round_index in range(rounds):
             for count in prompt_counts:
                 for name in (list(limits) if round_index % 2 == 0 else list(reversed(limits))):
-                    packed_linear.MAX_AMX_ROWS = limits[name]
+                    packed_linear.MAX_TILED_ROWS = limits[name]
                     prompts = factory.make(count)  # fresh: no prefix-cache hit on the other variant's blocks
                     start = time.perf_counter()
                     llm.generate(prompts, greedy(1))
                     rates.setdefault((name, count), []).append(count * 128 / (time.perf_counter() - start))
     finally:
-        packed_linear.MAX_AMX_ROWS = limits["AMX to MAX_AMX_ROWS"]
+        packed_linear.MAX_TILED_ROWS = None  # the engine's own limit, as shipped
     print(f"\nengine prefill, {budget}-token steps, 128-token prompts, one output token, {threads} threads, "
           f"median of {rounds} alternated rounds (prompt tokens/s)")
     new, old = limits
@@ -167,9 +168,9 @@ def engine_prefill(prompt_counts: list[int], rounds: int, threads: int) -> None:
 def gate_up_products(rows_list: list[int], rounds: int) -> None:
     weights = [torch.randn(2 * INTERMEDIATE, HIDDEN, dtype=torch.bfloat16) * 0.02 for _ in range(LAYERS)]
     fused = [packed_linear.pack_gate_up(w) for w in weights]
-    plain = [cpu_ext.amx_pack(w) for w in weights]
-    ways = {"fused": lambda x: [cpu_ext.amx_linear_silu_mul(x, f) for f in fused],
-            "AMX, silu_mul": lambda x: [cpu_ext.silu_mul(cpu_ext.amx_linear(x, p)) for p in plain],
+    plain = [cpu_ext.tile_pack(w) for w in weights]
+    ways = {"fused": lambda x: [cpu_ext.tiled_linear_silu_mul(x, f) for f in fused],
+            "ours, silu_mul": lambda x: [cpu_ext.silu_mul(cpu_ext.tiled_linear(x, p)) for p in plain],
             "F.linear, silu_mul": lambda x: [cpu_ext.silu_mul(F.linear(x, w)) for w in weights]}
     print(f"\ngate|up with SiLU ({LAYERS} layers' weights), ms per forward, median of {rounds} alternated rounds; "
           "(x) = time over the fused call's, paired")
@@ -200,8 +201,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=2)
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
-    if not cpu_ext.amx_available():
-        raise SystemExit("no AMX here (cpu_ext.amx_available() is False): nothing to compare")
+    if not cpu_ext.tiled_available():
+        raise SystemExit("neither AMX nor AVX-512 BF16 here (cpu_ext.matrix_engines() is empty): nothing to compare")
+    print(f"our kernel's engine: {cpu_ext.matrix_engines()[0]}")
     if a.rows:
         products([int(r) for r in a.rows.split(",")], a.rounds)
     if a.batches:

@@ -1,23 +1,29 @@
-// bf16 products on Intel AMX tiles for decode batches and prefill chunks (2..1024 rows in the engine:
-// packed_linear.MAX_AMX_ROWS; the MLP's gate|up product with SiLU * up at any row count), streaming the weights
-// once per slice of rows.
+// bf16 products on weights packed into 16x16-pair blocks, for decode batches and prefill chunks (2 rows up to
+// packed_linear.MAX_TILED_ROWS; the MLP's gate|up product with SiLU * up at any row count), streaming the weights
+// once per slice of rows. Two engines run the same packed weights (amx.h):
+// - tiles: Intel AMX, the blocks as B tiles (everything below up to the vector engine's section);
+// - vectors: AVX-512 BF16 where the CPU has no AMX (AMD Zen 4/5). Each block row (16 columns x one pair of the
+//   reduction) is one zmm register; 8 rows of A by 2 column blocks are 16 accumulators, one vdpbf16ps each per
+//   pair (vector_rows). On a Zen 5 EPYC (2 cores, session 12) a decode step's 120 layer products ran at 860
+//   GFLOPS at 64 rows and 965-995 at 256-2048, 1.15-1.87x F.linear and 1.0-1.27x oneDNN's packed copy (VECTOR
+//   FIGURES).
 //
 // oneDNN's packed matmul (torch.ops.mkldnn._linear_pointwise) read the weights of a decode step at 7-11 GB/s at
 // 32-64 rows on this 2-core host, against 12-14 GB/s for a plain sum over the same bytes. This kernel walks
 // the weights in the order they lie in memory, prefetches the next pair of column blocks into L2 while the
 // tiles work on the current one, and converts each 16x16 fp32 result tile to bf16 in registers. Figures:
-// engine/kernels/packed_linear.py (python -m bench.amx_linear).
+// engine/kernels/packed_linear.py (python -m bench.tiled_linear).
 //
-// Layout of a packed weight, from amx_pack_bf16: [N/16, K/32, 16, 32] bf16. Block (n, k) is the B tile of
+// Layout of a packed weight, from tile_pack_bf16: [N/16, K/32, 16, 32] bf16. Block (n, k) is the B tile of
 // columns n*16..n*16+15 and reduction indices k*32..k*32+31, in AMX's pair layout: tile row r holds, for each
 // of the 16 columns c, the two bf16 W[c][2r] and W[c][2r+1]. One column block's K/32 tiles are contiguous.
 //
-// amx_linear_argmax_bf16 runs the same product and keeps each row's argmax as the tiles come out, for greedy
+// tiled_linear_argmax_bf16 runs the same product and keeps each row's argmax as the tiles come out, for greedy
 // steps: the [M, N] logits are neither written nor read back by a separate argmax. At 64 sequences it saved
 // 0.4-0.7 ms of a 56-62 ms decode step, 0.2-0.3 ms at 32 (100 steps alternated with the two-pass path, medians
 // and means of the paired differences, session 8).
 //
-// amx_linear_silu_mul_bf16 is the MLP's gate|up product on a weight packed with its 16-column blocks interleaved
+// tiled_linear_silu_mul_bf16 is the MLP's gate|up product on a weight packed with its 16-column blocks interleaved
 // (gate block j, then up block j: packed_linear.pack_gate_up), so that each pair of column blocks holds the gate
 // and up columns of the same 16 outputs. SiLU(gate) * up is computed from their bf16 values as the tiles come
 // out, to the bit as silu_mul_bf16 computes it from the stored product, and only the [M, I] result is written.
@@ -28,7 +34,7 @@
 // faster at 64-2048 rows (SmolLM2's 576 -> 3072, 2 threads, medians of paired ratios of 10-20 alternated rounds,
 // in cache, two runs, session 11); the plain product 0.99-1.03x at 64-1024 rows, and 0.87-0.90x at 2048, where
 // the engine does not use it. The two passes the fused product replaces, their time over its time
-// (python -m bench.amx_linear's part 5: the 30 layers' weights from memory, 2 threads, medians of the paired
+// (python -m bench.tiled_linear's part 5: the 30 layers' weights from memory, 2 threads, medians of the paired
 // ratios of 15 alternated rounds, two runs):
 //   rows                           64          512         1024        2048        4096
 //   F.linear, then silu_mul        2.37-2.44x  1.36-1.40x  0.97-1.43x  0.92-0.95x  0.96-1.11x
@@ -43,7 +49,7 @@
 //
 // Prefill chunks up to 1024 rows, not full 2048-row offline steps. The 120 layer products of a SmolLM2 forward,
 // weights from memory, against F.linear (oneDNN's brgemm on the plain weight), 5 alternated passes (session 9,
-// python -m bench.amx_linear's part 3): with A in the row slices of run(), 1.39-1.46x at 512 rows, 1.30-1.90x at
+// python -m bench.tiled_linear's part 3): with A in the row slices of run(), 1.39-1.46x at 512 rows, 1.30-1.90x at
 // 1024, and at 2048 1.05x in one run but 0.91x in a quiet minute (F.linear then ran 2.2 TFLOPS). In the engine
 // (part 4), 16 and 64 prompts of 128 tokens prefilled in the server's 512-token steps: 1.12x and 1.46x the
 // prompt tokens/s (medians of the paired ratios of 5 alternated rounds). The 2048-token offline steps keep
@@ -74,6 +80,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <mutex>
 #include <vector>
 
@@ -85,14 +92,15 @@ namespace {
 
 using namespace cpu_ext::amx;
 
-#if defined(CPU_EXT_AMX)
+#if defined(CPU_EXT_VECTOR_BF16)
 
 struct Problem {
-  const uint16_t* a;     // [row_tiles * 16, K] bf16, rows past M zero
+  const uint16_t* a;     // [row_tiles * 16, K] bf16, rows past M zero (vectors: [M, K], nothing past M read)
   const uint16_t* b;     // packed [N/16, K/32, 16, 32]
   const float* bias;     // [N] fp32 or null
   uint16_t* out;         // [M, out_cols] bf16: out_cols = N, or N / 2 for silu(gate) * up
   int64_t m, k, row_tiles, col_blocks, k_blocks, out_cols;
+  bool tiles;            // the engine: AMX tiles, or vectors
 };
 
 // Rounded to bf16 and widened back: the value a bf16 store followed by a bf16 load gives.
@@ -118,6 +126,16 @@ struct Prefetch {
     for (int64_t i = 0; i < per_block && next < total; ++i, ++next) _mm_prefetch(base + next * 64, _MM_HINT_T1);
   }
 };
+
+// The next pair's weights (none after the last of the run): `iterations` k blocks take them, a few lines each.
+Prefetch next_pair(const Problem& p, int64_t pair, int64_t end, int64_t iterations) {
+  if (pair + 1 >= end) return {};
+  const int64_t pair_lines = 2 * p.k_blocks * kBlockElems * 2 / 64;
+  return {reinterpret_cast<const char*>(p.b) + (pair + 1) * pair_lines * 64, pair_lines,
+          (pair_lines + iterations - 1) / iterations, 0};
+}
+
+#if defined(CPU_EXT_AMX)
 
 // The results of one tile_pair, parked in `c` [2 row tiles, 2 column blocks, 16, 16] fp32, handed to the sink
 // a few rows at a time while the next tile_pair's products run: the sink's vector work (conversion, stores,
@@ -190,25 +208,93 @@ void tile_pair(const Problem& p, int64_t n0, bool two_cols, int64_t m0, Prefetch
 
 // Pairs [begin, end) of column blocks: the weights of each streamed once, the next pair's prefetched meanwhile.
 template <typename Sink>
-void run_pairs(const Problem& p, int64_t begin, int64_t end, const Sink& sink) {
-  const int64_t pair_bytes = 2 * p.k_blocks * kBlockElems * 2;
+void run_tile_pairs(const Problem& p, int64_t begin, int64_t end, const Sink& sink) {
   load_tile_config();
   alignas(64) float c[4 * kTileRows * kTileN];
   Results<Sink> results{sink, c};
   for (int64_t pair = begin; pair < end; ++pair) {
     const int64_t n0 = 2 * pair;
     const bool two_cols = n0 + 1 < p.col_blocks;
-    Prefetch prefetch;
-    if (pair + 1 < end) {
-      const int64_t iterations = (p.row_tiles + 1) / 2 * p.k_blocks;
-      prefetch = {reinterpret_cast<const char*>(p.b) + (pair + 1) * pair_bytes, pair_bytes / 64,
-                  (pair_bytes / 64 + iterations - 1) / iterations, 0};
-    }
+    Prefetch prefetch = next_pair(p, pair, end, (p.row_tiles + 1) / 2 * p.k_blocks);
     for (int64_t m0 = 0; m0 < p.row_tiles; m0 += 2)  // after the first pass, B comes from cache
       tile_pair(p, n0, two_cols, m0, prefetch, results);
   }
   results.give_all();
   _tile_release();
+}
+
+#endif  // CPU_EXT_AMX
+
+// ---- The vector engine -----------------------------------------------------------------------------------
+
+// Rows [row, row + R) of A times column blocks b0 | b1 (b1 = b0 when there is one) -> sink, one row at a time.
+// Block row j of a k block is the 16 columns' pair (2j, 2j + 1): one vdpbf16ps per row of A and column block.
+template <int R, typename Sink>
+void vector_rows(const Problem& p, int64_t row, const uint16_t* b0, const uint16_t* b1, int64_t n0, bool two_cols,
+                 Prefetch& prefetch, const Sink& sink) {
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  const uint16_t* a = p.a + row * p.k;
+  for (int64_t kb = 0; kb < p.k_blocks; ++kb, a += kTileK, b0 += kBlockElems, b1 += kBlockElems) {
+    prefetch.step();
+#pragma GCC unroll 16
+    for (int64_t j = 0; j < kTileRows; ++j) {
+      const __m512bh left = (__m512bh)_mm512_loadu_si512(b0 + j * 2 * kTileN);
+      const __m512bh right = (__m512bh)_mm512_loadu_si512(b1 + j * 2 * kTileN);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        int32_t pair;
+        std::memcpy(&pair, a + r * p.k + 2 * j, sizeof pair);
+        const __m512bh x = (__m512bh)_mm512_set1_epi32(pair);
+        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], x, left);
+        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], x, right);
+      }
+    }
+  }
+  alignas(64) float c[2 * kTileN];
+  for (int r = 0; r < R; ++r) {
+    _mm512_store_ps(c, acc[r][0]);
+    _mm512_store_ps(c + kTileN, acc[r][1]);
+    sink(c, two_cols ? c + kTileN : nullptr, row + r, n0);
+  }
+}
+
+constexpr int64_t kVectorRows = 8;  // rows of A a vector_rows call keeps in registers: 16 accumulators
+
+// R = 1..7 rows: the last rows of A.
+template <typename Sink, int R = kVectorRows - 1>
+void vector_tail(int rows, const Problem& p, int64_t row, const uint16_t* b0, const uint16_t* b1, int64_t n0,
+                 bool two_cols, Prefetch& prefetch, const Sink& sink) {
+  if constexpr (R >= 1) {
+    if (rows == R) return vector_rows<R>(p, row, b0, b1, n0, two_cols, prefetch, sink);
+    vector_tail<Sink, R - 1>(rows, p, row, b0, b1, n0, two_cols, prefetch, sink);
+  }
+}
+
+// run_tile_pairs on the vector engine: each pair of column blocks over all of A's rows, 8 at a time (after the
+// first 8, the pair's weights come from L1/L2), the next pair's prefetched meanwhile.
+template <typename Sink>
+void run_vector_pairs(const Problem& p, int64_t begin, int64_t end, const Sink& sink) {
+  const int64_t chunks = (p.m + kVectorRows - 1) / kVectorRows;
+  for (int64_t pair = begin; pair < end; ++pair) {
+    const int64_t n0 = 2 * pair;
+    const bool two_cols = n0 + 1 < p.col_blocks;
+    const uint16_t* b0 = p.b + n0 * p.k_blocks * kBlockElems;
+    const uint16_t* b1 = two_cols ? b0 + p.k_blocks * kBlockElems : b0;
+    Prefetch prefetch = next_pair(p, pair, end, chunks * p.k_blocks);
+    int64_t row = 0;
+    for (; row + kVectorRows <= p.m; row += kVectorRows)
+      vector_rows<kVectorRows>(p, row, b0, b1, n0, two_cols, prefetch, sink);
+    vector_tail(static_cast<int>(p.m - row), p, row, b0, b1, n0, two_cols, prefetch, sink);
+  }
+}
+
+template <typename Sink>
+void run_pairs(const Problem& p, int64_t begin, int64_t end, const Sink& sink) {
+#if defined(CPU_EXT_AMX)
+  if (p.tiles) return run_tile_pairs(p, begin, end, sink);
+#endif
+  run_vector_pairs(p, begin, end, sink);
 }
 
 // A's rows in slices of about 1 MiB, so that a slice stays in L2 while every pair of column blocks passes over
@@ -317,23 +403,15 @@ void run_argmax(const Problem& p, RowBest& into) {
   });
 }
 
-#endif  // CPU_EXT_AMX
+#endif  // CPU_EXT_VECTOR_BF16
 
 }  // namespace
 
-bool amx_linear_available() {
-#if defined(CPU_EXT_AMX)
-  return permitted();
-#else
-  return false;
-#endif
-}
-
 // weight [N, K] bf16, N % 16 == 0, K % 32 == 0 -> [N/16, K/32, 16, 32] bf16 (layout above).
-torch::Tensor amx_pack_bf16(torch::Tensor weight) {
+torch::Tensor tile_pack_bf16(torch::Tensor weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 && weight.size(0) % kTileN == 0 &&
                   weight.size(1) % kTileK == 0,
-              "amx_pack_bf16: weight must be bf16 [N, K] with N % 16 == 0 and K % 32 == 0");
+              "tile_pack_bf16: weight must be bf16 [N, K] with N % 16 == 0 and K % 32 == 0");
   weight = weight.contiguous();
   const int64_t n = weight.size(0), k = weight.size(1), col_blocks = n / kTileN, k_blocks = k / kTileK;
   torch::Tensor packed = torch::empty({col_blocks, k_blocks, kTileRows, 2 * kTileN}, weight.options());
@@ -356,17 +434,16 @@ torch::Tensor amx_pack_bf16(torch::Tensor weight) {
 
 namespace {
 
-void check_operands(const torch::Tensor& x, const torch::Tensor& packed, const char* name) {
+// Checks the operands and the engine -> true for the tiles, false for the vectors.
+bool check_operands(const torch::Tensor& x, const torch::Tensor& packed, int64_t engine, const char* name) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && packed.dim() == 4 &&
                   packed.scalar_type() == at::kBFloat16 && packed.size(2) == kTileRows &&
                   packed.size(3) == 2 * kTileN && packed.is_contiguous() && x.size(1) == packed.size(1) * kTileK,
-              name, ": x [M, K] bf16 and a weight from amx_pack_bf16 with the same K");
-#if defined(CPU_EXT_AMX)
-  TORCH_CHECK(permitted(), name, ": the kernel did not grant this process AMX tiles");
-#else
-  TORCH_CHECK(false, name, ": built without AMX (see amx_linear_available)");
-#endif
+              name, ": x [M, K] bf16 and a weight from tile_pack_bf16 with the same K");
+  return use_tiles(engine, name);
 }
+
+#if defined(CPU_EXT_VECTOR_BF16)
 
 // x's rows as whole tiles (rows past M zero; `x` itself when it already is).
 torch::Tensor whole_row_tiles(const torch::Tensor& x) {
@@ -377,76 +454,83 @@ torch::Tensor whole_row_tiles(const torch::Tensor& x) {
   return a;
 }
 
+// A as the engine reads it (the tiles: whole row tiles; the vectors: x's rows, contiguous), kept alive by the
+// caller, and the problem over it.
+struct Operands {
+  torch::Tensor a;
+  Problem p;
+
+  Operands(const torch::Tensor& x, const torch::Tensor& packed, const float* bias, uint16_t* out, int64_t out_cols,
+           bool tiles)
+      : a(tiles ? whole_row_tiles(x) : x.contiguous()),
+        p{reinterpret_cast<const uint16_t*>(a.data_ptr<at::BFloat16>()),
+          reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), bias, out, x.size(0), x.size(1),
+          (a.size(0) + kTileRows - 1) / kTileRows, packed.size(0), packed.size(1), out_cols, tiles} {}
+};
+
+#endif  // CPU_EXT_VECTOR_BF16
+
+uint16_t* bf16_data(torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); }
+
 }  // namespace
 
-// x [M, K] bf16, packed from amx_pack_bf16, bias [N] or empty -> [M, N] bf16 = x W^T + b.
-torch::Tensor amx_linear_bf16(torch::Tensor x, torch::Tensor packed, torch::Tensor bias) {
+// x [M, K] bf16, packed from tile_pack_bf16, bias [N] or empty -> [M, N] bf16 = x W^T + b. engine: 0 the fastest
+// here (tiles, then vectors), 1 AMX tiles, 2 AVX-512 BF16 vectors.
+torch::Tensor tiled_linear_bf16(torch::Tensor x, torch::Tensor packed, torch::Tensor bias, int64_t engine) {
   const int64_t n = packed.dim() == 4 ? packed.size(0) * kTileN : 0;
-  TORCH_CHECK(bias.numel() == 0 || bias.numel() == n, "amx_linear_bf16: bias");
+  TORCH_CHECK(bias.numel() == 0 || bias.numel() == n, "tiled_linear_bf16: bias");
   if (x.dim() == 2 && x.size(0) == 0) return torch::empty({0, n}, x.options());
-  check_operands(x, packed, "amx_linear_bf16");
+  const bool tiles = check_operands(x, packed, engine, "tiled_linear_bf16");
   torch::Tensor out = torch::empty({x.size(0), n}, x.options());
-#if defined(CPU_EXT_AMX)
-  const torch::Tensor a = whole_row_tiles(x);
+#if defined(CPU_EXT_VECTOR_BF16)
   torch::Tensor bias32 = bias.numel() ? bias.to(torch::kFloat32).contiguous() : bias;
-  const Problem p{reinterpret_cast<const uint16_t*>(a.data_ptr<at::BFloat16>()),
-                  reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()),
-                  bias.numel() ? bias32.data_ptr<float>() : nullptr,
-                  reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()),
-                  x.size(0), x.size(1), a.size(0) / kTileRows, packed.size(0), packed.size(1), n};
-  run(p);
+  const Operands ops(x, packed, bias.numel() ? bias32.data_ptr<float>() : nullptr, bf16_data(out), n, tiles);
+  run(ops.p);
 #endif
   return out;
 }
 
-// x [M, K] bf16, packed from amx_pack_bf16 of a gate|up weight [2I, K] interleaved by 16-row blocks (gate block
+// x [M, K] bf16, packed from tile_pack_bf16 of a gate|up weight [2I, K] interleaved by 16-row blocks (gate block
 // j, then up block j: packed_linear.pack_gate_up) -> [M, I] bf16 silu(gate) * up: silu_mul_bf16 of the plain
-// product to the bit, without writing or rereading the [M, 2I] product.
-torch::Tensor amx_linear_silu_mul_bf16(torch::Tensor x, torch::Tensor packed) {
-  TORCH_CHECK(packed.dim() == 4 && packed.size(0) % 2 == 0, "amx_linear_silu_mul_bf16: the packed weight must have "
-              "an even number of 16-column blocks (gate and up interleaved)");
+// product to the bit, without writing or rereading the [M, 2I] product. engine: as tiled_linear_bf16.
+torch::Tensor tiled_linear_silu_mul_bf16(torch::Tensor x, torch::Tensor packed, int64_t engine) {
+  TORCH_CHECK(packed.dim() == 4 && packed.size(0) % 2 == 0, "tiled_linear_silu_mul_bf16: the packed weight must "
+              "have an even number of 16-column blocks (gate and up interleaved)");
   const int64_t width = packed.size(0) / 2 * kTileN;
   if (x.dim() == 2 && x.size(0) == 0) return torch::empty({0, width}, x.options());
-  check_operands(x, packed, "amx_linear_silu_mul_bf16");
+  const bool tiles = check_operands(x, packed, engine, "tiled_linear_silu_mul_bf16");
   torch::Tensor out = torch::empty({x.size(0), width}, x.options());
-#if defined(CPU_EXT_AMX)
-  const torch::Tensor a = whole_row_tiles(x);
-  const Problem p{reinterpret_cast<const uint16_t*>(a.data_ptr<at::BFloat16>()),
-                  reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), nullptr,
-                  reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), x.size(0), x.size(1),
-                  a.size(0) / kTileRows, packed.size(0), packed.size(1), width};
-  run_silu_mul(p);
+#if defined(CPU_EXT_VECTOR_BF16)
+  const Operands ops(x, packed, nullptr, bf16_data(out), width, tiles);
+  run_silu_mul(ops.p);
 #endif
   return out;
 }
 
-// x [M, K] bf16 (M >= 1), packed from amx_pack_bf16 -> [M] int64: for each row, the first column of the maximum
-// (NaN counting as the maximum) of amx_linear_bf16(x, packed) as bf16, row_argmax_bf16's answer, without
-// writing the [M, N] product: the greedy pick straight off the LM head.
-torch::Tensor amx_linear_argmax_bf16(torch::Tensor x, torch::Tensor packed) {
-  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1, "amx_linear_argmax_bf16: x must have rows");
-  check_operands(x, packed, "amx_linear_argmax_bf16");
+// x [M, K] bf16 (M >= 1), packed from tile_pack_bf16 -> [M] int64: for each row, the first column of the maximum
+// (NaN counting as the maximum) of tiled_linear_bf16(x, packed) as bf16, row_argmax_bf16's answer, without
+// writing the [M, N] product: the greedy pick straight off the LM head. engine: as tiled_linear_bf16.
+torch::Tensor tiled_linear_argmax_bf16(torch::Tensor x, torch::Tensor packed, int64_t engine) {
+  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1, "tiled_linear_argmax_bf16: x must have rows");
+  const bool tiles = check_operands(x, packed, engine, "tiled_linear_argmax_bf16");
   torch::Tensor out = torch::empty({x.size(0)}, x.options().dtype(torch::kLong));
-#if defined(CPU_EXT_AMX)
-  const torch::Tensor a = whole_row_tiles(x);
-  const Problem p{reinterpret_cast<const uint16_t*>(a.data_ptr<at::BFloat16>()),
-                  reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), nullptr, nullptr,
-                  x.size(0), x.size(1), a.size(0) / kTileRows, packed.size(0), packed.size(1),
-                  packed.size(0) * kTileN};
-  RowBest best(p.m);
-  run_argmax(p, best);
+#if defined(CPU_EXT_VECTOR_BF16)
+  const Operands ops(x, packed, nullptr, nullptr, packed.size(0) * kTileN, tiles);
+  RowBest best(ops.p.m);
+  run_argmax(ops.p, best);
   std::copy(best.column.begin(), best.column.end(), out.data_ptr<int64_t>());
 #endif
   return out;
 }
 
-void bind_amx_linear(pybind11::module& m) {
-  m.def("amx_linear_available", &amx_linear_available, "whether this build and this process can use AMX tiles");
-  m.def("amx_pack_bf16", &amx_pack_bf16, "pack a bf16 [N, K] weight into AMX B tiles");
-  m.def("amx_linear_bf16", &amx_linear_bf16,
-        "x W^T + b for bf16 rows on AMX tiles (2..packed_linear.MAX_AMX_ROWS rows in the engine)");
-  m.def("amx_linear_silu_mul_bf16", &amx_linear_silu_mul_bf16,
-        "silu(gate) * up straight off the tiles of a gate|up product packed with its blocks interleaved");
-  m.def("amx_linear_argmax_bf16", &amx_linear_argmax_bf16,
+void bind_tiled_linear(pybind11::module& m) {
+  m.def("matrix_engines", &available_engines,
+        "the engines of the products on packed blocks here, fastest first: 1 AMX tiles, 2 AVX-512 BF16 vectors");
+  m.def("tile_pack_bf16", &tile_pack_bf16, "pack a bf16 [N, K] weight into 16x16-pair blocks (AMX's B tiles)");
+  m.def("tiled_linear_bf16", &tiled_linear_bf16,
+        "x W^T + b for bf16 rows on a packed weight (engine: 0 auto, 1 AMX tiles, 2 AVX-512 BF16)");
+  m.def("tiled_linear_silu_mul_bf16", &tiled_linear_silu_mul_bf16,
+        "silu(gate) * up straight off the blocks of a gate|up product packed with its blocks interleaved");
+  m.def("tiled_linear_argmax_bf16", &tiled_linear_argmax_bf16,
         "each row's first argmax of the bf16 product x W^T, without writing the product");
 }
