@@ -241,10 +241,11 @@ void vector_rows(const Problem& p, int64_t row, const uint16_t* b0, const uint16
     for (int64_t j = 0; j < kTileRows; ++j) {
       const __m512bh left = (__m512bh)_mm512_loadu_si512(b0 + j * 2 * kTileN);
       const __m512bh right = (__m512bh)_mm512_loadu_si512(b1 + j * 2 * kTileN);
+      const uint16_t* pairs = a + 2 * j;  // walked down the rows by p.k: one register, not R row pointers
 #pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) {
+      for (int r = 0; r < R; ++r, pairs += p.k) {
         int32_t pair;
-        std::memcpy(&pair, a + r * p.k + 2 * j, sizeof pair);
+        std::memcpy(&pair, pairs, sizeof pair);
         const __m512bh x = (__m512bh)_mm512_set1_epi32(pair);
         acc[r][0] = _mm512_dpbf16_ps(acc[r][0], x, left);
         acc[r][1] = _mm512_dpbf16_ps(acc[r][1], x, right);
