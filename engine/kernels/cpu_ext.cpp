@@ -234,6 +234,7 @@ struct Scratch {
   std::vector<QueryChunk> query;  // [G, chunks]: the query group as the scores read it
 #endif
   std::vector<int64_t> rows;  // [n]: element offset of each token's row (this kv head) in the pages
+  std::vector<int64_t> ahead;  // the next item's first rows, to prefetch
   std::vector<float> scores;  // [G, n rounded up to kTile]: scaled scores, then probabilities
   std::vector<float> pairs;   // [G, D rounded up to 32]: value sums in the vector path's pair layout (scalar: a row)
   // fp8 pages only
@@ -721,6 +722,24 @@ void check_decode_inputs(const torch::Tensor& q, const torch::Tensor& block_tabl
               name, ": block tables / context lengths");
 }
 
+// The keys of the first tiles of `item` into L2, asked for while the item before it runs: scores_by_chunks
+// prefetches only 2 tiles ahead within an item, so each item began on cold misses. On a Zen 5 EPYC (session 12,
+// 64 sequences of 150-192 tokens, 30 layers' pages from memory, 30 alternated rounds in one process) the first
+// 2 / 4 / 6 / 8 / 12 tiles made the kernel 1.07 / 1.10 / 1.12-1.13 / 1.14 / 1.13x faster; into L1 instead of L2
+// (4 tiles) 1.10x.
+constexpr int64_t kNextItemPrefetchTiles = 8;
+
+void prefetch_item_start(const AttentionProblem& p, int64_t item, Scratch& scratch) {
+#if defined(CPU_EXT_AVX512)
+  if (!p.k) return;  // bf16 pages only
+  const int64_t b = item / p.num_kv_heads, h = item % p.num_kv_heads;
+  const int64_t n = std::min(kNextItemPrefetchTiles * kTile, p.lens[b]);
+  scratch.ahead.resize(n);
+  token_rows(p, b, h, 0, n, scratch.ahead.data());
+  prefetch_rows<_MM_HINT_T1>(p.k, scratch.ahead.data(), n, p.head_dim);
+#endif
+}
+
 // With this many items a thread or more, threads claim whole items as they go (cpu_ext::parallel_claim): no
 // thread waits long for a slower one, and no item is cut, so the output does not depend on which thread ran
 // what. Fewer items (small batches) are split into equal token shares, cut items merged after. At 64
@@ -755,6 +774,7 @@ void run_decode_attention(AttentionProblem& p, const torch::Tensor& q, const tor
       Scratch scratch;
       SegmentResult whole;
       for (int64_t item = begin; item < end; ++item) {
+        if (item + 1 < end) prefetch_item_start(p, item + 1, scratch);
         attend_segment(p, item, 0, item_start[item + 1] - item_start[item], scratch, whole);
         write_output(p, whole);
       }

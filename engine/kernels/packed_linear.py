@@ -21,8 +21,10 @@ Two packings, the first that applies:
   threads, medians of 12 alternated passes (session 12, a throwaway copy of this kernel), ms F.linear / oneDNN
   packed / vectors: 8 rows 10.6 / 7.65 / 6.39, 16 rows 12.2 / 9.18 / 6.55, 32 rows 16.1 / 12.7 / 10.0, 64 rows
   24.1 / 20.2 / 15.9 (860 GFLOPS), 128 rows 37.0 / 33.1 / 28.7, 256 rows 72.5 / 60.0 / 54.6, 512 rows 132 / 115
-  / 110, 1024 rows 266 / 229 / 225, 2048 rows 519 / 449 / 451 (965 GFLOPS). The vectors serve every row count
-  from 2 there; VECTOR ENGINE FIGURES.
+  / 110, 1024 rows 266 / 229 / 225, 2048 rows 519 / 449 / 451 (965 GFLOPS). The shipped kernel, `python -m
+  bench.tiled_linear` (7 rounds): decode step (121 products, caches flushed) oneDNN packed -> vectors 24.8 ->
+  20.6 ms at 64 rows, 1.08-1.29x at 2-128 rows; prefill products 1.03-1.07x F.linear at 512-2048 rows. The
+  vectors serve every row count from 2 there, up to 4096.
 One row goes to our GEMV (cpu_ext, 10-30% faster there), prefill chunks to F.linear on the plain weight, which
 is kept (the embedding shares it, and so does the GEMV). A third copy packed by oneDNN for prefill would not pay:
 at 2048 rows (a full offline step) it ran each SmolLM2 product within 2% of F.linear, and bit-identical (session

@@ -4,9 +4,11 @@
 // - tiles: Intel AMX, the blocks as B tiles (everything below up to the vector engine's section);
 // - vectors: AVX-512 BF16 where the CPU has no AMX (AMD Zen 4/5). Each block row (16 columns x one pair of the
 //   reduction) is one zmm register; 8 rows of A by 2 column blocks are 16 accumulators, one vdpbf16ps each per
-//   pair (vector_rows). On a Zen 5 EPYC (2 cores, session 12) a decode step's 120 layer products ran at 860
-//   GFLOPS at 64 rows and 965-995 at 256-2048, 1.15-1.87x F.linear and 1.0-1.27x oneDNN's packed copy (VECTOR
-//   FIGURES).
+//   pair (vector_rows). On a 2-core Zen 5 EPYC (session 12, python -m bench.tiled_linear, medians of 7 rounds):
+//   a decode step's 121 products from memory against oneDNN's packed copy 1.19-1.29x at 2-64 rows (64: 20.6 vs
+//   24.8 ms) and 1.08x at 128; prefill products against F.linear 1.07x / 1.03x / 1.03x at 512 / 1024 / 2048 rows
+//   (0.96-0.99 TFLOPS); the fused gate|up + SiLU against F.linear then silu_mul 1.49x / 1.07x / 1.09x at 64 /
+//   512 / 2048 rows. In cache one core runs at ~500 GFLOPS, about two vdpbf16ps a cycle.
 //
 // oneDNN's packed matmul (torch.ops.mkldnn._linear_pointwise) read the weights of a decode step at 7-11 GB/s at
 // 32-64 rows on this 2-core host, against 12-14 GB/s for a plain sum over the same bytes. This kernel walks
