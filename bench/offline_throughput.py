@@ -435,7 +435,8 @@ def engine_step(llm: LLM, processor: OutputProcessor, times: StepTimes, annotate
 
 
 CPU_KERNELS = ("linear_bf16", "decode_attention_bf16", "decode_attention_fp8", "rms_norm", "silu_mul",
-               "rotary_", "row_argmax")
+               "rotary_", "row_argmax", "tiled_linear", "tiled_linear_silu_mul", "tiled_linear_argmax",
+               "prompt_attention")
 
 
 @contextlib.contextmanager
@@ -453,7 +454,7 @@ def annotated_kernels():
     for name, fn in originals.items():
         setattr(cpu_ext, name, annotate(fn, name))
     # the decode stack (all layers of a decode-only step in one C++ call): its self time is our kernels inside
-    # it; the oneDNN products it dispatches show as their own ops
+    # it (the packed products included); the oneDNN products it dispatches show as their own ops
     run_stack = LlamaModel._run_stack
     LlamaModel._run_stack = annotate(run_stack, "decode_stack")
     try:
