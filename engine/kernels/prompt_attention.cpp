@@ -34,12 +34,13 @@
 namespace {
 
 using namespace cpu_ext::amx;
-using cpu_ext::lanes_below;
 
 constexpr int64_t kBlock = 2 * kTileRows;  // queries of an item (two A tiles); keys of a step (two C tiles)
 constexpr int64_t kMaxPromptTokens = 8192;  // an item's scores: 32 x 8192 fp32 = 1 MiB, still in L2
 
 #if defined(CPU_EXT_VECTOR_BF16)
+
+using cpu_ext::lanes_below;
 
 inline __m512i load_row16(const uint16_t* p) {  // 16 bf16 into the low half
   return _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
