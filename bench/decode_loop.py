@@ -20,7 +20,7 @@ from pathlib import Path
 # Innermost frames that are calls into C: their samples are time in torch ops or our kernels (_run_stack: the
 # decoder layers of a decode-only step as one C++ call).
 C_CALL_SITES = ("_run_stack (", "OpOverloadPacket.__call__", "decode_attention_", "silu_mul (", "rms_norm (", "rotary_ (",
-                "linear_bf16 (", "tiled_linear (", "tiled_linear_argmax (", "prompt_attention (", "_prefill_attention (", "row_argmax (", "_write (", "compute_logits (",
+                "linear_bf16 (", "tiled_linear (", "tiled_linear_silu_mul (", "tiled_linear_argmax (", "prompt_attention (", "_prefill_attention (", "row_argmax (", "_write (", "compute_logits (",
                 "Tensor.split (", "embedding (", "linear (engine/model/llama.py", "linear (llama.py")
 
 
