@@ -41,7 +41,7 @@ def measure(count: int, length: int, rounds: int) -> None:
     q, k, v = views(count, length)
     scale = HEAD_DIM ** -0.5
     runs = {engine: functools.partial(cpu_ext.prompt_attention, engine=engine)
-            for engine in cpu_ext.prompt_attention_engines()}
+            for engine in cpu_ext.matrix_engines()}
     runs["sdpa"] = sdpa
     times: dict[str, list[float]] = {name: [] for name in runs}
     outputs = {}
@@ -52,7 +52,7 @@ def measure(count: int, length: int, rounds: int) -> None:
             times[name].append(time.perf_counter() - start)
     ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
     line = f"{count:5d} x {length:5d}: sdpa {ms['sdpa']:8.3f} ms"
-    for engine in cpu_ext.prompt_attention_engines():
+    for engine in cpu_ext.matrix_engines():
         diff = (outputs[engine].float() - outputs["sdpa"].float()).abs().max().item()
         line += (f" | {engine} {ms[engine]:8.3f} ms, sdpa/{engine} {ms['sdpa'] / ms[engine]:5.2f}x,"
                  f" max |difference| {diff:.4f}")
@@ -65,7 +65,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
-    if not cpu_ext.prompt_attention_engines():
+    if not cpu_ext.matrix_engines():
         raise SystemExit("the prompt-attention kernel needs AMX tiles or AVX-512 BF16 (and the compiled kernels)")
     torch.set_num_threads(args.threads)
     keep_freed_memory()  # as the engine runs: no page faults on each call's fresh output

@@ -6,6 +6,7 @@
 #include <c10/util/Exception.h>
 
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -83,6 +84,44 @@ inline bool use_tiles(int64_t engine, const char* name) {
               " in this build or process (see cpu_ext.matrix_engines)");
   return tiles;
 }
+
+#if defined(CPU_EXT_VECTOR_BF16)
+
+// The vector engine's product: c[r, 0..31] = sum over `steps` packed blocks of row r of A's pairs (2j, 2j + 1)
+// times block row j of b0 | b1 (one zmm each: 16 columns x one pair), for R rows of A `a_stride` elements apart.
+// b0 and b1 advance by `b_step` elements a block, A by 32; before each block, on_step() (a prefetch, or nothing).
+// 2R accumulators, one vdpbf16ps each per pair: R = 8 keeps 16 in registers.
+template <int R, typename OnStep>
+inline void vector_block(const uint16_t* a, int64_t a_stride, const uint16_t* b0, const uint16_t* b1, int64_t b_step,
+                         int64_t steps, float* c, int64_t c_stride, const OnStep& on_step) {
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t step = 0; step < steps; ++step, a += kTileK, b0 += b_step, b1 += b_step) {
+    on_step();
+#pragma GCC unroll 16
+    for (int64_t j = 0; j < kTileRows; ++j) {
+      const __m512bh left = (__m512bh)_mm512_loadu_si512(b0 + j * 2 * kTileN);
+      const __m512bh right = (__m512bh)_mm512_loadu_si512(b1 + j * 2 * kTileN);
+      const uint16_t* pairs = a + 2 * j;  // walked down the rows: one register, not R row pointers (they spilled)
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r, pairs += a_stride) {
+        int32_t pair;
+        std::memcpy(&pair, pairs, sizeof pair);
+        const __m512bh x = (__m512bh)_mm512_set1_epi32(pair);
+        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], x, left);
+        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], x, right);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(c + r * c_stride, acc[r][0]);
+    _mm512_storeu_ps(c + r * c_stride + kTileN, acc[r][1]);
+  }
+}
+
+constexpr int64_t kVectorRows = 8;  // rows of A a vector_block keeps in registers: 16 accumulators
+
+#endif  // CPU_EXT_VECTOR_BF16
 
 // The engines here, as codes: what cpu_ext.matrix_engines reports.
 inline std::vector<int64_t> available_engines() {

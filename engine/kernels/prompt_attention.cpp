@@ -188,34 +188,6 @@ struct Tiles {
 
 #endif  // CPU_EXT_AMX
 
-// c[r, 0..31] = sum over the 16 pair steps of `steps` packed blocks of a_r's pair j . (b0 | b1) row j, for
-// kRows rows r of a (`a_stride` elements apart): b0 and b1 advance by `b_step` elements a block, a by 32.
-template <int kRows>
-inline void vector_block(const uint16_t* a, int64_t a_stride, const uint16_t* b0, const uint16_t* b1, int64_t b_step,
-                         int64_t steps, float* c, int64_t c_stride) {
-  __m512 acc[kRows][2];
-  for (int r = 0; r < kRows; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  for (int64_t step = 0; step < steps; ++step, a += kTileK, b0 += b_step, b1 += b_step)
-    for (int64_t j = 0; j < kTileRows; ++j) {
-      const __m512bh left = (__m512bh)_mm512_loadu_si512(b0 + j * 2 * kTileN);
-      const __m512bh right = (__m512bh)_mm512_loadu_si512(b1 + j * 2 * kTileN);
-#pragma GCC unroll 8
-      for (int r = 0; r < kRows; ++r) {
-        int32_t pair;
-        std::memcpy(&pair, a + r * a_stride + 2 * j, sizeof pair);
-        const __m512bh x = (__m512bh)_mm512_set1_epi32(pair);
-        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], x, left);
-        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], x, right);
-      }
-    }
-  for (int r = 0; r < kRows; ++r) {
-    _mm512_storeu_ps(c + r * c_stride, acc[r][0]);
-    _mm512_storeu_ps(c + r * c_stride + kTileN, acc[r][1]);
-  }
-}
-
-constexpr int64_t kVectorRows = 8;  // output rows a vector block keeps in registers: 16 accumulators
-
 struct Vectors {
   // As Tiles::scores, `rows` rounded up to 8 (the scratch rows past the prompt are zero).
   static void scores(const Prompts& p, int64_t b, int64_t h, int64_t width, int64_t rows, Scratch& s) {
@@ -224,7 +196,7 @@ struct Vectors {
       for (int64_t i = 0; i < rows; i += kVectorRows)
         vector_block<kVectorRows>(s.q.data() + i * p.head_dim, p.head_dim, key_tile(p, b, h, 2 * kb, 0),
                                   key_tile(p, b, h, 2 * kb + 1, 0), kBlockElems, dim_blocks,
-                                  s.scores.data() + i * width + kb * kBlock, width);
+                                  s.scores.data() + i * width + kb * kBlock, width, [] {});
   }
   static void values(const Prompts& p, int64_t b, int64_t h, int64_t width, int64_t rows, Scratch& s) {
     const int64_t value_step = (p.head_dim / kTileN) * kBlockElems;  // from one key block to the next
@@ -232,7 +204,7 @@ struct Vectors {
       for (int64_t i = 0; i < rows; i += kVectorRows)
         vector_block<kVectorRows>(s.probs.data() + i * width, width, value_tile(p, b, h, 0, n),
                                   value_tile(p, b, h, 0, n + 1), value_step, width / kBlock,
-                                  s.out.data() + i * p.head_dim + n * kTileN, p.head_dim);
+                                  s.out.data() + i * p.head_dim + n * kTileN, p.head_dim, [] {});
   }
   struct ThreadState {};
 };

@@ -1,10 +1,10 @@
 // bf16 products on weights packed into 16x16-pair blocks, for decode batches and prefill chunks (2 rows up to
-// packed_linear.MAX_TILED_ROWS; the MLP's gate|up product with SiLU * up at any row count), streaming the weights
+// packed_linear.max_tiled_rows(); the MLP's gate|up product with SiLU * up at any row count), streaming the weights
 // once per slice of rows. Two engines run the same packed weights (amx.h):
 // - tiles: Intel AMX, the blocks as B tiles (everything below up to the vector engine's section);
 // - vectors: AVX-512 BF16 where the CPU has no AMX (AMD Zen 4/5). Each block row (16 columns x one pair of the
 //   reduction) is one zmm register; 8 rows of A by 2 column blocks are 16 accumulators, one vdpbf16ps each per
-//   pair (vector_rows). On a 2-core Zen 5 EPYC (session 12, python -m bench.tiled_linear, medians of 7 rounds):
+//   pair (amx.h's vector_block, shared with prompt_attention.cpp). On a 2-core Zen 5 EPYC (session 12, python -m bench.tiled_linear, medians of 7 rounds):
 //   a decode step's 121 products from memory against oneDNN's packed copy 1.19-1.29x at 2-64 rows (64: 20.6 vs
 //   24.8 ms) and 1.08x at 128; prefill products against F.linear 1.07x / 1.03x / 1.03x at 512 / 1024 / 2048 rows
 //   (0.96-0.99 TFLOPS); the fused gate|up + SiLU against F.linear then silu_mul 1.49x / 1.07x / 1.09x at 64 /
@@ -230,39 +230,13 @@ void run_tile_pairs(const Problem& p, int64_t begin, int64_t end, const Sink& si
 // ---- The vector engine -----------------------------------------------------------------------------------
 
 // Rows [row, row + R) of A times column blocks b0 | b1 (b1 = b0 when there is one) -> sink, one row at a time.
-// Block row j of a k block is the 16 columns' pair (2j, 2j + 1): one vdpbf16ps per row of A and column block.
 template <int R, typename Sink>
 void vector_rows(const Problem& p, int64_t row, const uint16_t* b0, const uint16_t* b1, int64_t n0, bool two_cols,
                  Prefetch& prefetch, const Sink& sink) {
-  __m512 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  const uint16_t* a = p.a + row * p.k;
-  for (int64_t kb = 0; kb < p.k_blocks; ++kb, a += kTileK, b0 += kBlockElems, b1 += kBlockElems) {
-    prefetch.step();
-#pragma GCC unroll 16
-    for (int64_t j = 0; j < kTileRows; ++j) {
-      const __m512bh left = (__m512bh)_mm512_loadu_si512(b0 + j * 2 * kTileN);
-      const __m512bh right = (__m512bh)_mm512_loadu_si512(b1 + j * 2 * kTileN);
-      const uint16_t* pairs = a + 2 * j;  // walked down the rows by p.k: one register, not R row pointers
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r, pairs += p.k) {
-        int32_t pair;
-        std::memcpy(&pair, pairs, sizeof pair);
-        const __m512bh x = (__m512bh)_mm512_set1_epi32(pair);
-        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], x, left);
-        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], x, right);
-      }
-    }
-  }
-  alignas(64) float c[2 * kTileN];
-  for (int r = 0; r < R; ++r) {
-    _mm512_store_ps(c, acc[r][0]);
-    _mm512_store_ps(c + kTileN, acc[r][1]);
-    sink(c, two_cols ? c + kTileN : nullptr, row + r, n0);
-  }
+  alignas(64) float c[R][2 * kTileN];
+  vector_block<R>(p.a + row * p.k, p.k, b0, b1, kBlockElems, p.k_blocks, c[0], 2 * kTileN, [&] { prefetch.step(); });
+  for (int r = 0; r < R; ++r) sink(c[r], two_cols ? c[r] + kTileN : nullptr, row + r, n0);
 }
-
-constexpr int64_t kVectorRows = 8;  // rows of A a vector_rows call keeps in registers: 16 accumulators
 
 // R = 1..7 rows: the last rows of A.
 template <typename Sink, int R = kVectorRows - 1>
@@ -471,9 +445,9 @@ struct Operands {
           (a.size(0) + kTileRows - 1) / kTileRows, packed.size(0), packed.size(1), out_cols, tiles} {}
 };
 
-#endif  // CPU_EXT_VECTOR_BF16
-
 uint16_t* bf16_data(torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); }
+
+#endif  // CPU_EXT_VECTOR_BF16
 
 }  // namespace
 
