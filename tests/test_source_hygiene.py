@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ast
 import io
+import os
 import re
 import tokenize
 from dataclasses import dataclass
@@ -147,14 +148,16 @@ def comment_runs(path: Path) -> list[Comment]:
     return runs
 
 
+def _skipped(directory: str) -> bool:
+    return directory.startswith(".") or directory in SKIPPED_DIRS or directory.endswith(".egg-info")
+
+
 def source_files(top: Path) -> list[Path]:
+    """*.py, *.cpp and *.h under `top`, pruning hidden directories (.git, .venv), docs/ and build outputs."""
     found = []
-    for path in sorted(top.rglob("*")):
-        parts = path.relative_to(top).parts
-        if any(p.startswith(".") or p in SKIPPED_DIRS or p.endswith(".egg-info") for p in parts[:-1]):
-            continue
-        if path.suffix in SOURCE_SUFFIXES and path.is_file():
-            found.append(path)
+    for directory, subdirs, names in os.walk(top):
+        subdirs[:] = sorted(d for d in subdirs if not _skipped(d))
+        found += [Path(directory) / n for n in sorted(names) if n.endswith(SOURCE_SUFFIXES)]
     return found
 
 
