@@ -15,9 +15,9 @@ Writing: scales are per page, so a page is re-quantised as it fills. The touched
 powers of two (engine/kernels/__init__.py), so when a later token raises a page's (or a kv-head's) maximum,
 the codes already there move by an exact power of two rather than being rounded onto a coarser grid: a page
 written token by token holds the same bytes as one written whole (tests/test_kv_cache_quant.py), except
-where a value drops into E4M3's subnormal range, 2**-15 below its head's maximum. (With scales of exactly
-amax / 448 every growth rounded the page's earlier tokens twice: on SmolLM2, teacher-forced KL 0.030 when
-writing token by token against 0.018 when writing whole pages; bench/kv_accuracy.py.)
+where a value drops into E4M3's subnormal range, 2**-15 below its head's maximum. (Scales of exactly
+amax / 448 would round the page's earlier tokens again at every growth: docs/performance.md, "KV page
+scales", for what that cost.)
 
 Slots past the last one written in a step are zeroed before quantising: they hold a previous owner's
 stale tokens (or rejected speculative drafts), which must not widen the scales. This relies on each

@@ -1,6 +1,7 @@
 // CPU kernels for bf16 decoding, run on torch's own thread pool (at::parallel_for), so they never fight a
 // second OpenMP runtime for the cores. Built on first use by engine/kernels/cpu_ext.py (torch's
-// cpp_extension, -O3 -march=native); see that file for when each kernel is used.
+// cpp_extension, -O3 -march=native); see that file for when each kernel is used. Figures: docs/performance.md
+// (python -m bench.cpu_kernels).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -174,31 +175,9 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor weight, torch::Tensor b
 // tiles (balanced by context length), so an item may be split between two threads: those halves are merged
 // afterwards from their softmax statistics (flash-decoding). Within a segment: scores for all its tokens,
 // then softmax, then the weighted sum of values, all in fp32.
-//
-// Where it stands (session 7, batch 64, context 192, SmolLM2's 3 kv heads, 30 layers from memory): ~24 ms, or
-// ~12 GB/s of KV, against ~20 GB/s for a plain streaming read on the 2 cores. perf puts ~80% of
-// segment_scores' own samples (~40% of the scores step with its dot products) on its prefetch instructions:
-// the rows are scattered (128 bytes of each 384-byte slot), and the misses in flight, not the arithmetic, set
-// the pace. Tried, none faster, each alternated with this code in one process:
-// - scores and value sums on AMX tiles (a page's 16 tokens of one head per tile product; P as bf16 hi + lo):
-//   26.3 against 24.2 ms; also 2.57 against 2.33 ms with the pages in L2, so the dot products are not the bound;
-// - other prefetching: none 38.6 ms, keys only 33.4, keys 4 tiles ahead 26.1, keys to L2 / values to L3 25.6
-//   (the current scheme: 24.9 in that run); the first head's item fetching whole slots for the others 28.0
-//   (against 23.9 in its run);
-// - head-major pages (each head's 16 rows contiguous; simulated with one kv head a sequence): 23.2 against
-//   24.6 ms, too little for a new page layout across the cache, the writes and the KV transfer.
-// Session 9, same 64 x 192 x 30 layers. With the pages hot in L2 the kernel still takes ~14 ms: scores 8.6,
-// value sums 3.8, softmax 1.2, the rest 1.5 (each measured by skipping it). Cold it takes 23-27 ms.
-// - scores as S^T = K Q^T on AMX tiles (16 key rows of a page as the A tile, read in place with the slot
-//   stride; the query group as the B tile; columns gathered out of C). One key tile at a time: 14.0 against
-//   16.8 ms hot, 20.8 against 23.1 cold; two in flight: 10.1 against 11.7 hot, 25.2 against 26.8 cold. The
-//   latter was no faster in an engine step at 64 (two runs of 128-160 alternated steps, medians 48.7 against
-//   49.4 ms and 49.9 against 49.1). Skipping the scores altogether saved 5.4 ms of a 52 ms step, so in the
-//   engine the key reads, not the dot products, set that cost;
-// - contiguous rows (one kv head of 192 dims, the layout an item covering all heads of a page would read),
-//   with or without software prefetch, and 64-token pages: 26.8-32.4 ms, none under the current 26.2;
-// - prefetching one line of each 128-byte row and leaving the other to the adjacent-line prefetcher:
-//   30.4-36.2 against 26.0 ms.
+// Bound by the misses in flight on the scattered key/value rows, not by the arithmetic; the variants tried
+// (AMX tiles, other prefetching, other page layouts) and their figures: docs/performance.md, "Decode attention"
+// (python -m bench.cpu_kernels).
 
 namespace {
 
@@ -723,10 +702,8 @@ void check_decode_inputs(const torch::Tensor& q, const torch::Tensor& block_tabl
 }
 
 // The keys of the first tiles of `item` into L2, asked for while the item before it runs: scores_by_chunks
-// prefetches only 2 tiles ahead within an item, so each item began on cold misses. On a Zen 5 EPYC (session 12,
-// 64 sequences of 150-192 tokens, 30 layers' pages from memory, 30 alternated rounds in one process) the first
-// 2 / 4 / 6 / 8 / 12 tiles made the kernel 1.07 / 1.10 / 1.12-1.13 / 1.14 / 1.13x faster; into L1 instead of L2
-// (4 tiles) 1.10x.
+// prefetches only 2 tiles ahead within an item, so each item would begin on cold misses. The tile count is
+// measured (docs/performance.md, "Decode attention").
 constexpr int64_t kNextItemPrefetchTiles = 8;
 
 void prefetch_item_start(const AttentionProblem& p, int64_t item, Scratch& scratch) {
@@ -742,8 +719,7 @@ void prefetch_item_start(const AttentionProblem& p, int64_t item, Scratch& scrat
 
 // With this many items a thread or more, threads claim whole items as they go (cpu_ext::parallel_claim): no
 // thread waits long for a slower one, and no item is cut, so the output does not depend on which thread ran
-// what. Fewer items (small batches) are split into equal token shares, cut items merged after. At 64
-// sequences claiming saved 1-3 ms of a 41-54 ms step, mean of 100 steps alternated with the shares (session 8).
+// what. Fewer items (small batches) are split into equal token shares, cut items merged after.
 constexpr int64_t kClaimItemsPerThread = 8;
 
 // Fills p's query, table and output fields from the tensors (kept alive by the caller) and runs it.

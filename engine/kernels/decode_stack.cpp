@@ -2,6 +2,7 @@
 // its kernels on, in the same order and through the same kernels, so the hidden states are bit-identical to
 // the Python layer loop; only the interpreter's time between the ~50 ops of a layer goes. Built into the
 // cpu_ext extension (engine/kernels/cpu_ext.py); LlamaModel decides when a step may take it.
+// Figures: docs/performance.md, "Decode stack" (python -m bench.cpu_kernels: "all" against "layers").
 #include <torch/extension.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 

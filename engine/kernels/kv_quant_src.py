@@ -309,6 +309,6 @@ DEVICE_FUNCTIONS = (
     fp4_page_scale, fp4_encode, fp4_encode_group, fp4_decode_group,
 )
 CPU_DRIVERS = (fp8_quantize_pages, fp8_dequantize_pages, fp4_quantize_pages, fp4_dequantize_pages)
-# Inlined at numba-IR level in the njit build: LLVM left these calls out of line, which cost 2-5x in the
-# fp4 drivers (measured, 4096 pages [16, 3, 64], one thread: fp4 encode 125 -> 45 ms, decode 63 -> 11 ms).
+# Inlined at numba-IR level in the njit build: LLVM leaves these calls out of line, which slows the fp4
+# drivers several times (docs/performance.md, "KV page quantisers": python -m bench.kv_quant_throughput).
 NJIT_INLINE = frozenset({"row_amax_bits", "fp4_encode", "fp4_encode_group", "fp4_decode_group"})

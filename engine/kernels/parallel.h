@@ -1,9 +1,8 @@
 // Work sharing for the kernels whose threads may run at different speeds.
 //
-// at::parallel_for hands each thread an equal range up front, so a step waits for the slowest thread. On
-// this 2-core VM one core often runs 10-20% slower than the other for seconds at a time (a neighbour on the
-// host): perf showed the main thread 20% longer in the same AMX products than the worker, and the worker
-// spinning in libgomp for 18% of its time. Here threads claim ranges as they go instead, largest first
+// at::parallel_for hands each thread an equal range up front, so a step waits for the slowest thread, and on a
+// shared VM one core can run markedly slower than the other for seconds at a time (docs/performance.md,
+// "Work sharing"). Here threads claim ranges as they go instead, largest first
 // (guided self-scheduling: each claim takes a share of what is left), so a slow thread simply takes less.
 #pragma once
 

@@ -14,11 +14,8 @@
 // - vectors (AVX-512 BF16, e.g. AMD Zen 4/5): a packed block's row k is one vector (16 columns x one pair of
 //   the reduction), so 8 rows of the output are 16 registers, each step one vdpbf16ps per row and column block.
 //
-// Against torch's SDPA (its CPU flash attention) on SmolLM2's heads, 2 threads, medians of 15 alternated calls
-// (python -m bench.prompt_attention). Tiles, Sapphire Rapids (session 8): 128 prompts x 16 tokens 1.06 vs
-// 2.60 ms, 64 x 32 0.85 vs 2.21, 16 x 128 (a 2048-token offline prefill step) 1.30 vs 2.05, 4 x 512 2.80 vs
-// 5.05, 1 x 2048 10.2 vs 13.1. Vectors, AMD EPYC (Zen 5, session 12): 128 x 16 0.49 vs 1.79 ms, 64 x 32 0.44
-// vs 1.78, 16 x 128 0.78 vs 4.56, 4 x 512 2.20 vs 14.3, 1 x 2048 7.67 vs 34.7. The outputs differ from SDPA's
+// Why: torch's SDPA (its CPU flash attention) was slower on every shape measured, on both engines; figures:
+// docs/performance.md, "Prompt attention" (python -m bench.prompt_attention). The outputs differ from SDPA's
 // by at most one bf16 rounding.
 #include <torch/extension.h>
 

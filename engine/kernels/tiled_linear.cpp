@@ -4,26 +4,18 @@
 // - tiles: Intel AMX, the blocks as B tiles (everything below up to the vector engine's section);
 // - vectors: AVX-512 BF16 where the CPU has no AMX (AMD Zen 4/5). Each block row (16 columns x one pair of the
 //   reduction) is one zmm register; 8 rows of A by 2 column blocks are 16 accumulators, one vdpbf16ps each per
-//   pair (amx.h's vector_block, shared with prompt_attention.cpp). On a 2-core Zen 5 EPYC (session 12, python -m bench.tiled_linear, medians of 7 rounds):
-//   a decode step's 121 products from memory against oneDNN's packed copy 1.19-1.29x at 2-64 rows (64: 20.6 vs
-//   24.8 ms) and 1.08x at 128; prefill products against F.linear 1.07x / 1.03x / 1.03x at 512 / 1024 / 2048 rows
-//   (0.96-0.99 TFLOPS); the fused gate|up + SiLU against F.linear then silu_mul 1.49x / 1.07x / 1.09x at 64 /
-//   512 / 2048 rows. In cache one core runs at ~500 GFLOPS, about two vdpbf16ps a cycle.
-//
-// oneDNN's packed matmul (torch.ops.mkldnn._linear_pointwise) read the weights of a decode step at 7-11 GB/s at
-// 32-64 rows on this 2-core host, against 12-14 GB/s for a plain sum over the same bytes. This kernel walks
-// the weights in the order they lie in memory, prefetches the next pair of column blocks into L2 while the
-// tiles work on the current one, and converts each 16x16 fp32 result tile to bf16 in registers. Figures:
-// engine/kernels/packed_linear.py (python -m bench.tiled_linear).
+//   pair (amx.h's vector_block, shared with prompt_attention.cpp).
+// Why not oneDNN's packed matmul: it reads a decode step's weights well below the memory's bandwidth. This kernel
+// walks the weights in the order they lie in memory, prefetches the next pair of column blocks into L2 while the
+// current one is computed, and converts each 16x16 fp32 result tile to bf16 in registers. Figures, and the
+// variants that were no faster: docs/performance.md, "Packed-block products" (python -m bench.tiled_linear).
 //
 // Layout of a packed weight, from tile_pack_bf16: [N/16, K/32, 16, 32] bf16. Block (n, k) is the B tile of
 // columns n*16..n*16+15 and reduction indices k*32..k*32+31, in AMX's pair layout: tile row r holds, for each
 // of the 16 columns c, the two bf16 W[c][2r] and W[c][2r+1]. One column block's K/32 tiles are contiguous.
 //
 // tiled_linear_argmax_bf16 runs the same product and keeps each row's argmax as the tiles come out, for greedy
-// steps: the [M, N] logits are neither written nor read back by a separate argmax. At 64 sequences it saved
-// 0.4-0.7 ms of a 56-62 ms decode step, 0.2-0.3 ms at 32 (100 steps alternated with the two-pass path, medians
-// and means of the paired differences, session 8).
+// steps: the [M, N] logits are neither written nor read back by a separate argmax.
 //
 // tiled_linear_silu_mul_bf16 is the MLP's gate|up product on a weight packed with its 16-column blocks interleaved
 // (gate block j, then up block j: packed_linear.pack_gate_up), so that each pair of column blocks holds the gate
@@ -31,51 +23,10 @@
 // out, to the bit as silu_mul_bf16 computes it from the stored product, and only the [M, I] result is written.
 //
 // Each tile_pair's results go out while the next one's tile products run (Results): a few output rows per k
-// block, so that the vector work after the tiles (conversion, stores, SiLU) overlaps the tile units. For SiLU,
-// whose exp and division cost about as much as the tile work of its pair, that made the fused product 1.10-1.45x
-// faster at 64-2048 rows (SmolLM2's 576 -> 3072, 2 threads, medians of paired ratios of 10-20 alternated rounds,
-// in cache, two runs, session 11); the plain product 0.99-1.03x at 64-1024 rows, and 0.87-0.90x at 2048, where
-// the engine does not use it. The two passes the fused product replaces, their time over its time
-// (python -m bench.tiled_linear's part 5: the 30 layers' weights from memory, 2 threads, medians of the paired
-// ratios of 15 alternated rounds, two runs):
-//   rows                           64          512         1024        2048        4096
-//   F.linear, then silu_mul        2.37-2.44x  1.36-1.40x  0.97-1.43x  0.92-0.95x  0.96-1.11x
-//   this product, then silu_mul    1.12-1.16x  1.47-1.65x  1.55-1.56x  1.48-1.67x  1.53x
-// With one layer's weight in cache, F.linear's two passes took 1.11-1.13x the fused call's time at 2048 and
-// 4096 rows. In the engine, whole prefills of 64 prompts of 128 tokens in 2048-token steps ran 1.03x and 1.09x
-// faster with the fused call at 2048 rows than with F.linear and silu_mul there (paired medians of 12 alternated
-// rounds, twice), so it serves the gate|up product at every row count from 2.
+// block, so that the vector work after the tiles (conversion, stores, SiLU) overlaps the tile units.
 //
 // Each row's result depends only on that row (fixed reduction order over K), not on the other rows of the
 // batch. Accumulation is fp32, one rounding to bf16 at the end (round to nearest even), as torch's.
-//
-// Prefill chunks up to 1024 rows, not full 2048-row offline steps. The 120 layer products of a SmolLM2 forward,
-// weights from memory, against F.linear (oneDNN's brgemm on the plain weight), 5 alternated passes (session 9,
-// python -m bench.tiled_linear's part 3): with A in the row slices of run(), 1.39-1.46x at 512 rows, 1.30-1.90x at
-// 1024, and at 2048 1.05x in one run but 0.91x in a quiet minute (F.linear then ran 2.2 TFLOPS). In the engine
-// (part 4), 16 and 64 prompts of 128 tokens prefilled in the server's 512-token steps: 1.12x and 1.46x the
-// prompt tokens/s (medians of the paired ratios of 5 alternated rounds). The 2048-token offline steps keep
-// F.linear: AMX there made whole 64 x 128 offline runs 2-6% slower (6 alternated runs at 32 and at 64).
-// Earlier (session 7), unsliced and in 64-512-row blocks with A re-laid as contiguous tiles, this kernel ran
-// 2048 rows at 0.6-0.7 TFLOPS against oneDNN's 0.7-0.8. The tile units are not the limit (a loop of tile
-// products on registers alone reaches 2.0-2.5 TFLOPS a core); with K = 576 an A or B panel is 36 KiB, so in
-// 2x2 blocking one operand streams from L2, 1 KiB of tile loads per product.
-//
-// Also no faster at 64 rows (session 8, the 121 products of a decode step, alternated in one process, 3 runs):
-// passes grouped over 256 KiB-1 MiB of pairs (so that rows 0-31 of A stay in L1 while B comes from L2), with
-// or without B loaded by the streaming hint (tileloaddt1); within +-10% of this order in every run, either way.
-//
-// Session 10, 2048 rows again. In a standalone copy of this kernel, products alternated one by one, the output
-// stores took 10-33% of a product and A's tile loads from L2 10-20%; yet whole 64-byte output lines (both blocks of
-// a pair per row) gained nothing here (0.77-1.10x per shape, 3 rounds of the 120 products), nor did A re-laid as
-// contiguous tiles (~1.0x), A loaded with tileloaddt1 (0.8-0.9x) or K in chunks of 4-8 blocks with C spilled to
-// fp32 between them (0.40-0.45 against 0.54-0.59 TFLOPS). In the engine's 2048-token steps, timed call by call and
-// alternated, this kernel beat F.linear on all four shapes (qkv 1.91 vs 2.78 ms, o 1.21 vs 1.58, gate_up 6.07 vs
-// 7.87, down 3.00 vs 4.34; ~700 calls each), and that run's whole prefills of 64 prompts took 1.99 against 2.57 s;
-// other runs gave 0.79x and 0.96x (8 and 6 alternated prefills), and 1.04x with the two alternated step by step (20
-// prefills). The sign follows the minute: AMX lost every round in which F.linear's prefill took 1.3-1.5 s and won
-// the one at 2.1 s; choosing at run time would make the bits depend on the minute. The tile units themselves swing:
-// the loop of tile products on registers above fell to 1.0 TFLOPS on one core in busy minutes.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -276,8 +227,7 @@ void run_pairs(const Problem& p, int64_t begin, int64_t end, const Sink& sink) {
 
 // A's rows in slices of about 1 MiB, so that a slice stays in L2 while every pair of column blocks passes over
 // it (a 2048 x 576 A is 2.3 MiB: unsliced, it streamed from L3 once per pair). Each slice streams the weights
-// again, which is cheap next to that. Slices of 0.25 / 0.5 / 1 MiB / none at 1024 rows, a layer's four
-// products x 30 from memory: 118 / 111 / 109 / 116 ms (session 9).
+// again, which is cheap next to that (slice sizes measured: docs/performance.md).
 constexpr int64_t kSliceBytes = 1 << 20;
 
 // Calls fn(slice, first_row) for p's rows in slices of about kSliceBytes of A, each slice a problem of its own.
