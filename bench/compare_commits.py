@@ -107,8 +107,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--bench-rounds", type=int, default=0, help="offline_throughput runs per commit, alternated")
     p.add_argument("--batch-sizes", default="1,8,32,64")
-    p.add_argument("--cache", default=None, help="keep each commit's kernel build under CACHE/<sha> (default: "
-                   "a temporary folder, built afresh)")
+    p.add_argument("--cache", default=None, help="keep each commit's checkout and kernel build under CACHE "
+                   "(default: a temporary folder, built afresh)")
     return p.parse_args(argv)
 
 
@@ -116,16 +116,16 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     repo = Path(__file__).resolve().parents[1]
     with tempfile.TemporaryDirectory(prefix="compare-commits-") as tmp:
-        trees = {name: checkout(repo, commit, Path(tmp) / name) for name, commit in
-                 (("base", args.base), ("head", args.head))}
         root = Path(args.cache) if args.cache else Path(tmp)
-        caches = {name: root / commit_sha(repo, commit) for name, commit in (("base", args.base), ("head", args.head))}
+        shas = {"base": commit_sha(repo, args.base), "head": commit_sha(repo, args.head)}
+        trees = {name: kept_checkout(repo, sha, root / "trees" / sha) for name, sha in shas.items()}
+        caches = {name: root / "kernels" / sha for name, sha in shas.items()}
         try:
             for cache in caches.values():
                 cache.mkdir(parents=True, exist_ok=True)
             outs = {n: greedy_outputs(trees[n], caches[n], PROMPTS[:args.prompts], args.max_tokens) for n in trees}
             print(f"greedy, {args.max_tokens} tokens, EOS ignored, {args.prompts} prompts in one batch: "
-                  f"{args.base} against {args.head}")
+                  f"{args.base} ({shas['base'][:7]}) against {args.head} ({shas['head'][:7]})")
             report_outputs(outs["base"], outs["head"])
             runs: dict[str, list[dict]] = {"base": [], "head": []}
             for _ in range(args.bench_rounds):
@@ -134,8 +134,15 @@ def main(argv: list[str] | None = None) -> None:
             if args.bench_rounds:
                 report_throughput(runs["base"], runs["head"])
         finally:
-            for tree in trees.values():
-                subprocess.run(["git", "-C", str(repo), "worktree", "remove", "--force", str(tree)], check=False)
+            if not args.cache:
+                for tree in set(trees.values()):
+                    subprocess.run(["git", "-C", str(repo), "worktree", "remove", "--force", str(tree)], check=False)
+
+
+def kept_checkout(repo: Path, sha: str, path: Path) -> Path:
+    """A checkout of `sha` at `path`, reused when it is already there: the kernel build is keyed by the source
+    paths and their times, so a kept checkout keeps its build."""
+    return path if path.exists() else checkout(repo, sha, path)
 
 
 if __name__ == "__main__":
