@@ -153,11 +153,12 @@ def test_each_flag_default_is_its_field_default(cls):
     assert {f.name for f in dataclasses.fields(cls)} - {f.name for f in flag_fields(cls)} == NOT_FLAGS.get(cls, set())
 
 
-def test_the_cli_defaults_build_the_default_configs():
+def test_the_cli_defaults_build_the_default_configs(monkeypatch):
+    monkeypatch.delenv("PHASE_SERVE_API_KEY", raising=False)
     parser = cli.build_parser()
     serve = parser.parse_args(["serve"])
     assert EngineConfig(**engine_options(serve)) == EngineConfig()
-    assert server_settings(serve) == dataclasses.replace(ServerSettings(), api_key=os.environ.get("PHASE_SERVE_API_KEY"))
+    assert server_settings(serve) == ServerSettings()
     assert actor_options(serve) == dict(decode_actors=1, prefill_actors=0, devices=(), disagg="auto",
                                         listen_workers=None, draft_actors=0)
     assert sampling_options(parser.parse_args(["generate", "hi"])) == SamplingOptions()
