@@ -73,11 +73,6 @@ def shown_default(f: dataclasses.Field) -> str | None:
     return _show(f.default)
 
 
-def choices_of(cls: type, name: str) -> tuple:
-    """The values a Literal-typed field (optionally `| None`) accepts."""
-    return typing.get_args(_strip_none(typing.get_type_hints(cls)[name]))
-
-
 def parse_bytes(text: str) -> int:
     """'2GiB', '512MB', '1e9' -> bytes."""
     match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*", text)
@@ -93,21 +88,20 @@ def parse_list(text: str) -> tuple[str, ...]:
 
 
 def _argument(f: dataclasses.Field, hint: Any) -> dict[str, Any]:
-    kind = _strip_none(hint)
-    kwargs: dict[str, Any] = {"help": _help_text(f), "metavar": f.metadata["metavar"]}
+    kwargs: dict[str, Any] = {"help": _help_text(f), **_value_kwargs(f, _strip_none(hint))}
     if f.default is dataclasses.MISSING:
-        kwargs["required"] = True
-    else:
-        kwargs["default"] = f.default
+        return kwargs | {"required": True}
+    return kwargs | {"default": f.default}
+
+
+def _value_kwargs(f: dataclasses.Field, kind: Any) -> dict[str, Any]:
+    """How argparse reads the value: a --x/--no-x pair, one of the Literal's values, or parsed text."""
     if kind is bool:
-        kwargs["action"] = argparse.BooleanOptionalAction
-        kwargs.pop("metavar")
-    elif typing.get_origin(kind) is Literal:
-        kwargs["choices"] = typing.get_args(kind)
-        kwargs["type"] = f.metadata["parse"] or type(kwargs["choices"][0])
-    else:
-        kwargs["type"] = f.metadata["parse"] or kind
-    return kwargs
+        return {"action": argparse.BooleanOptionalAction}
+    if typing.get_origin(kind) is Literal:
+        choices = typing.get_args(kind)
+        return {"choices": choices, "type": f.metadata["parse"] or type(choices[0]), "metavar": f.metadata["metavar"]}
+    return {"type": f.metadata["parse"] or kind, "metavar": f.metadata["metavar"]}
 
 
 def _strip_none(hint: Any) -> Any:
