@@ -153,11 +153,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(stream=sys.stderr, level=logging.WARNING)
     from engine.config import ConfigError
     from engine.model.errors import ModelLoadError
+    from engine.sampling_params import SamplingParamsError
 
     runners = {"generate": run_generate, "chat": run_chat}
     try:
         asyncio.run(runners[args.command](args))
-    except (ModelLoadError, ConfigError) as exc:
+    except (ModelLoadError, ConfigError, SamplingParamsError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

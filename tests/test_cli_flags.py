@@ -279,3 +279,10 @@ def test_a_dest_used_twice_is_refused():
     add_group(parser, _Example, "example")
     with pytest.raises(ValueError, match="already used"):
         add_group(parser, _Example, "again")
+
+
+def test_generate_reports_a_bad_sampling_flag_as_an_error(tiny_model_dir, capsys):
+    argv = ["generate", "hi", "--model", str(tiny_model_dir), "--dtype", "float32", "--threads", "1",
+            "--temperature", "-1"]
+    assert cli.main(argv) == 2
+    assert "error: temperature must be between 0 and 2.0, got -1.0." in capsys.readouterr().err
