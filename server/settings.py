@@ -17,6 +17,9 @@ DisaggMode = Literal["auto", "always", "never"]
 
 @dataclass(frozen=True)
 class ServerSettings:
+    """The HTTP server's settings: its `serve` flags, and limits set in code (max_body_bytes) or from the served
+    model's context (quadrants)."""
+
     host: str = option("127.0.0.1", "address to listen on")
     port: int = option(8000, "port to listen on (0: any free port; the start-up line says which)")
     api_key: str | None = option(None, "require 'Authorization: Bearer KEY' on /v1/*",
