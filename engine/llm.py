@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, fields
 from typing import AsyncIterator, Sequence, Union
 
-from engine.config import ConfigError, EngineConfig
+from engine.config import OFFLINE_MAX_NUM_BATCHED_TOKENS, ConfigError, EngineConfig
 from engine.engine_core import EngineCore, EngineRequest, EngineStats, RequestError
 from engine.engine_thread import EngineThread
 from engine.output_processor import OutputProcessor
@@ -20,15 +20,6 @@ from engine.treatment import Treatment
 
 Prompt = Union[str, list[int]]
 Messages = list[dict[str, str]]
-
-
-# LLM runs whole batches for throughput, so it takes larger steps than the server's default (512, chosen for
-# inter-token latency): 64 prompts of 128 tokens prefilled in 5 steps instead of 18 gave 533.9 -> 625.8 output
-# tokens/s end to end on SmolLM2, bf16, 2 threads (medians of 4 interleaved rounds; the last first token
-# 5.6 -> 3.8 s): `python -m bench.step_budget --budgets 512,2048`. Larger steps gain nothing end to end:
-# `--budgets 2048,4096,8192` gave 727.5 / 662.2 / 670.1 tok/s (medians of 4 rounds, session 7), although one
-# 8192-token forward costs ~13% less per token than four of 2048 (401 against 459 us a token, in one process).
-OFFLINE_MAX_NUM_BATCHED_TOKENS = 2048
 
 
 def _engine_config(model: str | None, dtype: str | None, options: dict) -> EngineConfig:
@@ -56,8 +47,8 @@ class LLM:
     """Blocking batch generation in this process: `LLM().generate(prompts, params)`."""
 
     def __init__(self, model: str | None = None, dtype: str | None = None, **engine_options) -> None:
-        """engine_options: EngineConfig's fields; max_num_batched_tokens defaults to
-        OFFLINE_MAX_NUM_BATCHED_TOKENS here."""
+        """engine_options: EngineConfig's fields; max_num_batched_tokens defaults to the offline profile's
+        (engine.config.OFFLINE) here."""
         engine_options.setdefault("max_num_batched_tokens", OFFLINE_MAX_NUM_BATCHED_TOKENS)
         self.config = _engine_config(model, dtype, engine_options)
         self.engine = EngineCore(self.config)

@@ -5,23 +5,29 @@ from __future__ import annotations
 import logging
 import sys
 from dataclasses import dataclass
-from typing import Any, TextIO
+from typing import Any, Literal, TextIO, get_args
 
 import structlog
 
 from engine.config import ConfigError
+from engine.flags import option
 
-LOG_FORMATS = ("json", "console")
-LOG_LEVELS = ("debug", "info", "warning", "error")
+LogFormat = Literal["json", "console"]
+LogLevel = Literal["debug", "info", "warning", "error"]
+LOG_FORMATS = get_args(LogFormat)
+LOG_LEVELS = get_args(LogLevel)
 
 
 @dataclass(frozen=True)
 class LogSettings:
-    format: str = "json"
-    level: str = "info"
+    """The `serve` flags --log-format and --log-level (engine.flags); format None: default_log_format."""
+
+    format: LogFormat | None = option(None, "one line per event, request id on every request line: json or "
+                                      "console", flags=("--log-format",), shown="console on a terminal, else json")
+    level: LogLevel = option("info", "least severe level logged", flags=("--log-level",))
 
     def __post_init__(self) -> None:
-        if self.format not in LOG_FORMATS:
+        if self.format is not None and self.format not in LOG_FORMATS:
             raise ConfigError(f"log format must be one of {', '.join(LOG_FORMATS)}, got {self.format!r}")
         if self.level not in LOG_LEVELS:
             raise ConfigError(f"log level must be one of {', '.join(LOG_LEVELS)}, got {self.level!r}")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 from engine.config import ConfigError
 from engine.treatment import Treatment
@@ -44,7 +45,8 @@ def classify(prompt_tokens: int, max_tokens: int,
     return _BY_LENGTHS[(long_in, long_out)]
 
 
-SPECULATE_QUADRANTS = ("silo", "all")
+SpeculateQuadrants = Literal["silo", "all"]  # silo: only SILO requests speculate; all: every request does
+SPECULATE_QUADRANTS = get_args(SpeculateQuadrants)
 
 
 @dataclass(frozen=True)
@@ -53,7 +55,7 @@ class TreatmentOptions:
 
     speculation: bool = False  # a proposer is configured (--speculative ngram|draft)
     kv_compress: bool = False  # adaptive compression of old pages is on (--kv-compress fp4)
-    speculate_quadrants: str = "silo"  # silo: only SILO requests speculate; all: every request does
+    speculate_quadrants: SpeculateQuadrants = "silo"
 
     def __post_init__(self) -> None:
         check_speculate_quadrants(self.speculate_quadrants)

@@ -1,25 +1,38 @@
-"""The server's own settings (the engine's live in engine.config.EngineConfig)."""
+"""The server's own settings and its actor flags (the engine's live in engine.config.EngineConfig). The `serve`
+flags are generated from these fields (engine.flags)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from engine.config import ConfigError
-from server.quadrant import QuadrantThresholds, check_speculate_quadrants
+from engine.flags import option, parse_list
+from server.quadrant import QuadrantThresholds, SpeculateQuadrants, check_speculate_quadrants
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
+API_KEY_ENV = "PHASE_SERVE_API_KEY"
+
+DisaggMode = Literal["auto", "always", "never"]
 
 
 @dataclass(frozen=True)
 class ServerSettings:
-    host: str = "127.0.0.1"
-    port: int = 8000  # 0 picks a free port
-    api_key: str | None = None
-    max_queue: int = 256  # requests in flight (waiting + running) before 429
-    served_model_name: str | None = None  # default: the model's own name
-    grace_period: float = 30.0  # seconds in-flight requests get to finish on SIGINT/SIGTERM
+    """The HTTP server's settings: its `serve` flags, and limits set in code (max_body_bytes) or from the served
+    model's context (quadrants)."""
+
+    host: str = option("127.0.0.1", "address to listen on")
+    port: int = option(8000, "port to listen on (0: any free port; the start-up line says which)")
+    api_key: str | None = option(None, "require 'Authorization: Bearer KEY' on /v1/*",
+                                 shown=f"${API_KEY_ENV}, else none")
+    max_queue: int = option(256, "requests in flight (waiting + running) before new ones get 429")
+    served_model_name: str | None = option(None, "the model name clients send", shown="the model's name")
+    grace_period: float = option(30.0, "seconds in-flight requests get to finish on SIGINT/SIGTERM before they "
+                                 "are aborted")
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     quadrants: QuadrantThresholds = field(default_factory=QuadrantThresholds)
-    speculate_quadrants: str = "silo"  # which requests speculate when speculation is configured: silo | all
+    speculate_quadrants: SpeculateQuadrants = option(
+        "silo", "with --speculative: which requests speculate, SILO ones only (short in, long out: bound by "
+        "inter-token latency) or all")
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -35,3 +48,37 @@ class ServerSettings:
         check_speculate_quadrants(self.speculate_quadrants)
         if self.served_model_name is not None and not self.served_model_name.strip():
             raise ConfigError("served_model_name must not be blank")
+
+
+@dataclass(frozen=True)
+class ActorOptions:
+    """How `serve` runs the engine: actor processes and their placement, or one in-process engine."""
+
+    decode_actors: int = option(1, "decode actor processes (each also prefills colocated requests in chunks)")
+    prefill_actors: int = option(0, "prefill actor processes (0: every request is colocated)")
+    draft_actors: int = option(0, "with --speculative draft: draft model processes serving the decode actors "
+                               "(0: the draft runs inside each decode actor)")
+    devices: tuple[str, ...] = option((), "comma-separated devices for the actors, e.g. cuda:0,cuda:1, prefill "
+                                      "actors first", parse=parse_list, shown="CPU, cores split between actors")
+    disagg: DisaggMode = option("auto", "disaggregate a request (prefill actor + KV hand-off) when the cost model "
+                                "says it pays (auto), always, or never")
+    listen_workers: str | None = option(None, "accept `cli.py worker --connect` actors from other hosts (secret: "
+                                        "$PHASE_SERVE_SECRET)", metavar="HOST:PORT", shown="none")
+    in_process: bool = option(False, "run the engine inside the server process instead of actor subprocesses "
+                              "(debugging)")
+    long_prompt_threshold: int | None = option(None, "prompt tokens from which a request is long-in",
+                                               shown="context / 16, at least 64")
+    long_output_threshold: int | None = option(None, "max_tokens from which a request is long-out",
+                                               shown="context / 32, at least 64")
+
+    def client_options(self) -> dict:
+        """The AsyncLLM keyword arguments (none in process)."""
+        if self.in_process:
+            return {}
+        return dict(decode_actors=self.decode_actors, prefill_actors=self.prefill_actors, devices=self.devices,
+                    disagg=self.disagg, listen_workers=self.listen_workers, draft_actors=self.draft_actors)
+
+    def thresholds(self, context: int) -> QuadrantThresholds:
+        """Thresholds as given, else scaled to the served model's context (8192 -> 512 in, 256 out)."""
+        return QuadrantThresholds(self.long_prompt_threshold or max(64, context // 16),
+                                  self.long_output_threshold or max(64, context // 32))
