@@ -22,7 +22,7 @@ from engine.model.loader import ModelSource, load_model, resolve_dtype, resolve_
 from engine.runner import ModelRunner
 from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
-from engine.scheduler import SchedulerOutput, build_chunk
+from engine.step import RunnerOutput, SchedulerOutput, build_chunk
 
 
 @dataclass
@@ -147,10 +147,10 @@ class PrefillEngine:
             chunks.append(build_chunk(job.seq_id, job.token_ids, job.num_computed, num_new, job.block_table,
                                       job.params, 0, len(job.token_ids), self.eos_token_ids))
             budget -= num_new
-        dropped, self._dropped_seq_ids = self._dropped_seq_ids, []
-        return SchedulerOutput(chunks=chunks, finished_seq_ids=dropped)
+        dropped, self._dropped_seq_ids = tuple(self._dropped_seq_ids), []
+        return SchedulerOutput(chunks=tuple(chunks), finished_seq_ids=dropped)
 
-    def _update(self, sched: SchedulerOutput, result, destination: str) -> list[PrefillResult]:
+    def _update(self, sched: SchedulerOutput, result: RunnerOutput, destination: str) -> list[PrefillResult]:
         done = []
         by_seq = {job.seq_id: job for job in self.jobs.values()}
         for chunk in sched.chunks:
@@ -160,7 +160,7 @@ class PrefillEngine:
                 done.append(self._finish(job, result, destination))
         return done
 
-    def _finish(self, job: PrefillJob, result, destination: str) -> PrefillResult:
+    def _finish(self, job: PrefillJob, result: RunnerOutput, destination: str) -> PrefillResult:
         del self.jobs[job.request_id]
         pool = self.pools[destination]
         written = job.block_table[job.num_cached // pool.block_size:]
