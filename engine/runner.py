@@ -29,9 +29,9 @@ class ModelInput:
     positions: torch.Tensor  # [T]
     meta: AttentionMetadata
     sample_rows: torch.Tensor  # [B] rows of the flat batch whose logits are sampled
-    sampled_chunks: list[ScheduledChunk]
+    sampled_chunks: tuple[ScheduledChunk, ...]
     verify_rows: torch.Tensor  # [R] every row of the chunks with drafts, chunk after chunk
-    verified_chunks: list[ScheduledChunk]
+    verified_chunks: tuple[ScheduledChunk, ...]
 
 
 def prepare_input(chunks: Sequence[ScheduledChunk], block_size: int, device: torch.device | str,
@@ -69,11 +69,11 @@ def prepare_input(chunks: Sequence[ScheduledChunk], block_size: int, device: tor
     )
     as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
     return ModelInput(as_tensor(ids), as_tensor(positions), meta, as_tensor(sample_rows),
-                      [c for c in ordered if c.sample and not c.num_draft], as_tensor(verify_rows),
-                      [c for c in ordered if c.num_draft])
+                      tuple(c for c in ordered if c.sample and not c.num_draft), as_tensor(verify_rows),
+                      tuple(c for c in ordered if c.num_draft))
 
 
-def _decode_rows(chunks: list[ScheduledChunk]) -> list[tuple[list[int], int]]:
+def _decode_rows(chunks: Sequence[ScheduledChunk]) -> list[tuple[list[int], int]]:
     """(block table, context length) per token row of the decode group: one row per token of each chunk."""
     rows = []
     for c in chunks:
@@ -165,7 +165,7 @@ class ModelRunner:
             return kv_cache.layers
         return self._tiered_layers
 
-    def _sample(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> tuple[dict[int, int], dict]:
+    def _sample(self, logits: torch.Tensor, chunks: Sequence[ScheduledChunk]) -> tuple[dict[int, int], dict]:
         """logits [B, V] of the sampling chunks: (seq_id -> token, seq_id -> logprobs where asked)."""
         if not chunks:
             return {}, {}
@@ -176,7 +176,7 @@ class ModelRunner:
         logprobs = {} if out.logprobs is None else {i: lp for i, lp in zip(ids, out.logprobs) if lp is not None}
         return dict(zip(ids, out.token_ids)), logprobs
 
-    def _verify(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> tuple[dict[int, list[int]], dict]:
+    def _verify(self, logits: torch.Tensor, chunks: Sequence[ScheduledChunk]) -> tuple[dict[int, list[int]], dict]:
         """logits [R, V]: rows 0..num_draft of each chunk with drafts, in order. Returns (seq_id -> emitted
         tokens, seq_id -> their logprobs where asked)."""
         rows = [c for c in chunks for _ in range(c.num_draft + 1)]
@@ -190,7 +190,7 @@ class ModelRunner:
             return verified, {}
         return verified, self._verified_logprobs(logits, batch, chunks, emitted)
 
-    def _verdict(self, logits: torch.Tensor, batch: SamplingBatch, chunks: list[ScheduledChunk]) -> Verdict:
+    def _verdict(self, logits: torch.Tensor, batch: SamplingBatch, chunks: Sequence[ScheduledChunk]) -> Verdict:
         k = max(c.num_draft for c in chunks)
         sizes = [c.num_draft + 1 for c in chunks]
         drafts = torch.tensor([[*c.token_ids[1:], *[0] * (k - c.num_draft)] for c in chunks],
@@ -206,7 +206,7 @@ class ModelRunner:
         return verify_drafts(target, drafts, self._draft_probs(chunks, drafts, probs.shape[-1]), num_drafts,
                              uniforms, noise)
 
-    def _draft_probs(self, chunks: list[ScheduledChunk], drafts: torch.Tensor, vocab: int) -> torch.Tensor | None:
+    def _draft_probs(self, chunks: Sequence[ScheduledChunk], drafts: torch.Tensor, vocab: int) -> torch.Tensor | None:
         """[B, K, V], point masses for chunks without distributions; None when every draft is a point mass."""
         if all(c.draft_probs is None for c in chunks):
             return None
@@ -216,7 +216,8 @@ class ModelRunner:
                 q[b, :c.num_draft] = c.draft_probs.to(device=self.device, dtype=q.dtype)
         return q
 
-    def _acceptance_noise(self, chunks: list[ScheduledChunk], k: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _acceptance_noise(self, chunks: Sequence[ScheduledChunk], k: int,
+                          vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Uniforms [B, K] and Exp(1) noise [B, V] from each sequence's own generator; greedy rows get 0 and 1
         (no randomness: accept iff the draft is the argmax, then take the argmax)."""
         uniforms = torch.zeros(len(chunks), k, device=self.device)
@@ -228,7 +229,7 @@ class ModelRunner:
                 noise[b].exponential_(generator=gen)
         return uniforms, noise.clamp_(min=torch.finfo(noise.dtype).tiny)
 
-    def _verified_logprobs(self, logits: torch.Tensor, batch: SamplingBatch, chunks: list[ScheduledChunk],
+    def _verified_logprobs(self, logits: torch.Tensor, batch: SamplingBatch, chunks: Sequence[ScheduledChunk],
                            emitted: list[list[int]]) -> dict[int, list]:
         """seq_id -> the logprobs of its emitted tokens, for the chunks that asked for logprobs."""
         # Row j of a chunk scores the j-th emitted token; rows past the emitted ones score a dummy token 0.
