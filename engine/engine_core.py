@@ -20,12 +20,13 @@ from engine.kv_compress import ColdRegion, split_kv_budget
 from engine.model.loader import ModelSource, load_model, resolve_dtype, resolve_model
 from engine.runner import ModelRunner
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerLimits, SequenceUpdate
+from engine.scheduler import Scheduler, SchedulerLimits
 from engine.sequence import Sequence
 from engine.speculative.adaptive import SpecState
 from engine.speculative.build import build_proposer
 from engine.speculative.proposer import Proposer
 from engine.speculative.speculator import Speculator
+from engine.step import SequenceUpdate
 
 
 class RequestError(ValueError):
@@ -207,7 +208,7 @@ class EngineCore:
     def step(self) -> list[SequenceUpdate]:
         sched = self.scheduler.schedule()
         if self.speculator is not None:
-            self.speculator.fill(sched, self.scheduler.running_tokens)
+            sched = self.speculator.add_drafts(sched, self.scheduler.running_tokens)
         result = self.runner.run(sched)
         updates = self.scheduler.update(sched, result)
         if self.speculator is not None:

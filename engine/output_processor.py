@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.speculative.adaptive import SpecCounts
-from engine.scheduler import SequenceUpdate
+from engine.step import SequenceUpdate
 from engine.stop_checker import StopChecker
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 

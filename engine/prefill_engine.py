@@ -22,7 +22,7 @@ from engine.model.loader import ModelSource, load_model, resolve_dtype, resolve_
 from engine.runner import ModelRunner
 from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
-from engine.scheduler import SchedulerOutput, build_chunk
+from engine.step import RunnerOutput, SchedulerOutput, build_chunk
 
 
 @dataclass
@@ -39,7 +39,7 @@ class PrefillJob:
     stream_to: list[int] | None = None  # set by add_streamed (destination on another host): where pages go
 
 
-@dataclass
+@dataclass(frozen=True)
 class PrefillResult:
     request_id: str
     destination: str
@@ -50,7 +50,7 @@ class PrefillResult:
     num_bytes: int = 0  # KV bytes written into the destination
     checksum: int = 0  # crc32 of those bytes, verified by the destination before it decodes
     pages: list[bytes] | None = None  # streamed job: each layer's pages (KVCache.read_pages) to send
-    dest_block_ids: list[int] = field(default_factory=list)  # streamed job: where those pages go
+    dest_block_ids: list[int] = field(default_factory=list)  # streamed job: where those pages go (as on the wire)
 
 
 class PrefillEngine:
@@ -147,10 +147,10 @@ class PrefillEngine:
             chunks.append(build_chunk(job.seq_id, job.token_ids, job.num_computed, num_new, job.block_table,
                                       job.params, 0, len(job.token_ids), self.eos_token_ids))
             budget -= num_new
-        dropped, self._dropped_seq_ids = self._dropped_seq_ids, []
-        return SchedulerOutput(chunks=chunks, finished_seq_ids=dropped)
+        dropped, self._dropped_seq_ids = tuple(self._dropped_seq_ids), []
+        return SchedulerOutput(chunks=tuple(chunks), finished_seq_ids=dropped)
 
-    def _update(self, sched: SchedulerOutput, result, destination: str) -> list[PrefillResult]:
+    def _update(self, sched: SchedulerOutput, result: RunnerOutput, destination: str) -> list[PrefillResult]:
         done = []
         by_seq = {job.seq_id: job for job in self.jobs.values()}
         for chunk in sched.chunks:
@@ -160,16 +160,19 @@ class PrefillEngine:
                 done.append(self._finish(job, result, destination))
         return done
 
-    def _finish(self, job: PrefillJob, result, destination: str) -> PrefillResult:
+    def _finish(self, job: PrefillJob, result: RunnerOutput, destination: str) -> PrefillResult:
         del self.jobs[job.request_id]
         pool = self.pools[destination]
         written = job.block_table[job.num_cached // pool.block_size:]
         num_bytes, checksum = pool.checksum(written)
-        out = PrefillResult(job.request_id, destination, result.sampled_token_ids[job.seq_id],
-                            result.logprobs.get(job.seq_id), self.runner.export_generator(job.seq_id),
-                            job.num_cached, num_bytes, checksum)
-        if job.stream_to is not None:
-            out.pages = [pool.read_pages(layer, written) for layer in range(pool.data.shape[0])]
-            out.dest_block_ids = job.stream_to
-            del self.pools[destination]
-        return out
+        pages = self._take_streamed_pages(job, written)
+        return PrefillResult(job.request_id, destination, result.sampled_token_ids[job.seq_id],
+                             result.logprobs.get(job.seq_id), self.runner.export_generator(job.seq_id),
+                             job.num_cached, num_bytes, checksum, pages, job.stream_to or [])
+
+    def _take_streamed_pages(self, job: PrefillJob, written: list[int]) -> list[bytes] | None:
+        """A streamed job's pages to send, per layer; its private pool goes with them. None for a mapped job."""
+        if job.stream_to is None:
+            return None
+        pool = self.pools.pop(job.destination)
+        return [pool.read_pages(layer, written) for layer in range(pool.data.shape[0])]

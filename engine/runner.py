@@ -5,7 +5,9 @@ them into the tokens each such sequence emits this step.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -17,22 +19,22 @@ from engine.kv_cache import KVCache
 from engine.kv_compress import ColdRegion, names_cold
 from engine.model.llama import LlamaModel
 from engine.sampler import SamplingBatch, greedy_tokens, process_logits, row_argmax, sample, token_logprobs
-from engine.scheduler import RunnerOutput, ScheduledChunk, SchedulerOutput
 from engine.speculative.acceptance import Verdict, verify_drafts, verify_greedy
+from engine.step import RunnerOutput, ScheduledChunk, SchedulerOutput, runner_output
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelInput:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     meta: AttentionMetadata
     sample_rows: torch.Tensor  # [B] rows of the flat batch whose logits are sampled
-    sampled_chunks: list[ScheduledChunk]
+    sampled_chunks: tuple[ScheduledChunk, ...]
     verify_rows: torch.Tensor  # [R] every row of the chunks with drafts, chunk after chunk
-    verified_chunks: list[ScheduledChunk]
+    verified_chunks: tuple[ScheduledChunk, ...]
 
 
-def prepare_input(chunks: list[ScheduledChunk], block_size: int, device: torch.device | str,
+def prepare_input(chunks: Sequence[ScheduledChunk], block_size: int, device: torch.device | str,
                   use_kernels: bool = False, verify_as_rows: bool = False) -> ModelInput:
     """Flatten the chunks: single-token chunks first (the decode group), then each multi-token chunk.
 
@@ -59,19 +61,28 @@ def prepare_input(chunks: list[ScheduledChunk], block_size: int, device: torch.d
             sample_rows.append(len(ids) - 1)
     meta = AttentionMetadata.build(
         block_size,
-        [(c.block_table, c.start_pos + j + 1) for c in decodes for j in range(len(c.token_ids))],
-        [(c.block_table, c.start_pos, len(c.token_ids)) for c in prefills],
+        _decode_rows(decodes),
+        [(list(c.block_table), c.start_pos, len(c.token_ids)) for c in prefills],
         use_kernels,
         num_decode_seqs=len(decodes),
         device=device,
     )
     as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
     return ModelInput(as_tensor(ids), as_tensor(positions), meta, as_tensor(sample_rows),
-                      [c for c in ordered if c.sample and not c.num_draft], as_tensor(verify_rows),
-                      [c for c in ordered if c.num_draft])
+                      tuple(c for c in ordered if c.sample and not c.num_draft), as_tensor(verify_rows),
+                      tuple(c for c in ordered if c.num_draft))
 
 
-def _plain_greedy(chunks: list[ScheduledChunk]) -> bool:
+def _decode_rows(chunks: Sequence[ScheduledChunk]) -> list[tuple[list[int], int]]:
+    """(block table, context length) per token row of the decode group: one row per token of each chunk."""
+    rows = []
+    for c in chunks:
+        table = list(c.block_table)  # AttentionMetadata pads the tables as lists
+        rows.extend((table, c.start_pos + j + 1) for j in range(len(c.token_ids)))
+    return rows
+
+
+def _plain_greedy(chunks: Sequence[ScheduledChunk]) -> bool:
     """Every row takes its argmax as it is: greedy, no logprobs, no banned tokens."""
     return all(c.params.greedy and c.params.logprobs is None and not c.banned_token_ids for c in chunks)
 
@@ -105,7 +116,7 @@ class ModelRunner:
         for seq_id in sched.finished_seq_ids:
             self.generators.pop(seq_id, None)
         if sched.is_empty:
-            return RunnerOutput(sampled_token_ids={})
+            return RunnerOutput()
         layers = self._layers(kv_cache, sched)
         inp = prepare_input(sched.chunks, kv_cache.block_size, self.device, self.use_kernels,
                             self._verify_as_rows(sched, layers))
@@ -114,17 +125,17 @@ class ModelRunner:
         hidden = self.model(inp.input_ids, inp.positions, inp.meta, layers,
                             keep_rows=None if every_row else read)  # [T or B + R, hidden]
         if not inp.sampled_chunks and not inp.verified_chunks:
-            return RunnerOutput(sampled_token_ids={})
+            return RunnerOutput()
         rows = hidden[read] if every_row else hidden
         greedy = self._greedy_without_logits(rows, inp)
         if greedy is not None:
             return greedy
         logits = self.model.compute_logits(rows, float32=False)  # [B + R, V] in the model's dtype
         num_sampled = len(inp.sampled_chunks)
-        out = self._sample(logits[:num_sampled], inp.sampled_chunks)
-        if inp.verified_chunks:
-            self._verify(logits[num_sampled:].float(), inp.verified_chunks, out)
-        return out
+        sampled, logprobs = self._sample(logits[:num_sampled], inp.sampled_chunks)
+        if not inp.verified_chunks:
+            return runner_output(sampled, logprobs)
+        return runner_output(sampled, logprobs, *self._verify(logits[num_sampled:].float(), inp.verified_chunks))
 
     def _greedy_without_logits(self, rows: torch.Tensor, inp: ModelInput) -> RunnerOutput | None:
         """A step whose rows all take their plain argmax (no drafts to verify): the picks straight off the LM
@@ -134,7 +145,7 @@ class ModelRunner:
         tokens = self.model.greedy_tokens(rows)  # [B] or None
         if tokens is None:
             return None
-        return RunnerOutput(sampled_token_ids=dict(zip((c.seq_id for c in inp.sampled_chunks), tokens.tolist())))
+        return runner_output(dict(zip((c.seq_id for c in inp.sampled_chunks), tokens.tolist())))
 
     def attach_cold_region(self, cold: ColdRegion) -> None:
         """Adaptive compression: old pages of this runner's own pool may live in `cold` (engine/kv_compress.py)."""
@@ -154,33 +165,35 @@ class ModelRunner:
             return kv_cache.layers
         return self._tiered_layers
 
-    def _sample(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> RunnerOutput:
+    def _sample(self, logits: torch.Tensor, chunks: Sequence[ScheduledChunk]) -> tuple[dict[int, int], dict]:
+        """logits [B, V] of the sampling chunks: (seq_id -> token, seq_id -> logprobs where asked)."""
         if not chunks:
-            return RunnerOutput(sampled_token_ids={})
+            return {}, {}
         batch = SamplingBatch.build([c.params for c in chunks], [self._generator(c) for c in chunks],
                                     [c.banned_token_ids for c in chunks], self.device)
         out = sample(logits, batch, cpu_ext.row_argmax if self.use_kernels else row_argmax)
         ids = [c.seq_id for c in chunks]
         logprobs = {} if out.logprobs is None else {i: lp for i, lp in zip(ids, out.logprobs) if lp is not None}
-        return RunnerOutput(sampled_token_ids=dict(zip(ids, out.token_ids)), logprobs=logprobs)
+        return dict(zip(ids, out.token_ids)), logprobs
 
-    def _verify(self, logits: torch.Tensor, chunks: list[ScheduledChunk], out: RunnerOutput) -> None:
-        """logits [R, V]: rows 0..num_draft of each chunk with drafts, in order. Fills out.verified_*."""
+    def _verify(self, logits: torch.Tensor, chunks: Sequence[ScheduledChunk]) -> tuple[dict[int, list[int]], dict]:
+        """logits [R, V]: rows 0..num_draft of each chunk with drafts, in order. Returns (seq_id -> emitted
+        tokens, seq_id -> their logprobs where asked)."""
         rows = [c for c in chunks for _ in range(c.num_draft + 1)]
         batch = SamplingBatch.build([c.params for c in rows], [None] * len(rows),
                                     [c.banned_token_ids for c in rows], self.device)
         verdict = self._verdict(logits, batch, chunks)
         tokens, num_accepted = verdict.tokens.tolist(), verdict.num_accepted.tolist()
         emitted = [tokens[b][:num_accepted[b] + 1] for b in range(len(chunks))]
-        for chunk, chunk_tokens in zip(chunks, emitted):
-            out.verified_token_ids[chunk.seq_id] = chunk_tokens
-        if batch.max_logprobs is not None:
-            self._verified_logprobs(logits, batch, chunks, emitted, out)
+        verified = {chunk.seq_id: chunk_tokens for chunk, chunk_tokens in zip(chunks, emitted)}
+        if batch.max_logprobs is None:
+            return verified, {}
+        return verified, self._verified_logprobs(logits, batch, chunks, emitted)
 
-    def _verdict(self, logits: torch.Tensor, batch: SamplingBatch, chunks: list[ScheduledChunk]) -> Verdict:
+    def _verdict(self, logits: torch.Tensor, batch: SamplingBatch, chunks: Sequence[ScheduledChunk]) -> Verdict:
         k = max(c.num_draft for c in chunks)
         sizes = [c.num_draft + 1 for c in chunks]
-        drafts = torch.tensor([c.token_ids[1:] + [0] * (k - c.num_draft) for c in chunks],
+        drafts = torch.tensor([[*c.token_ids[1:], *[0] * (k - c.num_draft)] for c in chunks],
                               dtype=torch.long, device=self.device)  # [B, K]
         num_drafts = torch.tensor([c.num_draft for c in chunks], dtype=torch.long, device=self.device)
         if batch.all_greedy:  # the argmax alone decides: skip the [R, V] distributions
@@ -193,7 +206,7 @@ class ModelRunner:
         return verify_drafts(target, drafts, self._draft_probs(chunks, drafts, probs.shape[-1]), num_drafts,
                              uniforms, noise)
 
-    def _draft_probs(self, chunks: list[ScheduledChunk], drafts: torch.Tensor, vocab: int) -> torch.Tensor | None:
+    def _draft_probs(self, chunks: Sequence[ScheduledChunk], drafts: torch.Tensor, vocab: int) -> torch.Tensor | None:
         """[B, K, V], point masses for chunks without distributions; None when every draft is a point mass."""
         if all(c.draft_probs is None for c in chunks):
             return None
@@ -203,7 +216,8 @@ class ModelRunner:
                 q[b, :c.num_draft] = c.draft_probs.to(device=self.device, dtype=q.dtype)
         return q
 
-    def _acceptance_noise(self, chunks: list[ScheduledChunk], k: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _acceptance_noise(self, chunks: Sequence[ScheduledChunk], k: int,
+                          vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Uniforms [B, K] and Exp(1) noise [B, V] from each sequence's own generator; greedy rows get 0 and 1
         (no randomness: accept iff the draft is the argmax, then take the argmax)."""
         uniforms = torch.zeros(len(chunks), k, device=self.device)
@@ -215,16 +229,15 @@ class ModelRunner:
                 noise[b].exponential_(generator=gen)
         return uniforms, noise.clamp_(min=torch.finfo(noise.dtype).tiny)
 
-    def _verified_logprobs(self, logits: torch.Tensor, batch: SamplingBatch, chunks: list[ScheduledChunk],
-                           emitted: list[list[int]], out: RunnerOutput) -> None:
+    def _verified_logprobs(self, logits: torch.Tensor, batch: SamplingBatch, chunks: Sequence[ScheduledChunk],
+                           emitted: list[list[int]]) -> dict[int, list]:
+        """seq_id -> the logprobs of its emitted tokens, for the chunks that asked for logprobs."""
         # Row j of a chunk scores the j-th emitted token; rows past the emitted ones score a dummy token 0.
         row_tokens = [t for c, toks in zip(chunks, emitted) for t in toks + [0] * (c.num_draft + 1 - len(toks))]
         lps = token_logprobs(logits, torch.tensor(row_tokens, device=self.device), batch)
-        start = 0
-        for chunk, toks in zip(chunks, emitted):
-            if chunk.params.logprobs is not None:
-                out.verified_logprobs[chunk.seq_id] = lps[start:start + len(toks)]
-            start += chunk.num_draft + 1
+        starts = itertools.accumulate((c.num_draft + 1 for c in chunks), initial=0)
+        return {c.seq_id: lps[start:start + len(toks)]
+                for c, toks, start in zip(chunks, emitted, starts) if c.params.logprobs is not None}
 
     def _generator(self, chunk: ScheduledChunk) -> torch.Generator | None:
         if chunk.seed is None or chunk.params.greedy:

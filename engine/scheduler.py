@@ -6,7 +6,8 @@ sequence is preempted by recompute: its blocks are freed and it re-enters the wa
 sampled tokens, so it later resumes exactly where it stopped (often from the prefix cache).
 
 Speculative decoding: a speculating sequence's decode step reserves budget and blocks for K draft tokens
-after its last token (a verification chunk of 1 + K tokens); the engine's speculator fills the drafts in.
+after its last token (a verification chunk of 1 + K tokens); the engine's speculator returns the step with
+the drafts added (Speculator.add_drafts), and that is the step the runner runs and update() reads.
 After verification the sequence keeps the accepted drafts plus the target's own next token; the KV slots of
 rejected drafts are simply overwritten later, blocks beyond the sequence's length are freed, and only blocks
 whose tokens are final are registered in the prefix cache.
@@ -22,17 +23,14 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from engine.block_pool import BlockPool, block_hash, prefix_block_hashes
 from engine.compaction import Compactor, Move
 from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence, SequenceStatus
-from engine.speculative.adaptive import SpecCounters, SpecCounts, adapt
-
-if TYPE_CHECKING:
-    import torch
+from engine.sequence import FinishReason, Sequence, SequenceStatus
+from engine.speculative.adaptive import SpecCounters, adapt
+from engine.step import RunnerOutput, ScheduledChunk, SchedulerOutput, SequenceUpdate, build_chunk, eos_for
 
 
 @dataclass(frozen=True)
@@ -43,60 +41,14 @@ class SchedulerLimits:
 
 
 @dataclass
-class ScheduledChunk:
-    """The tokens of one sequence that run this step, and what the runner needs to place them."""
+class _Plan:
+    """The step being planned: which sequences run how many tokens, and what happened to make room. The
+    chunks are built from it once planning is done, so each carries its sequence's final block table (a
+    later compaction in the same step may still rewrite the tables of sequences planned before it)."""
 
-    seq_id: int
-    token_ids: list[int]
-    start_pos: int  # position of token_ids[0] == tokens already in the cache
-    block_table: list[int]
-    sample: bool  # the chunk reaches the end of the known tokens, so its last row yields the next token
-    params: SamplingParams
-    seed: int | None  # per-sequence sampler seed (request seed mixed with the sample index)
-    banned_token_ids: tuple[int, ...] = ()  # EOS / stop ids while under min_tokens
-    speculative: bool = False  # a decode step of a speculating sequence (its adaptive K learns from it)
-    num_spec_slots: int = 0  # draft tokens budgeted (tokens and blocks) after token_ids[0]
-    num_draft: int = 0  # draft tokens filled in: token_ids = [last token, *drafts]
-    draft_probs: torch.Tensor | None = None  # [num_draft, V] the drafts' distributions; None = point masses
-
-
-@dataclass
-class SchedulerOutput:
-    chunks: list[ScheduledChunk]
-    finished_seq_ids: list[int] = field(default_factory=list)  # since the last step: drop their runner state
+    runs: list[tuple[Sequence, int, int]] = field(default_factory=list)  # (sequence, tokens, draft slots)
     preempted_seq_ids: list[int] = field(default_factory=list)
-    compressions: list[Move] = field(default_factory=list)  # pages to compress before this step's forward
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(c.token_ids) for c in self.chunks)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.chunks
-
-
-@dataclass
-class RunnerOutput:
-    sampled_token_ids: dict[int, int]  # seq_id -> token
-    logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)
-    # Chunks with drafts: seq_id -> emitted tokens (accepted drafts, then the target's own token) and their logprobs
-    verified_token_ids: dict[int, list[int]] = field(default_factory=dict)
-    verified_logprobs: dict[int, list[TokenLogprobs | None]] = field(default_factory=dict)
-
-
-@dataclass
-class SequenceUpdate:
-    """One sampled token (or a finish without one, e.g. abort) for one sequence."""
-
-    request_id: str
-    sample_index: int
-    token_id: int | None
-    finish_reason: str | None = None
-    logprobs: TokenLogprobs | None = None
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    spec: SpecCounts | None = None  # on the update that finishes a speculating sequence: its drafts in total
+    compressions: list[Move] = field(default_factory=list)
 
 
 class Scheduler:
@@ -126,7 +78,7 @@ class Scheduler:
         updates = []
         for seq in list(self.by_request.get(request_id, [])):
             if not seq.is_finished and sample_index in (None, seq.sample_index):
-                self._finish(seq, "abort")
+                self._finish(seq, FinishReason.ABORT)
                 updates.append(_update(seq, None))
         return updates
 
@@ -194,14 +146,14 @@ class Scheduler:
     # ------------------------------------------------------------------ one step
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(chunks=[], finished_seq_ids=self._finished_since_step)
-        self._finished_since_step = []
-        budget = self._schedule_running(out, self.limits.max_num_batched_tokens)
-        if not out.preempted_seq_ids:
-            self._admit_waiting(out, budget)
-        if out.compressions:
-            self._refresh_block_tables(out)
-        return out
+        plan = _Plan()
+        budget = self._schedule_running(plan, self.limits.max_num_batched_tokens)
+        if not plan.preempted_seq_ids:
+            self._admit_waiting(plan, budget)
+        finished, self._finished_since_step = tuple(self._finished_since_step), []
+        return SchedulerOutput(chunks=tuple(self._chunk(seq, n, slots) for seq, n, slots in plan.runs),
+                               finished_seq_ids=finished, preempted_seq_ids=tuple(plan.preempted_seq_ids),
+                               compressions=tuple(plan.compressions))
 
     def update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[SequenceUpdate]:
         updates = []
@@ -246,7 +198,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ running sequences
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def _schedule_running(self, plan: _Plan, budget: int) -> int:
         # Decodes first (one token each), then continuing prefills; the queue's tail is the preemption victim.
         queue = deque(sorted(self.running, key=lambda s: (s.num_uncomputed > 1, s.sort_key)))
         while queue and budget > 0:
@@ -255,9 +207,9 @@ class Scheduler:
             if num_new == 0:
                 continue
             slots = self._spec_slots(seq, budget - num_new)
-            if not self._grow_or_preempt(seq, num_new + slots, queue, out):
+            if not self._grow_or_preempt(seq, num_new + slots, queue, plan):
                 continue
-            out.chunks.append(self._chunk(seq, num_new, slots))
+            plan.runs.append((seq, num_new, slots))
             budget -= num_new + slots
         return budget
 
@@ -273,40 +225,34 @@ class Scheduler:
             return 0  # speculation never preempts anyone
         return max(k, 0)
 
-    def _grow_or_preempt(self, seq: Sequence, num_new: int, queue: deque, out: SchedulerOutput) -> bool:
+    def _grow_or_preempt(self, seq: Sequence, num_new: int, queue: deque, plan: _Plan) -> bool:
         """Give `seq` blocks for `num_new` more tokens, preempting from the queue's tail; False if seq itself went."""
         needed = self._blocks_needed(seq, num_new)
-        while not self.pool.can_allocate(needed) and not self._compact(needed, out):
+        while not self.pool.can_allocate(needed) and not self._compact(needed, plan):
             victim = queue.pop() if queue else seq
-            self._preempt(victim, out)
+            self._preempt(victim, plan)
             if victim is seq:
                 return False
         seq.block_ids.extend(self.pool.allocate(needed))
         return True
 
-    def _compact(self, needed: int, out: SchedulerOutput) -> bool:
+    def _compact(self, needed: int, plan: _Plan) -> bool:
         """Compress old pages of running sequences until `needed` blocks can be allocated; False if it cannot."""
         if self.compactor is None:
             return False
-        out.compressions += self.compactor.make_room(needed, self.running)
+        plan.compressions += self.compactor.make_room(needed, self.running)
         return self.pool.can_allocate(needed)
 
-    def _refresh_block_tables(self, out: SchedulerOutput) -> None:
-        """Chunks built before a later compaction in this step still name the hot blocks it moved (and
-        possibly handed to another sequence): give every chunk its sequence's current table."""
-        for chunk in out.chunks:
-            chunk.block_table = list(self._running_by_id[chunk.seq_id].block_ids)
-
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+    def _preempt(self, seq: Sequence, plan: _Plan) -> None:
         self._release_blocks(seq)
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self._set_waiting(seq)
-        out.preempted_seq_ids.append(seq.seq_id)
+        plan.preempted_seq_ids.append(seq.seq_id)
 
     # ------------------------------------------------------------------ waiting sequences
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _admit_waiting(self, plan: _Plan, budget: int) -> None:
         for seq in sorted(self.waiting, key=lambda s: s.sort_key):
             if budget <= 0 or len(self.running) >= self.limits.max_num_seqs:
                 return
@@ -314,8 +260,9 @@ class Scheduler:
                 continue
             if not self._admit(seq, budget):
                 return  # head-of-line: later arrivals do not overtake one that does not fit
-            out.chunks.append(self._chunk(seq, self._num_tokens_to_run(seq, budget)))
-            budget -= len(out.chunks[-1].token_ids)
+            num_new = self._num_tokens_to_run(seq, budget)
+            plan.runs.append((seq, num_new, 0))
+            budget -= num_new
 
     def _admit(self, seq: Sequence, budget: int) -> bool:
         self._attach_cached_prefix(seq)
@@ -354,12 +301,10 @@ class Scheduler:
         total = seq.num_computed_tokens + num_new
         return max(0, -(-total // self.pool.block_size) - len(seq.block_ids))
 
-    def _chunk(self, seq: Sequence, num_new: int, spec_slots: int = 0) -> ScheduledChunk:
-        chunk = build_chunk(seq.seq_id, seq.token_ids, seq.num_computed_tokens, num_new, seq.block_ids, seq.params,
-                            seq.sample_index, seq.num_prompt_tokens, self.eos_token_ids)
-        chunk.speculative = seq.spec is not None and seq.in_decode
-        chunk.num_spec_slots = spec_slots
-        return chunk
+    def _chunk(self, seq: Sequence, num_new: int, spec_slots: int) -> ScheduledChunk:
+        return build_chunk(seq.seq_id, seq.token_ids, seq.num_computed_tokens, num_new, seq.block_ids, seq.params,
+                           seq.sample_index, seq.num_prompt_tokens, self.eos_token_ids,
+                           speculative=seq.spec is not None and seq.in_decode, num_spec_slots=spec_slots)
 
     def _eos_for(self, params: SamplingParams) -> frozenset[int]:
         return eos_for(params, self.eos_token_ids)
@@ -379,14 +324,14 @@ class Scheduler:
             self._finish(seq, reason)
         return _update(seq, token, logprobs)
 
-    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+    def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         if token in seq.params.stop_token_ids or token in self._eos_for(seq.params):
-            return "stop"
+            return FinishReason.STOP
         if seq.num_tokens >= seq.max_total_tokens:
-            return "length"
+            return FinishReason.LENGTH
         return None
 
-    def _finish(self, seq: Sequence, reason: str) -> None:
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         self._release_blocks(seq)
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
@@ -422,26 +367,6 @@ class Scheduler:
         return seq if seq is not None and seq.status is SequenceStatus.RUNNING else None
 
 
-def build_chunk(seq_id: int, token_ids: list[int], start: int, num_new: int, block_table: list[int],
-                params: SamplingParams, sample_index: int, num_prompt_tokens: int,
-                eos_token_ids: frozenset[int]) -> ScheduledChunk:
-    """The next `num_new` tokens of a sequence from `start`; it samples when it reaches the last known token."""
-    under_min = len(token_ids) - num_prompt_tokens < params.min_tokens
-    banned = tuple(eos_for(params, eos_token_ids)) + params.stop_token_ids if under_min else ()
-    return ScheduledChunk(seq_id=seq_id, token_ids=token_ids[start:start + num_new], start_pos=start,
-                          block_table=list(block_table), sample=start + num_new == len(token_ids), params=params,
-                          seed=sequence_seed(params.seed, sample_index), banned_token_ids=banned)
-
-
-def eos_for(params: SamplingParams, eos_token_ids: frozenset[int]) -> frozenset[int]:
-    return frozenset() if params.ignore_eos else eos_token_ids
-
-
-def sequence_seed(seed: int | None, sample_index: int) -> int | None:
-    """Each of a request's n samples draws from its own RNG stream derived from the request's seed."""
-    return None if seed is None else (seed * 1_000_003 + sample_index) % (1 << 63)
-
-
 def _num_accepted(chunk: ScheduledChunk, result: RunnerOutput) -> int:
     tokens = result.verified_token_ids.get(chunk.seq_id)
     return 0 if tokens is None else len(tokens) - 1
@@ -449,5 +374,6 @@ def _num_accepted(chunk: ScheduledChunk, result: RunnerOutput) -> int:
 
 def _update(seq: Sequence, token: int | None, logprobs: TokenLogprobs | None = None) -> SequenceUpdate:
     spec = seq.spec_counts if seq.is_finished and seq.spec is not None else None
-    return SequenceUpdate(seq.request_id, seq.sample_index, token, seq.finish_reason, logprobs,
+    reason = None if seq.finish_reason is None else seq.finish_reason.value
+    return SequenceUpdate(seq.request_id, seq.sample_index, token, reason, logprobs,
                           seq.num_prompt_tokens, seq.num_cached_tokens, spec)

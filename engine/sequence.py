@@ -14,6 +14,14 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
+class FinishReason(enum.Enum):
+    """Why a sequence finished; the values are the finish_reason strings the API returns."""
+
+    STOP = "stop"  # an EOS or stop token id
+    LENGTH = "length"  # max_tokens or the model's context
+    ABORT = "abort"  # aborted by the client or the engine
+
+
 @dataclass(eq=False)
 class Sequence:
     seq_id: int
@@ -32,7 +40,7 @@ class Sequence:
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of the full blocks registered so far
     num_preemptions: int = 0
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     spec: SpecState | None = None  # None: this sequence never speculates
     spec_counts: SpecCounts = SpecCounts()  # its drafts so far
     compress_first: bool = False  # adaptive KV compression takes this sequence's old pages before others'

@@ -80,7 +80,7 @@ def watch(engine: EngineCore) -> dict[str, int]:
             assert all((i + 1) * BS <= seq.num_tokens - KEEP for i in cold), (seq.num_tokens, cold)
         for chunk in out.chunks:
             seq = seqs[chunk.seq_id]
-            assert chunk.block_table == seq.block_ids
+            assert chunk.block_table == tuple(seq.block_ids)
             if any(pool.is_cold(b) for b in chunk.block_table):
                 first_cold.setdefault(seq.request_id, seq.num_output_tokens)
         watch.max_compressed = max(watch.max_compressed, pool.num_compressed)

@@ -12,10 +12,10 @@ from engine.args import add_engine_args, engine_options
 from engine.config import ConfigError, EngineConfig
 from engine.runner import ModelRunner
 from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledChunk, SchedulerOutput
 from engine.speculative.acceptance import verify_drafts, verify_greedy
 from engine.speculative.adaptive import MAX_PAUSE, SpecState, adapt
 from engine.speculative.ngram import NgramProposer
+from engine.step import ScheduledChunk, SchedulerOutput
 
 K, V = 3, 6
 CHI2_CRITICAL_DF5 = 20.52  # chi-square, 5 degrees of freedom, p = 0.001
@@ -121,8 +121,8 @@ def test_runner_verification_samples_the_target_distribution():
     n, gen = 20_000, torch.Generator().manual_seed(11)
     drafts = torch.stack([draw(Q[j], n, gen) for j in range(K)], dim=1).tolist()  # [n, K]
     params = SamplingParams(temperature=1.0, max_tokens=8)
-    chunks = [ScheduledChunk(i, [0, *d], 0, [0], True, params, None, num_draft=K, draft_probs=Q[:K])
-              for i, d in enumerate(drafts)]
+    chunks = tuple(ScheduledChunk(i, (0, *d), 0, (0,), True, params, None, num_draft=K, draft_probs=Q[:K])
+                   for i, d in enumerate(drafts))
     runner = ModelRunner(StubModel(), SimpleNamespace(block_size=16, layers=[]))
     torch.manual_seed(5)
     out = runner.run(SchedulerOutput(chunks=chunks)).verified_token_ids

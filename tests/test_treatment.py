@@ -16,9 +16,9 @@ from engine.compaction import Compactor
 from engine.config import ConfigError
 from engine.engine_core import EngineRequest
 from engine.treatment import Treatment
-from engine.scheduler import SequenceUpdate
 from engine.sequence import Sequence, SequenceStatus
 from engine.speculative.adaptive import SpecCounts
+from engine.step import SequenceUpdate
 from server.app import create_app
 from server.args import add_actor_args, add_server_args, server_settings
 from server.quadrant import Quadrant, QuadrantThresholds, TreatmentOptions, treatment_for

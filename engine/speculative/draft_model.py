@@ -20,8 +20,8 @@ from engine.kv_cache import KVCache
 from engine.model.llama import LlamaModel
 from engine.runner import prepare_input
 from engine.sampler import SamplingBatch, exponential_race, process_logits
-from engine.scheduler import ScheduledChunk
 from engine.speculative.proposer import DraftRequest, Proposal
+from engine.step import ScheduledChunk
 
 DRAFT_SEED_SALT = 0x9E3779B97F4A7C15  # the draft's generator must not replay the target's stream
 
@@ -143,8 +143,8 @@ class DraftModelProposer:
 
     def _draft_step(self, active: list[_Active]) -> None:
         """Feed each sequence's pending tokens, draw one draft token per sequence from the draft's logits."""
-        chunks = [ScheduledChunk(a.request.seq_id, a.next_chunk, len(a.state.computed), a.state.block_ids, True,
-                                 a.request.params, None) for a in active]
+        chunks = [ScheduledChunk(a.request.seq_id, tuple(a.next_chunk), len(a.state.computed),
+                                 tuple(a.state.block_ids), True, a.request.params, None) for a in active]
         inp = prepare_input(chunks, self.pool.block_size, self.device)
         hidden = self.model(inp.input_ids, inp.positions, inp.meta, self.kv_cache.layers)  # [T, hidden]
         logits = self.model.compute_logits(hidden[inp.sample_rows])  # [B, V] in inp.sampled_chunks' order

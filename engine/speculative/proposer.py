@@ -10,7 +10,7 @@ import torch
 from engine.sampling_params import SamplingParams
 
 
-@dataclass
+@dataclass(frozen=True)
 class DraftRequest:
     seq_id: int
     token_ids: Sequence[int]  # the sequence so far (prompt + output); read-only for the proposer
@@ -19,9 +19,9 @@ class DraftRequest:
     seed: int | None = None  # per-sequence seed of a seeded request, for the drafter's own generator
 
 
-@dataclass
+@dataclass(frozen=True)
 class Proposal:
-    token_ids: list[int]  # at most k tokens; empty = no proposal this step
+    token_ids: Sequence[int]  # at most k tokens; empty = no proposal this step
     draft_probs: torch.Tensor | None = None  # [len(token_ids), V] the distributions drawn from; None = point masses
 
 

@@ -1,12 +1,14 @@
-"""The engine's side of speculation each step: ask the proposer for drafts to fill the scheduled slots, then
-tell it what survived. A proposer that fails only turns speculation off for that step."""
+"""The engine's side of speculation each step: ask the proposer for drafts for the scheduled slots and return
+the step with them added, then tell the proposer what survived. A proposer that fails only turns
+speculation off for that step."""
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Callable, Iterable, Sequence
 
-from engine.scheduler import RunnerOutput, ScheduledChunk, SchedulerOutput
 from engine.speculative.proposer import DraftRequest, Proposal, Proposer
+from engine.step import RunnerOutput, ScheduledChunk, SchedulerOutput
 
 log = logging.getLogger(__name__)
 
@@ -17,22 +19,22 @@ class Speculator:
         self.vocab_size = vocab_size
         self.num_failures = 0
 
-    def fill(self, sched: SchedulerOutput, tokens_of: Callable[[int], Sequence[int] | None]) -> None:
-        """Append each speculating chunk's drafts to its token_ids (num_draft, draft_probs)."""
+    def add_drafts(self, sched: SchedulerOutput, tokens_of: Callable[[int], Sequence[int] | None]) -> SchedulerOutput:
+        """The step with each speculating chunk's drafts appended to its token_ids (num_draft, draft_probs set);
+        `sched` itself when nothing was drafted."""
         self._release([*sched.finished_seq_ids, *sched.preempted_seq_ids])
         chunks = [c for c in sched.chunks if c.num_spec_slots > 0]
         if not chunks:
-            return
+            return sched
         requests = [DraftRequest(c.seq_id, tokens_of(c.seq_id), c.num_spec_slots, c.params, c.seed) for c in chunks]
         try:
             proposals = self.proposer.propose(requests)
         except Exception:  # noqa: BLE001 - the requests go on without speculation
             self.num_failures += 1
             log.exception("the proposer failed; this step runs without speculation")
-            return
-        for chunk, proposal in zip(chunks, proposals):
-            if self._valid(chunk, proposal):
-                _attach(chunk, proposal)
+            return sched
+        drafted = {c.seq_id: with_drafts(c, p) for c, p in zip(chunks, proposals) if self._valid(c, p)}
+        return replace(sched, chunks=tuple(drafted.get(c.seq_id, c) for c in sched.chunks))
 
     def report(self, sched: SchedulerOutput, result: RunnerOutput, finished: Iterable[int]) -> None:
         """After the scheduler's update: how much of each verified sequence is final; who is gone."""
@@ -56,9 +58,9 @@ class Speculator:
         return ok
 
 
-def _attach(chunk: ScheduledChunk, proposal: Proposal) -> None:
+def with_drafts(chunk: ScheduledChunk, proposal: Proposal) -> ScheduledChunk:
+    """The chunk followed by the proposal's draft tokens (the chunk itself for an empty proposal)."""
     if not proposal.token_ids:
-        return
-    chunk.token_ids = chunk.token_ids + list(proposal.token_ids)
-    chunk.num_draft = len(proposal.token_ids)
-    chunk.draft_probs = proposal.draft_probs
+        return chunk
+    return replace(chunk, token_ids=chunk.token_ids + tuple(proposal.token_ids), num_draft=len(proposal.token_ids),
+                   draft_probs=proposal.draft_probs)

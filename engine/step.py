@@ -1,0 +1,119 @@
+"""The records one engine step passes along, in one direction only:
+
+    Scheduler.schedule() -> SchedulerOutput
+    [Speculator.add_drafts(SchedulerOutput) -> SchedulerOutput]   (only when the engine speculates)
+    ModelRunner.run(SchedulerOutput) -> RunnerOutput
+    Scheduler.update(SchedulerOutput, RunnerOutput) -> [SequenceUpdate]
+
+Every record is frozen and holds tuples or read-only mappings: a stage that wants a different value builds
+a new record (dataclasses.replace), so what the runner ran is exactly what the scheduler later reads back.
+The runner depends on this module, never on the scheduler.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Mapping, Sequence
+
+if TYPE_CHECKING:  # annotations only: this module depends on nothing at run time
+    import torch
+
+    from engine.sampler import TokenLogprobs
+    from engine.sampling_params import SamplingParams
+    from engine.speculative.adaptive import SpecCounts
+
+
+def _empty_map() -> Mapping:
+    return MappingProxyType({})
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """The tokens of one sequence that run this step, and what the runner needs to place them."""
+
+    seq_id: int
+    token_ids: tuple[int, ...]  # [n] the tokens to run; with drafts: (last known token, *drafts)
+    start_pos: int  # position of token_ids[0] == tokens already in the cache
+    block_table: tuple[int, ...]  # the sequence's KV block ids, covering start_pos + n (+ draft slots) positions
+    sample: bool  # the chunk reaches the end of the known tokens, so its last row yields the next token
+    params: SamplingParams
+    seed: int | None  # per-sequence sampler seed (request seed mixed with the sample index)
+    banned_token_ids: tuple[int, ...] = ()  # EOS / stop ids while under min_tokens
+    speculative: bool = False  # a decode step of a speculating sequence (its adaptive K learns from it)
+    num_spec_slots: int = 0  # draft tokens budgeted (tokens and blocks) after token_ids[0]
+    num_draft: int = 0  # draft tokens filled in: token_ids = (last token, *drafts)
+    draft_probs: torch.Tensor | None = None  # [num_draft, V] the drafts' distributions; None = point masses
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """What runs in one forward pass, and the runner-side state to drop or move before it."""
+
+    chunks: tuple[ScheduledChunk, ...]  # decode chunks and prefill chunks, in scheduling order
+    finished_seq_ids: tuple[int, ...] = ()  # finished since the last step: drop their runner state
+    preempted_seq_ids: tuple[int, ...] = ()  # preempted this step: their KV is gone, they recompute later
+    compressions: tuple[tuple[int, int], ...] = ()  # (hot block, cold block) pages to compress before the forward
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+@dataclass(frozen=True)
+class RunnerOutput:
+    """What one forward pass produced, keyed by seq_id (read-only mappings)."""
+
+    sampled_token_ids: Mapping[int, int] = field(default_factory=_empty_map)  # chunks that sample, without drafts
+    logprobs: Mapping[int, TokenLogprobs] = field(default_factory=_empty_map)  # ... of those that asked for them
+    # Chunks with drafts: the emitted tokens (accepted drafts, then the target's own token) and their logprobs
+    verified_token_ids: Mapping[int, tuple[int, ...]] = field(default_factory=_empty_map)
+    verified_logprobs: Mapping[int, tuple[TokenLogprobs | None, ...]] = field(default_factory=_empty_map)
+
+
+def runner_output(sampled: Mapping[int, int], logprobs: Mapping[int, TokenLogprobs] | None = None,
+                  verified: Mapping[int, Sequence[int]] | None = None,
+                  verified_logprobs: Mapping[int, Sequence[TokenLogprobs | None]] | None = None) -> RunnerOutput:
+    """A RunnerOutput over read-only copies of the given mappings."""
+    return RunnerOutput(MappingProxyType(dict(sampled)), MappingProxyType(dict(logprobs or {})),
+                        MappingProxyType({k: tuple(v) for k, v in (verified or {}).items()}),
+                        MappingProxyType({k: tuple(v) for k, v in (verified_logprobs or {}).items()}))
+
+
+@dataclass(frozen=True)
+class SequenceUpdate:
+    """One sampled token (or a finish without one, e.g. abort) for one sequence: the step's result for the
+    front end, and what travels over the wire."""
+
+    request_id: str
+    sample_index: int
+    token_id: int | None
+    finish_reason: str | None = None  # the public value of FinishReason ("stop", "length", "abort")
+    logprobs: TokenLogprobs | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    spec: SpecCounts | None = None  # on the update that finishes a speculating sequence: its drafts in total
+
+
+def build_chunk(seq_id: int, token_ids: Sequence[int], start: int, num_new: int, block_table: Sequence[int],
+                params: SamplingParams, sample_index: int, num_prompt_tokens: int, eos_token_ids: frozenset[int],
+                speculative: bool = False, num_spec_slots: int = 0) -> ScheduledChunk:
+    """The next `num_new` tokens of a sequence from `start`; it samples when it reaches the last known token."""
+    under_min = len(token_ids) - num_prompt_tokens < params.min_tokens
+    banned = tuple(eos_for(params, eos_token_ids)) + params.stop_token_ids if under_min else ()
+    return ScheduledChunk(seq_id=seq_id, token_ids=tuple(token_ids[start:start + num_new]), start_pos=start,
+                          block_table=tuple(block_table), sample=start + num_new == len(token_ids), params=params,
+                          seed=sequence_seed(params.seed, sample_index), banned_token_ids=banned,
+                          speculative=speculative, num_spec_slots=num_spec_slots)
+
+
+def eos_for(params: SamplingParams, eos_token_ids: frozenset[int]) -> frozenset[int]:
+    return frozenset() if params.ignore_eos else eos_token_ids
+
+
+def sequence_seed(seed: int | None, sample_index: int) -> int | None:
+    """Each of a request's n samples draws from its own RNG stream derived from the request's seed."""
+    return None if seed is None else (seed * 1_000_003 + sample_index) % (1 << 63)
