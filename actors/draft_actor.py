@@ -20,7 +20,7 @@ import torch
 
 from actors.convert import params_from_wire
 from actors.spec import ActorSpec
-from actors.worker import Actor, integrity_error, send_quietly
+from actors.actor import Actor, integrity_error, send_quietly
 from engine.config import MAX_SPECULATIVE_TOKENS, EngineConfig
 from engine.kv_cache import choose_num_blocks
 from engine.model.loader import resolve_dtype, resolve_model
