@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from actors.convert import params_to_wire, update_from_wire
-from actors.spec import ActorSpec, split_cores
+from actors.spec import ActorSpec
 from actors.supervisor import ActorHandle, Supervisor, SupervisorSettings
 from engine.engine_core import EngineRequest, EngineStats
 from engine.scheduler import SequenceUpdate
@@ -154,7 +154,8 @@ class ActorRouter:
         if future is not None and not future.done():
             future.set_result(msg)
 
-    async def shutdown(self) -> None:
+    async def close(self) -> None:
+        """Fail every request in flight and stop the actors."""
         if self._watchdog is not None:
             self._watchdog.cancel()
         for routed in list(self.routed.values()):
@@ -451,34 +452,3 @@ def _mappable(decode: ActorHandle) -> bool:
 
 def _attach(decode: ActorHandle) -> m.AttachPool:
     return m.AttachPool(decode.actor_id, decode.ready.kv_export, decode.ready.num_kv_blocks, decode.ready.block_size)
-
-
-def actor_specs(layout, engine_options: dict) -> list[ActorSpec]:
-    """Prefill actors first, then decode actors, then draft actors (with speculative="draft" only); each gets
-    one listed device, or on a CPU-only host a disjoint share of the cores (threads = share size). Decode actor
-    i takes its drafts from draft actor i mod the number of draft actors."""
-    num_drafts = layout.draft_actors if engine_options.get("speculative") == "draft" else 0
-    roles = ["prefill"] * layout.prefill_actors + ["decode"] * layout.decode_actors + ["draft"] * num_drafts
-    counters = {"prefill": 0, "decode": 0, "draft": 0}
-    shares = split_cores(len(roles))
-    specs = []
-    for i, role in enumerate(roles):
-        index = counters[role]
-        counters[role] += 1
-        device = layout.devices[i % len(layout.devices)] if layout.devices else "cpu"
-        cpus = () if device != "cpu" else shares[i]
-        options = dict(engine_options, num_threads=max(len(cpus), 1))
-        draft_actor = f"draft-{index % num_drafts}" if role == "decode" and num_drafts else ""
-        if role == "draft":
-            options = _draft_options(options, layout.decode_actors, num_drafts, index)
-        specs.append(ActorSpec(f"{role}-{index}", role, device, max(len(cpus), 1), cpus, "", options,
-                               draft_actor=draft_actor))
-    return specs
-
-
-def _draft_options(options: dict, num_decodes: int, num_drafts: int, index: int) -> dict:
-    """A draft actor holds draft KV for every sequence of the decode actors it serves."""
-    served = len(range(index, num_decodes, num_drafts))
-    if options.get("num_kv_blocks") and served > 1:
-        return dict(options, num_kv_blocks=options["num_kv_blocks"] * served)
-    return options

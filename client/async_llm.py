@@ -1,151 +1,26 @@
-"""The embedded client: `LLM` (blocking, batch) and `AsyncLLM` (streaming), modelled on vLLM's API."""
+"""`AsyncLLM`: streaming generation over an EngineClient, the engine in this process or the actor router."""
 from __future__ import annotations
 
 import asyncio
 import itertools
 import time
-from dataclasses import dataclass, fields
-from typing import AsyncIterator, Sequence, Union
+from dataclasses import fields
+from typing import AsyncIterator, Sequence
 
+from client.in_process import InProcessClient
+from client.prompts import Messages, Prepared, Prompt, chat_prompt, engine_config, prepare
+from engine.client_protocol import EngineClient
 from engine.config import ConfigError, EngineConfig
 from engine.engine_core import EngineCore, EngineRequest, EngineStats, RequestError
-from engine.engine_thread import EngineThread
+from engine.model.loader import resolve_dtype, resolve_model
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SequenceUpdate
-from engine.model.loader import resolve_dtype, resolve_model
-from engine.tokenizer import Tokenizer
 from engine.treatment import Treatment
-
-Prompt = Union[str, list[int]]
-Messages = list[dict[str, str]]
-
-
-# LLM runs whole batches for throughput, so it takes larger steps than the server's default (512, chosen for
-# inter-token latency): 64 prompts of 128 tokens prefilled in 5 steps instead of 18 gave 533.9 -> 625.8 output
-# tokens/s end to end on SmolLM2, bf16, 2 threads (medians of 4 interleaved rounds; the last first token
-# 5.6 -> 3.8 s): `python -m bench.step_budget --budgets 512,2048`. Larger steps gain nothing end to end:
-# `--budgets 2048,4096,8192` gave 727.5 / 662.2 / 670.1 tok/s (medians of 4 rounds, session 7), although one
-# 8192-token forward costs ~13% less per token than four of 2048 (401 against 459 us a token, in one process).
-OFFLINE_MAX_NUM_BATCHED_TOKENS = 2048
-
-
-def _engine_config(model: str | None, dtype: str | None, options: dict) -> EngineConfig:
-    return EngineConfig(model=model, dtype=dtype or "auto", **options)
-
-
-@dataclass
-class _Prepared:
-    prompt: str | None
-    token_ids: list[int]
-
-
-def _prepare(tokenizer: Tokenizer, prompt: Prompt) -> _Prepared:
-    if isinstance(prompt, str):
-        return _Prepared(prompt, tokenizer.encode(prompt))
-    return _Prepared(None, list(prompt))
-
-
-def _chat_prompt(tokenizer: Tokenizer, messages: Messages) -> _Prepared:
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    return _Prepared(text, tokenizer.encode(text, add_special_tokens=False))
-
-
-class LLM:
-    """Blocking batch generation in this process: `LLM().generate(prompts, params)`."""
-
-    def __init__(self, model: str | None = None, dtype: str | None = None, **engine_options) -> None:
-        """engine_options: EngineConfig's fields; max_num_batched_tokens defaults to
-        OFFLINE_MAX_NUM_BATCHED_TOKENS here."""
-        engine_options.setdefault("max_num_batched_tokens", OFFLINE_MAX_NUM_BATCHED_TOKENS)
-        self.config = _engine_config(model, dtype, engine_options)
-        self.engine = EngineCore(self.config)
-        self.tokenizer = self.engine.source.tokenizer
-        self._ids = itertools.count()
-
-    def generate(self, prompts: Prompt | Sequence[Prompt],
-                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
-        """One output per prompt, in order. A list of ints is one tokenised prompt."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        return self._run([_prepare(self.tokenizer, p) for p in prompts], params)
-
-    def chat(self, messages: Messages | Sequence[Messages],
-             params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        return self._run([_chat_prompt(self.tokenizer, m) for m in conversations], params)
-
-    def _run(self, prepared: list[_Prepared], params) -> list[RequestOutput]:
-        params_list = _per_prompt(params, len(prepared))
-        processor = OutputProcessor(self.tokenizer)
-        ids = [f"llm-{next(self._ids)}" for _ in prepared]
-        for rid, prep, p in zip(ids, prepared, params_list):
-            processor.add(rid, prep.prompt, prep.token_ids, p)
-            self.engine.add_request(EngineRequest(rid, prep.token_ids, p, arrival_time=time.monotonic()))
-        final: dict[str, RequestOutput] = {}
-        while self.engine.has_unfinished_requests():
-            self._collect(processor, self.engine.step(), final)
-        return [final[rid] for rid in ids]
-
-    def _collect(self, processor: OutputProcessor, updates: list[SequenceUpdate],
-                 final: dict[str, RequestOutput]) -> None:
-        outputs, to_abort = processor.process(updates)
-        for rid, index in to_abort:
-            self.engine.abort_request(rid, index)
-        final.update((o.request_id, o) for o in outputs if o.finished)
-
-
-def _per_prompt(params, count: int) -> list[SamplingParams]:
-    if params is None:
-        return [SamplingParams()] * count
-    if isinstance(params, SamplingParams):
-        return [params] * count
-    if len(params) != count:
-        raise ValueError(f"got {len(params)} SamplingParams for {count} prompts")
-    return list(params)
-
-
-class InProcessClient:
-    """The engine in this process, stepping on a worker thread (the default for scripts and tests)."""
-
-    def __init__(self, engine: EngineCore, loop: asyncio.AbstractEventLoop, on_updates, on_error) -> None:
-        self.engine = engine
-        self.loop = loop
-        self._on_error = on_error
-        self.thread = EngineThread(engine, loop, on_updates, self._on_step_error)
-
-    async def add(self, request: EngineRequest) -> None:
-        await self.thread.submit(lambda engine: engine.add_request(request))
-
-    def abort(self, request_id: str, sample_index: int | None = None) -> None:
-        self.thread.post(lambda engine: engine.abort_request(request_id, sample_index))
-
-    def stats(self) -> EngineStats:
-        return self.engine.stats()
-
-    def can_serve(self) -> bool:
-        return True
-
-    def actors(self) -> list[dict]:
-        return []
-
-    def calibration(self) -> dict:
-        return {}
-
-    def placement_of(self, request_id: str) -> None:
-        return None
-
-    def _on_step_error(self, exc: BaseException) -> None:
-        """A step failed: every request in flight ends with the error (the engine aborts them all)."""
-        request_ids = list(self.engine.scheduler.by_request)
-        self.thread.post(lambda engine: engine.abort_all())
-        for rid in request_ids:
-            self._on_error(rid, RuntimeError(f"engine step failed: {exc}"))
-
-    def close(self) -> None:
-        self.thread.shutdown()
-        self.engine.abort_all()
+from router.layout import ActorLayout, actor_specs
+from router.placement import PlacementPolicy
+from router.router import ActorRouter, RouterSettings
 
 
 class AsyncLLM:
@@ -161,7 +36,7 @@ class AsyncLLM:
     def __init__(self, model: str | None = None, dtype: str | None = None, *, decode_actors: int = 0,
                  prefill_actors: int = 0, devices: Sequence[str] = (), disagg: str = "auto",
                  listen_workers: str | None = None, draft_actors: int = 0, **engine_options) -> None:
-        self.config = _engine_config(model, dtype, engine_options)
+        self.config = engine_config(model, dtype, engine_options)
         self.layout = ActorLayout(prefill_actors, decode_actors, tuple(devices), disagg, listen_workers, draft_actors)
         if draft_actors and self.config.speculative != "draft":
             raise ConfigError("draft_actors needs speculative='draft' (and a draft_model)")
@@ -170,7 +45,7 @@ class AsyncLLM:
         self.tokenizer = self.source.tokenizer
         self.processor = OutputProcessor(self.tokenizer)
         self._streams: dict[str, asyncio.Queue] = {}
-        self._client = None
+        self._client: EngineClient | None = None
         self._ids = itertools.count()
         self._starting: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
 
@@ -190,12 +65,9 @@ class AsyncLLM:
         if self._client is None:
             self._client = await self._make_client(loop)
 
-    async def _make_client(self, loop: asyncio.AbstractEventLoop):
+    async def _make_client(self, loop: asyncio.AbstractEventLoop) -> EngineClient:
         if not self.layout.uses_actors:
             return InProcessClient(self.engine, loop, self._on_updates, self._on_error)
-        from router.router import ActorRouter, RouterSettings, actor_specs
-        from router.placement import PlacementPolicy
-
         specs = actor_specs(self.layout, _config_options(self.config))
         router = ActorRouter(specs, self._on_updates, self._on_error, RouterSettings(PlacementPolicy(self.layout.disagg)))
         await router.start(self.layout.listen_address())
@@ -204,15 +76,15 @@ class AsyncLLM:
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
                        priority: int = 0, treatment: Treatment = Treatment()) -> AsyncIterator[RequestOutput]:
         """`treatment`: per-request speculation and KV compression (the server sets it from the quadrant)."""
-        async for out in self._stream(_prepare(self.tokenizer, prompt), params, request_id, priority, treatment):
+        async for out in self._stream(prepare(self.tokenizer, prompt), params, request_id, priority, treatment):
             yield out
 
     async def chat(self, messages: Messages, params: SamplingParams | None = None,
                    request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        async for out in self._stream(_chat_prompt(self.tokenizer, messages), params, request_id, 0):
+        async for out in self._stream(chat_prompt(self.tokenizer, messages), params, request_id, 0):
             yield out
 
-    async def _stream(self, prep: _Prepared, params: SamplingParams | None, request_id: str | None,
+    async def _stream(self, prep: Prepared, params: SamplingParams | None, request_id: str | None,
                       priority: int, treatment: Treatment = Treatment()) -> AsyncIterator[RequestOutput]:
         await self.start()
         client = self._client
@@ -307,7 +179,7 @@ class AsyncLLM:
         if self.layout.uses_actors:
             raise RuntimeError("an AsyncLLM with actors is closed with `await aclose()`")
         if self._client is not None:
-            self._client.close()
+            self._client.stop()
             self._client = None
         self.engine.abort_all()
         self._forget_streams()
@@ -316,12 +188,11 @@ class AsyncLLM:
         """Stop the engine (in-process or actors); every request still in flight ends with an error."""
         if self._client is None:
             return
-        if self.layout.uses_actors:
-            await self._client.shutdown()
-            self._client = None
-            self._forget_streams()
-        else:
-            self.shutdown()
+        await self._client.close()
+        self._client = None
+        if self.engine is not None:
+            self.engine.abort_all()
+        self._forget_streams()
 
     def _forget_streams(self) -> None:
         for stream in self._streams.values():
@@ -329,38 +200,6 @@ class AsyncLLM:
         self.processor.requests.clear()
         self._streams.clear()
 
-
-@dataclass(frozen=True)
-class ActorLayout:
-    """How many actors of each role, on which devices (empty: CPU, cores split between them)."""
-
-    prefill_actors: int = 0
-    decode_actors: int = 0
-    devices: tuple[str, ...] = ()
-    disagg: str = "auto"
-    listen_workers: str | None = None  # HOST:PORT where workers on other hosts join (secret: $PHASE_SERVE_SECRET)
-    draft_actors: int = 0  # with speculative="draft": draft model processes (0: the draft runs in each decode actor)
-
-    def __post_init__(self) -> None:
-        if self.prefill_actors < 0 or self.decode_actors < 0 or self.draft_actors < 0:
-            raise ValueError("actor counts must not be negative")
-        if self.draft_actors and not self.decode_actors:
-            raise ValueError("draft actors need at least one decode actor to draft for")
-        if self.prefill_actors and not self.decode_actors and self.listen_workers is None:
-            raise ValueError("prefill actors need a decode actor (or --listen-workers for remote ones) to hand "
-                             "their KV to")
-
-    @property
-    def uses_actors(self) -> bool:
-        return self.decode_actors > 0 or self.listen_workers is not None
-
-    def listen_address(self) -> tuple[str, int, bytes] | None:
-        if self.listen_workers is None:
-            return None
-        from transport import load_secret
-
-        host, port = self.listen_workers.rsplit(":", 1)
-        return host, int(port), load_secret()
 
 
 def _config_options(config: EngineConfig) -> dict:
