@@ -69,7 +69,8 @@ class AsyncLLM:
         if not self.layout.uses_actors:
             return InProcessClient(self.engine, loop, self._on_updates, self._on_error)
         specs = actor_specs(self.layout, _config_options(self.config))
-        router = ActorRouter(specs, self._on_updates, self._on_error, RouterSettings(PlacementPolicy(self.layout.disagg)))
+        settings = RouterSettings(PlacementPolicy(self.layout.disagg))
+        router = ActorRouter(specs, self._on_updates, self._on_error, settings)
         await router.start(self.layout.listen_address())
         return router
 
