@@ -14,8 +14,10 @@ import signal
 import time
 from typing import Any, Callable
 
+from actors.convert import stats_to_wire
 from actors.spec import ActorSpec
 from engine.engine_thread import EngineThread
+from engine.stats import EngineStats
 from transport import Connection, TransportError, connect_tcp, serve_unix
 from transport import messages as m
 
@@ -49,8 +51,9 @@ class Actor:
 
     def deliver(self, outputs: list) -> None: ...
 
-    def load(self) -> dict[str, int]:
-        return {"running": 0, "waiting": 0, "kv_used": 0, "kv_total": 0}
+    def stats(self) -> EngineStats:
+        """What the next heartbeat reports (read on this thread, without stopping a step)."""
+        return EngineStats()
 
     # ---------------------------------------------------------------- lifecycle
     async def run(self) -> None:
@@ -130,7 +133,7 @@ class Actor:
         self.owners.pop(request_id, None)
 
     async def on_heartbeat(self, conn: Connection, msg: m.Heartbeat) -> None:
-        await conn.send(m.HeartbeatAck(msg.seq, msg.time, **self.load()))
+        await conn.send(m.HeartbeatAck(msg.seq, msg.time, stats_to_wire(self.stats())))
 
     async def on_check_integrity(self, conn: Connection, msg: m.CheckIntegrity) -> None:
         await conn.send(await self.thread.submit(self.integrity_report))

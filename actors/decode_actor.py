@@ -18,6 +18,7 @@ from actors.spec import ActorSpec
 from engine.calibration import calibrate_engine
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore, EngineRequest, RequestError
+from engine.stats import EngineStats
 from transport import Connection
 from transport import messages as m
 
@@ -77,13 +78,8 @@ class DecodeActor(Actor):
         return {m.AddRequest: self.on_add, m.AbortRequest: self.on_abort, m.ReserveBlocks: self.on_reserve,
                 m.ReleaseReservation: self.on_release, m.KVPages: self.on_kv_pages}
 
-    def load(self) -> dict[str, int]:
-        s = self.engine.stats()
-        return {"running": s.running, "waiting": s.waiting, "kv_used": s.kv_blocks_used,
-                "kv_total": s.kv_blocks_total, "kv_cached": s.kv_blocks_cached, "prefix_queries": s.prefix_queries,
-                "prefix_hits": s.prefix_hits, "preemptions": s.num_preemptions, "spec_proposed": s.spec_proposed,
-                "spec_accepted": s.spec_accepted, "spec_steps": s.spec_steps, "kv_compressed": s.kv_blocks_compressed,
-                "kv_cold_total": s.kv_blocks_cold_total, "kv_compressions": s.kv_compressions}
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
 
     async def on_add(self, conn: Connection, msg: m.AddRequest) -> None:
         if self.draining:
@@ -101,7 +97,7 @@ class DecodeActor(Actor):
 
     @staticmethod
     def _admit(engine: EngineCore, req: EngineRequest, msg: m.AddRequest) -> list:
-        if msg.reserved_block_ids is None:
+        if not msg.prefilled:
             engine.add_request(req)
             return []
         logprobs = logprobs_from_wire(msg.first_token, msg.first_logprob, msg.first_top_logprobs)
@@ -109,7 +105,7 @@ class DecodeActor(Actor):
 
     async def on_abort(self, conn: Connection, msg: m.AbortRequest) -> None:
         self.streams.pop(msg.request_id, None)
-        self.thread.post(lambda engine: engine.abort_request(msg.request_id, msg.sample_index))
+        self.thread.post_outputs(lambda engine: engine.abort_request(msg.request_id, msg.sample_index))
 
     async def on_reserve(self, conn: Connection, msg: m.ReserveBlocks) -> None:
         deadline = to_monotonic(msg.deadline)
@@ -141,12 +137,12 @@ class DecodeActor(Actor):
 
     async def on_release(self, conn: Connection, msg: m.ReleaseReservation) -> None:
         self.streams.pop(msg.request_id, None)
-        self.thread.post(lambda engine: engine.cancel_remote_prefill(msg.request_id) and None)
+        self.thread.post(lambda engine: engine.cancel_remote_prefill(msg.request_id))
 
     def on_owner_lost(self, request_id: str) -> None:
         super().on_owner_lost(request_id)
         self.streams.pop(request_id, None)
-        self.thread.post(lambda engine: engine.abort_request(request_id))
+        self.thread.post_outputs(lambda engine: engine.abort_request(request_id))
 
     def abort_everything(self, engine: EngineCore) -> None:
         engine.abort_all()
@@ -170,5 +166,5 @@ class DecodeActor(Actor):
     async def _sweep_reservations(self) -> None:
         while not self.stopped.is_set():
             await asyncio.sleep(RESERVATION_SWEEP_SECONDS)
-            self.thread.post(lambda engine: engine.expire_remote_prefills(time.monotonic()) and None)
+            self.thread.post(lambda engine: engine.expire_remote_prefills(time.monotonic()))
 

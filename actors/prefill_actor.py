@@ -12,6 +12,7 @@ from engine.calibration import calibrate_prefill_engine
 from engine.config import EngineConfig
 from engine.kv_cache import KVCache
 from engine.prefill_engine import PrefillEngine, PrefillJob, PrefillResult
+from engine.stats import EngineStats
 from transport import Connection
 from transport import messages as m
 
@@ -36,8 +37,8 @@ class PrefillActor(Actor):
         return {m.PrefillRequest: self.on_prefill, m.AbortRequest: self.on_abort, m.AttachPool: self.on_attach,
                 m.DetachPool: self.on_detach}
 
-    def load(self) -> dict[str, int]:
-        return {"running": len(self.engine.jobs), "waiting": 0, "kv_used": 0, "kv_total": 0}
+    def stats(self) -> EngineStats:
+        return EngineStats(running=len(self.engine.jobs))
 
     async def on_attach(self, conn: Connection, msg: m.AttachPool) -> None:
         storage = open_shared_pool(msg.kv_export)
@@ -66,11 +67,11 @@ class PrefillActor(Actor):
 
     async def on_abort(self, conn: Connection, msg: m.AbortRequest) -> None:
         self.owners.pop(msg.request_id, None)
-        self.thread.post(lambda engine: engine.abort(msg.request_id) and None)
+        self.thread.post(lambda engine: engine.abort(msg.request_id))
 
     def on_owner_lost(self, request_id: str) -> None:
         super().on_owner_lost(request_id)
-        self.thread.post(lambda engine: engine.abort(request_id) and None)
+        self.thread.post(lambda engine: engine.abort(request_id))
 
     def abort_everything(self, engine: PrefillEngine) -> None:
         for rid in list(engine.jobs):

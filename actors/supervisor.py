@@ -20,8 +20,10 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Awaitable, Callable
 
+from actors.convert import stats_from_wire
 from actors.kv_export import release_export
 from actors.spec import ROLES, ActorSpec, Role, socket_name
+from engine.stats import EngineStats
 from transport import Connection, TransportError, connect_unix, private_socket_dir, serve_tcp
 from transport import messages as m
 
@@ -57,7 +59,7 @@ class ActorHandle:
     restarts: int = 0
     restart_times: list[float] = field(default_factory=list)
     last_ack: float = 0.0
-    load: m.HeartbeatAck | None = None
+    load: EngineStats | None = None  # as of the last heartbeat
     tasks: list[asyncio.Task] = field(default_factory=list)
     incarnation: int = 0  # bumps at every (re)start, so stale events of an old process are ignored
 
@@ -210,7 +212,7 @@ class Supervisor:
         try:
             async for msg in handle.conn:
                 if isinstance(msg, m.HeartbeatAck):
-                    handle.last_ack, handle.load = time.monotonic(), msg
+                    handle.last_ack, handle.load = time.monotonic(), stats_from_wire(msg.stats)
                 else:
                     self._on_message(handle, msg)
         except (TransportError, ConnectionError, OSError) as exc:

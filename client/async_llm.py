@@ -11,12 +11,13 @@ from client.in_process import InProcessClient
 from client.prompts import Messages, Prepared, Prompt, chat_prompt, engine_config, prepare
 from engine.client_protocol import EngineClient
 from engine.config import ConfigError, EngineConfig
-from engine.engine_core import EngineCore, EngineRequest, EngineStats, RequestError
+from engine.engine_core import EngineCore, EngineRequest, RequestError
 from engine.model.loader import resolve_dtype, resolve_model
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SequenceUpdate
+from engine.stats import EngineStats
 from engine.treatment import Treatment
 from router.layout import ActorLayout, actor_specs
 from router.placement import PlacementPolicy
@@ -147,7 +148,7 @@ class AsyncLLM:
     def stats(self) -> EngineStats:
         """A snapshot of the queues and KV pool(s), read without stopping any step."""
         if self._client is None:
-            return self.engine.stats() if self.engine else EngineStats(0, 0, 0, 0, 0, 0, 0, 0)
+            return self.engine.stats() if self.engine else EngineStats()
         return self._client.stats()
 
     def can_serve(self) -> bool:

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import asyncio
 
-from engine.engine_core import EngineCore, EngineRequest, EngineStats
+from engine.engine_core import EngineCore, EngineRequest
+from engine.stats import EngineStats
 from engine.engine_thread import EngineThread
 
 
@@ -21,7 +22,7 @@ class InProcessClient:
         await self.thread.submit(lambda engine: engine.add_request(request))
 
     def abort(self, request_id: str, sample_index: int | None = None) -> None:
-        self.thread.post(lambda engine: engine.abort_request(request_id, sample_index))
+        self.thread.post_outputs(lambda engine: engine.abort_request(request_id, sample_index))
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
@@ -41,7 +42,7 @@ class InProcessClient:
     def _on_step_error(self, exc: BaseException) -> None:
         """A step failed: every request in flight ends with the error (the engine aborts them all)."""
         request_ids = list(self.engine.scheduler.by_request)
-        self.thread.post(lambda engine: engine.abort_all())
+        self.thread.post_outputs(lambda engine: engine.abort_all())
         for rid in request_ids:
             self._on_error(rid, RuntimeError(f"engine step failed: {exc}"))
 

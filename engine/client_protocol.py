@@ -9,7 +9,8 @@ import asyncio
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from engine.engine_core import EngineRequest, EngineStats
+    from engine.engine_core import EngineRequest
+    from engine.stats import EngineStats
 
 
 class RequestPlacement(Protocol):

@@ -166,7 +166,7 @@ class Handoff:
 def _commit(req: EngineRequest, msg: m.KVReady) -> m.AddRequest:
     """Start decoding a prefilled request on the decode actor that holds its reserved blocks."""
     return m.AddRequest(req.request_id, req.prompt_token_ids, params_to_wire(req.params), req.priority,
-                        req.arrival_time, reserved_block_ids=[], first_token=msg.first_token, first_logprob=msg.logprob,
+                        req.arrival_time, prefilled=True, first_token=msg.first_token, first_logprob=msg.logprob,
                         first_top_logprobs=msg.top_logprobs, generator_state=msg.generator_state,
                         checksum=msg.checksum, speculate=req.speculate, compress_first=req.compress_first)
 

@@ -62,7 +62,7 @@ class Placer:
         """Block counts from the last heartbeat; streams and queued prompts from the router's own books,
         which are current (a burst's second request must see the first)."""
         load = handle.load
-        free = handle.ready.num_kv_blocks - (load.kv_used if load else 0)
+        free = handle.ready.num_kv_blocks - (load.kv_blocks_used if load else 0)
         streams, queued = self._decode_load(handle.actor_id)
         return DecodeActorView(handle.actor_id, self._expected_streams(handle.actor_id, streams), free, 0,
                                self.prefill_cost(handle), decode_cost(handle), queued, arrival_rate)

@@ -11,13 +11,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from actors.convert import update_from_wire
 from actors.spec import ActorSpec, Role
 from actors.supervisor import ActorHandle, ActorState, Supervisor, SupervisorSettings
-from engine.engine_core import EngineRequest, EngineStats
+from engine.engine_core import EngineRequest
+from engine.stats import EngineStats
 from engine.scheduler import SequenceUpdate
 from router.failover import Failover, RequestFailedError
 from router.handoff import Handoff, Phase, Routed, mappable
@@ -90,19 +91,14 @@ class ActorRouter:
     def stats(self) -> EngineStats:
         """Totals over the decode actors as of their last heartbeat (at most one interval old)."""
         decodes = self.supervisor.ready(Role.DECODE)
-        loads = [h.load for h in decodes if h.load is not None]
-        total = lambda name: sum(getattr(x, name) for x in loads)  # noqa: E731
-        per_token = max((h.ready.kv_export.get("bytes_per_token", 0) for h in decodes), default=0)
-        return EngineStats(total("running"), total("waiting") + self.failover.parked_count(), total("kv_total"),
-                           total("kv_used"), total("kv_cached"), total("prefix_queries"), total("prefix_hits"),
-                           total("preemptions"), total("spec_proposed"), total("spec_accepted"), total("spec_steps"),
-                           kv_bytes_per_token=per_token, kv_blocks_compressed=total("kv_compressed"),
-                           kv_blocks_cold_total=total("kv_cold_total"), kv_compressions=total("kv_compressions"))
+        total = EngineStats.total(h.load for h in decodes if h.load is not None)
+        per_token = max((h.ready.kv_export.get("bytes_per_token", 0) for h in decodes), default=0)  # known at Ready
+        return replace(total, waiting=total.waiting + self.failover.parked_count(), kv_bytes_per_token=per_token)
 
     def actors(self) -> list[dict]:
         return [{"id": h.actor_id, "role": h.spec.role, "device": h.spec.device, "pid": h.pid, "state": h.state,
                  "restarts": h.restarts, "running": h.load.running if h.load else 0,
-                 "kv_blocks": {"total": h.load.kv_total, "used": h.load.kv_used} if h.load else None}
+                 "kv_blocks": {"total": h.load.kv_blocks_total, "used": h.load.kv_blocks_used} if h.load else None}
                 for h in self.supervisor.handles]
 
     def calibration(self) -> dict:

@@ -77,7 +77,7 @@ def test_a_full_handoff_sends_reserve_prefill_commit(wire):
     handoff.on_kv_ready(prefill, m.KVReady("r1", 7, None, None, 1024, 99))
     target, commit = wire.sent[-1]
     assert routed.phase is Phase.DECODING and target == "decode-0" and commit.first_token == 7
-    assert commit.reserved_block_ids is not None and commit.checksum == 99
+    assert commit.prefilled and commit.checksum == 99
     assert (handoff.counters.kv_transfers, handoff.counters.kv_bytes_transferred) == (1, 1024)
     assert wire.estimates == [("prefill-0", 0.5)]
 
@@ -98,7 +98,7 @@ def test_a_refused_reservation_colocates(wire):
     handoff.begin(routed)
     handoff.on_reservation_failed(_handle("decode-0", "decode"), m.ReservationFailed("r1", "full"))
     assert routed.phase is Phase.DECODING and routed.prefill is None
-    assert isinstance(wire.sent[-1][1], m.AddRequest) and wire.sent[-1][1].reserved_block_ids is None
+    assert isinstance(wire.sent[-1][1], m.AddRequest) and not wire.sent[-1][1].prefilled
 
 
 def test_a_failed_prefill_releases_and_colocates(wire):
