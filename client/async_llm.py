@@ -20,7 +20,7 @@ from engine.scheduler import SequenceUpdate
 from engine.stats import EngineStats
 from engine.treatment import Treatment
 from router.layout import ActorLayout, actor_specs
-from router.placement import PlacementPolicy
+from router.placement import PlacementMode, PlacementPolicy
 from router.router import ActorRouter, RouterSettings
 
 
@@ -35,7 +35,7 @@ class AsyncLLM:
     """
 
     def __init__(self, model: str | None = None, dtype: str | None = None, *, decode_actors: int = 0,
-                 prefill_actors: int = 0, devices: Sequence[str] = (), disagg: str = "auto",
+                 prefill_actors: int = 0, devices: Sequence[str] = (), disagg: PlacementMode = "auto",
                  listen_workers: str | None = None, draft_actors: int = 0, **engine_options) -> None:
         self.config = engine_config(model, dtype, engine_options)
         self.layout = ActorLayout(prefill_actors, decode_actors, tuple(devices), disagg, listen_workers, draft_actors)
@@ -181,7 +181,7 @@ class AsyncLLM:
         if self.layout.uses_actors:
             raise RuntimeError("an AsyncLLM with actors is closed with `await aclose()`")
         if self._client is not None:
-            self._client.stop()
+            self._client.stop()  # an InProcessClient: without actors there is no other kind
             self._client = None
         self.engine.abort_all()
         self._forget_streams()
