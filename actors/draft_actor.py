@@ -20,7 +20,7 @@ import torch
 
 from actors.convert import params_from_wire
 from actors.spec import ActorSpec
-from actors.worker import Actor, integrity_error, send_quietly
+from actors.actor import Actor, integrity_error, send_quietly
 from engine.config import MAX_SPECULATIVE_TOKENS, EngineConfig
 from engine.kv_cache import choose_num_blocks
 from engine.model.loader import resolve_dtype, resolve_model
@@ -28,6 +28,7 @@ from engine.sampling_params import SamplingParams
 from engine.speculative.build import draft_net, draft_spare_blocks
 from engine.speculative.draft_model import DraftModelProposer
 from engine.speculative.proposer import DraftRequest, Proposal
+from engine.stats import EngineStats
 from transport import Connection
 from transport import messages as m
 
@@ -158,10 +159,10 @@ class DraftActor(Actor):
     def handlers(self) -> dict[type, Callable]:
         return {m.ProposeDrafts: self.on_propose, m.ReleaseDrafts: self.on_release}
 
-    def load(self) -> dict[str, int]:
+    def stats(self) -> EngineStats:
         pool = self.engine.proposer.pool
-        return {"running": self.engine.num_sequences, "waiting": 0, "kv_used": pool.num_used,
-                "kv_total": pool.num_blocks}
+        return EngineStats(running=self.engine.num_sequences, kv_blocks_total=pool.num_blocks,
+                           kv_blocks_used=pool.num_used)
 
     def deliver(self, outputs: list) -> None:
         """The draft server never steps, so it has no outputs of its own."""

@@ -20,6 +20,7 @@ from typing import Sequence
 import torch
 
 from actors.convert import params_to_wire
+from actors.spec import Role
 from engine.speculative.proposer import DraftRequest, Proposal
 from transport import messages as m
 from transport.blocking import BlockingConnection
@@ -183,7 +184,7 @@ class RemoteProposer:
 def _check_greeting(hello: m.Message, ready: m.Message) -> None:
     if not isinstance(hello, m.Hello) or not isinstance(ready, m.Ready):
         raise ProtocolError(f"expected Hello and Ready, got {type(hello).__name__}, {type(ready).__name__}")
-    if hello.role != "draft" or hello.protocol_version != m.PROTOCOL_VERSION:
+    if hello.role != Role.DRAFT or hello.protocol_version != m.PROTOCOL_VERSION:
         raise ProtocolError(f"expected a draft actor speaking protocol {m.PROTOCOL_VERSION}, got a {hello.role} "
                             f"actor speaking {hello.protocol_version}")
 

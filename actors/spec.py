@@ -4,15 +4,25 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass, field
+from enum import StrEnum
 from pathlib import Path
 
-ROLES = ("prefill", "decode", "draft")
+
+class Role(StrEnum):
+    """An actor's role; the value is what specs and Hello messages carry."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+    DRAFT = "draft"
+
+
+ROLES = tuple(r.value for r in Role)
 
 
 @dataclass(frozen=True)
 class ActorSpec:
     actor_id: str
-    role: str
+    role: Role
     device: str = "cpu"  # "cpu" or "cuda:N"
     threads: int = 1  # torch threads; on a CPU-only host the actors' threads sum to the cores
     cpus: tuple[int, ...] = ()  # CPU affinity (empty: inherit)
@@ -24,6 +34,7 @@ class ActorSpec:
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"actor role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        object.__setattr__(self, "role", Role(self.role))
         if self.threads < 1:
             raise ValueError(f"actor threads must be positive, got {self.threads}")
 

@@ -16,11 +16,14 @@ import signal
 import sys
 import time
 from dataclasses import dataclass, field, replace
+from enum import StrEnum
 from pathlib import Path
 from typing import Awaitable, Callable
 
+from actors.convert import stats_from_wire
 from actors.kv_export import release_export
-from actors.spec import ROLES, ActorSpec, socket_name
+from actors.spec import ROLES, ActorSpec, Role, socket_name
+from engine.stats import EngineStats
 from transport import Connection, TransportError, connect_unix, private_socket_dir, serve_tcp
 from transport import messages as m
 
@@ -37,17 +40,26 @@ class SupervisorSettings:
     crash_loop_window: float = 120.0
 
 
+class ActorState(StrEnum):
+    """An actor process as the supervisor sees it; `failed` (crash-looping) is never restarted."""
+
+    STARTING = "starting"
+    READY = "ready"
+    DEAD = "dead"
+    FAILED = "failed"
+
+
 @dataclass(eq=False)
 class ActorHandle:
     spec: ActorSpec
-    state: str = "starting"  # starting | ready | dead | failed
+    state: ActorState = ActorState.STARTING
     process: asyncio.subprocess.Process | None = None
     conn: Connection | None = None
     ready: m.Ready | None = None
     restarts: int = 0
     restart_times: list[float] = field(default_factory=list)
     last_ack: float = 0.0
-    load: m.HeartbeatAck | None = None
+    load: EngineStats | None = None  # as of the last heartbeat
     tasks: list[asyncio.Task] = field(default_factory=list)
     incarnation: int = 0  # bumps at every (re)start, so stale events of an old process are ignored
 
@@ -61,7 +73,7 @@ class ActorHandle:
 
     async def send(self, msg: m.Message) -> bool:
         """False when the actor is not reachable (the router then treats it as down)."""
-        if self.state != "ready" or self.conn is None or self.conn.closed:
+        if self.state is not ActorState.READY or self.conn is None or self.conn.closed:
             return False
         try:
             await self.conn.send(msg)
@@ -108,7 +120,7 @@ class Supervisor:
             raise TransportError("a remote worker must open with Hello and Ready")
         handle = self._remote_handle(hello)
         handle.incarnation += 1
-        handle.conn, handle.ready, handle.state, handle.last_ack = conn, ready, "ready", time.monotonic()
+        handle.conn, handle.ready, handle.state, handle.last_ack = conn, ready, ActorState.READY, time.monotonic()
         incarnation = handle.incarnation
         handle.tasks = [asyncio.create_task(self._heartbeat(handle, incarnation))]
         log.info("remote actor %s (%s) joined from %s", handle.actor_id, hello.role, conn.peer)
@@ -118,7 +130,7 @@ class Supervisor:
     def _remote_handle(self, hello: m.Hello) -> ActorHandle:
         for handle in self.handles:
             if handle.actor_id == hello.actor_id:
-                if handle.state == "ready" or not handle.spec.remote:
+                if handle.state is ActorState.READY or not handle.spec.remote:
                     raise TransportError(f"actor id {hello.actor_id!r} is already taken")
                 return handle
         handle = ActorHandle(ActorSpec(hello.actor_id, hello.role, hello.device, remote=True))
@@ -134,14 +146,14 @@ class Supervisor:
     def by_id(self, actor_id: str) -> ActorHandle:
         return next(h for h in self.handles if h.actor_id == actor_id)
 
-    def ready(self, role: str) -> list[ActorHandle]:
-        return [h for h in self.handles if h.spec.role == role and h.state == "ready"]
+    def ready(self, role: Role) -> list[ActorHandle]:
+        return [h for h in self.handles if h.spec.role == role and h.state is ActorState.READY]
 
     # ---------------------------------------------------------------- start / stop
 
     async def _start(self, handle: ActorHandle) -> None:
         handle.incarnation += 1
-        handle.state = "starting"
+        handle.state = ActorState.STARTING
         Path(handle.spec.socket_path).unlink(missing_ok=True)
         handle.process = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "actors.worker", "--spec", handle.spec.to_json(),
@@ -152,7 +164,7 @@ class Supervisor:
             log.error("actor %s failed to start: %s", handle.actor_id, exc)
             await self._mark_down(handle, handle.incarnation)
             return
-        handle.state, handle.last_ack = "ready", time.monotonic()
+        handle.state, handle.last_ack = ActorState.READY, time.monotonic()
         incarnation = handle.incarnation
         handle.tasks = [asyncio.create_task(self._read(handle, incarnation)),
                         asyncio.create_task(self._heartbeat(handle, incarnation)),
@@ -186,7 +198,7 @@ class Supervisor:
         for task in handle.tasks:
             task.cancel()
         await handle.send(m.Shutdown())
-        handle.state = "dead"
+        handle.state = ActorState.DEAD
         if handle.process is not None and handle.process.returncode is None:
             try:
                 await asyncio.wait_for(handle.process.wait(), grace)
@@ -200,7 +212,7 @@ class Supervisor:
         try:
             async for msg in handle.conn:
                 if isinstance(msg, m.HeartbeatAck):
-                    handle.last_ack, handle.load = time.monotonic(), msg
+                    handle.last_ack, handle.load = time.monotonic(), stats_from_wire(msg.stats)
                 else:
                     self._on_message(handle, msg)
         except (TransportError, ConnectionError, OSError) as exc:
@@ -209,7 +221,7 @@ class Supervisor:
 
     async def _heartbeat(self, handle: ActorHandle, incarnation: int) -> None:
         seq = 0
-        while handle.incarnation == incarnation and handle.state == "ready":
+        while handle.incarnation == incarnation and handle.state is ActorState.READY:
             seq += 1
             await handle.send(m.Heartbeat(seq, time.time()))
             await asyncio.sleep(self.settings.heartbeat_interval)
@@ -220,15 +232,15 @@ class Supervisor:
 
     async def _watch_exit(self, handle: ActorHandle, incarnation: int) -> None:
         code = await handle.process.wait()
-        if handle.incarnation == incarnation and handle.state == "ready":
+        if handle.incarnation == incarnation and handle.state is ActorState.READY:
             log.error("actor %s exited with %s", handle.actor_id, code)
             await self._mark_down(handle, incarnation)
 
     async def _mark_down(self, handle: ActorHandle, incarnation: int) -> None:
-        if handle.incarnation != incarnation or handle.state in ("dead", "failed"):
+        if handle.incarnation != incarnation or handle.state in (ActorState.DEAD, ActorState.FAILED):
             return
-        was_ready = handle.state == "ready"
-        handle.state = "dead"
+        was_ready = handle.state is ActorState.READY
+        handle.state = ActorState.DEAD
         for task in handle.tasks:
             if task is not asyncio.current_task():
                 task.cancel()
@@ -248,7 +260,7 @@ class Supervisor:
         now = time.monotonic()
         handle.restart_times = [t for t in handle.restart_times if now - t < self.settings.crash_loop_window]
         if len(handle.restart_times) >= self.settings.crash_loop_restarts:
-            handle.state = "failed"
+            handle.state = ActorState.FAILED
             log.error("actor %s is crash-looping (%d restarts in %.0fs): not restarting", handle.actor_id,
                       len(handle.restart_times), self.settings.crash_loop_window)
             return

@@ -36,7 +36,7 @@ import torch
 
 from engine import LLM, EngineConfig, ModelConfig, SamplingParams
 from engine.engine_core import EngineRequest
-from engine.llm import OFFLINE_MAX_NUM_BATCHED_TOKENS
+from client.llm import OFFLINE_MAX_NUM_BATCHED_TOKENS
 from engine.kernels import cpu_ext
 from engine.kv_cache import bytes_per_block
 from engine.model.llama import LlamaModel

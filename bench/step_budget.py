@@ -4,7 +4,7 @@ process, running the same workload in alternating rounds so that machine noise h
     python -m bench.step_budget [--budgets 512,2048] [--batch 64] [--input-len 128] [--output-len 128] [--rounds 4]
 
 Prints each round and the median output tokens/s, prefill-phase time (the last first token) and TPOT per
-budget. This is where `LLM`'s default budget (engine/llm.py OFFLINE_MAX_NUM_BATCHED_TOKENS) comes from.
+budget. This is where `LLM`'s default budget (the offline profile, engine/config.py OFFLINE) comes from.
 """
 from __future__ import annotations
 

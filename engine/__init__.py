@@ -1,11 +1,13 @@
 """Phase-aware LLM inference engine: `from engine import LLM, AsyncLLM, SamplingParams`.
 
-The names below load on first use, so that importing a light submodule (engine.config, engine.flags: what
-cli.py needs to build its parsers) does not import torch.
+Every name below loads on first use (module `__getattr__`): importing a light submodule (engine.config,
+engine.flags: what cli.py needs to build its parsers) does not import torch, and importing `engine` or any of
+its modules never imports the `client` package (a layer above the engine and the router, where `LLM` and
+`AsyncLLM` live), the router or the transport.
 """
 from importlib import import_module
 
-_HOMES = {"LLM": "engine.llm", "AsyncLLM": "engine.llm", "SamplingParams": "engine.sampling_params",
+_HOMES = {"LLM": "client.llm", "AsyncLLM": "client.async_llm", "SamplingParams": "engine.sampling_params",
           "EngineConfig": "engine.config", "ModelConfig": "engine.config", "RequestOutput": "engine.outputs",
           "CompletionOutput": "engine.outputs", "Treatment": "engine.treatment"}
 

@@ -26,6 +26,7 @@ from engine.speculative.adaptive import SpecState
 from engine.speculative.build import build_proposer
 from engine.speculative.proposer import Proposer
 from engine.speculative.speculator import Speculator
+from engine.stats import EngineStats
 from engine.step import SequenceUpdate
 
 
@@ -46,25 +47,6 @@ class EngineRequest:
     arrival_time: float = 0.0
     speculate: bool | None = None  # Treatment.speculate
     compress_first: bool = False  # Treatment.compress_first
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    running: int
-    waiting: int
-    kv_blocks_total: int
-    kv_blocks_used: int
-    kv_blocks_cached: int
-    prefix_queries: int
-    prefix_hits: int
-    num_preemptions: int
-    spec_proposed: int = 0  # draft tokens verified
-    spec_accepted: int = 0  # ... of which accepted
-    spec_steps: int = 0  # verifications (one sequence, one step, at least one draft)
-    kv_bytes_per_token: float = 0.0  # KV pool bytes per cached token (smaller with --kv-cache-dtype fp8/fp4)
-    kv_blocks_compressed: int = 0  # --kv-compress: FP4 blocks holding compressed pages now
-    kv_blocks_cold_total: int = 0  # ... of this many in the FP4 region (not counted in kv_blocks_total)
-    kv_compressions: int = 0  # pages compressed so far
 
 
 class EngineCore:
@@ -223,7 +205,9 @@ class EngineCore:
     def stats(self) -> EngineStats:
         pool, sched = self.pool, self.scheduler
         spec = sched.spec_counters
-        return EngineStats(len(sched.running), len(sched.waiting), pool.num_blocks, pool.num_used,
-                           pool.num_cached, pool.stats.prefix_queries, pool.stats.prefix_hits,
-                           sched.num_preemptions, spec.proposed, spec.accepted, spec.steps,
+        return EngineStats(running=len(sched.running), waiting=len(sched.waiting), kv_blocks_total=pool.num_blocks,
+                           kv_blocks_used=pool.num_used, kv_blocks_cached=pool.num_cached,
+                           prefix_queries=pool.stats.prefix_queries, prefix_hits=pool.stats.prefix_hits,
+                           num_preemptions=sched.num_preemptions, spec_proposed=spec.proposed,
+                           spec_accepted=spec.accepted, spec_steps=spec.steps,
                            kv_bytes_per_token=self.kv_cache.bytes_per_token, **self._compression_stats())

@@ -38,12 +38,17 @@ class EngineThread:
     def submit(self, fn: Callable[[Any], Any]) -> asyncio.Future:
         """Run fn(engine) on the engine thread; its result (or exception) resolves the returned future."""
         future = self.loop.create_future()
-        self._calls.put((fn, future))
+        self._calls.put((fn, future, False))
         return future
 
     def post(self, fn: Callable[[Any], Any]) -> None:
-        """Run fn(engine) on the engine thread; a list it returns is delivered like step outputs."""
-        self._calls.put((fn, None))
+        """Run fn(engine) on the engine thread, without waiting; what it returns is dropped."""
+        self._calls.put((fn, None, False))
+
+    def post_outputs(self, fn: Callable[[Any], list]) -> None:
+        """Run fn(engine) on the engine thread, without waiting; the outputs it returns are delivered like a
+        step's (an abort's finish rows)."""
+        self._calls.put((fn, None, True))
 
     def emit(self, outputs: list) -> None:
         """From the engine thread: deliver outputs now, ahead of the next step's (order is preserved)."""
@@ -52,7 +57,7 @@ class EngineThread:
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stopped.set()
-        self._calls.put((None, None))
+        self._calls.put((None, None, False))
         self._thread.join(timeout)
 
     def _run(self) -> None:
@@ -83,7 +88,7 @@ class EngineThread:
             except queue.Empty:
                 return
 
-    def _run_call(self, fn: Callable[[Any], Any], future: asyncio.Future | None) -> None:
+    def _run_call(self, fn: Callable[[Any], Any], future: asyncio.Future | None, emits: bool) -> None:
         try:
             result = fn(self.engine)
         except Exception as exc:
@@ -94,8 +99,8 @@ class EngineThread:
             return
         if future is not None:
             self._to_loop(_settle, future, result, None)
-        elif isinstance(result, list) and result:
-            self._to_loop(self._on_outputs, result)
+        elif emits:
+            self.emit(result)
 
     def _to_loop(self, fn: Callable, *args: Any) -> None:
         if not self.loop.is_closed():

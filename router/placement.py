@@ -3,11 +3,14 @@ KV hand-off), decided from measured costs rather than a fixed prompt-length thre
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 from router.cost_model import DecodeCost, PrefillCost, TransferCost
 
-COLOCATED = "colocated"
-DISAGGREGATED = "disaggregated"
+PlacementMode = Literal["auto", "always", "never"]  # --disagg: decide per request, always or never disaggregate
+PlacementPath = Literal["colocated", "disaggregated"]  # where one request's prefill runs (the x-path header)
+COLOCATED: PlacementPath = "colocated"
+DISAGGREGATED: PlacementPath = "disaggregated"
 
 
 @dataclass(frozen=True)
@@ -34,7 +37,7 @@ class PrefillActorView:
 
 @dataclass(frozen=True)
 class PlacementPolicy:
-    mode: str = "auto"  # auto | always | never
+    mode: PlacementMode = "auto"
     interference_weight: float = 1.0  # seconds of others' stall valued against seconds of this TTFT
     margin: float = 0.05  # disaggregate only when it is at least this much cheaper (fraction)
     # A stall up to this long costs a running stream nothing: one late token within its inter-token budget
@@ -43,13 +46,13 @@ class PlacementPolicy:
     itl_slack: float = 0.1
 
     def __post_init__(self) -> None:
-        if self.mode not in ("auto", "always", "never"):
+        if self.mode not in get_args(PlacementMode):
             raise ValueError(f"disagg mode must be auto, always or never, got {self.mode!r}")
 
 
 @dataclass(frozen=True)
 class Placement:
-    path: str
+    path: PlacementPath
     decode_actor: str
     prefill_actor: str | None
     colocated_cost: float  # estimated seconds: own TTFT + weighted stall inflicted on running streams

@@ -11,7 +11,7 @@ import structlog
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from engine.llm import AsyncLLM
+from client import AsyncLLM
 from engine.speculative.adaptive import SpecCounts
 from server.context import CONTEXT, REQUEST_ID, TRACKER, ServerContext
 from server.errors import ApiError, error_response, from_http_exception

@@ -8,7 +8,7 @@ from typing import Any
 import structlog
 from aiohttp import web
 
-from engine.llm import AsyncLLM
+from client import AsyncLLM
 from server.admission import Admission
 from server.metrics import ServerMetrics
 from server.protocol import ModelLimits

@@ -13,7 +13,7 @@ from aiohttp import web
 
 from engine.args import engine_options
 from engine.config import ConfigError
-from engine.llm import AsyncLLM
+from client import AsyncLLM
 from engine.model.errors import ModelLoadError
 from server.app import create_app
 from server.args import actor_options, log_settings, quadrant_thresholds, server_settings

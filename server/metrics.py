@@ -7,7 +7,7 @@ from typing import Callable, Iterator
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from engine.engine_core import EngineStats
+from engine.stats import EngineStats
 from engine.speculative.adaptive import SpecCounts
 
 PREFIX = "phase_serve:"

@@ -25,9 +25,8 @@ from actors.remote_proposer import DraftUnavailable, RemoteDraftSettings, Remote
 from actors.spec import ActorSpec
 from engine import LLM, AsyncLLM, SamplingParams
 from engine.config import ConfigError, EngineConfig
-from engine.llm import ActorLayout
+from router.layout import ActorLayout, actor_specs
 from engine.speculative.proposer import DraftRequest
-from router.router import actor_specs
 from server.args import actor_options, add_actor_args
 from tests.test_spec_decode import repetitive_prompts
 from transport import private_socket_dir

@@ -7,7 +7,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
-from engine.llm import OFFLINE_MAX_NUM_BATCHED_TOKENS
+from client.llm import OFFLINE_MAX_NUM_BATCHED_TOKENS
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 

@@ -18,11 +18,11 @@ Conventions:
 
 Flows (router = main process):
 - start-up:   actor -> Hello, actor -> Ready (model loaded, KV pool exported).
-- liveness:   router -> Heartbeat, actor -> HeartbeatAck (with load figures).
+- liveness:   router -> Heartbeat, actor -> HeartbeatAck (with the actor's EngineStats).
 - colocated:  router -> AddRequest, actor -> TokenUpdates ..., router -> AbortRequest when a client leaves.
 - hand-off:   router -> ReserveBlocks (decode) -> BlocksReserved | ReservationFailed;
               router -> PrefillRequest (prefill) -> [KVPages ... over TCP] -> KVReady | RequestFailed;
-              router -> AddRequest(reserved_block_ids, first_token) (decode), or ReleaseReservation on failure.
+              router -> AddRequest(prefilled=True, first_token) (decode), or ReleaseReservation on failure.
 - drafting:   decode actor -> ProposeDrafts (draft actor) -> DraftProposals; decode actor -> ReleaseDrafts.
 - stop:       router -> Drain (finish running work, accept none), router -> Shutdown; either side -> Error.
 """
@@ -34,7 +34,7 @@ from dataclasses import dataclass, is_dataclass
 from types import MappingProxyType
 from typing import Any, ClassVar
 
-PROTOCOL_VERSION = 2  # 2: TokenUpdate.spec, HeartbeatAck speculation/compression, AddRequest treatment
+PROTOCOL_VERSION = 3  # 3: HeartbeatAck carries an EngineStats record; AddRequest.prefilled
 
 KV_EXPORT_KINDS = ("shm", "cuda_ipc", "none")
 """`Ready.kv_export["kind"]`: how peers map the actor's KV pool."""
@@ -69,6 +69,29 @@ class SpecCount(Record):
     proposed: int
     accepted: int
     steps: int
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats(Record):
+    """An engine's queues, KV pool and cumulative counters, field for field `engine.stats.EngineStats` (the
+    engine does not import the transport, so the record is declared on both sides under the same names and
+    `actors.convert` copies it by name; tests/test_stats_record.py keeps the two declarations identical)."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_blocks_total: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_cached: int = 0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    num_preemptions: int = 0
+    spec_proposed: int = 0
+    spec_accepted: int = 0
+    spec_steps: int = 0
+    kv_bytes_per_token: float = 0.0
+    kv_blocks_compressed: int = 0
+    kv_blocks_cold_total: int = 0
+    kv_compressions: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,33 +151,20 @@ class Heartbeat(Message):
 
 @dataclass(frozen=True, slots=True)
 class HeartbeatAck(Message):
-    """Answers `Heartbeat(seq)` with the actor's load; `time` echoes the heartbeat's, for round-trip time."""
+    """Answers `Heartbeat(seq)` with the actor's stats; `time` echoes the heartbeat's, for round-trip time."""
 
     TAG: ClassVar[str] = "heartbeat_ack"
     seq: int
     time: float
-    running: int
-    waiting: int
-    kv_used: int
-    kv_total: int
-    kv_cached: int = 0
-    prefix_queries: int = 0
-    prefix_hits: int = 0
-    preemptions: int = 0
-    spec_proposed: int = 0  # draft tokens verified (cumulative, like the rest of the counters)
-    spec_accepted: int = 0
-    spec_steps: int = 0
-    kv_compressed: int = 0  # --kv-compress: FP4 blocks holding pages now
-    kv_cold_total: int = 0  # ... of this many
-    kv_compressions: int = 0  # pages compressed so far
+    stats: EngineStats
 
 
 # ---- requests -------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True, slots=True)
 class AddRequest(Message):
-    """Schedule a request. With `reserved_block_ids` and `first_token`, the prompt's KV is already in those
-    blocks (a finished hand-off): the actor skips prefill and starts decoding after `first_token`."""
+    """Schedule a request. With `prefilled` (a finished hand-off), the prompt's KV is already in the blocks the
+    actor reserved for this request id: it skips prefill and starts decoding after `first_token`."""
 
     TAG: ClassVar[str] = "add_request"
     request_id: str
@@ -163,7 +173,7 @@ class AddRequest(Message):
     priority: int = 0
     arrival_time: float = 0.0
     deadline: float | None = None
-    reserved_block_ids: list[int] | None = None
+    prefilled: bool = False
     first_token: int | None = None
     first_logprob: float | None = None
     first_top_logprobs: list[TopLogprob] | None = None

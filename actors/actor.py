@@ -1,0 +1,188 @@
+"""The actor base class: connections, message dispatch, heartbeats and lifecycle shared by every role.
+
+An actor listens on its spec's Unix socket (or joins a server over TCP), greets every connection with Hello +
+Ready, then serves messages until Shutdown. The model step runs on an EngineThread so this loop stays
+responsive (heartbeats, aborts) during long steps. Outputs go back on the connection that submitted the
+request. The roles (decode_actor, prefill_actor, draft_actor) override the hooks marked below.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import time
+from typing import Any, Callable
+
+from actors.convert import stats_to_wire
+from actors.spec import ActorSpec
+from engine.engine_thread import EngineThread
+from engine.stats import EngineStats
+from transport import Connection, TransportError, connect_tcp, serve_unix
+from transport import messages as m
+
+log = logging.getLogger("actor")
+RESERVATION_SWEEP_SECONDS = 0.25
+
+
+def to_monotonic(deadline: float | None, default_seconds: float = 30.0) -> float:
+    """Wire deadlines are Unix times; engines compare against the monotonic clock."""
+    remaining = default_seconds if deadline is None else deadline - time.time()
+    return time.monotonic() + remaining
+
+
+class Actor:
+    """Shared plumbing of every role: connections, dispatch, heartbeats, lifecycle."""
+
+    def __init__(self, spec: ActorSpec) -> None:
+        self.spec = spec
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.thread: EngineThread | None = None
+        self.owners: dict[str, Connection] = {}  # request id -> connection that submitted it
+        self.stopped = asyncio.Event()
+        self.draining = False
+
+    # ---------------------------------------------------------------- overridden per role
+    def build_engine(self) -> Any: ...
+
+    def ready_message(self) -> m.Ready: ...
+
+    def handlers(self) -> dict[type, Callable]: ...
+
+    def deliver(self, outputs: list) -> None: ...
+
+    def stats(self) -> EngineStats:
+        """What the next heartbeat reports (read on this thread, without stopping a step)."""
+        return EngineStats()
+
+    # ---------------------------------------------------------------- lifecycle
+    async def run(self) -> None:
+        """Serve on the spec's Unix socket (spawned by a local supervisor)."""
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, self.stopped.set)
+        self._start_engine()
+        server = await serve_unix(self.spec.socket_path, self.serve_connection)
+        log.info("actor %s (%s) ready on %s", self.spec.actor_id, self.spec.role, self.spec.socket_path)
+        try:
+            await self.stopped.wait()
+        finally:
+            await server.close()
+            self._stop_engine()
+
+    async def run_connected(self, host: str, port: int, secret: bytes) -> None:
+        """Join a server on another host over authenticated TCP, reconnecting until told to shut down."""
+        self._start_engine()
+        try:
+            while not self.stopped.is_set():
+                try:
+                    conn = await connect_tcp(host, port, secret)
+                except (TransportError, OSError, TimeoutError) as exc:
+                    log.warning("cannot reach %s:%s (%s); retrying", host, port, exc)
+                    await asyncio.sleep(1.0)
+                    continue
+                log.info("actor %s joined %s:%s", self.spec.actor_id, host, port)
+                await self.serve_connection(conn)
+        finally:
+            self._stop_engine()
+
+    def _start_engine(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        engine = self.build_engine()
+        self.thread = EngineThread(engine, self.loop, self.deliver, self._on_step_error, name=self.spec.actor_id)
+
+    def _stop_engine(self) -> None:
+        self.thread.shutdown()
+        self.release()
+
+    def release(self) -> None:
+        """Free process-external resources (shared memory) on the way out."""
+
+    async def serve_connection(self, conn: Connection) -> None:
+        await conn.send(m.Hello(self.spec.role.value, self.spec.device, os.getpid(), self.spec.actor_id))
+        await conn.send(self.ready_message())
+        try:
+            await self._dispatch_messages(conn)
+        except (TransportError, ConnectionError, OSError):
+            pass  # the peer left or sent garbage: this connection ends, the actor goes on
+        finally:
+            for rid in [rid for rid, owner in self.owners.items() if owner is conn]:
+                self.on_owner_lost(rid)
+            conn.close()
+
+    async def _dispatch_messages(self, conn: Connection) -> None:
+        handlers = self.handlers() | {m.Heartbeat: self.on_heartbeat, m.Shutdown: self.on_shutdown,
+                                      m.Drain: self.on_drain, m.CheckIntegrity: self.on_check_integrity}
+        in_flight: set[asyncio.Task] = set()
+        try:
+            async for msg in conn:
+                handler = handlers.get(type(msg))
+                if handler is None:
+                    await conn.send(m.Error(f"{self.spec.role} actor does not handle {type(msg).__name__}"))
+                    continue
+                # A task per message: a handler waiting for the engine thread (which answers between steps)
+                # must not hold up heartbeats or aborts behind it. Engine calls still run in arrival order,
+                # because each handler queues its call before its first await.
+                task = asyncio.create_task(handler(conn, msg))
+                in_flight.add(task)
+                task.add_done_callback(_reap(in_flight))
+        finally:
+            for task in in_flight:
+                task.cancel()
+
+    def on_owner_lost(self, request_id: str) -> None:
+        """The router that submitted a request went away: nobody will read its output."""
+        self.owners.pop(request_id, None)
+
+    async def on_heartbeat(self, conn: Connection, msg: m.Heartbeat) -> None:
+        await conn.send(m.HeartbeatAck(msg.seq, msg.time, stats_to_wire(self.stats())))
+
+    async def on_check_integrity(self, conn: Connection, msg: m.CheckIntegrity) -> None:
+        await conn.send(await self.thread.submit(self.integrity_report))
+
+    def integrity_report(self, engine: Any) -> m.IntegrityReport:
+        return m.IntegrityReport(self.spec.actor_id, None, 0, 0, 0, len(self.owners))
+
+    async def on_shutdown(self, conn: Connection, msg: m.Shutdown) -> None:
+        self.stopped.set()
+
+    async def on_drain(self, conn: Connection, msg: m.Drain) -> None:
+        self.draining = True
+
+    def send_to_owner(self, request_id: str, msg: m.Message, finished: bool = False) -> None:
+        conn = self.owners.pop(request_id, None) if finished else self.owners.get(request_id)
+        if conn is not None and not conn.closed:
+            asyncio.ensure_future(send_quietly(conn, msg))
+
+    def _on_step_error(self, exc: BaseException) -> None:
+        log.error("step failed: %s; failing every request", exc)
+        for rid in list(self.owners):
+            self.send_to_owner(rid, m.RequestFailed(rid, f"engine step failed: {exc}", False), finished=True)
+        self.thread.post(self.abort_everything)
+
+    def abort_everything(self, engine: Any) -> None: ...
+
+
+def _reap(tasks: set[asyncio.Task]) -> Callable[[asyncio.Task], None]:
+    def done(task: asyncio.Task) -> None:
+        tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("message handler failed: %r", task.exception())
+
+    return done
+
+
+def integrity_error(pool: Any) -> str | None:
+    """What a block pool's check_integrity() finds wrong, or None."""
+    try:
+        pool.check_integrity()
+    except AssertionError as exc:
+        return str(exc)
+    return None
+
+
+async def send_quietly(conn: Connection, msg: m.Message) -> None:
+    """Send, ignoring a connection that is already gone."""
+    try:
+        await conn.send(msg)
+    except (TransportError, ConnectionError, OSError):
+        pass
+

@@ -1,0 +1,170 @@
+"""The decode actor: an EngineCore whose KV pool lives in shared memory, serving colocated requests and
+prefilled hand-offs (reserve blocks, receive the prefill, then decode)."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from actors.actor import RESERVATION_SWEEP_SECONDS, Actor, integrity_error, send_quietly, to_monotonic
+from actors.convert import logprobs_from_wire, params_from_wire, update_to_wire
+from actors.kv_export import SharedPool, create_shared_pool
+from actors.remote_proposer import RemoteProposer
+from actors.spec import ActorSpec
+from engine.calibration import calibrate_engine
+from engine.config import EngineConfig
+from engine.engine_core import EngineCore, EngineRequest, RequestError
+from engine.stats import EngineStats
+from transport import Connection
+from transport import messages as m
+
+log = logging.getLogger("actor")
+
+
+def _retryable(exc: Exception) -> bool:
+    return not isinstance(exc, RequestError) or exc.param == "kv"
+
+
+STREAM_WRITE_MARGIN = 1.0  # seconds before a reservation's deadline after which its pages are refused
+
+
+@dataclass(frozen=True)
+class _StreamedReservation:
+    block_ids: frozenset[int]  # the reserved blocks pages may be written into
+    deadline: float  # monotonic
+
+
+class DecodeActor(Actor):
+    """Owns an EngineCore whose KV pool lives in shared memory: colocated requests and prefilled hand-offs."""
+
+    def __init__(self, spec: ActorSpec) -> None:
+        super().__init__(spec)
+        self.pool: SharedPool | None = None
+        self.engine: EngineCore | None = None
+        self.streams: dict[str, _StreamedReservation] = {}  # hand-offs whose pages arrive as KVPages
+
+    def build_engine(self) -> EngineCore:
+        def allocate(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+            self.pool = create_shared_pool(shape, dtype, self.spec.local_device, tag=self.spec.actor_id)
+            return self.pool.tensor
+
+        shared = not self.spec.remote  # peers on another host cannot map our memory
+        self.engine = EngineCore(EngineConfig(**self.spec.engine), device=self.spec.local_device,
+                                 kv_allocator=allocate if shared else None, proposer=self._draft_client())
+        self.calibration = calibrate_engine(self.engine)
+        log.info("calibrated: %s", self.calibration)
+        self.loop.create_task(self._sweep_reservations())
+        return self.engine
+
+    def _draft_client(self) -> RemoteProposer | None:
+        """Drafts from the spec's draft actor instead of a draft model in this process, when it names one."""
+        return RemoteProposer(self.spec.draft_socket, self.spec.local_device) if self.spec.draft_socket else None
+
+    def ready_message(self) -> m.Ready:
+        kv = self.engine.kv_cache
+        export = dict(self.pool.export if self.pool else {"kind": "none"}, bytes_per_token=kv.bytes_per_token,
+                      kv_format=kv.kv_format)
+        return m.Ready(self.spec.actor_id, kv.num_blocks, kv.block_size, export, self.calibration.to_wire())
+
+    def release(self) -> None:
+        if self.pool is not None:
+            self.pool.unlink()
+
+    def handlers(self) -> dict[type, Callable]:
+        return {m.AddRequest: self.on_add, m.AbortRequest: self.on_abort, m.ReserveBlocks: self.on_reserve,
+                m.ReleaseReservation: self.on_release, m.KVPages: self.on_kv_pages}
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    async def on_add(self, conn: Connection, msg: m.AddRequest) -> None:
+        if self.draining:
+            await conn.send(m.RequestFailed(msg.request_id, "actor is draining", True))
+            return
+        req = EngineRequest(msg.request_id, msg.prompt_token_ids, params_from_wire(msg.sampling), msg.priority,
+                            time.monotonic(), speculate=msg.speculate, compress_first=msg.compress_first)
+        self.owners[msg.request_id] = conn
+        self.streams.pop(msg.request_id, None)  # its pages are all in: nothing more may be written
+        try:
+            await self.thread.submit(lambda engine: self.thread.emit(self._admit(engine, req, msg)))
+        except Exception as exc:  # an invalid request is final; a failed hand-off may run elsewhere
+            self.owners.pop(msg.request_id, None)
+            await conn.send(m.RequestFailed(msg.request_id, str(exc), _retryable(exc)))
+
+    @staticmethod
+    def _admit(engine: EngineCore, req: EngineRequest, msg: m.AddRequest) -> list:
+        if not msg.prefilled:
+            engine.add_request(req)
+            return []
+        logprobs = logprobs_from_wire(msg.first_token, msg.first_logprob, msg.first_top_logprobs)
+        return engine.add_prefilled_request(req, msg.first_token, logprobs, msg.generator_state, msg.checksum)
+
+    async def on_abort(self, conn: Connection, msg: m.AbortRequest) -> None:
+        self.streams.pop(msg.request_id, None)
+        self.thread.post_outputs(lambda engine: engine.abort_request(msg.request_id, msg.sample_index))
+
+    async def on_reserve(self, conn: Connection, msg: m.ReserveBlocks) -> None:
+        deadline = to_monotonic(msg.deadline)
+        try:
+            blocks, cached = await self.thread.submit(
+                lambda engine: engine.reserve_remote_prefill(msg.request_id, msg.prompt_token_ids, deadline))
+        except Exception as exc:
+            await conn.send(m.ReservationFailed(msg.request_id, str(exc)))
+            return
+        if self.spec.remote:  # only a decode actor on another host gets its pages as KVPages
+            fresh = blocks[cached // self.engine.kv_cache.block_size:]
+            self.streams[msg.request_id] = _StreamedReservation(frozenset(fresh), deadline)
+        await conn.send(m.BlocksReserved(msg.request_id, blocks, cached))
+
+    async def on_kv_pages(self, conn: Connection, msg: m.KVPages) -> None:
+        """Pages of a hand-off from another host. Written here on the loop thread, at once: the blocks are
+        reserved for this request, so no step reads them, and a reservation is forgotten on this thread
+        before the engine may free its blocks (release, abort, admission, or STREAM_WRITE_MARGIN before its
+        deadline), so late or foreign pages never land in blocks that someone else may own."""
+        stream = self.streams.get(msg.request_id)
+        if stream is None or time.monotonic() > stream.deadline - STREAM_WRITE_MARGIN \
+                or not stream.block_ids.issuperset(msg.block_ids):
+            log.warning("dropping KV pages for %s: no live reservation holds those blocks", msg.request_id)
+            return
+        try:
+            self.engine.kv_cache.write_pages(msg.layer, msg.block_ids, msg.payload)
+        except ValueError as exc:  # the checksum at admission then refuses the hand-off
+            log.warning("dropping malformed KV pages for %s: %s", msg.request_id, exc)
+
+    async def on_release(self, conn: Connection, msg: m.ReleaseReservation) -> None:
+        self.streams.pop(msg.request_id, None)
+        self.thread.post(lambda engine: engine.cancel_remote_prefill(msg.request_id))
+
+    def on_owner_lost(self, request_id: str) -> None:
+        super().on_owner_lost(request_id)
+        self.streams.pop(request_id, None)
+        self.thread.post_outputs(lambda engine: engine.abort_request(request_id))
+
+    def abort_everything(self, engine: EngineCore) -> None:
+        engine.abort_all()
+
+    def integrity_report(self, engine: EngineCore) -> m.IntegrityReport:
+        pool = engine.pool
+        return m.IntegrityReport(self.spec.actor_id, integrity_error(pool), pool.num_used, pool.num_cached,
+                                 len(pool.reserved_owners()), len(engine.scheduler.running))
+
+    def deliver(self, outputs: list) -> None:
+        by_owner: dict[int, tuple[Connection, list]] = {}
+        for update in outputs:
+            conn = self.owners.get(update.request_id)
+            if conn is not None:
+                by_owner.setdefault(id(conn), (conn, []))[1].append(update_to_wire(update))
+            if update.finish_reason is not None and update.request_id not in self.engine.scheduler.by_request:
+                self.owners.pop(update.request_id, None)  # every sample of the request has finished
+        for conn, rows in by_owner.values():
+            asyncio.ensure_future(send_quietly(conn, m.TokenUpdates(rows)))
+
+    async def _sweep_reservations(self) -> None:
+        while not self.stopped.is_set():
+            await asyncio.sleep(RESERVATION_SWEEP_SECONDS)
+            self.thread.post(lambda engine: engine.expire_remote_prefills(time.monotonic()))
+

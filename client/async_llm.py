@@ -1,0 +1,208 @@
+"""`AsyncLLM`: streaming generation over an EngineClient, the engine in this process or the actor router."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from dataclasses import fields
+from typing import AsyncIterator, Sequence
+
+from client.in_process import InProcessClient
+from client.prompts import Messages, Prepared, Prompt, chat_prompt, engine_config, prepare
+from engine.client_protocol import EngineClient
+from engine.config import ConfigError, EngineConfig
+from engine.engine_core import EngineCore, EngineRequest, RequestError
+from engine.model.loader import resolve_dtype, resolve_model
+from engine.output_processor import OutputProcessor
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.step import SequenceUpdate
+from engine.stats import EngineStats
+from engine.treatment import Treatment
+from router.layout import ActorLayout, actor_specs
+from router.placement import PlacementMode, PlacementPolicy
+from router.router import ActorRouter, RouterSettings
+
+
+class AsyncLLM:
+    """Streaming generation: `async for out in AsyncLLM().generate(prompt, params)` yields outputs whose
+    `outputs[i].delta_text` is the new text. Cancelling the iteration aborts the request.
+
+    By default the engine runs in this process. With `decode_actors` (and optionally `prefill_actors`) it
+    runs in actor subprocesses behind the router instead, exactly as `cli.py serve` does (`draft_actors` moves
+    the draft model of speculative="draft" out of the decode actors into processes of its own); call
+    `await start()` first (or let the first request do it) and `await aclose()` at the end.
+    """
+
+    def __init__(self, model: str | None = None, dtype: str | None = None, *, decode_actors: int = 0,
+                 prefill_actors: int = 0, devices: Sequence[str] = (), disagg: PlacementMode = "auto",
+                 listen_workers: str | None = None, draft_actors: int = 0, **engine_options) -> None:
+        self.config = engine_config(model, dtype, engine_options)
+        self.layout = ActorLayout(prefill_actors, decode_actors, tuple(devices), disagg, listen_workers, draft_actors)
+        if draft_actors and self.config.speculative != "draft":
+            raise ConfigError("draft_actors needs speculative='draft' (and a draft_model)")
+        self.engine = None if self.layout.uses_actors else EngineCore(self.config)
+        self.source = self.engine.source if self.engine else resolve_model(self.config.model)
+        self.tokenizer = self.source.tokenizer
+        self.processor = OutputProcessor(self.tokenizer)
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._client: EngineClient | None = None
+        self._ids = itertools.count()
+        self._starting: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
+
+    async def start(self) -> None:
+        """Bind to the running loop (spawning the actors, if any). Idempotent and safe to call concurrently."""
+        loop = asyncio.get_running_loop()
+        if self._starting is None or self._starting[0] is not loop:
+            self._starting = (loop, asyncio.Lock())
+        async with self._starting[1]:
+            await self._bind(loop)
+
+    async def _bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._client is not None and self._client.loop is not loop:
+            if not self._client.loop.is_closed():
+                raise RuntimeError("this AsyncLLM is serving another running event loop")
+            self.shutdown()
+        if self._client is None:
+            self._client = await self._make_client(loop)
+
+    async def _make_client(self, loop: asyncio.AbstractEventLoop) -> EngineClient:
+        if not self.layout.uses_actors:
+            return InProcessClient(self.engine, loop, self._on_updates, self._on_error)
+        specs = actor_specs(self.layout, _config_options(self.config))
+        settings = RouterSettings(PlacementPolicy(self.layout.disagg))
+        router = ActorRouter(specs, self._on_updates, self._on_error, settings)
+        await router.start(self.layout.listen_address())
+        return router
+
+    async def generate(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                       priority: int = 0, treatment: Treatment = Treatment()) -> AsyncIterator[RequestOutput]:
+        """`treatment`: per-request speculation and KV compression (the server sets it from the quadrant)."""
+        async for out in self._stream(prepare(self.tokenizer, prompt), params, request_id, priority, treatment):
+            yield out
+
+    async def chat(self, messages: Messages, params: SamplingParams | None = None,
+                   request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        async for out in self._stream(chat_prompt(self.tokenizer, messages), params, request_id, 0):
+            yield out
+
+    async def _stream(self, prep: Prepared, params: SamplingParams | None, request_id: str | None,
+                      priority: int, treatment: Treatment = Treatment()) -> AsyncIterator[RequestOutput]:
+        await self.start()
+        client = self._client
+        params = params or SamplingParams()
+        rid = request_id or f"req-{next(self._ids)}"
+        if rid in self._streams:
+            raise ValueError(f"request id {rid!r} is already in use")
+        self._check_length(prep.token_ids)
+        stream = self._streams[rid] = asyncio.Queue()
+        arrival = time.monotonic()
+        self.processor.add(rid, prep.prompt, prep.token_ids, params, arrival)
+        finished = False
+        try:
+            placement = await client.add(EngineRequest(rid, prep.token_ids, params, priority, arrival,
+                                                       treatment.speculate, treatment.compress_first))
+            while not finished:
+                item = await stream.get()
+                if isinstance(item, Exception):
+                    raise item
+                placement = client.placement_of(rid) or placement
+                if placement is not None:
+                    item.path, item.placement = placement.path, placement.header()
+                finished = item.finished
+                yield item
+        finally:
+            self._streams.pop(rid, None)
+            if not finished:
+                self.processor.abort(rid)
+                client.abort(rid)
+
+    def _check_length(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise RequestError("the prompt is empty", "prompt")
+        if len(token_ids) >= self.max_model_len:
+            raise RequestError(f"the prompt has {len(token_ids)} tokens; this model's context is "
+                               f"{self.max_model_len} tokens including at least one output token", "prompt")
+
+    def abort(self, request_id: str) -> None:
+        if self._client is not None:
+            self._client.abort(request_id)
+
+    @property
+    def model_name(self) -> str:
+        return self.source.name
+
+    @property
+    def dtype_name(self) -> str:
+        """The serving dtype, resolved as the engine (or its actors) resolve it."""
+        if self.engine is not None:
+            return str(self.engine.dtype).removeprefix("torch.")
+        device = self.layout.devices[0] if self.layout.devices else "cpu"
+        return str(resolve_dtype(self.config.dtype, device)).removeprefix("torch.")
+
+    @property
+    def max_model_len(self) -> int:
+        cfg = self.source.config
+        return min(self.config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+
+    def stats(self) -> EngineStats:
+        """A snapshot of the queues and KV pool(s), read without stopping any step."""
+        if self._client is None:
+            return self.engine.stats() if self.engine else EngineStats()
+        return self._client.stats()
+
+    def can_serve(self) -> bool:
+        return self._client is not None and self._client.can_serve()
+
+    def actors(self) -> list[dict]:
+        return [] if self._client is None else self._client.actors()
+
+    def calibration(self) -> dict:
+        """Per-actor fitted costs (empty in-process: placement needs no costs there)."""
+        return {} if self._client is None else self._client.calibration()
+
+    def _on_updates(self, updates: list[SequenceUpdate]) -> None:
+        outputs, to_abort = self.processor.process(updates)
+        for rid, index in to_abort:
+            self._client.abort(rid, index)
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream.put_nowait(out)
+
+    def _on_error(self, request_id: str, exc: Exception) -> None:
+        self.processor.abort(request_id)
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.put_nowait(exc)
+
+    def shutdown(self) -> None:
+        """Stop an in-process engine's step thread and abort whatever is still queued or running."""
+        if self.layout.uses_actors:
+            raise RuntimeError("an AsyncLLM with actors is closed with `await aclose()`")
+        if self._client is not None:
+            self._client.stop()  # an InProcessClient: without actors there is no other kind
+            self._client = None
+        self.engine.abort_all()
+        self._forget_streams()
+
+    async def aclose(self) -> None:
+        """Stop the engine (in-process or actors); every request still in flight ends with an error."""
+        if self._client is None:
+            return
+        await self._client.close()
+        self._client = None
+        if self.engine is not None:
+            self.engine.abort_all()
+        self._forget_streams()
+
+    def _forget_streams(self) -> None:
+        for stream in self._streams.values():
+            stream.put_nowait(RuntimeError("the engine was shut down"))
+        self.processor.requests.clear()
+        self._streams.clear()
+
+
+
+def _config_options(config: EngineConfig) -> dict:
+    return {f.name: getattr(config, f.name) for f in fields(config)}

@@ -1,0 +1,57 @@
+"""The engine in this process behind the EngineClient interface, stepping on a worker thread."""
+from __future__ import annotations
+
+import asyncio
+
+from engine.engine_core import EngineCore, EngineRequest
+from engine.stats import EngineStats
+from engine.engine_thread import EngineThread
+
+
+class InProcessClient:
+    """The engine in this process, stepping on a worker thread (the default for scripts and tests)."""
+
+    def __init__(self, engine: EngineCore, loop: asyncio.AbstractEventLoop, on_updates, on_error) -> None:
+        self.engine = engine
+        self.loop = loop
+        self._on_error = on_error
+        self.thread = EngineThread(engine, loop, on_updates, self._on_step_error)
+
+    async def add(self, request: EngineRequest) -> None:
+        """Queue the request; the engine in this process has no placement to report."""
+        await self.thread.submit(lambda engine: engine.add_request(request))
+
+    def abort(self, request_id: str, sample_index: int | None = None) -> None:
+        self.thread.post_outputs(lambda engine: engine.abort_request(request_id, sample_index))
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    def can_serve(self) -> bool:
+        return True
+
+    def actors(self) -> list[dict]:
+        return []
+
+    def calibration(self) -> dict:
+        return {}
+
+    def placement_of(self, request_id: str) -> None:
+        return None
+
+    def _on_step_error(self, exc: BaseException) -> None:
+        """A step failed: every request in flight ends with the error (the engine aborts them all)."""
+        request_ids = list(self.engine.scheduler.by_request)
+        self.thread.post_outputs(lambda engine: engine.abort_all())
+        for rid in request_ids:
+            self._on_error(rid, RuntimeError(f"engine step failed: {exc}"))
+
+    async def close(self) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        """`close` for a caller without a running loop (the sync `AsyncLLM.shutdown`)."""
+        self.thread.shutdown()
+        self.engine.abort_all()
+
+

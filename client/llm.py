@@ -1,0 +1,70 @@
+"""`LLM`: blocking batch generation in this process, stepping the engine on the caller's thread."""
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Sequence
+
+from client.prompts import Messages, Prepared, Prompt, chat_prompt, engine_config, prepare
+from engine.config import OFFLINE_MAX_NUM_BATCHED_TOKENS
+from engine.engine_core import EngineCore, EngineRequest
+from engine.output_processor import OutputProcessor
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.step import SequenceUpdate
+
+
+class LLM:
+    """Blocking batch generation in this process: `LLM().generate(prompts, params)`."""
+
+    def __init__(self, model: str | None = None, dtype: str | None = None, **engine_options) -> None:
+        """engine_options: EngineConfig's fields; max_num_batched_tokens defaults to the offline profile's
+        (engine.config.OFFLINE) here."""
+        engine_options.setdefault("max_num_batched_tokens", OFFLINE_MAX_NUM_BATCHED_TOKENS)
+        self.config = engine_config(model, dtype, engine_options)
+        self.engine = EngineCore(self.config)
+        self.tokenizer = self.engine.source.tokenizer
+        self._ids = itertools.count()
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """One output per prompt, in order. A list of ints is one tokenised prompt."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        return self._run([prepare(self.tokenizer, p) for p in prompts], params)
+
+    def chat(self, messages: Messages | Sequence[Messages],
+             params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        return self._run([chat_prompt(self.tokenizer, m) for m in conversations], params)
+
+    def _run(self, prepared: list[Prepared], params) -> list[RequestOutput]:
+        params_list = _per_prompt(params, len(prepared))
+        processor = OutputProcessor(self.tokenizer)
+        ids = [f"llm-{next(self._ids)}" for _ in prepared]
+        for rid, prep, p in zip(ids, prepared, params_list):
+            processor.add(rid, prep.prompt, prep.token_ids, p)
+            self.engine.add_request(EngineRequest(rid, prep.token_ids, p, arrival_time=time.monotonic()))
+        final: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished_requests():
+            self._collect(processor, self.engine.step(), final)
+        return [final[rid] for rid in ids]
+
+    def _collect(self, processor: OutputProcessor, updates: list[SequenceUpdate],
+                 final: dict[str, RequestOutput]) -> None:
+        outputs, to_abort = processor.process(updates)
+        for rid, index in to_abort:
+            self.engine.abort_request(rid, index)
+        final.update((o.request_id, o) for o in outputs if o.finished)
+
+
+def _per_prompt(params, count: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * count
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    if len(params) != count:
+        raise ValueError(f"got {len(params)} SamplingParams for {count} prompts")
+    return list(params)
+
+

@@ -1,0 +1,54 @@
+"""EngineClient: what `AsyncLLM` drives, whether the engine runs in this process (client.in_process) or in
+actor subprocesses behind the router (router.router.ActorRouter).
+
+The engine layer declares the interface and the layers above implement it, so nothing here imports them.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from engine.engine_core import EngineRequest
+    from engine.stats import EngineStats
+
+
+class RequestPlacement(Protocol):
+    """Where a request runs, as the client reports it on each output."""
+
+    path: str
+
+    def header(self) -> str: ...
+
+
+class EngineClient(Protocol):
+    """Requests in, token updates out through the callbacks the client was built with; one `close`."""
+
+    loop: asyncio.AbstractEventLoop
+
+    async def add(self, request: EngineRequest) -> RequestPlacement | None:
+        """Queue a request; its placement when one was decided now (None: in-process, or parked)."""
+
+    def abort(self, request_id: str, sample_index: int | None = None) -> None:
+        """Stop one sample of a request, or all of them; unknown ids are ignored."""
+
+    def stats(self) -> EngineStats:
+        """Queues and KV pool(s), summed over whatever engines serve."""
+
+    def can_serve(self) -> bool:
+        """Whether a request added now could run (a decode actor is up)."""
+
+    def actors(self) -> list[dict]:
+        """One entry per actor process for /status (empty in-process)."""
+
+    def calibration(self) -> dict:
+        """Per-actor fitted costs for /status (empty in-process)."""
+
+    def placement_of(self, request_id: str) -> RequestPlacement | None:
+        """The request's current placement (it changes when a request fails over)."""
+
+    async def close(self) -> None:
+        """Fail or abort every request in flight and release the engine(s)."""
+
+
+ENGINE_CLIENT_METHODS = ("add", "abort", "stats", "can_serve", "actors", "calibration", "placement_of", "close")

@@ -1,0 +1,176 @@
+"""The hand-off protocol: a request's prompt prefilled on a prefill actor straight into blocks a decode actor
+reserved for it, then decoded there.
+
+    PARKED --dispatch--> RESERVING --BlocksReserved--> PREFILLING --KVReady--> DECODING
+       |                     | ReservationFailed           | prefill failed or lost
+       +--colocate-----------+-----------------------------+----------------> DECODING (prefilled there)
+
+Any phase goes back to PARKED, RESERVING or DECODING when the request is dispatched again (a retry after its
+decode actor died). `Routed.move` is the one place that changes a phase, and refuses any other transition.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Callable
+
+from actors.convert import params_to_wire
+from actors.supervisor import ActorHandle
+from engine.engine_core import EngineRequest
+from router.placement import Placement
+from transport import messages as m
+
+log = logging.getLogger("router")
+
+
+class Phase(StrEnum):
+    PARKED = "parked"  # waiting for a decode actor to come (back) up
+    RESERVING = "reserving"  # the decode actor is asked for blocks to prefill into
+    PREFILLING = "prefilling"  # the prefill actor writes the prompt's KV into them
+    DECODING = "decoding"  # on its decode actor (colocated requests prefill there first)
+
+
+_DISPATCHED = frozenset({Phase.PARKED, Phase.RESERVING, Phase.DECODING})  # where a (re)dispatch leads
+TRANSITIONS: dict[Phase, frozenset[Phase]] = {
+    Phase.PARKED: _DISPATCHED,
+    Phase.RESERVING: _DISPATCHED | {Phase.PREFILLING},
+    Phase.PREFILLING: _DISPATCHED,
+    Phase.DECODING: _DISPATCHED,
+}
+HANDOFF_PHASES = frozenset({Phase.RESERVING, Phase.PREFILLING})  # a prefill actor holds (or will hold) it
+
+
+class IllegalTransition(RuntimeError):
+    """A phase change the protocol does not have (a bug in the router, never a peer's doing)."""
+
+
+@dataclass(eq=False)
+class Routed:
+    """One request as the router tracks it, from arrival until its last sample finishes."""
+
+    request: EngineRequest
+    placement: Placement | None = None
+    decode: str | None = None
+    prefill: str | None = None
+    phase: Phase = Phase.PARKED
+    streamed: bool = False
+    attempts: int = 0
+    finished_samples: set[int] = field(default_factory=set)
+    parked_at: float = field(default_factory=time.monotonic)
+    dispatched_at: float = 0.0
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    def move(self, phase: Phase) -> None:
+        if phase not in TRANSITIONS[self.phase]:
+            raise IllegalTransition(f"{self.request_id}: {self.phase} -> {phase}")
+        self.phase = phase
+
+    def awaits(self, phase: Phase, actor_id: str) -> bool:
+        """In `phase` and waiting on `actor_id`: the prefill actor while prefilling, else the decode actor."""
+        waiting_on = self.prefill if self.phase is Phase.PREFILLING else self.decode
+        return self.phase is phase and waiting_on == actor_id
+
+
+Send = Callable[[str | None, m.Message], None]
+RecordEstimate = Callable[[ActorHandle, float, float, int], None]
+
+
+@dataclass
+class TransferCounters:
+    kv_bytes_transferred: int = 0
+    kv_transfers: int = 0
+    kv_bytes_streamed: int = 0  # of those, relayed over TCP to decode actors on other hosts
+
+
+class Handoff:
+    """Drives each request through the phases above, by the messages it sends and the replies it gets."""
+
+    def __init__(self, routed: dict[str, Routed], send: Send, record_estimate: RecordEstimate,
+                 handoff_timeout: float) -> None:
+        self.routed = routed
+        self.send, self._record_estimate = send, record_estimate
+        self.handoff_timeout = handoff_timeout
+        self.counters = TransferCounters()
+
+    def begin(self, routed: Routed) -> None:
+        """Disaggregated placement: ask the decode actor for blocks, with a deadline for the whole hand-off."""
+        routed.prefill = routed.placement.prefill_actor
+        routed.move(Phase.RESERVING)
+        deadline = time.time() + self.handoff_timeout
+        self.send(routed.decode, m.ReserveBlocks(routed.request_id, routed.request.prompt_token_ids, deadline))
+
+    def colocate(self, routed: Routed) -> None:
+        """Run the whole request (prefill too) on its decode actor."""
+        routed.move(Phase.DECODING)
+        routed.prefill = None
+        req = routed.request
+        self.send(routed.decode, m.AddRequest(req.request_id, req.prompt_token_ids, params_to_wire(req.params),
+                                               req.priority, req.arrival_time, speculate=req.speculate,
+                                               compress_first=req.compress_first))
+
+    def fall_back(self, routed: Routed) -> None:
+        """The prefill side failed or went away: free the reservation and prefill on the decode actor."""
+        self.send(routed.decode, m.ReleaseReservation(routed.request_id))
+        self.colocate(routed)
+
+    def on_reserved(self, handle: ActorHandle, msg: m.BlocksReserved) -> None:
+        routed = self._held(msg.request_id, Phase.RESERVING, handle)
+        if routed is None:
+            self.send(handle.actor_id, m.ReleaseReservation(msg.request_id))
+            return
+        routed.move(Phase.PREFILLING)
+        req, block_size = routed.request, handle.ready.block_size
+        self.send(routed.prefill, m.PrefillRequest(req.request_id, req.prompt_token_ids, params_to_wire(req.params),
+                                                    routed.decode, msg.block_ids, msg.num_cached_tokens // block_size,
+                                                    time.time() + self.handoff_timeout, stream=not mappable(handle),
+                                                    kv_format=handle.ready.kv_export.get("kv_format", "auto")))
+
+    def on_reservation_failed(self, handle: ActorHandle, msg: m.ReservationFailed) -> None:
+        routed = self._held(msg.request_id, Phase.RESERVING, handle)
+        if routed is not None:
+            log.info("reservation for %s failed (%s): colocating", msg.request_id, msg.reason)
+            self.colocate(routed)
+
+    def on_kv_pages(self, handle: ActorHandle, msg: m.KVPages) -> None:
+        """Relay a streamed hand-off's pages to the decode actor on another host (same connection, so they
+        arrive before the AddRequest that KVReady triggers)."""
+        routed = self._held(msg.request_id, Phase.PREFILLING, handle)
+        if routed is None:
+            return
+        self.counters.kv_bytes_streamed += len(msg.payload)
+        self.send(routed.decode, msg)
+
+    def on_kv_ready(self, handle: ActorHandle, msg: m.KVReady) -> None:
+        routed = self._held(msg.request_id, Phase.PREFILLING, handle)
+        if routed is None:
+            return
+        routed.move(Phase.DECODING)
+        # Like for like: the placement's estimate (queue + prefill + transfer) against dispatch -> KV ready.
+        if routed.placement is not None and routed.placement.disaggregated_cost is not None:
+            self._record_estimate(handle, routed.placement.disaggregated_cost,
+                                  time.monotonic() - routed.dispatched_at, routed.placement.uncached_tokens)
+        self.counters.kv_bytes_transferred += msg.num_bytes
+        self.counters.kv_transfers += 1
+        self.send(routed.decode, _commit(routed.request, msg))
+
+    def _held(self, request_id: str, phase: Phase, handle: ActorHandle) -> Routed | None:
+        routed = self.routed.get(request_id)
+        return routed if routed is not None and routed.awaits(phase, handle.actor_id) else None
+
+
+def _commit(req: EngineRequest, msg: m.KVReady) -> m.AddRequest:
+    """Start decoding a prefilled request on the decode actor that holds its reserved blocks."""
+    return m.AddRequest(req.request_id, req.prompt_token_ids, params_to_wire(req.params), req.priority,
+                        req.arrival_time, prefilled=True, first_token=msg.first_token, first_logprob=msg.logprob,
+                        first_top_logprobs=msg.top_logprobs, generator_state=msg.generator_state,
+                        checksum=msg.checksum, speculate=req.speculate, compress_first=req.compress_first)
+
+
+def mappable(decode: ActorHandle) -> bool:
+    """Only a pool on this host (shared memory / CUDA IPC) can be written into by our prefill actors."""
+    return decode.ready.kv_export.get("kind") in ("shm", "cuda_ipc")

@@ -1,0 +1,70 @@
+"""Which actors to run: how many of each role, on which devices, and the spec each one starts from."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from actors.spec import ActorSpec, Role, split_cores
+from router.placement import PlacementMode
+from transport import load_secret
+
+
+@dataclass(frozen=True)
+class ActorLayout:
+    """How many actors of each role, on which devices (empty: CPU, cores split between them)."""
+
+    prefill_actors: int = 0
+    decode_actors: int = 0
+    devices: tuple[str, ...] = ()
+    disagg: PlacementMode = "auto"
+    listen_workers: str | None = None  # HOST:PORT where workers on other hosts join (secret: $PHASE_SERVE_SECRET)
+    draft_actors: int = 0  # with speculative="draft": draft model processes (0: the draft runs in each decode actor)
+
+    def __post_init__(self) -> None:
+        if self.prefill_actors < 0 or self.decode_actors < 0 or self.draft_actors < 0:
+            raise ValueError("actor counts must not be negative")
+        if self.draft_actors and not self.decode_actors:
+            raise ValueError("draft actors need at least one decode actor to draft for")
+        if self.prefill_actors and not self.decode_actors and self.listen_workers is None:
+            raise ValueError("prefill actors need a decode actor (or --listen-workers for remote ones) to hand "
+                             "their KV to")
+
+    @property
+    def uses_actors(self) -> bool:
+        return self.decode_actors > 0 or self.listen_workers is not None
+
+    def listen_address(self) -> tuple[str, int, bytes] | None:
+        if self.listen_workers is None:
+            return None
+        host, port = self.listen_workers.rsplit(":", 1)
+        return host, int(port), load_secret()
+
+
+def actor_specs(layout: ActorLayout, engine_options: dict) -> list[ActorSpec]:
+    """Prefill actors first, then decode actors, then draft actors (with speculative="draft" only); each gets
+    one listed device, or on a CPU-only host a disjoint share of the cores (threads = share size). Decode actor
+    i takes its drafts from draft actor i mod the number of draft actors."""
+    num_drafts = layout.draft_actors if engine_options.get("speculative") == "draft" else 0
+    roles = [Role.PREFILL] * layout.prefill_actors + [Role.DECODE] * layout.decode_actors + [Role.DRAFT] * num_drafts
+    counters = dict.fromkeys(Role, 0)
+    shares = split_cores(len(roles))
+    specs = []
+    for i, role in enumerate(roles):
+        index = counters[role]
+        counters[role] += 1
+        device = layout.devices[i % len(layout.devices)] if layout.devices else "cpu"
+        cpus = () if device != "cpu" else shares[i]
+        options = dict(engine_options, num_threads=max(len(cpus), 1))
+        draft_actor = f"draft-{index % num_drafts}" if role is Role.DECODE and num_drafts else ""
+        if role is Role.DRAFT:
+            options = _draft_options(options, layout.decode_actors, num_drafts, index)
+        specs.append(ActorSpec(f"{role}-{index}", role, device, max(len(cpus), 1), cpus, "", options,
+                               draft_actor=draft_actor))
+    return specs
+
+
+def _draft_options(options: dict, num_decodes: int, num_drafts: int, index: int) -> dict:
+    """A draft actor holds draft KV for every sequence of the decode actors it serves."""
+    served = len(range(index, num_decodes, num_drafts))
+    if options.get("num_kv_blocks") and served > 1:
+        return dict(options, num_kv_blocks=options["num_kv_blocks"] * served)
+    return options

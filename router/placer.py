@@ -1,0 +1,129 @@
+"""Placement in the running router: views of the live actors for `router.placement.place`, built from their
+heartbeats, their calibration and the router's own books, and the online correction of the prefill costs.
+
+`router.placement` decides from views alone (pure, tested without processes); this module builds the views.
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import Mapping
+
+from actors.spec import Role
+from actors.supervisor import ActorHandle, Supervisor
+from engine.engine_core import EngineRequest
+from router.cost_model import ArrivalRate, DecodeCost, PrefillCost, Smoothed, TransferCost
+from router.handoff import HANDOFF_PHASES, Phase, Routed, mappable
+from router.placement import DecodeActorView, Placement, PlacementPolicy, PrefillActorView, choose_decode_actor, place
+
+# Costs until calibration measures them (a 135M model on one CPU core, roughly).
+DEFAULT_PREFILL = PrefillCost(fixed=0.01, per_token=0.002)
+DEFAULT_DECODE = DecodeCost(fixed=0.03, per_seq=0.002)
+SHM_TRANSFER = TransferCost(latency=0.001, bytes_per_second=float("inf"))  # written in place: no copy
+# Pages streamed to a decode actor on another host, relayed by this process (measured on loopback by
+# bench/kv_transfer.py: 0.24-0.47 GB/s; a real network is slower), until live transfers correct it.
+TCP_TRANSFER = TransferCost(latency=0.005, bytes_per_second=2.5e8)
+MIN_CORRECTION_TOKENS = 256  # shorter prompts do not correct the prefill cost curves (see record_estimate)
+STREAMS_AVERAGE_WEIGHT = 0.1  # EWMA of each decode actor's streams, sampled at every placement
+NEVER = PlacementPolicy("never")
+
+
+class Placer:
+    def __init__(self, supervisor: Supervisor, routed: Mapping[str, Routed], policy: PlacementPolicy) -> None:
+        self.supervisor, self.routed, self.policy = supervisor, routed, policy
+        self.corrections: dict[str, Smoothed] = {}  # actor -> observed / predicted prefill time
+        self.estimate_errors: deque[float] = deque(maxlen=1024)  # |predicted - observed| / observed
+        self.streams_average: dict[str, float] = {}  # decode actor -> EWMA of its streams at placements
+        self.arrivals = ArrivalRate()
+
+    def observe_arrival(self, now: float) -> None:
+        """A new request (a retry is no arrival)."""
+        self.arrivals = self.arrivals.observe(now)
+
+    def place(self, request: EngineRequest) -> Placement | None:
+        """Where the request should run now; None when no decode actor is up."""
+        decodes = self.supervisor.ready(Role.DECODE)
+        if not decodes:
+            return None
+        block_size = decodes[0].ready.block_size
+        prompt = len(request.prompt_token_ids)
+        views = {h.actor_id: self._decode_view(h, self.arrivals.rate / len(decodes)) for h in decodes}
+        chosen = choose_decode_actor(list(views.values()), prompt, block_size) or min(
+            views.values(), key=lambda v: v.running)  # none has room now: queue on the least loaded
+        handle = self.supervisor.by_id(chosen.actor_id)
+        transfer = SHM_TRANSFER if mappable(handle) else TCP_TRANSFER
+        prefills = [PrefillActorView(h.actor_id, self.prefill_cost(h), self._queued_prefill(h), transfer)
+                    for h in self.supervisor.ready(Role.PREFILL)]
+        policy = self.policy if prefills else NEVER
+        bytes_per_token = int(handle.ready.kv_export.get("bytes_per_token", 0))
+        return place(policy, prompt, block_size, [chosen], prefills, bytes_per_token) \
+            or place(NEVER, 0, block_size, [chosen], [], bytes_per_token)
+
+    def _decode_view(self, handle: ActorHandle, arrival_rate: float) -> DecodeActorView:
+        """Block counts from the last heartbeat; streams and queued prompts from the router's own books,
+        which are current (a burst's second request must see the first)."""
+        load = handle.load
+        free = handle.ready.num_kv_blocks - (load.kv_blocks_used if load else 0)
+        streams, queued = self._decode_load(handle.actor_id)
+        return DecodeActorView(handle.actor_id, self._expected_streams(handle.actor_id, streams), free, 0,
+                               self.prefill_cost(handle), decode_cost(handle), queued, arrival_rate)
+
+    def _expected_streams(self, actor_id: str, now: int) -> float:
+        """Streams a colocated prefill would stall: those running now, or as many as usually run. Sampled at
+        arrivals, the average is the time average (Poisson arrivals see time averages); without it an idle
+        moment at a long prompt's arrival colocated it, and the streams arriving next sat behind it."""
+        previous = self.streams_average.get(actor_id, now)
+        average = (1 - STREAMS_AVERAGE_WEIGHT) * previous + STREAMS_AVERAGE_WEIGHT * now
+        self.streams_average[actor_id] = average
+        return max(float(now), average)
+
+    def _decode_load(self, actor_id: str) -> tuple[int, int]:
+        """(sequences decoding on the actor, prompt tokens it has been given to prefill and not finished)."""
+        streams = queued = 0
+        for r in self.routed.values():
+            if r.decode != actor_id or r.phase is not Phase.DECODING:
+                continue
+            if r.streamed or r.prefill is not None:
+                streams += r.request.params.n
+            else:
+                queued += len(r.request.prompt_token_ids)
+        return streams, queued
+
+    def _queued_prefill(self, handle: ActorHandle) -> int:
+        return sum(len(r.request.prompt_token_ids) for r in self.routed.values()
+                   if r.prefill == handle.actor_id and r.phase in HANDOFF_PHASES)
+
+    def prefill_cost(self, handle: ActorHandle) -> PrefillCost:
+        """Fitted from the actor's start-up calibration, scaled by what live traffic has shown since."""
+        samples = (handle.ready.calibration or {}).get("prefill")
+        base = PrefillCost.fit(samples) if samples else DEFAULT_PREFILL
+        ratio = self.corrections.get(handle.actor_id, Smoothed()).ratio
+        return PrefillCost(base.fixed * ratio, base.per_token * ratio, base.per_token_sq * ratio)
+
+    def record_estimate(self, handle: ActorHandle, predicted: float, observed: float, uncached_tokens: int) -> None:
+        """Check a prefill estimate against what happened: feeds the error metric and, for prompts long enough
+        that compute dominates, the online correction. (The correction scales the whole curve: fed by short
+        prompts, whose time is mostly fixed overhead, it doubled the predicted cost of long prompts.)"""
+        if uncached_tokens >= MIN_CORRECTION_TOKENS:
+            self.corrections[handle.actor_id] = self.corrections.get(handle.actor_id, Smoothed()).observe(
+                predicted, observed)
+        if observed > 0:
+            self.estimate_errors.append(abs(predicted - observed) / observed)
+
+    def calibration(self, handles: list[ActorHandle]) -> dict:
+        """What /status shows: each ready prefill or decode actor's fitted costs and the live correction."""
+        return {h.actor_id: self._calibration_entry(h) for h in handles if h.spec.role is not Role.DRAFT}
+
+    def _calibration_entry(self, handle: ActorHandle) -> dict:
+        cost = self.prefill_cost(handle)
+        entry = {"prefill_seconds_per_token": cost.per_token, "prefill_fixed_seconds": cost.fixed,
+                 "prefill_seconds_per_token_sq": cost.per_token_sq, "prefill_seconds_512": cost.seconds(512),
+                 "correction": self.corrections.get(handle.actor_id, Smoothed()).ratio}
+        if handle.spec.role is Role.DECODE:
+            decode = decode_cost(handle)
+            entry |= {"decode_step_fixed_seconds": decode.fixed, "decode_step_seconds_per_seq": decode.per_seq}
+        return entry
+
+
+def decode_cost(handle: ActorHandle) -> DecodeCost:
+    calib = handle.ready.calibration or {}
+    return DecodeCost.fit(calib["decode"]) if calib.get("decode") else DEFAULT_DECODE
