@@ -396,17 +396,18 @@ def test_bad_arguments_are_rejected():
 # CUDA: real PTX where libNVVM exists, the CUDA simulator in a subprocess
 # ---------------------------------------------------------------------------------------------------------
 
-def nvvm_available() -> bool:
+@pytest.fixture(scope="module")
+def nvvm() -> None:
+    """libNVVM (the CUDA toolkit's compiler), looked for by the test that needs it rather than at collection."""
     try:
         from numba.cuda.cudadrv import nvvm
 
         nvvm.NVVM()
-        return True
-    except Exception:
-        return False
+    except Exception as exc:
+        pytest.skip(f"libNVVM (CUDA toolkit) not installed: {exc!r}")
 
 
-@pytest.mark.skipif(not nvvm_available(), reason="libNVVM (CUDA toolkit) not installed")
+@pytest.mark.usefixtures("nvvm")
 def test_cuda_kernels_compile_to_ptx_for_sm90(monkeypatch):
     """The simulator runs the kernels as Python and type-checks nothing; this compiles them for the real
     CUDA target (no GPU needed, only libNVVM) and checks that float division is IEEE (div.rn.f32, no ftz)."""
