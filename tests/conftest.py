@@ -1,9 +1,29 @@
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
+from tests.tiers import TierError, stale_modules, tier_of
 from tests.tiny_models import tiny_llama_config, write_tiny_model
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by the markers given here
+def pytest_collection_modifyitems(config, items):
+    """Give every test its tier marker (tests/tiers.py); a test without exactly one tier, or a table entry for
+    a module that is gone, stops the run."""
+    modules = (path.name for path in Path(__file__).parent.glob("test_*.py"))
+    problems = [f"{name}: in tests/tiers.py, but no such module" for name in stale_modules(modules)]
+    for item in items:
+        try:
+            tier = tier_of(item.path.name, (m.name for m in item.iter_markers()))
+        except TierError as exc:
+            problems.append(f"{item.nodeid}: {exc}")
+            continue
+        item.add_marker(getattr(pytest.mark, tier.value))
+    if problems:
+        raise pytest.UsageError("\n".join(["tests without exactly one tier:"] + problems))
 
 
 @pytest.fixture(scope="session")

@@ -384,6 +384,7 @@ def test_no_draft_actor_listening_means_no_speculation_not_an_error(tmp_path):
 
 # ---------------------------------------------------------------- wiring
 
+@pytest.mark.unit
 def test_draft_actors_are_laid_out_only_for_draft_speculation():
     options = dict(OPTIONS, speculative="draft", draft_model="self:1")
     specs = actor_specs(ActorLayout(decode_actors=3, draft_actors=2), options)
@@ -399,6 +400,7 @@ def test_draft_actors_are_laid_out_only_for_draft_speculation():
     assert [s.role for s in ngram] == ["decode"] and not ngram[0].draft_actor
 
 
+@pytest.mark.unit
 def test_draft_actors_flag_and_option(tiny_model_dir):
     parser = argparse.ArgumentParser()
     add_actor_args(parser)

@@ -127,6 +127,7 @@ def pages(dtype: torch.dtype, seed: int = 0, shape: tuple[int, int, int, int] = 
 # Import and build without a GPU
 # ---------------------------------------------------------------------------------------------------------
 
+@pytest.mark.process
 def test_import_needs_no_gpu_and_compiles_nothing():
     code = ("import sys, engine.kernels as k; assert 'numba.cuda' not in sys.modules; "
             "ns = k.build_cuda_kernels(); print(type(ns.fp8_encode_kernel).__name__)")
@@ -442,6 +443,7 @@ def test_cuda_kernels_compile_to_ptx_for_sm90(monkeypatch):
 
 
 @pytest.mark.timeout(360)
+@pytest.mark.process
 def test_cuda_kernels_under_simulator_match_njit():
     """tests/kv_quant_cudasim_check.py in a subprocess with NUMBA_ENABLE_CUDASIM=1 (the switch must be set
     before numba is imported): every scalar helper, the page kernels and the torch API's CUDA branch, CUDA
