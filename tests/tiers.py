@@ -57,6 +57,7 @@ MODULE_TIERS: Mapping[str, Tier] = {
     "test_source_hygiene.py": U,
     "test_spec_decode.py": E,
     "test_spec_decode_units.py": U,
+    "test_stats_record.py": U,
     "test_step_types.py": U,
     "test_stop_checker.py": U,
     "test_tiers.py": U,
