@@ -1,10 +1,14 @@
-"""The project's import graph: every import (module level or inside a function) goes down the layer order
-transport < engine < actors < router < {server, client} < cli (server and client share a layer: the server
-may drive the client), and no two modules import each other, even through others. bench/ is a tool on top: it may import anything, and nothing imports it. tests/ is not walked.
+"""The project's import graph. Every import (module level, in a function, or under `if TYPE_CHECKING:`)
+goes down the layer order transport < engine < actors < router < {server, client} < cli; server and client
+share a layer (the server may drive the client). No modules import each other in a cycle, even through
+others; type-only imports never run, so they close no cycle. bench/ is a tool on top: it may import
+anything, and nothing imports it. tests/ is not walked.
 
-One declared exception: engine/__init__.py re-exports LLM and AsyncLLM from client/ lazily, through a module
+One declared exception: engine/__init__.py re-exports LLM and AsyncLLM from client/ lazily, in a module
 `__getattr__`, so that `from engine import LLM` keeps working. Only that function may import client/ from
-engine/__init__.py, and that edge is left out of the cycle search (it runs after both packages are imported).
+engine/, and only it may import a computed name (`import_module(HOMES[name])`): its targets are the module
+names spelt as strings in engine/__init__.py. Those edges are left out of the cycle search (they run after
+both packages are imported).
 """
 from __future__ import annotations
 
@@ -129,7 +133,8 @@ def _project_module(name: str, modules: Mapping[str, Path]) -> str | None:
 def all_imports(root: Path, layers: Mapping[str, int], tools: tuple[str, ...],
                 facade: tuple[str, str, str] | None = FACADE) -> list[Import]:
     modules = project_modules(root, tuple(layers) + tools)
-    found = {(i.source, i.target, i.line): i for m, p in modules.items() for i in imports_of(m, p, modules, facade)}
+    found = {(i.source, i.target, i.line): i
+             for name, path in modules.items() for i in imports_of(name, path, modules, facade)}
     return list(found.values())  # `from a import b, c` is one edge when b and c are names in a
 
 
