@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install kernels serve test bench clean
+.PHONY: install kernels serve test test-fast bench clean
 
 $(PY):
 	$(PY_SYS) -m venv $(VENV)
@@ -27,8 +27,13 @@ kernels: $(STAMP)
 serve: install
 	$(PY) cli.py serve
 
+# Every tier (unit, engine, process: see tests/tiers.py).
 test: install
 	$(PY) -m pytest -q
+
+# No subprocess, server, socket or real model: the edit-and-check loop.
+test-fast: install
+	$(PY) -m pytest -q -m "unit or engine"
 
 bench: install
 	$(PY) -m bench.offline_throughput

@@ -15,7 +15,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -43,8 +43,11 @@ class DraftUnavailable(RuntimeError):
 
 class RemoteProposer:
     def __init__(self, socket_path: str, device: torch.device | str = "cpu",
-                 settings: RemoteDraftSettings = RemoteDraftSettings()) -> None:
+                 settings: RemoteDraftSettings = RemoteDraftSettings(),
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """clock times the back-off only (tests pass a fake one); socket deadlines always use time.monotonic."""
         self.socket_path = socket_path
+        self.clock = clock
         self.device = device
         self.settings = settings
         self._conn: BlockingConnection | None = None
@@ -56,7 +59,7 @@ class RemoteProposer:
 
     @property
     def backing_off(self) -> bool:
-        return time.monotonic() < self._retry_at
+        return self.clock() < self._retry_at
 
     # ------------------------------------------------------------------ Proposer interface
 
@@ -170,7 +173,7 @@ class RemoteProposer:
     def _back_off(self) -> float:
         self._failures += 1
         delay = min(self.settings.backoff * 2 ** (self._failures - 1), self.settings.max_backoff)
-        self._retry_at = time.monotonic() + delay
+        self._retry_at = self.clock() + delay
         return delay
 
     def _disconnect(self) -> None:

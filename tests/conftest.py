@@ -3,7 +3,23 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.tiers import TierError, tier_of
 from tests.tiny_models import tiny_llama_config, write_tiny_model
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by the markers given here
+def pytest_collection_modifyitems(config, items):
+    """Give every test its tier marker (tests/tiers.py); a test without exactly one tier stops the run."""
+    problems = []
+    for item in items:
+        try:
+            tier = tier_of(item.path.name, (m.name for m in item.iter_markers()))
+        except TierError as exc:
+            problems.append(f"{item.nodeid}: {exc}")
+            continue
+        item.add_marker(getattr(pytest.mark, tier.value))
+    if problems:
+        raise pytest.UsageError("\n".join(["tests without exactly one tier:"] + problems))
 
 
 @pytest.fixture(scope="session")

@@ -76,6 +76,7 @@ def test_changing_a_token_changes_its_block_and_all_later_ones(tokens: list[int]
     assert all(a != b for a, b in zip(before[first_affected:], after[first_affected:]))
 
 
+@pytest.mark.process
 def test_hashes_are_stable_across_processes_with_different_hash_seeds() -> None:
     token_lists = [list(range(40)), [5] * 17, [2**31 - 1, 0, 123456, 7] * 3]
     # Load the module file directly: importing the `engine` package would pull in torch (seconds).

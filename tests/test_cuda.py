@@ -98,6 +98,7 @@ def test_seeded_samples_on_cuda_repeat_and_do_not_depend_on_the_batch(tiny_model
     assert_pool_clean(gpu)
 
 
+@pytest.mark.process
 def test_disaggregated_actors_on_cuda_hand_pages_over_by_cuda_ipc(tiny_model_dir):
     """A prefill and a decode actor subprocess on the GPU (both on device 0): the decode actor exports its KV pool
     as a CUDA IPC handle, the prefill actor writes each prompt's pages straight into it, the decode actor carries

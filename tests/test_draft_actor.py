@@ -295,26 +295,42 @@ def requests_for(tokens: list[int], params=GREEDY) -> list[DraftRequest]:
     return [DraftRequest(5, tokens, 2, params, None)]
 
 
+class FakeClock:
+    """The proposer's back-off clock: it moves only when the test advances it."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
 def test_a_draft_actor_that_never_answers_costs_one_deadline_then_backs_off():
     fake = FakeDraftActor(lambda conn: None)  # accepts, never says a word
-    # Generous times: a loaded 2-core CI machine can stall a thread for a few hundred ms.
+    clock = FakeClock()
     settings = RemoteDraftSettings(deadline=0.5, backoff=2.0, max_backoff=4.0)
-    proposer = RemoteProposer(fake.path, settings=settings)
+    proposer = RemoteProposer(fake.path, settings=settings, clock=clock)
     try:
-        start = time.monotonic()
-        with pytest.raises(DraftUnavailable):
+        with pytest.raises(DraftUnavailable) as failed:
             proposer.propose(requests_for([3, 4, 5]))
-        assert time.monotonic() - start < 2.0
+        assert isinstance(failed.value.__cause__, TimeoutError)  # it gave up at its deadline
         assert proposer.backing_off and proposer.num_failures == 1
-        start = time.monotonic()
-        assert proposer.propose(requests_for([3, 4, 5]))[0].token_ids == []  # quietly: no speculation
-        assert time.monotonic() - start < 0.25 and len(fake.connections) == 1
-        time.sleep(2.2)
+        # Quietly, without asking: any call to this actor could only end in DraftUnavailable.
+        assert proposer.propose(requests_for([3, 4, 5]))[0].token_ids == []
+        assert len(fake.connections) == 1 and proposer.num_failures == 1
+        clock.advance(1.9)
+        assert proposer.backing_off
+        clock.advance(0.2)
         with pytest.raises(DraftUnavailable):  # tries again after the back-off: a fresh connection
             proposer.propose(requests_for([3, 4, 5]))
         assert len(fake.connections) == 2
-        time.sleep(2.5)
+        clock.advance(2.5)
         assert proposer.backing_off  # the second failure in a row backs off twice as long (4 s, not 2)
+        clock.advance(1.6)
+        assert not proposer.backing_off
     finally:
         proposer.close()
         fake.close()
@@ -323,12 +339,13 @@ def test_a_draft_actor_that_never_answers_costs_one_deadline_then_backs_off():
 def test_a_late_answer_is_skipped_and_only_new_tokens_travel():
     seen: list[m.ProposeDrafts] = []
     probs = torch.softmax(torch.randn(2, 512), dim=-1)
+    client_gave_up = threading.Event()
 
     def script(conn: BlockingConnection) -> None:
         greet(conn)
         first = conn.recv(time.monotonic() + 5)
         seen.append(first)
-        time.sleep(0.3)  # past the client's deadline
+        client_gave_up.wait(10)  # answer only once the client's deadline has passed
         conn.send(m.DraftProposals(first.call_id, [m.DraftProposal(5, [7, 7])], 512, "float32", []),
                   time.monotonic() + 5)
         second = conn.recv(time.monotonic() + 5)
@@ -337,11 +354,14 @@ def test_a_late_answer_is_skipped_and_only_new_tokens_travel():
         conn.send(m.DraftProposals(second.call_id, rows, 512, "float32", []), time.monotonic() + 5)
 
     fake = FakeDraftActor(script)
-    proposer = RemoteProposer(fake.path, settings=RemoteDraftSettings(deadline=0.15, backoff=0.2))
+    clock = FakeClock()
+    proposer = RemoteProposer(fake.path, settings=RemoteDraftSettings(deadline=0.5, backoff=0.2), clock=clock)
     try:
-        with pytest.raises(DraftUnavailable):
+        with pytest.raises(DraftUnavailable) as failed:
             proposer.propose(requests_for([3, 4, 5]))
-        time.sleep(0.4)
+        assert isinstance(failed.value.__cause__, TimeoutError)
+        client_gave_up.set()
+        clock.advance(0.25)  # past the back-off
         (proposal,) = proposer.propose(requests_for([3, 4, 5, 6, 8], SAMPLED))
         assert proposal.token_ids == [9, 10] and torch.equal(proposal.draft_probs, probs)
         assert len(fake.connections) == 1  # a timeout does not cost the connection (nor the actor's state)
@@ -354,7 +374,8 @@ def test_a_late_answer_is_skipped_and_only_new_tokens_travel():
 
 
 def test_no_draft_actor_listening_means_no_speculation_not_an_error(tmp_path):
-    proposer = RemoteProposer(str(tmp_path / "nobody.sock"), settings=RemoteDraftSettings(backoff=5.0))
+    proposer = RemoteProposer(str(tmp_path / "nobody.sock"), settings=RemoteDraftSettings(backoff=5.0),
+                              clock=FakeClock())
     assert proposer.propose(requests_for([3, 4]))[0].token_ids == []
     assert proposer.backing_off and proposer.num_failures == 0
     proposer.release(5)  # never raises, even with nothing to talk to
@@ -362,6 +383,7 @@ def test_no_draft_actor_listening_means_no_speculation_not_an_error(tmp_path):
 
 # ---------------------------------------------------------------- wiring
 
+@pytest.mark.unit
 def test_draft_actors_are_laid_out_only_for_draft_speculation():
     options = dict(OPTIONS, speculative="draft", draft_model="self:1")
     specs = actor_specs(ActorLayout(decode_actors=3, draft_actors=2), options)
@@ -377,6 +399,7 @@ def test_draft_actors_are_laid_out_only_for_draft_speculation():
     assert [s.role for s in ngram] == ["decode"] and not ngram[0].draft_actor
 
 
+@pytest.mark.unit
 def test_draft_actors_flag_and_option(tiny_model_dir):
     parser = argparse.ArgumentParser()
     add_actor_args(parser)

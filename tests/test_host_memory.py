@@ -7,6 +7,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from engine.host_memory import keep_freed_memory
 
 MIB = 1 << 20
@@ -48,6 +50,7 @@ def median_step_in_a_subprocess(mode: str) -> dict[str, float]:
     return json.loads(done.stdout.splitlines()[-1])
 
 
+@pytest.mark.process
 def test_kept_memory_is_not_handed_back_to_the_kernel_between_steps():
     handing_back, kept = median_step_in_a_subprocess("hand back"), median_step_in_a_subprocess("keep")
     assert handing_back["handed_back"] > 30 * MIB  # the step's 40 MiB go back to the kernel on every free

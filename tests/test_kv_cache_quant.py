@@ -278,6 +278,7 @@ def test_corrupted_quantised_hand_off_is_refused(tiny_model_dir, kv_format):
         pool.unlink()
 
 
+@pytest.mark.process
 async def test_prefill_actor_writes_a_quantised_decode_actor_pool(tiny_model_dir):
     """Real actor processes: the prefill actor maps the decode actor's fp8 pool from its export alone."""
     from engine import AsyncLLM

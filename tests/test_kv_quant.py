@@ -127,6 +127,7 @@ def pages(dtype: torch.dtype, seed: int = 0, shape: tuple[int, int, int, int] = 
 # Import and build without a GPU
 # ---------------------------------------------------------------------------------------------------------
 
+@pytest.mark.process
 def test_import_needs_no_gpu_and_compiles_nothing():
     code = ("import sys, engine.kernels as k; assert 'numba.cuda' not in sys.modules; "
             "ns = k.build_cuda_kernels(); print(type(ns.fp8_encode_kernel).__name__)")
@@ -396,17 +397,18 @@ def test_bad_arguments_are_rejected():
 # CUDA: real PTX where libNVVM exists, the CUDA simulator in a subprocess
 # ---------------------------------------------------------------------------------------------------------
 
-def nvvm_available() -> bool:
+@pytest.fixture(scope="module")
+def nvvm() -> None:
+    """libNVVM (the CUDA toolkit's compiler), looked for by the test that needs it rather than at collection."""
     try:
         from numba.cuda.cudadrv import nvvm
 
         nvvm.NVVM()
-        return True
-    except Exception:
-        return False
+    except Exception as exc:
+        pytest.skip(f"libNVVM (CUDA toolkit) not installed: {exc!r}")
 
 
-@pytest.mark.skipif(not nvvm_available(), reason="libNVVM (CUDA toolkit) not installed")
+@pytest.mark.usefixtures("nvvm")
 def test_cuda_kernels_compile_to_ptx_for_sm90(monkeypatch):
     """The simulator runs the kernels as Python and type-checks nothing; this compiles them for the real
     CUDA target (no GPU needed, only libNVVM) and checks that float division is IEEE (div.rn.f32, no ftz)."""
@@ -441,6 +443,7 @@ def test_cuda_kernels_compile_to_ptx_for_sm90(monkeypatch):
 
 
 @pytest.mark.timeout(360)
+@pytest.mark.process
 def test_cuda_kernels_under_simulator_match_njit():
     """tests/kv_quant_cudasim_check.py in a subprocess with NUMBA_ENABLE_CUDASIM=1 (the switch must be set
     before numba is imported): every scalar helper, the page kernels and the torch API's CUDA branch, CUDA

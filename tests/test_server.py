@@ -360,6 +360,7 @@ def _param_of(call) -> str | None:
     return info.value.param
 
 
+@pytest.mark.unit
 def test_parsing_builds_sampling_params():
     req = parse_chat({"messages": HI, "max_completion_tokens": 5, "temperature": 0, "stop": "x", "seed": 3,
                       "logprobs": True, "top_logprobs": 2, "priority": -1, "stream": True,
@@ -371,6 +372,7 @@ def test_parsing_builds_sampling_params():
     assert completion.prompt == (1, 2, 3) and completion.sampling.max_tokens == 16
 
 
+@pytest.mark.unit
 def test_parsing_names_the_parameter():
     assert _param_of(lambda: parse_json_body(b'"text"')) is None
     assert _param_of(lambda: parse_completion({"prompt": "x", "seed": 1 << 70}, MODEL)) == "seed"
@@ -384,6 +386,7 @@ def test_parsing_names_the_parameter():
     assert _param_of(lambda: sampling_params(fields, 10, LIMITS)) == "min_tokens"
 
 
+@pytest.mark.unit
 def test_quadrants():
     assert classify(10, 10) is Quadrant.SISO and classify(512, 255) is Quadrant.LISO
     assert classify(511, 256) is Quadrant.SILO and classify(4096, 1024) is Quadrant.LILO

@@ -211,6 +211,7 @@ async def pair():
     right.close()
 
 
+@pytest.mark.process
 async def test_concurrent_sends_never_interleave(pair):
     left, right = pair
     msgs = [m.KVPages(f"r{i}", i, [i], bytes([i]) * 50_000) for i in range(20)]
@@ -222,6 +223,7 @@ async def test_concurrent_sends_never_interleave(pair):
     assert sorted(received, key=lambda x: x.layer) == msgs
 
 
+@pytest.mark.process
 async def test_recv_timeout_between_frames_keeps_the_connection(pair):
     left, right = pair
     with pytest.raises(TimeoutError):
@@ -230,6 +232,7 @@ async def test_recv_timeout_between_frames_keeps_the_connection(pair):
     assert await right.recv(timeout=2) == m.Heartbeat(1, 0.5)
 
 
+@pytest.mark.process
 async def test_recv_timeout_mid_frame_closes(pair):
     left, right = pair
     left._writer.write(HEADER.pack(100) + b"\x00" * 10)
@@ -240,6 +243,7 @@ async def test_recv_timeout_mid_frame_closes(pair):
         await right.recv()
 
 
+@pytest.mark.process
 async def test_oversized_send_raises_and_keeps_the_connection(pair):
     left, right = pair
     with pytest.raises(ProtocolError):
@@ -248,6 +252,7 @@ async def test_oversized_send_raises_and_keeps_the_connection(pair):
     assert await right.recv(timeout=2) == m.Drain()
 
 
+@pytest.mark.process
 async def test_oversized_frame_closes_the_receiver(pair, caplog):
     left, right = pair
     left._writer.write(HEADER.pack((1 << 20) + 1))
@@ -256,6 +261,7 @@ async def test_oversized_frame_closes_the_receiver(pair, caplog):
     assert right.closed and len(caplog.records) == 1 and "exceeds" in caplog.records[0].getMessage()
 
 
+@pytest.mark.process
 async def test_peer_close_ends_iteration_and_send_fails(pair):
     left, right = pair
     await left.send(m.Shutdown())
@@ -295,6 +301,7 @@ async def _closed_by_peer(reader: asyncio.StreamReader) -> bool:
     return True
 
 
+@pytest.mark.process
 async def test_unix_socket_lives_in_a_private_directory(unix_server):
     path = unix_server.address
     directory = os.path.dirname(path)
@@ -311,6 +318,7 @@ async def test_unix_socket_lives_in_a_private_directory(unix_server):
     random.Random(2).randbytes(4096),  # noise
     HEADER.pack(len(_raw("nope", []))) + _raw("nope", []),  # well-formed, unknown tag
 ])
+@pytest.mark.process
 async def test_bad_client_is_dropped_while_others_keep_working(unix_server, garbage, caplog):
     good = await connect_unix(unix_server.address)
     await _round_trip(good, m.Heartbeat(1, 1.0))
@@ -328,6 +336,7 @@ async def test_bad_client_is_dropped_while_others_keep_working(unix_server, garb
     await late.aclose()
 
 
+@pytest.mark.process
 async def test_a_failing_handler_closes_only_its_connection(caplog):
     async def handler(conn: Connection) -> None:
         msg = await conn.recv()
@@ -351,6 +360,7 @@ async def test_a_failing_handler_closes_only_its_connection(caplog):
         await good.aclose()
 
 
+@pytest.mark.process
 async def test_explicit_path_needs_a_private_parent(tmp_path):
     public = tmp_path / "public"
     public.mkdir(mode=0o755)
@@ -363,6 +373,7 @@ async def test_explicit_path_needs_a_private_parent(tmp_path):
     assert not (tmp_path / "private").exists()
 
 
+@pytest.mark.process
 async def test_close_cancels_live_handlers(unix_server, caplog):
     conn = await connect_unix(unix_server.address)
     await _round_trip(conn, m.Drain())
@@ -375,6 +386,7 @@ async def test_close_cancels_live_handlers(unix_server, caplog):
         await conn.recv(timeout=5)
 
 
+@pytest.mark.process
 def test_unix_round_trip_on_uvloop():
     async def main() -> None:
         async with await serve_unix(None, echo) as server:
@@ -403,12 +415,14 @@ async def tcp_server():
     await server.close()
 
 
+@pytest.mark.process
 async def test_tcp_with_the_right_secret(tcp_server):
     host, port = tcp_server.address
     async with await connect_tcp(host, port, SECRET) as conn:
         await _round_trip(conn, m.KVPages("r", 0, [1, 2], os.urandom(2 << 20)))
 
 
+@pytest.mark.process
 async def test_tcp_with_a_wrong_secret_is_refused(tcp_server):
     host, port = tcp_server.address
     with pytest.raises(AuthenticationError):
@@ -418,6 +432,7 @@ async def test_tcp_with_a_wrong_secret_is_refused(tcp_server):
         await _round_trip(conn, m.Drain())
 
 
+@pytest.mark.process
 async def test_tcp_frames_without_a_handshake_never_reach_the_handler(tcp_server):
     host, port = tcp_server.address
     reader, writer = await asyncio.open_connection(host, port)
@@ -428,6 +443,7 @@ async def test_tcp_frames_without_a_handshake_never_reach_the_handler(tcp_server
     assert tcp_server.seen == []
 
 
+@pytest.mark.process
 async def test_a_stalled_handshake_times_out(tcp_server):
     host, port = tcp_server.address
     reader, writer = await asyncio.open_connection(host, port)  # and say nothing

@@ -1,0 +1,87 @@
+"""Test tiers: every test is exactly one of `unit`, `engine` or `process`.
+
+- unit: pure Python and numba/torch on small arrays; no model runs (block pool, codec, sampler, config, ...).
+- engine: in-process model runs on the tiny random models (and the C++ kernels).
+- process: subprocesses (actors, servers, `python -c`), real sockets, the real SmolLM2 model (`slow`).
+
+A module's tier comes from MODULE_TIERS; a test in a module that mixes tiers carries its own marker
+(`@pytest.mark.process`, ...), which wins over the module's. `slow` (the real model) counts as `process`.
+conftest.py applies this at collection and refuses to run a test that has no tier or two.
+`make test-fast` runs `-m "unit or engine"`. The table may name modules that other branches add before they
+are merged; an entry for a module that does not exist has no effect.
+"""
+from __future__ import annotations
+
+from enum import Enum
+from typing import Iterable, Mapping
+
+
+class Tier(str, Enum):
+    UNIT = "unit"
+    ENGINE = "engine"
+    PROCESS = "process"
+
+
+U, E, P = Tier.UNIT, Tier.ENGINE, Tier.PROCESS
+
+MODULE_TIERS: Mapping[str, Tier] = {
+    "test_actor_stats.py": P,
+    "test_actors.py": P,
+    "test_async_llm.py": E,
+    "test_attention.py": E,
+    "test_block_pool.py": U,  # one test hashes in subprocesses: marked process
+    "test_calibration.py": E,
+    "test_cli_flags.py": P,  # most of its tests read `cli.py --help` from a subprocess
+    "test_cpu_kernels.py": E,
+    "test_cuda.py": E,  # one test starts actors on the GPU: marked process
+    "test_decode_stack.py": E,
+    "test_default_model.py": P,
+    "test_disagg_inprocess.py": E,
+    "test_draft_actor.py": P,  # the layout and flag tests are marked unit
+    "test_engine.py": E,
+    "test_engine_client.py": U,
+    "test_gguf_loader.py": U,  # the default model's tests are slow
+    "test_handoff.py": U,
+    "test_host_memory.py": U,  # the allocator test runs in subprocesses: marked process
+    "test_kv_cache_quant.py": E,  # one test starts actors: marked process
+    "test_kv_compress.py": E,
+    "test_kv_quant.py": U,  # the import and CUDA-simulator checks run in subprocesses: marked process
+    "test_layers.py": U,
+    "test_model_parity.py": E,
+    "test_placement.py": U,
+    "test_prompt_attention.py": E,
+    "test_sampler.py": U,
+    "test_sampling_params.py": U,
+    "test_server.py": P,  # request parsing is marked unit, the drain and error tests engine
+    "test_server_actors.py": P,
+    "test_source_hygiene.py": U,
+    "test_spec_decode.py": E,
+    "test_spec_decode_units.py": U,
+    "test_stats_record.py": U,
+    "test_step_types.py": U,
+    "test_stop_checker.py": U,
+    "test_tiers.py": U,
+    "test_tiled_linear.py": E,
+    "test_tokenizer.py": U,  # SmolLM2's tokenizer tests are slow
+    "test_transport.py": U,  # the tests over real sockets are marked process
+    "test_treatment.py": E,
+    "test_workloads.py": U,
+}
+IMPLIES = {"slow": P}  # other markers that fix a test's tier
+
+
+class TierError(ValueError):
+    """A test with no tier, or with two."""
+
+
+def tier_of(module: str, markers: Iterable[str], table: Mapping[str, Tier] = MODULE_TIERS) -> Tier:
+    """The tier of one test, from its module's file name and the names of its own markers."""
+    names = set(markers)
+    explicit = {Tier(n) for n in names & {t.value for t in Tier}} | {IMPLIES[n] for n in names & IMPLIES.keys()}
+    if len(explicit) > 1:
+        raise TierError(f"two tiers: {sorted(t.value for t in explicit)}")
+    if explicit:
+        return explicit.pop()
+    if module not in table:
+        raise TierError(f"{module} has no tier: add it to MODULE_TIERS in tests/tiers.py")
+    return table[module]
