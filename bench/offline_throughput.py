@@ -39,7 +39,6 @@ from engine import LLM, EngineConfig, ModelConfig, SamplingParams
 from engine.engine_core import EngineRequest
 from engine.llm import OFFLINE_MAX_NUM_BATCHED_TOKENS
 from engine.backends import CpuKernelBackend
-from engine.kernels import cpu_ext
 from engine.kv_cache import bytes_per_block
 from engine.model.loader import resolve_model
 from engine.output_processor import OutputProcessor
@@ -435,16 +434,12 @@ def engine_step(llm: LLM, processor: OutputProcessor, times: StepTimes, annotate
     times.wall.append(time.perf_counter() - start)
 
 
-CPU_KERNELS = ("linear_bf16", "decode_attention_bf16", "decode_attention_fp8", "rms_norm_bf16", "silu_mul_bf16",
-               "rotary_bf16_", "row_argmax_bf16", "tiled_linear_bf16", "tiled_linear_silu_mul_bf16",
-               "tiled_linear_argmax_bf16", "prompt_attention_bf16")
-
-
 @contextlib.contextmanager
 def annotated_kernels(llm: LLM):
-    """Our C++ kernels are pybind functions, not torch ops: the profiler would count their time as Python.
-    While profiling, each call is wrapped in a record_function named cpu_ext::NAME, which the summary counts
-    as an op."""
+    """Our C++ kernels are torch operators (phase_serve::*), which the profiler times as ops; the decode stack (all
+    layers of a decode-only step in one pybind call) is not: while profiling, each call of it is wrapped in a
+    record_function named cpu_ext::decode_stack, which the summary counts as an op. Its self time is our kernels
+    inside it (the packed products included); the oneDNN products it dispatches show as their own ops."""
     def annotate(fn, name: str):
         def wrapper(*args, **kwargs):
             with torch.profiler.record_function(f"cpu_ext::{name}"):
@@ -454,19 +449,11 @@ def annotated_kernels(llm: LLM):
     if not isinstance(llm.engine.runner.backend, CpuKernelBackend):  # plain torch ops: nothing to annotate
         yield
         return
-    extension = cpu_ext.extension()  # the compiled module whose functions cpu_ext calls
-    originals = {name: getattr(extension, name) for name in CPU_KERNELS}
-    for name, fn in originals.items():
-        setattr(extension, name, annotate(fn, name))
-    # the decode stack (all layers of a decode-only step in one C++ call): its self time is our kernels inside
-    # it (the packed products included); the oneDNN products it dispatches show as their own ops
     run_stack = CpuKernelBackend.decode_layers
     CpuKernelBackend.decode_layers = annotate(run_stack, "decode_stack")
     try:
         yield
     finally:
-        for name, fn in originals.items():
-            setattr(extension, name, fn)
         CpuKernelBackend.decode_layers = run_stack
 
 
@@ -551,7 +538,7 @@ def summarise_profile(prof, plain: StepTimes, profiled: StepTimes, batch: int, r
                      "self_ms_per_step": e.self_cpu_time_total / steps / 1000,
                      "share_of_step": e.self_cpu_time_total / prof_wall_us} for e in ranked],
         "method": ("torch.profiler (CPU activity): outside-ops time = wall time of the profiled steps minus the sum "
-                   "of self CPU time of all torch ops and of our C++ kernels (cpu_ext::*; the phase annotations "
+                   "of self CPU time of all torch ops and of our C++ kernels (phase_serve::*, cpu_ext::decode_stack; the phase annotations "
                    "excluded); py-spy "
                    + ("is installed but was not used (see bench/decode_loop.py)" if py_spy_installed()
                       else "is not installed")),

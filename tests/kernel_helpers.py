@@ -62,13 +62,14 @@ ONEDNN = "onednn_packed_linear"
 
 @pytest.fixture
 def kernel_calls(monkeypatch) -> KernelCalls:
-    """Spies on the extension's functions (what cpu_ext calls) and on oneDNN's packed product. The decode stack
-    calls its kernels inside C++: a test that counts them runs the Python layers (decode_stack=False)."""
+    """Spies on the kernels' operators (torch.ops.phase_serve.*, what cpu_ext calls) and on oneDNN's packed
+    product. The decode stack calls its kernels inside C++: a test that counts them runs the Python layers
+    (decode_stack=False)."""
     require_kernels()
     calls = KernelCalls()
-    ext = cpu_ext.extension()
+    ops = cpu_ext.ops()
     for name in KERNELS:
-        monkeypatch.setattr(ext, name, _spy(calls, name, getattr(ext, name)))
+        monkeypatch.setattr(ops, name, _spy(calls, name, getattr(ops, name)))
     if packed_linear.onednn_available():
         monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise",
                             _spy(calls, ONEDNN, torch.ops.mkldnn._linear_pointwise))

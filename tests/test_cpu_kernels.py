@@ -537,3 +537,17 @@ def test_fp8_engine_uses_the_kernel_and_matches_enforce_eager(tiny_model_dir, ke
         tokens[eager] = [o.token_ids for o in llm.generate(prompts, params)]
         assert bool(calls("decode_attention_fp8")) != eager  # the eager engine never called it; the fast one did
     assert tokens[False] == tokens[True]
+
+
+def test_kernels_are_torch_operators_with_optional_tensors():
+    """torch.ops.phase_serve.* carry schemas (what the dispatcher and torch.compile see); an absent bias or residual
+    is None, not an empty tensor; the engine names come from the extension."""
+    ops = cpu_ext.ops()
+    assert "Tensor? bias" in str(ops.linear_bf16.default._schema)
+    assert "Tensor? residual" in str(ops.rms_norm_bf16.default._schema)
+    assert "Tensor(a!) x" in str(ops.rotary_bf16_.default._schema)
+    x, w = bf16(3, 64), bf16(32, 64)
+    assert torch.equal(ops.linear_bf16(x, w, None), cpu_ext.linear_bf16(x, w))
+    normed, total = ops.rms_norm_bf16(x, None, bf16(64), 1e-5)
+    assert total.data_ptr() == x.data_ptr() and normed.shape == x.shape
+    assert cpu_ext.engine_names()[0] == "auto" and set(cpu_ext.matrix_engines()) <= set(cpu_ext.engine_names()[1:])

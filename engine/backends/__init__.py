@@ -9,6 +9,6 @@ from engine.backends.cpu_config import CpuKernelConfig
 from engine.backends.cpu_kernels import CpuKernelBackend
 from engine.backends.select import select_backend
 from engine.backends.torch_ops import TorchBackend
-from engine.kernels.build import KernelBuildError
+from engine.kernels.extension_build import KernelBuildError
 
 __all__ = ["Backend", "CpuKernelBackend", "CpuKernelConfig", "KernelBuildError", "TorchBackend", "select_backend"]

@@ -1,4 +1,5 @@
-"""The C++ CPU kernels (engine/kernels/*.cpp), one typed function each. Nothing here chooses: which kernel runs
+"""The C++ CPU kernels (engine/kernels/*.cpp), one typed function each over the torch operators they register
+(torch.ops.phase_serve.*, visible to the dispatcher and torch.compile). Nothing here chooses: which kernel runs
 for which product, step or row count is engine/backends/cpu_kernels.py's decision, from its CpuKernelConfig.
 
 - `linear_bf16`: x W^T + b for a few rows, each weight row streamed once (oneDNN's bf16 GEMM is built for large
@@ -23,9 +24,8 @@ from types import ModuleType
 
 import torch
 
-from engine.kernels.build import BuildKey, KernelBuildError, build_key, load
+from engine.kernels.extension_build import BuildKey, KernelBuildError, build_key, load
 
-MATRIX_ENGINES = ("auto", "tiles", "vectors")  # the kernels' engine codes 0, 1, 2 (amx.h)
 KERNEL_MAX_PROMPT_TOKENS = 8192  # prompt_attention.cpp's own limit: one item's scores stay in L2
 
 
@@ -39,11 +39,18 @@ def _outcome() -> tuple[BuildKey, ModuleType | None, KernelBuildError | None]:
 
 
 def extension() -> ModuleType:
-    """The compiled module of this checkout and CPU, built on first use; raises KernelBuildError."""
+    """The compiled module of this checkout and CPU (it holds the decode stack and registers the operators), built
+    on first use; raises KernelBuildError."""
     _, module, error = _outcome()
     if error is not None:
         raise error
     return module
+
+
+def ops() -> object:
+    """torch.ops.phase_serve, once the extension that registers it is loaded."""
+    extension()
+    return torch.ops.phase_serve
 
 
 def key() -> BuildKey:
@@ -54,36 +61,40 @@ def key() -> BuildKey:
 @functools.cache
 def vectorized() -> bool:
     """Whether the extension was built with its AVX-512 paths (its scalar fallbacks lose to torch)."""
-    return bool(extension().vectorized())
+    return bool(ops().vectorized())
 
 
 @functools.cache
 def matrix_engines() -> tuple[str, ...]:
     """The engines of the products on packed blocks here, fastest first: "tiles" (AMX, with the tile state granted
     by the OS), "vectors" (AVX-512 BF16); empty where neither was compiled in."""
-    return tuple(MATRIX_ENGINES[code] for code in extension().matrix_engines())
+    names = engine_names()
+    return tuple(names[code] for code in ops().matrix_engines())
+
+
+@functools.cache
+def engine_names() -> tuple[str, ...]:
+    """The kernels' engine arguments by code ("auto" first), as amx.h names them."""
+    return tuple(ops().engine_names())
 
 
 def _engine_code(engine: str) -> int:
-    if engine not in MATRIX_ENGINES:
-        raise ValueError(f"engine must be one of {MATRIX_ENGINES}, not {engine!r}")
-    return MATRIX_ENGINES.index(engine)
-
-
-def _or_empty(x: torch.Tensor | None) -> torch.Tensor:
-    return torch.empty(0) if x is None else x
+    names = engine_names()
+    if engine not in names:
+        raise ValueError(f"engine must be one of {names}, not {engine!r}")
+    return names.index(engine)
 
 
 def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] bf16, weight [N, K] bf16 (contiguous), bias [N] -> [M, N] bf16, rounded once from fp32."""
-    return extension().linear_bf16(x, weight, _or_empty(bias))
+    return ops().linear_bf16(x, weight, bias)
 
 
 def decode_attention_bf16(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """q [B, Hq, D] bf16; pages [num_blocks, bs, Hkv, D] bf16; block_tables [B, nb] int64 (entries and slots
     past a row's context are never read); context_lens [B] int64 (>= 1) -> [B, Hq, D] bf16."""
-    return extension().decode_attention_bf16(q, k_pages, v_pages, block_tables, context_lens, scale)
+    return ops().decode_attention_bf16(q, k_pages, v_pages, block_tables, context_lens, scale)
 
 
 def decode_attention_fp8(q: torch.Tensor, k_raw: torch.Tensor, v_raw: torch.Tensor, scale_offset: int,
@@ -92,64 +103,66 @@ def decode_attention_fp8(q: torch.Tensor, k_raw: torch.Tensor, v_raw: torch.Tens
     """q [B, Hq, D] bf16; k_raw/v_raw [num_blocks, page_bytes] uint8 fp8 pages (engine/kv_formats.py: codes
     [bs, Hkv, D] e4m3 at byte 0, scales [Hkv] fp32 at byte `scale_offset`), read in place; block_tables
     [B, nb] int64; context_lens [B] int64 (>= 1) -> [B, Hq, D] bf16."""
-    return extension().decode_attention_fp8(q, k_raw, v_raw, scale_offset, block_size, kv_heads, head_dim,
+    return ops().decode_attention_fp8(q, k_raw, v_raw, scale_offset, block_size, kv_heads, head_dim,
                                             block_tables, context_lens, scale)
 
 
 def row_argmax_bf16(x: torch.Tensor) -> torch.Tensor:
     """x [B, V] bf16, unit stride along V -> [B] int64, x.max(dim=-1).indices, without an fp32 copy of x."""
-    return extension().row_argmax_bf16(x)
+    return ops().row_argmax_bf16(x)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, H] bf16 -> (RMSNorm(s) [T, H], s) with s = residual + x (s = x without a residual), each rounded
     to bf16 where the torch ops round."""
-    return tuple(extension().rms_norm_bf16(x, _or_empty(residual), weight, eps))
+    return tuple(ops().rms_norm_bf16(x, residual, weight, eps))
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up [T, 2I] bf16 (gate | up) -> silu(gate) * up [T, I] bf16."""
-    return extension().silu_mul_bf16(gate_up)
+    return ops().silu_mul_bf16(gate_up)
 
 
 def rotary_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, head_dim: int) -> None:
     """Rotates the first `heads` heads of each row of qkv [T, >= heads * D] bf16 in place (half-split layout);
     cos, sin [T, 1, D/2] (or [T, D/2]) bf16, as RotaryEmbedding.lookup returns them."""
-    extension().rotary_bf16_(qkv, cos.reshape(cos.shape[0], -1), sin.reshape(sin.shape[0], -1), heads, head_dim)
+    ops().rotary_bf16_(qkv, cos.reshape(cos.shape[0], -1), sin.reshape(sin.shape[0], -1), heads, head_dim)
 
 
 def tile_pack(weight: torch.Tensor) -> torch.Tensor:
     """weight [N, K] bf16 (N % 16 == 0, K % 32 == 0) -> 16x16-pair blocks [N/16, K/32, 16, 32] for `tiled_linear`."""
-    return extension().tile_pack_bf16(weight)
+    return ops().tile_pack_bf16(weight)
 
 
 def tiled_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None,
                  engine: str = "auto") -> torch.Tensor:
     """x [M, K] bf16, packed from `tile_pack` -> [M, N] bf16 = x W^T + b, fp32 sums rounded once."""
-    return extension().tiled_linear_bf16(x, packed, _or_empty(bias), _engine_code(engine))
+    return ops().tiled_linear_bf16(x, packed, bias, _engine_code(engine))
 
 
 def tiled_linear_silu_mul(x: torch.Tensor, packed: torch.Tensor, engine: str = "auto") -> torch.Tensor:
     """x [M, K] bf16, packed: `tile_pack` of a gate|up weight [2I, K] with its 16-row blocks interleaved (gate
     block j, then up block j; packed_linear.pack_gate_up) -> silu(gate) * up [M, I] bf16, silu_mul of the plain
     product to the bit, without writing the [M, 2I] product."""
-    return extension().tiled_linear_silu_mul_bf16(x, packed, _engine_code(engine))
+    return ops().tiled_linear_silu_mul_bf16(x, packed, _engine_code(engine))
 
 
 def tiled_linear_argmax(x: torch.Tensor, packed: torch.Tensor, engine: str = "auto") -> torch.Tensor:
     """x [M, K] bf16 (M >= 1), packed from `tile_pack` -> [M] int64 = row_argmax(tiled_linear(x, packed)), without
     writing the [M, N] product: the greedy pick straight off the LM head."""
-    return extension().tiled_linear_argmax_bf16(x, packed, _engine_code(engine))
+    return ops().tiled_linear_argmax_bf16(x, packed, _engine_code(engine))
 
 
 def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: int, scale: float,
                      engine: str = "auto") -> torch.Tensor:
     """q [count * S, Hq, D], k/v [count * S, Hkv, D] bf16: `count` whole prompts of S tokens, one after another
     -> [count * S, Hq, D] bf16, each prompt attending causally to itself (no cached context)."""
-    return extension().prompt_attention_bf16(q, k, v, count, scale, _engine_code(engine))
+    return ops().prompt_attention_bf16(q, k, v, count, scale, _engine_code(engine))
 
 
 def decode_stack(num_heads: int, num_kv_heads: int, head_dim: int, eps: float, scale: float) -> object:
-    """An empty C++ decode stack (decode_stack.cpp): add_layer(...) each layer, then forward(...) a step."""
+    """An empty C++ decode stack (decode_stack.cpp): add_layer(...) each layer, then forward(...) a step. A pybind
+    class rather than an operator: it holds every layer's weights and runs a whole step on the list of page pairs;
+    nothing in it is a unit the dispatcher or torch.compile could fuse or reorder."""
     return extension().DecodeStack(num_heads, num_kv_heads, head_dim, eps, scale)
