@@ -288,7 +288,8 @@ def test_kernel_choices_follow_the_config(kernel_calls):
     kernel_calls.clear()
     x, residual, weight = bf16(4, 64), bf16(4, 64), bf16(64)
     torch_ops = TorchBackend()
-    assert torch.equal(off.add_rms_norm(x, residual, weight, 1e-5)[0], torch_ops.add_rms_norm(x, residual, weight, 1e-5)[0])
+    assert torch.equal(off.add_rms_norm(x, residual, weight, 1e-5)[0],
+                       torch_ops.add_rms_norm(x, residual, weight, 1e-5)[0])
     gate_up_weight = bf16(32, 64)
     gate, up = off.linear(x, gate_up_weight, None).chunk(2, dim=-1)
     assert torch.equal(off.gate_up_silu(x, gate_up_weight, None, None), F.silu(gate) * up)  # torch's SiLU * up
@@ -386,7 +387,8 @@ def test_verification_rows_through_the_kernel_match_the_causal_segment(tiny_mode
             meta = AttentionMetadata.build(block, [], [(table, start, 4)], True)
         hidden = model(torch.tensor(drafts), torch.arange(start, start + 4), meta, kv.layers)
         logits[as_rows] = model.compute_logits(hidden)
-    assert kernel_calls.rows("decode_attention_bf16") == [4] * cfg.num_layers  # the rows version went through the kernel, all four rows at once
+    # the rows version went through the kernel, all four rows at once
+    assert kernel_calls.rows("decode_attention_bf16") == [4] * cfg.num_layers
     ref = logits[False]
     assert (logits[True] - ref).abs().max() <= 0.05 * ref.abs().max()
     assert torch.equal(logits[True].argmax(-1), ref.argmax(-1))

@@ -172,7 +172,8 @@ def test_bf16_prefill_uses_the_kernel_and_stays_within_bf16_noise(head_dim_32_di
             list(range(len(cached), len(cached) + len(chunk)))
         hidden = model(torch.tensor(ids), torch.tensor(positions), meta, kv.layers)
         logits[name] = model.compute_logits(hidden)
-    assert kernel_calls.prompt_counts == [(len(cached), 1)] * cfg.num_layers + [(33, 3), (len(longer), 1)] * cfg.num_layers
+    assert kernel_calls.prompt_counts == ([(len(cached), 1)] * cfg.num_layers
+                                          + [(33, 3), (len(longer), 1)] * cfg.num_layers)
     ref = logits["eager"]
     assert (logits["fast"] - ref).abs().max() <= 0.05 * ref.abs().max()
     assert (logits["fast"].argmax(-1) == ref.argmax(-1)).float().mean() >= 0.8

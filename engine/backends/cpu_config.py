@@ -35,7 +35,8 @@ class CpuKernelConfig:
             if isinstance(value, int) and not isinstance(value, bool) and value < 0:
                 raise ValueError(f"CpuKernelConfig.{f.name} must be >= 0, not {value}")
         if self.matrix_engine not in ("auto", "tiles", "vectors"):
-            raise ValueError(f"CpuKernelConfig.matrix_engine must be auto, tiles or vectors, not {self.matrix_engine!r}")
+            raise ValueError(f"CpuKernelConfig.matrix_engine must be auto, tiles or vectors, "
+                             f"not {self.matrix_engine!r}")
         if self.max_prompt_attention_tokens > KERNEL_MAX_PROMPT_TOKENS:
             raise ValueError(f"CpuKernelConfig.max_prompt_attention_tokens: the kernel takes at most "
                              f"{KERNEL_MAX_PROMPT_TOKENS}, not {self.max_prompt_attention_tokens}")
