@@ -6,7 +6,8 @@ layers), interleaved so that machine noise hits all variants alike.
 
     python -m bench.cpu_kernels [--batches 1,2,4,8,16,32,64] [--contexts 192,1024] [--repeats 12]
 
-Prints min and median milliseconds per forward (logits included). The limits of CpuKernelConfig (max_gemv_rows,
+Prints min and median milliseconds per forward (logits included), and the median of the paired ratios
+layers / all (what the decode stack gains over the Python layer loop on the same kernels). The limits of CpuKernelConfig (max_gemv_rows,
 max_attention_seqs, fused_elementwise, max_onednn_rows / max_tiled_rows) come from this table: each kind is forced
 on in its own column; "all" is what an engine runs (every kind within its shipped limits).
 """
@@ -65,7 +66,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         if config is not None:
             models[name].set_backend(CpuKernelBackend(config))
     print(f"torch threads {torch.get_num_threads()}; ms per decode forward (min / median of {a.repeats})")
-    print(f"{'batch':>5} {'ctx':>5}  " + "  ".join(f"{name:>15}" for name in variants))
+    print(f"{'batch':>5} {'ctx':>5}  " + "  ".join(f"{name:>15}" for name in variants) + f"  {'layers/all':>10}")
     for ctx in (int(x) for x in a.contexts.split(",")):
         for batch in (int(x) for x in a.batches.split(",")):
             nb = ctx // BLOCK + 1
@@ -77,7 +78,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                 for name, (_, attention) in variants.items():
                     times[name].append(forward_ms(models[name], kv, tables, ctx, attention))
             cells = [f"{min(t):6.1f} / {statistics.median(t):6.1f}" for t in times.values()]
-            print(f"{batch:>5} {ctx:>5}  " + "  ".join(f"{c:>15}" for c in cells), flush=True)
+            stack_gain = statistics.median(a / b for a, b in zip(times["layers"], times["all"]))
+            print(f"{batch:>5} {ctx:>5}  " + "  ".join(f"{c:>15}" for c in cells) + f"  {stack_gain:>10.2f}x",
+                  flush=True)
 
 if __name__ == "__main__":
     main()

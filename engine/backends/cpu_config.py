@@ -18,7 +18,9 @@ class CpuKernelConfig:
     # Sequences of a decode group the in-place attention kernel takes (a verified sequence brings 1 + K rows).
     max_attention_seqs: int = 1 << 30
     fused_elementwise: bool = True  # RMSNorm (+ residual add), RoPE, SiLU * up as one kernel each
-    decode_stack: bool = True  # decode-only steps: the layers in one C++ call (off: the same kernels from Python)
+    # decode-only steps: the layers in one C++ call (off: the same kernels from Python). The Python loop took 1.47x
+    # the stack's time at batch 8, 0.99x at batch 1 (ctx 192; python -m bench.cpu_kernels, column layers/all)
+    decode_stack: bool = True
     tiled_packing: bool = True  # weights in 16x16-pair blocks where an engine runs them (off: oneDNN's packing)
     fused_gate_up: bool = True  # the MLP's gate|up product with SiLU * up off its results (needs the blocks)
     matrix_engine: MatrixEngine = "auto"  # the engine of the products on packed blocks: "auto" = the fastest here
