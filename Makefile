@@ -19,8 +19,9 @@ $(STAMP): pyproject.toml | $(PY)
 
 install: $(STAMP) kernels
 
-# The C++ CPU kernels: compiled once per machine (about a minute), then loaded from torch's extension cache.
-# A machine without a compiler still serves, with plain torch ops.
+# The C++ CPU kernels: compiled once per key (this CPU's ISA features + the sources' digest, about a minute), then
+# loaded from torch's extension cache. A machine without a compiler still installs, but serving a bf16 model then
+# fails at start-up with the build error unless --enforce-eager is given (plain torch ops).
 kernels: $(STAMP)
 	-$(PY) -m engine.kernels.build
 

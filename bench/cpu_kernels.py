@@ -6,9 +6,10 @@ layers), interleaved so that machine noise hits all variants alike.
 
     python -m bench.cpu_kernels [--batches 1,2,4,8,16,32,64] [--contexts 192,1024] [--repeats 12]
 
-Prints min and median milliseconds per forward (logits included). The limits (cpu_ext.MAX_GEMV_ROWS,
-MAX_ATTENTION_SEQS, FUSED_ELEMENTWISE, packed_linear.MAX_PACKED_ROWS / MAX_TILED_ROWS) come from this table: each
-kind is forced on in its own column; "all" is what an engine runs (every kind within its shipped limits).
+Prints min and median milliseconds per forward (logits included), and the median of the paired ratios
+layers / all (what the decode stack gains over the Python layer loop on the same kernels). The limits of CpuKernelConfig (max_gemv_rows,
+max_attention_seqs, fused_elementwise, max_onednn_rows / max_tiled_rows) come from this table: each kind is forced
+on in its own column; "all" is what an engine runs (every kind within its shipped limits).
 """
 from __future__ import annotations
 
@@ -16,11 +17,12 @@ import argparse
 import statistics
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 
 from engine.attention import AttentionMetadata
-from engine.kernels import cpu_ext, packed_linear
+from engine.backends import CpuKernelBackend, CpuKernelConfig
 from engine.kv_cache import KVCache
 from engine.model.loader import load_model, resolve_model
 
@@ -46,48 +48,39 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=2)
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
-    assert cpu_ext.available(), "the CPU kernels could not be built"
     source = resolve_model(a.model)
-    eager, fast = load_model(source, torch.bfloat16), load_model(source, torch.bfloat16)
-    fast.use_kernels(True)
-    saved = (cpu_ext.MAX_GEMV_ROWS, cpu_ext.MAX_ATTENTION_SEQS, cpu_ext.FUSED_ELEMENTWISE, cpu_ext.DECODE_STACK,
-             packed_linear.MAX_PACKED_ROWS, packed_linear.MAX_TILED_ROWS)
-    cpu_ext.MAX_ATTENTION_SEQS = 1 << 30  # forced on: this table decides the limits
-    forced, shipped_gemv = 1 << 30, cpu_ext.MAX_GEMV_ROWS
-    # packed-weight row limits: (oneDNN's copy, packed blocks)
-    no_packed, all_packed = (0, 0), (forced, forced)
-    shipped_packed = (packed_linear.MAX_PACKED_ROWS, packed_linear.MAX_TILED_ROWS)
-    # name: (model, GEMV row limit, packed-weight row limits, attention kernel, elementwise kernels, decode stack);
-    # "layers" and "all" keep the shipped limits
-    variants = {"torch ops": (eager, 0, no_packed, False, False, False),
-                "gemv": (fast, forced, no_packed, False, False, False),
-                "packed": (fast, 0, all_packed, False, False, False),
-                "attention": (fast, 0, no_packed, True, False, False),
-                "elementwise": (fast, 0, no_packed, False, True, False),
-                "layers": (fast, shipped_gemv, shipped_packed, True, True, False),
-                "all": (fast, shipped_gemv, shipped_packed, True, True, True)}
+    forced, shipped = 1 << 30, CpuKernelConfig()
+    off = CpuKernelConfig(max_gemv_rows=0, max_onednn_rows=0, max_tiled_rows=0, fused_elementwise=False,
+                          decode_stack=False)
+    # name: (kernel config or None for torch ops, attention kernel); "layers" and "all" keep the shipped limits
+    variants = {"torch ops": (None, False),
+                "gemv": (replace(off, max_gemv_rows=forced), False),
+                "packed": (replace(off, max_onednn_rows=forced, max_tiled_rows=forced), False),
+                "attention": (replace(off, max_attention_seqs=forced), True),
+                "elementwise": (replace(off, fused_elementwise=True), False),
+                "layers": (replace(shipped, decode_stack=False), True),
+                "all": (shipped, True)}
+    models = {}
+    for name, (config, _) in variants.items():
+        models[name] = load_model(source, torch.bfloat16)
+        if config is not None:
+            models[name].set_backend(CpuKernelBackend(config))
     print(f"torch threads {torch.get_num_threads()}; ms per decode forward (min / median of {a.repeats})")
-    print(f"{'batch':>5} {'ctx':>5}  " + "  ".join(f"{name:>15}" for name in variants))
-    try:
-        for ctx in (int(x) for x in a.contexts.split(",")):
-            for batch in (int(x) for x in a.batches.split(",")):
-                nb = ctx // BLOCK + 1
-                kv = KVCache(source.config, batch * nb + 1, BLOCK, torch.bfloat16)
-                kv.data.normal_()
-                tables = [list(range(1 + i * nb, 1 + (i + 1) * nb)) for i in range(batch)]
-                times: dict[str, list[float]] = {name: [] for name in variants}
-                for _ in range(a.repeats):
-                    for name, (model, gemv_rows, packed_rows, attention, elementwise, stack) in variants.items():
-                        cpu_ext.MAX_GEMV_ROWS, cpu_ext.FUSED_ELEMENTWISE = gemv_rows, elementwise
-                        cpu_ext.DECODE_STACK = stack
-                        packed_linear.MAX_PACKED_ROWS, packed_linear.MAX_TILED_ROWS = packed_rows
-                        times[name].append(forward_ms(model, kv, tables, ctx, attention))
-                cells = [f"{min(t):6.1f} / {statistics.median(t):6.1f}" for t in times.values()]
-                print(f"{batch:>5} {ctx:>5}  " + "  ".join(f"{c:>15}" for c in cells), flush=True)
-    finally:
-        (cpu_ext.MAX_GEMV_ROWS, cpu_ext.MAX_ATTENTION_SEQS, cpu_ext.FUSED_ELEMENTWISE, cpu_ext.DECODE_STACK,
-         packed_linear.MAX_PACKED_ROWS, packed_linear.MAX_TILED_ROWS) = saved
-
+    print(f"{'batch':>5} {'ctx':>5}  " + "  ".join(f"{name:>15}" for name in variants) + f"  {'layers/all':>10}")
+    for ctx in (int(x) for x in a.contexts.split(",")):
+        for batch in (int(x) for x in a.batches.split(",")):
+            nb = ctx // BLOCK + 1
+            kv = KVCache(source.config, batch * nb + 1, BLOCK, torch.bfloat16)
+            kv.data.normal_()
+            tables = [list(range(1 + i * nb, 1 + (i + 1) * nb)) for i in range(batch)]
+            times: dict[str, list[float]] = {name: [] for name in variants}
+            for _ in range(a.repeats):
+                for name, (_, attention) in variants.items():
+                    times[name].append(forward_ms(models[name], kv, tables, ctx, attention))
+            cells = [f"{min(t):6.1f} / {statistics.median(t):6.1f}" for t in times.values()]
+            stack_gain = statistics.median(a / b for a, b in zip(times["layers"], times["all"]))
+            print(f"{batch:>5} {ctx:>5}  " + "  ".join(f"{c:>15}" for c in cells) + f"  {stack_gain:>10.2f}x",
+                  flush=True)
 
 if __name__ == "__main__":
     main()

@@ -17,11 +17,13 @@ import time
 from collections import Counter
 from pathlib import Path
 
-# Innermost frames that are calls into C: their samples are time in torch ops or our kernels (_run_stack: the
+# Innermost frames that are calls into C: their samples are time in torch ops or our kernels (decode_layers: the
 # decoder layers of a decode-only step as one C++ call).
-C_CALL_SITES = ("_run_stack (", "OpOverloadPacket.__call__", "decode_attention_", "silu_mul (", "rms_norm (", "rotary_ (",
-                "linear_bf16 (", "tiled_linear (", "tiled_linear_silu_mul (", "tiled_linear_argmax (", "prompt_attention (", "_prefill_attention (", "row_argmax (", "_write (", "compute_logits (",
-                "Tensor.split (", "embedding (", "linear (engine/model/llama.py", "linear (llama.py")
+C_CALL_SITES = ("decode_layers (", "OpOverloadPacket.__call__", "decode_attention_", "silu_mul (", "rms_norm (",
+                "rotary_ (", "linear_bf16 (", "tiled_linear (", "tiled_linear_silu_mul (", "tiled_linear_argmax (",
+                "onednn_linear (", "prompt_attention (", "_prefill_attention (", "row_argmax", "_write (",
+                "compute_logits (", "Tensor.split (", "embedding (", "linear (engine/backends/", "linear (cpu_kernels.py",
+                "linear (torch_ops.py")
 
 
 def run(batch: int, input_len: int, seconds: float, threads: int) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import io
 import json
 import math
@@ -36,10 +37,9 @@ import torch
 
 from engine import LLM, EngineConfig, ModelConfig, SamplingParams
 from engine.engine_core import EngineRequest
-from client.llm import OFFLINE_MAX_NUM_BATCHED_TOKENS
-from engine.kernels import cpu_ext
+from engine.backends import CpuKernelBackend
+from engine.config import OFFLINE_MAX_NUM_BATCHED_TOKENS
 from engine.kv_cache import bytes_per_block
-from engine.model.llama import LlamaModel
 from engine.model.loader import resolve_model
 from engine.output_processor import OutputProcessor
 from engine.tokenizer import Tokenizer
@@ -434,35 +434,27 @@ def engine_step(llm: LLM, processor: OutputProcessor, times: StepTimes, annotate
     times.wall.append(time.perf_counter() - start)
 
 
-CPU_KERNELS = ("linear_bf16", "decode_attention_bf16", "decode_attention_fp8", "rms_norm", "silu_mul",
-               "rotary_", "row_argmax", "tiled_linear", "tiled_linear_silu_mul", "tiled_linear_argmax",
-               "prompt_attention")
-
-
 @contextlib.contextmanager
-def annotated_kernels():
-    """Our C++ kernels are pybind functions, not torch ops: the profiler would count their time as Python.
-    While profiling, each call is wrapped in a record_function named cpu_ext::NAME, which the summary counts
-    as an op."""
+def annotated_kernels(llm: LLM):
+    """Our C++ kernels are torch operators (phase_serve::*), which the profiler times as ops; the decode stack (all
+    layers of a decode-only step in one pybind call) is not: while profiling, each call of it is wrapped in a
+    record_function named cpu_ext::decode_stack, which the summary counts as an op. Its self time is our kernels
+    inside it (the packed products included); the oneDNN products it dispatches show as their own ops."""
     def annotate(fn, name: str):
         def wrapper(*args, **kwargs):
             with torch.profiler.record_function(f"cpu_ext::{name}"):
                 return fn(*args, **kwargs)
         return wrapper
 
-    originals = {name: getattr(cpu_ext, name) for name in CPU_KERNELS}
-    for name, fn in originals.items():
-        setattr(cpu_ext, name, annotate(fn, name))
-    # the decode stack (all layers of a decode-only step in one C++ call): its self time is our kernels inside
-    # it (the packed products included); the oneDNN products it dispatches show as their own ops
-    run_stack = LlamaModel._run_stack
-    LlamaModel._run_stack = annotate(run_stack, "decode_stack")
+    if not isinstance(llm.engine.runner.backend, CpuKernelBackend):  # plain torch ops: nothing to annotate
+        yield
+        return
+    run_stack = CpuKernelBackend.decode_layers
+    CpuKernelBackend.decode_layers = annotate(run_stack, "decode_stack")
     try:
         yield
     finally:
-        for name, fn in originals.items():
-            setattr(cpu_ext, name, fn)
-        LlamaModel._run_stack = run_stack
+        CpuKernelBackend.decode_layers = run_stack
 
 
 def all_decoding(llm: LLM) -> bool:
@@ -474,17 +466,22 @@ def profile_decode(llm: LLM, factory: PromptFactory, batch: int, steps: int, top
                    python_layers: bool = False) -> dict:
     """Prefill `batch` prompts, then time `steps` decode steps plainly and `steps` more under torch.profiler.
     python_layers: the layers run from Python (the decode stack off), so that each kernel shows by itself."""
-    with decode_stack(not python_layers):
+    with decode_stack(llm, not python_layers):
         return profile_steps(llm, factory, batch, steps, top)
 
 
 @contextlib.contextmanager
-def decode_stack(on: bool):
-    saved, cpu_ext.DECODE_STACK = cpu_ext.DECODE_STACK, on
+def decode_stack(llm: LLM, on: bool):
+    """The engine's kernel backend with its decode stack on or off, then the engine's own backend again."""
+    runner = llm.engine.runner
+    saved = runner.backend
+    if isinstance(saved, CpuKernelBackend) and saved.config.decode_stack != on:
+        runner.set_backend(CpuKernelBackend(dataclasses.replace(saved.config, decode_stack=on)))
     try:
         yield
     finally:
-        cpu_ext.DECODE_STACK = saved
+        if runner.backend is not saved:
+            runner.set_backend(saved)
 
 
 def profile_steps(llm: LLM, factory: PromptFactory, batch: int, steps: int, top: int) -> dict:
@@ -504,7 +501,7 @@ def profile_steps(llm: LLM, factory: PromptFactory, batch: int, steps: int, top:
         engine_step(llm, processor, plain, annotate=False)
     others = others_cpu_share(cpu_before, cpu_sample())
     profiled = StepTimes()
-    with annotated_kernels(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    with annotated_kernels(llm), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             engine_step(llm, processor, profiled, annotate=True)
     running = len(llm.engine.scheduler.running)
@@ -541,7 +538,7 @@ def summarise_profile(prof, plain: StepTimes, profiled: StepTimes, batch: int, r
                      "self_ms_per_step": e.self_cpu_time_total / steps / 1000,
                      "share_of_step": e.self_cpu_time_total / prof_wall_us} for e in ranked],
         "method": ("torch.profiler (CPU activity): outside-ops time = wall time of the profiled steps minus the sum "
-                   "of self CPU time of all torch ops and of our C++ kernels (cpu_ext::*; the phase annotations "
+                   "of self CPU time of all torch ops and of our C++ kernels (phase_serve::*, cpu_ext::decode_stack; the phase annotations "
                    "excluded); py-spy "
                    + ("is installed but was not used (see bench/decode_loop.py)" if py_spy_installed()
                       else "is not installed")),

@@ -16,13 +16,13 @@ distinct layers), F.linear on the plain weight (oneDNN's brgemm, what prefill us
 alternated; median ms, TFLOPS, speed-up.
 Part 4, engine prefill: one `LLM` at the server's step budget (EngineConfig's max_num_batched_tokens),
 prefilling --prefill-prompts prompts of 128 tokens (one output token), with our kernel for up to
-packed_linear.max_tiled_rows() rows (shipped) and for up to MAX_PACKED_ROWS rows only (F.linear above, as before),
+the engine's max_tiled_rows (shipped) and for up to CpuKernelConfig.max_onednn_rows only (F.linear above),
 alternated; median prompt tokens/s and the median of the paired ratios. The MLP's gate|up product takes the fused
 call in both (part 6 compares that call with the two passes).
 Part 5, gate|up with SiLU: the MLP's gate|up product and SiLU(gate) * up over the 30 layers' weights (from memory)
 at --gate-up-rows rows, three ways alternated: the fused call (tiled_linear_silu_mul, shipped), our product then
 silu_mul, F.linear then silu_mul; median ms, and each two-pass way's time over the fused one's (paired medians).
-Part 6, engine gate|up: two `LLM`s, with packed_linear.FUSED_GATE_UP on and off, as part 2 at --gate-up-batches.
+Part 6, engine gate|up: two `LLM`s, with CpuKernelConfig.fused_gate_up on and off, as part 2 at --gate-up-batches.
 Our kernel runs on the CPU's first engine (cpu_ext.matrix_engines: AMX tiles, else AVX-512 BF16 vectors); it
 needs one of them.
 """
@@ -32,10 +32,12 @@ import argparse
 import statistics
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 
+from engine.backends import CpuKernelBackend, CpuKernelConfig
 from engine.kernels import cpu_ext, packed_linear
 
 LAYERS, HIDDEN, QKV, INTERMEDIATE, VOCAB = 30, 576, 960, 1536, 49152  # SmolLM2-135M
@@ -51,7 +53,10 @@ def one_pass(rows: int, weights: list[torch.Tensor], packed: list[torch.Tensor])
     inputs = {k: torch.randn(rows, k, dtype=torch.bfloat16) for k in (HIDDEN, INTERMEDIATE)}
     start = time.perf_counter()
     for weight, pack in zip(weights, packed):
-        packed_linear.linear(inputs[weight.shape[1]], pack, None)
+        if pack.dim() == 4:
+            cpu_ext.tiled_linear(inputs[weight.shape[1]], pack)
+        else:
+            packed_linear.onednn_linear(inputs[weight.shape[1]], pack, None)
     return time.perf_counter() - start
 
 
@@ -66,7 +71,7 @@ def products(rows_list: list[int], rounds: int) -> None:
     weights = step_weights()
     nbytes = sum(w.numel() * w.element_size() for w in weights)
     packings = {"ours": [cpu_ext.tile_pack(w) for w in weights],
-                "onednn": [torch.ops.mkldnn._reorder_linear_weight(w, packed_linear.PACK_BATCH_HINT) for w in weights]}
+                "onednn": [packed_linear.pack_onednn(w, CpuKernelConfig().onednn_batch_hint) for w in weights]}
     flush = torch.empty(256 << 20, dtype=torch.bfloat16)
     times: dict[tuple[str, int], list[float]] = {}
     for _ in range(rounds):
@@ -86,18 +91,17 @@ def products(rows_list: list[int], rounds: int) -> None:
               f"{nbytes / ours / 1e9:>6.1f} {onednn / ours:>8.2f}x")
 
 
-def engine(batches: list[int], rounds: int, threads: int, switch: str = "TILED_PACKING",
+def engine(batches: list[int], rounds: int, threads: int, switch: str = "tiled_packing",
            names: tuple[str, str] = ("ours", "onednn")) -> None:
-    """Two engines alternated: packed_linear.<switch> on (names[0]) and off (names[1]) when each packs its weights."""
+    """Two engines alternated: CpuKernelConfig.<switch> on (names[0]) and off (names[1])."""
     from bench.offline_throughput import build_engine, parse_args
     from bench.step_budget import alternate
 
     engines = {}
     for name, on in zip(names, (True, False)):
-        setattr(packed_linear, switch, on)  # read when the model packs its weights, at load
         engines[name] = build_engine(parse_args(["--batch-sizes", str(max(batches)), "--threads", str(threads)]),
                                      max(batches))
-    setattr(packed_linear, switch, True)
+        engines[name].engine.runner.set_backend(CpuKernelBackend(replace(CpuKernelConfig(), **{switch: on})))
     results = alternate(engines, batches, 128, 128, rounds)
     print(f"\nengine, 128 in / 128 out, greedy, {threads} threads, median of {rounds} alternated rounds")
     for batch in batches:
@@ -142,23 +146,25 @@ def engine_prefill(prompt_counts: list[int], rounds: int, threads: int) -> None:
     llm = LLM(num_threads=threads, max_num_seqs=max(prompt_counts), max_num_batched_tokens=budget)
     factory = PromptFactory(llm.tokenizer, 128)
     llm.generate(factory.make(2), greedy(4))  # warm-up
-    limits = {"ours to max_tiled_rows()": packed_linear.max_tiled_rows(),
-              "ours to MAX_PACKED_ROWS": packed_linear.MAX_PACKED_ROWS}
+    shipped = llm.engine.runner.backend
+    backends = {"ours to max_tiled_rows": shipped,
+                "ours to max_onednn_rows": CpuKernelBackend(replace(shipped.config,
+                                                                    max_tiled_rows=shipped.config.max_onednn_rows))}
     rates: dict[tuple[str, int], list[float]] = {}
     try:
         for round_index in range(rounds):
             for count in prompt_counts:
-                for name in (list(limits) if round_index % 2 == 0 else list(reversed(limits))):
-                    packed_linear.MAX_TILED_ROWS = limits[name]
+                for name in (list(backends) if round_index % 2 == 0 else list(reversed(backends))):
+                    llm.engine.runner.set_backend(backends[name])  # prepares the packed copies: not timed
                     prompts = factory.make(count)  # fresh: no prefix-cache hit on the other variant's blocks
                     start = time.perf_counter()
                     llm.generate(prompts, greedy(1))
                     rates.setdefault((name, count), []).append(count * 128 / (time.perf_counter() - start))
     finally:
-        packed_linear.MAX_TILED_ROWS = None  # the engine's own limit, as shipped
+        llm.engine.runner.set_backend(shipped)
     print(f"\nengine prefill, {budget}-token steps, 128-token prompts, one output token, {threads} threads, "
           f"median of {rounds} alternated rounds (prompt tokens/s)")
-    new, old = limits
+    new, old = backends
     for count in prompt_counts:
         ratios = [a / b for a, b in zip(rates[(new, count)], rates[(old, count)])]
         print(f"{count:>3} prompts: {new} {statistics.median(rates[(new, count)]):7.1f}, {old} "
@@ -201,7 +207,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=2)
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
-    if not cpu_ext.tiled_available():
+    if not cpu_ext.matrix_engines():
         raise SystemExit("neither AMX nor AVX-512 BF16 here (cpu_ext.matrix_engines() is empty): nothing to compare")
     print(f"our kernel's engine: {cpu_ext.matrix_engines()[0]}")
     if a.rows:
@@ -215,7 +221,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if a.gate_up_rows:
         gate_up_products([int(r) for r in a.gate_up_rows.split(",")], a.rounds)
     if a.gate_up_batches:
-        engine([int(b) for b in a.gate_up_batches.split(",")], a.rounds, a.threads, "FUSED_GATE_UP",
+        engine([int(b) for b in a.gate_up_batches.split(",")], a.rounds, a.threads, "fused_gate_up",
                ("fused", "two-pass"))
 
 

@@ -1,14 +1,12 @@
-"""Paged attention on CPU: one batched gather of the needed KV blocks, then scaled-dot-product attention;
-for the decode group of a bf16 engine with its kernels on, the in-place kernel instead (cpu_ext, no gather),
-over bf16 pages or fp8 QuantizedPages.
+"""Paged attention: one batched gather of the needed KV blocks, then scaled-dot-product attention; where the
+backend has an in-place kernel for the decode group (engine/backends/, no gather) or for whole fresh prompts, that
+kernel instead.
 
 The flat batch holds decode rows first (one new token per sequence, attended as one group), then each
 prefill chunk as a contiguous segment. New keys/values are written into their cache slots before
 attention, so a chunk sees every earlier token of its sequence, cached or computed in this step.
 Consecutive whole prompts of one length (no cached context) attend in one batched call: bit-identical to
 one call each, and one call per layer instead of one per prompt when a step prefills many short prompts.
-With the kernels on (bf16, a CPU with AMX or AVX-512 BF16), such runs go to cpu_ext.prompt_attention instead
-of SDPA.
 
 A layer's cache is either a tensor [num_blocks, block_size, kv_heads, head_dim] in the serving dtype or
 QuantizedPages (fp8 / fp4, engine/kv_formats.py): those quantise new tokens as they are written and
@@ -19,13 +17,16 @@ chunk of a prompt sees unquantised keys and every later chunk or decode step see
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from engine.kernels import cpu_ext
 from engine.kv_compress import TieredPages
 from engine.kv_formats import PageWrites, QuantizedPages
+
+if TYPE_CHECKING:
+    from engine.backends.base import Backend
 
 KVPages = torch.Tensor | QuantizedPages  # one layer's keys or values
 
@@ -51,7 +52,8 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None = None  # [D, max_blocks] int64, padded with block 0
     decode_mask: torch.Tensor | None = None  # [D, 1, 1, max_blocks * block_size] bool: key is in the context
     decode_context_lens: torch.Tensor | None = None  # [D] int64
-    use_kernels: bool = False  # decode attention by the in-place CPU kernel where the cache allows it
+    # the backend's in-place decode attention may serve this step (the runner's steps; a draft proposer's gather)
+    use_kernels: bool = False
     prefills: list[PrefillSegment] = field(default_factory=list)
     page_writes: PageWrites | None = None  # built on first use by a quantised cache, shared by its layers
 
@@ -114,23 +116,38 @@ def _prefill_segment(table: list[int], start: int, context_start: int, length: i
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: KVPages,
-                    v_cache: KVPages, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    v_cache: KVPages, meta: AttentionMetadata, scale: float,
+                    backend: Backend | None = None) -> torch.Tensor:
     """q [T, Hq, D], k/v [T, Hkv, D] for the new tokens; caches [num_blocks, block_size, Hkv, D] (or
-    quantised pages). Returns [T, Hq, D]."""
+    quantised pages). Returns [T, Hq, D]. `backend`: whose kernels may take the decode group and fresh prompts
+    (None, or a step without meta.use_kernels: SDPA throughout)."""
+    backend = backend if meta.use_kernels else None
     _write(k_cache, k, meta)
     _write(v_cache, v, meta)
     if meta.num_decode and not meta.prefills:  # decode only: no copy into a shared output
-        return _decode_attention(q, k_cache, v_cache, meta, scale)
+        return _decode(q, k_cache, v_cache, meta, scale, backend)
     out = torch.empty_like(q)
     if meta.num_decode:
-        out[: meta.num_decode] = _decode_attention(q[: meta.num_decode], k_cache, v_cache, meta, scale)
+        out[: meta.num_decode] = _decode(q[: meta.num_decode], k_cache, v_cache, meta, scale, backend)
     for run in _prefill_runs(meta.prefills):
         rows = slice(run[0].start, run[-1].start + run[-1].length)
         if run[0].context_start == 0:
-            out[rows] = _fresh_attention(q[rows], k[rows], v[rows], len(run), scale, meta.use_kernels)
+            out[rows] = _fresh(q[rows], k[rows], v[rows], len(run), scale, backend)
         else:
             out[rows] = _prefill_attention(q[rows], k_cache, v_cache, run[0], scale)
     return out
+
+
+def _decode(q: torch.Tensor, k_cache: KVPages, v_cache: KVPages, meta: AttentionMetadata, scale: float,
+            backend: Backend | None) -> torch.Tensor:
+    out = backend.decode_attention(q, k_cache, v_cache, meta, scale) if backend is not None else None
+    return _decode_attention(q, k_cache, v_cache, meta, scale) if out is None else out
+
+
+def _fresh(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: int, scale: float,
+           backend: Backend | None) -> torch.Tensor:
+    out = backend.fresh_attention(q, k, v, count, scale) if backend is not None else None
+    return _fresh_attention(q, k, v, count, scale) if out is None else out
 
 
 def _prefill_runs(segments: list[PrefillSegment]) -> list[list[PrefillSegment]]:
@@ -147,11 +164,8 @@ def _prefill_runs(segments: list[PrefillSegment]) -> list[list[PrefillSegment]]:
     return runs
 
 
-def _fresh_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: int, scale: float,
-                     use_kernels: bool) -> torch.Tensor:
+def _fresh_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: int, scale: float) -> torch.Tensor:
     # q [count * S, Hq, hd]: `count` whole prompts of S tokens each, attending only to themselves
-    if use_kernels and cpu_ext.prompt_attention_applies(q, k, v, count):
-        return cpu_ext.prompt_attention(q, k, v, count, scale)
     rows, num_heads, head_dim = q.shape
     qh = q.view(count, rows // count, num_heads, head_dim).transpose(1, 2)  # [count, Hq, S, hd]
     kh = k.view(count, rows // count, *k.shape[1:]).transpose(1, 2)  # [count, Hkv, S, hd]
@@ -186,15 +200,6 @@ def _gather(cache: KVPages, block_tables: torch.Tensor) -> torch.Tensor:
 def _decode_attention(q: torch.Tensor, k_cache: KVPages, v_cache: KVPages,
                       meta: AttentionMetadata, scale: float) -> torch.Tensor:
     # One query per sequence: fold each KV head's query group into the query-length axis, so no KV repeat.
-    if meta.use_kernels and cpu_ext.attention_applies(meta.num_decode_seqs):
-        if _kernel_applies(q, k_cache):
-            return cpu_ext.decode_attention_bf16(q, k_cache, v_cache, meta.decode_block_tables,
-                                                 meta.decode_context_lens, scale)
-        if _fp8_kernel_applies(q, k_cache, v_cache):
-            block_size, kv_heads, head_dim = k_cache.format.page_shape
-            return cpu_ext.decode_attention_fp8(q, k_cache.raw, v_cache.raw, k_cache.format.fields[1].offset,
-                                                block_size, kv_heads, head_dim, meta.decode_block_tables,
-                                                meta.decode_context_lens, scale)
     num_rows, num_heads, head_dim = q.shape
     keys = _gather(k_cache, meta.decode_block_tables)  # [D, Hkv, L, hd]
     num_kv_heads = keys.shape[1]
@@ -203,19 +208,6 @@ def _decode_attention(q: torch.Tensor, k_cache: KVPages, v_cache: KVPages,
     mask = _decode_mask(meta, keys.shape[2] // meta.decode_block_tables.shape[1])
     out = F.scaled_dot_product_attention(grouped_q, keys, values, attn_mask=mask, scale=scale)
     return out.reshape(num_rows, num_heads, head_dim)
-
-
-def _kernel_applies(q: torch.Tensor, cache: KVPages) -> bool:
-    return (isinstance(cache, torch.Tensor) and cache.dtype == torch.bfloat16 and q.dtype == torch.bfloat16
-            and cache.device.type == "cpu")
-
-
-def _fp8_kernel_applies(q: torch.Tensor, k_cache: KVPages, v_cache: KVPages) -> bool:
-    # exact types: a TieredPages (hot and cold regions) keeps the gather path
-    return (type(k_cache) is QuantizedPages and type(v_cache) is QuantizedPages
-            and k_cache.format.name == "fp8" and v_cache.format == k_cache.format
-            and k_cache.dtype == torch.bfloat16 and q.dtype == torch.bfloat16
-            and k_cache.raw.device.type == "cpu" and k_cache.raw.is_contiguous() and v_cache.raw.is_contiguous())
 
 
 def _prefill_attention(q: torch.Tensor, k_cache: KVPages, v_cache: KVPages, seg: PrefillSegment,

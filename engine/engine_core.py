@@ -18,6 +18,7 @@ from engine.config import EngineConfig
 from engine.kv_cache import KVCache, choose_num_blocks
 from engine.kv_compress import ColdRegion, split_kv_budget
 from engine.model.loader import ModelSource, load_model, resolve_dtype, resolve_model
+from engine.backends import select_backend
 from engine.runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerLimits
@@ -76,7 +77,7 @@ class EngineCore:
         limits = SchedulerLimits(config.max_num_batched_tokens, config.max_num_seqs, config.enable_chunked_prefill)
         eos = self.source.tokenizer.eos_token_ids or model_cfg.eos_token_ids
         self.scheduler = Scheduler(self.pool, limits, tuple(eos), self._compactor())
-        self.runner = ModelRunner(model, self.kv_cache, device, use_kernels=not config.enforce_eager)
+        self.runner = ModelRunner(model, self.kv_cache, device, select_backend(device, self.dtype, config.enforce_eager))
         if num_cold:
             self.runner.attach_cold_region(ColdRegion(model_cfg, num_cold, num_blocks, config.block_size,
                                                       self.dtype, device))

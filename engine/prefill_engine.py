@@ -19,6 +19,7 @@ import torch
 from engine.config import EngineConfig
 from engine.kv_cache import KVCache
 from engine.model.loader import ModelSource, load_model, resolve_dtype, resolve_model
+from engine.backends import select_backend
 from engine.runner import ModelRunner
 from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
@@ -62,7 +63,7 @@ class PrefillEngine:
         self.dtype = resolve_dtype(config.dtype, device)
         self.device = device
         self.runner = ModelRunner(load_model(self.source, self.dtype, device), None, device,
-                                  use_kernels=not config.enforce_eager)
+                                  select_backend(device, self.dtype, config.enforce_eager))
         self.eos_token_ids = frozenset(self.source.tokenizer.eos_token_ids or self.source.config.eos_token_ids)
         self.pools: dict[str, KVCache] = {}
         self.jobs: dict[str, PrefillJob] = {}

@@ -13,12 +13,12 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata
+from engine.backends import Backend, TorchBackend
 from engine.host_memory import keep_freed_memory
-from engine.kernels import cpu_ext
 from engine.kv_cache import KVCache
 from engine.kv_compress import ColdRegion, names_cold
 from engine.model.llama import LlamaModel
-from engine.sampler import SamplingBatch, greedy_tokens, process_logits, row_argmax, sample, token_logprobs
+from engine.sampler import SamplingBatch, greedy_tokens, process_logits, sample, token_logprobs
 from engine.speculative.acceptance import Verdict, verify_drafts, verify_greedy
 from engine.step import RunnerOutput, ScheduledChunk, SchedulerOutput, runner_output
 
@@ -91,20 +91,21 @@ class ModelRunner:
     """Owns the model, its KV pages and the per-sequence sampler generators."""
 
     def __init__(self, model: LlamaModel, kv_cache: KVCache | None, device: torch.device | str = "cpu",
-                 use_kernels: bool = False) -> None:
-        """`use_kernels`: the compiled CPU kernels where they apply (bf16 on the CPU); False = torch ops only."""
+                 backend: Backend | None = None) -> None:
+        """`backend`: the hardware operations (engine/backends.select_backend); None = plain torch ops."""
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
-        # Only bf16 has kernels: other dtypes never build (or load) the extension.
-        self.use_kernels = (use_kernels and torch.device(device).type == "cpu"
-                            and next(model.parameters()).dtype == torch.bfloat16 and cpu_ext.available())
         self.generators: dict[int, torch.Generator] = {}
         self.cold: ColdRegion | None = None
         if torch.device(device).type == "cpu":
             keep_freed_memory()
-        if self.use_kernels:
-            model.use_kernels(True)
+        self.set_backend(backend or TorchBackend(device))
+
+    def set_backend(self, backend: Backend) -> None:
+        """Run the model on `backend` (which prepares its weights now)."""
+        self.backend = backend
+        self.model.set_backend(backend)
 
     @torch.inference_mode()
     def run(self, sched: SchedulerOutput, kv_cache: KVCache | None = None) -> RunnerOutput:
@@ -118,7 +119,7 @@ class ModelRunner:
         if sched.is_empty:
             return RunnerOutput()
         layers = self._layers(kv_cache, sched)
-        inp = prepare_input(sched.chunks, kv_cache.block_size, self.device, self.use_kernels,
+        inp = prepare_input(sched.chunks, kv_cache.block_size, self.device, self.backend.attends_in_place,
                             self._verify_as_rows(sched, layers))
         read = torch.cat([inp.sample_rows, inp.verify_rows])  # [B + R]: the rows whose logits are needed
         every_row = len(read) == len(inp.input_ids)  # a decode step: no row to leave out
@@ -139,7 +140,7 @@ class ModelRunner:
 
     def _greedy_without_logits(self, rows: torch.Tensor, inp: ModelInput) -> RunnerOutput | None:
         """A step whose rows all take their plain argmax (no drafts to verify): the picks straight off the LM
-        head where the kernels allow (LlamaModel.greedy_tokens), else None."""
+        head where the backend allows (LlamaModel.greedy_tokens), else None."""
         if inp.verified_chunks or not _plain_greedy(inp.sampled_chunks):
             return None
         tokens = self.model.greedy_tokens(rows)  # [B] or None
@@ -155,7 +156,7 @@ class ModelRunner:
     def _verify_as_rows(self, sched: SchedulerOutput, layers: list) -> bool:
         """A step that only verifies one sequence's drafts, on plain pages: the decode-attention kernel then
         serves all its rows (measured for one sequence; several keep their causal segments)."""
-        return (self.use_kernels and len(sched.chunks) == 1 and sched.chunks[0].num_draft > 0
+        return (self.backend.attends_in_place and len(sched.chunks) == 1 and sched.chunks[0].num_draft > 0
                 and isinstance(layers[0][0], torch.Tensor))
 
     def _layers(self, kv_cache: KVCache, sched: SchedulerOutput) -> list:
@@ -171,7 +172,7 @@ class ModelRunner:
             return {}, {}
         batch = SamplingBatch.build([c.params for c in chunks], [self._generator(c) for c in chunks],
                                     [c.banned_token_ids for c in chunks], self.device)
-        out = sample(logits, batch, cpu_ext.row_argmax if self.use_kernels else row_argmax)
+        out = sample(logits, batch, self.backend.row_argmax)
         ids = [c.seq_id for c in chunks]
         logprobs = {} if out.logprobs is None else {i: lp for i, lp in zip(ids, out.logprobs) if lp is not None}
         return dict(zip(ids, out.token_ids)), logprobs

@@ -54,7 +54,7 @@ def one_segment_at_a_time(q, k, v, k_cache, v_cache, meta, scale):
     for seg in meta.prefills:
         rows = slice(seg.start, seg.start + seg.length)
         if seg.context_start == 0:
-            out[rows] = attention._fresh_attention(q[rows], k[rows], v[rows], 1, scale, use_kernels=False)
+            out[rows] = attention._fresh_attention(q[rows], k[rows], v[rows], 1, scale)
         else:
             out[rows] = attention._prefill_attention(q[rows], k_cache, v_cache, seg, scale)
     return out

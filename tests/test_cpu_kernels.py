@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from engine import LLM, SamplingParams
 from engine import attention
 from engine.attention import AttentionMetadata
+from engine.backends import CpuKernelBackend, CpuKernelConfig, TorchBackend
 from engine.config import EngineConfig, ModelConfig
 from engine.engine_core import EngineCore
 from engine.kernels import cpu_ext, packed_linear
@@ -16,6 +17,18 @@ from engine.kv_formats import PageWrites, QuantizedPages, page_format
 from engine.model.hf_loader import iter_hf_weights, read_hf_config
 from engine.model.llama import Linear, build_model
 from engine.model.rope import RotaryEmbedding, apply_rotary
+from tests.kernel_helpers import ONEDNN, kernel_backend, kernel_calls, require_kernels  # noqa: F401 (fixtures)
+
+
+@pytest.fixture(autouse=True)
+def kernels() -> None:
+    """Every test here needs the compiled kernels: checked when a test runs, not when the module is collected."""
+    require_kernels()
+
+
+@pytest.fixture
+def backend() -> CpuKernelBackend:
+    return CpuKernelBackend()
 
 
 def bf16(*shape: int, scale: float = 1.0) -> torch.Tensor:
@@ -35,12 +48,18 @@ def test_linear_matches_fp32_reference_within_bf16_rounding(rows, with_bias):
     torch.testing.assert_close(got.float(), ref, rtol=2 ** -8, atol=1e-4)
 
 
-def test_linear_applies_only_to_few_row_bf16_products():
+def test_linear_takes_the_gemv_up_to_its_row_limit_and_bf16_models_only(tiny_model_dir, backend, kernel_calls):
     w = bf16(8, 16)
-    assert cpu_ext.applies(bf16(1, 16), w)
-    assert not cpu_ext.applies(bf16(cpu_ext.MAX_GEMV_ROWS + 1, 16), w)
-    assert not cpu_ext.applies(torch.randn(1, 16), w.float())
-    assert not cpu_ext.applies(bf16(1, 16), bf16(16, 8).t())  # not contiguous
+    limit = backend.config.max_gemv_rows
+    for rows in range(1, limit + 2):
+        x = bf16(rows, 16)
+        assert torch.equal(backend.linear(x, w, None), cpu_ext.linear_bf16(x, w) if rows <= limit else F.linear(x, w))
+    assert kernel_calls.rows("linear_bf16") == [r for r in range(1, limit + 1) for _ in range(2)]  # limit + 1: F.linear
+    kernel_calls.clear()
+    kernel_backend(max_gemv_rows=0).linear(bf16(1, 16), w, None)
+    assert kernel_calls == []
+    with pytest.raises(ValueError, match="bf16"):
+        _model(tiny_model_dir, torch.float32)[1].set_backend(backend)  # decided once: no fp32 model on the kernels
 
 
 def reference_decode_attention(q, k_pages, v_pages, tables, lens, scale):
@@ -203,26 +222,13 @@ def _model(folder, dtype):
     return cfg, build_model(cfg, iter_hf_weights(folder), dtype)
 
 
-def test_bf16_model_with_kernels_matches_torch_ops(tiny_model_dir, monkeypatch):
+def test_bf16_model_with_kernels_matches_torch_ops(tiny_model_dir, kernel_calls):
     """Prefill chunks, then decode steps: logits with the kernels on stay within bf16 noise of the eager
     model's on the same pages (and the kernels did run, in the fast model only)."""
-    kernels = ("linear_bf16", "decode_attention_bf16", "rms_norm", "silu_mul", "rotary_", "tiled_linear_silu_mul")
-    calls = dict.fromkeys(kernels, 0)
-
-    def spy(name, func):
-        def wrapped(*args, **kwargs):
-            calls[name] += 1
-            return func(*args, **kwargs)
-        return wrapped
-
-    monkeypatch.setattr(cpu_ext, "DECODE_STACK", False)  # the Python layers, whose kernel calls the spies see
-    for name in kernels:
-        monkeypatch.setattr(cpu_ext, name, spy(name, getattr(cpu_ext, name)))
-    calls["packed"] = 0
-    monkeypatch.setattr(packed_linear, "linear", spy("packed", packed_linear.linear))
     cfg, eager = _model(tiny_model_dir, torch.bfloat16)
     _, fast = _model(tiny_model_dir, torch.bfloat16)
-    fast.use_kernels(True)
+    backend = kernel_backend(decode_stack=False)  # the Python layers, whose kernel calls the spies see
+    fast.set_backend(backend)
     block = 4
     prompts = [[5, 9, 33, 2, 7, 100, 3], [11, 12, 13], [400, 401, 402, 403, 404, 405, 406, 407, 408]]
     logits = {}
@@ -248,8 +254,13 @@ def test_bf16_model_with_kernels_matches_torch_ops(tiny_model_dir, monkeypatch):
     # attention kernel every decode step, one sequence or two; the elementwise kernels every forward.
     layers = cfg.num_layers
     fused = int(fast.layers[0].mlp.gate_up_silu is not None)
-    assert fused == cpu_ext.tiled_available()
-    assert cpu_ext.attention_applies(2) and packed_linear.available()
+    assert fused == bool(cpu_ext.matrix_engines())
+    assert backend.attends_in_place and packed_linear.onednn_available()
+    names = {"linear_bf16": "linear_bf16", "decode_attention_bf16": "decode_attention_bf16",
+             "rms_norm": "rms_norm_bf16", "silu_mul": "silu_mul_bf16", "tiled_linear_silu_mul":
+             "tiled_linear_silu_mul_bf16", "rotary_": "rotary_bf16_"}
+    calls = {name: kernel_calls.count(kernel) for name, kernel in names.items()}
+    calls["packed"] = kernel_calls.count("tiled_linear_bf16") + kernel_calls.count(ONEDNN)
     assert calls == {"linear_bf16": 3 * (4 * layers + 1),
                      "packed": 3 * (4 * layers + 1) + 3 * 4 * layers - fused * 6 * layers,
                      "decode_attention_bf16": 6 * layers, "rms_norm": 9 * (2 * layers + 1),
@@ -260,17 +271,33 @@ def test_bf16_model_with_kernels_matches_torch_ops(tiny_model_dir, monkeypatch):
     assert (logits["fast"].argmax(-1) == ref.argmax(-1)).float().mean() >= 0.8
 
 
-def test_kernel_limits_follow_the_switches(monkeypatch):
-    assert cpu_ext.attention_applies(64)
-    monkeypatch.setattr(cpu_ext, "MAX_ATTENTION_SEQS", 1)
-    assert cpu_ext.attention_applies(1) and not cpu_ext.attention_applies(2)
-    x = bf16(4, 8)
-    assert cpu_ext.elementwise_applies(x)
-    assert not cpu_ext.elementwise_applies(x.float()) and not cpu_ext.elementwise_applies(x.t())
-    assert packed_linear.gate_up_applies(bf16(2, 8)) and not packed_linear.gate_up_applies(bf16(1, 8))
-    monkeypatch.setattr(cpu_ext, "FUSED_ELEMENTWISE", False)
-    assert not cpu_ext.elementwise_applies(x)
-    assert not packed_linear.gate_up_applies(x)  # SiLU * up fused into the gate|up product: an elementwise kernel
+def test_kernel_choices_follow_the_config(kernel_calls):
+    q, k_pages, v_pages, tables, lens = scattered_problem(2, 4, 2, 64)
+    meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long), num_decode=2, num_decode_seqs=2,
+                             decode_block_tables=tables, decode_context_lens=lens, use_kernels=True)
+    assert CpuKernelBackend().decode_attention(q, k_pages, v_pages, meta, 0.125) is not None
+    one = kernel_backend(max_attention_seqs=1)
+    assert one.decode_attention(q, k_pages, v_pages, meta, 0.125) is None  # two sequences: gather + SDPA
+    meta.num_decode_seqs = 1
+    assert one.decode_attention(q, k_pages, v_pages, meta, 0.125) is not None
+    assert kernel_calls.rows("decode_attention_bf16") == [2, 2]
+    assert CpuKernelBackend().elementwise and CpuKernelBackend().fused_gate_up == bool(cpu_ext.matrix_engines())
+    off = kernel_backend(fused_elementwise=False)
+    # SiLU * up fused into the gate|up product is an elementwise kernel too, and the stack runs them all
+    assert not off.elementwise and not off.fused_gate_up and not off.stacks
+    kernel_calls.clear()
+    x, residual, weight = bf16(4, 64), bf16(4, 64), bf16(64)
+    torch_ops = TorchBackend()
+    assert torch.equal(off.add_rms_norm(x, residual, weight, 1e-5)[0],
+                       torch_ops.add_rms_norm(x, residual, weight, 1e-5)[0])
+    gate_up_weight = bf16(32, 64)
+    gate, up = off.linear(x, gate_up_weight, None).chunk(2, dim=-1)
+    assert torch.equal(off.gate_up_silu(x, gate_up_weight, None, None), F.silu(gate) * up)  # torch's SiLU * up
+    assert "rms_norm_bf16" not in kernel_calls.names() and "silu_mul_bf16" not in kernel_calls.names()
+    with pytest.raises(ValueError, match="max_gemv_rows"):
+        CpuKernelConfig(max_gemv_rows=-1)
+    with pytest.raises(ValueError, match="max_prompt_attention_tokens"):
+        CpuKernelConfig(max_prompt_attention_tokens=cpu_ext.KERNEL_MAX_PROMPT_TOKENS + 1)
 
 
 def test_fp32_model_is_untouched_by_the_kernel_switch(tiny_model_dir):
@@ -285,7 +312,7 @@ def test_fp32_model_is_untouched_by_the_kernel_switch(tiny_model_dir):
 
 
 @pytest.mark.parametrize("width", [1, 15, 16, 49, 1000])  # no full vector, exactly one, vectors + a tail
-def test_row_argmax_matches_torch_max_on_ties_nan_and_infinities(width):
+def test_row_argmax_matches_torch_max_on_ties_nan_and_infinities(width, backend):
     torch.manual_seed(width)
     rows = [bf16(width), torch.full((width,), -float("inf")), torch.full((width,), 3.0),
             torch.randint(-2, 3, (width,)).float()]  # many ties: the first maximal index wins
@@ -294,26 +321,36 @@ def test_row_argmax_matches_torch_max_on_ties_nan_and_infinities(width):
                  bf16(width).index_fill(0, torch.tensor([width - 1]), float("inf")),
                  torch.zeros(width).index_fill(0, torch.tensor([1]), -0.0)]  # -0 == +0: index 0
     x = torch.stack(rows).to(torch.bfloat16)
-    assert torch.equal(cpu_ext.row_argmax(x), x.float().max(dim=-1).indices)
+    assert torch.equal(cpu_ext.row_argmax_bf16(x), x.float().max(dim=-1).indices)
     wide = torch.cat([x, bf16(len(rows), 7)], dim=1)[:, :width]  # rows with a stride past their width
-    assert torch.equal(cpu_ext.row_argmax(wide), x.float().max(dim=-1).indices)
-    assert torch.equal(cpu_ext.row_argmax(x.float()), x.float().max(dim=-1).indices)  # fp32: torch's own
+    assert torch.equal(cpu_ext.row_argmax_bf16(wide), x.float().max(dim=-1).indices)
+    assert torch.equal(backend.row_argmax(wide), x.float().max(dim=-1).indices)
+    assert torch.equal(backend.row_argmax(x.float()), x.float().max(dim=-1).indices)  # fp32: torch's own
 
 
-def test_greedy_engine_picks_from_bf16_logits_with_the_kernel(tiny_model_dir, monkeypatch):
+def test_greedy_engine_picks_from_bf16_logits_with_the_kernel(tiny_model_dir, monkeypatch, kernel_calls):
     """A greedy bf16 engine picks by a kernel on the LM head's bf16 output (no fp32 copy): the argmax taken as
     the packed head's results come out (2+ rows, packed blocks), or the argmax kernel on the head's bf16 logits. Both pick
     what the fp32 conversion would; sampled or logprob rows still go the fp32 way."""
     seen = []
-    monkeypatch.setattr(cpu_ext, "row_argmax", lambda x, f=cpu_ext.row_argmax: seen.append(x.dtype) or f(x))
-    monkeypatch.setattr(cpu_ext, "tiled_linear_argmax",
-                        lambda x, w, f=cpu_ext.tiled_linear_argmax: seen.append("fused") or f(x, w))
+    monkeypatch.setattr(CpuKernelBackend, "row_argmax",
+                        lambda self, x, f=CpuKernelBackend.row_argmax: seen.append(x.dtype) or f(self, x))
+    off_the_head = CpuKernelBackend.greedy_tokens
+
+    def fused_greedy(self, model, x):
+        out = off_the_head(self, model, x)
+        if out is not None:
+            seen.append("fused")
+        return out
+
+    monkeypatch.setattr(CpuKernelBackend, "greedy_tokens", fused_greedy)
     prompts = ["the cat", "a dog sat on", "1 2 3 4"]
     greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     fast = LLM(model=str(tiny_model_dir), dtype="bfloat16", num_kv_blocks=64)
     got = [o.token_ids for o in fast.generate(prompts, greedy)]
     assert seen and set(seen) <= {torch.bfloat16, "fused"}
-    assert ("fused" in seen) == cpu_ext.tiled_available()  # three rows a step: the packed head where it runs
+    assert ("fused" in seen) == bool(cpu_ext.matrix_engines())  # three rows a step: the packed head where it runs
+    assert ("fused" in seen) == ("tiled_linear_argmax_bf16" in kernel_calls.names())
     seen.clear()
     with_logprobs = fast.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True,
                                                          logprobs=2))
@@ -324,22 +361,20 @@ def test_enforce_eager_switches_the_kernels_off(tiny_model_dir):
     on = EngineCore(EngineConfig(model=str(tiny_model_dir), dtype="bfloat16", num_kv_blocks=16))
     off = EngineCore(EngineConfig(model=str(tiny_model_dir), dtype="bfloat16", num_kv_blocks=16,
                                   enforce_eager=True))
-    assert on.runner.use_kernels and on.runner.model.kernels_on
-    assert not off.runner.use_kernels and not off.runner.model.kernels_on
+    assert type(on.runner.backend) is CpuKernelBackend and on.runner.model.backend is on.runner.backend
+    assert on.runner.model.lm_packed is not None
+    assert type(off.runner.backend) is TorchBackend and off.runner.model.backend is off.runner.backend
+    assert off.runner.model.lm_packed is None and off.runner.model.stack is None
 
 
-def test_verification_rows_through_the_kernel_match_the_causal_segment(tiny_model_dir, monkeypatch):
+def test_verification_rows_through_the_kernel_match_the_causal_segment(tiny_model_dir, kernel_calls):
     """A sequence's last token + 3 drafts, verified as decode rows with growing context (what the runner does
     at batch 1 with the kernels on) gives the logits of the causal-segment path, within bf16 noise."""
     cfg, model = _model(tiny_model_dir, torch.bfloat16)
-    model.use_kernels(True)
+    model.set_backend(kernel_backend(decode_stack=False))  # the Python layers, whose kernel calls the spy sees
     block, prompt, drafts = 4, [5, 9, 33, 2, 7, 100, 3, 8, 41], [12, 13, 14, 15]
     table = [9, 3, 7, 1, 5]
     logits = {}
-    calls = []
-    monkeypatch.setattr(cpu_ext, "DECODE_STACK", False)  # the Python layers, whose kernel calls the spy sees
-    monkeypatch.setattr(cpu_ext, "decode_attention_bf16",
-                        lambda *a, f=cpu_ext.decode_attention_bf16: calls.append(a[0].shape[0]) or f(*a))
     for as_rows in (False, True):
         kv = KVCache(cfg, 12, block, torch.bfloat16)
         model(torch.tensor(prompt), torch.arange(len(prompt)), AttentionMetadata.build(block, [], [(table, 0, 9)],
@@ -352,36 +387,39 @@ def test_verification_rows_through_the_kernel_match_the_causal_segment(tiny_mode
             meta = AttentionMetadata.build(block, [], [(table, start, 4)], True)
         hidden = model(torch.tensor(drafts), torch.arange(start, start + 4), meta, kv.layers)
         logits[as_rows] = model.compute_logits(hidden)
-    assert calls == [4] * cfg.num_layers  # the rows version went through the kernel, all four rows at once
+    # the rows version went through the kernel, all four rows at once
+    assert kernel_calls.rows("decode_attention_bf16") == [4] * cfg.num_layers
     ref = logits[False]
     assert (logits[True] - ref).abs().max() <= 0.05 * ref.abs().max()
     assert torch.equal(logits[True].argmax(-1), ref.argmax(-1))
 
 
-@pytest.mark.skipif(not packed_linear.available(), reason="this torch has no oneDNN packing ops")
 @pytest.mark.parametrize("rows", [2, 5, 64, 128])
-def test_packed_weights_give_f_linear_bit_for_bit(rows):
+def test_packed_weights_give_f_linear_bit_for_bit(rows, backend, kernel_calls):
+    require_kernels(onednn=True)
     gen = torch.Generator().manual_seed(rows)
     weight = (torch.randn(200, 96, generator=gen) * 0.1).to(torch.bfloat16)
     bias = torch.randn(200, generator=gen).to(torch.bfloat16)
     x = torch.randn(rows, 96, generator=gen).to(torch.bfloat16)
-    packed = packed_linear.pack(weight)
-    assert packed is not None and packed_linear.applies(x, packed)
-    assert torch.equal(packed_linear.linear(x, packed, bias), F.linear(x, weight, bias))
-    assert torch.equal(packed_linear.linear(x, packed, None), F.linear(x, weight))
-    assert packed_linear.pack(weight.float()) is None  # bf16 only
-    too_many = packed_linear.max_rows(packed) + 1
-    assert not packed_linear.applies(x[:1], packed) and not packed_linear.applies(x[:1].expand(too_many, 96), packed)
+    packed = backend.pack(weight)  # 200 rows: not whole 16-row blocks, so oneDNN's packing
+    assert packed is not None and packed.dim() == 2 and 2 <= rows <= backend.max_packed_rows(packed)
+    assert torch.equal(backend.linear(x, weight, bias, packed), F.linear(x, weight, bias))
+    assert torch.equal(backend.linear(x, weight, None, packed), F.linear(x, weight))
+    assert kernel_calls.rows(ONEDNN) == [rows, rows]  # both products on the packed copy
+    assert backend.pack(weight.float()) is None  # bf16 only
+    too_many = backend.max_packed_rows(packed) + 1
+    kernel_calls.clear()
+    backend.linear(x[:1], weight, bias, packed)
+    backend.linear(x[:1].expand(too_many, 96), weight, bias, packed)
+    assert kernel_calls.names() == ["linear_bf16"]  # one row: the GEMV; too many: F.linear
 
 
-@pytest.mark.skipif(not packed_linear.available(), reason="this torch has no oneDNN packing ops")
-def test_model_products_use_the_packed_weights_between_two_and_max_rows(tiny_model_dir, monkeypatch):
+def test_model_products_use_the_packed_weights_between_two_and_max_rows(tiny_model_dir, kernel_calls):
+    require_kernels(onednn=True)
     _, model = _model(tiny_model_dir, torch.bfloat16)
-    model.use_kernels(True)
-    rows_seen = []
-    monkeypatch.setattr(packed_linear, "linear", lambda x, p, b, f=packed_linear.linear: rows_seen.append(len(x))
-                        or f(x, p, b))
-    for rows in (1, 3, packed_linear.max_rows(model.lm_packed) + 1):
+    backend = CpuKernelBackend()
+    model.set_backend(backend)
+    for rows in (1, 3, backend.max_packed_rows(model.lm_packed) + 1):
         prompts = [min(512, rows - first) for first in range(0, rows, 512)]  # within the model's positions
         tables = [list(range(i * 129, i * 129 + n // 4 + 1)) for i, n in enumerate(prompts)]
         meta = AttentionMetadata.build(4, [], [(t, 0, n) for t, n in zip(tables, prompts)], True)
@@ -390,8 +428,9 @@ def test_model_products_use_the_packed_weights_between_two_and_max_rows(tiny_mod
                                    KVCache(model.cfg, 129 * len(prompts), 4, torch.bfloat16).layers))
     # every projection and the logits, at 3 rows only (with AMX, the MLP's gate|up product is a fused call)
     projections = 4 - int(model.layers[0].mlp.gate_up_silu is not None)
+    rows_seen = [rows for name, rows in kernel_calls if name in ("tiled_linear_bf16", ONEDNN)]
     assert rows_seen == [3] * (projections * model.cfg.num_layers + 1)
-    model.use_kernels(False)
+    model.set_backend(TorchBackend())
     assert all(m.packed is None for m in model.modules() if isinstance(m, Linear)) and model.lm_packed is None
     assert all(layer.mlp.gate_up_silu is None for layer in model.layers)
 
@@ -438,12 +477,8 @@ def fp8_kernel(q, pages, meta, garbage, tables, scale):
 
 
 def gather_reference(q, pages, meta, scale):
-    """What _decode_attention does with the kernels off: gather + dequantise to bf16, then SDPA."""
-    meta.use_kernels = False
-    try:
-        return attention._decode_attention(q, pages[0], pages[1], meta, scale)
-    finally:
-        meta.use_kernels = True
+    """What paged attention does without the kernel: gather + dequantise to bf16, then SDPA."""
+    return attention._decode_attention(q, pages[0], pages[1], meta, scale)
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (4, 4, 64), (6, 2, 48)],
@@ -493,10 +528,8 @@ def test_fp8_decode_attention_decodes_every_e4m3_code():
     assert torch.equal(out[~nan], expected[~nan])
 
 
-def test_fp8_engine_uses_the_kernel_and_matches_enforce_eager(tiny_model_dir, monkeypatch):
-    calls = []
-    monkeypatch.setattr(cpu_ext, "decode_attention_fp8",
-                        lambda *a, f=cpu_ext.decode_attention_fp8: calls.append(a[0].shape[0]) or f(*a))
+def test_fp8_engine_uses_the_kernel_and_matches_enforce_eager(tiny_model_dir, kernel_calls):
+    calls = kernel_calls.rows  # the rows of each fp8 attention call so far
     prompts = ["the cat sat on the mat", "hello there world", "one two three four five six seven"]
     params = SamplingParams(max_tokens=12, temperature=0.0)
     tokens = {}
@@ -504,5 +537,19 @@ def test_fp8_engine_uses_the_kernel_and_matches_enforce_eager(tiny_model_dir, mo
         llm = LLM(model=str(tiny_model_dir), dtype="bfloat16", num_kv_blocks=64, kv_cache_dtype="fp8",
                   enforce_eager=eager)
         tokens[eager] = [o.token_ids for o in llm.generate(prompts, params)]
-        assert bool(calls) != eager  # the eager engine never called it; the fast one did
+        assert bool(calls("decode_attention_fp8")) != eager  # the eager engine never called it; the fast one did
     assert tokens[False] == tokens[True]
+
+
+def test_kernels_are_torch_operators_with_optional_tensors():
+    """torch.ops.phase_serve.* carry schemas (what the dispatcher and torch.compile see); an absent bias or residual
+    is None, not an empty tensor; the engine names come from the extension."""
+    ops = cpu_ext.ops()
+    assert "Tensor? bias" in str(ops.linear_bf16.default._schema)
+    assert "Tensor? residual" in str(ops.rms_norm_bf16.default._schema)
+    assert "Tensor(a!) x" in str(ops.rotary_bf16_.default._schema)
+    x, w = bf16(3, 64), bf16(32, 64)
+    assert torch.equal(ops.linear_bf16(x, w, None), cpu_ext.linear_bf16(x, w))
+    normed, total = ops.rms_norm_bf16(x, None, bf16(64), 1e-5)
+    assert total.data_ptr() == x.data_ptr() and normed.shape == x.shape
+    assert cpu_ext.engine_names()[0] == "auto" and set(cpu_ext.matrix_engines()) <= set(cpu_ext.engine_names()[1:])

@@ -7,14 +7,17 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.attention import AttentionMetadata
-from engine.kernels import cpu_ext, packed_linear
+from engine.backends import TorchBackend
 from engine.kv_cache import KVCache
-from engine.model.hf_loader import iter_hf_weights, read_hf_config
-from engine.model.llama import LlamaModel, build_model
+from engine.model.llama import LlamaModel
+from tests.kernel_helpers import kernel_backend, kernel_model, reconfigure, require_kernels
+from tests.kernel_helpers import stack_calls  # noqa: F401 (fixture)
 from tests.tiny_models import write_tiny_model
 
-pytestmark = pytest.mark.skipif(not cpu_ext.vectorized() or not packed_linear.available(),
-                                reason="needs the AVX-512 CPU kernels and oneDNN packing")
+
+@pytest.fixture(autouse=True)
+def kernels() -> None:
+    require_kernels(vectors=True, onednn=True)
 
 BLOCK = 4
 PROMPTS = [[5, 9, 33, 2, 7, 100, 3], [11, 12, 13], [400, 401, 402, 403, 404, 405, 406, 407, 408, 409, 410, 411, 412],
@@ -30,21 +33,6 @@ def qwen2_dir(tmp_path_factory):
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                          tie_word_embeddings=False, rms_norm_eps=1e-6)
     return write_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), config, seed=3)
-
-
-@pytest.fixture
-def stack_calls(monkeypatch) -> list[int]:
-    """Rows of every step that went through the stack."""
-    calls: list[int] = []
-    run = LlamaModel._run_stack
-    monkeypatch.setattr(LlamaModel, "_run_stack", lambda self, x, *a: calls.append(x.shape[0]) or run(self, x, *a))
-    return calls
-
-
-def kernel_model(folder) -> LlamaModel:
-    model = build_model(read_hf_config(folder), iter_hf_weights(folder), torch.bfloat16)
-    model.use_kernels(True)
-    return model
 
 
 def prefilled(model: LlamaModel) -> tuple[KVCache, list[list[int]]]:
@@ -63,18 +51,15 @@ def decode_steps(model: LlamaModel, kv: KVCache, tables: list[list[int]], seqs: 
     """`steps` decode steps of the sequences `seqs` on a copy of kv -> (logits of each step, the pages after)."""
     pages = KVCache(model.cfg, kv.num_blocks, BLOCK, torch.bfloat16)
     pages.data.copy_(kv.data)
-    cpu_ext.DECODE_STACK = stack
+    reconfigure(model, decode_stack=stack)
     logits = []
-    try:
-        with torch.inference_mode():
-            for step in range(steps):
-                positions = [len(PROMPTS[i]) + step for i in seqs]
-                meta = AttentionMetadata.build(BLOCK, [(tables[i], p + 1) for i, p in zip(seqs, positions)], [], True)
-                hidden = model(torch.tensor([30 + 7 * step + i for i in seqs]), torch.tensor(positions), meta,
-                               pages.layers, num_layers)
-                logits.append(model.compute_logits(hidden))
-    finally:
-        cpu_ext.DECODE_STACK = True
+    with torch.inference_mode():
+        for step in range(steps):
+            positions = [len(PROMPTS[i]) + step for i in seqs]
+            meta = AttentionMetadata.build(BLOCK, [(tables[i], p + 1) for i, p in zip(seqs, positions)], [], True)
+            hidden = model(torch.tensor([30 + 7 * step + i for i in seqs]), torch.tensor(positions), meta,
+                           pages.layers, num_layers)
+            logits.append(model.compute_logits(hidden))
     return logits, pages.data
 
 
@@ -96,11 +81,10 @@ def test_stack_is_bit_identical_to_the_python_layers(tiny_model_dir, seqs, stack
 
 
 @pytest.mark.parametrize("gemv_rows,packed_rows", [(0, 0), (8, 0)], ids=["f-linear", "gemv-several-rows"])
-def test_stack_follows_the_product_limits(tiny_model_dir, gemv_rows, packed_rows, monkeypatch, stack_calls):
-    monkeypatch.setattr(cpu_ext, "MAX_GEMV_ROWS", gemv_rows)
-    monkeypatch.setattr(packed_linear, "MAX_PACKED_ROWS", packed_rows)
-    monkeypatch.setattr(packed_linear, "MAX_TILED_ROWS", packed_rows)
-    assert_stack_matches_layers(kernel_model(tiny_model_dir), [0, 1, 2], stack_calls)
+def test_stack_follows_the_product_limits(tiny_model_dir, gemv_rows, packed_rows, stack_calls):
+    model = kernel_model(tiny_model_dir, max_gemv_rows=gemv_rows, max_onednn_rows=packed_rows,
+                         max_tiled_rows=packed_rows)
+    assert_stack_matches_layers(model, [0, 1, 2], stack_calls)
 
 
 def test_stack_with_projection_biases(qwen2_dir, stack_calls):
@@ -126,11 +110,8 @@ def test_verification_rows_take_the_stack(tiny_model_dir, stack_calls):
         pages.data.copy_(kv.data)
         meta = AttentionMetadata.build(BLOCK, [(tables[0], start + j + 1) for j in range(4)], [], True,
                                        num_decode_seqs=1)
-        cpu_ext.DECODE_STACK = stack
-        try:
-            hidden[stack] = model(torch.tensor([12, 13, 14, 15]), torch.arange(start, start + 4), meta, pages.layers)
-        finally:
-            cpu_ext.DECODE_STACK = True
+        reconfigure(model, decode_stack=stack)
+        hidden[stack] = model(torch.tensor([12, 13, 14, 15]), torch.arange(start, start + 4), meta, pages.layers)
     assert stack_calls == [4] and torch.equal(hidden[True], hidden[False])
 
 
@@ -148,7 +129,7 @@ def test_stack_is_not_taken_outside_decode_only_bf16_steps(tiny_model_dir, stack
         model(ids, positions, mixed, kv.layers)  # decode rows and a prefill chunk
         model(ids[:1], positions[:1], decode_meta(), fp8.layers)  # fp8 pages
         model(ids[:1], positions[:1], decode_meta(kernels=False), kv.layers)  # attention by gather + SDPA
-        model.use_kernels(False)
+        model.set_backend(TorchBackend())
         model(ids[:1], positions[:1], decode_meta(), kv.layers)  # kernels off: plain torch ops
     assert stack_calls == [] and model.stack is None
 
@@ -158,12 +139,9 @@ def test_engine_decode_steps_take_the_stack_and_generate_the_same_tokens(tiny_mo
     params = SamplingParams(max_tokens=12, temperature=0.0)
     tokens = {}
     for stack in (False, True):
-        cpu_ext.DECODE_STACK = stack
-        try:
-            llm = LLM(model=str(tiny_model_dir), dtype="bfloat16", num_kv_blocks=64)
-            tokens[stack] = [o.token_ids for o in llm.generate(prompts, params)]
-        finally:
-            cpu_ext.DECODE_STACK = True
+        llm = LLM(model=str(tiny_model_dir), dtype="bfloat16", num_kv_blocks=64)
+        llm.engine.runner.set_backend(kernel_backend(decode_stack=stack))
+        tokens[stack] = [o.token_ids for o in llm.generate(prompts, params)]
         assert bool(stack_calls) == stack
     assert tokens[True] == tokens[False]
     assert max(stack_calls) == len(prompts)  # the three sequences decoded together

@@ -7,15 +7,26 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata
+from engine.backends import CpuKernelBackend, TorchBackend
 from engine.kernels import cpu_ext
 from engine.kv_cache import KVCache
 from engine.model.hf_loader import iter_hf_weights, read_hf_config
 from engine.model.llama import build_model
+from tests.kernel_helpers import kernel_calls, require_kernels  # noqa: F401 (fixture)
 from tests.tiny_models import tiny_llama_config, write_tiny_model
 
-pytestmark = pytest.mark.skipif(not cpu_ext.matrix_engines(),
-                                reason="neither AMX tiles nor AVX-512 BF16 on this CPU (or no kernels)")
-ENGINES = cpu_ext.matrix_engines()
+
+@pytest.fixture(autouse=True)
+def kernels() -> None:
+    require_kernels(matrix_engine=True)
+
+
+@pytest.fixture(params=["tiles", "vectors"])
+def engine(request) -> str:
+    """A matrix engine, skipped where this CPU does not have it."""
+    if request.param not in cpu_ext.matrix_engines():
+        pytest.skip(f"no {request.param} engine on this CPU")
+    return request.param
 
 
 def fused_views(count: int, length: int, heads: int, kv_heads: int, head_dim: int, seed: int = 0):
@@ -36,14 +47,13 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: int, sca
     return (scores.softmax(-1) @ vh).transpose(1, 2).reshape(rows, heads, head_dim)
 
 
-@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("count,length", [(1, 1), (2, 5), (3, 17), (16, 128), (1, 300), (4, 33)])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (6, 1, 64), (4, 2, 128)],
                          ids=["GQA-smollm2", "MHA-32", "MQA", "GQA-128"])
 def test_prompt_attention_matches_a_float64_reference(count, length, heads, kv_heads, head_dim, engine):
     q, k, v = fused_views(count, length, heads, kv_heads, head_dim, seed=count * length)
     scale = head_dim ** -0.5
-    assert cpu_ext.prompt_attention_applies(q, k, v, count)
+    assert CpuKernelBackend().takes_prompts(q, k, v, count)
     out = cpu_ext.prompt_attention(q, k, v, count, scale, engine)
     assert out.shape == q.shape and out.dtype == torch.bfloat16 and out.is_contiguous()
     exact = reference(q, k, v, count, scale)
@@ -53,7 +63,6 @@ def test_prompt_attention_matches_a_float64_reference(count, length, heads, kv_h
     assert ((out.double() - exact).abs() <= bound).all()
 
 
-@pytest.mark.parametrize("engine", ENGINES)
 def test_a_query_sees_only_its_own_prompt_up_to_itself(engine):
     """Changing prompt 1's key and value at token 40 leaves every query before it and every other prompt
     bit-identical, and changes the queries from token 40 on. A NaN there reaches no other prompt (within the
@@ -72,7 +81,6 @@ def test_a_query_sees_only_its_own_prompt_up_to_itself(engine):
         assert (after[row:2 * length] != before[row:2 * length]).any(dim=(1, 2)).all()
 
 
-@pytest.mark.parametrize("engine", ENGINES)
 def test_prompt_attention_equals_one_prompt_at_a_time(engine):
     count, length = 5, 45
     q, k, v = fused_views(count, length, 9, 3, 64, seed=3)
@@ -82,7 +90,6 @@ def test_prompt_attention_equals_one_prompt_at_a_time(engine):
         assert torch.equal(cpu_ext.prompt_attention(q[rows], k[rows], v[rows], 1, 0.125, engine), together[rows])
 
 
-@pytest.mark.parametrize("engine", ENGINES)
 def test_prompt_attention_gives_the_same_bits_on_any_thread_count(engine):
     q, k, v = fused_views(8, 64, 9, 3, 64, seed=5)
     previous = torch.get_num_threads()
@@ -97,36 +104,38 @@ def test_prompt_attention_gives_the_same_bits_on_any_thread_count(engine):
 
 
 def test_auto_takes_the_first_engine_and_an_engine_not_here_is_refused():
+    engines = cpu_ext.matrix_engines()
     q, k, v = fused_views(4, 40, 9, 3, 64, seed=11)
     assert torch.equal(cpu_ext.prompt_attention(q, k, v, 4, 0.125),
-                       cpu_ext.prompt_attention(q, k, v, 4, 0.125, ENGINES[0]))
+                       cpu_ext.prompt_attention(q, k, v, 4, 0.125, engines[0]))
     with pytest.raises(ValueError, match="engine must be one of"):
         cpu_ext.prompt_attention(q, k, v, 4, 0.125, "amx")
-    for missing in {"tiles", "vectors"} - set(ENGINES):
+    for missing in {"tiles", "vectors"} - set(engines):
         with pytest.raises(RuntimeError, match="no (AMX tiles|AVX-512 BF16) in this build"):
             cpu_ext.prompt_attention(q, k, v, 4, 0.125, missing)
 
 
-@pytest.mark.skipif(len(ENGINES) < 2, reason="one engine on this CPU: nothing to compare")
 def test_tiles_and_vectors_agree_within_one_rounding():
+    if len(cpu_ext.matrix_engines()) < 2:
+        pytest.skip("one engine on this CPU: nothing to compare")
     q, k, v = fused_views(6, 77, 9, 3, 64, seed=13)
     tiles = cpu_ext.prompt_attention(q, k, v, 6, 0.125, "tiles").float()
     vectors = cpu_ext.prompt_attention(q, k, v, 6, 0.125, "vectors").float()
     assert ((tiles - vectors).abs() <= tiles.abs() * 2 ** -7 + v.abs().max().float() * 2 ** -8).all()
 
 
-@pytest.mark.parametrize("engine", ENGINES)
 def test_prompt_attention_takes_only_what_it_can_and_rejects_the_rest(engine):
+    backend = CpuKernelBackend()
     q, k, v = fused_views(2, 8, 4, 2, 48)  # head_dim 48: not whole tiles
-    assert not cpu_ext.prompt_attention_applies(q, k, v, 2)
+    assert not backend.takes_prompts(q, k, v, 2)
     with pytest.raises(RuntimeError, match="head_dim 48"):
         cpu_ext.prompt_attention(q, k, v, 2, 0.1, engine)
     q, k, v = fused_views(3, 8, 4, 2, 64)
     with pytest.raises(RuntimeError, match="count x S"):
         cpu_ext.prompt_attention(q, k, v, 5, 0.1, engine)  # 24 rows are not 5 prompts
-    assert not cpu_ext.prompt_attention_applies(q.float(), k.float(), v.float(), 3)
-    long_q, long_k, long_v = fused_views(1, cpu_ext.MAX_PROMPT_ATTENTION_TOKENS + 1, 1, 1, 32)
-    assert not cpu_ext.prompt_attention_applies(long_q, long_k, long_v, 1)
+    assert not backend.takes_prompts(q.float(), k.float(), v.float(), 3)
+    long_q, long_k, long_v = fused_views(1, backend.config.max_prompt_attention_tokens + 1, 1, 1, 32)
+    assert not backend.takes_prompts(long_q, long_k, long_v, 1)
     with pytest.raises(RuntimeError, match="prompt length"):
         cpu_ext.prompt_attention(long_q, long_k, long_v, 1, 0.1, engine)
 
@@ -138,14 +147,10 @@ def head_dim_32_dir(tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("head_dim_32"), config)
 
 
-def test_bf16_prefill_uses_the_kernel_and_stays_within_bf16_noise(head_dim_32_dir, monkeypatch):
+def test_bf16_prefill_uses_the_kernel_and_stays_within_bf16_noise(head_dim_32_dir, kernel_calls):
     """A step with three fresh prompts of one length (one run), a longer fresh prompt and a chunk after cached
     context: the kernel serves the two fresh runs (and the forward that cached the context), SDPA the chunk;
     logits stay within bf16 noise of the model with the kernels off, on the same pages."""
-    calls = []
-    kernel = cpu_ext.prompt_attention
-    monkeypatch.setattr(cpu_ext, "prompt_attention", lambda q, k, v, count, scale: calls.append((len(q), count))
-                        or kernel(q, k, v, count, scale))
     cfg = read_hf_config(head_dim_32_dir)
     block = 4
     same = [[(7 * i + j) % 500 + 3 for j in range(11)] for i in range(3)]
@@ -154,7 +159,7 @@ def test_bf16_prefill_uses_the_kernel_and_stays_within_bf16_noise(head_dim_32_di
     logits = {}
     for name, kernels_on in (("eager", False), ("fast", True)):
         model = build_model(cfg, iter_hf_weights(head_dim_32_dir), torch.bfloat16)
-        model.use_kernels(kernels_on)
+        model.set_backend(CpuKernelBackend() if kernels_on else TorchBackend())
         kv = KVCache(cfg, 64, block, torch.bfloat16)
         tables = [list(range(10 * i, 10 * i + 10)) for i in range(5)]
         warm = AttentionMetadata.build(block, [], [(tables[4], 0, len(cached))], kernels_on)
@@ -167,7 +172,8 @@ def test_bf16_prefill_uses_the_kernel_and_stays_within_bf16_noise(head_dim_32_di
             list(range(len(cached), len(cached) + len(chunk)))
         hidden = model(torch.tensor(ids), torch.tensor(positions), meta, kv.layers)
         logits[name] = model.compute_logits(hidden)
-    assert calls == [(len(cached), 1)] * cfg.num_layers + [(33, 3), (len(longer), 1)] * cfg.num_layers
+    assert kernel_calls.prompt_counts == ([(len(cached), 1)] * cfg.num_layers
+                                          + [(33, 3), (len(longer), 1)] * cfg.num_layers)
     ref = logits["eager"]
     assert (logits["fast"] - ref).abs().max() <= 0.05 * ref.abs().max()
     assert (logits["fast"].argmax(-1) == ref.argmax(-1)).float().mean() >= 0.8

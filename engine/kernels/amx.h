@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -58,6 +59,9 @@ inline void load_tile_config() {
 // The engines of the products on packed bf16 blocks (tiled_linear.cpp, prompt_attention.cpp): AMX tiles, or the
 // same blocks read a row at a time into zmm registers for vdpbf16ps. The codes are the kernels' `engine` argument.
 enum class Engine : int64_t { kAuto = 0, kTiles = 1, kVectors = 2 };
+
+// The engines' names by code, as cpu_ext reads them (phase_serve::engine_names).
+inline std::vector<std::string> engine_names() { return {"auto", "tiles", "vectors"}; }
 
 inline bool tiles_available() {
 #if defined(CPU_EXT_AMX)

@@ -1,5 +1,5 @@
-"""Build the C++ CPU kernels ahead of the first server or test (`make install` runs this)."""
-from engine.kernels.cpu_ext import main
+"""Build the C++ CPU kernels ahead of the first server or test (`make kernels` runs this)."""
+from engine.kernels.extension_build import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -10,6 +10,8 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <optional>
+#include <tuple>
 #include <vector>
 
 #include "parallel.h"
@@ -1053,25 +1055,53 @@ torch::Tensor row_argmax_bf16(torch::Tensor x) {
 
 void bind_decode_stack(pybind11::module& m);  // decode_stack.cpp
 
-void bind_tiled_linear(pybind11::module& m);  // tiled_linear.cpp
-void bind_prompt_attention(pybind11::module& m);  // prompt_attention.cpp
+// The pybind module holds the decode stack only (a class whose forward takes the step's list of page pairs); the
+// kernels are torch operators, torch.ops.phase_serve.*, declared below with their schemas.
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { bind_decode_stack(m); }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("linear_bf16", &linear_bf16, "x W^T + b for a few bf16 rows, streaming each weight row once");
-  m.def("decode_attention_bf16", &decode_attention_bf16, "decode attention reading bf16 KV pages in place");
-  m.def("decode_attention_fp8", &decode_attention_fp8, "decode attention reading fp8 (e4m3) KV pages in place");
-  m.def("rms_norm_bf16", &rms_norm_bf16, "RMSNorm of x (+ residual), also returning the sum");
-  m.def("silu_mul_bf16", &silu_mul_bf16, "silu(gate) * up on a fused gate|up row");
-  m.def("row_argmax_bf16", &row_argmax_bf16, "first index of each row's maximum (NaN first), as max(dim)");
-  m.def("rotary_bf16_", &rotary_bf16_, "rotary embedding in place on the leading heads of each row");
-  m.def("vectorized", [] {
+namespace {
+
+torch::Tensor or_empty(const std::optional<torch::Tensor>& t) { return t ? *t : torch::empty({0}); }
+
+torch::Tensor linear_op(torch::Tensor x, torch::Tensor weight, const std::optional<torch::Tensor>& bias) {
+  return linear_bf16(std::move(x), std::move(weight), or_empty(bias));
+}
+
+std::tuple<torch::Tensor, torch::Tensor> rms_norm_op(torch::Tensor x, const std::optional<torch::Tensor>& residual,
+                                                     torch::Tensor weight, double eps) {
+  std::vector<torch::Tensor> out = rms_norm_bf16(std::move(x), or_empty(residual), std::move(weight), eps);
+  return {out[0], out[1]};
+}
+
+bool vectorized() {
 #if defined(CPU_EXT_AVX512)
-    return true;
+  return true;
 #else
-    return false;
+  return false;
 #endif
-  }, "whether the AVX-512 paths were compiled in (else scalar loops)");
-  bind_decode_stack(m);
-  bind_tiled_linear(m);
-  bind_prompt_attention(m);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(phase_serve, m) {
+  m.def("linear_bf16(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("decode_attention_bf16(Tensor q, Tensor k_pages, Tensor v_pages, Tensor block_tables, Tensor context_lens, "
+        "float scale) -> Tensor");
+  m.def("decode_attention_fp8(Tensor q, Tensor k_raw, Tensor v_raw, int scale_offset, int block_size, int kv_heads, "
+        "int head_dim, Tensor block_tables, Tensor context_lens, float scale) -> Tensor");
+  m.def("rms_norm_bf16(Tensor x, Tensor? residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("silu_mul_bf16(Tensor gate_up) -> Tensor");
+  m.def("rotary_bf16_(Tensor(a!) x, Tensor cos, Tensor sin, int heads, int head_dim) -> ()");
+  m.def("row_argmax_bf16(Tensor x) -> Tensor");
+  m.def("vectorized() -> bool", &vectorized);
+}
+
+TORCH_LIBRARY_IMPL(phase_serve, CPU, m) {
+  m.impl("linear_bf16", &linear_op);
+  m.impl("decode_attention_bf16", &decode_attention_bf16);
+  m.impl("decode_attention_fp8", &decode_attention_fp8);
+  m.impl("rms_norm_bf16", &rms_norm_op);
+  m.impl("silu_mul_bf16", &silu_mul_bf16);
+  m.impl("rotary_bf16_", &rotary_bf16_);
+  m.impl("row_argmax_bf16", &row_argmax_bf16);
 }

@@ -316,7 +316,8 @@ torch::Tensor prompt_attention_bf16(torch::Tensor q, torch::Tensor k, torch::Ten
   return out;
 }
 
-void bind_prompt_attention(pybind11::module& m) {
-  m.def("prompt_attention_bf16", &prompt_attention_bf16,
-        "causal self-attention of count whole prompts of one length (engine: 0 auto, 1 AMX tiles, 2 AVX-512 BF16)");
+TORCH_LIBRARY_FRAGMENT(phase_serve, m) {
+  m.def("prompt_attention_bf16(Tensor q, Tensor k, Tensor v, int count, float scale, int engine) -> Tensor");
 }
+
+TORCH_LIBRARY_IMPL(phase_serve, CPU, m) { m.impl("prompt_attention_bf16", &prompt_attention_bf16); }

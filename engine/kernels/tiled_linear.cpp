@@ -35,6 +35,7 @@
 #include <cstdint>
 #include <cstring>
 #include <mutex>
+#include <optional>
 #include <vector>
 
 #include "amx.h"
@@ -450,14 +451,27 @@ torch::Tensor tiled_linear_argmax_bf16(torch::Tensor x, torch::Tensor packed, in
   return out;
 }
 
-void bind_tiled_linear(pybind11::module& m) {
-  m.def("matrix_engines", &available_engines,
-        "the engines of the products on packed blocks here, fastest first: 1 AMX tiles, 2 AVX-512 BF16 vectors");
-  m.def("tile_pack_bf16", &tile_pack_bf16, "pack a bf16 [N, K] weight into 16x16-pair blocks (AMX's B tiles)");
-  m.def("tiled_linear_bf16", &tiled_linear_bf16,
-        "x W^T + b for bf16 rows on a packed weight (engine: 0 auto, 1 AMX tiles, 2 AVX-512 BF16)");
-  m.def("tiled_linear_silu_mul_bf16", &tiled_linear_silu_mul_bf16,
-        "silu(gate) * up straight off the blocks of a gate|up product packed with its blocks interleaved");
-  m.def("tiled_linear_argmax_bf16", &tiled_linear_argmax_bf16,
-        "each row's first argmax of the bf16 product x W^T, without writing the product");
+namespace {
+
+torch::Tensor tiled_linear_op(torch::Tensor x, torch::Tensor packed, const std::optional<torch::Tensor>& bias,
+                              int64_t engine) {
+  return tiled_linear_bf16(std::move(x), std::move(packed), bias ? *bias : torch::empty({0}), engine);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(phase_serve, m) {
+  m.def("matrix_engines() -> int[]", &cpu_ext::amx::available_engines);  // fastest first: 1 tiles, 2 vectors
+  m.def("engine_names() -> str[]", &cpu_ext::amx::engine_names);  // by code: the `engine` arguments below
+  m.def("tile_pack_bf16(Tensor weight) -> Tensor");
+  m.def("tiled_linear_bf16(Tensor x, Tensor packed, Tensor? bias, int engine) -> Tensor");
+  m.def("tiled_linear_silu_mul_bf16(Tensor x, Tensor packed, int engine) -> Tensor");
+  m.def("tiled_linear_argmax_bf16(Tensor x, Tensor packed, int engine) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(phase_serve, CPU, m) {
+  m.impl("tile_pack_bf16", &tile_pack_bf16);
+  m.impl("tiled_linear_bf16", &tiled_linear_op);
+  m.impl("tiled_linear_silu_mul_bf16", &tiled_linear_silu_mul_bf16);
+  m.impl("tiled_linear_argmax_bf16", &tiled_linear_argmax_bf16);
 }

@@ -1,0 +1,54 @@
+"""Every limit and switch of the CPU kernel backend, in one frozen config. Defaults are the shipped choices; tests
+and benches pass a `dataclasses.replace` of it to CpuKernelBackend. Figures behind each default:
+docs/performance-backend.md, under the bench command that measured it."""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Literal
+
+from engine.kernels.cpu_ext import KERNEL_MAX_PROMPT_TOKENS
+
+MatrixEngine = Literal["auto", "tiles", "vectors"]
+
+
+@dataclass(frozen=True)
+class CpuKernelConfig:
+    # Rows a product takes on the streaming GEMV (where no packed copy serves them: one row, or a few without one).
+    max_gemv_rows: int = 5
+    # Sequences of a decode group the in-place attention kernel takes (a verified sequence brings 1 + K rows).
+    max_attention_seqs: int = 1 << 30
+    fused_elementwise: bool = True  # RMSNorm (+ residual add), RoPE, SiLU * up as one kernel each
+    # decode-only steps: the layers in one C++ call (off: the same kernels from Python). The Python loop took 1.47x
+    # the stack's time at batch 8, 0.99x at batch 1 (ctx 192; python -m bench.cpu_kernels, column layers/all)
+    decode_stack: bool = True
+    tiled_packing: bool = True  # weights in 16x16-pair blocks where an engine runs them (off: oneDNN's packing)
+    fused_gate_up: bool = True  # the MLP's gate|up product with SiLU * up off its results (needs the blocks)
+    matrix_engine: MatrixEngine = "auto"  # the engine of the products on packed blocks: "auto" = the fastest here
+    max_tiled_rows: int | None = None  # the packed blocks serve 2..this many rows; None: the engine's own limit
+    max_tiled_rows_tiles: int = 1024  # AMX tiles: the 2048-token offline steps keep F.linear
+    max_tiled_rows_vectors: int = 4096  # AVX-512 BF16: every step up to 4096 tokens
+    max_onednn_rows: int = 128  # oneDNN's packed copy serves 2..this many rows
+    onednn_batch_hint: int = 64  # the row count oneDNN picks its blocking for
+    max_prompt_attention_tokens: int = KERNEL_MAX_PROMPT_TOKENS  # longer fresh prompts take SDPA
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, int) and not isinstance(value, bool) and value < 0:
+                raise ValueError(f"CpuKernelConfig.{f.name} must be >= 0, not {value}")
+        if self.matrix_engine not in ("auto", "tiles", "vectors"):
+            raise ValueError(f"CpuKernelConfig.matrix_engine must be auto, tiles or vectors, "
+                             f"not {self.matrix_engine!r}")
+        if self.max_prompt_attention_tokens > KERNEL_MAX_PROMPT_TOKENS:
+            raise ValueError(f"CpuKernelConfig.max_prompt_attention_tokens: the kernel takes at most "
+                             f"{KERNEL_MAX_PROMPT_TOKENS}, not {self.max_prompt_attention_tokens}")
+        if self.onednn_batch_hint < 1:
+            raise ValueError("CpuKernelConfig.onednn_batch_hint must be >= 1")
+
+    def engine_max_tiled_rows(self, engine: str | None) -> int:
+        """The most rows a product on the packed blocks takes on `engine` (0 where none runs them)."""
+        if engine is None:
+            return 0
+        if self.max_tiled_rows is not None:
+            return self.max_tiled_rows
+        return self.max_tiled_rows_tiles if engine == "tiles" else self.max_tiled_rows_vectors

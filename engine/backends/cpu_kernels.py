@@ -1,0 +1,222 @@
+"""The CPU kernel backend: bf16 on a CPU whose kernels built (engine/kernels/cpu_ext.py).
+
+What the CPU and the config allow is decided once, at construction: the matrix engine, the packings, the fused
+elementwise kernels, the in-place attention, the decode stack. Per call only the row counts (and, for attention,
+the format of a layer's pages) choose among the paths, in `linear`, `decode_attention` and `decode_layers`.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+
+from engine.backends.base import Rope
+from engine.backends.cpu_config import CpuKernelConfig
+from engine.backends.torch_ops import TorchBackend, split_heads
+from engine.kernels import cpu_ext, packed_linear
+from engine.kv_formats import QuantizedPages
+
+if TYPE_CHECKING:
+    from engine.attention import AttentionMetadata
+    from engine.model.llama import LlamaModel
+
+
+class CpuKernelBackend(TorchBackend):
+    name = "cpu-kernels"
+
+    def __init__(self, config: CpuKernelConfig = CpuKernelConfig()) -> None:
+        """Loads (or builds) the kernels: raises KernelBuildError where they cannot be."""
+        super().__init__("cpu")
+        self.config = config
+        vectorized = cpu_ext.vectorized()  # without AVX-512 only the GEMV and oneDNN's packing beat torch
+        self.engine = _matrix_engine(config.matrix_engine, cpu_ext.matrix_engines())
+        self.elementwise = config.fused_elementwise and vectorized
+        self.attends_in_place = vectorized
+        self.tiled = config.tiled_packing and self.engine is not None
+        self.onednn = packed_linear.onednn_available()
+        self.fused_gate_up = config.fused_gate_up and self.tiled and self.elementwise
+        self.max_tiled_rows = config.engine_max_tiled_rows(self.engine)
+        # the C++ stack runs the packed products on the first engine ("auto"), as the Python layers do by default
+        self.stacks = (config.decode_stack and self.elementwise and self.attends_in_place
+                       and (self.engine is None or self.engine == cpu_ext.matrix_engines()[0]))
+
+    # ---- prepare: the packed copies and the decode stack, once per model ----------------------------------
+
+    def prepare(self, model: LlamaModel) -> None:
+        if model.dtype != torch.bfloat16:
+            raise ValueError(f"the CPU kernels take bf16 models, not {model.dtype}")
+        model.clear_prepared()
+        for layer in model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            mlp.gate_up_silu = self.pack_gate_up(mlp.gate_up_proj.weight)
+            # a gate|up product with the fused copy packs none of its own: 2+ rows take that copy, one row the GEMV
+            unfused = (mlp.gate_up_proj,) if mlp.gate_up_silu is None else ()
+            for proj in (attn.qkv_proj, attn.o_proj, mlp.down_proj) + unfused:
+                proj.packed = self.pack(proj.weight)
+        model.lm_packed = self.pack(model.lm_weight())
+        model.stack = self._build_stack(model) if self.stacks else None
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """weight [N, K] bf16 -> its packed copy (16x16-pair blocks: 4-D; oneDNN's: 2-D), or None."""
+        if weight.dtype != torch.bfloat16 or weight.dim() != 2:
+            return None
+        if self.tiled and packed_linear.blocks_fit(weight):
+            return packed_linear.pack_blocks(weight)
+        return packed_linear.pack_onednn(weight, self.config.onednn_batch_hint) if self.onednn else None
+
+    def pack_gate_up(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """The MLP's gate|up weight -> its interleaved blocks for the fused product, or None (not fused here)."""
+        return packed_linear.pack_gate_up(weight) if self.fused_gate_up else None
+
+    def _build_stack(self, model: LlamaModel) -> object:
+        c = model.cfg
+        stack = cpu_ext.decode_stack(c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps,
+                                     model.layers[0].self_attn.scale)
+        for layer in model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            stack.add_layer(layer.input_layernorm.weight, _projection(attn.qkv_proj), _projection(attn.o_proj),
+                            layer.post_attention_layernorm.weight, _projection(mlp.gate_up_proj),
+                            _projection(mlp.down_proj), mlp.gate_up_silu)
+        return stack
+
+    # ---- the operations -------------------------------------------------------------------------------------
+
+    def max_packed_rows(self, packed: torch.Tensor) -> int:
+        """The most rows a product on this packed copy takes (from 2; one row is the GEMV's)."""
+        return self.max_tiled_rows if packed.dim() == 4 else self.config.max_onednn_rows
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               packed: torch.Tensor | None = None) -> torch.Tensor:
+        """The packed copy for 2..max_packed_rows rows, the streaming GEMV for up to max_gemv_rows (one row where
+        a packed copy serves the rest), else F.linear. decode_stack.cpp's project() makes the same choice."""
+        rows = x.shape[0]
+        if packed is not None and 2 <= rows <= self.max_packed_rows(packed):
+            if packed.dim() == 4:
+                return cpu_ext.tiled_linear(x, packed, bias, self.engine)
+            return packed_linear.onednn_linear(x, packed, bias)
+        if rows <= self.config.max_gemv_rows:
+            return cpu_ext.linear_bf16(x, weight, bias)
+        return F.linear(x, weight, bias)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return cpu_ext.rms_norm(x, weight, eps)[0] if self.elementwise else super().rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.elementwise:
+            return cpu_ext.rms_norm(x, weight, eps, residual)
+        return super().add_rms_norm(x, residual, weight, eps)
+
+    def rotary(self, qkv: torch.Tensor, rope: Rope, num_heads: int, num_kv_heads: int,
+               head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if not self.elementwise:
+            return super().rotary(qkv, rope, num_heads, num_kv_heads, head_dim)
+        cpu_ext.rotary_(qkv, *rope, num_heads + num_kv_heads, head_dim)  # the q and k heads, in place
+        return split_heads(qkv, num_heads, num_kv_heads, head_dim)
+
+    def gate_up_silu(self, x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
+                     fused: torch.Tensor | None) -> torch.Tensor:
+        if fused is not None and x.shape[0] >= 2:  # one row: the GEMV on the plain weight
+            return cpu_ext.tiled_linear_silu_mul(x, fused, self.engine)
+        gate_up = self.linear(x, weight, None, packed)
+        if self.elementwise:
+            return cpu_ext.silu_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def row_argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """bf16 logits read in place by the kernel (no fp32 copy of [B, V]); anything else (the fp32 logits of
+        sampled or logprob rows) by torch."""
+        if logits.dtype == torch.bfloat16 and logits.dim() == 2 and logits.stride(1) == 1 and logits.shape[1]:
+            return cpu_ext.row_argmax_bf16(logits)
+        return super().row_argmax(logits)
+
+    def decode_attention(self, q: torch.Tensor, k_cache: object, v_cache: object, meta: AttentionMetadata,
+                         scale: float) -> torch.Tensor | None:
+        if not self.attends_in_place or meta.num_decode_seqs > self.config.max_attention_seqs:
+            return None
+        if _plain_bf16_pages(k_cache):
+            return cpu_ext.decode_attention_bf16(q, k_cache, v_cache, meta.decode_block_tables,
+                                                 meta.decode_context_lens, scale)
+        if _fp8_pages(k_cache, v_cache):
+            block_size, kv_heads, head_dim = k_cache.format.page_shape
+            return cpu_ext.decode_attention_fp8(q, k_cache.raw, v_cache.raw, k_cache.format.fields[1].offset,
+                                                block_size, kv_heads, head_dim, meta.decode_block_tables,
+                                                meta.decode_context_lens, scale)
+        return None
+
+    def takes_prompts(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: int) -> bool:
+        """Whether the prompt-attention kernel takes these views: bf16, head_dim a multiple of 32, prompts of at
+        most max_prompt_attention_tokens, heads and dims contiguous in each row (the fused qkv's views are)."""
+        rows, _, head_dim = q.shape
+        return (self.engine is not None and q.dtype == torch.bfloat16 and head_dim % 32 == 0
+                and rows // count <= self.config.max_prompt_attention_tokens
+                and all(x.dtype == q.dtype and x.stride(2) == 1 and x.stride(1) == head_dim and x.stride(0) % 2 == 0
+                        for x in (q, k, v)))
+
+    def fresh_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: int,
+                        scale: float) -> torch.Tensor | None:
+        if not self.takes_prompts(q, k, v, count):
+            return None
+        return cpu_ext.prompt_attention(q, k, v, count, scale, self.engine)
+
+    def decode_layers(self, model: LlamaModel, x: torch.Tensor, rope: Rope, meta: AttentionMetadata,
+                      kv_caches: list) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The C++ stack where it computes exactly what the layers would: a decode-only step (one token a row, all
+        in the attention kernel's group) on plain bf16 pages (no quantised or tiered caches) in every layer."""
+        if (model.stack is None or not kv_caches or not meta.use_kernels or meta.prefills
+                or not 0 < meta.num_decode == x.shape[0] or meta.num_decode_seqs > self.config.max_attention_seqs
+                or not all(_plain_bf16_pages(k) and _plain_bf16_pages(v) for k, v in kv_caches)):
+            return None
+        x, residual = model.stack.forward(x, *rope, meta.slot_mapping, meta.decode_block_tables,
+                                          meta.decode_context_lens, kv_caches, self.config.max_gemv_rows,
+                                          self.config.max_onednn_rows, self.max_tiled_rows)
+        return x, residual
+
+    def greedy_tokens(self, model: LlamaModel, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The argmax as the packed LM head's results come out, where the head is packed in blocks and the row
+        count within their limit."""
+        packed = model.lm_packed
+        if packed is None or packed.dim() != 4 or not 2 <= hidden.shape[0] <= self.max_tiled_rows:
+            return None
+        return cpu_ext.tiled_linear_argmax(hidden, packed, self.engine)
+
+    def describe(self) -> dict[str, Any]:
+        key = cpu_ext.key()
+        return {"backend": self.name, "device": "cpu", "matrix_engine": self.engine, "kernels": self.kernels(),
+                "build_key": key.name, "cpu_features": list(key.features)}
+
+    def kernels(self) -> list[str]:
+        """The kernels this backend runs (where the row counts and page formats of a step allow)."""
+        on = {"gemv": self.config.max_gemv_rows > 0, "packed_blocks": self.tiled, "onednn_packed": self.onednn,
+              "fused_gate_up": self.fused_gate_up, "lm_head_argmax": self.tiled, "row_argmax": True,
+              "decode_attention_bf16": self.attends_in_place, "decode_attention_fp8": self.attends_in_place,
+              "prompt_attention": self.engine is not None, "rms_norm": self.elementwise,
+              "rotary": self.elementwise, "silu_mul": self.elementwise, "decode_stack": self.stacks}
+        return [name for name, used in on.items() if used]
+
+
+def _matrix_engine(asked: str, engines: tuple[str, ...]) -> str | None:
+    """The engine of the products on packed blocks: the one asked for, or the fastest here for "auto"."""
+    if asked == "auto":
+        return engines[0] if engines else None
+    if asked not in engines:
+        raise ValueError(f"matrix engine {asked!r} is not available here (this CPU and build have {engines or 'none'})")
+    return asked
+
+
+def _projection(linear: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    return linear.weight, linear.bias, linear.packed
+
+
+def _plain_bf16_pages(cache: object) -> bool:
+    return isinstance(cache, torch.Tensor) and cache.dtype == torch.bfloat16 and cache.is_cpu
+
+
+def _fp8_pages(k_cache: object, v_cache: object) -> bool:
+    # exact types: a TieredPages (hot and cold regions) keeps the gather path
+    return (type(k_cache) is QuantizedPages and type(v_cache) is QuantizedPages
+            and k_cache.format.name == "fp8" and v_cache.format == k_cache.format
+            and k_cache.dtype == torch.bfloat16 and k_cache.raw.device.type == "cpu"
+            and k_cache.raw.is_contiguous() and v_cache.raw.is_contiguous())

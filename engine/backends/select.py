@@ -1,0 +1,25 @@
+"""The one place an engine's backend is chosen, from its device, dtype and --enforce-eager."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engine.backends.base import Backend
+from engine.backends.cpu_config import CpuKernelConfig
+from engine.backends.cpu_kernels import CpuKernelBackend
+from engine.backends.torch_ops import TorchBackend
+
+log = logging.getLogger(__name__)
+
+
+def select_backend(device: torch.device | str, dtype: torch.dtype, enforce_eager: bool,
+                   config: CpuKernelConfig | None = None) -> Backend:
+    """The CPU kernels for a bf16 model on the CPU (they must build and load: KernelBuildError otherwise, which
+    names --enforce-eager); plain torch ops under enforce_eager, for other dtypes and on other devices."""
+    if enforce_eager or torch.device(device).type != "cpu" or dtype != torch.bfloat16:
+        backend: Backend = TorchBackend(device)
+    else:
+        backend = CpuKernelBackend(config or CpuKernelConfig())
+    log.info("backend %s", backend.describe())
+    return backend

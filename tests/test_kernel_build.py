@@ -1,0 +1,56 @@
+"""Kernel builds keyed by the CPU features and the sources (engine/kernels/extension_build.py)."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from engine.kernels import extension_build as build
+from engine.kernels.extension_build import KernelBuildError
+from tests.kernel_helpers import require_kernels
+
+AMX = ("avx2", "avx512f", "avx512bf16", "amx-tile", "amx-bf16")
+ZEN = ("avx2", "avx512f", "avx512bf16")
+
+
+def test_two_cpus_get_two_build_directories():
+    amx, zen = build.build_key(AMX), build.build_key(ZEN)
+    assert amx.name != zen.name and build.build_directory(amx) != build.build_directory(zen)
+    assert amx.name.startswith("phase_serve_cpu_ext_amx_") and zen.name.startswith("phase_serve_cpu_ext_avx512bf16_")
+    assert amx.name.isidentifier() and zen.name.isidentifier()  # the extension's module name
+    assert build.build_key(AMX) == amx  # the same sources and CPU: the same key
+
+
+def test_the_key_follows_the_sources(tmp_path, monkeypatch):
+    before = build.build_key(ZEN)
+    edited = tmp_path / "vec.h"
+    edited.write_bytes(build.HEADERS[-1].read_bytes() + b"\n// edited\n")
+    monkeypatch.setattr(build, "HEADERS", build.HEADERS[:-1] + (edited,))
+    assert build.build_key(ZEN).digest != before.digest
+
+
+def test_cpuinfo_flags_map_to_the_compiler_names(tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 amx_tile amx_bf16 ht\n")
+    assert build._cpuinfo_features(cpuinfo) == ("avx2", "avx512f", "avx512bf16", "amx-tile", "amx-bf16")
+    assert build._cpuinfo_features(tmp_path / "missing") == ()
+    assert build.isa_tag(()) == "base" and build.isa_tag(("avx2",)) == "avx2"
+
+
+def test_a_compiler_that_fails_is_a_clear_error(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", "/bin/false")
+    key = build.build_key(ZEN)
+    assert not build.is_built(key)
+    with caplog.at_level(logging.INFO, logger=build.__name__), pytest.raises(KernelBuildError, match="--enforce-eager"):
+        build.load(key)
+    assert any("building the CPU kernels" in r.getMessage() for r in caplog.records)  # a build did start
+
+
+def test_a_built_key_loads_without_building(caplog):
+    require_kernels()
+    key = build.build_key()
+    assert build.is_built(key)
+    with caplog.at_level(logging.INFO, logger=build.__name__):
+        build.load(key)
+    assert not any("building" in r.getMessage() for r in caplog.records)
