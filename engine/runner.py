@@ -100,7 +100,9 @@ class ModelRunner:
         self.cold: ColdRegion | None = None
         if torch.device(device).type == "cpu":
             keep_freed_memory()
-        self.set_backend(backend or TorchBackend(device))
+        self.backend: Backend = TorchBackend(device)  # what a model runs on until it is given a backend
+        if backend is not None:
+            self.set_backend(backend)
 
     def set_backend(self, backend: Backend) -> None:
         """Run the model on `backend` (which prepares its weights now)."""
