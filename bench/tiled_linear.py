@@ -12,7 +12,7 @@ Part 2, engine: two `LLM`s in this process, one packing its weights for our kern
 generating --batches prompts of 128 tokens to 128 new tokens (greedy), alternating; prints median output
 tokens/s and TPOT.
 Part 3, prefill products: the 120 layer products of a forward over --prefill-rows rows (weights from memory, 30
-distinct layers), F.linear on the plain weight (oneDNN's brgemm, what prefill used to run) against our kernel,
+distinct layers), F.linear on the plain weight (oneDNN's brgemm, the library path) against our kernel,
 alternated; median ms, TFLOPS, speed-up.
 Part 4, engine prefill: one `LLM` at the server's step budget (EngineConfig's max_num_batched_tokens),
 prefilling --prefill-prompts prompts of 128 tokens (one output token), with our kernel for up to

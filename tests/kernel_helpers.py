@@ -14,11 +14,12 @@ from engine.model.llama import LlamaModel, build_model
 
 
 def require_kernels(vectors: bool = False, matrix_engine: bool = False, onednn: bool = False) -> None:
-    """Skips the calling test (or fixture) where the compiled kernels, or the part of them it needs, are not here."""
+    """Skips the calling test (or fixture) where this CPU lacks the part of the kernels it needs. Kernels that
+    fail to build or load fail the test: serving refuses to start without them too (unless --enforce-eager)."""
     try:
         cpu_ext.extension()
     except KernelBuildError as exc:
-        pytest.skip(f"no CPU kernels here: {exc}")
+        pytest.fail(f"the CPU kernels did not build or load: {exc}")
     if vectors and not cpu_ext.vectorized():
         pytest.skip("the CPU kernels were built without AVX-512")
     if matrix_engine and not cpu_ext.matrix_engines():

@@ -1,6 +1,6 @@
 """Every limit and switch of the CPU kernel backend, in one frozen config. Defaults are the shipped choices; tests
 and benches pass a `dataclasses.replace` of it to CpuKernelBackend. Figures behind each default:
-docs/performance-backend.md, under the bench command that measured it."""
+docs/performance.md, under the bench command that measured it."""
 from __future__ import annotations
 
 from dataclasses import dataclass, fields

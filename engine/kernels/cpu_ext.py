@@ -15,7 +15,7 @@ for which product, step or row count is engine/backends/cpu_kernels.py's decisio
 - `decode_stack`: the decoder layers of a decode-only step in one call, in the Python layers' order (same bits).
 
 All run on torch's intra-op pool (at::parallel_for): a kernel with its own OpenMP runtime fought torch's threads
-for the same cores. Figures, and the bench command of each: docs/performance-backend.md.
+for the same cores. Figures, and the bench command of each: docs/performance.md.
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ Two packings; engine/backends/cpu_kernels.py picks one per weight and the row co
 - oneDNN's own packed copy (2-D): F.linear hands oneDNN a plain [N, K] weight, which its matmul re-blocks on every
   call; a copy packed once skips that, bit-identical to F.linear.
 An MLP's gate|up weight is packed with its 16-row blocks interleaved (`pack_gate_up`), so that SiLU * up is
-computed as the product's results come out. Figures: docs/performance-backend.md (`python -m bench.tiled_linear`).
+computed as the product's results come out. Figures: docs/performance.md (`python -m bench.tiled_linear`).
 """
 from __future__ import annotations
 
