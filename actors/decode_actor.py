@@ -12,7 +12,7 @@ import torch
 
 from actors.actor import RESERVATION_SWEEP_SECONDS, Actor, integrity_error, send_quietly, to_monotonic
 from actors.convert import logprobs_from_wire, params_from_wire, update_to_wire
-from actors.kv_export import SharedPool, create_shared_pool
+from engine.kv.export import SharedPool, create_shared_pool
 from actors.remote_proposer import RemoteProposer
 from actors.spec import ActorSpec
 from engine.calibration import calibrate_engine

@@ -22,7 +22,7 @@ from actors.convert import params_from_wire
 from actors.spec import ActorSpec
 from actors.actor import Actor, integrity_error, send_quietly
 from engine.config import MAX_SPECULATIVE_TOKENS, EngineConfig
-from engine.kv_cache import choose_num_blocks
+from engine.kv.cache import choose_num_blocks
 from engine.model.loader import resolve_dtype, resolve_model
 from engine.sampling_params import SamplingParams
 from engine.speculative.build import draft_net, draft_spare_blocks

@@ -7,10 +7,10 @@ from typing import Callable
 
 from actors.actor import RESERVATION_SWEEP_SECONDS, Actor, to_monotonic
 from actors.convert import logprobs_to_wire, params_from_wire
-from actors.kv_export import open_shared_pool
+from engine.kv.export import open_shared_pool
 from engine.calibration import calibrate_prefill_engine
 from engine.config import EngineConfig
-from engine.kv_cache import KVCache
+from engine.kv.cache import KVCache
 from engine.prefill_engine import PrefillEngine, PrefillJob, PrefillResult
 from engine.stats import EngineStats
 from transport import Connection

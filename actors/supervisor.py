@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Awaitable, Callable
 
 from actors.convert import stats_from_wire
-from actors.kv_export import release_export
+from engine.kv.export import release_export
 from actors.spec import ROLES, ActorSpec, Role, socket_name
 from engine.stats import EngineStats
 from transport import Connection, TransportError, connect_unix, private_socket_dir, serve_tcp

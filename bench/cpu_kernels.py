@@ -23,7 +23,7 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.backends import CpuKernelBackend, CpuKernelConfig
-from engine.kv_cache import KVCache
+from engine.kv.cache import KVCache
 from engine.model.loader import load_model, resolve_model
 
 BLOCK = 16

@@ -45,8 +45,8 @@ from engine import LLM, SamplingParams  # noqa: E402
 from engine.attention import AttentionMetadata  # noqa: E402
 from engine.engine_core import EngineCore, EngineRequest  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
-from engine.kv_cache import KVCache, bytes_per_block, choose_num_blocks  # noqa: E402
-from engine.kv_compress import COLD_FORMAT, ColdRegion, split_kv_budget  # noqa: E402
+from engine.kv.cache import KVCache, bytes_per_block, choose_num_blocks  # noqa: E402
+from engine.kv.compress import COLD_FORMAT, ColdRegion, split_kv_budget  # noqa: E402
 from engine.model.llama import LlamaModel  # noqa: E402
 
 LICENSES = Path("/usr/share/common-licenses")

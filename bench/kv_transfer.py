@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-from actors.kv_export import create_shared_pool, open_shared_pool
+from engine.kv.export import create_shared_pool, open_shared_pool
 from engine.config import ModelConfig
-from engine.kv_cache import KVCache
+from engine.kv.cache import KVCache
 from transport import connect_tcp, serve_tcp
 from transport import messages as m
 

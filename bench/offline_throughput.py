@@ -39,7 +39,7 @@ from engine import LLM, EngineConfig, ModelConfig, SamplingParams
 from engine.engine_core import EngineRequest
 from engine.backends import CpuKernelBackend
 from engine.config import OFFLINE_MAX_NUM_BATCHED_TOKENS
-from engine.kv_cache import bytes_per_block
+from engine.kv.cache import bytes_per_block
 from engine.model.loader import resolve_model
 from engine.output_processor import OutputProcessor
 from engine.tokenizer import Tokenizer

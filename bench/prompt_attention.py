@@ -17,7 +17,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from engine.host_memory import keep_freed_memory
+from engine.kv.host_memory import keep_freed_memory
 from engine.kernels import cpu_ext
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64  # SmolLM2-135M

@@ -9,7 +9,7 @@ Consecutive whole prompts of one length (no cached context) attend in one batche
 one call each, and one call per layer instead of one per prompt when a step prefills many short prompts.
 
 A layer's cache is either a tensor [num_blocks, block_size, kv_heads, head_dim] in the serving dtype or
-QuantizedPages (fp8 / fp4, engine/kv_formats.py): those quantise new tokens as they are written and
+QuantizedPages (fp8 / fp4, engine/kv/formats.py): those quantise new tokens as they are written and
 dequantise gathered pages to the serving dtype; everything after the gather is the same. A prefill chunk
 without cached context attends to its fresh keys/values directly, so with a quantised cache the first
 chunk of a prompt sees unquantised keys and every later chunk or decode step sees quantised ones.
@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from engine.kv_compress import TieredPages
-from engine.kv_formats import PageWrites, QuantizedPages
+from engine.kv.compress import TieredPages
+from engine.kv.formats import PageWrites, QuantizedPages
 
 if TYPE_CHECKING:
     from engine.backends.base import Backend

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass
 
 from engine.engine_core import EngineCore, EngineRequest
-from engine.kv_cache import KVCache
+from engine.kv.cache import KVCache
 from engine.prefill_engine import PrefillEngine, PrefillJob
 from engine.sampling_params import SamplingParams
 

@@ -70,8 +70,8 @@ class ModelConfig:
 
 
 Dtype = Literal["auto", "bfloat16", "float16", "float32"]
-KvCacheDtype = Literal["auto", "fp8", "fp4"]  # auto = the serving dtype; fp8 / fp4: engine/kv_formats.py
-KvCompressMode = Literal["none", "fp4"]  # adaptive compression of old pages (engine/kv_compress.py)
+KvCacheDtype = Literal["auto", "fp8", "fp4"]  # auto = the serving dtype; fp8 / fp4: engine/kv/formats.py
+KvCompressMode = Literal["none", "fp4"]  # adaptive compression of old pages (engine/kv/compress.py)
 SpeculativeMode = Literal["off", "ngram", "draft"]
 DTYPES = get_args(Dtype)
 KV_CACHE_DTYPES = get_args(KvCacheDtype)

@@ -12,11 +12,11 @@ from typing import Callable
 import psutil
 import torch
 
-from engine.block_pool import BlockPool, TieredBlockPool
-from engine.compaction import MIN_BATCH_SHARE, Compactor
+from engine.kv.block_pool import BlockPool, TieredBlockPool
+from engine.kv.compaction import MIN_BATCH_SHARE, Compactor
 from engine.config import EngineConfig
-from engine.kv_cache import KVCache, choose_num_blocks
-from engine.kv_compress import ColdRegion, split_kv_budget
+from engine.kv.cache import KVCache, choose_num_blocks
+from engine.kv.compress import ColdRegion, split_kv_budget
 from engine.model.loader import ModelSource, load_model, resolve_dtype, resolve_model
 from engine.backends import select_backend
 from engine.runner import ModelRunner

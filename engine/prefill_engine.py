@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.config import EngineConfig
-from engine.kv_cache import KVCache
+from engine.kv.cache import KVCache
 from engine.model.loader import ModelSource, load_model, resolve_dtype, resolve_model
 from engine.backends import select_backend
 from engine.runner import ModelRunner

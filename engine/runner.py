@@ -14,9 +14,9 @@ import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata
 from engine.backends import Backend, TorchBackend
-from engine.host_memory import keep_freed_memory
-from engine.kv_cache import KVCache
-from engine.kv_compress import ColdRegion, names_cold
+from engine.kv.host_memory import keep_freed_memory
+from engine.kv.cache import KVCache
+from engine.kv.compress import ColdRegion, names_cold
 from engine.model.llama import LlamaModel
 from engine.sampler import SamplingBatch, greedy_tokens, process_logits, sample, token_logprobs
 from engine.speculative.acceptance import Verdict, verify_drafts, verify_greedy
@@ -151,7 +151,7 @@ class ModelRunner:
         return runner_output(dict(zip((c.seq_id for c in inp.sampled_chunks), tokens.tolist())))
 
     def attach_cold_region(self, cold: ColdRegion) -> None:
-        """Adaptive compression: old pages of this runner's own pool may live in `cold` (engine/kv_compress.py)."""
+        """Adaptive compression: old pages of this runner's own pool may live in `cold` (engine/kv/compress.py)."""
         self.cold = cold
         self._tiered_layers = cold.layers_over(self.kv_cache)
 

@@ -13,7 +13,7 @@ rejected drafts are simply overwritten later, blocks beyond the sequence's lengt
 whose tokens are final are registered in the prefix cache.
 
 Adaptive compression (--kv-compress): with a compactor, a running sequence that cannot get its blocks first
-has old pages of running sequences compressed into the FP4 region (engine/compaction.py); only when that
+has old pages of running sequences compressed into the FP4 region (engine/kv/compaction.py); only when that
 cannot cover the shortfall is anyone preempted. The step's output lists the moves for the runner. Admission
 never compresses: doing so only moved the shortage onto the running sequences, which were then preempted
 (tiny model, 16 prompts, 64 blocks: 6 preemptions against none); the hot blocks that compaction frees as
@@ -24,8 +24,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.block_pool import BlockPool, block_hash, prefix_block_hashes
-from engine.compaction import Compactor, Move
+from engine.kv.block_pool import BlockPool, block_hash, prefix_block_hashes
+from engine.kv.compaction import Compactor, Move
 from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.sequence import FinishReason, Sequence, SequenceStatus

@@ -1,4 +1,4 @@
-"""Tests for engine.block_pool: unit tests per rule, hash properties, and a stateful model check."""
+"""Tests for engine.kv.block_pool: unit tests per rule, hash properties, and a stateful model check."""
 from __future__ import annotations
 
 import json
@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from engine.block_pool import (
+from engine.kv.block_pool import (
     BlockPool,
     BlockState,
     BlockStateError,
@@ -87,7 +87,7 @@ def test_hashes_are_stable_across_processes_with_different_hash_seeds() -> None:
         "spec.loader.exec_module(module)\n"
         "print(json.dumps([module.prefix_block_hashes(t, 4) for t in json.loads(sys.argv[2])]))\n"
     )
-    module_path = str(REPO_ROOT / "engine" / "block_pool.py")
+    module_path = str(REPO_ROOT / "engine" / "kv" / "block_pool.py")
     outputs = []
     for seed in ("1", "987654"):
         env = {**os.environ, "PYTHONHASHSEED": seed}

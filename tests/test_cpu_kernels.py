@@ -12,8 +12,8 @@ from engine.backends import CpuKernelBackend, CpuKernelConfig, TorchBackend
 from engine.config import EngineConfig, ModelConfig
 from engine.engine_core import EngineCore
 from engine.kernels import cpu_ext, packed_linear
-from engine.kv_cache import KVCache
-from engine.kv_formats import PageWrites, QuantizedPages, page_format
+from engine.kv.cache import KVCache
+from engine.kv.formats import PageWrites, QuantizedPages, page_format
 from engine.model.hf_loader import iter_hf_weights, read_hf_config
 from engine.model.llama import Linear, build_model
 from engine.model.rope import RotaryEmbedding, apply_rotary

@@ -8,7 +8,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.attention import AttentionMetadata
 from engine.backends import TorchBackend
-from engine.kv_cache import KVCache
+from engine.kv.cache import KVCache
 from engine.model.llama import LlamaModel
 from tests.kernel_helpers import kernel_backend, kernel_model, reconfigure, require_kernels
 from tests.kernel_helpers import stack_calls  # noqa: F401 (fixture)

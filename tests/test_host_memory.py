@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from engine.host_memory import keep_freed_memory
+from engine.kv.host_memory import keep_freed_memory
 
 MIB = 1 << 20
 
@@ -21,7 +21,7 @@ MIB = 1 << 20
 # Bytes handed back are read from the resident size, which does not depend on the page size.
 STEPS = textwrap.dedent("""
     import ctypes, json, os, resource, sys, torch
-    from engine.host_memory import M_MMAP_THRESHOLD, keep_freed_memory
+    from engine.kv.host_memory import M_MMAP_THRESHOLD, keep_freed_memory
     assert ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 128 << 10) == 1
     if sys.argv[1] == "keep":
         assert keep_freed_memory()

@@ -8,14 +8,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from actors.kv_export import create_shared_pool, open_shared_pool
+from engine.kv.export import create_shared_pool, open_shared_pool
 from engine import LLM, SamplingParams
 from engine.attention import AttentionMetadata
 from engine.config import ConfigError, EngineConfig, ModelConfig
 from engine.engine_core import EngineCore
 from engine.kernels import dequantize_fp4, dequantize_fp8, quantize_fp4, quantize_fp8
-from engine.kv_cache import KVCache, bytes_per_block, choose_num_blocks
-from engine.kv_formats import PageWrites
+from engine.kv.cache import KVCache, bytes_per_block, choose_num_blocks
+from engine.kv.formats import PageWrites
 from engine.prefill_engine import PrefillEngine
 from tests.test_disagg_inprocess import run_disaggregated
 from tests.test_engine import GREEDY, assert_pool_clean, make_prompts

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from engine.attention import AttentionMetadata
-from engine.kv_cache import KVCache
+from engine.kv.cache import KVCache
 from engine.model.hf_loader import iter_hf_weights, read_hf_config
 from engine.model.llama import build_model
 from tests.tiny_models import tiny_llama_config, write_tiny_model

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from engine.attention import AttentionMetadata
 from engine.backends import CpuKernelBackend, TorchBackend
 from engine.kernels import cpu_ext
-from engine.kv_cache import KVCache
+from engine.kv.cache import KVCache
 from engine.model.hf_loader import iter_hf_weights, read_hf_config
 from engine.model.llama import build_model
 from tests.kernel_helpers import kernel_calls, require_kernels  # noqa: F401 (fixture)

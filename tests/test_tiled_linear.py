@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata
 from engine.kernels import cpu_ext, packed_linear
-from engine.kv_cache import KVCache
+from engine.kv.cache import KVCache
 from engine.model.llama import Linear
 from tests.kernel_helpers import kernel_backend, kernel_calls, kernel_model, reconfigure, require_kernels  # noqa: F401
 from tests.test_decode_stack import assert_stack_matches_layers, qwen2_dir, stack_calls  # noqa: F401 (fixtures)

@@ -11,8 +11,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from actors.convert import update_from_wire, update_to_wire
 from engine import LLM, AsyncLLM, SamplingParams
-from engine.block_pool import TieredBlockPool
-from engine.compaction import Compactor
+from engine.kv.block_pool import TieredBlockPool
+from engine.kv.compaction import Compactor
 from engine.config import ConfigError
 from engine.engine_core import EngineRequest
 from engine.treatment import Treatment

@@ -269,7 +269,7 @@ class PrefillRequest(Message):
 class KVPages(Message):
     """One layer's pages for some blocks, for peers on another host (same host: shared memory instead).
     `payload` is the raw page bytes (K then V, scales beside quantised pages) in the pool's layout
-    (engine.kv_cache.KVCache.read_pages). Prefill actor -> router -> decode actor, before KVReady."""
+    (engine.kv.cache.KVCache.read_pages). Prefill actor -> router -> decode actor, before KVReady."""
 
     TAG: ClassVar[str] = "kv_pages"
     request_id: str

@@ -15,7 +15,7 @@ from engine.backends.base import Rope
 from engine.backends.cpu_config import CpuKernelConfig
 from engine.backends.torch_ops import TorchBackend, split_heads
 from engine.kernels import cpu_ext, packed_linear
-from engine.kv_formats import QuantizedPages
+from engine.kv.formats import QuantizedPages
 
 if TYPE_CHECKING:
     from engine.attention import AttentionMetadata

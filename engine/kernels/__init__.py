@@ -12,7 +12,7 @@ FP8 E4M3 (OCP "fn" variant)
     448 * 2**-149) the scale is 1. Why powers of two: dividing by one is exact, so the scaled values keep
     E4M3's full precision (its relative step is the same in every binade; the largest lands in (224, 448]),
     and a page re-quantised under a grown scale keeps its codes up to an exact shift instead of being
-    rounded a second time (engine/kv_formats.py).
+    rounded a second time (engine/kv/formats.py).
     Encode: code = e4m3(x / scale), division in float32, round to nearest even on the bit pattern;
     |x / scale| >= 448 (incl. inf) saturates to +-448; NaN -> 0x7F / 0xFF keeping the input's sign;
     -0 -> 0x80. Decode: e4m3 -> float32, times scale in float32, then to the output dtype (bf16 by round to

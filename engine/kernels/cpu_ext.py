@@ -100,7 +100,7 @@ def decode_attention_bf16(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch
 def decode_attention_fp8(q: torch.Tensor, k_raw: torch.Tensor, v_raw: torch.Tensor, scale_offset: int,
                          block_size: int, kv_heads: int, head_dim: int, block_tables: torch.Tensor,
                          context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [B, Hq, D] bf16; k_raw/v_raw [num_blocks, page_bytes] uint8 fp8 pages (engine/kv_formats.py: codes
+    """q [B, Hq, D] bf16; k_raw/v_raw [num_blocks, page_bytes] uint8 fp8 pages (engine/kv/formats.py: codes
     [bs, Hkv, D] e4m3 at byte 0, scales [Hkv] fp32 at byte `scale_offset`), read in place; block_tables
     [B, nb] int64; context_lens [B] int64 (>= 1) -> [B, Hq, D] bf16."""
     return ops().decode_attention_fp8(q, k_raw, v_raw, scale_offset, block_size, kv_heads, head_dim,

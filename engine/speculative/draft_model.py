@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 from engine.attention import AttentionMetadata
-from engine.block_pool import BlockPool
+from engine.kv.block_pool import BlockPool
 from engine.config import ModelConfig
-from engine.kv_cache import KVCache
+from engine.kv.cache import KVCache
 from engine.model.llama import LlamaModel
 from engine.runner import prepare_input
 from engine.sampler import SamplingBatch, exponential_race, process_logits

@@ -4,7 +4,7 @@ When the hot pool cannot give a sequence the blocks it needs, the scheduler asks
 preempts anyone. The compactor picks full, computed blocks that lie entirely before the newest
 `keep_recent` tokens of running sequences, oldest positions first, takes a cold block for each, rewrites
 the sequences' block tables in place and frees the hot blocks. It returns the moves (hot id, cold id); the
-runner copies those pages into the FP4 region (engine/kv_compress.py) before the step's forward pass, so a
+runner copies those pages into the FP4 region (engine/kv/compress.py) before the step's forward pass, so a
 hot block freed here and handed to another sequence in the same step is overwritten only after its old
 contents were compressed.
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
-from engine.block_pool import TieredBlockPool
+from engine.kv.block_pool import TieredBlockPool
 from engine.sequence import Sequence
 
 Move = tuple[int, int]  # (hot block id, cold block id)

@@ -2,12 +2,12 @@
 and the per-layer view through which attention reads block tables that mix hot and cold ids.
 
 The KV memory budget is split: a share holds hot blocks in --kv-cache-dtype (the serving dtype or fp8), the
-rest FP4 pages (engine/kv_formats.py), about 3.5x (bf16) or 1.8x (fp8) more of them per byte. Cold block
+rest FP4 pages (engine/kv/formats.py), about 3.5x (bf16) or 1.8x (fp8) more of them per byte. Cold block
 ids follow the hot ones (`first_cold` = number of hot blocks), so a sequence's block table can name both.
 The hot region is the pool an actor exports; the cold one stays private to the engine that owns it, so a
 prefill actor writing a decode actor's pool only ever sees hot blocks.
 
-Which pages move and when is engine/compaction.py's business; `ColdRegion.compress` copies them, one batched
+Which pages move and when is engine/kv/compaction.py's business; `ColdRegion.compress` copies them, one batched
 FP4 kernel call per layer (keys and values together), before the forward pass of the step that moved them.
 A compressed page was full when it moved, so it is quantised exactly once.
 """
@@ -18,8 +18,8 @@ from typing import Iterable, Sequence
 import torch
 
 from engine.config import ModelConfig
-from engine.kv_cache import KVCache, LayerPages, bytes_per_block, choose_num_blocks
-from engine.kv_formats import QuantizedPages
+from engine.kv.cache import KVCache, LayerPages, bytes_per_block, choose_num_blocks
+from engine.kv.formats import QuantizedPages
 
 COLD_FORMAT = "fp4"
 _KERNEL_DTYPES = (torch.bfloat16, torch.float32)

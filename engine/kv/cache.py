@@ -1,7 +1,7 @@
 """The paged KV cache: one contiguous tensor holding every layer's key and value pages.
 
 Layout [num_layers, 2, num_blocks, block_size, kv_heads, head_dim] in the serving dtype (kv_format "auto"),
-or, for a quantised pool (kv_format "fp8" / "fp4", see engine/kv_formats.py), uint8
+or, for a quantised pool (kv_format "fp8" / "fp4", see engine/kv/formats.py), uint8
 [num_layers, 2, num_blocks, page_bytes] with each page's scales stored inside it. Keeping it one tensor lets
 an actor export the whole pool once (shared memory on CPU, a CUDA IPC handle on GPU) and lets a block move
 as `data[:, :, block_id]`.
@@ -14,7 +14,7 @@ from typing import Any, Union
 import torch
 
 from engine.config import ModelConfig
-from engine.kv_formats import PageFormat, QuantizedPages, fingerprint_offsets, page_format
+from engine.kv.formats import PageFormat, QuantizedPages, fingerprint_offsets, page_format
 
 DEFAULT_KV_FRACTION = 0.2  # of available memory, when neither a block count nor a byte budget is given
 MAX_DEFAULT_KV_BYTES = 1 << 30

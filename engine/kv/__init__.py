@@ -1,0 +1,11 @@
+"""The paged KV cache, one concept per module.
+
+- `block_pool`: pure-Python block bookkeeping (free list, reference counts, the prefix cache's chained hashes,
+  reservations) with an integrity check; no torch.
+- `cache`: the pool's tensor, every layer's key and value pages, and page reads/writes for hand-offs.
+- `formats`: quantised page layouts (fp8, fp4 with their scales beside the codes) and the per-layer store.
+- `compaction`: which old pages of running sequences move to the FP4 cold region (bookkeeping, no torch).
+- `compress`: the cold region's tensors and the tiered pages that read both regions.
+- `export`: a decode actor's pool exported once (shared memory on CPU, CUDA IPC on GPU) for prefill actors.
+- `host_memory`: keep freed heap memory in the process between steps.
+"""
