@@ -68,7 +68,8 @@ class DecodeActor(Actor):
         kv = self.engine.kv_cache
         export = dict(self.pool.export if self.pool else {"kind": "none"}, bytes_per_token=kv.bytes_per_token,
                       kv_format=kv.kv_format)
-        return m.Ready(self.spec.actor_id, kv.num_blocks, kv.block_size, export, self.calibration.to_wire())
+        return m.Ready(self.spec.actor_id, kv.num_blocks, kv.block_size, export, self.calibration.to_wire(),
+                       self.engine.runner.backend.describe())
 
     def release(self) -> None:
         if self.pool is not None:

@@ -31,7 +31,7 @@ class PrefillActor(Actor):
 
     def ready_message(self) -> m.Ready:
         return m.Ready(self.spec.actor_id, 0, self.engine.config.block_size, {"kind": "none"},
-                       self.calibration.to_wire())
+                       self.calibration.to_wire(), self.engine.runner.backend.describe())
 
     def handlers(self) -> dict[type, Callable]:
         return {m.PrefillRequest: self.on_prefill, m.AbortRequest: self.on_abort, m.AttachPool: self.on_attach,

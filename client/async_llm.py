@@ -157,6 +157,10 @@ class AsyncLLM:
     def actors(self) -> list[dict]:
         return [] if self._client is None else self._client.actors()
 
+    def backend(self) -> dict | None:
+        """Which backend and kernels the in-process engine runs (None with actors: each actor's is in `actors`)."""
+        return None if self.engine is None else self.engine.runner.backend.describe()
+
     def calibration(self) -> dict:
         """Per-actor fitted costs (empty in-process: placement needs no costs there)."""
         return {} if self._client is None else self._client.calibration()

@@ -98,7 +98,8 @@ class ActorRouter:
     def actors(self) -> list[dict]:
         return [{"id": h.actor_id, "role": h.spec.role, "device": h.spec.device, "pid": h.pid, "state": h.state,
                  "restarts": h.restarts, "running": h.load.running if h.load else 0,
-                 "kv_blocks": {"total": h.load.kv_blocks_total, "used": h.load.kv_blocks_used} if h.load else None}
+                 "kv_blocks": {"total": h.load.kv_blocks_total, "used": h.load.kv_blocks_used} if h.load else None,
+                 "backend": h.ready.backend if h.ready else None}
                 for h in self.supervisor.handles]
 
     def calibration(self) -> dict:

@@ -81,8 +81,17 @@ async def _serve(settings: ServerSettings, options: dict, args: argparse.Namespa
 def _announce(ctx: ServerContext, runner: web.AppRunner, log: structlog.stdlib.BoundLogger) -> None:
     host, port = runner.addresses[0][:2]
     url = f"http://{host}:{port}"
-    log.info("serving", url=url, model=ctx.limits.name, dtype=ctx.dtype, max_model_len=ctx.limits.max_model_len)
-    print(f"phase-serve: serving {ctx.limits.name} on {url}", file=sys.stderr, flush=True)
+    backend = backend_summary(ctx.llm.backend(), ctx.llm.actors())
+    log.info("serving", url=url, model=ctx.limits.name, dtype=ctx.dtype, max_model_len=ctx.limits.max_model_len,
+             backend=backend)
+    print(f"phase-serve: serving {ctx.limits.name} on {url} ({backend})", file=sys.stderr, flush=True)
+
+
+def backend_summary(in_process: dict | None, actors: list[dict]) -> str:
+    """'cpu-kernels (vectors)' or 'torch': the backends that run, from the engine's or each actor's description."""
+    described = [in_process] if in_process else [a["backend"] for a in actors if a.get("backend")]
+    names = {d["backend"] + (f" ({d['matrix_engine']})" if d.get("matrix_engine") else "") for d in described}
+    return ", ".join(sorted(names)) or "no engine ready"
 
 
 def _install_signal_handlers(shutdown: _Shutdown) -> None:

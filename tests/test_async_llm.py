@@ -98,3 +98,8 @@ async def test_parallel_samples_share_the_prompt_blocks(async_llm):
     assert len(outs[-1].outputs) == 4 and all(o.finished for o in outs[-1].outputs)
     full_blocks = (len(prompt) - 1) // 8
     assert async_llm.engine.pool.stats.prefix_hits - hits_before >= 3 * full_blocks
+
+
+def test_an_in_process_engine_names_its_backend(async_llm):
+    described = async_llm.backend()
+    assert (described["backend"], described["kernels"], described["device"]) == ("torch", [], "cpu")  # fp32

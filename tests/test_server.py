@@ -18,7 +18,7 @@ from engine import AsyncLLM
 from server.app import create_app
 from server.context import CONTEXT
 from server.errors import ApiError
-from server.main import drain
+from server.main import backend_summary, drain
 from server.protocol import ModelLimits, parse_chat, parse_completion, parse_json_body, sampling_params
 from server.quadrant import Quadrant, QuadrantThresholds, classify
 from server.settings import ServerSettings
@@ -285,6 +285,22 @@ def test_status_shape(server):
     assert (status["model"], status["dtype"], status["waiting"]) == (MODEL, "float32", 0)
     assert status["kv_blocks"]["total"] == 256
     assert set(status["prefix_cache"]) == {"queries", "hits"} and status["preemptions"] >= 0
+    assert status["backend"] is None  # the engine runs in the decode actor, whose entry names its backend
+    assert [(a["backend"]["backend"], a["backend"]["kernels"]) for a in status["actors"]] == [("torch", [])]  # fp32
+
+
+def test_the_start_up_line_names_the_backend(server):
+    assert f"on {server.url} (torch)" in server.log()
+
+
+@pytest.mark.unit
+def test_backend_summary_names_each_backend_once():
+    vectors = {"backend": "cpu-kernels", "matrix_engine": "vectors"}
+    torch_ops = {"backend": "torch", "matrix_engine": None}
+    assert backend_summary(vectors, []) == "cpu-kernels (vectors)"
+    actors = [{"backend": vectors}, {"backend": vectors}, {"backend": torch_ops}, {"backend": None}]
+    assert backend_summary(None, actors) == "cpu-kernels (vectors), torch"
+    assert backend_summary(None, [{"backend": None}]) == "no engine ready"
 
 
 def test_metrics_count_every_successful_request(server, served, client):

@@ -48,6 +48,8 @@ def test_status_lists_actors_and_calibration(server):
     assert all(a["state"] == "ready" and a["pid"] and a["pid"] != server.proc.pid for a in actors.values())
     assert set(status["calibration"]) == set(actors)
     assert status["calibration"]["prefill-0"]["prefill_seconds_512"] > 0
+    assert all(a["backend"]["backend"] == "torch" for a in actors.values())  # fp32 engines: plain torch ops
+    assert status["backend"] is None  # no engine in the server process
 
 
 def test_metrics_label_the_disaggregated_path(server, client):

@@ -140,6 +140,7 @@ class Ready(Message):
     block_size: int
     kv_export: dict[str, Any]
     calibration: dict[str, Any] | None = None  # {"prefill": [[tokens, seconds], ...], "decode": [[batch, s], ...]}
+    backend: dict[str, Any] | None = None  # the engine's Backend.describe(): which backend and kernels run
 
 
 @dataclass(frozen=True, slots=True)
