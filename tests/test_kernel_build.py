@@ -2,9 +2,13 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import pytest
+import torch
 
+from engine.backends import CpuKernelBackend, CpuKernelConfig, select_backend
+from engine.kernels import cpu_ext
 from engine.kernels import extension_build as build
 from engine.kernels.extension_build import KernelBuildError
 from tests.kernel_helpers import require_kernels
@@ -54,3 +58,17 @@ def test_a_built_key_loads_without_building(caplog):
     with caplog.at_level(logging.INFO, logger=build.__name__):
         build.load(key)
     assert not any("building" in r.getMessage() for r in caplog.records)
+
+
+def test_the_backend_is_chosen_from_device_dtype_and_enforce_eager():
+    require_kernels()
+    kernels = select_backend("cpu", torch.bfloat16, enforce_eager=False)
+    described = kernels.describe()
+    assert isinstance(kernels, CpuKernelBackend) and described["backend"] == "cpu-kernels"
+    assert described["build_key"] == cpu_ext.key().name and described["matrix_engine"] == kernels.engine
+    assert ("decode_stack" in described["kernels"]) == kernels.stacks
+    for eager in (select_backend("cpu", torch.bfloat16, enforce_eager=True),
+                  select_backend("cpu", torch.float32, enforce_eager=False)):
+        assert not isinstance(eager, CpuKernelBackend) and eager.describe()["kernels"] == []
+    plain = CpuKernelBackend(replace(CpuKernelConfig(), fused_elementwise=False, decode_stack=False))
+    assert not {"rms_norm", "rotary", "silu_mul", "decode_stack"} & set(plain.describe()["kernels"])

@@ -14,12 +14,16 @@ MatrixEngine = Literal["auto", "tiles", "vectors"]
 @dataclass(frozen=True)
 class CpuKernelConfig:
     # Rows a product takes on the streaming GEMV (where no packed copy serves them: one row, or a few without one).
+    # Kept: a batch-1 forward takes 0.59x torch's time with it alone (python -m bench.cpu_kernels --batches 1).
     max_gemv_rows: int = 5
     # Sequences of a decode group the in-place attention kernel takes (a verified sequence brings 1 + K rows).
+    # Kept: a batch-64 forward takes 0.74x torch's time with it alone (python -m bench.cpu_kernels --batches 64).
     max_attention_seqs: int = 1 << 30
-    fused_elementwise: bool = True  # RMSNorm (+ residual add), RoPE, SiLU * up as one kernel each
-    # decode-only steps: the layers in one C++ call (off: the same kernels from Python). The Python loop took 1.47x
-    # the stack's time at batch 8, 0.99x at batch 1 (ctx 192; python -m bench.cpu_kernels, column layers/all)
+    # RMSNorm (+ residual add), RoPE, SiLU * up as one kernel each. Kept: 0.75x torch's forward time at batch 8,
+    # 0.88x at 1 (python -m bench.cpu_kernels --batches 1,8, column elementwise).
+    fused_elementwise: bool = True
+    # decode-only steps: the layers in one C++ call (off: the same kernels from Python). The Python loop took
+    # 1.31-1.42x the stack's time at batch 1-8 (python -m bench.cpu_kernels --batches 1,8, column layers/all).
     decode_stack: bool = True
     tiled_packing: bool = True  # weights in 16x16-pair blocks where an engine runs them (off: oneDNN's packing)
     fused_gate_up: bool = True  # the MLP's gate|up product with SiLU * up off its results (needs the blocks)
