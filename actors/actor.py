@@ -14,7 +14,6 @@ import signal
 import time
 from typing import Any, Callable
 
-from actors.convert import stats_to_wire
 from actors.spec import ActorSpec
 from engine.engine_thread import EngineThread
 from engine.stats import EngineStats
@@ -133,7 +132,7 @@ class Actor:
         self.owners.pop(request_id, None)
 
     async def on_heartbeat(self, conn: Connection, msg: m.Heartbeat) -> None:
-        await conn.send(m.HeartbeatAck(msg.seq, msg.time, stats_to_wire(self.stats())))
+        await conn.send(m.HeartbeatAck(msg.seq, msg.time, self.stats()))
 
     async def on_check_integrity(self, conn: Connection, msg: m.CheckIntegrity) -> None:
         await conn.send(await self.thread.submit(self.integrity_report))

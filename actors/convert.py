@@ -1,13 +1,12 @@
 """Between engine objects and wire messages (the only place that knows both shapes)."""
 from __future__ import annotations
 
-from dataclasses import asdict, fields
+from dataclasses import asdict
 
 from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.speculative.adaptive import SpecCounts
 from engine.step import SequenceUpdate
-from engine.stats import EngineStats
 from transport import messages as m
 
 
@@ -52,11 +51,3 @@ def update_from_wire(u: m.TokenUpdate) -> SequenceUpdate:
     return SequenceUpdate(u.request_id, u.sample_index, u.token_id, u.finish_reason,
                           logprobs_from_wire(u.token_id, u.logprob, u.top_logprobs),
                           u.num_prompt_tokens, u.num_cached_tokens, spec_from_wire(u.spec))
-
-
-def stats_to_wire(stats: EngineStats) -> m.EngineStats:
-    return m.EngineStats(**asdict(stats))
-
-
-def stats_from_wire(stats: m.EngineStats) -> EngineStats:
-    return EngineStats(**{f.name: getattr(stats, f.name) for f in fields(stats)})

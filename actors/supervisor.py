@@ -20,7 +20,6 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Awaitable, Callable
 
-from actors.convert import stats_from_wire
 from engine.kv.export import release_export
 from actors.spec import ROLES, ActorSpec, Role, socket_name
 from engine.stats import EngineStats
@@ -212,7 +211,7 @@ class Supervisor:
         try:
             async for msg in handle.conn:
                 if isinstance(msg, m.HeartbeatAck):
-                    handle.last_ack, handle.load = time.monotonic(), stats_from_wire(msg.stats)
+                    handle.last_ack, handle.load = time.monotonic(), msg.stats
                 else:
                     self._on_message(handle, msg)
         except (TransportError, ConnectionError, OSError) as exc:

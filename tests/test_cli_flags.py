@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import functools
 import re
 import subprocess
 import sys
@@ -38,6 +39,7 @@ class HelpEntry:
     default: str | None
 
 
+@functools.cache  # one `cli.py ... --help` process per sub-command for the whole module
 def _help_text(*args: str) -> str:
     env = dict(os.environ, COLUMNS="100")
     done = subprocess.run([sys.executable, "cli.py", *args], cwd=ROOT, env=env, capture_output=True, text=True,

@@ -29,8 +29,8 @@ Flows (router = main process):
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping
-from dataclasses import dataclass, is_dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, fields, is_dataclass
 from types import MappingProxyType
 from typing import Any, ClassVar
 
@@ -73,9 +73,8 @@ class SpecCount(Record):
 
 @dataclass(frozen=True, slots=True)
 class EngineStats(Record):
-    """An engine's queues, KV pool and cumulative counters, field for field `engine.stats.EngineStats` (the
-    engine does not import the transport, so the record is declared on both sides under the same names and
-    `actors.convert` copies it by name; tests/test_stats_record.py keeps the two declarations identical)."""
+    """An engine's queues, KV pool and cumulative counters: the one record, under the same field names, from the
+    engine (`engine.stats` re-exports it) through the heartbeat to the router's totals, /status and /metrics."""
 
     running: int = 0
     waiting: int = 0
@@ -85,13 +84,21 @@ class EngineStats(Record):
     prefix_queries: int = 0
     prefix_hits: int = 0
     num_preemptions: int = 0
-    spec_proposed: int = 0
-    spec_accepted: int = 0
-    spec_steps: int = 0
-    kv_bytes_per_token: float = 0.0
-    kv_blocks_compressed: int = 0
-    kv_blocks_cold_total: int = 0
-    kv_compressions: int = 0
+    spec_proposed: int = 0  # draft tokens verified
+    spec_accepted: int = 0  # ... of which accepted
+    spec_steps: int = 0  # verifications (one sequence, one step, at least one draft)
+    kv_bytes_per_token: float = 0.0  # KV pool bytes per cached token (smaller with --kv-cache-dtype fp8/fp4)
+    kv_blocks_compressed: int = 0  # --kv-compress: FP4 blocks holding compressed pages now
+    kv_blocks_cold_total: int = 0  # ... of this many in the FP4 region (not counted in kv_blocks_total)
+    kv_compressions: int = 0  # pages compressed so far
+
+    @staticmethod
+    def total(parts: Iterable[EngineStats]) -> EngineStats:
+        """Several engines as one: counts add up; bytes per token is the largest (a property, not a count)."""
+        parts = list(parts)
+        sums = {f.name: sum(getattr(p, f.name) for p in parts) for f in fields(EngineStats)}
+        sums["kv_bytes_per_token"] = max((p.kv_bytes_per_token for p in parts), default=0.0)
+        return EngineStats(**sums)
 
 
 @dataclass(frozen=True, slots=True)
