@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import functools
+import os
 import re
 import subprocess
 import sys
