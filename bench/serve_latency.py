@@ -1,0 +1,157 @@
+"""Per-token time through `cli.py serve` against the embedded engine, on the same model and prompts, in one run.
+
+    python -m bench.serve_latency [--streams 1,2,4,8] [--max-tokens 128] [--input-len 64] [--rounds 3]
+        [--in-process] [--model PATH] [--json OUT]
+
+For each number of concurrent streams N, both sides generate N distinct prompts of --input-len token ids to
+exactly --max-tokens tokens each (greedy, EOS ignored):
+- embedded: `LLM.generate` in this process; its decode time is the wall time of the N prompts to --max-tokens
+  tokens less that of the same N prompts to one token (the prefill), so it covers --max-tokens - 1 steps;
+- server: `python cli.py serve` (actor mode, or --in-process) in a subprocess, read with the official `openai`
+  client's streaming (`AsyncOpenAI().completions.create(stream=True)`), one task per stream; a stream's decode
+  time runs from its first text chunk to its last, over its usage's completion tokens - 1.
+Per-token time is decode time / (tokens - 1) (the median stream for the server), aggregate tok/s is
+N * (tokens - 1) / decode time. The ratio column is server / embedded per-token time (goal: at most 1.15 at one
+stream) and server / embedded aggregate (goal: at least 0.9 at 8 streams). Rounds alternate the two sides and
+report medians.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+WORDS = ("river stone lantern harbour meadow signal copper winter garden thunder paper orbit candle forest "
+         "engine silver bridge market violin desert").split()
+
+
+@dataclass(frozen=True)
+class Side:
+    streams: int
+    per_token_ms: float
+    aggregate_tok_s: float
+
+
+def prompts(tokenizer, count: int, length: int, round_index: int) -> list[list[int]]:
+    """`count` distinct prompts of exactly `length` token ids (fresh each round: no prefix-cache hits)."""
+    out = []
+    for i in range(count):
+        words = [WORDS[(i * 7 + round_index * 3 + j) % len(WORDS)] for j in range(4 * length)]
+        ids = tokenizer.encode(f"Prompt {round_index}-{i}: " + " ".join(words))
+        out.append(ids[:length])
+    return out
+
+
+def embedded(llm, batch: list[list[int]], max_tokens: int) -> Side:
+    from engine import SamplingParams
+
+    def run(tokens: int) -> float:
+        start = time.perf_counter()
+        llm.generate(batch, SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))
+        return time.perf_counter() - start
+
+    decode = run(max_tokens) - run(1)
+    steps = max_tokens - 1
+    return Side(len(batch), decode / steps * 1e3, len(batch) * steps / decode)
+
+
+async def one_stream(client, model: str, prompt: list[int], max_tokens: int) -> tuple[float, int]:
+    """-> (seconds from the first text chunk to the last, completion tokens)."""
+    stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                             stream=True, stream_options={"include_usage": True},
+                                             extra_body={"ignore_eos": True})
+    first = last = None
+    tokens = 0
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].text:
+            last = time.perf_counter()
+            first = first or last
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+    return (last - first) if first else 0.0, tokens
+
+
+async def served(url: str, model: str, batch: list[list[int]], max_tokens: int) -> Side:
+    from openai import AsyncOpenAI
+
+    async with AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as client:
+        results = await asyncio.gather(*(one_stream(client, model, p, max_tokens) for p in batch))
+    steps = [tokens - 1 for _, tokens in results]
+    per_token = statistics.median(seconds / n for (seconds, _), n in zip(results, steps))
+    decode = statistics.median(seconds for seconds, _ in results)
+    return Side(len(batch), per_token * 1e3, sum(steps) / decode)
+
+
+def start_server(extra: list[str]) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen([sys.executable, "cli.py", "serve", "--port", "0", "--log-level", "warning", *extra],
+                            cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    for line in proc.stderr:
+        found = re.search(r"serving .* on (http://\S+)", line)
+        if found:  # keep reading its stderr, so that a full pipe never blocks the server
+            threading.Thread(target=proc.stderr.read, daemon=True).start()
+            return proc, found.group(1)
+    raise RuntimeError(f"the server exited ({proc.wait()}) before it served")
+
+
+def print_table(rows: dict[int, tuple[list[Side], list[Side]]], mode: str) -> None:
+    print(f"server ({mode}) against the embedded engine; medians of rounds")
+    print("streams  embedded ms/token  server ms/token  ratio   embedded tok/s  server tok/s  ratio")
+    for n, (emb, srv) in rows.items():
+        e_ms, s_ms = (statistics.median(s.per_token_ms for s in side) for side in (emb, srv))
+        e_tps, s_tps = (statistics.median(s.aggregate_tok_s for s in side) for side in (emb, srv))
+        print(f"{n:>7}  {e_ms:>17.2f}  {s_ms:>15.2f}  {s_ms / e_ms:>5.2f}   {e_tps:>14.1f}  {s_tps:>12.1f}  "
+              f"{s_tps / e_tps:>5.2f}")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--streams", default="1,2,4,8", help="comma-separated numbers of concurrent streams")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--input-len", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--in-process", action="store_true", help="serve with --in-process instead of actors")
+    p.add_argument("--model", default=None, help="HF folder or .gguf file (default: SmolLM2-135M)")
+    p.add_argument("--json", default=None, help="write the rounds to this file")
+    args = p.parse_args(argv)
+    args.stream_counts = [int(n) for n in args.streams.split(",") if n.strip()]
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    from engine import LLM
+
+    args = parse_args(argv)
+    model_flags = ["--model", args.model] if args.model else []
+    llm = LLM(args.model)
+    rows: dict[int, tuple[list[Side], list[Side]]] = {n: ([], []) for n in args.stream_counts}
+    proc, url = start_server(model_flags + (["--in-process"] if args.in_process else []))
+    try:
+        with urllib.request.urlopen(f"{url}/v1/models", timeout=30) as response:
+            name = json.loads(response.read())["data"][0]["id"]
+        for r in range(args.rounds):
+            for n in args.stream_counts:
+                batch = prompts(llm.tokenizer, n, args.input_len, r)
+                rows[n][0].append(embedded(llm, batch, args.max_tokens))
+                rows[n][1].append(asyncio.run(served(url, name, prompts(llm.tokenizer, n, args.input_len,
+                                                                         r + args.rounds), args.max_tokens)))
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    print_table(rows, "in-process" if args.in_process else "actors")
+    if args.json:
+        Path(args.json).write_text(json.dumps({n: [[asdict(s) for s in side] for side in sides]
+                                               for n, sides in rows.items()}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
