@@ -1,7 +1,7 @@
 """Per-token time through `cli.py serve` against the embedded engine, on the same model and prompts, in one run.
 
     python -m bench.serve_latency [--streams 1,2,4,8] [--max-tokens 128] [--input-len 64] [--rounds 3]
-        [--in-process] [--model PATH] [--json OUT]
+        [--in-process] [--server-flags FLAGS] [--model PATH] [--json OUT]
 
 For each number of concurrent streams N, both sides generate N distinct prompts of --input-len token ids to
 exactly --max-tokens tokens each (greedy, EOS ignored):
@@ -121,6 +121,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--in-process", action="store_true", help="serve with --in-process instead of actors")
     p.add_argument("--model", default=None, help="HF folder or .gguf file (default: SmolLM2-135M)")
+    p.add_argument("--server-flags", default="", help="more `cli.py serve` flags, e.g. '--threads 1'")
     p.add_argument("--json", default=None, help="write the rounds to this file")
     args = p.parse_args(argv)
     args.stream_counts = [int(n) for n in args.streams.split(",") if n.strip()]
@@ -134,7 +135,7 @@ def main(argv: list[str] | None = None) -> None:
     model_flags = ["--model", args.model] if args.model else []
     llm = LLM(args.model)
     rows: dict[int, tuple[list[Side], list[Side]]] = {n: ([], []) for n in args.stream_counts}
-    proc, url = start_server(model_flags + (["--in-process"] if args.in_process else []))
+    proc, url = start_server(model_flags + (["--in-process"] if args.in_process else []) + args.server_flags.split())
     try:
         with urllib.request.urlopen(f"{url}/v1/models", timeout=30) as response:
             name = json.loads(response.read())["data"][0]["id"]
