@@ -81,7 +81,10 @@ async def test_only_missing_blocks_move_on_a_prefix_hit(cluster, reference):
 
 async def test_garbage_on_an_actor_socket_leaves_it_serving(cluster, reference):
     handle = cluster._client.supervisor.ready("decode")[0]
-    for payload in (os.urandom(4096), (2 ** 31).to_bytes(4, "big") + b"x" * 64):
+    # a whole frame of random bytes, then a header past the frame limit (a random header alone may announce a
+    # legal size larger than what follows, and the actor rightly waits for the rest of that frame)
+    garbage = os.urandom(4096)
+    for payload in (len(garbage).to_bytes(4, "big") + garbage, (2 ** 31).to_bytes(4, "big") + b"x" * 64):
         reader, writer = await asyncio.open_unix_connection(handle.spec.socket_path)
         writer.write(payload)
         await writer.drain()
