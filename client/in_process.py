@@ -4,8 +4,8 @@ from __future__ import annotations
 import asyncio
 
 from engine.engine_core import EngineCore, EngineRequest
-from engine.stats import EngineStats
 from engine.engine_thread import EngineThread
+from engine.stats import EngineStats
 
 
 class InProcessClient:
