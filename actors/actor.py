@@ -15,7 +15,7 @@ import time
 from typing import Any, Callable
 
 from actors.spec import ActorSpec
-from engine.engine_thread import EngineThread
+from engine.engine_thread import EngineThread, build_off_thread
 from engine.stats import EngineStats
 from transport import Connection, TransportError, connect_tcp, serve_unix
 from transport import messages as m
@@ -42,7 +42,11 @@ class Actor:
         self.draining = False
 
     # ---------------------------------------------------------------- overridden per role
-    def build_engine(self) -> Any: ...
+    def build_engine(self) -> Any:
+        """Load (and calibrate) the engine. Runs on a thread of its own (build_off_thread), not the loop's."""
+
+    def start_tasks(self) -> None:
+        """Start the role's background tasks on the loop, once the engine is built."""
 
     def ready_message(self) -> m.Ready: ...
 
@@ -85,8 +89,9 @@ class Actor:
 
     def _start_engine(self) -> None:
         self.loop = asyncio.get_running_loop()
-        engine = self.build_engine()
+        engine = build_off_thread(self.build_engine, name=f"{self.spec.actor_id}-build")
         self.thread = EngineThread(engine, self.loop, self.deliver, self._on_step_error, name=self.spec.actor_id)
+        self.start_tasks()
 
     def _stop_engine(self) -> None:
         self.thread.shutdown()

@@ -57,8 +57,10 @@ class DecodeActor(Actor):
                                  kv_allocator=allocate if shared else None, proposer=self._draft_client())
         self.calibration = calibrate_engine(self.engine)
         log.info("calibrated: %s", self.calibration)
-        self.loop.create_task(self._sweep_reservations())
         return self.engine
+
+    def start_tasks(self) -> None:
+        self.loop.create_task(self._sweep_reservations())
 
     def _draft_client(self) -> RemoteProposer | None:
         """Drafts from the spec's draft actor instead of a draft model in this process, when it names one."""

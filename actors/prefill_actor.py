@@ -26,8 +26,10 @@ class PrefillActor(Actor):
         self.engine = PrefillEngine(EngineConfig(**self.spec.engine), device=self.spec.local_device)
         self.calibration = calibrate_prefill_engine(self.engine)
         log.info("calibrated: %s", self.calibration)
-        self.loop.create_task(self._sweep_deadlines())
         return self.engine
+
+    def start_tasks(self) -> None:
+        self.loop.create_task(self._sweep_deadlines())
 
     def ready_message(self) -> m.Ready:
         return m.Ready(self.spec.actor_id, 0, self.engine.config.block_size, {"kind": "none"},

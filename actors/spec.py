@@ -48,9 +48,10 @@ class ActorSpec:
         return ActorSpec(**raw)
 
     def child_environment(self) -> dict[str, str]:
-        """Thread and device settings that must be in place before the child imports torch."""
-        env = dict(os.environ, OMP_NUM_THREADS=str(self.threads), OMP_WAIT_POLICY="PASSIVE",
-                   MKL_NUM_THREADS=str(self.threads))
+        """Thread and device settings that must be in place before the child imports torch. OpenMP keeps its
+        default wait policy (spin briefly, then sleep; sleep at once when its threads outnumber the cores):
+        a passive policy puts a futex wake-up behind each of a decode step's barriers."""
+        env = dict(os.environ, OMP_NUM_THREADS=str(self.threads), MKL_NUM_THREADS=str(self.threads))
         if self.device.startswith("cuda:"):
             env["CUDA_VISIBLE_DEVICES"] = self.device.split(":", 1)[1]
         return env

@@ -12,6 +12,7 @@ from client.prompts import Messages, Prepared, Prompt, chat_prompt, engine_confi
 from engine.client_protocol import EngineClient
 from engine.config import ConfigError, EngineConfig
 from engine.engine_core import EngineCore, EngineRequest, RequestError
+from engine.engine_thread import build_off_thread
 from engine.model.loader import resolve_dtype, resolve_model
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
@@ -41,7 +42,7 @@ class AsyncLLM:
         self.layout = ActorLayout(prefill_actors, decode_actors, tuple(devices), disagg, listen_workers, draft_actors)
         if draft_actors and self.config.speculative != "draft":
             raise ConfigError("draft_actors needs speculative='draft' (and a draft_model)")
-        self.engine = None if self.layout.uses_actors else EngineCore(self.config)
+        self.engine = None if self.layout.uses_actors else build_off_thread(lambda: EngineCore(self.config))
         self.source = self.engine.source if self.engine else resolve_model(self.config.model)
         self.tokenizer = self.source.tokenizer
         self.processor = OutputProcessor(self.tokenizer)

@@ -3,6 +3,8 @@
 Every call that touches the engine is a closure queued to that thread and run between two steps, so the
 engine never sees two threads. Results and step outputs come back on the loop. Both the in-process
 `AsyncLLM` and the actor subprocesses use this, which keeps their loops responsive during long steps.
+
+Build the engine with `build_off_thread`, never on the loop's thread: see its docstring.
 """
 from __future__ import annotations
 
@@ -10,9 +12,34 @@ import asyncio
 import logging
 import queue
 import threading
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Protocol, TypeVar
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def build_off_thread(build: Callable[[], T], name: str = "engine-build") -> T:
+    """Runs build() on a thread of its own, which then exits, and returns its result (or raises its error).
+
+    libgomp gives each thread that opens a parallel region a team of worker threads that lives as long as
+    that thread. Once a process holds more OpenMP threads than it has cores, every barrier sleeps instead of
+    spinning, and a decode step (hundreds of barriers) slows markedly (python -m bench.serve_latency). A
+    model loaded and warmed on the loop's thread would leave such a team behind beside the step thread's.
+    """
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["result"] = build()
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
 
 
 class Steppable(Protocol):

@@ -40,6 +40,7 @@ MODULE_TIERS: Mapping[str, Tier] = {
     "test_draft_actor.py": P,  # the layout and flag tests are marked unit
     "test_engine.py": E,
     "test_engine_client.py": U,
+    "test_engine_thread.py": U,
     "test_gguf_loader.py": U,  # the default model's tests are slow
     "test_handoff.py": U,
     "test_host_memory.py": U,  # the allocator test runs in subprocesses: marked process
