@@ -8,7 +8,10 @@ Metadata values are plain Python objects: int, float, bool or str, and every arr
 list of those (a list of lists for arrays of arrays). Strings are UTF-8 with invalid bytes replaced.
 
 `dequantize` turns tensor data into float32, bit-identical to `gguf.quants.dequantize`, with vectorised
-paths for F32, F16, BF16, Q8_0, Q4_0 and Q4_1 (gguf's own splits every tensor into 16-row groups).
+paths (FAST_DEQUANTIZERS) for F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the K-quants Q2_K, Q3_K,
+Q4_K, Q5_K and Q6_K; gguf's own splits every tensor into 16-row groups. Each fast path decodes a chunk of
+blocks at a time with the same float32 operations, in the same order, as gguf's, so that every rounding
+matches. Other types (IQ*, TQ*, ...) go to gguf's own dequantiser.
 """
 from __future__ import annotations
 
@@ -38,8 +41,11 @@ SCALAR_FORMATS = MappingProxyType({  # struct codes, little-endian
 SCALAR_STRUCTS = MappingProxyType({kind: struct.Struct(code) for kind, code in SCALAR_FORMATS.items()})
 NUMERIC_DTYPES = MappingProxyType({kind: np.dtype(code) for kind, code in SCALAR_FORMATS.items()})
 U32, U64 = struct.Struct("<I"), struct.Struct("<Q")
-BLOCK_VALUES = 32  # values per block of Q8_0, Q4_0 and Q4_1
-CHUNK_BLOCKS = 8192
+BLOCK_VALUES = 32  # values per block of Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1
+QK_K = 256  # values per super-block of the K-quants
+CHUNK_VALUES = 1 << 18  # values decoded per chunk: a MiB of float32, which stays in cache between passes
+CRUMB_SHIFTS = np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1)
+BIT_SHIFTS = np.arange(8, dtype=np.uint8).reshape(8, 1)
 # Tensor types `gguf.GGUFReader` exposes as typed elements; every other type comes as raw bytes per row.
 ELEMENT_DTYPES = MappingProxyType({
     T.F32: np.dtype("<f4"), T.F16: np.dtype("<f2"), T.F64: np.dtype("<f8"), T.I8: np.dtype("<i1"),
@@ -261,14 +267,21 @@ def _bf16(data: np.ndarray) -> np.ndarray:
     return np.left_shift(data.view("<u2").astype(np.uint32), 16).view(np.float32)
 
 
-def _blockwise(decode: Callable[[np.ndarray, np.ndarray], None]) -> Callable[[np.ndarray], np.ndarray]:
+Decoder = Callable[[np.ndarray, np.ndarray], None]  # (blocks, their float32 values to fill)
+
+
+def _blockwise(block_values: int) -> Callable[[Decoder], Callable[[np.ndarray], np.ndarray]]:
     """Applies `decode(blocks, values)` chunk by chunk, so that its several passes over the values stay in cache."""
-    def dequantize_blocks(blocks: np.ndarray) -> np.ndarray:
-        values = np.empty((blocks.shape[0], BLOCK_VALUES), dtype=np.float32)
-        for start in range(0, blocks.shape[0], CHUNK_BLOCKS):
-            decode(blocks[start:start + CHUNK_BLOCKS], values[start:start + CHUNK_BLOCKS])
-        return values
-    return dequantize_blocks
+    chunk_blocks = CHUNK_VALUES // block_values
+
+    def wrap(decode: Decoder) -> Callable[[np.ndarray], np.ndarray]:
+        def dequantize_blocks(blocks: np.ndarray) -> np.ndarray:
+            values = np.empty((blocks.shape[0], block_values), dtype=np.float32)
+            for start in range(0, blocks.shape[0], chunk_blocks):
+                decode(blocks[start:start + chunk_blocks], values[start:start + chunk_blocks])
+            return values
+        return dequantize_blocks
+    return wrap
 
 
 def _block_scale(blocks: np.ndarray, start: int) -> np.ndarray:
@@ -276,33 +289,161 @@ def _block_scale(blocks: np.ndarray, start: int) -> np.ndarray:
     return blocks[:, start:start + 2].view("<f2").astype(np.float32)
 
 
-def _unpack_nibbles(packed: np.ndarray, values: np.ndarray) -> None:
-    """Each block's low nibbles, then its high ones, as floats (casting is faster than a table lookup)."""
-    halves = values.reshape(packed.shape[0], 2, -1)
-    halves[:, 0] = packed & 0x0F
-    halves[:, 1] = packed >> 4
+def _unpack_nibbles(packed: np.ndarray, values: np.ndarray, groups: int = 1) -> None:
+    """Each of `groups` runs of bytes gives its low nibbles, then its high ones, to consecutive values (as
+    floats or uint8; casting is faster than a table lookup)."""
+    packed = packed.reshape(packed.shape[0], groups, -1)
+    halves = values.reshape(packed.shape[0], groups, 2, -1)
+    halves[:, :, 0] = packed & 0x0F
+    halves[:, :, 1] = packed >> 4
 
 
-@_blockwise
+def _crumbs(packed: np.ndarray, groups: int) -> np.ndarray:
+    """Each of `groups` runs of bytes as four planes of 2-bit fields, at shifts 0, 2, 4 and 6: (n, groups, 4, run)."""
+    return (packed.reshape(packed.shape[0], groups, 1, -1) >> CRUMB_SHIFTS) & 3
+
+
+def _bit_planes(packed: np.ndarray) -> np.ndarray:
+    """Bit j of byte b, for each j, as uint8 0/1: (n, 8, bytes), plane j belonging to sub-block j of the K-quants."""
+    return (packed[:, None, :] >> BIT_SHIFTS) & 1
+
+
+def _five_bits(blocks: np.ndarray, high: int, low: int) -> np.ndarray:
+    """Q5_0/Q5_1 quants as uint8: a little-endian uint32 at `high` holds value i's bit 4 in bit i, and 16 bytes
+    at `low` its low nibbles (values 0-15 in the low nibbles, 16-31 in the high ones)."""
+    q = np.empty((blocks.shape[0], BLOCK_VALUES), dtype=np.uint8)
+    _unpack_nibbles(blocks[:, low:low + 16], q)
+    q |= np.unpackbits(blocks[:, high:high + 4], axis=1, bitorder="little") << 4
+    return q
+
+
+def _signed(q: np.ndarray, offset: int) -> np.ndarray:
+    """`q - offset` as int8, in place (uint8 arithmetic wraps to the two's complement)."""
+    q -= np.uint8(offset)
+    return q.view(np.int8)
+
+
+def _k_scales_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K's 12 bytes as eight 6-bit scales and eight 6-bit minimums (uint8). Bytes 0-3 hold scales 0-3
+    in their low 6 bits, bytes 4-7 minimums 0-3; bytes 8-11 hold the low 4 bits of scale 4+i (low nibble) and
+    minimum 4+i (high nibble), whose top 2 bits are the top 2 bits of bytes i and 4+i."""
+    low, mins, high = (packed[:, i:i + 4] for i in (0, 4, 8))
+    scales, minimums = np.empty((2, packed.shape[0], 2, 4), dtype=np.uint8)
+    scales[:, 0], minimums[:, 0] = low & 0x3F, mins & 0x3F
+    scales[:, 1] = (high & 0x0F) | ((low >> 2) & 0x30)
+    minimums[:, 1] = (high >> 4) | ((mins >> 2) & 0x30)
+    return scales.reshape(-1, 8), minimums.reshape(-1, 8)
+
+
+def _q3_k_scales(packed: np.ndarray) -> np.ndarray:
+    """Q3_K's 12 bytes as sixteen signed 6-bit scales (int8): the low 4 bits of scale i in byte i % 8 (low nibble
+    for i < 8, high for the rest), its top 2 bits at shift 2 * (i // 4) of byte 8 + i % 4; stored plus 32."""
+    n = packed.shape[0]
+    scales = np.empty((n, 2, 8), dtype=np.uint8)
+    _unpack_nibbles(packed[:, :8], scales)
+    scales = scales.reshape(n, 16)
+    scales |= _crumbs(packed[:, 8:12], 1).reshape(n, 16) << 4
+    return _signed(scales, 32)
+
+
+@_blockwise(BLOCK_VALUES)
 def _q8_0(blocks: np.ndarray, values: np.ndarray) -> None:
     values[:] = blocks[:, 2:].view(np.int8)
     values *= _block_scale(blocks, 0)
 
 
-@_blockwise
+@_blockwise(BLOCK_VALUES)
 def _q4_0(blocks: np.ndarray, values: np.ndarray) -> None:
     _unpack_nibbles(blocks[:, 2:], values)
     values -= 8  # exact: gguf subtracts 8 in int8 before converting
     values *= _block_scale(blocks, 0)
 
 
-@_blockwise
+@_blockwise(BLOCK_VALUES)
 def _q4_1(blocks: np.ndarray, values: np.ndarray) -> None:
     _unpack_nibbles(blocks[:, 4:], values)
     values *= _block_scale(blocks, 0)  # gguf computes d * q + m in float32, in that order, unfused
     values += _block_scale(blocks, 2)
 
 
+@_blockwise(BLOCK_VALUES)
+def _q5_0(blocks: np.ndarray, values: np.ndarray) -> None:
+    # d (f16), the high bits (4 bytes), the low nibbles (16 bytes); the value is d * (q - 16)
+    values[:] = _signed(_five_bits(blocks, 2, 6), 16)
+    values *= _block_scale(blocks, 0)
+
+
+@_blockwise(BLOCK_VALUES)
+def _q5_1(blocks: np.ndarray, values: np.ndarray) -> None:
+    # d and m (f16), the high bits (4 bytes), the low nibbles (16 bytes); the value is d * q + m, unfused
+    values[:] = _five_bits(blocks, 4, 8)
+    values *= _block_scale(blocks, 0)
+    values += _block_scale(blocks, 2)
+
+
+@_blockwise(QK_K)
+def _q2_k(blocks: np.ndarray, values: np.ndarray) -> None:
+    # 16 bytes of 4-bit scale (low) and min (high) per 16 values, 64 bytes of 2-bit quants (two runs of 32
+    # bytes, each four 32-value planes), d and dmin (f16); value = (d * scale) * q - dmin * min, in float32
+    n = blocks.shape[0]
+    values.reshape(n, 2, 4, 32)[:] = _crumbs(blocks[:, 16:80], 2)
+    scales, sixteens = blocks[:, :16], values.reshape(n, 16, 16)
+    sixteens *= (_block_scale(blocks, 80) * (scales & 0x0F))[:, :, None]
+    sixteens -= (_block_scale(blocks, 82) * (scales >> 4))[:, :, None]
+
+
+@_blockwise(QK_K)
+def _q3_k(blocks: np.ndarray, values: np.ndarray) -> None:
+    # 32 bytes of high bits (eight 32-value planes), 64 bytes of 2-bit quants laid out as Q2_K's, 12 bytes of
+    # scales, d (f16); the quant is low | high << 2, less 4, and the value (d * scale) * quant
+    n = blocks.shape[0]
+    q = _crumbs(blocks[:, 32:96], 2).reshape(n, 8, 32)
+    q |= _bit_planes(blocks[:, :32]) << 2
+    values.reshape(n, 8, 32)[:] = _signed(q, 4)
+    sixteens = values.reshape(n, 16, 16)
+    sixteens *= (_block_scale(blocks, 108) * _q3_k_scales(blocks[:, 96:108]))[:, :, None]
+
+
+@_blockwise(QK_K)
+def _q4_k(blocks: np.ndarray, values: np.ndarray) -> None:
+    # d and dmin (f16), 12 bytes of 6-bit scales and mins per 32 values, 128 bytes of nibbles (four runs of 32
+    # bytes, low nibbles then high); value = (d * scale) * q - dmin * min, in float32
+    n = blocks.shape[0]
+    _unpack_nibbles(blocks[:, 16:], values, groups=4)
+    scales, minimums = _k_scales_mins(blocks[:, 4:16])
+    thirty_twos = values.reshape(n, 8, 32)
+    thirty_twos *= (_block_scale(blocks, 0) * scales)[:, :, None]
+    thirty_twos -= (_block_scale(blocks, 2) * minimums)[:, :, None]
+
+
+@_blockwise(QK_K)
+def _q5_k(blocks: np.ndarray, values: np.ndarray) -> None:
+    # as Q4_K, with 32 bytes of fifth bits (eight 32-value planes) before the nibbles
+    n = blocks.shape[0]
+    q = np.empty((n, 8, 32), dtype=np.uint8)
+    _unpack_nibbles(blocks[:, 48:], q, groups=4)
+    q |= _bit_planes(blocks[:, 16:48]) << 4
+    values.reshape(n, 8, 32)[:] = q
+    scales, minimums = _k_scales_mins(blocks[:, 4:16])
+    thirty_twos = values.reshape(n, 8, 32)
+    thirty_twos *= (_block_scale(blocks, 0) * scales)[:, :, None]
+    thirty_twos -= (_block_scale(blocks, 2) * minimums)[:, :, None]
+
+
+@_blockwise(QK_K)
+def _q6_k(blocks: np.ndarray, values: np.ndarray) -> None:
+    # 128 bytes of low nibbles (two runs of 64 bytes, one per 128 values, low nibbles then high), 64 bytes of
+    # top 2 bits (two runs of 32 bytes, four planes each), 16 int8 scales, d (f16); value = (d * scale) * (q - 32)
+    n = blocks.shape[0]
+    q = np.empty((n, 2, 4, 32), dtype=np.uint8)
+    _unpack_nibbles(blocks[:, :128], q, groups=2)
+    q |= _crumbs(blocks[:, 128:192], 2) << 4
+    values.reshape(q.shape)[:] = _signed(q, 32)
+    sixteens = values.reshape(n, 16, 16)
+    sixteens *= (_block_scale(blocks, 208) * blocks[:, 192:208].view(np.int8))[:, :, None]
+
+
 FAST_DEQUANTIZERS: MappingProxyType[GGMLQuantizationType, Callable[[np.ndarray], np.ndarray]] = MappingProxyType({
     T.F32: _as_float32, T.F16: _as_float32, T.BF16: _bf16, T.Q8_0: _q8_0, T.Q4_0: _q4_0, T.Q4_1: _q4_1,
+    T.Q5_0: _q5_0, T.Q5_1: _q5_1, T.Q2_K: _q2_k, T.Q3_K: _q3_k, T.Q4_K: _q4_k, T.Q5_K: _q5_k, T.Q6_K: _q6_k,
 })
