@@ -8,7 +8,10 @@ Metadata values are plain Python objects: int, float, bool or str, and every arr
 list of those (a list of lists for arrays of arrays). Strings are UTF-8 with invalid bytes replaced.
 
 `dequantize` turns tensor data into float32, bit-identical to `gguf.quants.dequantize`, with vectorised
-paths for F32, F16, BF16, Q8_0, Q4_0 and Q4_1 (gguf's own splits every tensor into 16-row groups).
+paths (FAST_DEQUANTIZERS) for F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the K-quants Q2_K, Q3_K,
+Q4_K, Q5_K and Q6_K; gguf's own splits every tensor into 16-row groups. Each fast path decodes a chunk of
+blocks at a time with the same float32 operations, in the same order, as gguf's, so that every rounding
+matches. Other types (IQ*, TQ*, ...) go to gguf's own dequantiser.
 """
 from __future__ import annotations
 
@@ -38,8 +41,10 @@ SCALAR_FORMATS = MappingProxyType({  # struct codes, little-endian
 SCALAR_STRUCTS = MappingProxyType({kind: struct.Struct(code) for kind, code in SCALAR_FORMATS.items()})
 NUMERIC_DTYPES = MappingProxyType({kind: np.dtype(code) for kind, code in SCALAR_FORMATS.items()})
 U32, U64 = struct.Struct("<I"), struct.Struct("<Q")
-BLOCK_VALUES = 32  # values per block of Q8_0, Q4_0 and Q4_1
-CHUNK_BLOCKS = 8192
+BLOCK_VALUES = 32  # values per block of Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1
+QK_K = 256  # values per super-block of the K-quants
+CHUNK_VALUES = 1 << 18  # values decoded per chunk: a MiB of float32, which stays in cache between passes
+LOW_NIBBLES = np.uint64(0x0F0F0F0F0F0F0F0F)
 # Tensor types `gguf.GGUFReader` exposes as typed elements; every other type comes as raw bytes per row.
 ELEMENT_DTYPES = MappingProxyType({
     T.F32: np.dtype("<f4"), T.F16: np.dtype("<f2"), T.F64: np.dtype("<f8"), T.I8: np.dtype("<i1"),
@@ -261,14 +266,21 @@ def _bf16(data: np.ndarray) -> np.ndarray:
     return np.left_shift(data.view("<u2").astype(np.uint32), 16).view(np.float32)
 
 
-def _blockwise(decode: Callable[[np.ndarray, np.ndarray], None]) -> Callable[[np.ndarray], np.ndarray]:
+Decoder = Callable[[np.ndarray, np.ndarray], None]  # (blocks, their float32 values to fill)
+
+
+def _blockwise(block_values: int) -> Callable[[Decoder], Callable[[np.ndarray], np.ndarray]]:
     """Applies `decode(blocks, values)` chunk by chunk, so that its several passes over the values stay in cache."""
-    def dequantize_blocks(blocks: np.ndarray) -> np.ndarray:
-        values = np.empty((blocks.shape[0], BLOCK_VALUES), dtype=np.float32)
-        for start in range(0, blocks.shape[0], CHUNK_BLOCKS):
-            decode(blocks[start:start + CHUNK_BLOCKS], values[start:start + CHUNK_BLOCKS])
-        return values
-    return dequantize_blocks
+    chunk_blocks = CHUNK_VALUES // block_values
+
+    def wrap(decode: Decoder) -> Callable[[np.ndarray], np.ndarray]:
+        def dequantize_blocks(blocks: np.ndarray) -> np.ndarray:
+            values = np.empty((blocks.shape[0], block_values), dtype=np.float32)
+            for start in range(0, blocks.shape[0], chunk_blocks):
+                decode(blocks[start:start + chunk_blocks], values[start:start + chunk_blocks])
+            return values
+        return dequantize_blocks
+    return wrap
 
 
 def _block_scale(blocks: np.ndarray, start: int) -> np.ndarray:
@@ -276,33 +288,190 @@ def _block_scale(blocks: np.ndarray, start: int) -> np.ndarray:
     return blocks[:, start:start + 2].view("<f2").astype(np.float32)
 
 
-def _unpack_nibbles(packed: np.ndarray, values: np.ndarray) -> None:
-    """Each block's low nibbles, then its high ones, as floats (casting is faster than a table lookup)."""
-    halves = values.reshape(packed.shape[0], 2, -1)
-    halves[:, 0] = packed & 0x0F
-    halves[:, 1] = packed >> 4
+def _spread(factors: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """Each block's factors (one per equal run of its values) repeated over their runs, shaped as `values`:
+    numpy broadcasts a column over short rows slowly, and full rows quickly."""
+    return factors.repeat(values.shape[1] // factors.shape[1], axis=1)
 
 
-@_blockwise
+def _nibbles(blocks: np.ndarray, start: int) -> np.ndarray:
+    """The 16 bytes at `start` of each block as 32 uint8 values: the low nibbles, then the high ones. Done a
+    uint64 column at a time, since numpy's loops over rows of a few bytes are slow."""
+    words = blocks[:, start:start + 16].view("<u8")
+    q = np.empty((blocks.shape[0], 4), dtype="<u8")
+    for w in range(2):
+        np.bitwise_and(words[:, w], LOW_NIBBLES, out=q[:, w])
+        np.right_shift(words[:, w], 4, out=q[:, 2 + w])
+        q[:, 2 + w] &= LOW_NIBBLES
+    return q.view(np.uint8)
+
+
+def _unpack_nibbles(packed: np.ndarray, q: np.ndarray, groups: int) -> None:
+    """Each of `groups` runs of bytes gives its low nibbles, then its high ones, to consecutive uint8 values."""
+    packed = packed.reshape(packed.shape[0], groups, -1)
+    halves = q.reshape(packed.shape[0], groups, 2, -1)
+    np.bitwise_and(packed, 0x0F, out=halves[:, :, 0])
+    np.right_shift(packed, 4, out=halves[:, :, 1])
+
+
+def _crumbs(packed: np.ndarray, groups: int) -> np.ndarray:
+    """Each of `groups` runs of bytes as four planes of 2-bit fields, at shifts 0, 2, 4 and 6: uint8
+    (n, groups, 4, run). Shifting plane by plane into place beats one broadcast shift."""
+    packed = packed.reshape(packed.shape[0], groups, -1)
+    planes = np.empty((packed.shape[0], groups, 4, packed.shape[2]), dtype=np.uint8)
+    for plane in range(4):
+        np.right_shift(packed, 2 * plane, out=planes[:, :, plane])
+    planes &= 3
+    return planes
+
+
+def _bit_planes(packed: np.ndarray, weight: int) -> np.ndarray:
+    """Bit j of byte b, as 0 or `weight` (uint8), at [:, j, b]: (n, 8, bytes), plane j belonging to sub-block j
+    of a K-quant. (Multiplying, as numpy's uint8 left shift is not vectorised.)"""
+    planes = np.empty((packed.shape[0], 8, packed.shape[1]), dtype=np.uint8)
+    for bit in range(8):
+        np.right_shift(packed, bit, out=planes[:, bit])
+    planes &= 1
+    planes *= weight
+    return planes
+
+
+def _five_bits(blocks: np.ndarray, high: int, low: int) -> np.ndarray:
+    """Q5_0/Q5_1 quants as uint8: a little-endian uint32 at `high` holds value i's bit 4 in bit i, and 16 bytes
+    at `low` its low nibbles (values 0-15 in the low nibbles, 16-31 in the high ones)."""
+    q = _nibbles(blocks, low)
+    q |= np.unpackbits(blocks[:, high:high + 4], axis=1, bitorder="little") * np.uint8(16)
+    return q
+
+
+def _signed(q: np.ndarray, offset: int) -> np.ndarray:
+    """`q - offset` as int8, in place (uint8 arithmetic wraps to the two's complement)."""
+    q -= np.uint8(offset)
+    return q.view(np.int8)
+
+
+def _words(packed: np.ndarray, start: int) -> np.ndarray:
+    """The 4 bytes at `start` of each block as a little-endian uint32 column, to unpack four 6-bit fields at once."""
+    return packed[:, start:start + 4].view("<u4")
+
+
+def _k_scales_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K's 12 bytes as eight 6-bit scales and eight 6-bit minimums (uint8). Bytes 0-3 hold scales 0-3
+    in their low 6 bits, bytes 4-7 minimums 0-3; bytes 8-11 hold the low 4 bits of scale 4+i (low nibble) and
+    minimum 4+i (high nibble), whose top 2 bits are the top 2 bits of bytes i and 4+i."""
+    low, mins, high = (_words(packed, at) for at in (0, 4, 8))
+    scales, minimums = np.empty((2, packed.shape[0], 2), dtype="<u4")
+    scales[:, :1], minimums[:, :1] = low & 0x3F3F3F3F, mins & 0x3F3F3F3F
+    scales[:, 1:] = (high & 0x0F0F0F0F) | ((low >> 2) & 0x30303030)
+    minimums[:, 1:] = ((high >> 4) & 0x0F0F0F0F) | ((mins >> 2) & 0x30303030)
+    return scales.view(np.uint8), minimums.view(np.uint8)
+
+
+def _q3_k_scales(packed: np.ndarray) -> np.ndarray:
+    """Q3_K's 12 bytes as sixteen signed 6-bit scales (int8): the low 4 bits of scale i in byte i % 8 (low nibble
+    for i < 8, high for the rest), its top 2 bits at shift 2 * (i // 4) of byte 8 + i % 4; stored plus 32."""
+    low, high = (_words(packed, 0), _words(packed, 4)), _words(packed, 8)
+    scales = np.empty((packed.shape[0], 4), dtype="<u4")
+    for four in range(4):  # scales 4 * four .. 4 * four + 3
+        nibbles = (low[four % 2] >> (4 * (four // 2))) & 0x0F0F0F0F
+        scales[:, four:four + 1] = nibbles | (((high >> (2 * four)) & 0x03030303) << 4)
+    return _signed(scales.view(np.uint8), 32)
+
+
+@_blockwise(BLOCK_VALUES)
 def _q8_0(blocks: np.ndarray, values: np.ndarray) -> None:
     values[:] = blocks[:, 2:].view(np.int8)
-    values *= _block_scale(blocks, 0)
+    values *= _spread(_block_scale(blocks, 0), values)
 
 
-@_blockwise
+@_blockwise(BLOCK_VALUES)
 def _q4_0(blocks: np.ndarray, values: np.ndarray) -> None:
-    _unpack_nibbles(blocks[:, 2:], values)
-    values -= 8  # exact: gguf subtracts 8 in int8 before converting
-    values *= _block_scale(blocks, 0)
+    # d (f16), 16 bytes of nibbles (values 0-15 low, 16-31 high); the value is d * (q - 8)
+    values[:] = _signed(_nibbles(blocks, 2), 8)
+    values *= _spread(_block_scale(blocks, 0), values)
 
 
-@_blockwise
+@_blockwise(BLOCK_VALUES)
 def _q4_1(blocks: np.ndarray, values: np.ndarray) -> None:
-    _unpack_nibbles(blocks[:, 4:], values)
-    values *= _block_scale(blocks, 0)  # gguf computes d * q + m in float32, in that order, unfused
-    values += _block_scale(blocks, 2)
+    # d and m (f16), 16 bytes of nibbles; gguf computes d * q + m in float32, in that order, unfused
+    values[:] = _nibbles(blocks, 4)
+    values *= _spread(_block_scale(blocks, 0), values)
+    values += _spread(_block_scale(blocks, 2), values)
+
+
+@_blockwise(BLOCK_VALUES)
+def _q5_0(blocks: np.ndarray, values: np.ndarray) -> None:
+    # d (f16), the high bits (4 bytes), the low nibbles (16 bytes); the value is d * (q - 16)
+    values[:] = _signed(_five_bits(blocks, 2, 6), 16)
+    values *= _spread(_block_scale(blocks, 0), values)
+
+
+@_blockwise(BLOCK_VALUES)
+def _q5_1(blocks: np.ndarray, values: np.ndarray) -> None:
+    # d and m (f16), the high bits (4 bytes), the low nibbles (16 bytes); the value is d * q + m, unfused
+    values[:] = _five_bits(blocks, 4, 8)
+    values *= _spread(_block_scale(blocks, 0), values)
+    values += _spread(_block_scale(blocks, 2), values)
+
+
+@_blockwise(QK_K)
+def _q2_k(blocks: np.ndarray, values: np.ndarray) -> None:
+    # 16 bytes of 4-bit scale (low) and min (high) per 16 values, 64 bytes of 2-bit quants (two runs of 32
+    # bytes, each four 32-value planes), d and dmin (f16); value = (d * scale) * q - dmin * min, in float32
+    values[:] = _crumbs(blocks[:, 16:80], 2).reshape(values.shape)
+    scales = blocks[:, :16]
+    values *= _spread(_block_scale(blocks, 80) * (scales & 0x0F), values)
+    values -= _spread(_block_scale(blocks, 82) * (scales >> 4), values)
+
+
+@_blockwise(QK_K)
+def _q3_k(blocks: np.ndarray, values: np.ndarray) -> None:
+    # 32 bytes of high bits (eight 32-value planes), 64 bytes of 2-bit quants laid out as Q2_K's, 12 bytes of
+    # scales, d (f16); the quant is low | high << 2, less 4, and the value (d * scale) * quant
+    q = _crumbs(blocks[:, 32:96], 2).reshape(values.shape)
+    q |= _bit_planes(blocks[:, :32], 4).reshape(values.shape)
+    values[:] = _signed(q, 4)
+    values *= _spread(_block_scale(blocks, 108) * _q3_k_scales(blocks[:, 96:108]), values)
+
+
+@_blockwise(QK_K)
+def _q4_k(blocks: np.ndarray, values: np.ndarray) -> None:
+    # d and dmin (f16), 12 bytes of 6-bit scales and mins per 32 values, 128 bytes of nibbles (four runs of 32
+    # bytes, low nibbles then high); value = (d * scale) * q - dmin * min, in float32
+    q = np.empty(values.shape, dtype=np.uint8)
+    _unpack_nibbles(blocks[:, 16:], q, groups=4)
+    values[:] = q
+    scales, minimums = _k_scales_mins(blocks[:, 4:16])
+    values *= _spread(_block_scale(blocks, 0) * scales, values)
+    values -= _spread(_block_scale(blocks, 2) * minimums, values)
+
+
+@_blockwise(QK_K)
+def _q5_k(blocks: np.ndarray, values: np.ndarray) -> None:
+    # as Q4_K, with 32 bytes of fifth bits (eight 32-value planes) before the nibbles
+    q = np.empty(values.shape, dtype=np.uint8)
+    _unpack_nibbles(blocks[:, 48:], q, groups=4)
+    q |= _bit_planes(blocks[:, 16:48], 16).reshape(values.shape)
+    values[:] = q
+    scales, minimums = _k_scales_mins(blocks[:, 4:16])
+    values *= _spread(_block_scale(blocks, 0) * scales, values)
+    values -= _spread(_block_scale(blocks, 2) * minimums, values)
+
+
+@_blockwise(QK_K)
+def _q6_k(blocks: np.ndarray, values: np.ndarray) -> None:
+    # 128 bytes of low nibbles (two runs of 64 bytes, one per 128 values, low nibbles then high), 64 bytes of
+    # top 2 bits (two runs of 32 bytes, four planes each), 16 int8 scales, d (f16); value = (d * scale) * (q - 32)
+    q = np.empty(values.shape, dtype=np.uint8)
+    _unpack_nibbles(blocks[:, :128], q, groups=2)
+    high = _crumbs(blocks[:, 128:192], 2)
+    high *= np.uint8(16)
+    q |= high.reshape(values.shape)
+    values[:] = _signed(q, 32)
+    values *= _spread(_block_scale(blocks, 208) * blocks[:, 192:208].view(np.int8), values)
 
 
 FAST_DEQUANTIZERS: MappingProxyType[GGMLQuantizationType, Callable[[np.ndarray], np.ndarray]] = MappingProxyType({
     T.F32: _as_float32, T.F16: _as_float32, T.BF16: _bf16, T.Q8_0: _q8_0, T.Q4_0: _q4_0, T.Q4_1: _q4_1,
+    T.Q5_0: _q5_0, T.Q5_1: _q5_1, T.Q2_K: _q2_k, T.Q3_K: _q3_k, T.Q4_K: _q4_k, T.Q5_K: _q5_k, T.Q6_K: _q6_k,
 })

