@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import time
 from dataclasses import fields
@@ -15,6 +16,7 @@ from engine.engine_core import EngineCore, EngineRequest, RequestError
 from engine.engine_thread import build_off_thread
 from engine.model.loader import resolve_dtype, resolve_model
 from engine.output_processor import OutputProcessor
+from engine.stream_interval import StreamInterval
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.step import SequenceUpdate
@@ -33,11 +35,16 @@ class AsyncLLM:
     runs in actor subprocesses behind the router instead, exactly as `cli.py serve` does (`draft_actors` moves
     the draft model of speculative="draft" out of the decode actors into processes of its own); call
     `await start()` first (or let the first request do it) and `await aclose()` at the end.
+
+    `stream_interval` (tokens, or "auto"): how many new tokens an output waits for (StreamInterval). Outputs
+    that pile up before the consumer reads them are merged into one, whatever the interval.
     """
 
     def __init__(self, model: str | None = None, dtype: str | None = None, *, decode_actors: int = 0,
                  prefill_actors: int = 0, devices: Sequence[str] = (), disagg: PlacementMode = "auto",
-                 listen_workers: str | None = None, draft_actors: int = 0, **engine_options) -> None:
+                 listen_workers: str | None = None, draft_actors: int = 0, stream_interval: int | str = 1,
+                 **engine_options) -> None:
+        self.stream_interval = StreamInterval.parse(stream_interval)
         self.config = engine_config(model, dtype, engine_options)
         self.layout = ActorLayout(prefill_actors, decode_actors, tuple(devices), disagg, listen_workers, draft_actors)
         if draft_actors and self.config.speculative != "draft":
@@ -46,7 +53,7 @@ class AsyncLLM:
         self.source = self.engine.source if self.engine else resolve_model(self.config.model)
         self.tokenizer = self.source.tokenizer
         self.processor = OutputProcessor(self.tokenizer)
-        self._streams: dict[str, asyncio.Queue] = {}
+        self._streams: dict[str, _OutputStream] = {}
         self._client: EngineClient | None = None
         self._ids = itertools.count()
         self._starting: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
@@ -96,7 +103,7 @@ class AsyncLLM:
         if rid in self._streams:
             raise ValueError(f"request id {rid!r} is already in use")
         self._check_length(prep.token_ids)
-        stream = self._streams[rid] = asyncio.Queue()
+        stream = self._streams[rid] = _OutputStream()
         arrival = time.monotonic()
         self.processor.add(rid, prep.prompt, prep.token_ids, params, arrival)
         finished = False
@@ -104,7 +111,7 @@ class AsyncLLM:
             placement = await client.add(EngineRequest(rid, prep.token_ids, params, priority, arrival,
                                                        treatment.speculate, treatment.compress_first))
             while not finished:
-                item = await stream.get()
+                item = await stream.next()
                 if isinstance(item, Exception):
                     raise item
                 placement = client.placement_of(rid) or placement
@@ -167,19 +174,19 @@ class AsyncLLM:
         return {} if self._client is None else self._client.calibration()
 
     def _on_updates(self, updates: list[SequenceUpdate]) -> None:
-        outputs, to_abort = self.processor.process(updates)
+        outputs, to_abort = self.processor.process(updates, self.stream_interval.tokens(len(self._streams)))
         for rid, index in to_abort:
             self._client.abort(rid, index)
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is not None:
-                stream.put_nowait(out)
+                stream.put(out)
 
     def _on_error(self, request_id: str, exc: Exception) -> None:
         self.processor.abort(request_id)
         stream = self._streams.get(request_id)
         if stream is not None:
-            stream.put_nowait(exc)
+            stream.put(exc)
 
     def shutdown(self) -> None:
         """Stop an in-process engine's step thread and abort whatever is still queued or running."""
@@ -203,10 +210,33 @@ class AsyncLLM:
 
     def _forget_streams(self) -> None:
         for stream in self._streams.values():
-            stream.put_nowait(RuntimeError("the engine was shut down"))
+            stream.put(RuntimeError("the engine was shut down"))
         self.processor.requests.clear()
         self._streams.clear()
 
+
+
+class _OutputStream:
+    """One request's outputs as they arrive, for its one reader."""
+
+    def __init__(self) -> None:
+        self._items: collections.deque[RequestOutput | Exception] = collections.deque()
+        self._ready = asyncio.Event()
+
+    def put(self, item: RequestOutput | Exception) -> None:
+        self._items.append(item)
+        self._ready.set()
+
+    async def next(self) -> RequestOutput | Exception:
+        """The next item, with the outputs queued behind it merged in (an error waits for the next call)."""
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        item = self._items.popleft()
+        while isinstance(item, RequestOutput) and not item.finished and self._items \
+                and isinstance(self._items[0], RequestOutput):
+            item = self._items.popleft().after(item)
+        return item
 
 
 def _config_options(config: EngineConfig) -> dict:

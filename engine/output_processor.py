@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -29,7 +29,7 @@ class RequestState:
     samples: list[_Sample]
     metrics: RequestMetrics
     num_cached_tokens: int = 0
-    changed: set[int] = field(default_factory=set)
+    emitted: bool = False  # an output has gone out (the first token is never held)
 
     @property
     def finished(self) -> bool:
@@ -57,9 +57,11 @@ class OutputProcessor:
         out = CompletionOutput(index, logprobs=[] if params.logprobs is not None else None)
         return _Sample(detok, StopChecker(params.stop, params.include_stop_str_in_output), out)
 
-    def process(self, updates: list[SequenceUpdate]) -> tuple[list[RequestOutput], list[tuple[str, int]]]:
-        """Apply updates; returns one output per changed request and the (request, sample) pairs to abort
-        because a stop string ended them."""
+    def process(self, updates: list[SequenceUpdate], hold: int = 1
+                ) -> tuple[list[RequestOutput], list[tuple[str, int]]]:
+        """Apply updates; returns one output per changed request that is due (see `_due`: `hold` new tokens
+        per output) and the (request, sample) pairs to abort because a stop string ended them. A request
+        that is not due keeps its deltas for a later output."""
         now = time.monotonic()
         to_abort: list[tuple[str, int]] = []
         touched: dict[str, RequestState] = {}
@@ -70,13 +72,12 @@ class OutputProcessor:
             if self._apply(state, upd, now):
                 to_abort.append((upd.request_id, upd.sample_index))
             touched[upd.request_id] = state
-        return [self._emit(state, now) for state in touched.values()], to_abort
+        return [self._emit(state, now) for state in touched.values() if _due(state, hold)], to_abort
 
     def _apply(self, state: RequestState, upd: SequenceUpdate, now: float) -> bool:
         """Returns True when a stop string finished the sample (the engine must stop generating it)."""
         sample = state.samples[upd.sample_index]
         state.num_cached_tokens = upd.num_cached_tokens
-        state.changed.add(upd.sample_index)
         if upd.spec is not None:
             sample.spec = upd.spec
         if upd.token_id is not None:
@@ -120,7 +121,7 @@ class OutputProcessor:
 
     def _emit(self, state: RequestState, now: float) -> RequestOutput:
         outputs = [self._snapshot(sample.out) for sample in state.samples]
-        state.changed.clear()
+        state.emitted = True
         if state.finished:
             state.metrics.finished_time = now
             del self.requests[state.request_id]
@@ -137,3 +138,10 @@ class OutputProcessor:
 
     def abort(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
+
+
+def _due(state: RequestState, hold: int) -> bool:
+    """Whether a request's output goes out now: its first, any with a finish, or `hold` new tokens in one sample."""
+    if hold <= 1 or not state.emitted:
+        return True
+    return any(s.out.finish_reason is not None or len(s.out.delta_token_ids) >= hold for s in state.samples)

@@ -24,6 +24,12 @@ class CompletionOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def after(self, earlier: CompletionOutput) -> CompletionOutput:
+        """This output with `earlier`'s deltas in front of its own: the two successive outputs as one."""
+        return CompletionOutput(self.index, self.text, self.token_ids, self.finish_reason, self.logprobs,
+                                earlier.delta_text + self.delta_text, earlier.delta_token_ids + self.delta_token_ids,
+                                earlier.delta_logprobs + self.delta_logprobs)
+
 
 @dataclass
 class RequestMetrics:
@@ -60,6 +66,12 @@ class RequestOutput:
     path: str = "colocated"  # colocated | disaggregated
     placement: str = "colocated; in-process"  # the decision and its estimates, for the X-Placement header
     spec: SpecCounts | None = None  # speculative decoding, summed over the samples that finished; None: none did
+
+    def after(self, earlier: RequestOutput) -> RequestOutput:
+        """This output merged with the one before it, as if the two had gone out as one."""
+        outputs = [o.after(e) for o, e in zip(self.outputs, earlier.outputs)]
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, self.metrics,
+                             self.num_cached_tokens, self.finished, self.path, self.placement, self.spec)
 
     @property
     def text(self) -> str:

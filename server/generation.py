@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 import jinja2
@@ -39,7 +39,9 @@ class Prepared:
 
 @dataclass
 class RequestTracker:
-    """What the access log and the metrics need to know about one request as it runs."""
+    """What the access log and the metrics need to know about one request as it runs. A stream's token times
+    are when each token (of the first sample) was written to the client; a whole response's are when the
+    engine's outputs arrived."""
 
     request_id: str
     arrival: float  # time.monotonic() when the HTTP request came in
@@ -47,24 +49,36 @@ class RequestTracker:
     quadrant: Quadrant
     last: RequestOutput | None = None
     outcome: str = "pending"
+    streamed: bool = False
+    delivered: list[float] = field(default_factory=list)  # streams: the write time of each token
+
+    def written(self, out: RequestOutput, now: float) -> None:
+        """`out`'s new tokens have just been written to the client."""
+        self.delivered.extend([now] * len(out.outputs[0].delta_token_ids))
 
     @property
     def completion_tokens(self) -> int:
         return 0 if self.last is None else sum(len(o.token_ids) for o in self.last.outputs)
 
     @property
+    def token_times(self) -> list[float]:
+        if self.streamed:
+            return self.delivered
+        return [] if self.last is None else self.last.metrics.token_times
+
+    @property
     def ttft(self) -> float | None:
-        first = None if self.last is None else self.last.metrics.first_token_time
-        return None if first is None else first - self.arrival
+        times = self.token_times
+        return times[0] - self.arrival if times else None
 
     def record(self, now: float) -> RequestRecord:
         outputs = self.last.outputs if self.last is not None and self.last.finished else []
-        metrics = self.last.metrics if self.last is not None else None
+        times = self.token_times
+        gaps = tuple(b - a for a, b in zip(times, times[1:]))
+        tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
         path = "colocated" if self.last is None else self.last.path
         return RequestRecord(self.quadrant.value, path, self.prompt_tokens, self.completion_tokens,
-                             tuple(o.finish_reason for o in outputs), self.ttft,
-                             tuple(metrics.inter_token_latencies) if metrics else (),
-                             metrics.tpot if metrics else None, now - self.arrival,
+                             tuple(o.finish_reason for o in outputs), self.ttft, gaps, tpot, now - self.arrival,
                              None if self.last is None else self.last.spec)
 
 
@@ -162,10 +176,13 @@ async def stream_response(request: web.Request, ctx: ServerContext, prepared: Pr
 async def _pump(ctx: ServerContext, response: web.StreamResponse, builder: ChunkBuilder, first: RequestOutput,
                 outputs: AsyncIterator[RequestOutput], tracker: RequestTracker) -> None:
     """Writes the stream; every failure after the headers ends it with an error event instead of a status."""
+    tracker.streamed = True
     try:
         await response.write(encode_events(builder.opening(len(first.outputs)) + builder.chunks(first)))
+        tracker.written(first, time.monotonic())
         async for out in outputs:
             await response.write(encode_events(builder.chunks(out)))
+            tracker.written(out, time.monotonic())
         await response.write(encode_events(builder.closing(tracker.last)) + DONE)
         tracker.outcome = "ok"
     except ConnectionError:

@@ -7,6 +7,7 @@ from typing import Literal
 
 from engine.config import ConfigError
 from engine.flags import option, parse_list
+from engine.stream_interval import AUTO_MAX_TOKENS, AUTO_OUTPUTS_PER_STEP, StreamInterval
 from server.quadrant import QuadrantThresholds, SpeculateQuadrants, check_speculate_quadrants
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
@@ -33,6 +34,10 @@ class ServerSettings:
     speculate_quadrants: SpeculateQuadrants = option(
         "silo", "with --speculative: which requests speculate, SILO ones only (short in, long out: bound by "
         "inter-token latency) or all")
+    stream_interval: str = option(
+        "auto", f"new tokens a stream's event waits for: a number (1: every token), or auto: every token while "
+        f"up to {AUTO_OUTPUTS_PER_STEP} streams run, then fewer events per stream as more run (at most "
+        f"{AUTO_MAX_TOKENS} tokens each); first tokens and finishes are never held", metavar="N|auto")
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -46,6 +51,10 @@ class ServerSettings:
         if self.api_key is not None and not self.api_key:
             raise ConfigError("api_key must not be empty; leave it unset to disable authentication")
         check_speculate_quadrants(self.speculate_quadrants)
+        try:
+            StreamInterval.parse(self.stream_interval)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         if self.served_model_name is not None and not self.served_model_name.strip():
             raise ConfigError("served_model_name must not be blank")
 

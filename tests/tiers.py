@@ -63,6 +63,8 @@ MODULE_TIERS: Mapping[str, Tier] = {
     "test_stats_record.py": U,
     "test_step_types.py": U,
     "test_stop_checker.py": U,
+    "test_stream_delivery.py": P,
+    "test_stream_pacing.py": U,
     "test_tiers.py": U,
     "test_tiled_linear.py": E,
     "test_tokenizer.py": U,  # SmolLM2's tokenizer tests are slow

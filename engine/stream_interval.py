@@ -1,0 +1,42 @@
+"""How often a stream's outputs go out: every new token, or fewer and larger outputs when many streams run.
+
+Kept free of torch so that the `serve` flags can name its defaults without loading the engine.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+AUTO_OUTPUTS_PER_STEP = 4  # under `auto`, about this many streams get an output per engine step
+AUTO_MAX_TOKENS = 8  # and no stream waits for more new tokens than this
+
+
+@dataclass(frozen=True)
+class StreamInterval:
+    """How many new tokens a stream's output waits for before it is emitted; a request's first token and every
+    finish are never held. `every=None` is `auto`: each token while at most AUTO_OUTPUTS_PER_STEP streams run,
+    beyond that enough tokens per output to keep about that many outputs per step (at most AUTO_MAX_TOKENS).
+    Each output costs the front end, and a client on the same host, a fixed amount of CPU; on a CPU host that
+    time comes out of the engine's own cores, so many streams of one token per output slow every step."""
+
+    every: int | None = 1
+
+    def __post_init__(self) -> None:
+        if self.every is not None and self.every < 1:
+            raise ValueError(f"a stream interval must be at least 1 token, got {self.every}")
+
+    @staticmethod
+    def parse(value: str | int) -> "StreamInterval":
+        """'auto', or a number of tokens."""
+        if value == "auto":
+            return StreamInterval(None)
+        try:
+            tokens = int(value)
+        except ValueError:
+            raise ValueError(f"a stream interval is 'auto' or a number of tokens, got {value!r}") from None
+        return StreamInterval(tokens)
+
+    def tokens(self, active_streams: int) -> int:
+        if self.every is not None:
+            return self.every
+        return min(AUTO_MAX_TOKENS, max(1, math.ceil(active_streams / AUTO_OUTPUTS_PER_STEP)))
