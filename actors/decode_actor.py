@@ -163,8 +163,9 @@ class DecodeActor(Actor):
                 by_owner.setdefault(id(conn), (conn, []))[1].append(update_to_wire(update))
             if update.finish_reason is not None and update.request_id not in self.engine.scheduler.by_request:
                 self.owners.pop(update.request_id, None)  # every sample of the request has finished
+        trace = [self.thread.step_done_at, time.monotonic()] if self.spec.trace else None
         for conn, rows in by_owner.values():
-            asyncio.ensure_future(send_quietly(conn, m.TokenUpdates(rows)))
+            asyncio.ensure_future(send_quietly(conn, m.TokenUpdates(rows, trace)))
 
     async def _sweep_reservations(self) -> None:
         while not self.stopped.is_set():

@@ -30,6 +30,7 @@ class ActorSpec:
     engine: dict = field(default_factory=dict)  # EngineConfig keyword arguments
     remote: bool = False  # joined over TCP from another host: its KV pool cannot be mapped here
     draft_actor: str = ""  # a decode actor's draft actor (same supervisor), if drafts come from one
+    trace: bool = False  # stamp token frames with step-done and sent times (serve --trace-tokens)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

@@ -1,7 +1,7 @@
 """Per-token time through `cli.py serve` against the embedded engine, on the same model and prompts, in one run.
 
     python -m bench.serve_latency [--streams 1,2,4,8] [--max-tokens 128] [--input-len 64] [--rounds 3]
-        [--in-process] [--server-flags FLAGS] [--model PATH] [--json OUT]
+        [--in-process] [--server-flags FLAGS] [--model PATH] [--json OUT] [--trace]
 
 For each number of concurrent streams N, both sides generate N distinct prompts of --input-len token ids to
 exactly --max-tokens tokens each (greedy, EOS ignored):
@@ -14,6 +14,10 @@ Per-token time is decode time / (tokens - 1) (the median stream for the server),
 N * (tokens - 1) / decode time. The ratio column is server / embedded per-token time (goal: at most 1.15 at one
 stream) and server / embedded aggregate (goal: at least 0.9 at 8 streams). Rounds alternate the two sides and
 report medians.
+
+--trace serves with --trace-tokens and prints, per number of streams, the median time of each hop a chunk's
+tokens take: engine step done -> frame sent (actor loop) -> received (router) -> detokenised -> handed to the
+socket -> read by the openai client, from the stamps each chunk carries (one host: one monotonic clock).
 """
 from __future__ import annotations
 
@@ -81,6 +85,40 @@ async def one_stream(client, model: str, prompt: list[int], max_tokens: int) -> 
     return (last - first) if first else 0.0, tokens
 
 
+HOPS = ("step->sent", "sent->received", "received->detokenised", "detokenised->written", "written->read")
+
+
+async def traced_stream(client, model: str, prompt: list[int], max_tokens: int) -> list[list[float]]:
+    """-> per text chunk, the hop times in seconds (HOPS)."""
+    stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                             stream=True, extra_body={"ignore_eos": True})
+    hops = []
+    async for chunk in stream:
+        read = time.monotonic()
+        stamps = (chunk.model_extra or {}).get("phase_serve_trace")
+        if stamps and chunk.choices and chunk.choices[0].text:
+            times = [*stamps, read]
+            hops.append([b - a for a, b in zip(times, times[1:])])
+    return hops
+
+
+async def traced(url: str, model: str, batch: list[list[int]], max_tokens: int) -> list[list[float]]:
+    from openai import AsyncOpenAI
+
+    async with AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as client:
+        results = await asyncio.gather(*(traced_stream(client, model, p, max_tokens) for p in batch))
+    return [hop for stream in results for hop in stream[1:]]  # the first chunk also waited for the prefill
+
+
+def print_trace(rows: dict[int, list[list[float]]], mode: str) -> None:
+    print(f"per-hop time of a chunk through the server ({mode}), median microseconds")
+    print("streams  " + "  ".join(f"{h:>22}" for h in HOPS) + "      total")
+    for n, hops in rows.items():
+        medians = [statistics.median(h[i] for h in hops) * 1e6 for i in range(len(HOPS))]
+        total = statistics.median(sum(h) for h in hops) * 1e6
+        print(f"{n:>7}  " + "  ".join(f"{v:>22.0f}" for v in medians) + f"  {total:>9.0f}")
+
+
 async def served(url: str, model: str, batch: list[list[int]], max_tokens: int) -> Side:
     from openai import AsyncOpenAI
 
@@ -123,6 +161,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="HF folder or .gguf file (default: SmolLM2-135M)")
     p.add_argument("--server-flags", default="", help="more `cli.py serve` flags, e.g. '--threads 1'")
     p.add_argument("--json", default=None, help="write the rounds to this file")
+    p.add_argument("--trace", action="store_true", help="per-hop times from --trace-tokens stamps instead")
     args = p.parse_args(argv)
     args.stream_counts = [int(n) for n in args.streams.split(",") if n.strip()]
     return args
@@ -133,6 +172,8 @@ def main(argv: list[str] | None = None) -> None:
 
     args = parse_args(argv)
     model_flags = ["--model", args.model] if args.model else []
+    if args.trace:
+        return trace_main(args, model_flags)
     llm = LLM(args.model)
     rows: dict[int, tuple[list[Side], list[Side]]] = {n: ([], []) for n in args.stream_counts}
     proc, url = start_server(model_flags + (["--in-process"] if args.in_process else []) + args.server_flags.split())
@@ -152,6 +193,25 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         Path(args.json).write_text(json.dumps({n: [[asdict(s) for s in side] for side in sides]
                                                for n, sides in rows.items()}, indent=2))
+
+
+def trace_main(args: argparse.Namespace, model_flags: list[str]) -> None:
+    from engine.model.loader import resolve_model
+
+    tokenizer = resolve_model(args.model).tokenizer
+    rows: dict[int, list[list[float]]] = {n: [] for n in args.stream_counts}
+    proc, url = start_server(model_flags + ["--trace-tokens"] + (["--in-process"] if args.in_process else [])
+                             + args.server_flags.split())
+    try:
+        with urllib.request.urlopen(f"{url}/v1/models", timeout=30) as response:
+            name = json.loads(response.read())["data"][0]["id"]
+        for r in range(args.rounds):
+            for n in args.stream_counts:
+                rows[n] += asyncio.run(traced(url, name, prompts(tokenizer, n, args.input_len, r), args.max_tokens))
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    print_trace(rows, "in-process" if args.in_process else "actors")
 
 
 if __name__ == "__main__":

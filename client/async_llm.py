@@ -37,16 +37,19 @@ class AsyncLLM:
     `await start()` first (or let the first request do it) and `await aclose()` at the end.
 
     `stream_interval` (tokens, or "auto"): how many new tokens an output waits for (StreamInterval). Outputs
-    that pile up before the consumer reads them are merged into one, whatever the interval.
+    that pile up before the consumer reads them are merged into one, whatever the interval. `trace_tokens`:
+    each output's `trace` holds when its tokens left the step, were sent, received and detokenised.
     """
 
     def __init__(self, model: str | None = None, dtype: str | None = None, *, decode_actors: int = 0,
                  prefill_actors: int = 0, devices: Sequence[str] = (), disagg: PlacementMode = "auto",
                  listen_workers: str | None = None, draft_actors: int = 0, stream_interval: int | str = 1,
-                 **engine_options) -> None:
+                 trace_tokens: bool = False, **engine_options) -> None:
         self.stream_interval = StreamInterval.parse(stream_interval)
+        self.trace_tokens = trace_tokens
         self.config = engine_config(model, dtype, engine_options)
-        self.layout = ActorLayout(prefill_actors, decode_actors, tuple(devices), disagg, listen_workers, draft_actors)
+        self.layout = ActorLayout(prefill_actors, decode_actors, tuple(devices), disagg, listen_workers, draft_actors,
+                                  trace_tokens)
         if draft_actors and self.config.speculative != "draft":
             raise ConfigError("draft_actors needs speculative='draft' (and a draft_model)")
         self.engine = None if self.layout.uses_actors else build_off_thread(lambda: EngineCore(self.config))
@@ -174,7 +177,12 @@ class AsyncLLM:
         return {} if self._client is None else self._client.calibration()
 
     def _on_updates(self, updates: list[SequenceUpdate]) -> None:
+        received = self._client.trace() if self.trace_tokens else ()
         outputs, to_abort = self.processor.process(updates, self.stream_interval.tokens(len(self._streams)))
+        if received:
+            stamps = (*received, time.monotonic())
+            for out in outputs:
+                out.trace = stamps
         for rid, index in to_abort:
             self._client.abort(rid, index)
         for out in outputs:

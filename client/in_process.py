@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 from engine.engine_core import EngineCore, EngineRequest
 from engine.engine_thread import EngineThread
@@ -38,6 +39,11 @@ class InProcessClient:
 
     def placement_of(self, request_id: str) -> None:
         return None
+
+    def trace(self) -> tuple[float, ...]:
+        """In process nothing is sent: the step's end stands for both of the first two stamps."""
+        done = self.thread.step_done_at
+        return done, done, time.monotonic()
 
     def _on_step_error(self, exc: BaseException) -> None:
         """A step failed: every request in flight ends with the error (the engine aborts them all)."""

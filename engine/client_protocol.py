@@ -47,8 +47,14 @@ class EngineClient(Protocol):
     def placement_of(self, request_id: str) -> RequestPlacement | None:
         """The request's current placement (it changes when a request fails over)."""
 
+    def trace(self) -> tuple[float, ...]:
+        """Called from inside on_updates: when the batch being delivered left the engine's step, was sent and was
+        received here (time.monotonic()); for token tracing (AsyncLLM(trace_tokens=True))."""
+        ...
+
     async def close(self) -> None:
         """Fail or abort every request in flight and release the engine(s)."""
 
 
-ENGINE_CLIENT_METHODS = ("add", "abort", "stats", "can_serve", "actors", "calibration", "placement_of", "close")
+ENGINE_CLIENT_METHODS = ("add", "abort", "stats", "can_serve", "actors", "calibration", "placement_of", "trace",
+                         "close")

@@ -12,6 +12,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from typing import Any, Callable, Protocol, TypeVar
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,7 @@ class EngineThread:
         self._on_step_error = on_step_error
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
         self._stopped = threading.Event()
+        self.step_done_at = 0.0  # on the loop, while outputs are delivered: when the step that made them ended
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -101,7 +103,11 @@ class EngineThread:
             self._to_loop(self._on_step_error, exc)
             return
         if outputs:
-            self._to_loop(self._on_outputs, outputs)
+            self._to_loop(self._deliver, outputs, time.monotonic())
+
+    def _deliver(self, outputs: list, step_done: float) -> None:
+        self.step_done_at = step_done
+        self._on_outputs(outputs)
 
     def _run_calls(self, block: bool) -> None:
         try:

@@ -18,6 +18,7 @@ class ActorLayout:
     disagg: PlacementMode = "auto"
     listen_workers: str | None = None  # HOST:PORT where workers on other hosts join (secret: $PHASE_SERVE_SECRET)
     draft_actors: int = 0  # with speculative="draft": draft model processes (0: the draft runs in each decode actor)
+    trace_tokens: bool = False  # decode actors stamp their token frames (serve --trace-tokens)
 
     def __post_init__(self) -> None:
         if self.prefill_actors < 0 or self.decode_actors < 0 or self.draft_actors < 0:
@@ -58,7 +59,7 @@ def actor_specs(layout: ActorLayout, engine_options: dict) -> list[ActorSpec]:
         if role is Role.DRAFT:
             options = _draft_options(options, layout.decode_actors, num_drafts, index)
         specs.append(ActorSpec(f"{role}-{index}", role, device, max(len(cpus), 1), cpus, "", options,
-                               draft_actor=draft_actor))
+                               draft_actor=draft_actor, trace=layout.trace_tokens))
     return specs
 
 

@@ -52,6 +52,7 @@ class ActorRouter:
         self.failover = Failover(self.supervisor, self.routed, self.handoff, self._dispatch, on_error,
                                  settings.max_attempts, settings.park_timeout)
         self._watchdog: asyncio.Task | None = None
+        self._trace: tuple[float, ...] = ()  # the stamps of the token frame being delivered
         self._integrity_waiters: dict[str, asyncio.Future] = {}
         self._handlers = {m.TokenUpdates: self._on_tokens, m.BlocksReserved: self.handoff.on_reserved,
                           m.ReservationFailed: self.handoff.on_reservation_failed,
@@ -173,7 +174,11 @@ class ActorRouter:
             return
         handler(handle, msg)
 
+    def trace(self) -> tuple[float, ...]:
+        return self._trace
+
     def _on_tokens(self, handle: ActorHandle, msg: m.TokenUpdates) -> None:
+        self._trace = (*msg.trace, time.monotonic()) if msg.trace else ()
         updates = []
         for row in msg.updates:
             routed = self.routed.get(row.request_id)

@@ -178,10 +178,11 @@ async def _pump(ctx: ServerContext, response: web.StreamResponse, builder: Chunk
     """Writes the stream; every failure after the headers ends it with an error event instead of a status."""
     tracker.streamed = True
     try:
-        await response.write(encode_events(builder.opening(len(first.outputs)) + builder.chunks(first)))
+        opening = builder.opening(len(first.outputs))
+        await response.write(encode_events(opening + _traced(builder.chunks(first), first)))
         tracker.written(first, time.monotonic())
         async for out in outputs:
-            await response.write(encode_events(builder.chunks(out)))
+            await response.write(encode_events(_traced(builder.chunks(out), out)))
             tracker.written(out, time.monotonic())
         await response.write(encode_events(builder.closing(tracker.last)) + DONE)
         tracker.outcome = "ok"
@@ -194,6 +195,15 @@ async def _pump(ctx: ServerContext, response: web.StreamResponse, builder: Chunk
         internal = ApiError(500, f"internal error while streaming (request {tracker.request_id})", None,
                             "internal_error")
         await _end_with_error(response, tracker, internal, "error")
+
+
+def _traced(chunks: list[dict], out: RequestOutput) -> list[dict]:
+    """With token tracing, each chunk carries its output's stamps and the time it is handed to the socket."""
+    if out.trace:
+        stamps = [*out.trace, time.monotonic()]
+        for chunk in chunks:
+            chunk["phase_serve_trace"] = stamps
+    return chunks
 
 
 async def _end_with_error(response: web.StreamResponse, tracker: RequestTracker, err: ApiError,

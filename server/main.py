@@ -49,7 +49,7 @@ class _Shutdown:
 
 async def _serve(settings: ServerSettings, options: dict, args: argparse.Namespace,
                  log: structlog.stdlib.BoundLogger) -> int:
-    llm = AsyncLLM(**options, stream_interval=settings.stream_interval)
+    llm = AsyncLLM(**options, stream_interval=settings.stream_interval, trace_tokens=settings.trace_tokens)
     settings = replace(settings, quadrants=quadrant_thresholds(args, llm.max_model_len))
     log.info("starting engine", actors=llm.layout.uses_actors, decode_actors=llm.layout.decode_actors,
              prefill_actors=llm.layout.prefill_actors, draft_actors=llm.layout.draft_actors, disagg=llm.layout.disagg)

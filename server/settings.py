@@ -34,6 +34,9 @@ class ServerSettings:
     speculate_quadrants: SpeculateQuadrants = option(
         "silo", "with --speculative: which requests speculate, SILO ones only (short in, long out: bound by "
         "inter-token latency) or all")
+    trace_tokens: bool = option(False, "debugging: every stream chunk carries `phase_serve_trace`, the times its "
+                                "tokens left the engine step, were sent, received, detokenised and written "
+                                "(time.monotonic(); python -m bench.serve_latency --trace reads them)")
     stream_interval: str = option(
         "auto", f"new tokens a stream's event waits for: a number (1: every token), or auto: every token while "
         f"up to {AUTO_OUTPUTS_PER_STEP} streams run, then fewer events per stream as more run (at most "

@@ -4,6 +4,8 @@ response, and one inter-token-latency observation per delivered token. The real 
 actor, read with the official openai client."""
 from __future__ import annotations
 
+import time
+
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -19,7 +21,7 @@ PROMPTS = ["the river runs over the stones and the stones", "one two three four 
 def server(tiny_model_dir, tmp_path_factory):
     proc = start_server(tmp_path_factory.mktemp("delivery") / "server.log", "--model", str(tiny_model_dir),
                         *TINY_ENGINE_FLAGS, "--served-model-name", MODEL, "--speculative", "ngram",
-                        "--speculate-quadrants", "all", "--stream-interval", "3")
+                        "--speculate-quadrants", "all", "--stream-interval", "3", "--trace-tokens")
     yield proc
     assert proc.stop() == 0, proc.log()
 
@@ -64,6 +66,18 @@ def test_a_stop_string_held_back_across_tokens_ends_the_stream_exactly_there(cli
         assert whole.choices[0].finish_reason == "stop"
         assert text == whole.choices[0].text == free[:free.index(stop)]
         assert "".join(t for chunk in per_chunk for t in chunk).startswith(text)
+
+
+def test_traced_chunks_carry_their_hops_in_order(client):
+    stamps = []
+    for chunk in client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, stream=True):
+        read = time.monotonic()
+        if chunk.choices and chunk.choices[0].text:
+            stamps.append([*chunk.model_extra["phase_serve_trace"], read])
+    assert len(stamps) >= 4
+    for s in stamps:  # step done, sent, received, detokenised, handed to the socket, read here
+        assert len(s) == 6 and s == sorted(s)
+    assert [s[0] for s in stamps] == sorted(s[0] for s in stamps)
 
 
 def _itl_and_tpot_counts(server: ServerProcess) -> tuple[float, float]:

@@ -202,10 +202,12 @@ class AbortRequest(Message):
 
 @dataclass(frozen=True, slots=True)
 class TokenUpdates(Message):
-    """Everything one engine step produced, for all its requests, in one frame."""
+    """Everything one engine step produced, for all its requests, in one frame. `trace` (serve --trace-tokens
+    only): [step done, frame sent], on the host's monotonic clock."""
 
     TAG: ClassVar[str] = "token_updates"
     updates: list[TokenUpdate]
+    trace: list[float] | None = None
 
 
 @dataclass(frozen=True, slots=True)
