@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-AUTO_OUTPUTS_PER_STEP = 4  # under `auto`, about this many streams get an output per engine step
+AUTO_OUTPUTS_PER_STEP = 2  # under `auto`, about this many streams get an output per engine step
 AUTO_MAX_TOKENS = 8  # and no stream waits for more new tokens than this
 
 
