@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import json
+import string
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import jinja2
 import jinja2.ext
@@ -21,6 +22,11 @@ if TYPE_CHECKING:
 
 CONTROL_TOKEN = 3  # llama.cpp token types
 USER_DEFINED_TOKEN = 4
+SPM_SPACE = "\u2581"  # SentencePiece's spelling of a space inside its tokens
+GGUF_TOKENIZER_MODELS = {"gpt2": "byte-level BPE", "llama": "SentencePiece BPE with byte fallback"}
+# The ids GGUF names, with the tokenizer attribute and chat-template variable each becomes.
+GGUF_NAMED_TOKENS = {"bos_token": "tokenizer.ggml.bos_token_id", "eos_token": "tokenizer.ggml.eos_token_id",
+                     "unk_token": "tokenizer.ggml.unknown_token_id", "pad_token": "tokenizer.ggml.padding_token_id"}
 
 # Split patterns for `tokenizer.ggml.pre` values whose text splitting differs from GPT-2's own regex.
 LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -37,12 +43,14 @@ class Tokenizer:
     """A `tokenizers.Tokenizer` plus what serving needs around it: special ids and the chat template."""
 
     def __init__(self, backend: Backend, *, bos_token_id: int | None, eos_token_ids: Sequence[int],
-                 chat_template: str | None) -> None:
+                 chat_template: str | None, named_tokens: dict[str, str] | None = None) -> None:
         self._backend = backend
+        self._named_tokens = dict(named_tokens or {})  # chat-template variables: unk_token, ...
         self._bos_token_id = bos_token_id
         self._eos_token_ids = tuple(dict.fromkeys(eos_token_ids))
         self._chat_template = chat_template
         self._compiled_template = _compile_template(chat_template) if chat_template else None
+        self._byte_fallback = ByteFallbackDecoder.of(backend)
 
     @classmethod
     def from_hf_folder(cls, folder: str | Path) -> Tokenizer:
@@ -60,21 +68,30 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, source: GGUFFile | gguf.GGUFReader) -> Tokenizer:
-        """Builds the tokenizer a GGUF file's metadata describes (byte-level BPE vocabularies only).
+        """Builds the tokenizer a GGUF file's metadata describes: byte-level BPE ("gpt2") or SentencePiece
+        BPE ("llama"), the way transformers' `AutoTokenizer.from_pretrained(..., gguf_file=...)` builds it.
 
         `source` is an `engine.model.gguf_file.GGUFFile` or, much slower to open, a `gguf.GGUFReader`.
         """
         meta = _gguf_tokenizer_metadata(source)
         kind = meta.get("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise ModelLoadError(f"GGUF tokenizer model {kind!r} is not supported; expected 'gpt2' (byte-level BPE)")
-        backend = _byte_level_backend(meta)
+        if kind not in GGUF_TOKENIZER_MODELS:
+            expected = ", ".join(f"{name!r} ({what})" for name, what in GGUF_TOKENIZER_MODELS.items())
+            raise ModelLoadError(f"GGUF tokenizer model {kind!r} is not supported; expected {expected}")
+        tokens: list[str] = meta.get("tokenizer.ggml.tokens") or []
+        if not tokens:
+            raise ModelLoadError("GGUF metadata has no tokenizer.ggml.tokens; expected the model's vocabulary")
+        backend = _byte_level_backend(meta) if kind == "gpt2" else _sentencepiece_backend(meta)
+        named = {name: _gguf_token(tokens, meta.get(key)) for name, key in GGUF_NAMED_TOKENS.items()}
+        _add_named_special_tokens(backend, named.values())
         bos_id = meta.get("tokenizer.ggml.bos_token_id")
-        add_bos = bos_id if meta.get("tokenizer.ggml.add_bos_token", False) else None
+        # llama.cpp adds BOS to a SentencePiece vocabulary whose file does not say otherwise (older files).
+        add_bos = bos_id if meta.get("tokenizer.ggml.add_bos_token", kind == "llama") else None
         add_eos = meta.get("tokenizer.ggml.eos_token_id") if meta.get("tokenizer.ggml.add_eos_token") else None
         backend.post_processor = _special_tokens_processor(backend, add_bos, add_eos)
         eos = [meta[key] for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if key in meta]
-        return cls(backend, bos_token_id=bos_id, eos_token_ids=eos, chat_template=meta.get("tokenizer.chat_template"))
+        return cls(backend, bos_token_id=bos_id, eos_token_ids=eos, chat_template=meta.get("tokenizer.chat_template"),
+                   named_tokens={name: t for name, t in named.items() if t is not None})
 
     @property
     def backend(self) -> Backend:
@@ -104,7 +121,10 @@ class Tokenizer:
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        text = self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        if self._byte_fallback is not None and "\ufffd" in text:  # perhaps a run of byte tokens that is not UTF-8
+            return self._byte_fallback.decode(ids, skip_special_tokens)
+        return text
 
     def id_to_token(self, token_id: int) -> str | None:
         return self._backend.id_to_token(token_id)
@@ -119,9 +139,60 @@ class Tokenizer:
                                               **variables)
 
     def _template_tokens(self) -> dict[str, str]:
+        """bos_token, eos_token and (where the model names them) unk_token and pad_token, as HF passes them."""
         eos = self._eos_token_ids[0] if self._eos_token_ids else None
         named = {"bos_token": self._bos_token_id, "eos_token": eos}
-        return {name: self.id_to_token(i) for name, i in named.items() if i is not None}
+        return {**self._named_tokens,
+                **{name: self.id_to_token(i) for name, i in named.items() if i is not None}}
+
+
+class ByteFallbackDecoder:
+    """Decodes ids of a SentencePiece-style vocabulary ("▁" for a space, `<0xNN>` byte tokens) as SentencePiece
+    does: each byte of a run of byte tokens that is not valid UTF-8 becomes U+FFFD, and the valid characters
+    around it stay.
+
+    tokenizers' ByteFallback instead turns the whole run into U+FFFDs, so one stray byte would garble the
+    characters decoded before it: text already streamed would change afterwards. On valid UTF-8 the two agree.
+    Used only for the decoder chain that SentencePiece conversions build (Replace, ByteFallback, Fuse, and an
+    optional Strip of the prefix space); any other chain is left to the backend.
+    """
+
+    STEPS = [{"type": "Replace", "pattern": {"String": SPM_SPACE}, "content": " "}, {"type": "ByteFallback"},
+             {"type": "Fuse"}]
+    STRIP_PREFIX = {"type": "Strip", "content": " ", "start": 1, "stop": 0}
+
+    def __init__(self, backend: Backend, strip_prefix: bool) -> None:
+        self._backend = backend
+        self._strip_prefix = strip_prefix
+        vocab = backend.get_vocab(with_added_tokens=False)
+        self._bytes = {i: int(token[3:5], 16) for token, i in vocab.items() if _is_byte_token(token)}
+        self._special = frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
+
+    @classmethod
+    def of(cls, backend: Backend) -> ByteFallbackDecoder | None:
+        decoder = backend.decoder
+        steps = json.loads(decoder.__getstate__()).get("decoders") if decoder is not None else None
+        if steps in (cls.STEPS, cls.STEPS + [cls.STRIP_PREFIX]):
+            return cls(backend, strip_prefix=len(steps) > len(cls.STEPS))
+        return None
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool) -> str:
+        raw = bytearray()
+        for i in ids:
+            token = None if skip_special_tokens and i in self._special else self._backend.id_to_token(i)
+            if token is not None:
+                byte = self._bytes.get(i)
+                raw += token.replace(SPM_SPACE, " ").encode("utf-8") if byte is None else bytes((byte,))
+        text = raw.decode("utf-8", errors="surrogateescape").translate(_ESCAPED_BYTES)
+        return text[1:] if self._strip_prefix and text.startswith(" ") else text
+
+
+_ESCAPED_BYTES = {0xDC80 + b: "\ufffd" for b in range(128)}  # surrogateescape's stand-ins for invalid bytes
+
+
+def _is_byte_token(token: str) -> bool:
+    return len(token) == 6 and token.startswith("<0x") and token.endswith(">") and all(
+        c in string.hexdigits for c in token[3:5])
 
 
 class IncrementalDetokenizer:
@@ -214,6 +285,20 @@ def _gguf_tokenizer_metadata(source: GGUFFile | gguf.GGUFReader) -> dict[str, An
     return {name: value for name, value in metadata.items() if name.startswith("tokenizer.")}
 
 
+def _add_named_special_tokens(backend: Backend, named: Iterable[str | None]) -> None:
+    """As transformers does, a named token (BOS, EOS, ...) not already added becomes a special token: matched whole
+    in the text and skipped in decode. One the vocabulary spells otherwise (a byte-level respelling) is left out,
+    since adding it would grow the vocabulary past the model's."""
+    added = {token.content for token in backend.get_added_tokens_decoder().values()}
+    vocab = backend.get_vocab(with_added_tokens=False)
+    backend.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in dict.fromkeys(named)
+                                if t is not None and t not in added and t in vocab])
+
+
+def _gguf_token(tokens: list[str], token_id: int | None) -> str | None:
+    return tokens[token_id] if token_id is not None and 0 <= token_id < len(tokens) else None
+
+
 def _byte_level_backend(meta: dict[str, Any]) -> Backend:
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
     merges = [tuple(merge.split(" ", 1)) for merge in meta.get("tokenizer.ggml.merges", [])]
@@ -230,6 +315,57 @@ def _byte_level_spelling(token: str) -> str:
     """A token stored as raw text (some converters do this for a few) spelled in GPT-2's byte alphabet."""
     mapping = _byte_to_unicode()
     return "".join(mapping[byte] for byte in token.encode("utf-8"))
+
+
+def _sentencepiece_backend(meta: dict[str, Any]) -> Backend:
+    """SentencePiece BPE as llama.cpp's "llama" vocabulary holds it: "▁" for a space, `<0xNN>` byte tokens for
+    any character the vocabulary lacks, and merges ranked by the score of the token they make.
+
+    It has the same parts as transformers' GGUF conversion (byte-fallback BPE, a Metaspace prefix on the first
+    piece of text only, and control and user-defined tokens added whole), so that the ids match it.
+    """
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    vocab = {token: i for i, token in enumerate(tokens)}
+    if "tokenizer.ggml.merges" in meta:
+        merges = [tuple(merge.split(" ", 1)) for merge in meta["tokenizer.ggml.merges"]]
+    elif len(meta.get("tokenizer.ggml.scores") or ()) == len(tokens):
+        merges = _merges_from_scores(tokens, meta["tokenizer.ggml.scores"])
+    else:
+        raise ModelLoadError("GGUF 'llama' tokenizer has neither tokenizer.ggml.merges nor one score per token; "
+                             "expected tokenizer.ggml.scores to rank its merges")
+    backend = Backend(models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True))
+    # transformers ignores add_space_prefix; llama.cpp honours it, and so do we: a model trained without the
+    # prefix would otherwise see a "▁" before every prompt.
+    prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+    backend.normalizer = None
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement=SPM_SPACE, split=False,
+                                                     prepend_scheme="first" if prefix else "never")
+    steps = [decoders.Replace(SPM_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    backend.decoder = decoders.Sequence(steps + [decoders.Strip(content=" ", left=1)] if prefix else steps)
+    types = meta.get("tokenizer.ggml.token_type", [])
+    backend.add_special_tokens([AddedToken(t, normalized=False, special=True)
+                                for t, kind in zip(tokens, types) if kind == CONTROL_TOKEN])
+    backend.add_tokens([AddedToken(t, normalized=False, special=False)
+                        for t, kind in zip(tokens, types) if kind == USER_DEFINED_TOKEN])
+    return backend
+
+
+def _merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
+    """BPE merges recovered from a SentencePiece vocabulary: every split of a token into two tokens.
+
+    SentencePiece merges the adjacent pair whose joined token scores highest, so merges rank by that score. Ties
+    go to the longer left part, then the longer right part, then the token's place in the vocabulary, then the
+    left part's id. That is the order transformers' conversion gives, so that the ids match it wherever scores
+    are equal.
+    """
+    ids = {token: i for i, token in enumerate(tokens)}
+    ranked: list[tuple[float, str, str]] = []
+    for token, score in dict(zip(tokens, scores)).items():
+        splits = [(token[:k], token[k:]) for k in range(1, len(token)) if token[:k] in ids and token[k:] in ids]
+        splits.sort(key=lambda pair: (ids[pair[0]], ids[pair[1]]))
+        ranked.extend((score, left, right) for left, right in splits)
+    ranked.sort(key=lambda merge: (-merge[0], -len(merge[1]), -len(merge[2])))  # stable: ties keep vocab order
+    return [(left, right) for _, left, right in ranked]
 
 
 def _byte_to_unicode() -> dict[int, str]:

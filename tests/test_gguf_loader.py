@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import struct
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import gguf
 import numpy as np
@@ -38,17 +38,18 @@ def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, rows // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def tiny_tensors(arch: str, untied: bool, biases: bool, seed: int = 0) -> dict[str, tuple[str, np.ndarray]]:
+def tiny_tensors(arch: str, untied: bool, biases: bool, seed: int = 0,
+                 vocab: int = VOCAB) -> dict[str, tuple[str, np.ndarray]]:
     """GGUF name -> (Hugging Face name, float32 weight) for a tiny random model."""
     rng = np.random.default_rng(seed)
 
     def w(*shape: int) -> np.ndarray:
         return rng.standard_normal(shape).astype(np.float32)
 
-    tensors = {"token_embd.weight": ("model.embed_tokens.weight", w(VOCAB, HIDDEN)),
+    tensors = {"token_embd.weight": ("model.embed_tokens.weight", w(vocab, HIDDEN)),
                "output_norm.weight": ("model.norm.weight", w(HIDDEN))}
     if untied:
-        tensors["output.weight"] = ("lm_head.weight", w(VOCAB, HIDDEN))
+        tensors["output.weight"] = ("lm_head.weight", w(vocab, HIDDEN))
     for i in range(LAYERS):
         for part, (hf, shape) in LAYER_SHAPES.items():
             tensors[f"blk.{i}.{part}.weight"] = (f"model.layers.{i}.{hf}.weight", w(*shape))
@@ -94,10 +95,16 @@ def add_tokenizer(writer: gguf.GGUFWriter, folder: Path, model: str = "gpt2") ->
 
 def write_gguf(path: Path, arch: str = "llama", qtype: Q = Q.F32, untied: bool = False, biases: bool = False,
                extra: dict[str, float | str] | None = None, rope_factors: np.ndarray | None = None,
-               tokenizer_model: str = "gpt2") -> dict[str, np.ndarray]:
-    """Writes a tiny model as llama.cpp would; returns its weights under Hugging Face names."""
-    tensors = tiny_tensors(arch, untied, biases)
+               tokenizer_model: str = "gpt2", tokenizer: Callable[[gguf.GGUFWriter], int] | None = None,
+               ) -> dict[str, np.ndarray]:
+    """Writes a tiny model as llama.cpp would; returns its weights under Hugging Face names.
+
+    `tokenizer`, when given, writes the tokenizer metadata in place of the tiny byte-level one and returns the
+    vocabulary size, which the embedding takes.
+    """
     writer = gguf.GGUFWriter(path, arch)
+    vocab = VOCAB if tokenizer is None else tokenizer(writer)
+    tensors = tiny_tensors(arch, untied, biases, vocab=vocab)
     for key, value in {"block_count": LAYERS, "context_length": 256, "embedding_length": HIDDEN,
                        "feed_forward_length": FFN, "attention.head_count": HEADS,
                        "attention.head_count_kv": KV_HEADS}.items():
@@ -106,7 +113,8 @@ def write_gguf(path: Path, arch: str = "llama", qtype: Q = Q.F32, untied: bool =
     writer.add_float32(f"{arch}.rope.freq_base", 50000.0)
     for key, value in (extra or {}).items():
         writer.add_string(key, value) if isinstance(value, str) else writer.add_float32(key, value)
-    add_tokenizer(writer, path.parent / "tok", tokenizer_model)
+    if tokenizer is None:
+        add_tokenizer(writer, path.parent / "tok", tokenizer_model)
     for name, (_, w) in tensors.items():
         add_tensor(writer, name, stored(name, w, arch), qtype)
     if rope_factors is not None:
@@ -174,7 +182,7 @@ def test_llama3_rope_factors_become_llama3_scaling(tmp_path: Path) -> None:
     ({"qtype": Q.MXFP4}, "MXFP4"),
     ({"arch": "gemma"}, "'gemma'"),
     ({"extra": {"llama.rope.scaling.type": "yarn"}}, "yarn"),
-    ({"tokenizer_model": "llama"}, "'llama'"),
+    ({"tokenizer_model": "t5"}, "'t5'"),
 ])
 def test_unsupported_files_raise_model_load_error(tmp_path: Path, kwargs: dict, expected: str) -> None:
     write_gguf(tmp_path / "m.gguf", **kwargs)
