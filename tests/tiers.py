@@ -43,6 +43,7 @@ MODULE_TIERS: Mapping[str, Tier] = {
     "test_engine_thread.py": U,
     "test_gguf_loader.py": U,  # the default model's tests are slow
     "test_gguf_quants.py": U,
+    "test_gguf_sentencepiece.py": U,  # the chat tests run the engine: marked engine
     "test_handoff.py": U,
     "test_host_memory.py": U,  # the allocator test runs in subprocesses: marked process
     "test_kernel_build.py": E,  # build keys and errors; one test runs a failing compiler
