@@ -23,6 +23,8 @@ if TYPE_CHECKING:
 CONTROL_TOKEN = 3  # llama.cpp token types
 USER_DEFINED_TOKEN = 4
 SPM_SPACE = "\u2581"  # SentencePiece's spelling of a space inside its tokens
+GEMMA_ARCHITECTURES = ("gemma", "gemma2", "gemma3")  # whose "llama" vocabularies follow Gemma's conventions
+GEMMA_SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>", "<unk>", "<mask>")  # special in transformers whatever the ids
 GGUF_TOKENIZER_MODELS = {"gpt2": "byte-level BPE", "llama": "SentencePiece BPE with byte fallback"}
 # The ids GGUF names, with the tokenizer attribute and chat-template variable each becomes.
 GGUF_NAMED_TOKENS = {"bos_token": "tokenizer.ggml.bos_token_id", "eos_token": "tokenizer.ggml.eos_token_id",
@@ -72,8 +74,10 @@ class Tokenizer:
         BPE ("llama"), the way transformers' `AutoTokenizer.from_pretrained(..., gguf_file=...)` builds it.
 
         `source` is an `engine.model.gguf_file.GGUFFile` or, much slower to open, a `gguf.GGUFReader`.
+        The file's `general.architecture` picks Gemma's variant of a SentencePiece vocabulary.
         """
         meta = _gguf_tokenizer_metadata(source)
+        architecture = meta.get("general.architecture")
         kind = meta.get("tokenizer.ggml.model")
         if kind not in GGUF_TOKENIZER_MODELS:
             expected = ", ".join(f"{name!r} ({what})" for name, what in GGUF_TOKENIZER_MODELS.items())
@@ -81,9 +85,10 @@ class Tokenizer:
         tokens: list[str] = meta.get("tokenizer.ggml.tokens") or []
         if not tokens:
             raise ModelLoadError("GGUF metadata has no tokenizer.ggml.tokens; expected the model's vocabulary")
-        backend = _byte_level_backend(meta) if kind == "gpt2" else _sentencepiece_backend(meta)
+        backend = _byte_level_backend(meta) if kind == "gpt2" else _sentencepiece_backend(meta, architecture)
         named = {name: _gguf_token(tokens, meta.get(key)) for name, key in GGUF_NAMED_TOKENS.items()}
-        _add_named_special_tokens(backend, named.values())
+        gemma_named = GEMMA_SPECIAL_TOKENS if kind == "llama" and architecture in GEMMA_ARCHITECTURES else ()
+        _add_named_special_tokens(backend, [*named.values(), *gemma_named])
         bos_id = meta.get("tokenizer.ggml.bos_token_id")
         # llama.cpp adds BOS to a SentencePiece vocabulary whose file does not say otherwise (older files).
         add_bos = bos_id if meta.get("tokenizer.ggml.add_bos_token", kind == "llama") else None
@@ -282,7 +287,8 @@ def _gguf_tokenizer_metadata(source: GGUFFile | gguf.GGUFReader) -> dict[str, An
     metadata = getattr(source, "metadata", None)  # a GGUFFile's is already plain Python values
     if metadata is None:
         metadata = {name: field.contents() for name, field in source.fields.items()}
-    return {name: value for name, value in metadata.items() if name.startswith("tokenizer.")}
+    return {name: value for name, value in metadata.items()
+            if name.startswith("tokenizer.") or name == "general.architecture"}
 
 
 def _add_named_special_tokens(backend: Backend, named: Iterable[str | None]) -> None:
@@ -317,36 +323,45 @@ def _byte_level_spelling(token: str) -> str:
     return "".join(mapping[byte] for byte in token.encode("utf-8"))
 
 
-def _sentencepiece_backend(meta: dict[str, Any]) -> Backend:
+def _sentencepiece_backend(meta: dict[str, Any], architecture: str | None) -> Backend:
     """SentencePiece BPE as llama.cpp's "llama" vocabulary holds it: "▁" for a space, `<0xNN>` byte tokens for
     any character the vocabulary lacks, and merges ranked by the score of the token they make.
 
     It has the same parts as transformers' GGUF conversion (byte-fallback BPE, a Metaspace prefix on the first
-    piece of text only, and control and user-defined tokens added whole), so that the ids match it.
+    piece of text only, and control and user-defined tokens added whole), so that the ids match it. Gemma's
+    files differ in three ways, handled as transformers handles them: a token of whitespace with a space in it
+    is stored with real spaces (respelled "▁" here), merges follow the vocabulary's order (its scores do
+    not), and no space prefix is added.
     """
-    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    stored: list[str] = meta["tokenizer.ggml.tokens"]
+    gemma = architecture in GEMMA_ARCHITECTURES
+    tokens = [SPM_SPACE * len(t) if " " in t and not t.strip() else t for t in stored] if gemma else stored
     vocab = {token: i for i, token in enumerate(tokens)}
     if "tokenizer.ggml.merges" in meta:
         merges = [tuple(merge.split(" ", 1)) for merge in meta["tokenizer.ggml.merges"]]
+    elif gemma:
+        merges = _merges_from_scores(tokens, [-float(i) for i in range(len(tokens))])
     elif len(meta.get("tokenizer.ggml.scores") or ()) == len(tokens):
         merges = _merges_from_scores(tokens, meta["tokenizer.ggml.scores"])
     else:
         raise ModelLoadError("GGUF 'llama' tokenizer has neither tokenizer.ggml.merges nor one score per token; "
                              "expected tokenizer.ggml.scores to rank its merges")
-    backend = Backend(models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True))
-    # transformers ignores add_space_prefix; llama.cpp honours it, and so do we: a model trained without the
-    # prefix would otherwise see a "▁" before every prompt.
-    prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+    unk = "<unk>" if gemma and "<unk>" in vocab else None  # only reached for a byte no <0xNN> token spells
+    backend = Backend(models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True, unk_token=unk))
+    # transformers ignores add_space_prefix, prefixing every vocabulary but Gemma's; llama.cpp honours it, and
+    # so do we: a model trained without the prefix would otherwise see a "▁" before every prompt.
+    prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True)) and not gemma
     backend.normalizer = None
     backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement=SPM_SPACE, split=False,
                                                      prepend_scheme="first" if prefix else "never")
     steps = [decoders.Replace(SPM_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
     backend.decoder = decoders.Sequence(steps + [decoders.Strip(content=" ", left=1)] if prefix else steps)
     types = meta.get("tokenizer.ggml.token_type", [])
+    # By the file's spelling, as transformers does: a Gemma whitespace token respelled above is not added whole.
     backend.add_special_tokens([AddedToken(t, normalized=False, special=True)
-                                for t, kind in zip(tokens, types) if kind == CONTROL_TOKEN])
+                                for t, kind in zip(stored, types) if kind == CONTROL_TOKEN and t in vocab])
     backend.add_tokens([AddedToken(t, normalized=False, special=False)
-                        for t, kind in zip(tokens, types) if kind == USER_DEFINED_TOKEN])
+                        for t, kind in zip(stored, types) if kind == USER_DEFINED_TOKEN and t in vocab])
     return backend
 
 

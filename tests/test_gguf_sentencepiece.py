@@ -124,6 +124,36 @@ def test_tie_broken_merges_match_transformers(tmp_path: Path) -> None:
     assert_same_ids(Tokenizer.from_gguf(GGUFFile(path)), reference_tokenizer(path), texts)
 
 
+def write_gemma_gguf(path: Path, arch: str) -> Path:
+    vocab = tiny_sentencepiece_vocab(gemma=True)
+    write_gguf(path, arch=arch, tokenizer=lambda writer: add_sentencepiece_tokenizer(writer, vocab=vocab,
+                                                                                     add_space_prefix=False))
+    return path
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_gemma_vocabulary_matches_transformers_and_sentencepiece(tmp_path: Path, arch: str) -> None:
+    """Gemma's files: whitespace tokens spelled with spaces, scores out of merge order, no space prefix."""
+    path = write_gemma_gguf(tmp_path / f"{arch}.gguf", arch)
+    ours = Tokenizer.from_gguf(GGUFFile(path))
+    assert_same_ids(ours, reference_tokenizer(path))
+    assert ours.vocab_size == len(tiny_sentencepiece_vocab(gemma=True).tokens)
+    assert ours.bos_token_id == 2 and ours.eos_token_ids == (1,)
+    assert [ours.id_to_token(i) for i in ours.encode("  two  spaces", False)][:3] == ["▁▁", "two", "▁▁"]
+    processor = tiny_sentencepiece_model(gemma=True)
+    for text in TEXTS:
+        if "<" not in text:
+            assert ours.encode(text, add_special_tokens=False) == processor.encode(text), text
+
+
+def test_gemma_1_vocabulary_is_read_like_gemma_2(tmp_path: Path) -> None:
+    """transformers reads no Gemma 1 GGUF; its vocabulary follows the same conventions as Gemma 2's."""
+    first, second = (Tokenizer.from_gguf(GGUFFile(write_gemma_gguf(tmp_path / f"{a}.gguf", a)))
+                     for a in ("gemma", "gemma2"))
+    for text in TEXTS:
+        assert first.encode(text) == second.encode(text), text
+
+
 # --- special tokens, byte fallback, flags -------------------------------------------------------------------
 
 

@@ -34,40 +34,58 @@ SPM_CORPUS = CORPUS + [
 ]
 
 
+GEMMA_IDS = {"padding": 0, "eos": 1, "bos": 2, "unknown": 3}  # Gemma's layout of its named tokens
+GEMMA_CONTROL = ["<mask>", "<start_of_turn>", "<end_of_turn>"]
+
+
 @dataclass(frozen=True)
 class SentencePieceVocab:
     tokens: list[str]
     scores: list[float]
     types: list[int]
+    ids: tuple[tuple[str, int], ...] = (("bos", BOS), ("eos", EOS), ("unknown", UNK), ("padding", PAD))
 
 
 @lru_cache(maxsize=None)
-def tiny_sentencepiece_model(vocab_size: int = 512):
-    """The trained `sentencepiece.SentencePieceProcessor` (deterministic: one thread, a fixed corpus)."""
+def tiny_sentencepiece_model(vocab_size: int = 512, gemma: bool = False):
+    """The trained `sentencepiece.SentencePieceProcessor` (deterministic: one thread, a fixed corpus).
+
+    `gemma`: Gemma's layout instead of Llama's (pad, eos, bos, unk first, no dummy space prefix).
+    """
     import sentencepiece
 
+    ids = {f"{name[:3] if name != 'padding' else 'pad'}_id": i for name, i in GEMMA_IDS.items()} if gemma else dict(
+        unk_id=UNK, bos_id=BOS, eos_id=EOS, pad_id=PAD)
+    names = dict(pad_piece="<pad>", eos_piece="<eos>", bos_piece="<bos>", unk_piece="<unk>") if gemma else {}
     model = io.BytesIO()
     sentencepiece.SentencePieceTrainer.train(
         sentence_iterator=iter(SPM_CORPUS * 8), model_writer=model, model_type="bpe", vocab_size=vocab_size,
         byte_fallback=True, split_digits=True, allow_whitespace_only_pieces=True, remove_extra_whitespaces=False,
         normalization_rule_name="identity", character_coverage=0.99, hard_vocab_limit=False, num_threads=1,
-        unk_id=UNK, bos_id=BOS, eos_id=EOS, pad_id=PAD, user_defined_symbols=CHAT_TOKENS + USER_TOKENS,
-        minloglevel=2)
+        user_defined_symbols=(GEMMA_CONTROL if gemma else CHAT_TOKENS) + USER_TOKENS, add_dummy_prefix=not gemma,
+        minloglevel=2, **ids, **names)
     return sentencepiece.SentencePieceProcessor(model_proto=model.getvalue())
 
 
 @lru_cache(maxsize=None)
-def tiny_sentencepiece_vocab(vocab_size: int = 512) -> SentencePieceVocab:
-    """The trained model's pieces, scores and llama.cpp token types."""
-    processor = tiny_sentencepiece_model(vocab_size)
+def tiny_sentencepiece_vocab(vocab_size: int = 512, gemma: bool = False) -> SentencePieceVocab:
+    """The trained model's pieces, scores and llama.cpp token types.
+
+    `gemma`: also as Gemma's files hold them: a whitespace token spelled with real spaces, and scores that do
+    not follow the merge order (reversed here), so that only the vocabulary's order can rank the merges.
+    """
+    processor = tiny_sentencepiece_model(vocab_size, gemma)
+    control = GEMMA_CONTROL if gemma else CHAT_TOKENS
     tokens, scores, types = [], [], []
     for i in range(processor.get_piece_size()):
         piece = processor.id_to_piece(i)
-        tokens.append(piece)
+        tokens.append(piece.replace("▁", " ") if gemma and not piece.strip("▁") else piece)
         scores.append(processor.get_score(i))
-        types.append(UNKNOWN if processor.is_unknown(i) else CONTROL if processor.is_control(i) or piece in CHAT_TOKENS
+        types.append(UNKNOWN if processor.is_unknown(i) else CONTROL if processor.is_control(i) or piece in control
                      else USER_DEFINED if piece in USER_TOKENS else UNUSED if processor.is_unused(i)
                      else BYTE if processor.is_byte(i) else NORMAL)
+    if gemma:
+        return SentencePieceVocab(tokens, scores[::-1], types, tuple(GEMMA_IDS.items()))
     return SentencePieceVocab(tokens, scores, types)
 
 
@@ -81,7 +99,7 @@ def add_sentencepiece_tokenizer(writer: gguf.GGUFWriter, vocab: SentencePieceVoc
     writer.add_array("tokenizer.ggml.tokens", vocab.tokens)
     writer.add_array("tokenizer.ggml.scores", vocab.scores)
     writer.add_array("tokenizer.ggml.token_type", vocab.types)
-    for key, token_id in {"bos": BOS, "eos": EOS, "unknown": UNK, "padding": PAD}.items():
+    for key, token_id in vocab.ids:
         writer.add_uint32(f"tokenizer.ggml.{key}_token_id", token_id)
     for key, flag in {"add_bos_token": add_bos, "add_eos_token": add_eos, "add_space_prefix": add_space_prefix}.items():
         if flag is not None:
