@@ -71,7 +71,9 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, source: GGUFFile | gguf.GGUFReader) -> Tokenizer:
         """Builds the tokenizer a GGUF file's metadata describes: byte-level BPE ("gpt2") or SentencePiece
-        BPE ("llama"), the way transformers' `AutoTokenizer.from_pretrained(..., gguf_file=...)` builds it.
+        BPE ("llama"), the way transformers' `AutoTokenizer.from_pretrained(..., gguf_file=...)` builds it, but
+        with the tokenizers library alone: transformers is only a test dependency, and its import and GGUF
+        conversion cost several times this at start-up.
 
         `source` is an `engine.model.gguf_file.GGUFFile` or, much slower to open, a `gguf.GGUFReader`.
         The file's `general.architecture` picks Gemma's variant of a SentencePiece vocabulary.

@@ -293,6 +293,18 @@ def test_decode_matches_sentencepiece_and_transformers(ours: Tokenizer, referenc
     assert invalid > 100
 
 
+def test_hf_folder_with_a_sentencepiece_decoder_decodes_the_same(tmp_path: Path, ours: Tokenizer, reference) -> None:
+    """A Llama-style tokenizer.json (the same decoder chain) gets the same decoding of invalid byte runs."""
+    import json
+
+    ours.backend.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    folder = Tokenizer.from_hf_folder(tmp_path)
+    ids = ours.encode("a日本") + byte_ids(ours, "龘") + byte_ids(ours, "é")[:1] + ours.encode(" end", False)
+    assert folder.decode(ids) == ours.decode(ids) == "a日本龘\ufffd end"
+    assert reference.decode(ids, skip_special_tokens=True) == "a日本\ufffd\ufffd\ufffd\ufffd end"  # the whole run
+
+
 def test_random_id_streams_add_up_to_decode(ours: Tokenizer) -> None:
     """Arbitrary ids, byte tokens half the time (invalid sequences included): the deltas add up to decode, and a
     replacement character is only ever emitted where decode of the whole stream has one too."""
