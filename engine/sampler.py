@@ -1,15 +1,54 @@
-"""Batched token sampling with per-row temperature / top-k / top-p, bans, seeds and logprobs."""
+"""Batched token sampling with per-row temperature / top-k / top-p / min-p, bans, logit biases, penalties, seeds
+and logprobs.
+
+The order is vLLM's: logit_bias and bans, then the repetition penalty, then the frequency and presence
+penalties (all on the raw logits, so greedy rows see them too); then temperature, min-p, top-k and top-p.
+Every step is a tensor op over the whole batch (or over the rows that need it); a batch in which no row asks
+for a control skips that control's work entirely.
+"""
 from __future__ import annotations
 
-from collections.abc import Callable
+import itertools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from engine.sampling_params import SamplingParams
 
 Argmax = Callable[[torch.Tensor], torch.Tensor]  # [B, V] -> [B] int64, the first maximal index of each row
+Index = tuple[torch.Tensor, torch.Tensor]  # (rows, token ids), flattened
+
+
+@dataclass(frozen=True)
+class History:
+    """The tokens a row's penalties count: the sequence so far (prompt, then output) and, at a verified draft
+    position, the drafts before that position (output tokens too). Rows may share one `token_ids` object (the
+    positions of one verified chunk): it is then counted once."""
+
+    token_ids: Sequence[int]
+    num_prompt_tokens: int
+    drafts: Sequence[int] = ()
+
+
+@dataclass
+class Penalties:
+    """The penalised rows of a batch and what their penalties count, as index tensors; the [P, V] counts are
+    built from them once the vocabulary size is known (`apply_penalties`)."""
+
+    rows: torch.Tensor | None  # [P] the batch rows with penalties; None = every row
+    presence: torch.Tensor  # [P] float32
+    frequency: torch.Tensor  # [P] float32
+    repetition: torch.Tensor  # [P] float32
+    needs_presence_frequency: bool
+    needs_repetition: bool
+    num_bases: int  # distinct histories among the P rows
+    base_of_row: torch.Tensor | None  # [P] row -> its history; None = row i has history i
+    output_index: Index  # (history, token) per output token, repeats included
+    prompt_index: Index | None  # (history, token) per prompt token; only for the repetition penalty
+    draft_index: Index | None  # (penalised row, token) per draft token before that row's position
 
 
 @dataclass
@@ -28,15 +67,23 @@ class SamplingBatch:
     num_logprobs: list[int | None]
     generators: list[torch.Generator | None]
     banned: list[tuple[int, ...]]
-    ban_index: tuple[torch.Tensor, torch.Tensor] | None  # (rows, cols) flattened
+    ban_index: Index | None
+    bias_index: Index | None = None
+    bias_values: torch.Tensor | None = None  # [N] float32, one per bias_index entry
+    min_p: torch.Tensor | None = None  # [B] float32; None = no sampled row uses min-p
+    penalties: Penalties | None = None
 
     @classmethod
     def build(cls, params: list[SamplingParams], generators: list[torch.Generator | None],
-              banned: list[tuple[int, ...]], device: torch.device | str) -> SamplingBatch:
+              banned: list[tuple[int, ...]], device: torch.device | str,
+              histories: Sequence[History | None] | None = None) -> SamplingBatch:
+        """`histories`: per row, the tokens its penalties count; a penalised row without one counts nothing."""
         assert len(params) == len(generators) == len(banned)
+        assert histories is None or len(histories) == len(params)
         greedy = [p.greedy for p in params]
         top_k = [max(p.top_k, 0) for p in params]
         wanted = [p.logprobs for p in params if p.logprobs is not None]
+        controls = _controls(params, histories, device) if any(_has_controls(p) for p in params) else {}
         return cls(
             temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
             top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
@@ -51,14 +98,89 @@ class SamplingBatch:
             generators=list(generators),
             banned=[tuple(b) for b in banned],
             ban_index=_ban_index(banned, device),
+            **controls,
         )
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Biases, bans or penalties move this batch's logits before any pick."""
+        return self.ban_index is not None or self.bias_index is not None or self.penalties is not None
 
     @property
     def size(self) -> int:
         return len(self.generators)
 
 
-def _ban_index(banned: list[tuple[int, ...]], device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor] | None:
+def _has_controls(p: SamplingParams) -> bool:
+    return p.adjusts_logits or (p.min_p > 0 and not p.greedy)
+
+
+def _controls(params: list[SamplingParams], histories: Sequence[History | None] | None,
+              device: torch.device | str) -> dict:
+    """The SamplingBatch fields of logit_bias, min-p and the penalties (those no row uses stay None)."""
+    out: dict = {}
+    biased = [(row, token, bias) for row, p in enumerate(params) for token, bias in p.logit_bias]
+    if biased:
+        rows, tokens, values = zip(*biased)
+        out["bias_index"] = (_long(rows, device), _long(tokens, device))
+        out["bias_values"] = torch.tensor(values, dtype=torch.float32, device=device)
+    if any(p.min_p > 0 and not p.greedy for p in params):
+        out["min_p"] = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
+    penalised = [row for row, p in enumerate(params) if p.penalised]
+    if penalised:
+        out["penalties"] = _penalties(params, penalised, histories or [None] * len(params), device)
+    return out
+
+
+def _penalties(params: list[SamplingParams], penalised: list[int], histories: Sequence[History | None],
+               device: torch.device | str) -> Penalties:
+    chosen = [params[row] for row in penalised]
+    needs_repetition = any(p.repetition_penalty != 1 for p in chosen)
+    bases: dict[tuple[int, int], int] = {}  # (id(token_ids), num_prompt_tokens) -> history index
+    base_histories: list[History] = []
+    base_of_row: list[int] = []
+    drafts: list[tuple[int, int]] = []  # (penalised row, token)
+    for i, row in enumerate(penalised):
+        h = histories[row] or History((), 0)
+        key = (id(h.token_ids), h.num_prompt_tokens)
+        if key not in bases:
+            bases[key] = len(base_histories)
+            base_histories.append(h)
+        base_of_row.append(bases[key])
+        drafts += [(i, t) for t in h.drafts]
+    outputs = [h.token_ids[h.num_prompt_tokens:] for h in base_histories]
+    prompts = [h.token_ids[:h.num_prompt_tokens] for h in base_histories] if needs_repetition else None
+    identity = base_of_row == list(range(len(penalised)))
+    floats = lambda xs: torch.tensor(xs, dtype=torch.float32, device=device)  # noqa: E731
+    return Penalties(
+        rows=None if len(penalised) == len(params) else _long(penalised, device),
+        presence=floats([p.presence_penalty for p in chosen]),
+        frequency=floats([p.frequency_penalty for p in chosen]),
+        repetition=floats([p.repetition_penalty for p in chosen]),
+        needs_presence_frequency=any(p.presence_penalty != 0 or p.frequency_penalty != 0 for p in chosen),
+        needs_repetition=needs_repetition,
+        num_bases=len(base_histories),
+        base_of_row=None if identity else _long(base_of_row, device),
+        output_index=_flat_index(outputs, device),
+        prompt_index=None if prompts is None else _flat_index(prompts, device),
+        draft_index=(_long([r for r, _ in drafts], device), _long([t for _, t in drafts], device)) if drafts
+        else None,
+    )
+
+
+def _long(values: Sequence[int], device: torch.device | str) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64, device=device)
+
+
+def _flat_index(groups: list[Sequence[int]], device: torch.device | str) -> Index:
+    """(group, token) for every token of every group, built through numpy (one conversion of the ints)."""
+    sizes = [len(g) for g in groups]
+    tokens = np.fromiter(itertools.chain.from_iterable(groups), dtype=np.int64, count=sum(sizes))
+    group = torch.repeat_interleave(torch.arange(len(groups)), torch.tensor(sizes, dtype=torch.int64))
+    return group.to(device), torch.from_numpy(tokens).to(device)
+
+
+def _ban_index(banned: list[tuple[int, ...]], device: torch.device | str) -> Index | None:
     rows = [r for r, ids in enumerate(banned) for _ in ids]
     if not rows:
         return None
@@ -88,6 +210,57 @@ def _apply_bans(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return logits.index_put(batch.ban_index, torch.tensor(float("-inf"), device=logits.device))
 
 
+def _token_counts(index: Index, num_rows: int, vocab: int, device: torch.device) -> torch.Tensor:
+    """[num_rows, vocab] float32: how often each row's index entries name each token."""
+    rows, tokens = index
+    counts = torch.zeros(num_rows * vocab, dtype=torch.float32, device=device)
+    counts.scatter_add_(0, rows * vocab + tokens, torch.ones(len(tokens), dtype=torch.float32, device=device))
+    return counts.view(num_rows, vocab)
+
+
+def apply_penalties(logits: torch.Tensor, pen: Penalties) -> torch.Tensor:
+    """logits [B, V] float32 with each penalised row's repetition, frequency and presence penalties applied
+    (vLLM's rules); the other rows are returned untouched. Does not modify its input."""
+    vocab, device = logits.shape[-1], logits.device
+    rows = logits if pen.rows is None else logits[pen.rows]  # [P, V]
+    counts = _token_counts(pen.output_index, pen.num_bases, vocab, device)  # [U, V] per distinct history
+    if pen.base_of_row is not None:
+        counts = counts[pen.base_of_row]  # [P, V]
+    if pen.draft_index is not None:
+        counts = counts.index_put(pen.draft_index, torch.ones((), device=device), accumulate=True)
+    if pen.needs_repetition:
+        seen = counts > 0
+        if pen.prompt_index is not None:
+            in_prompt = _token_counts(pen.prompt_index, pen.num_bases, vocab, device) > 0
+            seen |= in_prompt if pen.base_of_row is None else in_prompt[pen.base_of_row]
+        penalty = torch.where(seen, pen.repetition[:, None], 1.0)  # [P, V]
+        rows = torch.where(rows > 0, rows / penalty, rows * penalty)
+    if pen.needs_presence_frequency:
+        rows = rows - pen.frequency[:, None] * counts - pen.presence[:, None] * (counts > 0)
+    return rows if pen.rows is None else logits.index_copy(0, pen.rows, rows)
+
+
+def adjust_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """The logits every pick starts from: plus each row's logit_bias, bans to -inf, then the penalties.
+    float32 once a bias or penalty applies; bans alone keep the dtype (-inf is exact in any)."""
+    if batch.bias_index is None and batch.penalties is None:
+        return _apply_bans(logits, batch)
+    logits = logits.float()
+    if batch.bias_index is not None:
+        logits = logits.index_put(batch.bias_index, batch.bias_values, accumulate=True)
+    logits = _apply_bans(logits, batch)
+    if batch.penalties is not None:
+        logits = apply_penalties(logits, batch.penalties)
+    return logits
+
+
+def _apply_min_p(scaled: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask (to -inf) the tokens whose probability is below min_p times the row's top probability."""
+    probs = scaled.softmax(dim=-1)  # [B, V]
+    threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values  # [B, 1]
+    return scaled.masked_fill(probs < threshold, float("-inf"))
+
+
 def _apply_top_k_top_p(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Mask (to -inf) everything outside each row's top-k, then outside its top-p nucleus."""
     vocab = logits.shape[-1]
@@ -108,9 +281,11 @@ def _apply_top_k_top_p(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tens
 
 def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Return the exact per-row distribution that ``sample`` draws from: probs [B, V] float32."""
-    logits = _apply_bans(logits.float(), batch)  # [B, V]
+    logits = adjust_logits(logits.float(), batch)  # [B, V]
     temperature = torch.where(batch.greedy, torch.ones_like(batch.temperature), batch.temperature)
     scaled = logits / temperature[:, None]  # [B, V]
+    if batch.min_p is not None:
+        scaled = _apply_min_p(scaled, batch.min_p)
     if batch.needs_top_k or batch.needs_top_p:
         scaled = _apply_top_k_top_p(scaled, batch)
     probs = scaled.softmax(dim=-1)  # [B, V]
@@ -160,8 +335,8 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:
 
 
 def greedy_tokens(logits: torch.Tensor, batch: SamplingBatch, argmax: Argmax = row_argmax) -> torch.Tensor:
-    """The argmax of each row of logits [B, V] after the row's bans: [B] int64."""
-    return argmax(_apply_bans(logits, batch))
+    """The argmax of each row of logits [B, V] after the row's biases, bans and penalties: [B] int64."""
+    return argmax(adjust_logits(logits, batch))
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, batch: SamplingBatch) -> list[TokenLogprobs | None]:
