@@ -35,20 +35,17 @@ class History:
 
 @dataclass
 class Penalties:
-    """The penalised rows of a batch and what their penalties count, as index tensors; the [P, V] counts are
-    built from them once the vocabulary size is known (`apply_penalties`)."""
+    """The penalised rows of a batch and the tokens their penalties touch, as (row, token) pairs: one pair per
+    occurrence, so a token's count is its number of output pairs. Rows are numbered among the penalised ones."""
 
-    rows: torch.Tensor | None  # [P] the batch rows with penalties; None = every row
+    rows: torch.Tensor | None  # [P] the batch rows with penalties; None = every row, in order
     presence: torch.Tensor  # [P] float32
     frequency: torch.Tensor  # [P] float32
     repetition: torch.Tensor  # [P] float32
     needs_presence_frequency: bool
     needs_repetition: bool
-    num_bases: int  # distinct histories among the P rows
-    base_of_row: torch.Tensor | None  # [P] row -> its history; None = row i has history i
-    output_index: Index  # (history, token) per output token, repeats included
-    prompt_index: Index | None  # (history, token) per prompt token; only for the repetition penalty
-    draft_index: Index | None  # (penalised row, token) per draft token before that row's position
+    output_pairs: Index  # output tokens, the drafts before a verified position included
+    prompt_pairs: Index | None  # prompt tokens; only for the repetition penalty
 
 
 @dataclass
@@ -136,22 +133,27 @@ def _penalties(params: list[SamplingParams], penalised: list[int], histories: Se
                device: torch.device | str) -> Penalties:
     chosen = [params[row] for row in penalised]
     needs_repetition = any(p.repetition_penalty != 1 for p in chosen)
-    bases: dict[tuple[int, int], int] = {}  # (id(token_ids), num_prompt_tokens) -> history index
-    base_histories: list[History] = []
+    bases: dict[tuple[int, int], int] = {}  # (id(token_ids), num_prompt_tokens) -> index in `unique`
+    unique: list[History] = []
     base_of_row: list[int] = []
-    drafts: list[tuple[int, int]] = []  # (penalised row, token)
+    draft_rows: list[int] = []
+    draft_tokens: list[int] = []
     for i, row in enumerate(penalised):
-        h = histories[row] or History((), 0)
+        h = histories[row] or _NO_HISTORY
         key = (id(h.token_ids), h.num_prompt_tokens)
         if key not in bases:
-            bases[key] = len(base_histories)
-            base_histories.append(h)
+            bases[key] = len(unique)
+            unique.append(h)
         base_of_row.append(bases[key])
-        drafts += [(i, t) for t in h.drafts]
-    outputs = [h.token_ids[h.num_prompt_tokens:] for h in base_histories]
-    prompts = [h.token_ids[:h.num_prompt_tokens] for h in base_histories] if needs_repetition else None
-    identity = base_of_row == list(range(len(penalised)))
+        draft_rows += [i] * len(h.drafts)
+        draft_tokens += h.drafts
+    out_rows, out_tokens = _pairs([h.token_ids[h.num_prompt_tokens:] for h in unique], base_of_row)
+    output_pairs = (np.concatenate([out_rows, np.array(draft_rows, dtype=np.int64)]),
+                    np.concatenate([out_tokens, np.array(draft_tokens, dtype=np.int64)]))
+    prompt_pairs = _pairs([h.token_ids[:h.num_prompt_tokens] for h in unique], base_of_row) \
+        if needs_repetition else None
     floats = lambda xs: torch.tensor(xs, dtype=torch.float32, device=device)  # noqa: E731
+    on_device = lambda pairs: tuple(torch.from_numpy(a).to(device) for a in pairs)  # noqa: E731
     return Penalties(
         rows=None if len(penalised) == len(params) else _long(penalised, device),
         presence=floats([p.presence_penalty for p in chosen]),
@@ -159,25 +161,31 @@ def _penalties(params: list[SamplingParams], penalised: list[int], histories: Se
         repetition=floats([p.repetition_penalty for p in chosen]),
         needs_presence_frequency=any(p.presence_penalty != 0 or p.frequency_penalty != 0 for p in chosen),
         needs_repetition=needs_repetition,
-        num_bases=len(base_histories),
-        base_of_row=None if identity else _long(base_of_row, device),
-        output_index=_flat_index(outputs, device),
-        prompt_index=None if prompts is None else _flat_index(prompts, device),
-        draft_index=(_long([r for r, _ in drafts], device), _long([t for _, t in drafts], device)) if drafts
-        else None,
+        output_pairs=on_device(output_pairs),
+        prompt_pairs=None if prompt_pairs is None else on_device(prompt_pairs),
     )
+
+
+_NO_HISTORY = History((), 0)
+
+
+def _pairs(groups: list[Sequence[int]], group_of_row: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """(row, token) int64 arrays: every token of row i's group, for each row. Each group's ints are converted
+    once (numpy), then copied per row that shares it."""
+    sizes = np.array([len(g) for g in groups], dtype=np.int64)
+    flat = np.fromiter(itertools.chain.from_iterable(groups), dtype=np.int64, count=int(sizes.sum()))
+    group = np.array(group_of_row, dtype=np.int64)
+    row_sizes = sizes[group]
+    rows = np.repeat(np.arange(len(group), dtype=np.int64), row_sizes)
+    if group_of_row == list(range(len(groups))):
+        return rows, flat
+    offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    row_starts = np.cumsum(row_sizes) - row_sizes  # where each row's pairs begin
+    return rows, flat[np.repeat(offsets[group] - row_starts, row_sizes) + np.arange(int(row_sizes.sum()))]
 
 
 def _long(values: Sequence[int], device: torch.device | str) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int64, device=device)
-
-
-def _flat_index(groups: list[Sequence[int]], device: torch.device | str) -> Index:
-    """(group, token) for every token of every group, built through numpy (one conversion of the ints)."""
-    sizes = [len(g) for g in groups]
-    tokens = np.fromiter(itertools.chain.from_iterable(groups), dtype=np.int64, count=sum(sizes))
-    group = torch.repeat_interleave(torch.arange(len(groups)), torch.tensor(sizes, dtype=torch.int64))
-    return group.to(device), torch.from_numpy(tokens).to(device)
 
 
 def _ban_index(banned: list[tuple[int, ...]], device: torch.device | str) -> Index | None:
@@ -210,34 +218,32 @@ def _apply_bans(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return logits.index_put(batch.ban_index, torch.tensor(float("-inf"), device=logits.device))
 
 
-def _token_counts(index: Index, num_rows: int, vocab: int, device: torch.device) -> torch.Tensor:
-    """[num_rows, vocab] float32: how often each row's index entries name each token."""
-    rows, tokens = index
-    counts = torch.zeros(num_rows * vocab, dtype=torch.float32, device=device)
-    counts.scatter_add_(0, rows * vocab + tokens, torch.ones(len(tokens), dtype=torch.float32, device=device))
-    return counts.view(num_rows, vocab)
-
-
 def apply_penalties(logits: torch.Tensor, pen: Penalties) -> torch.Tensor:
     """logits [B, V] float32 with each penalised row's repetition, frequency and presence penalties applied
-    (vLLM's rules); the other rows are returned untouched. Does not modify its input."""
+    (vLLM's rules); the other rows are returned untouched. Does not modify its input.
+
+    Only the tokens a row's history names change, so the work is on its (row, token) pairs: gather their
+    logits, penalise, scatter back. Repeated pairs write the same value. The only [B, V] passes are the copy
+    and, for the frequency and presence penalties, the zeroed counts."""
     vocab, device = logits.shape[-1], logits.device
-    rows = logits if pen.rows is None else logits[pen.rows]  # [P, V]
-    counts = _token_counts(pen.output_index, pen.num_bases, vocab, device)  # [U, V] per distinct history
-    if pen.base_of_row is not None:
-        counts = counts[pen.base_of_row]  # [P, V]
-    if pen.draft_index is not None:
-        counts = counts.index_put(pen.draft_index, torch.ones((), device=device), accumulate=True)
-    if pen.needs_repetition:
-        seen = counts > 0
-        if pen.prompt_index is not None:
-            in_prompt = _token_counts(pen.prompt_index, pen.num_bases, vocab, device) > 0
-            seen |= in_prompt if pen.base_of_row is None else in_prompt[pen.base_of_row]
-        penalty = torch.where(seen, pen.repetition[:, None], 1.0)  # [P, V]
-        rows = torch.where(rows > 0, rows / penalty, rows * penalty)
+    rows, tokens = pen.output_pairs
+    if pen.prompt_pairs is not None:
+        rows, tokens = torch.cat([rows, pen.prompt_pairs[0]]), torch.cat([tokens, pen.prompt_pairs[1]])
+    batch_rows = rows if pen.rows is None else pen.rows[rows]
+    where = batch_rows * vocab + tokens  # [N] into the flattened logits
+    flat = logits.reshape(-1)
+    x = flat.index_select(0, where)  # [N]
+    if pen.needs_repetition:  # every pair is a token of the prompt or the output
+        r = pen.repetition[rows]
+        x = torch.where(x > 0, x / r, x * r)
     if pen.needs_presence_frequency:
-        rows = rows - pen.frequency[:, None] * counts - pen.presence[:, None] * (counts > 0)
-    return rows if pen.rows is None else logits.index_copy(0, pen.rows, rows)
+        num_rows = len(pen.presence)
+        out_rows, out_tokens = pen.output_pairs
+        counts = torch.zeros(num_rows * vocab, dtype=torch.int32, device=device)
+        counts.scatter_add_(0, out_rows * vocab + out_tokens, torch.ones_like(out_tokens, dtype=torch.int32))
+        c = counts.index_select(0, rows * vocab + tokens).float()  # [N] each pair's count in its row's output
+        x = x - pen.frequency[rows] * c - pen.presence[rows] * (c > 0)
+    return flat.clone().scatter_(0, where, x).view_as(logits)
 
 
 def adjust_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

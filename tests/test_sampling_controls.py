@@ -136,8 +136,9 @@ def test_only_penalised_rows_are_counted():
     params = [SamplingParams(), SamplingParams(presence_penalty=1.0), SamplingParams(logit_bias={2: 5.0})]
     batch = batch_of(params, [History((4, 4), 0), History((5, 6), 1), History((7,), 0)])
     pen = batch.penalties
-    assert pen.rows.tolist() == [1] and pen.num_bases == 1
-    assert pen.output_index[1].tolist() == [6] and pen.prompt_index is None  # no repetition penalty, no prompt
+    assert pen.rows.tolist() == [1]
+    assert [t.tolist() for t in pen.output_pairs] == [[0], [6]]
+    assert pen.prompt_pairs is None  # no repetition penalty, no prompt
 
 
 def test_logit_bias_plus_100_forces_and_minus_100_bans():
@@ -163,25 +164,31 @@ def test_min_p_keeps_exactly_the_tokens_above_the_threshold():
     torch.testing.assert_close(out[1], torch.tensor([0.40, 0, 0, 0, 0.28]) / 0.68)
 
 
+def _verified_chunk(seq_id: int, params: SamplingParams, history: History, drafts: tuple[int, ...]):
+    return ScheduledChunk(seq_id, (history.token_ids[-1], *drafts), len(history.token_ids) - 1, (0,), True, params,
+                          None, num_draft=len(drafts), history=tuple(history.token_ids),
+                          num_prompt_tokens=history.num_prompt_tokens)
+
+
 def test_each_verified_position_counts_the_drafts_before_it():
     """The rows of a verified chunk share its history; row j must count the j drafts before it, exactly as a
-    batch built with those drafts appended to the output does."""
+    batch built with those drafts appended to each output does (chunks of several histories, one unpenalised)."""
     rng = random.Random(11)
     params = SamplingParams(temperature=0.9, presence_penalty=1.5, frequency_penalty=0.7, repetition_penalty=1.3)
-    history = random_history(rng)
-    drafts = (history.token_ids[-1], 3, history.token_ids[-1])
-    chunk = ScheduledChunk(0, (history.token_ids[-1], *drafts), len(history.token_ids) - 1, (0,), True, params,
-                           None, num_draft=len(drafts), history=tuple(history.token_ids),
-                           num_prompt_tokens=history.num_prompt_tokens)
-    rows = _verify_histories([chunk])
-    assert [tuple(h.drafts) for h in rows] == [(), drafts[:1], drafts[:2], drafts]
+    other = SamplingParams(temperature=0.5, frequency_penalty=-1.0, repetition_penalty=0.8)
+    chunks = [_verified_chunk(0, params, random_history(rng), (4, 3, 4, 9)),
+              _verified_chunk(1, SamplingParams(temperature=0.7), random_history(rng), (1, 2)),
+              _verified_chunk(2, other, random_history(rng), (7, 7, 0))]
+    rows = _verify_histories(chunks)
+    assert len(rows) == 5 + 3 + 4 and rows[5:8] == [None] * 3
+    assert [tuple(h.drafts) for h in rows[:5]] == [(), (4,), (4, 3), (4, 3, 4), (4, 3, 4, 9)]
+    row_params = [c.params for c in chunks for _ in range(c.num_draft + 1)]
+    spelled = [None if h is None else History(tuple(h.token_ids) + tuple(h.drafts), h.num_prompt_tokens)
+               for h in rows]
     logits = torch.randn(len(rows), VOCAB, generator=torch.Generator().manual_seed(11)) * 3
-    shared = process_logits(logits, batch_of([params] * len(rows), rows))
-    spelled = [History(tuple(history.token_ids) + drafts[:j], history.num_prompt_tokens) for j in range(len(rows))]
-    assert batch_of([params] * len(rows), rows).penalties.num_bases == 1  # the history is counted once
-    torch.testing.assert_close(shared, process_logits(logits, batch_of([params] * len(rows), spelled)))
-    torch.testing.assert_close(shared.double(), reference(logits, [params] * len(rows), spelled),
-                               atol=2e-6, rtol=1e-5)
+    shared = process_logits(logits, batch_of(row_params, rows))
+    torch.testing.assert_close(shared, process_logits(logits, batch_of(row_params, spelled)))
+    torch.testing.assert_close(shared.double(), reference(logits, row_params, spelled), atol=2e-6, rtol=1e-5)
 
 
 def test_chunks_carry_their_history_only_when_penalised_and_sampling():
