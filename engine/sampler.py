@@ -26,7 +26,7 @@ Index = tuple[torch.Tensor, torch.Tensor]  # (rows, token ids), flattened
 class History:
     """The tokens a row's penalties count: the sequence so far (prompt, then output) and, at a verified draft
     position, the drafts before that position (output tokens too). Rows may share one `token_ids` object (the
-    positions of one verified chunk): it is then counted once."""
+    positions of one verified chunk): its ints are then converted once."""
 
     token_ids: Sequence[int]
     num_prompt_tokens: int
@@ -97,11 +97,6 @@ class SamplingBatch:
             ban_index=_ban_index(banned, device),
             **controls,
         )
-
-    @property
-    def adjusts_logits(self) -> bool:
-        """Biases, bans or penalties move this batch's logits before any pick."""
-        return self.ban_index is not None or self.bias_index is not None or self.penalties is not None
 
     @property
     def size(self) -> int:

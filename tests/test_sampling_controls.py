@@ -126,7 +126,6 @@ def test_a_batch_without_controls_builds_and_runs_none_of_them(monkeypatch):
     history = History((1, 2, 3), 1)
     batch = batch_of(params, [history] * 3)
     assert batch.penalties is None and batch.bias_index is None and batch.min_p is None
-    assert not batch.adjusts_logits
     sample(torch.randn(3, VOCAB), batch)
     # min_p on a greedy row changes nothing, so it builds nothing either
     assert batch_of([SamplingParams(temperature=0.0, min_p=0.5)], None).min_p is None
