@@ -11,7 +11,9 @@ from transport import messages as m
 
 
 def params_to_wire(params: SamplingParams) -> dict:
-    return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(params).items()}
+    """Tuples as lists, logit_bias as [[token id, bias], ...] (msgpack maps take only str keys)."""
+    return {k: [list(x) if isinstance(x, tuple) else x for x in v] if isinstance(v, tuple) else v
+            for k, v in asdict(params).items()}
 
 
 def params_from_wire(raw: dict) -> SamplingParams:

@@ -141,8 +141,13 @@ class EngineCore:
         if not self.config.enable_chunked_prefill and n > self.config.max_num_batched_tokens:
             raise RequestError(f"the prompt has {n} tokens, more than max_num_batched_tokens "
                                f"({self.config.max_num_batched_tokens}) without chunked prefill", "prompt")
-        if any(not 0 <= t < self.source.config.vocab_size for t in req.prompt_token_ids):
+        vocab = self.source.config.vocab_size
+        if any(not 0 <= t < vocab for t in req.prompt_token_ids):
             raise RequestError("the prompt holds token ids outside the vocabulary", "prompt")
+        outside = [t for t, _ in req.params.logit_bias if t >= vocab]
+        if outside:
+            raise RequestError(f"logit_bias names token id {outside[0]}, outside this model's vocabulary of "
+                               f"{vocab}", "logit_bias")
         if req.request_id in self.scheduler.by_request:
             raise RequestError(f"request id {req.request_id!r} is already in use", "request_id")
 

@@ -18,7 +18,7 @@ from engine.kv.host_memory import keep_freed_memory
 from engine.kv.cache import KVCache
 from engine.kv.compress import ColdRegion, names_cold
 from engine.model.llama import LlamaModel
-from engine.sampler import SamplingBatch, greedy_tokens, process_logits, sample, token_logprobs
+from engine.sampler import History, SamplingBatch, greedy_tokens, process_logits, sample, token_logprobs
 from engine.speculative.acceptance import Verdict, verify_drafts, verify_greedy
 from engine.step import RunnerOutput, ScheduledChunk, SchedulerOutput, runner_output
 
@@ -83,8 +83,25 @@ def _decode_rows(chunks: Sequence[ScheduledChunk]) -> list[tuple[list[int], int]
 
 
 def _plain_greedy(chunks: Sequence[ScheduledChunk]) -> bool:
-    """Every row takes its argmax as it is: greedy, no logprobs, no banned tokens."""
-    return all(c.params.greedy and c.params.logprobs is None and not c.banned_token_ids for c in chunks)
+    """Every row takes its argmax as it is: greedy, no logprobs, no banned tokens, no biases or penalties."""
+    return all(c.params.greedy and c.params.logprobs is None and not c.banned_token_ids
+               and not c.params.adjusts_logits for c in chunks)
+
+
+def _histories(chunks: Sequence[ScheduledChunk]) -> list[History | None] | None:
+    """What each chunk's penalties count at its sampled position; None when no chunk is penalised."""
+    if not any(c.params.penalised for c in chunks):
+        return None
+    return [History(c.history, c.num_prompt_tokens) if c.params.penalised else None for c in chunks]
+
+
+def _verify_histories(chunks: Sequence[ScheduledChunk]) -> list[History | None] | None:
+    """Per verified row (position j of a chunk with drafts): the chunk's history and the j drafts before j,
+    so each position is penalised as plain decoding would be had the drafts before it been sampled."""
+    if not any(c.params.penalised for c in chunks):
+        return None
+    return [History(c.history, c.num_prompt_tokens, c.token_ids[1:1 + j]) if c.params.penalised else None
+            for c in chunks for j in range(c.num_draft + 1)]
 
 
 class ModelRunner:
@@ -173,7 +190,7 @@ class ModelRunner:
         if not chunks:
             return {}, {}
         batch = SamplingBatch.build([c.params for c in chunks], [self._generator(c) for c in chunks],
-                                    [c.banned_token_ids for c in chunks], self.device)
+                                    [c.banned_token_ids for c in chunks], self.device, _histories(chunks))
         out = sample(logits, batch, self.backend.row_argmax)
         ids = [c.seq_id for c in chunks]
         logprobs = {} if out.logprobs is None else {i: lp for i, lp in zip(ids, out.logprobs) if lp is not None}
@@ -184,7 +201,7 @@ class ModelRunner:
         tokens, seq_id -> their logprobs where asked)."""
         rows = [c for c in chunks for _ in range(c.num_draft + 1)]
         batch = SamplingBatch.build([c.params for c in rows], [None] * len(rows),
-                                    [c.banned_token_ids for c in rows], self.device)
+                                    [c.banned_token_ids for c in rows], self.device, _verify_histories(chunks))
         verdict = self._verdict(logits, batch, chunks)
         tokens, num_accepted = verdict.tokens.tolist(), verdict.num_accepted.tolist()
         emitted = [tokens[b][:num_accepted[b] + 1] for b in range(len(chunks))]

@@ -1,15 +1,51 @@
-"""Batched token sampling with per-row temperature / top-k / top-p, bans, seeds and logprobs."""
+"""Batched token sampling with per-row temperature / top-k / top-p / min-p, bans, logit biases, penalties, seeds
+and logprobs.
+
+The order is vLLM's: logit_bias and bans, then the repetition penalty, then the frequency and presence
+penalties (all on the raw logits, so greedy rows see them too); then temperature, min-p, top-k and top-p.
+Every step is a tensor op over the whole batch (or over the rows that need it); a batch in which no row asks
+for a control skips that control's work entirely.
+"""
 from __future__ import annotations
 
-from collections.abc import Callable
+import itertools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from engine.sampling_params import SamplingParams
 
 Argmax = Callable[[torch.Tensor], torch.Tensor]  # [B, V] -> [B] int64, the first maximal index of each row
+Index = tuple[torch.Tensor, torch.Tensor]  # (rows, token ids), flattened
+
+
+@dataclass(frozen=True)
+class History:
+    """The tokens a row's penalties count: the sequence so far (prompt, then output) and, at a verified draft
+    position, the drafts before that position (output tokens too). Rows may share one `token_ids` object (the
+    positions of one verified chunk): its ints are then converted once."""
+
+    token_ids: Sequence[int]
+    num_prompt_tokens: int
+    drafts: Sequence[int] = ()
+
+
+@dataclass
+class Penalties:
+    """The penalised rows of a batch and the tokens their penalties touch, as (row, token) pairs: one pair per
+    occurrence, so a token's count is its number of output pairs. Rows are numbered among the penalised ones."""
+
+    rows: torch.Tensor | None  # [P] the batch rows with penalties; None = every row, in order
+    presence: torch.Tensor  # [P] float32
+    frequency: torch.Tensor  # [P] float32
+    repetition: torch.Tensor  # [P] float32
+    needs_presence_frequency: bool
+    needs_repetition: bool
+    output_pairs: Index  # output tokens, the drafts before a verified position included
+    prompt_pairs: Index | None  # prompt tokens; only for the repetition penalty
 
 
 @dataclass
@@ -28,15 +64,23 @@ class SamplingBatch:
     num_logprobs: list[int | None]
     generators: list[torch.Generator | None]
     banned: list[tuple[int, ...]]
-    ban_index: tuple[torch.Tensor, torch.Tensor] | None  # (rows, cols) flattened
+    ban_index: Index | None
+    bias_index: Index | None = None
+    bias_values: torch.Tensor | None = None  # [N] float32, one per bias_index entry
+    min_p: torch.Tensor | None = None  # [B] float32; None = no sampled row uses min-p
+    penalties: Penalties | None = None
 
     @classmethod
     def build(cls, params: list[SamplingParams], generators: list[torch.Generator | None],
-              banned: list[tuple[int, ...]], device: torch.device | str) -> SamplingBatch:
+              banned: list[tuple[int, ...]], device: torch.device | str,
+              histories: Sequence[History | None] | None = None) -> SamplingBatch:
+        """`histories`: per row, the tokens its penalties count; a penalised row without one counts nothing."""
         assert len(params) == len(generators) == len(banned)
+        assert histories is None or len(histories) == len(params)
         greedy = [p.greedy for p in params]
         top_k = [max(p.top_k, 0) for p in params]
         wanted = [p.logprobs for p in params if p.logprobs is not None]
+        controls = _controls(params, histories, device) if any(_has_controls(p) for p in params) else {}
         return cls(
             temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
             top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
@@ -51,6 +95,7 @@ class SamplingBatch:
             generators=list(generators),
             banned=[tuple(b) for b in banned],
             ban_index=_ban_index(banned, device),
+            **controls,
         )
 
     @property
@@ -58,7 +103,87 @@ class SamplingBatch:
         return len(self.generators)
 
 
-def _ban_index(banned: list[tuple[int, ...]], device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor] | None:
+def _has_controls(p: SamplingParams) -> bool:
+    return p.adjusts_logits or (p.min_p > 0 and not p.greedy)
+
+
+def _controls(params: list[SamplingParams], histories: Sequence[History | None] | None,
+              device: torch.device | str) -> dict:
+    """The SamplingBatch fields of logit_bias, min-p and the penalties (those no row uses stay None)."""
+    out: dict = {}
+    biased = [(row, token, bias) for row, p in enumerate(params) for token, bias in p.logit_bias]
+    if biased:
+        rows, tokens, values = zip(*biased)
+        out["bias_index"] = (_long(rows, device), _long(tokens, device))
+        out["bias_values"] = torch.tensor(values, dtype=torch.float32, device=device)
+    if any(p.min_p > 0 and not p.greedy for p in params):
+        out["min_p"] = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
+    penalised = [row for row, p in enumerate(params) if p.penalised]
+    if penalised:
+        out["penalties"] = _penalties(params, penalised, histories or [None] * len(params), device)
+    return out
+
+
+def _penalties(params: list[SamplingParams], penalised: list[int], histories: Sequence[History | None],
+               device: torch.device | str) -> Penalties:
+    chosen = [params[row] for row in penalised]
+    needs_repetition = any(p.repetition_penalty != 1 for p in chosen)
+    bases: dict[tuple[int, int], int] = {}  # (id(token_ids), num_prompt_tokens) -> index in `unique`
+    unique: list[History] = []
+    base_of_row: list[int] = []
+    draft_rows: list[int] = []
+    draft_tokens: list[int] = []
+    for i, row in enumerate(penalised):
+        h = histories[row] or _NO_HISTORY
+        key = (id(h.token_ids), h.num_prompt_tokens)
+        if key not in bases:
+            bases[key] = len(unique)
+            unique.append(h)
+        base_of_row.append(bases[key])
+        draft_rows += [i] * len(h.drafts)
+        draft_tokens += h.drafts
+    out_rows, out_tokens = _pairs([h.token_ids[h.num_prompt_tokens:] for h in unique], base_of_row)
+    output_pairs = (np.concatenate([out_rows, np.array(draft_rows, dtype=np.int64)]),
+                    np.concatenate([out_tokens, np.array(draft_tokens, dtype=np.int64)]))
+    prompt_pairs = _pairs([h.token_ids[:h.num_prompt_tokens] for h in unique], base_of_row) \
+        if needs_repetition else None
+    floats = lambda xs: torch.tensor(xs, dtype=torch.float32, device=device)  # noqa: E731
+    on_device = lambda pairs: tuple(torch.from_numpy(a).to(device) for a in pairs)  # noqa: E731
+    return Penalties(
+        rows=None if len(penalised) == len(params) else _long(penalised, device),
+        presence=floats([p.presence_penalty for p in chosen]),
+        frequency=floats([p.frequency_penalty for p in chosen]),
+        repetition=floats([p.repetition_penalty for p in chosen]),
+        needs_presence_frequency=any(p.presence_penalty != 0 or p.frequency_penalty != 0 for p in chosen),
+        needs_repetition=needs_repetition,
+        output_pairs=on_device(output_pairs),
+        prompt_pairs=None if prompt_pairs is None else on_device(prompt_pairs),
+    )
+
+
+_NO_HISTORY = History((), 0)
+
+
+def _pairs(groups: list[Sequence[int]], group_of_row: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """(row, token) int64 arrays: every token of row i's group, for each row. Each group's ints are converted
+    once (numpy), then copied per row that shares it."""
+    sizes = np.array([len(g) for g in groups], dtype=np.int64)
+    flat = np.fromiter(itertools.chain.from_iterable(groups), dtype=np.int64, count=int(sizes.sum()))
+    group = np.array(group_of_row, dtype=np.int64)
+    row_sizes = sizes[group]
+    rows = np.repeat(np.arange(len(group), dtype=np.int64), row_sizes)
+    if group_of_row == list(range(len(groups))):
+        return rows, flat
+    offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    row_starts = np.cumsum(row_sizes) - row_sizes  # where each row's pairs begin
+    return rows, flat[np.repeat(offsets[group] - row_starts, row_sizes) + np.arange(int(row_sizes.sum()))]
+
+
+def _long(values: Sequence[int], device: torch.device | str) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64, device=device)
+
+
+def _ban_index(banned: list[tuple[int, ...]], device: torch.device | str) -> Index | None:
     rows = [r for r, ids in enumerate(banned) for _ in ids]
     if not rows:
         return None
@@ -88,6 +213,55 @@ def _apply_bans(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return logits.index_put(batch.ban_index, torch.tensor(float("-inf"), device=logits.device))
 
 
+def apply_penalties(logits: torch.Tensor, pen: Penalties) -> torch.Tensor:
+    """logits [B, V] float32 with each penalised row's repetition, frequency and presence penalties applied
+    (vLLM's rules); the other rows are returned untouched. Does not modify its input.
+
+    Only the tokens a row's history names change, so the work is on its (row, token) pairs: gather their
+    logits, penalise, scatter back. Repeated pairs write the same value. The only [B, V] passes are the copy
+    and, for the frequency and presence penalties, the zeroed counts."""
+    vocab, device = logits.shape[-1], logits.device
+    rows, tokens = pen.output_pairs
+    if pen.prompt_pairs is not None:
+        rows, tokens = torch.cat([rows, pen.prompt_pairs[0]]), torch.cat([tokens, pen.prompt_pairs[1]])
+    batch_rows = rows if pen.rows is None else pen.rows[rows]
+    where = batch_rows * vocab + tokens  # [N] into the flattened logits
+    flat = logits.reshape(-1)
+    x = flat.index_select(0, where)  # [N]
+    if pen.needs_repetition:  # every pair is a token of the prompt or the output
+        r = pen.repetition[rows]
+        x = torch.where(x > 0, x / r, x * r)
+    if pen.needs_presence_frequency:
+        num_rows = len(pen.presence)
+        out_rows, out_tokens = pen.output_pairs
+        counts = torch.zeros(num_rows * vocab, dtype=torch.int32, device=device)
+        counts.scatter_add_(0, out_rows * vocab + out_tokens, torch.ones_like(out_tokens, dtype=torch.int32))
+        c = counts.index_select(0, rows * vocab + tokens).float()  # [N] each pair's count in its row's output
+        x = x - pen.frequency[rows] * c - pen.presence[rows] * (c > 0)
+    return flat.clone().scatter_(0, where, x).view_as(logits)
+
+
+def adjust_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """The logits every pick starts from: plus each row's logit_bias, bans to -inf, then the penalties.
+    float32 once a bias or penalty applies; bans alone keep the dtype (-inf is exact in any)."""
+    if batch.bias_index is None and batch.penalties is None:
+        return _apply_bans(logits, batch)
+    logits = logits.float()
+    if batch.bias_index is not None:
+        logits = logits.index_put(batch.bias_index, batch.bias_values, accumulate=True)
+    logits = _apply_bans(logits, batch)
+    if batch.penalties is not None:
+        logits = apply_penalties(logits, batch.penalties)
+    return logits
+
+
+def _apply_min_p(scaled: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask (to -inf) the tokens whose probability is below min_p times the row's top probability."""
+    probs = scaled.softmax(dim=-1)  # [B, V]
+    threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values  # [B, 1]
+    return scaled.masked_fill(probs < threshold, float("-inf"))
+
+
 def _apply_top_k_top_p(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Mask (to -inf) everything outside each row's top-k, then outside its top-p nucleus."""
     vocab = logits.shape[-1]
@@ -108,9 +282,11 @@ def _apply_top_k_top_p(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tens
 
 def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Return the exact per-row distribution that ``sample`` draws from: probs [B, V] float32."""
-    logits = _apply_bans(logits.float(), batch)  # [B, V]
+    logits = adjust_logits(logits.float(), batch)  # [B, V]
     temperature = torch.where(batch.greedy, torch.ones_like(batch.temperature), batch.temperature)
     scaled = logits / temperature[:, None]  # [B, V]
+    if batch.min_p is not None:
+        scaled = _apply_min_p(scaled, batch.min_p)
     if batch.needs_top_k or batch.needs_top_p:
         scaled = _apply_top_k_top_p(scaled, batch)
     probs = scaled.softmax(dim=-1)  # [B, V]
@@ -160,8 +336,8 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:
 
 
 def greedy_tokens(logits: torch.Tensor, batch: SamplingBatch, argmax: Argmax = row_argmax) -> torch.Tensor:
-    """The argmax of each row of logits [B, V] after the row's bans: [B] int64."""
-    return argmax(_apply_bans(logits, batch))
+    """The argmax of each row of logits [B, V] after the row's biases, bans and penalties: [B] int64."""
+    return argmax(adjust_logits(logits, batch))
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, batch: SamplingBatch) -> list[TokenLogprobs | None]:

@@ -43,6 +43,10 @@ class ScheduledChunk:
     num_spec_slots: int = 0  # draft tokens budgeted (tokens and blocks) after token_ids[0]
     num_draft: int = 0  # draft tokens filled in: token_ids = (last token, *drafts)
     draft_probs: torch.Tensor | None = None  # [num_draft, V] the drafts' distributions; None = point masses
+    # What the penalties count, for a chunk that samples under penalised params (else ()): every token the
+    # sequence holds (prompt, then output) before the token this chunk samples or its drafts.
+    history: tuple[int, ...] = ()
+    num_prompt_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -104,10 +108,13 @@ def build_chunk(seq_id: int, token_ids: Sequence[int], start: int, num_new: int,
     """The next `num_new` tokens of a sequence from `start`; it samples when it reaches the last known token."""
     under_min = len(token_ids) - num_prompt_tokens < params.min_tokens
     banned = tuple(eos_for(params, eos_token_ids)) + params.stop_token_ids if under_min else ()
+    sample = start + num_new == len(token_ids)
     return ScheduledChunk(seq_id=seq_id, token_ids=tuple(token_ids[start:start + num_new]), start_pos=start,
-                          block_table=tuple(block_table), sample=start + num_new == len(token_ids), params=params,
+                          block_table=tuple(block_table), sample=sample, params=params,
                           seed=sequence_seed(params.seed, sample_index), banned_token_ids=banned,
-                          speculative=speculative, num_spec_slots=num_spec_slots)
+                          speculative=speculative, num_spec_slots=num_spec_slots,
+                          history=tuple(token_ids) if sample and params.penalised else (),
+                          num_prompt_tokens=num_prompt_tokens)
 
 
 def eos_for(params: SamplingParams, eos_token_ids: frozenset[int]) -> frozenset[int]:

@@ -6,6 +6,7 @@ prompt is tokenised, `sampling_params` checks it against the model's context and
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -48,6 +49,11 @@ class SamplingFields:
     min_tokens: int = 0
     logprobs: int | None = None  # top alternatives per token; None = no logprobs
     logprobs_param: str = "logprobs"
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
 
 
 @dataclass(frozen=True)
@@ -139,6 +145,19 @@ def _token_ids(body: dict[str, Any], name: str) -> tuple[int, ...]:
     return tuple(ids)
 
 
+def _logit_bias(body: dict[str, Any]) -> tuple[tuple[int, float], ...]:
+    """OpenAI's `{"token id": bias}` map (JSON keys are strings); ranges are checked by SamplingParams."""
+    bias = _object(body, "logit_bias")
+    pairs = []
+    for key, value in bias.items():
+        if not re.fullmatch(r"\s*-?[0-9]+\s*", key):
+            raise bad_request(f"'logit_bias' keys must be token ids, got {key!r}.", "logit_bias")
+        if not _is_number(value):
+            raise invalid_type("logit_bias", "an object of token ids to numbers", value)
+        pairs.append((int(key), float(value)))
+    return tuple(pairs)
+
+
 def _seed(body: dict[str, Any]) -> int | None:
     seed = _int(body, "seed")
     if seed is not None and not INT64_MIN <= seed <= UINT64_MAX:
@@ -163,7 +182,10 @@ def _sampling_fields(body: dict[str, Any], max_token_names: tuple[str, ...], log
         n=_int(body, "n", 1), temperature=_number(body, "temperature", 1.0), top_p=_number(body, "top_p", 1.0),
         top_k=_int(body, "top_k", -1), seed=_seed(body), stop=_stop(body),
         stop_token_ids=_token_ids(body, "stop_token_ids"), ignore_eos=_bool(body, "ignore_eos"),
-        min_tokens=_int(body, "min_tokens", 0))
+        min_tokens=_int(body, "min_tokens", 0), presence_penalty=_number(body, "presence_penalty", 0.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0),
+        repetition_penalty=_number(body, "repetition_penalty", 1.0), min_p=_number(body, "min_p", 0.0),
+        logit_bias=_logit_bias(body))
 
 
 # ---------------------------------------------------------------------------------------- unsupported fields
@@ -174,10 +196,6 @@ _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "echo": lambda v: v is True,
     "suffix": lambda v: v not in (None, ""),
     "best_of": lambda v: v not in (None, 1),
-    "logit_bias": lambda v: bool(v),
-    "presence_penalty": lambda v: v not in (None, 0, 0.0),
-    "frequency_penalty": lambda v: v not in (None, 0, 0.0),
-    "repetition_penalty": lambda v: v not in (None, 1, 1.0),
     "tools": lambda v: bool(v),
     "functions": lambda v: bool(v),
     "tool_choice": lambda v: v not in (None, "none"),
@@ -332,6 +350,7 @@ def sampling_params(fields: SamplingFields, prompt_tokens: int, limits: ModelLim
     """SamplingParams for a prompt of `prompt_tokens` tokens; 400 naming the field when anything is off."""
     params = _build_params(fields)
     _check_vocab(fields.stop_token_ids, limits, "stop_token_ids")
+    _check_vocab([t for t, _ in params.logit_bias], limits, "logit_bias")
     if fields.max_tokens is not None and prompt_tokens + fields.max_tokens > limits.max_model_len:
         raise bad_request(f"this model's maximum context length is {limits.max_model_len} tokens; you asked for "
                           f"{prompt_tokens + fields.max_tokens} ({prompt_tokens} in the prompt, {fields.max_tokens} "
@@ -344,7 +363,10 @@ def _build_params(fields: SamplingFields) -> SamplingParams:
         return SamplingParams(n=fields.n, max_tokens=fields.max_tokens, min_tokens=fields.min_tokens,
                               temperature=fields.temperature, top_p=fields.top_p, top_k=fields.top_k,
                               seed=fields.seed, stop=fields.stop, stop_token_ids=fields.stop_token_ids,
-                              ignore_eos=fields.ignore_eos, logprobs=fields.logprobs)
+                              ignore_eos=fields.ignore_eos, logprobs=fields.logprobs,
+                              presence_penalty=fields.presence_penalty, frequency_penalty=fields.frequency_penalty,
+                              repetition_penalty=fields.repetition_penalty, min_p=fields.min_p,
+                              logit_bias=fields.logit_bias)
     except SamplingParamsError as exc:
         renamed = {"max_tokens": fields.max_tokens_param, "logprobs": fields.logprobs_param}
         param = renamed.get(exc.param, exc.param)

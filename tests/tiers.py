@@ -55,6 +55,9 @@ MODULE_TIERS: Mapping[str, Tier] = {
     "test_placement.py": U,
     "test_prompt_attention.py": E,
     "test_sampler.py": U,
+    "test_sampling_controls.py": U,
+    "test_sampling_controls_api.py": P,
+    "test_sampling_controls_engine.py": E,
     "test_sampling_params.py": U,
     "test_server.py": P,  # request parsing is marked unit, the drain and error tests engine
     "test_server_actors.py": P,

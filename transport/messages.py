@@ -14,7 +14,8 @@ Conventions:
 - ids: `request_id` is the router's request id (str); `actor_id` names an actor ("decode-0").
 - times are seconds. `deadline` is an absolute Unix time (`time.time()`), None = no deadline; peers on other
   hosts need synchronised clocks (NTP), and should treat a deadline already in the past as expired.
-- `sampling` is the request's `SamplingParams` as a dict of its fields (tuples as lists).
+- `sampling` is the request's `SamplingParams` as a dict of its fields (tuples as lists; `logit_bias` as
+  `[[token_id, bias], ...]`).
 
 Flows (router = main process):
 - start-up:   actor -> Hello, actor -> Ready (model loaded, KV pool exported).
@@ -34,7 +35,7 @@ from dataclasses import dataclass, fields, is_dataclass
 from types import MappingProxyType
 from typing import Any, ClassVar
 
-PROTOCOL_VERSION = 3  # 3: HeartbeatAck carries an EngineStats record; AddRequest.prefilled
+PROTOCOL_VERSION = 4  # 4: `sampling` carries the penalties, logit_bias and min_p
 
 KV_EXPORT_KINDS = ("shm", "cuda_ipc", "none")
 """`Ready.kv_export["kind"]`: how peers map the actor's KV pool."""

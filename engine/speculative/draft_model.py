@@ -19,7 +19,7 @@ from engine.config import ModelConfig
 from engine.kv.cache import KVCache
 from engine.model.llama import LlamaModel
 from engine.runner import prepare_input
-from engine.sampler import SamplingBatch, exponential_race, process_logits
+from engine.sampler import History, SamplingBatch, exponential_race, process_logits
 from engine.speculative.proposer import DraftRequest, Proposal
 from engine.step import ScheduledChunk
 
@@ -150,12 +150,22 @@ class DraftModelProposer:
         logits = self.model.compute_logits(hidden[inp.sample_rows])  # [B, V] in inp.sampled_chunks' order
         row_of = {c.seq_id: row for row, c in enumerate(inp.sampled_chunks)}
         logits = logits[[row_of[a.request.seq_id] for a in active]]  # [B, V] in active's order
-        probs = process_logits(logits, SamplingBatch.build([a.request.params for a in active], [None] * len(active),
-                                                           [()] * len(active), self.device))  # [B, V]
+        batch = SamplingBatch.build([a.request.params for a in active], [None] * len(active), [()] * len(active),
+                                    self.device, [_history(a) for a in active])
+        probs = process_logits(logits, batch)  # [B, V]
         for a, row, token in zip(active, probs, _draw(probs, active)):
             a.state.computed.extend(a.next_chunk)
             a.tokens.append(token)
             a.probs.append(row)
+
+
+def _history(a: _Active) -> History | None:
+    """The draft is penalised as the target will be: the sequence so far and the drafts before this one. Any
+    draft distribution keeps verification exact; this one only makes acceptance likelier."""
+    request = a.request
+    if not request.params.penalised or request.num_prompt_tokens is None:
+        return None
+    return History(request.token_ids, request.num_prompt_tokens, tuple(a.tokens))
 
 
 def _draw(probs: torch.Tensor, active: list[_Active]) -> list[int]:

@@ -17,6 +17,7 @@ class DraftRequest:
     k: int  # propose at most this many tokens
     params: SamplingParams  # a sampling drafter draws from the request's processed distribution
     seed: int | None = None  # per-sequence seed of a seeded request, for the drafter's own generator
+    num_prompt_tokens: int | None = None  # where the output starts in token_ids; None = unknown (drafts unpenalised)
 
 
 @dataclass(frozen=True)

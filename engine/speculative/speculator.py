@@ -26,7 +26,8 @@ class Speculator:
         chunks = [c for c in sched.chunks if c.num_spec_slots > 0]
         if not chunks:
             return sched
-        requests = [DraftRequest(c.seq_id, tokens_of(c.seq_id), c.num_spec_slots, c.params, c.seed) for c in chunks]
+        requests = [DraftRequest(c.seq_id, tokens_of(c.seq_id), c.num_spec_slots, c.params, c.seed,
+                                 c.num_prompt_tokens) for c in chunks]
         try:
             proposals = self.proposer.propose(requests)
         except Exception:  # noqa: BLE001 - the requests go on without speculation
