@@ -21,6 +21,12 @@ class GenerateOptions:
 
 
 @dataclass(frozen=True)
+class ChatOptions:
+    system: str | None = option(None, "a system message that opens the conversation (/system TEXT changes it)",
+                                shown="none")
+
+
+@dataclass(frozen=True)
 class WorkerOptions:
     """`worker`: an actor on this host that joins a server on another."""
 
@@ -51,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen = _command(sub, "generate", "stream one completion to stdout (only the generated text; logs go to stderr)")
     gen.add_argument("prompt", help="the prompt text")
     add_group(gen, GenerateOptions, "generate")
-    chat = _command(sub, "chat", "interactive chat loop (/exit, /quit or Ctrl-D ends it)")
+    chat = _command(sub, "chat", "interactive chat loop (/system TEXT, /reset, /help; /exit or Ctrl-D ends it)")
+    add_group(chat, ChatOptions, "chat")
     for p in (gen, chat):
         add_engine_args(p)
         add_sampling_args(p)
@@ -102,28 +109,30 @@ async def run_generate(args: argparse.Namespace) -> None:
 
 
 async def run_chat(args: argparse.Namespace) -> None:
+    from client.chat_session import HELP, Action, ChatSession
     from engine import AsyncLLM
 
     llm = AsyncLLM(**engine_options(args))
-    messages: list[dict[str, str]] = []
+    session = ChatSession(ChatOptions(**options(ChatOptions, args)).system)
+    print(f"chatting with {llm.model_name}; {HELP}", file=sys.stderr)
     try:
-        while True:
-            line = await asyncio.to_thread(_read_line)
-            if line is None:
+        while (line := await asyncio.to_thread(_read_line)) is not None:
+            step = session.handle(line)
+            if step.action is Action.EXIT:
                 return
-            messages.append({"role": "user", "content": line})
-            reply = await _stream_to_stdout(llm.chat(messages, sampling_options(args).params()))
-            messages.append({"role": "assistant", "content": reply})
+            if step.action is Action.SAY:
+                print(step.text, file=sys.stderr)
+            elif step.action is Action.REPLY:
+                session.replied(await _stream_to_stdout(llm.chat(session.messages, sampling_options(args).params())))
     finally:
         llm.shutdown()
 
 
 def _read_line() -> str | None:
     try:
-        line = input("> ").strip()
+        return input("> ")
     except EOFError:
         return None
-    return None if line in ("/exit", "/quit") else line
 
 
 def run_worker(args: argparse.Namespace) -> int:
