@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import signal
+import socket
 import sys
 from dataclasses import dataclass, replace
 
@@ -49,6 +50,34 @@ class _Shutdown:
 
 async def _serve(settings: ServerSettings, options: dict, args: argparse.Namespace,
                  log: structlog.stdlib.BoundLogger) -> int:
+    sock = bind(settings.host, settings.port)  # before the model loads: a busy port fails at once
+    try:
+        return await _serve_on(sock, settings, options, args, log)
+    finally:
+        sock.close()
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port but not yet listening: the port is ours, and until the engine is up a client
+    gets 'connection refused' rather than a connection nobody answers."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as exc:
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc}") from None
+    sock.setblocking(False)
+    return sock
+
+
+async def _serve_on(sock: socket.socket, settings: ServerSettings, options: dict, args: argparse.Namespace,
+                    log: structlog.stdlib.BoundLogger) -> int:
     llm = AsyncLLM(**options, stream_interval=settings.stream_interval, trace_tokens=settings.trace_tokens)
     settings = replace(settings, quadrants=quadrant_thresholds(args, llm.max_model_len))
     log.info("starting engine", actors=llm.layout.uses_actors, decode_actors=llm.layout.decode_actors,
@@ -62,7 +91,7 @@ async def _serve(settings: ServerSettings, options: dict, args: argparse.Namespa
     runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=RUNNER_SHUTDOWN_SECONDS)
     await runner.setup()
     try:
-        await web.TCPSite(runner, settings.host, settings.port).start()
+        await web.SockSite(runner, sock).start()
     except OSError as exc:
         await runner.cleanup()
         await llm.aclose()

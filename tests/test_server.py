@@ -6,6 +6,9 @@ import asyncio
 import http.client
 import json
 import signal
+import socket
+import subprocess
+import sys
 
 import aiohttp
 import openai
@@ -22,7 +25,7 @@ from server.main import backend_summary, drain
 from server.protocol import ModelLimits, parse_chat, parse_completion, parse_json_body, sampling_params
 from server.quadrant import Quadrant, QuadrantThresholds, classify
 from server.settings import ServerSettings
-from tests.server_utils import TINY_ENGINE_FLAGS, ServerProcess, start_server, wait_until
+from tests.server_utils import REPO, TINY_ENGINE_FLAGS, ServerProcess, start_server, wait_until
 
 MODEL = "tiny-test"
 CONTEXT_LEN = 1024  # the tiny model's max_position_embeddings
@@ -458,3 +461,16 @@ def test_default_model_knows_the_capital_of_france(tmp_path):
         assert "Paris" in out.choices[0].message.content
     finally:
         assert proc.stop() == 0, proc.log()
+
+
+def test_a_busy_port_fails_before_the_model_loads(tiny_model_dir):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run([sys.executable, "cli.py", "serve", "--port", str(port), "--model", str(tiny_model_dir),
+                               *TINY_ENGINE_FLAGS, "--log-format", "json"], cwd=REPO, capture_output=True, text=True,
+                              timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in done.stderr
+    assert "starting engine" not in done.stderr and "decode-0" not in done.stderr  # nothing loaded or spawned
