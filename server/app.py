@@ -17,7 +17,7 @@ from server.context import CONTEXT, REQUEST_ID, TRACKER, ServerContext
 from server.errors import ApiError, error_response, from_http_exception
 from server.generation import handle_generation
 from server.logging import make_logger
-from server.metrics import spec_summary
+from server.metrics import UNMATCHED_ROUTE, spec_summary
 from server.responses import model_list
 from server.settings import ServerSettings
 
@@ -60,6 +60,13 @@ async def _request_scope(request: web.Request, handler: Handler) -> web.StreamRe
             raise
         finally:
             _access_line(ctx, request, status, time.monotonic() - started)
+            ctx.metrics.http_response(_route_of(request), request.method, status)
+
+
+def _route_of(request: web.Request) -> str:
+    """The matched route's path (a bounded label), or UNMATCHED_ROUTE for a 404 / 405."""
+    resource = request.match_info.route.resource
+    return UNMATCHED_ROUTE if resource is None else resource.canonical
 
 
 async def _json_errors(ctx: ServerContext, request: web.Request, handler: Handler) -> web.StreamResponse:

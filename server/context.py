@@ -43,8 +43,9 @@ class ServerContext:
         limits = ModelLimits(settings.served_model_name or llm.model_name, llm.max_model_len,
                              llm.source.config.vocab_size)
         dtype = llm.dtype_name
-        return cls(llm, settings, limits, dtype, ServerMetrics(llm.stats), Admission(settings.max_queue), log,
-                   int(time.time()), treatment_options(llm, settings))
+        metrics = ServerMetrics(llm.stats, limits.name, limits.max_model_len, llm.actors)
+        return cls(llm, settings, limits, dtype, metrics, Admission(settings.max_queue), log, int(time.time()),
+                   treatment_options(llm, settings))
 
 
 CONTEXT = web.AppKey("phase_serve_context", ServerContext)

@@ -77,9 +77,24 @@ class RequestTracker:
         gaps = tuple(b - a for a, b in zip(times, times[1:]))
         tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
         path = "colocated" if self.last is None else self.last.path
+        queue, prefill, decode = self.phases()
         return RequestRecord(self.quadrant.value, path, self.prompt_tokens, self.completion_tokens,
                              tuple(o.finish_reason for o in outputs), self.ttft, gaps, tpot, now - self.arrival,
-                             None if self.last is None else self.last.spec)
+                             None if self.last is None else self.last.spec, queue, prefill, decode,
+                             placed=self.last is not None)
+
+    def phases(self) -> tuple[float | None, float | None, float | None]:
+        """(queue, prefill, decode) seconds: HTTP arrival to submission to the engine, submission to the first
+        token's arrival from the engine, first to last token's arrival (engine-side times, whatever the
+        stream's pacing)."""
+        if self.last is None:
+            return None, None, None
+        engine = self.last.metrics
+        times = engine.token_times
+        queue = max(0.0, engine.arrival_time - self.arrival)
+        prefill = times[0] - engine.arrival_time if times else None
+        decode = times[-1] - times[0] if times else None
+        return queue, prefill, decode
 
 
 # ---------------------------------------------------------------------------------------- preparation

@@ -1,14 +1,24 @@
-"""Prometheus metrics with vLLM's names under the `phase_serve:` prefix, in a registry owned by one app."""
+"""Prometheus metrics with vLLM's names under the `phase_serve:` prefix, in a registry owned by one app.
+
+Every series of the scrape carries `model_name` (the served model name) and none is a `_created` series: the
+app's metrics live in an inner registry that `ModelLabelled` relabels and filters at scrape time, so neither
+needs prometheus_client's process-wide switches. The standard process, platform and GC collectors are in it
+too.
+"""
 from __future__ import annotations
 
+from collections import Counter as Tally
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (CollectorRegistry, Counter, GCCollector, Histogram, PlatformCollector,
+                               ProcessCollector, generate_latest)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from actors.supervisor import ActorState
 from engine.stats import EngineStats
 from engine.speculative.adaptive import SpecCounts
+from server.quadrant import Quadrant
 
 PREFIX = "phase_serve:"
 LATENCY_LABELS = ("quadrant", "path")
@@ -17,7 +27,22 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.25, 0.5, 0.75, 1.0
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
                  2.5, 5.0, 10.0)
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0, 120.0, 240.0, 480.0, 960.0)
+PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0,
+                 320.0, 640.0)
 SUCCESS_REASONS = ("stop", "length")
+MODEL_LABEL = "model_name"
+UNMATCHED_ROUTE = "unmatched"  # the handler label of a request no route matched (404, 405)
+
+
+def token_buckets(max_model_len: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to the context length, which is the last bucket (as vLLM builds them)."""
+    buckets, scale = [], 1
+    while True:
+        for step in (1, 2, 5):
+            if step * scale >= max_model_len:
+                return (*buckets, max_model_len)
+            buckets.append(step * scale)
+        scale *= 10
 
 
 @dataclass(frozen=True)
@@ -34,6 +59,10 @@ class RequestRecord:
     tpot: float | None = None
     e2e: float | None = None
     spec: SpecCounts | None = None  # speculative decoding, when the request speculated
+    queue: float | None = None  # HTTP arrival to submission to the engine
+    prefill: float | None = None  # submission to the first token's arrival from the engine
+    decode: float | None = None  # first to last token's arrival from the engine
+    placed: bool = True  # the engine answered at least once, so `path` is where the router placed it
 
     @property
     def succeeded(self) -> bool:
@@ -62,6 +91,47 @@ class EngineStatsCollector:
                        s.num_preemptions)
 
 
+class ActorCollector:
+    """Actors by role and state, and restarts per actor, read from the supervisor's view at scrape time.
+    Every state of a role that has actors is present (0 when none is in it), so an alert on `ready == 0`
+    sees the series go to zero rather than disappear."""
+
+    def __init__(self, actors: Callable[[], list[dict]]) -> None:
+        self._actors = actors
+
+    def collect(self) -> Iterator[Metric]:
+        actors = self._actors()
+        states = GaugeMetricFamily(PREFIX + "actors", "Actor processes by role and state (starting, ready, dead: "
+                                   "waiting for its restart, failed: crash-looping and given up).",
+                                   labels=("role", "state"))
+        tally = Tally((str(a["role"]), str(a["state"])) for a in actors)
+        for role in sorted({str(a["role"]) for a in actors}):
+            for state in ActorState:
+                states.add_metric((role, state.value), tally[(role, state.value)])
+        yield states
+        restarts = CounterMetricFamily(PREFIX + "actor_restarts", "Times the supervisor restarted an actor "
+                                       "after its process died.", labels=("actor", "role"))
+        for a in actors:
+            restarts.add_metric((a["id"], str(a["role"])), a["restarts"])
+        yield restarts
+
+
+class ModelLabelled:
+    """Every family of `inner` with `model_name` added to each sample and the `_created` samples left out."""
+
+    def __init__(self, inner: CollectorRegistry, model_name: str) -> None:
+        self._inner = inner
+        self._labels = {MODEL_LABEL: model_name}
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self._inner.collect():
+            out = Metric(family.name, family.documentation, family.type, family.unit)
+            created = family.name + "_created"
+            out.samples = [s._replace(labels={**s.labels, **self._labels}) for s in family.samples
+                           if s.name != created]
+            yield out
+
+
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(PREFIX + name, doc, value=value)
 
@@ -73,14 +143,36 @@ def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
 class ServerMetrics:
     """Request-level histograms and counters plus the engine's live gauges, in this object's registry."""
 
-    def __init__(self, stats: Callable[[], EngineStats]) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
+    def __init__(self, stats: Callable[[], EngineStats], model_name: str = "", max_model_len: int = 8192,
+                 actors: Callable[[], list[dict]] = list) -> None:
+        self._inner = CollectorRegistry(auto_describe=True)
         self.ttft = self._histogram("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
         self.itl = self._histogram("inter_token_latency_seconds", "Time between consecutive output tokens.",
                                    TOKEN_BUCKETS)
         self.tpot = self._histogram("time_per_output_token_seconds", "Mean time per output token after the first.",
                                     TOKEN_BUCKETS)
         self.e2e = self._histogram("e2e_request_latency_seconds", "Arrival to last token.", E2E_BUCKETS)
+        self.queue_time = self._histogram(
+            "request_queue_time_seconds", "HTTP arrival to the request's submission to the engine (parsing, "
+            "tokenisation, admission). The server does not see when the engine's scheduler first runs the "
+            "request: a wait in the router for a decode actor, or in an actor's waiting queue, counts in "
+            "request_prefill_time_seconds (num_requests_waiting shows that queue).", PHASE_BUCKETS)
+        self.prefill_time = self._histogram(
+            "request_prefill_time_seconds", "Submission to the engine to the first token's arrival from it: "
+            "the engine's queue, the prefill and, when disaggregated, the KV hand-off.", PHASE_BUCKETS)
+        self.decode_time = self._histogram(
+            "request_decode_time_seconds", "First to last token's arrival from the engine.", PHASE_BUCKETS)
+        self.prompt_tokens_hist = self._histogram(
+            "request_prompt_tokens", "Prompt tokens per request that finished normally.", token_buckets(max_model_len))
+        self.generation_tokens_hist = self._histogram(
+            "request_generation_tokens", "Generated tokens (all samples) per request that finished normally.",
+            token_buckets(max_model_len))
+        self.placements = self._counter("placement_decisions", "Requests by where the router placed them "
+                                        "(colocated or disaggregated; in-process: colocated), counted as they end.",
+                                        LATENCY_LABELS)
+        self.http_requests = self._counter("http_requests", "HTTP responses by handler (the route's path), method "
+                                           "and status; 499: the client went away first.",
+                                           ("handler", "method", "status"))
         self.prompt_tokens = self._counter("prompt_tokens", "Prompt tokens of finished requests.")
         self.generation_tokens = self._counter("generation_tokens", "Generated tokens, all samples.")
         self.success = self._counter("request_success", "Requests that finished normally.", ("finish_reason",))
@@ -91,17 +183,31 @@ class ServerMetrics:
                                                "of finished requests.", ("quadrant",))
         self.spec_accepted_tokens = self._counter("spec_decode_num_accepted_tokens", "Draft tokens accepted, of "
                                                   "finished requests.", ("quadrant",))
+        for quadrant in Quadrant:  # present from the start at 0, so that rate() and the dashboard see them
+            for counter in (self.spec_drafts, self.spec_draft_tokens, self.spec_accepted_tokens):
+                counter.labels(quadrant=quadrant.value)
         self.spec_by_quadrant: dict[str, SpecCounts] = {}  # the same counts, for /status
-        self.registry.register(EngineStatsCollector(stats))
+        self._inner.register(EngineStatsCollector(stats))
+        self._inner.register(ActorCollector(actors))
+        ProcessCollector(registry=self._inner)
+        PlatformCollector(registry=self._inner)
+        GCCollector(registry=self._inner)
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(ModelLabelled(self._inner, model_name))
 
     def _histogram(self, name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-        return Histogram(PREFIX + name, doc, LATENCY_LABELS, buckets=buckets, registry=self.registry)
+        return Histogram(PREFIX + name, doc, LATENCY_LABELS, buckets=buckets, registry=self._inner)
 
     def _counter(self, name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
-        return Counter(PREFIX + name, doc, labels, registry=self.registry)
+        return Counter(PREFIX + name, doc, labels, registry=self._inner)
+
+    def http_response(self, handler: str, method: str, status: int) -> None:
+        self.http_requests.labels(handler=handler, method=method, status=str(status)).inc()
 
     def record(self, rec: RequestRecord) -> None:
         self.prompt_tokens.inc(rec.prompt_tokens)
+        if rec.placed:
+            self.placements.labels(quadrant=rec.quadrant, path=rec.path).inc()
         self.generation_tokens.inc(rec.completion_tokens)
         if rec.spec is not None:  # verified drafts cost work whether or not the request then succeeded
             self._record_spec(rec.quadrant, rec.spec)
@@ -114,7 +220,10 @@ class ServerMetrics:
 
     def _observe_latencies(self, rec: RequestRecord) -> None:
         labels = {"quadrant": rec.quadrant, "path": rec.path}
-        for histogram, value in ((self.ttft, rec.ttft), (self.tpot, rec.tpot), (self.e2e, rec.e2e)):
+        observed = ((self.ttft, rec.ttft), (self.tpot, rec.tpot), (self.e2e, rec.e2e), (self.queue_time, rec.queue),
+                    (self.prefill_time, rec.prefill), (self.decode_time, rec.decode),
+                    (self.prompt_tokens_hist, rec.prompt_tokens), (self.generation_tokens_hist, rec.completion_tokens))
+        for histogram, value in observed:
             if value is not None:
                 histogram.labels(**labels).observe(value)
         itl = self.itl.labels(**labels)
