@@ -55,7 +55,8 @@ class CpuKernelBackend(TorchBackend):
             for proj in (attn.qkv_proj, attn.o_proj, mlp.down_proj) + unfused:
                 proj.packed = self.pack(proj.weight)
         model.lm_packed = self.pack(model.lm_weight())
-        model.stack = self._build_stack(model) if self.stacks else None
+        # the C++ stack has no per-head q/k norm: such models (Qwen3) decode through the Python layers
+        model.stack = self._build_stack(model) if self.stacks and not model.cfg.qk_norm else None
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor | None:
         """weight [N, K] bf16 -> its packed copy (16x16-pair blocks: 4-D; oneDNN's: 2-D), or None."""
