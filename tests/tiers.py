@@ -53,6 +53,7 @@ MODULE_TIERS: Mapping[str, Tier] = {
     "test_model_parity.py": E,
     "test_placement.py": U,
     "test_prompt_attention.py": E,
+    "test_qwen3.py": E,
     "test_sampler.py": U,
     "test_sampling_params.py": U,
     "test_server.py": P,  # request parsing is marked unit, the drain and error tests engine
