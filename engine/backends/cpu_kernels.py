@@ -55,8 +55,7 @@ class CpuKernelBackend(TorchBackend):
             for proj in (attn.qkv_proj, attn.o_proj, mlp.down_proj) + unfused:
                 proj.packed = self.pack(proj.weight)
         model.lm_packed = self.pack(model.lm_weight())
-        # the C++ stack has no per-head q/k norm: such models (Qwen3) decode through the Python layers
-        model.stack = self._build_stack(model) if self.stacks and not model.cfg.qk_norm else None
+        model.stack = self._build_stack(model) if self.stacks else None
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor | None:
         """weight [N, K] bf16 -> its packed copy (16x16-pair blocks: 4-D; oneDNN's: 2-D), or None."""
@@ -78,7 +77,8 @@ class CpuKernelBackend(TorchBackend):
             attn, mlp = layer.self_attn, layer.mlp
             stack.add_layer(layer.input_layernorm.weight, _projection(attn.qkv_proj), _projection(attn.o_proj),
                             layer.post_attention_layernorm.weight, _projection(mlp.gate_up_proj),
-                            _projection(mlp.down_proj), mlp.gate_up_silu)
+                            _projection(mlp.down_proj), mlp.gate_up_silu, _norm_weight(attn.q_norm),
+                            _norm_weight(attn.k_norm))
         return stack
 
     # ---- the operations -------------------------------------------------------------------------------------
@@ -209,6 +209,10 @@ def _matrix_engine(asked: str, engines: tuple[str, ...]) -> str | None:
 
 def _projection(linear: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     return linear.weight, linear.bias, linear.packed
+
+
+def _norm_weight(norm: torch.nn.Module | None) -> torch.Tensor | None:
+    return None if norm is None else norm.weight
 
 
 def _plain_bf16_pages(cache: object) -> bool:
