@@ -30,7 +30,7 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Hyper-parameters of a Llama-family decoder (Llama, SmolLM, Qwen2, Mistral without sliding window)."""
+    """Hyper-parameters of a Llama-family decoder (Llama, SmolLM, Qwen2, Qwen3, Mistral without sliding window)."""
 
     vocab_size: int
     hidden_size: int
@@ -46,6 +46,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # bias on q/k/v (Qwen2; Llama's attention_bias)
     attention_out_bias: bool = False  # bias on o_proj too (Llama's attention_bias)
+    qk_norm: bool = False  # RMSNorm over head_dim on each q and k head before RoPE (Qwen3)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     architecture: str = "llama"

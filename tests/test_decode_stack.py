@@ -35,6 +35,14 @@ def qwen2_dir(tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), config, seed=3)
 
 
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory):
+    """A tiny Qwen3: per-head q/k norms (weights away from one), head_dim unequal to hidden / heads."""
+    from tests.tiny_models import tiny_qwen3_config
+
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-qwen3"), tiny_qwen3_config(), seed=3, random_norms=True)
+
+
 def prefilled(model: LlamaModel) -> tuple[KVCache, list[list[int]]]:
     """Pages holding every prompt (prefilled by the Python layers), and each prompt's block table."""
     kv = KVCache(model.cfg, 40, BLOCK, torch.bfloat16)
@@ -90,6 +98,14 @@ def test_stack_follows_the_product_limits(tiny_model_dir, gemv_rows, packed_rows
 def test_stack_with_projection_biases(qwen2_dir, stack_calls):
     model = kernel_model(qwen2_dir)
     assert model.layers[0].self_attn.qkv_proj.bias is not None
+    for seqs in ([1], [0, 1, 2]):
+        stack_calls.clear()
+        assert_stack_matches_layers(model, seqs, stack_calls)
+
+
+def test_stack_with_per_head_qk_norm(qwen3_dir, stack_calls):
+    model = kernel_model(qwen3_dir)
+    assert model.layers[0].self_attn.q_norm is not None
     for seqs in ([1], [0, 1, 2]):
         stack_calls.clear()
         assert_stack_matches_layers(model, seqs, stack_calls)

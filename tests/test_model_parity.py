@@ -8,7 +8,7 @@ from engine.attention import AttentionMetadata
 from engine.kv.cache import KVCache
 from engine.model.hf_loader import iter_hf_weights, read_hf_config
 from engine.model.llama import build_model
-from tests.tiny_models import tiny_llama_config, write_tiny_model
+from tests.tiny_models import tiny_llama_config, tiny_qwen3_config, write_tiny_model
 
 BLOCK = 4
 
@@ -57,10 +57,24 @@ def _qwen2_config():
                        tie_word_embeddings=False, rms_norm_eps=1e-6)
 
 
-@pytest.fixture(scope="module", params=[*VARIANTS, "qwen2"])
+QWEN3_VARIANTS = {
+    "qwen3-tied": dict(),
+    "qwen3-untied-bias": dict(tie_word_embeddings=False, attention_bias=True, num_key_value_heads=1),
+}
+
+
+def _config(name: str):
+    if name == "qwen2":
+        return _qwen2_config()
+    if name in QWEN3_VARIANTS:
+        return tiny_qwen3_config(**QWEN3_VARIANTS[name])
+    return tiny_llama_config(**VARIANTS[name])
+
+
+@pytest.fixture(scope="module", params=[*VARIANTS, "qwen2", *QWEN3_VARIANTS])
 def checkpoint(request, tmp_path_factory):
-    config = _qwen2_config() if request.param == "qwen2" else tiny_llama_config(**VARIANTS[request.param])
-    return write_tiny_model(tmp_path_factory.mktemp(request.param), config, seed=1)
+    return write_tiny_model(tmp_path_factory.mktemp(request.param), _config(request.param), seed=1,
+                            random_norms=request.param in QWEN3_VARIANTS)
 
 
 def reference_logits(folder, token_ids: list[int]) -> torch.Tensor:

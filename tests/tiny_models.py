@@ -18,8 +18,22 @@ def tiny_llama_config(**overrides):
     return LlamaConfig(**base)
 
 
-def write_tiny_model(folder: Path, config, seed: int = 0) -> Path:
-    """Save a randomly initialised model for `config` (Llama or Qwen2) with the tiny tokenizer."""
+def tiny_qwen3_config(**overrides):
+    """A tiny Qwen3 whose head_dim (32) is not hidden / heads (16), so that a loader deriving it would fail."""
+    from transformers import Qwen3Config
+
+    base = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+                rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=None,
+                eos_token_id=None)
+    base.update(overrides)
+    return Qwen3Config(**base)
+
+
+def write_tiny_model(folder: Path, config, seed: int = 0, random_norms: bool = False) -> Path:
+    """Save a randomly initialised model for `config` (Llama, Qwen2 or Qwen3) with the tiny tokenizer.
+    `random_norms`: RMSNorm weights drawn around 1 instead of all ones, so that a norm applied to the wrong
+    tensor (q's to k, one head's to another) changes the logits."""
     from transformers import AutoModelForCausalLM
 
     from tests.tiny_tokenizer import write_tiny_tokenizer
@@ -27,6 +41,11 @@ def write_tiny_model(folder: Path, config, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
     _scale_up_weights(model)
+    if random_norms:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "norm" in name:
+                    param.uniform_(0.5, 1.5)
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder, safe_serialization=True)
     write_tiny_tokenizer(folder, vocab_size=config.vocab_size)

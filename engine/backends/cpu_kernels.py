@@ -77,7 +77,8 @@ class CpuKernelBackend(TorchBackend):
             attn, mlp = layer.self_attn, layer.mlp
             stack.add_layer(layer.input_layernorm.weight, _projection(attn.qkv_proj), _projection(attn.o_proj),
                             layer.post_attention_layernorm.weight, _projection(mlp.gate_up_proj),
-                            _projection(mlp.down_proj), mlp.gate_up_silu)
+                            _projection(mlp.down_proj), mlp.gate_up_silu, _norm_weight(attn.q_norm),
+                            _norm_weight(attn.k_norm))
         return stack
 
     # ---- the operations -------------------------------------------------------------------------------------
@@ -208,6 +209,10 @@ def _matrix_engine(asked: str, engines: tuple[str, ...]) -> str | None:
 
 def _projection(linear: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     return linear.weight, linear.bias, linear.packed
+
+
+def _norm_weight(norm: torch.nn.Module | None) -> torch.Tensor | None:
+    return None if norm is None else norm.weight
 
 
 def _plain_bf16_pages(cache: object) -> bool:

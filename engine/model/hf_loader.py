@@ -11,7 +11,7 @@ from safetensors import safe_open
 from engine.config import ModelConfig, RopeScaling
 from engine.model.errors import ModelLoadError
 
-SUPPORTED_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
+SUPPORTED_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
 
 def read_hf_config(folder: Path) -> ModelConfig:
@@ -20,7 +20,9 @@ def read_hf_config(folder: Path) -> ModelConfig:
     if model_type not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(f"{folder} is a {model_type or 'unknown'!s} model; expected one of "
                              f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
-    if raw.get("mlp_bias") or raw.get("use_sliding_window") or (model_type == "mistral" and raw.get("sliding_window")):
+    windowed = (raw.get("use_sliding_window") or (model_type == "mistral" and raw.get("sliding_window"))
+                or any(kind != "full_attention" for kind in raw.get("layer_types") or ()))
+    if raw.get("mlp_bias") or windowed:
         raise ModelLoadError(f"{folder} uses MLP bias or sliding-window attention, which this server does not support")
     is_qwen2 = model_type == "qwen2"
     heads = raw["num_attention_heads"]
@@ -35,6 +37,7 @@ def read_hf_config(folder: Path) -> ModelConfig:
         tie_word_embeddings=raw.get("tie_word_embeddings", False),
         attention_bias=is_qwen2 or raw.get("attention_bias", False),
         attention_out_bias=not is_qwen2 and raw.get("attention_bias", False),
+        qk_norm=model_type == "qwen3",
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
         architecture=SUPPORTED_ARCHITECTURES[model_type],

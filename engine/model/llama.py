@@ -1,4 +1,4 @@
-"""A Llama-family decoder (Llama 2/3, SmolLM, Qwen2, Mistral) written for a paged KV cache.
+"""A Llama-family decoder (Llama 2/3, SmolLM, Qwen2, Qwen3, Mistral) written for a paged KV cache.
 
 forward() takes the flat batch of new tokens of every scheduled sequence (no padding) with their positions
 and the attention metadata; each layer writes its new keys/values into the cache pages and attends through
@@ -50,6 +50,9 @@ class Attention(nn.Module):
         self.cfg = cfg
         self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
         self.o_proj = Linear(cfg.q_size, cfg.hidden_size, bias=cfg.attention_out_bias)
+        # Qwen3: one RMSNorm over head_dim, shared by every q head (and one by every k head)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.head_dim ** -0.5
 
     def forward(self, x: torch.Tensor, rope: Rope, meta: AttentionMetadata, kv: tuple[torch.Tensor, torch.Tensor],
@@ -58,11 +61,22 @@ class Attention(nn.Module):
         keys and values are written all the same)."""
         c = self.cfg
         qkv = self.qkv_proj(x, backend)  # [T, q_size + 2 * kv_size]
+        if self.q_norm is not None:
+            self._norm_heads(qkv, backend)
         q, k, v = backend.rotary(qkv, rope, c.num_heads, c.num_kv_heads, c.head_dim)  # [T, H, hd]
         out = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale, backend)  # [T, Hq, hd]
         if keep_rows is not None:
             out = out[keep_rows]  # [K, Hq, hd]
         return self.o_proj(out.reshape(len(out), c.q_size), backend)
+
+    def _norm_heads(self, qkv: torch.Tensor, backend: Backend) -> None:
+        """Normalises each q head and each k head of qkv [T, q_size + 2 * kv_size] over head_dim, in place, so
+        that rotary and attention keep reading the fused layout they take."""
+        c = self.cfg
+        for norm, start, size in ((self.q_norm, 0, c.q_size), (self.k_norm, c.q_size, c.kv_size)):
+            part = qkv[:, start:start + size]  # [T, H * hd], rows strided by the fused width
+            heads = part.reshape(-1, c.head_dim)  # [T * H, hd], a contiguous copy
+            part.copy_(norm(heads, backend).view(part.shape))
 
 
 class MLP(nn.Module):
