@@ -170,11 +170,12 @@ def ngram_llm(tiny_model_dir):
 
 
 def _metric_values(text: str, name: str) -> dict[str, float]:
-    """quadrant label -> value of the counter `name` (its _total sample)."""
+    """quadrant label -> value of the counter `name` (its _total sample), for the quadrants it counted in
+    (every quadrant's series exists from the start, at zero)."""
     families = {f.name: f for f in text_string_to_metric_families(text)}
     family = families.get(name)
     return {} if family is None else {s.labels["quadrant"]: s.value for s in family.samples
-                                      if s.name.endswith("_total")}
+                                      if s.name.endswith("_total") and s.value > 0}
 
 
 async def test_only_silo_requests_speculate_and_metrics_carry_their_quadrant(ngram_llm):

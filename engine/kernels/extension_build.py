@@ -9,8 +9,11 @@ TORCH_EXTENSIONS_DIR never evict each other's build, and each key compiles once.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
+import importlib.util
 import logging
 import os
 import re
@@ -19,6 +22,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import Iterator
 
 log = logging.getLogger(__name__)
 
@@ -106,20 +110,48 @@ def is_built(key: BuildKey) -> bool:
 
 def load(key: BuildKey) -> ModuleType:
     """The extension of `key`, compiled first when its directory holds no build. Raises KernelBuildError."""
-    from torch.utils.cpp_extension import load as torch_load
-
     directory = build_directory(key)
-    if not is_built(key):
-        log.info("building the CPU kernels for %s into %s (about a minute, once per key)",
-                 ",".join(key.features) or "no vector ISA", directory)
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        return torch_load(name=key.name, sources=[str(s) for s in SOURCES], extra_cflags=list(CFLAGS),
-                          extra_ldflags=list(LDFLAGS), build_directory=str(directory), verbose=False)
+        if not is_built(key):
+            _build(key, directory)
+        with _build_lock(directory, exclusive=False):  # never import a library that a build is still writing
+            return _import_built(key, directory)
     except Exception as exc:  # noqa: BLE001 - compiler missing or failing, unloadable library: one clear error
         raise KernelBuildError(f"the CPU kernels ({key.name}) could not be built or loaded: {_cause(exc)}. Install "
                                "a C++ compiler (g++), or run with --enforce-eager for plain torch ops "
                                "(3-5x slower)") from exc
+
+
+def _build(key: BuildKey, directory: Path) -> None:
+    from torch.utils.cpp_extension import load as torch_load
+
+    with _build_lock(directory, exclusive=True):
+        if is_built(key):  # another process built it while this one waited
+            return
+        log.info("building the CPU kernels for %s into %s (about a minute, once per key)",
+                 ",".join(key.features) or "no vector ISA", directory)
+        (directory / "lock").unlink(missing_ok=True)  # torch's own lock, left behind by a build that was killed
+        torch_load(name=key.name, sources=[str(s) for s in SOURCES], extra_cflags=list(CFLAGS),
+                   extra_ldflags=list(LDFLAGS), build_directory=str(directory), verbose=False)
+
+
+@contextlib.contextmanager
+def _build_lock(directory: Path, exclusive: bool) -> Iterator[None]:
+    """One build at a time per key, and no import during a build. An flock ends with the process that holds
+    it, so a killed build never blocks the next one (torch's lock file does, for ever)."""
+    with open(directory / "build.flock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        yield
+
+
+def _import_built(key: BuildKey, directory: Path) -> ModuleType:
+    """Imports the built library as a module, without torch's loader, which re-runs ninja with this checkout's
+    source paths (rebuilding a build another checkout made) and waits on its lock file."""
+    spec = importlib.util.spec_from_file_location(key.name, directory / f"{key.name}.so")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _cause(exc: Exception) -> str:
