@@ -131,12 +131,14 @@ class DecodeActor(Actor):
         stream = self.streams.get(msg.request_id)
         if stream is None or time.monotonic() > stream.deadline - STREAM_WRITE_MARGIN \
                 or not stream.block_ids.issuperset(msg.block_ids):
-            log.warning("dropping KV pages for %s: no live reservation holds those blocks", msg.request_id)
+            log.warning("dropping KV pages for %s: no live reservation holds those blocks", msg.request_id,
+                        extra={"request_id": msg.request_id})
             return
         try:
             self.engine.kv_cache.write_pages(msg.layer, msg.block_ids, msg.payload)
         except ValueError as exc:  # the checksum at admission then refuses the hand-off
-            log.warning("dropping malformed KV pages for %s: %s", msg.request_id, exc)
+            log.warning("dropping malformed KV pages for %s: %s", msg.request_id, exc,
+                        extra={"request_id": msg.request_id})
 
     async def on_release(self, conn: Connection, msg: m.ReleaseReservation) -> None:
         self.streams.pop(msg.request_id, None)
