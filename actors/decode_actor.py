@@ -15,7 +15,7 @@ from actors.convert import logprobs_from_wire, params_from_wire, update_to_wire
 from engine.kv.export import SharedPool, create_shared_pool
 from actors.remote_proposer import RemoteProposer
 from actors.spec import ActorSpec
-from engine.calibration import calibrate_engine
+from engine.calibration import calibrate_engine, log_calibration
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore, EngineRequest, RequestError
 from engine.stats import EngineStats
@@ -56,7 +56,7 @@ class DecodeActor(Actor):
         self.engine = EngineCore(EngineConfig(**self.spec.engine), device=self.spec.local_device,
                                  kv_allocator=allocate if shared else None, proposer=self._draft_client())
         self.calibration = calibrate_engine(self.engine)
-        log.info("calibrated: %s", self.calibration)
+        log_calibration(self.calibration, log)
         return self.engine
 
     def start_tasks(self) -> None:
