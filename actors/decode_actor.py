@@ -15,7 +15,7 @@ from actors.convert import logprobs_from_wire, params_from_wire, update_to_wire
 from engine.kv.export import SharedPool, create_shared_pool
 from actors.remote_proposer import RemoteProposer
 from actors.spec import ActorSpec
-from engine.calibration import calibrate_engine
+from engine.calibration import calibrate_engine, log_calibration
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore, EngineRequest, RequestError
 from engine.stats import EngineStats
@@ -56,7 +56,7 @@ class DecodeActor(Actor):
         self.engine = EngineCore(EngineConfig(**self.spec.engine), device=self.spec.local_device,
                                  kv_allocator=allocate if shared else None, proposer=self._draft_client())
         self.calibration = calibrate_engine(self.engine)
-        log.info("calibrated: %s", self.calibration)
+        log_calibration(self.calibration, log)
         return self.engine
 
     def start_tasks(self) -> None:
@@ -131,12 +131,14 @@ class DecodeActor(Actor):
         stream = self.streams.get(msg.request_id)
         if stream is None or time.monotonic() > stream.deadline - STREAM_WRITE_MARGIN \
                 or not stream.block_ids.issuperset(msg.block_ids):
-            log.warning("dropping KV pages for %s: no live reservation holds those blocks", msg.request_id)
+            log.warning("dropping KV pages for %s: no live reservation holds those blocks", msg.request_id,
+                        extra={"request_id": msg.request_id})
             return
         try:
             self.engine.kv_cache.write_pages(msg.layer, msg.block_ids, msg.payload)
         except ValueError as exc:  # the checksum at admission then refuses the hand-off
-            log.warning("dropping malformed KV pages for %s: %s", msg.request_id, exc)
+            log.warning("dropping malformed KV pages for %s: %s", msg.request_id, exc,
+                        extra={"request_id": msg.request_id})
 
     async def on_release(self, conn: Connection, msg: m.ReleaseReservation) -> None:
         self.streams.pop(msg.request_id, None)

@@ -8,7 +8,7 @@ from typing import Callable
 from actors.actor import RESERVATION_SWEEP_SECONDS, Actor, to_monotonic
 from actors.convert import logprobs_to_wire, params_from_wire
 from engine.kv.export import open_shared_pool
-from engine.calibration import calibrate_prefill_engine
+from engine.calibration import calibrate_prefill_engine, log_calibration
 from engine.config import EngineConfig
 from engine.kv.cache import KVCache
 from engine.prefill_engine import PrefillEngine, PrefillJob, PrefillResult
@@ -25,7 +25,7 @@ class PrefillActor(Actor):
     def build_engine(self) -> PrefillEngine:
         self.engine = PrefillEngine(EngineConfig(**self.spec.engine), device=self.spec.local_device)
         self.calibration = calibrate_prefill_engine(self.engine)
-        log.info("calibrated: %s", self.calibration)
+        log_calibration(self.calibration, log)
         return self.engine
 
     def start_tasks(self) -> None:

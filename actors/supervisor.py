@@ -230,10 +230,9 @@ class Supervisor:
                 return
 
     async def _watch_exit(self, handle: ActorHandle, incarnation: int) -> None:
-        code = await handle.process.wait()
+        await handle.process.wait()
         if handle.incarnation == incarnation and handle.state is ActorState.READY:
-            log.error("actor %s exited with %s", handle.actor_id, code)
-            await self._mark_down(handle, incarnation)
+            await self._mark_down(handle, incarnation)  # which logs the exit status
 
     async def _mark_down(self, handle: ActorHandle, incarnation: int) -> None:
         if handle.incarnation != incarnation or handle.state in (ActorState.DEAD, ActorState.FAILED):
@@ -250,7 +249,10 @@ class Supervisor:
             await handle.process.wait()
         if handle.ready is not None and not handle.spec.remote:
             release_export(handle.ready.kv_export)  # a killed actor cannot remove its shared pool itself
-        if was_ready:
+        if was_ready:  # however it was noticed (exit, closed connection, silence), say so once
+            code = None if handle.process is None else handle.process.returncode
+            log.error("actor %s is down (exit status %s)", handle.actor_id, code,
+                      extra={"actor_id": handle.actor_id, "exit_status": code})
             await _maybe_await(self._on_down(handle))
         if not self._stopping and not handle.spec.remote:  # a remote worker reconnects by itself
             asyncio.create_task(self._restart(handle))

@@ -15,6 +15,7 @@ import torch
 from actors.actor import Actor
 from actors.decode_actor import DecodeActor
 from actors.draft_actor import DraftActor
+from actors.logs import configure_actor_logging
 from actors.prefill_actor import PrefillActor
 from actors.spec import ActorSpec, Role
 from transport import load_secret
@@ -50,8 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--secret-file", default=None, help="shared secret (else $PHASE_SERVE_SECRET)")
     args = parser.parse_args(argv)
     spec = ActorSpec.from_json(args.spec)
-    logging.basicConfig(stream=sys.stderr, level=logging.INFO,
-                        format=f"%(asctime)s {spec.actor_id} %(levelname)s %(message)s")
+    configure_actor_logging(spec.actor_id, spec.role)  # the server's format and level, from the environment
     if spec.cpus:
         os.sched_setaffinity(0, spec.cpus)
     if not spec.remote:

@@ -1,7 +1,13 @@
 """Start-up calibration: how long this engine takes to prefill n tokens and to run a decode step of B
-sequences, measured on the real model so that placement decisions rest on numbers, not guesses."""
+sequences, measured on the real model so that placement decisions rest on numbers, not guesses.
+
+Each curve must not fall as it grows (more tokens, or more sequences, never take less time). A timing that
+does (a noisy core, a first call that paid for something) is a bad point: `monotonic_points` drops every point
+that falls below an earlier one, the actor logs a warning naming them, and the router's cost model fits only
+the points that remain."""
 from __future__ import annotations
 
+import logging
 import random
 import time
 from dataclasses import dataclass
@@ -24,6 +30,42 @@ class Calibration:
 
     def to_wire(self) -> dict:
         return {"prefill": [list(p) for p in self.prefill], "decode": [list(d) for d in self.decode]}
+
+    def rounded(self, digits: int = 4) -> dict[str, list[list[float]]]:
+        """The curves with seconds to `digits` significant digits, for logs."""
+        return {"prefill": [[n, _significant(t, digits)] for n, t in self.prefill],
+                "decode": [[b, _significant(t, digits)] for b, t in self.decode]}
+
+    def falling_points(self) -> dict[str, list[tuple[int, float]]]:
+        """Per curve, the points monotonic_points drops (empty when both curves only rise)."""
+        return {name: monotonic_points(points)[1] for name, points in (("prefill", self.prefill),
+                                                                      ("decode", self.decode))}
+
+
+def _significant(value: float, digits: int) -> float:
+    return float(f"{value:.{digits}g}")
+
+
+def monotonic_points(points: list[tuple[int, float]]) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
+    """(kept, dropped), by size: a point whose seconds fall below those of an earlier kept point is dropped, so
+    the kept points never fall. The first point is trusted: it is the cheapest run, hardest to inflate."""
+    kept: list[tuple[int, float]] = []
+    dropped: list[tuple[int, float]] = []
+    for size, seconds in sorted((int(n), float(t)) for n, t in points):
+        (dropped if kept and seconds < kept[-1][1] else kept).append((size, seconds))
+    return kept, dropped
+
+
+def log_calibration(calibration: Calibration, log: logging.Logger) -> None:
+    """One line with the rounded curves, and a warning for each curve that falls where it should rise."""
+    curves = calibration.rounded()
+    log.info("calibrated: prefill (tokens, s) %s, decode step (sequences, s) %s", curves["prefill"],
+             curves["decode"], extra={"calibration": curves})
+    for name, dropped in calibration.falling_points().items():
+        if dropped:
+            points = [[n, _significant(t, 4)] for n, t in dropped]
+            log.warning("calibration: %s time falls as the size grows at %s; the cost model ignores those "
+                        "points", name, points, extra={"curve": name, "dropped": points})
 
 
 def _random_prompt(rng: random.Random, length: int, vocab: int) -> list[int]:

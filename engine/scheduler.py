@@ -21,6 +21,7 @@ running sequences grow are what admits newcomers.
 """
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -31,6 +32,9 @@ from engine.sampling_params import SamplingParams
 from engine.sequence import FinishReason, Sequence, SequenceStatus
 from engine.speculative.adaptive import SpecCounters, adapt
 from engine.step import RunnerOutput, ScheduledChunk, SchedulerOutput, SequenceUpdate, build_chunk, eos_for
+
+log = logging.getLogger(__name__)
+DEBUG_EVERY_STEPS = 100  # at --log-level debug, one step in this many logs its decisions (never one per token)
 
 
 @dataclass(frozen=True)
@@ -66,6 +70,7 @@ class Scheduler:
         self._remote: dict[str, tuple[list[int], list[int]]] = {}  # request -> (cached blocks, their hashes)
         self.num_preemptions = 0
         self.spec_counters = SpecCounters()
+        self.num_steps = 0
 
     # ------------------------------------------------------------------ queue management
 
@@ -151,9 +156,25 @@ class Scheduler:
         if not plan.preempted_seq_ids:
             self._admit_waiting(plan, budget)
         finished, self._finished_since_step = tuple(self._finished_since_step), []
+        self.num_steps += 1
+        if self.num_steps % DEBUG_EVERY_STEPS == 1 and log.isEnabledFor(logging.DEBUG):
+            self._log_decisions(plan)
         return SchedulerOutput(chunks=tuple(self._chunk(seq, n, slots) for seq, n, slots in plan.runs),
                                finished_seq_ids=finished, preempted_seq_ids=tuple(plan.preempted_seq_ids),
                                compressions=tuple(plan.compressions))
+
+    def _log_decisions(self, plan: _Plan) -> None:
+        decodes = [(n, slots) for seq, n, slots in plan.runs if seq.in_decode]
+        prefill_tokens = sum(n for _, n, _ in plan.runs) - len(decodes)
+        budget_left = self.limits.max_num_batched_tokens - sum(n + slots for _, n, slots in plan.runs)
+        decisions = {"step": self.num_steps, "running": len(self.running), "waiting": len(self.waiting),
+                     "decode_seqs": len(decodes), "draft_slots": sum(slots for _, slots in decodes),
+                     "prefill_chunks": len(plan.runs) - len(decodes), "prefill_tokens": prefill_tokens,
+                     "budget_left": budget_left, "preempted": len(plan.preempted_seq_ids),
+                     "compressions": len(plan.compressions), "free_blocks": self.pool.num_free}
+        log.debug("scheduler step %(step)d (one in %(every)d logged): %(decode_seqs)d decoding, "
+                  "%(prefill_tokens)d prefill tokens in %(prefill_chunks)d chunks, %(waiting)d waiting, "
+                  "%(preempted)d preempted", decisions | {"every": DEBUG_EVERY_STEPS}, extra={"scheduler": decisions})
 
     def update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[SequenceUpdate]:
         updates = []

@@ -3,12 +3,17 @@
 Prefill seconds for n new tokens: a + b*n + c*n^2 (the quadratic term is attention over the prompt).
 Decode step seconds for a batch of B sequences: d0 + d1*B.
 Hand-off seconds for a number of bytes: latency + bytes / bandwidth.
+
+Both fits take only the points of a curve that never falls (engine.calibration.monotonic_points): a timing
+below an earlier, smaller one is noise, and fitted it would bend the curve down.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
 import numpy as np
+
+from engine.calibration import monotonic_points
 
 
 @dataclass(frozen=True)
@@ -24,7 +29,8 @@ class PrefillCost:
 
     @staticmethod
     def fit(samples: list[tuple[int, float]]) -> "PrefillCost":
-        """Least squares over (tokens, seconds) samples; coefficients are clipped at zero."""
+        """Least squares over the monotonic (tokens, seconds) samples; coefficients are clipped at zero."""
+        samples = monotonic_points(samples)[0]
         n = np.array([s[0] for s in samples], dtype=np.float64)
         t = np.array([s[1] for s in samples], dtype=np.float64)
         design = np.stack([np.ones_like(n), n, n * n], axis=1)
@@ -42,6 +48,7 @@ class DecodeCost:
 
     @staticmethod
     def fit(samples: list[tuple[int, float]]) -> "DecodeCost":
+        samples = monotonic_points(samples)[0]
         b = np.array([s[0] for s in samples], dtype=np.float64)
         t = np.array([s[1] for s in samples], dtype=np.float64)
         if len(samples) < 2:

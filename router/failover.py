@@ -36,7 +36,8 @@ class Failover:
         routed = self.routed.get(msg.request_id)
         if routed is None:
             return
-        log.warning("%s failed on %s: %s", msg.request_id, handle.actor_id, msg.reason)
+        log.warning("%s failed on %s: %s", msg.request_id, handle.actor_id, msg.reason,
+                    extra={"request_id": msg.request_id})
         if routed.awaits(Phase.PREFILLING, handle.actor_id):
             self.handoff.fall_back(routed)
         elif msg.retryable and not routed.streamed:
@@ -64,7 +65,7 @@ class Failover:
         if routed.attempts >= self.max_attempts:
             self.fail(routed, f"{reason} (after {routed.attempts} attempts)")
             return
-        log.info("retrying %s elsewhere: %s", routed.request_id, reason)
+        log.info("retrying %s elsewhere: %s", routed.request_id, reason, extra={"request_id": routed.request_id})
         routed.decode = routed.prefill = None
         self._dispatch(routed)
 

@@ -133,7 +133,8 @@ class Handoff:
     def on_reservation_failed(self, handle: ActorHandle, msg: m.ReservationFailed) -> None:
         routed = self._held(msg.request_id, Phase.RESERVING, handle)
         if routed is not None:
-            log.info("reservation for %s failed (%s): colocating", msg.request_id, msg.reason)
+            log.info("reservation for %s failed (%s): colocating", msg.request_id, msg.reason,
+                     extra={"request_id": msg.request_id})
             self.colocate(routed)
 
     def on_kv_pages(self, handle: ActorHandle, msg: m.KVPages) -> None:

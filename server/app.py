@@ -13,7 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from client import AsyncLLM
 from engine.speculative.adaptive import SpecCounts
-from server.context import CONTEXT, REQUEST_ID, TRACKER, ServerContext
+from server.context import API_ERROR, CONTEXT, REQUEST_ID, TRACKER, ServerContext
 from server.errors import ApiError, error_response, from_http_exception
 from server.generation import handle_generation
 from server.logging import make_logger
@@ -73,13 +73,18 @@ async def _json_errors(ctx: ServerContext, request: web.Request, handler: Handle
     try:
         return await handler(request)
     except ApiError as err:
-        return error_response(err)
+        return _error(request, err)
     except web.HTTPException as exc:  # the router's 404 / 405
-        return error_response(from_http_exception(exc))
+        return _error(request, from_http_exception(exc))
     except Exception:
         ctx.log.exception("unhandled error", method=request.method, path=request.path)
-        return error_response(ApiError(500, f"internal server error (request {request[REQUEST_ID]})", None,
-                                       "internal_error"))
+        return _error(request, ApiError(500, f"internal server error (request {request[REQUEST_ID]})", None,
+                                        "internal_error"))
+
+
+def _error(request: web.Request, err: ApiError) -> web.Response:
+    request[API_ERROR] = err  # the access line says why
+    return error_response(err)
 
 
 def _access_line(ctx: ServerContext, request: web.Request, status: int, seconds: float) -> None:
@@ -88,8 +93,10 @@ def _access_line(ctx: ServerContext, request: web.Request, status: int, seconds:
         "prompt_tokens": tracker.prompt_tokens, "completion_tokens": tracker.completion_tokens,
         "ttft": None if tracker.ttft is None else round(tracker.ttft, 4), "quadrant": tracker.quadrant.value,
         "outcome": "cancelled" if status == CLIENT_CLOSED else tracker.outcome}
+    err = request.get(API_ERROR)
+    why = {} if err is None else {"code": err.code, "param": err.param}  # a 4xx says what the client got wrong
     ctx.log.info("access", method=request.method, path=request.path, status=status,
-                 total_time=round(seconds, 4), **usage)
+                 total_time=round(seconds, 4), **usage, **why)
 
 
 @web.middleware

@@ -24,6 +24,7 @@ def _request_key(name: str, kind: type) -> Any:
 
 REQUEST_ID = _request_key("phase_serve_request_id", str)  # per-request storage (aiohttp requests are mappings)
 TRACKER = _request_key("phase_serve_tracker", object)
+API_ERROR = _request_key("phase_serve_api_error", object)  # the error the response reports, for the access line
 
 
 @dataclass(frozen=True)

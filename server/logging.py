@@ -1,5 +1,6 @@
 """structlog set-up: JSON lines off a terminal, coloured console lines on one. Standard-library records (the
-engine's, aiohttp's) go through the same renderer, so every line on stderr has one format."""
+engine's, aiohttp's) go through the same renderer, so every line on stderr has one format; the actor processes
+render theirs the same way (actors.logs), so the server's stderr is one stream."""
 from __future__ import annotations
 
 import logging
@@ -9,6 +10,7 @@ from typing import Any, Literal, TextIO, get_args
 
 import structlog
 
+from actors import logs
 from engine.config import ConfigError
 from engine.flags import option
 
@@ -16,6 +18,7 @@ LogFormat = Literal["json", "console"]
 LogLevel = Literal["debug", "info", "warning", "error"]
 LOG_FORMATS = get_args(LogFormat)
 LOG_LEVELS = get_args(LogLevel)
+SERVER_FIELDS = {"role": "server"}  # actor lines carry their actor id and role instead
 
 
 @dataclass(frozen=True)
@@ -34,37 +37,22 @@ class LogSettings:
 
 
 def default_log_format(stream: TextIO) -> str:
-    return "console" if stream.isatty() else "json"
-
-
-def _shared_processors() -> list[Any]:
-    return [structlog.contextvars.merge_contextvars, structlog.stdlib.add_log_level,
-            structlog.stdlib.add_logger_name, structlog.processors.TimeStamper(fmt="iso", utc=True)]
-
-
-def _renderer(settings: LogSettings, stream: TextIO) -> list[Any]:
-    if settings.format == "json":
-        return [structlog.processors.format_exc_info, structlog.processors.JSONRenderer()]
-    return [structlog.dev.ConsoleRenderer(colors=stream.isatty())]
+    return logs.default_format(stream)
 
 
 def configure_logging(settings: LogSettings, stream: TextIO = sys.stderr) -> structlog.stdlib.BoundLogger:
-    """Routes the root logger to `stream` in the chosen format; returns the server's logger."""
-    formatter = structlog.stdlib.ProcessorFormatter(
-        foreign_pre_chain=_shared_processors(),
-        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, *_renderer(settings, stream)])
-    handler = logging.StreamHandler(stream)
-    handler.setFormatter(formatter)
-    root = logging.getLogger()
-    root.handlers = [handler]
-    root.setLevel(settings.level.upper())
+    """Routes the root logger to `stream` in the chosen format, exports the format and level for the actor
+    processes (actors.logs), and returns the server's logger. Every line carries `pid` and `role` "server"."""
+    log_format = settings.format or default_log_format(stream)
+    logs.install(log_format, settings.level, stream, SERVER_FIELDS)
+    logs.export_settings(log_format, settings.level)
     logging.getLogger("aiohttp.access").disabled = True  # the server writes its own access line
     return make_logger()
 
 
 def make_logger(name: str = "phase_serve.server") -> structlog.stdlib.BoundLogger:
     """A structlog logger over the standard-library logger `name` (rendered by whatever handler it reaches)."""
-    processors = [structlog.stdlib.filter_by_level, *_shared_processors(),
+    processors = [structlog.stdlib.filter_by_level, *logs.shared_processors(SERVER_FIELDS),
                   structlog.stdlib.ProcessorFormatter.wrap_for_formatter]
     return structlog.wrap_logger(logging.getLogger(name), processors=processors,
                                  wrapper_class=structlog.stdlib.BoundLogger)

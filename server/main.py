@@ -5,7 +5,6 @@ import argparse
 import asyncio
 import signal
 import socket
-import sys
 from dataclasses import dataclass, replace
 
 import structlog
@@ -111,9 +110,10 @@ def _announce(ctx: ServerContext, runner: web.AppRunner, log: structlog.stdlib.B
     host, port = runner.addresses[0][:2]
     url = f"http://{host}:{port}"
     backend = backend_summary(ctx.llm.backend(), ctx.llm.actors())
-    log.info("serving", url=url, model=ctx.limits.name, dtype=ctx.dtype, max_model_len=ctx.limits.max_model_len,
-             backend=backend)
-    print(f"phase-serve: serving {ctx.limits.name} on {url} ({backend})", file=sys.stderr, flush=True)
+    # One line in the log's own format; the event keeps the words "serving MODEL on URL (BACKEND)" that scripts
+    # (bench/serve_latency.py) look for with `serving .* on (http://\S+)`.
+    log.info(f"serving {ctx.limits.name} on {url} ({backend})", url=url, model=ctx.limits.name, dtype=ctx.dtype,
+             max_model_len=ctx.limits.max_model_len, backend=backend)
 
 
 def backend_summary(in_process: dict | None, actors: list[dict]) -> str:

@@ -52,6 +52,7 @@ MODULE_TIERS: Mapping[str, Tier] = {
     "test_kv_compress.py": E,
     "test_kv_quant.py": U,  # the import and CUDA-simulator checks run in subprocesses: marked process
     "test_layers.py": U,
+    "test_logs.py": P,  # the logging, calibration and kernel-key units are marked unit
     "test_metrics.py": P,  # the ServerMetrics and PromQL tests are marked unit
     "test_model_parity.py": E,
     "test_placement.py": U,
