@@ -119,15 +119,31 @@ class GrammarCompiler:
 
         self._xgr = xgr
         encoded, _ = token_bytes(tokenizer)
-        encoded = encoded[:vocab_size] + [b""] * max(0, vocab_size - len(encoded))
+        self._encoded = encoded[:vocab_size] + [b""] * max(0, vocab_size - len(encoded))
+        self._stop_token_ids = list(stop_token_ids)
         self.vocab_size = vocab_size
-        info = xgr.TokenizerInfo(encoded, xgr.VocabType.RAW, vocab_size=vocab_size,
-                                 stop_token_ids=list(stop_token_ids))
-        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        self._compiler = self._xgr_compiler(self._encoded)
+        self._json_compiler: Any = None  # built on the first JSON constraint
         self._cache: OrderedDict[Guide, Any] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
         self.num_compiled = 0  # cache misses, for tests and stats
+
+    def _xgr_compiler(self, encoded: list[bytes]) -> Any:
+        xgr = self._xgr
+        info = xgr.TokenizerInfo(encoded, xgr.VocabType.RAW, vocab_size=self.vocab_size,
+                                 stop_token_ids=self._stop_token_ids)
+        return xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+
+    def _for_json(self) -> Any:
+        """The compiler for JSON constraints: its vocabulary leaves out tokens with control characters other
+        than newline and carriage return. JSON allows none inside strings and only those two and tab between
+        tokens, but xgrammar's string rule excludes only the quote, backslash, newline and carriage return."""
+        with self._lock:
+            if self._json_compiler is None:
+                self._json_compiler = self._xgr_compiler(
+                    [b"" if any(c < 0x20 and c not in (0x0A, 0x0D) for c in t) else t for t in self._encoded])
+            return self._json_compiler
 
     def compile(self, guide: Guide) -> Any:
         """The compiled grammar of `guide`; GuideError names what is wrong with it."""
@@ -149,8 +165,8 @@ class GrammarCompiler:
             return guide in self._cache
 
     def _compile(self, guide: Guide) -> Any:
-        c = self._compiler
         try:
+            c = self._for_json() if guide.kind in ("json", "json_object") else self._compiler
             if guide.kind == "json":
                 return c.compile_json_schema(guide.source, any_whitespace=True, max_whitespace_cnt=MAX_WHITESPACE)
             if guide.kind == "json_object":
