@@ -13,6 +13,8 @@ from actors.convert import params_from_wire, params_to_wire
 from engine import LLM, SamplingParams
 from engine.engine_core import EngineRequest, RequestError
 from engine.structured import Guide, GuideError, token_bytes
+from transport import codec
+from transport import messages as m
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -146,3 +148,5 @@ def test_the_constraint_travels_in_the_wire_params():
         params = guided(guide, n=2)
         raw = msgpack.unpackb(msgpack.packb(params_to_wire(params)))
         assert params_from_wire(raw) == params
+        decoded = codec.decode(codec.encode(m.AddRequest("r", [1, 2], params_to_wire(params))))
+        assert params_from_wire(decoded.sampling) == params

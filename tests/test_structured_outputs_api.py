@@ -57,9 +57,10 @@ def test_streamed_json_schema_is_valid_too(client):
 
 
 def test_vllm_guided_fields_on_completions(client):
-    r = client.completions.create(model=MODEL, prompt="Code:", max_tokens=20, temperature=1.0, seed=4, n=5,
-                                  extra_body={"guided_regex": r"[A-Z]{2}[0-9]{2}"})
-    assert all(re.fullmatch(r"[A-Z]{2}[0-9]{2}", c.text) for c in r.choices), [c.text for c in r.choices]
+    for seed in range(4):  # n > 1 is covered in the engine tests
+        r = client.completions.create(model=MODEL, prompt="Code:", max_tokens=20, temperature=1.0, seed=seed,
+                                      extra_body={"guided_regex": r"[A-Z]{2}[0-9]{2}"})
+        assert re.fullmatch(r"[A-Z]{2}[0-9]{2}", r.choices[0].text), r.choices[0].text
     r = client.completions.create(model=MODEL, prompt="Pick:", max_tokens=20, temperature=1.0, seed=4,
                                   extra_body={"structured_outputs": {"choice": ["left", "right"]}})
     assert r.choices[0].text in ("left", "right")
