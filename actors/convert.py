@@ -11,9 +11,12 @@ from transport import messages as m
 
 
 def params_to_wire(params: SamplingParams) -> dict:
-    """Tuples as lists, logit_bias as [[token id, bias], ...] (msgpack maps take only str keys)."""
-    return {k: [list(x) if isinstance(x, tuple) else x for x in v] if isinstance(v, tuple) else v
+    """Tuples as lists, logit_bias as [[token id, bias], ...] (msgpack maps take only str keys), the guide as
+    its source text (Guide.to_wire: the receiver compiles it)."""
+    wire = {k: [list(x) if isinstance(x, tuple) else x for x in v] if isinstance(v, tuple) else v
             for k, v in asdict(params).items()}
+    wire["guide"] = None if params.guide is None else params.guide.to_wire()
+    return wire
 
 
 def params_from_wire(raw: dict) -> SamplingParams:

@@ -93,6 +93,8 @@ class DecodeActor(Actor):
         self.owners[msg.request_id] = conn
         self.streams.pop(msg.request_id, None)  # its pages are all in: nothing more may be written
         try:
+            if req.params.guide is not None:  # compiled off both the loop and the step thread
+                await asyncio.to_thread(self.engine.prepare_request, req)
             await self.thread.submit(lambda engine: self.thread.emit(self._admit(engine, req, msg)))
         except Exception as exc:  # an invalid request is final; a failed hand-off may run elsewhere
             self.owners.pop(msg.request_id, None)

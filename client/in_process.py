@@ -19,7 +19,10 @@ class InProcessClient:
         self.thread = EngineThread(engine, loop, on_updates, self._on_step_error)
 
     async def add(self, request: EngineRequest) -> None:
-        """Queue the request; the engine in this process has no placement to report."""
+        """Queue the request; the engine in this process has no placement to report. A constraint is compiled
+        on a worker thread first, so the step thread never waits for a new schema."""
+        if request.params.guide is not None:
+            await asyncio.to_thread(self.engine.prepare_request, request)
         await self.thread.submit(lambda engine: engine.add_request(request))
 
     def abort(self, request_id: str, sample_index: int | None = None) -> None:

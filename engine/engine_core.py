@@ -28,6 +28,7 @@ from engine.speculative.build import build_proposer
 from engine.speculative.proposer import Proposer
 from engine.speculative.speculator import Speculator
 from engine.stats import EngineStats
+from engine.structured import GrammarCompiler, GuideError, source_compiler
 from engine.step import SequenceUpdate
 
 
@@ -78,6 +79,7 @@ class EngineCore:
         eos = self.source.tokenizer.eos_token_ids or model_cfg.eos_token_ids
         self.scheduler = Scheduler(self.pool, limits, tuple(eos), self._compactor())
         self.runner = ModelRunner(model, self.kv_cache, device, select_backend(device, self.dtype, config.enforce_eager))
+        self.runner.grammar_compiler = self.grammar_compiler
         if num_cold:
             self.runner.attach_cold_region(ColdRegion(model_cfg, num_cold, num_blocks, config.block_size,
                                                       self.dtype, device))
@@ -85,6 +87,19 @@ class EngineCore:
             proposer = build_proposer(config, model, self.source, num_blocks, self.dtype, device)
         self.speculator = None if proposer is None else Speculator(proposer, model_cfg.vocab_size)
         self._seq_ids = itertools.count()
+
+    def grammar_compiler(self) -> GrammarCompiler:
+        """This model's grammar compiler (built on first use; shared with the front end in this process)."""
+        return source_compiler(self.source)
+
+    def prepare_request(self, req: EngineRequest) -> None:
+        """Work to do before add_request, on any thread but the step thread: compile the request's constraint
+        (cached), so that adding it costs the running streams nothing. RequestError if it cannot compile."""
+        if req.params.guide is not None:
+            try:
+                self.grammar_compiler().compile(req.params.guide)
+            except GuideError as exc:
+                raise RequestError(str(exc), "guide") from None
 
     def _kv_block_counts(self) -> tuple[int, int]:
         """(hot blocks, FP4 blocks): adaptive compression splits the KV budget, otherwise all of it is hot."""
@@ -148,6 +163,8 @@ class EngineCore:
         if outside:
             raise RequestError(f"logit_bias names token id {outside[0]}, outside this model's vocabulary of "
                                f"{vocab}", "logit_bias")
+        if req.params.guide is not None:
+            self.prepare_request(req)  # a cache hit when the front end prepared it, as it should
         if req.request_id in self.scheduler.by_request:
             raise RequestError(f"request id {req.request_id!r} is already in use", "request_id")
 

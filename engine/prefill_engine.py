@@ -24,6 +24,7 @@ from engine.runner import ModelRunner
 from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.step import RunnerOutput, SchedulerOutput, build_chunk
+from engine.structured import source_compiler
 
 
 @dataclass
@@ -64,6 +65,7 @@ class PrefillEngine:
         self.device = device
         self.runner = ModelRunner(load_model(self.source, self.dtype, device), None, device,
                                   select_backend(device, self.dtype, config.enforce_eager))
+        self.runner.grammar_compiler = lambda: source_compiler(self.source)
         self.eos_token_ids = frozenset(self.source.tokenizer.eos_token_ids or self.source.config.eos_token_ids)
         self.pools: dict[str, KVCache] = {}
         self.jobs: dict[str, PrefillJob] = {}

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +21,7 @@ from engine.model.llama import LlamaModel
 from engine.sampler import History, SamplingBatch, greedy_tokens, process_logits, sample, token_logprobs
 from engine.speculative.acceptance import Verdict, verify_drafts, verify_greedy
 from engine.step import RunnerOutput, ScheduledChunk, SchedulerOutput, runner_output
+from engine.structured import GrammarCompiler, GuideStates
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,7 @@ def _decode_rows(chunks: Sequence[ScheduledChunk]) -> list[tuple[list[int], int]
 def _plain_greedy(chunks: Sequence[ScheduledChunk]) -> bool:
     """Every row takes its argmax as it is: greedy, no logprobs, no banned tokens, no biases or penalties."""
     return all(c.params.greedy and c.params.logprobs is None and not c.banned_token_ids
-               and not c.params.adjusts_logits for c in chunks)
+               and not c.params.adjusts_logits and c.params.guide is None for c in chunks)
 
 
 def _histories(chunks: Sequence[ScheduledChunk]) -> list[History | None] | None:
@@ -114,6 +115,10 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.device = device
         self.generators: dict[int, torch.Generator] = {}
+        # Structured outputs: the grammar compiler (built on first use, from the engine's tokenizer) and one
+        # matcher per constrained sequence.
+        self.grammar_compiler: Callable[[], GrammarCompiler] | None = None
+        self._guides: GuideStates | None = None
         self.cold: ColdRegion | None = None
         if torch.device(device).type == "cpu":
             keep_freed_memory()
@@ -135,6 +140,8 @@ class ModelRunner:
             self.cold.compress(kv_cache, sched.compressions)
         for seq_id in sched.finished_seq_ids:
             self.generators.pop(seq_id, None)
+            if self._guides is not None:
+                self._guides.drop(seq_id)
         if sched.is_empty:
             return RunnerOutput()
         layers = self._layers(kv_cache, sched)
@@ -190,7 +197,8 @@ class ModelRunner:
         if not chunks:
             return {}, {}
         batch = SamplingBatch.build([c.params for c in chunks], [self._generator(c) for c in chunks],
-                                    [c.banned_token_ids for c in chunks], self.device, _histories(chunks))
+                                    [c.banned_token_ids for c in chunks], self.device, _histories(chunks),
+                                    self._grammar(chunks))
         out = sample(logits, batch, self.backend.row_argmax)
         ids = [c.seq_id for c in chunks]
         logprobs = {} if out.logprobs is None else {i: lp for i, lp in zip(ids, out.logprobs) if lp is not None}
@@ -201,7 +209,8 @@ class ModelRunner:
         tokens, seq_id -> their logprobs where asked)."""
         rows = [c for c in chunks for _ in range(c.num_draft + 1)]
         batch = SamplingBatch.build([c.params for c in rows], [None] * len(rows),
-                                    [c.banned_token_ids for c in rows], self.device, _verify_histories(chunks))
+                                    [c.banned_token_ids for c in rows], self.device, _verify_histories(chunks),
+                                    self._verify_grammar(chunks))
         verdict = self._verdict(logits, batch, chunks)
         tokens, num_accepted = verdict.tokens.tolist(), verdict.num_accepted.tolist()
         emitted = [tokens[b][:num_accepted[b] + 1] for b in range(len(chunks))]
@@ -258,6 +267,40 @@ class ModelRunner:
         starts = itertools.accumulate((c.num_draft + 1 for c in chunks), initial=0)
         return {c.seq_id: lps[start:start + len(toks)]
                 for c, toks, start in zip(chunks, emitted, starts) if c.params.logprobs is not None}
+
+    def guides(self) -> GuideStates:
+        if self._guides is None:
+            if self.grammar_compiler is None:
+                raise RuntimeError("this runner was given no grammar compiler")
+            self._guides = GuideStates(self.grammar_compiler())
+        return self._guides
+
+    def _grammar(self, chunks: Sequence[ScheduledChunk]) -> tuple[list[int], torch.Tensor] | None:
+        """(rows, bitmask) of the sampling chunks under a grammar; None when no chunk is."""
+        rows = [row for row, c in enumerate(chunks) if c.params.guide is not None]
+        if not rows:
+            return None
+        items = [(chunks[r].seq_id, chunks[r].params.guide, chunks[r].history[chunks[r].num_prompt_tokens:])
+                 for r in rows]
+        return rows, self.guides().bitmask(items)
+
+    def _verify_grammar(self, chunks: Sequence[ScheduledChunk]) -> tuple[list[int], torch.Tensor] | None:
+        """(rows, bitmask) of the verified rows under a grammar: row j of a chunk allows what may follow the
+        sequence's tokens and its first j drafts, so each draft is judged by the grammar state plain decoding
+        would have reached, and a draft the grammar forbids has target probability 0 (rejected)."""
+        if all(c.params.guide is None for c in chunks):
+            return None
+        rows: list[int] = []
+        masks: list[torch.Tensor] = []
+        start = 0
+        for c in chunks:
+            if c.params.guide is not None:
+                rows.extend(range(start, start + c.num_draft + 1))
+                masks.append(self.guides().draft_bitmask(c.seq_id, c.params.guide,
+                                                         c.history[c.num_prompt_tokens:],
+                                                         c.token_ids[1:1 + c.num_draft]))
+            start += c.num_draft + 1
+        return rows, torch.cat(masks)
 
     def _generator(self, chunk: ScheduledChunk) -> torch.Generator | None:
         if chunk.seed is None or chunk.params.greedy:

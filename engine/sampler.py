@@ -1,7 +1,7 @@
 """Batched token sampling with per-row temperature / top-k / top-p / min-p, bans, logit biases, penalties, seeds
 and logprobs.
 
-The order is vLLM's: logit_bias and bans, then the repetition penalty, then the frequency and presence
+The order is vLLM's, after the grammar masks of constrained rows (structured outputs): logit_bias and bans, then the repetition penalty, then the frequency and presence
 penalties (all on the raw logits, so greedy rows see them too); then temperature, min-p, top-k and top-p.
 Every step is a tensor op over the whole batch (or over the rows that need it); a batch in which no row asks
 for a control skips that control's work entirely.
@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.sampling_params import SamplingParams
+from engine.structured import unpack_bitmask
 
 Argmax = Callable[[torch.Tensor], torch.Tensor]  # [B, V] -> [B] int64, the first maximal index of each row
 Index = tuple[torch.Tensor, torch.Tensor]  # (rows, token ids), flattened
@@ -69,12 +70,16 @@ class SamplingBatch:
     bias_values: torch.Tensor | None = None  # [N] float32, one per bias_index entry
     min_p: torch.Tensor | None = None  # [B] float32; None = no sampled row uses min-p
     penalties: Penalties | None = None
+    grammar_rows: torch.Tensor | None = None  # [G] int64 the rows under a grammar; None = no row is
+    grammar_bitmask: torch.Tensor | None = None  # [G, ceil(V / 32)] int32, bit t % 32 of word t // 32 = allowed
 
     @classmethod
     def build(cls, params: list[SamplingParams], generators: list[torch.Generator | None],
               banned: list[tuple[int, ...]], device: torch.device | str,
-              histories: Sequence[History | None] | None = None) -> SamplingBatch:
-        """`histories`: per row, the tokens its penalties count; a penalised row without one counts nothing."""
+              histories: Sequence[History | None] | None = None,
+              grammar: tuple[Sequence[int], torch.Tensor] | None = None) -> SamplingBatch:
+        """`histories`: per row, the tokens its penalties count; a penalised row without one counts nothing.
+        `grammar`: (rows, their int32 bitmask of allowed tokens) for the rows under a grammar."""
         assert len(params) == len(generators) == len(banned)
         assert histories is None or len(histories) == len(params)
         greedy = [p.greedy for p in params]
@@ -96,6 +101,8 @@ class SamplingBatch:
             banned=[tuple(b) for b in banned],
             ban_index=_ban_index(banned, device),
             **controls,
+            **({} if grammar is None else dict(grammar_rows=_long(grammar[0], device),
+                                               grammar_bitmask=grammar[1].to(device))),
         )
 
     @property
@@ -241,9 +248,20 @@ def apply_penalties(logits: torch.Tensor, pen: Penalties) -> torch.Tensor:
     return flat.clone().scatter_(0, where, x).view_as(logits)
 
 
+def apply_grammar(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] with the tokens each grammar row's bitmask forbids at -inf; other rows untouched. Does not
+    modify its input; only the G constrained rows are unpacked and masked."""
+    allowed = unpack_bitmask(bitmask, logits.shape[-1])  # [G, V]
+    masked = logits.index_select(0, rows).masked_fill(~allowed, float("-inf"))
+    return logits.index_copy(0, rows, masked)
+
+
 def adjust_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """The logits every pick starts from: plus each row's logit_bias, bans to -inf, then the penalties.
-    float32 once a bias or penalty applies; bans alone keep the dtype (-inf is exact in any)."""
+    """The logits every pick starts from: the grammar masks, plus each row's logit_bias, bans to -inf, then
+    the penalties. float32 once a bias or penalty applies; masks and bans alone keep the dtype (-inf is exact
+    in any)."""
+    if batch.grammar_rows is not None:
+        logits = apply_grammar(logits, batch.grammar_rows, batch.grammar_bitmask)
     if batch.bias_index is None and batch.penalties is None:
         return _apply_bans(logits, batch)
     logits = logits.float()

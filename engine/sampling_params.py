@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from engine.structured import Guide, GuideError
+
 MAX_N = 128
 MAX_LOGPROBS = 20
 MAX_TEMPERATURE = 2.0
@@ -93,8 +95,17 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs sorted by id; a dict is accepted
     min_p: float = 0.0
+    # A grammar the output must follow (structured outputs); a wire dict is accepted (Guide.to_wire).
+    guide: Guide | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.guide, dict):
+            try:
+                object.__setattr__(self, "guide", Guide.from_wire(self.guide))
+            except (GuideError, KeyError, TypeError) as e:
+                raise SamplingParamsError("guide", f"guide is not a valid constraint: {e}") from None
+        if self.guide is not None and not isinstance(self.guide, Guide):
+            raise SamplingParamsError("guide", f"guide must be a Guide, got {self.guide!r}.")
         object.__setattr__(self, "stop", _as_tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", _as_tuple(self.stop_token_ids))
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))

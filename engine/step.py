@@ -43,8 +43,9 @@ class ScheduledChunk:
     num_spec_slots: int = 0  # draft tokens budgeted (tokens and blocks) after token_ids[0]
     num_draft: int = 0  # draft tokens filled in: token_ids = (last token, *drafts)
     draft_probs: torch.Tensor | None = None  # [num_draft, V] the drafts' distributions; None = point masses
-    # What the penalties count, for a chunk that samples under penalised params (else ()): every token the
-    # sequence holds (prompt, then output) before the token this chunk samples or its drafts.
+    # What the penalties count and the grammar follows, for a chunk that samples under penalised or guided
+    # params (else ()): every token the sequence holds (prompt, then output) before the token this chunk
+    # samples or its drafts.
     history: tuple[int, ...] = ()
     num_prompt_tokens: int = 0
 
@@ -113,7 +114,7 @@ def build_chunk(seq_id: int, token_ids: Sequence[int], start: int, num_new: int,
                           block_table=tuple(block_table), sample=sample, params=params,
                           seed=sequence_seed(params.seed, sample_index), banned_token_ids=banned,
                           speculative=speculative, num_spec_slots=num_spec_slots,
-                          history=tuple(token_ids) if sample and params.penalised else (),
+                          history=tuple(token_ids) if sample and (params.penalised or params.guide) else (),
                           num_prompt_tokens=num_prompt_tokens)
 
 

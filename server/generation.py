@@ -14,6 +14,8 @@ from aiohttp import web
 from engine.engine_core import RequestError
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.model.loader import ModelSource
+from engine.structured import Guide, GuideError, source_compiler
 from engine.tokenizer import Tokenizer
 from engine.treatment import Treatment
 from server.context import REQUEST_ID, TRACKER, ServerContext
@@ -109,12 +111,26 @@ async def read_body(request: web.Request, limit: int) -> bytes:
 
 
 async def prepare(req: GenerationRequest, tokenizer: Tokenizer, limits: ModelLimits,
-                  thresholds: QuadrantThresholds, treatments: TreatmentOptions = TreatmentOptions()) -> Prepared:
+                  thresholds: QuadrantThresholds, treatments: TreatmentOptions = TreatmentOptions(),
+                  source: ModelSource | None = None) -> Prepared:
+    """`source`: the model whose vocabulary compiles a structured-output constraint (None: left to the engine)."""
     token_ids = await _encode(req, tokenizer)
     check_prompt_tokens(token_ids, limits, req.prompt_param)
     params = sampling_params(req.sampling, len(token_ids), limits)
+    if params.guide is not None and source is not None:
+        await compile_guide(params.guide, req.sampling.guide_param, source)
     quadrant = classify(len(token_ids), effective_max_tokens(req.sampling, len(token_ids), limits), thresholds)
     return Prepared(req, token_ids, params, quadrant, treatment_for(quadrant, treatments))
+
+
+async def compile_guide(guide: Guide, param: str, source: ModelSource) -> None:
+    """Compile a constraint on a worker thread (a new schema can take a while, and neither the loop nor the
+    engine's step thread should wait for it); the compiled grammar stays in the process's cache for the
+    engine. 400 naming `param` when the grammar engine refuses it."""
+    try:
+        await asyncio.to_thread(lambda: source_compiler(source).compile(guide))
+    except GuideError as exc:
+        raise bad_request(f"'{param}': {exc}", param) from None
 
 
 async def _encode(req: GenerationRequest, tokenizer: Tokenizer) -> list[int]:
@@ -238,7 +254,7 @@ async def handle_generation(request: web.Request, ctx: ServerContext, chat: bool
     body = parse_json_body(await read_body(request, ctx.settings.max_body_bytes))
     parse = parse_chat if chat else parse_completion
     prepared = await prepare(parse(body, ctx.limits.name), ctx.llm.tokenizer, ctx.limits, ctx.settings.quadrants,
-                             ctx.treatment)
+                             ctx.treatment, ctx.llm.source)
     tracker = RequestTracker(request[REQUEST_ID], arrival, len(prepared.token_ids), prepared.quadrant)
     request[TRACKER] = tracker
     meta = ResponseMeta(tracker.request_id, int(time.time()), ctx.limits.name)

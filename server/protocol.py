@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from engine.sampling_params import SamplingParams, SamplingParamsError
+from engine.structured import Guide, GuideError
 from server.errors import ApiError, bad_request, invalid_type, json_type
 
 INT64_MIN, UINT64_MAX = -(1 << 63), (1 << 64) - 1
@@ -54,6 +55,8 @@ class SamplingFields:
     repetition_penalty: float = 1.0
     min_p: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
+    guide: Guide | None = None  # structured outputs
+    guide_param: str = "response_format"  # the field that set it, for error messages
 
 
 @dataclass(frozen=True)
@@ -185,7 +188,89 @@ def _sampling_fields(body: dict[str, Any], max_token_names: tuple[str, ...], log
         min_tokens=_int(body, "min_tokens", 0), presence_penalty=_number(body, "presence_penalty", 0.0),
         frequency_penalty=_number(body, "frequency_penalty", 0.0),
         repetition_penalty=_number(body, "repetition_penalty", 1.0), min_p=_number(body, "min_p", 0.0),
-        logit_bias=_logit_bias(body))
+        logit_bias=_logit_bias(body), **_guide_fields(body))
+
+
+# ---------------------------------------------------------------------------------------- structured outputs
+
+# The spellings of one constraint: OpenAI's response_format, vLLM's guided_* fields and their newer
+# structured_outputs object, and llama.cpp server's json_schema and grammar. At most one may be given.
+_GUIDE_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                 "structured_outputs", "json_schema", "grammar")
+
+
+def _guide_fields(body: dict[str, Any]) -> dict[str, Any]:
+    given = [(name, body[name]) for name in _GUIDE_FIELDS if body.get(name) is not None]
+    guides = [(name, _guide(name, value)) for name, value in given]
+    guides = [(name, g) for name, g in guides if g is not None]
+    if len(guides) > 1:
+        raise bad_request(f"'{guides[0][0]}' and '{guides[1][0]}' both constrain the output; give one.",
+                          guides[1][0])
+    return dict(guide=guides[0][1], guide_param=guides[0][0]) if guides else {}
+
+
+def _guide(name: str, value: Any) -> Guide | None:
+    try:
+        if name == "response_format":
+            return _response_format(value)
+        if name == "structured_outputs":
+            return _structured_outputs(value)
+        if name in ("guided_json", "json_schema"):
+            return Guide.json_schema(value)
+        if name in ("guided_regex", "guided_grammar", "grammar"):
+            if not isinstance(value, str) or not value:
+                raise invalid_type(name, "a non-empty string", value)
+            return Guide("regex" if name == "guided_regex" else "grammar", value)
+        return _choice(name, value)
+    except GuideError as exc:
+        raise bad_request(f"'{name}': {exc}", name) from None
+
+
+def _choice(name: str, value: Any) -> Guide:
+    if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
+        raise invalid_type(name, "a non-empty array of strings", value)
+    return Guide("choice", choices=tuple(value))
+
+
+def _response_format(value: Any) -> Guide | None:
+    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
+        raise invalid_type("response_format", "an object with a 'type'", value)
+    kind = value["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Guide("json_object")
+    if kind != "json_schema":
+        raise bad_request(f"'response_format.type' must be text, json_object or json_schema, got {kind!r}.",
+                          "response_format")
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict) or spec.get("schema") is None:
+        raise bad_request("'response_format.json_schema.schema' is required for type json_schema.",
+                          "response_format")
+    return Guide.json_schema(spec["schema"])
+
+
+def _structured_outputs(value: Any) -> Guide | None:
+    if not isinstance(value, dict):
+        raise invalid_type("structured_outputs", "an object", value)
+    kinds = {"json": lambda v: Guide.json_schema(v), "regex": lambda v: Guide("regex", _text("regex", v)),
+             "choice": lambda v: _choice("structured_outputs.choice", v),
+             "grammar": lambda v: Guide("grammar", _text("grammar", v)),
+             "json_object": lambda v: Guide("json_object") if v else None}
+    unknown = sorted(set(value) - set(kinds))
+    if unknown:
+        raise bad_request(f"'structured_outputs' has no field {unknown[0]!r}; it takes one of "
+                          f"{', '.join(kinds)}.", "structured_outputs")
+    guides = [g for key, v in value.items() if v is not None and (g := kinds[key](v)) is not None]
+    if len(guides) > 1:
+        raise bad_request("'structured_outputs' holds more than one constraint; give one.", "structured_outputs")
+    return guides[0] if guides else None
+
+
+def _text(name: str, value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise invalid_type(f"structured_outputs.{name}", "a non-empty string", value)
+    return value
 
 
 # ---------------------------------------------------------------------------------------- unsupported fields
@@ -199,7 +284,6 @@ _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "tools": lambda v: bool(v),
     "functions": lambda v: bool(v),
     "tool_choice": lambda v: v not in (None, "none"),
-    "response_format": lambda v: v is not None and v != {"type": "text"},
 }
 
 
@@ -366,7 +450,7 @@ def _build_params(fields: SamplingFields) -> SamplingParams:
                               ignore_eos=fields.ignore_eos, logprobs=fields.logprobs,
                               presence_penalty=fields.presence_penalty, frequency_penalty=fields.frequency_penalty,
                               repetition_penalty=fields.repetition_penalty, min_p=fields.min_p,
-                              logit_bias=fields.logit_bias)
+                              logit_bias=fields.logit_bias, guide=fields.guide)
     except SamplingParamsError as exc:
         renamed = {"max_tokens": fields.max_tokens_param, "logprobs": fields.logprobs_param}
         param = renamed.get(exc.param, exc.param)

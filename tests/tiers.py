@@ -61,6 +61,8 @@ MODULE_TIERS: Mapping[str, Tier] = {
     "test_sampler.py": U,
     "test_sampling_controls.py": U,
     "test_sampling_controls_api.py": P,
+    "test_structured_outputs.py": E,
+    "test_structured_outputs_api.py": P,
     "test_sampling_controls_engine.py": E,
     "test_sampling_params.py": U,
     "test_server.py": P,  # request parsing is marked unit, the drain and error tests engine

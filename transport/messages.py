@@ -15,7 +15,8 @@ Conventions:
 - times are seconds. `deadline` is an absolute Unix time (`time.time()`), None = no deadline; peers on other
   hosts need synchronised clocks (NTP), and should treat a deadline already in the past as expired.
 - `sampling` is the request's `SamplingParams` as a dict of its fields (tuples as lists; `logit_bias` as
-  `[[token_id, bias], ...]`).
+  `[[token_id, bias], ...]`; `guide` as None or `{"kind", "source", "choices"}`: the constraint's source text,
+  which the receiving actor compiles itself).
 
 Flows (router = main process):
 - start-up:   actor -> Hello, actor -> Ready (model loaded, KV pool exported).
@@ -35,7 +36,7 @@ from dataclasses import dataclass, fields, is_dataclass
 from types import MappingProxyType
 from typing import Any, ClassVar
 
-PROTOCOL_VERSION = 4  # 4: `sampling` carries the penalties, logit_bias and min_p
+PROTOCOL_VERSION = 5  # 5: `sampling` carries `guide` (structured outputs: kind, source, choices)
 
 KV_EXPORT_KINDS = ("shm", "cuda_ipc", "none")
 """`Ready.kv_export["kind"]`: how peers map the actor's KV pool."""
