@@ -131,7 +131,7 @@ async def served(url: str, model: str, batch: list[list[int]], max_tokens: int) 
 
 
 def start_server(extra: list[str]) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "cli.py", "serve", "--port", "0", "--log-level", "warning", *extra],
+    proc = subprocess.Popen([sys.executable, "cli.py", "serve", "--port", "0", "--log-level", "info", *extra],
                             cwd=ROOT, stderr=subprocess.PIPE, text=True)
     for line in proc.stderr:
         found = re.search(r"serving .* on (http://\S+)", line)
