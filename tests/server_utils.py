@@ -102,3 +102,10 @@ def _healthy(server: ServerProcess) -> bool:
         return server.get("/health", timeout=1).status == 200
     except OSError:
         return False
+
+
+def openai_client(server: ServerProcess):
+    """The official client, pointed at `server`, without retries (a failure must show at once)."""
+    import openai
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)

@@ -12,13 +12,12 @@ import signal
 from pathlib import Path
 from typing import Iterator
 
-import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.stats import EngineStats
 from server.metrics import RequestRecord, ServerMetrics, token_buckets
-from tests.server_utils import TINY_ENGINE_FLAGS, ServerProcess, start_server, wait_until
+from tests.server_utils import ServerProcess, TINY_ENGINE_FLAGS, openai_client, start_server, wait_until
 
 MODEL = "tiny-metrics"
 DASHBOARD = Path(__file__).resolve().parents[1] / "deploy" / "grafana-dashboard.json"
@@ -90,7 +89,7 @@ def server(tiny_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai_client(server)
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import pytest
 from tokenizers import Tokenizer as HfTokenizer
 
 from engine import LLM, SamplingParams
-from tests.server_utils import TINY_ENGINE_FLAGS, start_server
+from tests.server_utils import TINY_ENGINE_FLAGS, openai_client, start_server
 
 MODEL = "tiny-test"
 PROMPT = [17, 230, 45, 99, 301, 12, 77, 5, 260]
@@ -26,7 +26,7 @@ def server(tiny_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai_client(server)
 
 
 @pytest.fixture(scope="module")

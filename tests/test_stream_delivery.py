@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import time
 
-import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server_utils import TINY_ENGINE_FLAGS, ServerProcess, start_server
+from tests.server_utils import ServerProcess, TINY_ENGINE_FLAGS, openai_client, start_server
 
 MODEL = "tiny-test"
 PROMPTS = ["the river runs over the stones and the stones", "one two three four one two three four one two",
@@ -28,7 +27,7 @@ def server(tiny_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai_client(server)
 
 
 def _streamed(client, **kwargs) -> tuple[str, list[list[str]], int]:

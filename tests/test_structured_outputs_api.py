@@ -8,7 +8,7 @@ import re
 import openai
 import pytest
 
-from tests.server_utils import TINY_ENGINE_FLAGS, start_server
+from tests.server_utils import TINY_ENGINE_FLAGS, openai_client, start_server
 
 MODEL = "tiny"
 SCHEMA = {
@@ -31,7 +31,7 @@ def server(tiny_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai_client(server)
 
 
 def check(text: str) -> None:

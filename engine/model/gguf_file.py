@@ -441,6 +441,11 @@ def _q4_k(blocks: np.ndarray, values: np.ndarray) -> None:
     q = np.empty(values.shape, dtype=np.uint8)
     _unpack_nibbles(blocks[:, 16:], q, groups=4)
     values[:] = q
+    _scale_and_shift_k(blocks, values)
+
+
+def _scale_and_shift_k(blocks: np.ndarray, values: np.ndarray) -> None:
+    """Q4_K and Q5_K: value = (d * scale) * q - dmin * min, with d and dmin the block's first two f16s."""
     scales, minimums = _k_scales_mins(blocks[:, 4:16])
     values *= _spread(_block_scale(blocks, 0) * scales, values)
     values -= _spread(_block_scale(blocks, 2) * minimums, values)
@@ -453,9 +458,7 @@ def _q5_k(blocks: np.ndarray, values: np.ndarray) -> None:
     _unpack_nibbles(blocks[:, 48:], q, groups=4)
     q |= _bit_planes(blocks[:, 16:48], 16).reshape(values.shape)
     values[:] = q
-    scales, minimums = _k_scales_mins(blocks[:, 4:16])
-    values *= _spread(_block_scale(blocks, 0) * scales, values)
-    values -= _spread(_block_scale(blocks, 2) * minimums, values)
+    _scale_and_shift_k(blocks, values)
 
 
 @_blockwise(QK_K)
