@@ -14,7 +14,7 @@ import signal
 import time
 from typing import Any, Callable
 
-from actors.spec import ActorSpec
+from actors.spec import ActorSpec, Role
 from engine.engine_thread import EngineThread, build_off_thread
 from engine.stats import EngineStats
 from transport import Connection, TransportError, connect_tcp, serve_unix
@@ -22,6 +22,7 @@ from transport import messages as m
 
 log = logging.getLogger("actor")
 RESERVATION_SWEEP_SECONDS = 0.25
+LEAVE_SECONDS = 60.0  # after SIGTERM, how long an actor waits for the server to move its work and stop it
 
 
 def to_monotonic(deadline: float | None, default_seconds: float = 30.0) -> float:
@@ -40,6 +41,9 @@ class Actor:
         self.owners: dict[str, Connection] = {}  # request id -> connection that submitted it
         self.stopped = asyncio.Event()
         self.draining = False
+        self.connections: set[Connection] = set()
+        self._parent = os.getppid()
+        self._leaving = False
 
     # ---------------------------------------------------------------- overridden per role
     def build_engine(self) -> Any:
@@ -61,7 +65,7 @@ class Actor:
     # ---------------------------------------------------------------- lifecycle
     async def run(self) -> None:
         """Serve on the spec's Unix socket (spawned by a local supervisor)."""
-        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, self.stopped.set)
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, self._on_sigterm)
         self._start_engine()
         server = await serve_unix(self.spec.socket_path, self.serve_connection)
         log.info("actor %s (%s) ready on %s", self.spec.actor_id, self.spec.role, self.spec.socket_path)
@@ -87,6 +91,21 @@ class Actor:
         finally:
             self._stop_engine()
 
+    def _on_sigterm(self) -> None:
+        """Asked to stop. A prefill or decode actor serving a server tells it (Leaving), so that its requests
+        move elsewhere before the server stops it with Shutdown. It stops at once on a second signal, when
+        its server is gone (this is then the parent-death signal), and by itself after LEAVE_SECONDS."""
+        if self._leaving or os.getppid() != self._parent or not self.connections \
+                or self.spec.role not in (Role.DECODE, Role.PREFILL):
+            self.stopped.set()
+            return
+        self._leaving = True
+        log.info("SIGTERM: asking the server to move this actor's requests before it stops")
+        leaving = m.Leaving(self.spec.actor_id, time.time() + LEAVE_SECONDS)
+        for conn in list(self.connections):
+            asyncio.ensure_future(send_quietly(conn, leaving))
+        asyncio.get_running_loop().call_later(LEAVE_SECONDS, self.stopped.set)
+
     def _start_engine(self) -> None:
         self.loop = asyncio.get_running_loop()
         engine = build_off_thread(self.build_engine, name=f"{self.spec.actor_id}-build")
@@ -103,11 +122,13 @@ class Actor:
     async def serve_connection(self, conn: Connection) -> None:
         await conn.send(m.Hello(self.spec.role.value, self.spec.device, os.getpid(), self.spec.actor_id))
         await conn.send(self.ready_message())
+        self.connections.add(conn)
         try:
             await self._dispatch_messages(conn)
         except (TransportError, ConnectionError, OSError):
             pass  # the peer left or sent garbage: this connection ends, the actor goes on
         finally:
+            self.connections.discard(conn)
             for rid in [rid for rid, owner in self.owners.items() if owner is conn]:
                 self.on_owner_lost(rid)
             conn.close()

@@ -23,6 +23,15 @@ def params_from_wire(raw: dict) -> SamplingParams:
     return SamplingParams(**raw)
 
 
+def resume_to_wire(resume: dict[int, list[int]] | None) -> list[list] | None:
+    """A resumed stream's emitted tokens per sample as [[sample index, tokens], ...] (msgpack map keys are str)."""
+    return None if resume is None else [[i, list(tokens)] for i, tokens in sorted(resume.items())]
+
+
+def resume_from_wire(raw: list[list] | None) -> dict[int, list[int]] | None:
+    return None if raw is None else {int(i): [int(t) for t in tokens] for i, tokens in raw}
+
+
 def logprobs_to_wire(lp: TokenLogprobs | None) -> tuple[float | None, list[m.TopLogprob] | None]:
     if lp is None:
         return None, None

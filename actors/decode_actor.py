@@ -11,7 +11,7 @@ from typing import Callable
 import torch
 
 from actors.actor import RESERVATION_SWEEP_SECONDS, Actor, integrity_error, send_quietly, to_monotonic
-from actors.convert import logprobs_from_wire, params_from_wire, update_to_wire
+from actors.convert import logprobs_from_wire, params_from_wire, resume_from_wire, update_to_wire
 from engine.kv.export import SharedPool, create_shared_pool
 from actors.remote_proposer import RemoteProposer
 from actors.spec import ActorSpec
@@ -89,7 +89,8 @@ class DecodeActor(Actor):
             await conn.send(m.RequestFailed(msg.request_id, "actor is draining", True))
             return
         req = EngineRequest(msg.request_id, msg.prompt_token_ids, params_from_wire(msg.sampling), msg.priority,
-                            time.monotonic(), speculate=msg.speculate, compress_first=msg.compress_first)
+                            time.monotonic(), speculate=msg.speculate, compress_first=msg.compress_first,
+                            resume=resume_from_wire(msg.resume))
         self.owners[msg.request_id] = conn
         self.streams.pop(msg.request_id, None)  # its pages are all in: nothing more may be written
         try:
@@ -106,7 +107,7 @@ class DecodeActor(Actor):
             engine.add_request(req)
             return []
         logprobs = logprobs_from_wire(msg.first_token, msg.first_logprob, msg.first_top_logprobs)
-        return engine.add_prefilled_request(req, msg.first_token, logprobs, msg.generator_state, msg.checksum)
+        return engine.add_prefilled_request(req, msg.first_token, logprobs, msg.checksum)
 
     async def on_abort(self, conn: Connection, msg: m.AbortRequest) -> None:
         self.streams.pop(msg.request_id, None)

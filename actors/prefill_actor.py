@@ -56,7 +56,7 @@ class PrefillActor(Actor):
     async def on_prefill(self, conn: Connection, msg: m.PrefillRequest) -> None:
         job = PrefillJob(msg.request_id, msg.prompt_token_ids, params_from_wire(msg.sampling), msg.dest_block_ids,
                          msg.skip_blocks * self.engine.config.block_size, msg.dest_actor_id,
-                         to_monotonic(msg.deadline))
+                         to_monotonic(msg.deadline), num_prompt_tokens=msg.num_prompt_tokens)
         self.owners[msg.request_id] = conn
         try:
             if msg.stream:
@@ -85,7 +85,7 @@ class PrefillActor(Actor):
                 self.send_to_owner(res.request_id, m.KVPages(res.request_id, layer, res.dest_block_ids, payload))
             logprob, top = logprobs_to_wire(res.logprobs)
             msg = m.KVReady(res.request_id, res.first_token, logprob, top, res.num_bytes, res.checksum,
-                            res.num_cached_tokens, res.generator_state)
+                            res.num_cached_tokens)
             self.send_to_owner(res.request_id, msg, finished=True)
 
     async def _sweep_deadlines(self) -> None:

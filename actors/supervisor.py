@@ -34,9 +34,12 @@ class SupervisorSettings:
     start_timeout: float = 120.0  # model load included
     heartbeat_interval: float = 0.5
     heartbeat_timeout: float = 5.0
-    restart_backoff: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0, 8.0)
+    # Delay before restart k within the crash-loop window: the first replacement starts at once (its streams
+    # wait for it), later ones back off.
+    restart_backoff: tuple[float, ...] = (0.0, 1.0, 2.0, 4.0, 8.0)
     crash_loop_restarts: int = 5  # restarts within crash_loop_window that mean "give up"
     crash_loop_window: float = 120.0
+    drain_exit_timeout: float = 10.0  # a drained actor told to shut down must exit within this
 
 
 class ActorState(StrEnum):
@@ -61,6 +64,8 @@ class ActorHandle:
     load: EngineStats | None = None  # as of the last heartbeat
     tasks: list[asyncio.Task] = field(default_factory=list)
     incarnation: int = 0  # bumps at every (re)start, so stale events of an old process are ignored
+    draining: bool = False  # being drained (router.drain): no new work, and its exit is a planned restart
+    last_exit: int | None = None  # the exit status of its previous process (negative: killed by that signal)
 
     @property
     def actor_id(self) -> str:
@@ -143,10 +148,15 @@ class Supervisor:
             handle.process.send_signal(sig)
 
     def by_id(self, actor_id: str) -> ActorHandle:
-        return next(h for h in self.handles if h.actor_id == actor_id)
+        """KeyError for an actor this supervisor does not have."""
+        for handle in self.handles:
+            if handle.actor_id == actor_id:
+                return handle
+        raise KeyError(actor_id)
 
     def ready(self, role: Role) -> list[ActorHandle]:
-        return [h for h in self.handles if h.spec.role == role and h.state is ActorState.READY]
+        """The actors of `role` that take new work (ready, and not draining)."""
+        return [h for h in self.handles if h.spec.role == role and h.state is ActorState.READY and not h.draining]
 
     # ---------------------------------------------------------------- start / stop
 
@@ -245,8 +255,9 @@ class Supervisor:
         if handle.conn is not None:
             handle.conn.close(abort=True)
         if handle.process is not None and handle.process.returncode is None:
-            handle.process.kill()
-            await handle.process.wait()
+            await self._end_process(handle)
+        if handle.process is not None:
+            handle.last_exit = handle.process.returncode
         if handle.ready is not None and not handle.spec.remote:
             release_export(handle.ready.kv_export)  # a killed actor cannot remove its shared pool itself
         if was_ready:  # however it was noticed (exit, closed connection, silence), say so once
@@ -257,7 +268,24 @@ class Supervisor:
         if not self._stopping and not handle.spec.remote:  # a remote worker reconnects by itself
             asyncio.create_task(self._restart(handle))
 
+    async def _end_process(self, handle: ActorHandle) -> None:
+        """Kill the process, unless it is a drained actor on its way out (it closed the connection first)."""
+        if handle.draining:
+            try:
+                await asyncio.wait_for(handle.process.wait(), self.settings.drain_exit_timeout)
+                return
+            except asyncio.TimeoutError:
+                log.warning("drained actor %s did not exit within %.0fs: killing it", handle.actor_id,
+                            self.settings.drain_exit_timeout)
+        handle.process.kill()
+        await handle.process.wait()
+
     async def _restart(self, handle: ActorHandle) -> None:
+        if handle.draining:  # a planned stop: replace it now, and it counts towards no crash loop
+            handle.draining = False
+            handle.restarts += 1
+            await self._start(handle)
+            return
         now = time.monotonic()
         handle.restart_times = [t for t in handle.restart_times if now - t < self.settings.crash_loop_window]
         if len(handle.restart_times) >= self.settings.crash_loop_restarts:

@@ -120,6 +120,7 @@ class AsyncLLM:
                 placement = client.placement_of(rid) or placement
                 if placement is not None:
                     item.path, item.placement = placement.path, placement.header()
+                    item.moves = getattr(placement, "moves", ())
                 finished = item.finished
                 yield item
         finally:
@@ -175,6 +176,22 @@ class AsyncLLM:
     def calibration(self) -> dict:
         """Per-actor fitted costs (empty in-process: placement needs no costs there)."""
         return {} if self._client is None else self._client.calibration()
+
+    def counters(self) -> dict[str, int]:
+        """Cumulative router counters (KV hand-offs, stream migrations); empty in-process."""
+        return {} if self._client is None else self._client.counters()
+
+    def shutting_down(self) -> None:
+        """The server is stopping: actors that leave now are neither drained nor replaced."""
+        if self._client is not None:
+            self._client.shutting_down()
+
+    async def drain(self, actor_id: str) -> int:
+        """Move a prefill or decode actor's requests elsewhere, then restart it; the number moved. KeyError:
+        no such actor; ValueError: it cannot be drained now."""
+        if self._client is None:
+            raise KeyError(actor_id)
+        return await self._client.drain(actor_id)
 
     def _on_updates(self, updates: list[SequenceUpdate]) -> None:
         received = self._client.trace() if self.trace_tokens else ()

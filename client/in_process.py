@@ -40,6 +40,15 @@ class InProcessClient:
     def calibration(self) -> dict:
         return {}
 
+    def counters(self) -> dict[str, int]:
+        return {}
+
+    def shutting_down(self) -> None:
+        pass
+
+    async def drain(self, actor_id: str) -> int:
+        raise KeyError(actor_id)  # the engine runs in this process: there is no actor to drain
+
     def placement_of(self, request_id: str) -> None:
         return None
 

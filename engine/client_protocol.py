@@ -17,6 +17,7 @@ class RequestPlacement(Protocol):
     """Where a request runs, as the client reports it on each output."""
 
     path: str
+    moves: tuple[str, ...]  # the stream's migrations so far, "decode-0->decode-1"
 
     def header(self) -> str: ...
 
@@ -44,6 +45,15 @@ class EngineClient(Protocol):
     def calibration(self) -> dict:
         """Per-actor fitted costs for /status (empty in-process)."""
 
+    def counters(self) -> dict[str, int]:
+        """Cumulative router counters for /metrics (KV hand-offs, stream migrations; empty in-process)."""
+
+    def shutting_down(self) -> None:
+        """The server is stopping: actors that leave now are neither drained nor replaced."""
+
+    async def drain(self, actor_id: str) -> int:
+        """Move an actor's requests elsewhere and restart it; how many moved (KeyError: no such actor)."""
+
     def placement_of(self, request_id: str) -> RequestPlacement | None:
         """The request's current placement (it changes when a request fails over)."""
 
@@ -56,5 +66,5 @@ class EngineClient(Protocol):
         """Fail or abort every request in flight and release the engine(s)."""
 
 
-ENGINE_CLIENT_METHODS = ("add", "abort", "stats", "can_serve", "actors", "calibration", "placement_of", "trace",
-                         "close")
+ENGINE_CLIENT_METHODS = ("add", "abort", "stats", "can_serve", "actors", "calibration", "counters", "shutting_down",
+                         "drain", "placement_of", "trace", "close")

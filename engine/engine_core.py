@@ -49,6 +49,20 @@ class EngineRequest:
     arrival_time: float = 0.0
     speculate: bool | None = None  # Treatment.speculate
     compress_first: bool = False  # Treatment.compress_first
+    # A stream resumed on this engine after its first one died or drained (router.failover): sample index ->
+    # the tokens it already emitted. Only those samples run; each recomputes prompt + its tokens, then goes on.
+    resume: dict[int, list[int]] | None = None
+
+    @property
+    def context_token_ids(self) -> list[int]:
+        """What a prefill computes: the prompt, then (resumed, n = 1) the tokens already emitted."""
+        if not self.resume:
+            return self.prompt_token_ids
+        return self.prompt_token_ids + list(self.resume.get(0, ()))
+
+    @property
+    def num_context_tokens(self) -> int:
+        return len(self.prompt_token_ids) + max(map(len, (self.resume or {}).values()), default=0)
 
 
 class EngineCore:
@@ -134,17 +148,26 @@ class EngineCore:
         max_total = self.max_model_len
         if req.params.max_tokens is not None:
             max_total = min(max_total, len(req.prompt_token_ids) + req.params.max_tokens)
-        return [Sequence(next(self._seq_ids), req.request_id, i, list(req.prompt_token_ids),
+        emitted = req.resume if req.resume is not None else {i: [] for i in range(req.params.n)}
+        return [Sequence(next(self._seq_ids), req.request_id, i, req.prompt_token_ids + list(emitted[i]),
                          len(req.prompt_token_ids), req.params, max_total, req.priority,
                          req.arrival_time or time.monotonic(), spec=self._spec_state(req),
                          compress_first=req.compress_first)
-                for i in range(req.params.n)]
+                for i in sorted(emitted)]
 
     def _spec_state(self, req: EngineRequest) -> SpecState | None:
         """Requests speculate by the engine's default unless they say otherwise; never without a proposer."""
         if self.speculator is None or req.speculate is False:
             return None
         return SpecState.start(self.config.num_speculative_tokens)
+
+    def _validate_resume(self, req: EngineRequest, vocab: int) -> None:
+        if not req.resume or any(not 0 <= i < req.params.n for i in req.resume):
+            raise RequestError("a resumed request names no sample, or one outside n", "resume")
+        if req.num_context_tokens >= self.max_model_len:
+            raise RequestError("a resumed request has no room left in the context", "resume")
+        if any(not 0 <= t < vocab for tokens in req.resume.values() for t in tokens):
+            raise RequestError("a resumed request holds token ids outside the vocabulary", "resume")
 
     def _validate(self, req: EngineRequest) -> None:
         n = len(req.prompt_token_ids)
@@ -159,6 +182,8 @@ class EngineCore:
         vocab = self.source.config.vocab_size
         if any(not 0 <= t < vocab for t in req.prompt_token_ids):
             raise RequestError("the prompt holds token ids outside the vocabulary", "prompt")
+        if req.resume is not None:
+            self._validate_resume(req, vocab)
         outside = [t for t, _ in req.params.logit_bias if t >= vocab]
         if outside:
             raise RequestError(f"logit_bias names token id {outside[0]}, outside this model's vocabulary of "
@@ -182,11 +207,11 @@ class EngineCore:
 
     def reserve_remote_prefill(self, request_id: str, prompt_token_ids: list[int],
                                deadline: float) -> tuple[list[int], int]:
-        """Blocks a prefill actor will write this prompt's KV into; (block table, cached prompt tokens)."""
+        """Blocks a prefill actor will write this prompt's KV into; (block table, cached prompt tokens). A
+        resumed request's `prompt_token_ids` are its context (EngineRequest.context_token_ids)."""
         return self.scheduler.reserve_remote(request_id, prompt_token_ids, deadline)
 
     def add_prefilled_request(self, req: EngineRequest, first_token: int, logprobs=None,
-                              generator_state: bytes | None = None,
                               checksum: int | None = None) -> list[SequenceUpdate]:
         """Start decoding a request whose prompt KV arrived in its reserved blocks. With a checksum, the
         blocks written by the peer are verified first: a corrupt transfer is released, never decoded."""
@@ -196,10 +221,7 @@ class EngineCore:
         if checksum is not None and checksum != self._written_checksum(req.request_id):
             self.scheduler.cancel_remote(req.request_id)
             raise RequestError(f"the KV hand-off of {req.request_id!r} failed its checksum", "kv")
-        seq = self._sequences(req)[0]
-        if generator_state is not None:
-            self.runner.import_generator(seq.seq_id, generator_state)
-        return [self.scheduler.admit_prefilled(seq, first_token, logprobs)]
+        return [self.scheduler.admit_prefilled(self._sequences(req)[0], first_token, logprobs)]
 
     def _written_checksum(self, request_id: str) -> int:
         return self.kv_cache.checksum(self.scheduler.remote_fresh_blocks(request_id))[1]

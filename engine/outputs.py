@@ -67,13 +67,14 @@ class RequestOutput:
     placement: str = "colocated; in-process"  # the decision and its estimates, for the X-Placement header
     spec: SpecCounts | None = None  # speculative decoding, summed over the samples that finished; None: none did
     trace: tuple[float, ...] = ()  # token tracing: step done, sent, received, detokenised (time.monotonic())
+    moves: tuple[str, ...] = ()  # the stream's migrations between decode actors ("decode-0->decode-1")
 
     def after(self, earlier: RequestOutput) -> RequestOutput:
         """This output merged with the one before it, as if the two had gone out as one."""
         outputs = [o.after(e) for o, e in zip(self.outputs, earlier.outputs)]
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, self.metrics,
                              self.num_cached_tokens, self.finished, self.path, self.placement, self.spec,
-                             self.trace)
+                             self.trace, self.moves)
 
     @property
     def text(self) -> str:

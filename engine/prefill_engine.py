@@ -2,7 +2,8 @@
 
 A decode actor exports its KV pool once; the prefill actor maps it and runs each prompt with that pool as
 its cache and the reserved blocks as the block table, so every layer's keys and values land in place as the
-layer computes them. Only the first sampled token (and the sampler's RNG state) travels back.
+layer computes them. Only the first sampled token travels back (seeded sampling needs no RNG state: its
+draws are keyed by position, engine.step.position_seed).
 
 A decode actor on another host cannot be mapped: its jobs are *streamed*. The prompt runs into a private
 pool sized to it (the destination's cached prefix is recomputed here, its KV is not on this host), and the
@@ -39,6 +40,7 @@ class PrefillJob:
     seq_id: int = -1
     num_cached: int = field(default=0, init=False)  # num_computed at submission: what the destination had
     stream_to: list[int] | None = None  # set by add_streamed (destination on another host): where pages go
+    num_prompt_tokens: int | None = None  # of token_ids, the prompt; the rest were generated (a resumed stream)
 
 
 @dataclass(frozen=True)
@@ -47,7 +49,6 @@ class PrefillResult:
     destination: str
     first_token: int
     logprobs: TokenLogprobs | None
-    generator_state: bytes | None
     num_cached_tokens: int  # prompt tokens that were already in the destination, so not computed here
     num_bytes: int = 0  # KV bytes written into the destination
     checksum: int = 0  # crc32 of those bytes, verified by the destination before it decodes
@@ -70,7 +71,6 @@ class PrefillEngine:
         self.pools: dict[str, KVCache] = {}
         self.jobs: dict[str, PrefillJob] = {}
         self._seq_ids = itertools.count()
-        self._dropped_seq_ids: list[int] = []  # runner state to release at the next step
 
     def attach_pool(self, name: str, kv_cache: KVCache) -> None:
         self.pools[name] = kv_cache
@@ -123,7 +123,7 @@ class PrefillEngine:
     def _drop(self, request_id: str) -> bool:
         job = self.jobs.pop(request_id, None)
         if job is not None:
-            self._dropped_seq_ids.append(job.seq_id)
+            self.runner.forget([job.seq_id])
             if job.stream_to is not None:
                 self.pools.pop(job.destination, None)
         return job is not None
@@ -148,10 +148,10 @@ class PrefillEngine:
                 continue
             num_new = min(len(job.token_ids) - job.num_computed, budget)
             chunks.append(build_chunk(job.seq_id, job.token_ids, job.num_computed, num_new, job.block_table,
-                                      job.params, 0, len(job.token_ids), self.eos_token_ids))
+                                      job.params, 0, job.num_prompt_tokens or len(job.token_ids),
+                                      self.eos_token_ids))
             budget -= num_new
-        dropped, self._dropped_seq_ids = tuple(self._dropped_seq_ids), []
-        return SchedulerOutput(chunks=tuple(chunks), finished_seq_ids=dropped)
+        return SchedulerOutput(chunks=tuple(chunks))
 
     def _update(self, sched: SchedulerOutput, result: RunnerOutput, destination: str) -> list[PrefillResult]:
         done = []
@@ -165,13 +165,14 @@ class PrefillEngine:
 
     def _finish(self, job: PrefillJob, result: RunnerOutput, destination: str) -> PrefillResult:
         del self.jobs[job.request_id]
+        self.runner.forget([job.seq_id])
         pool = self.pools[destination]
         written = job.block_table[job.num_cached // pool.block_size:]
         num_bytes, checksum = pool.checksum(written)
         pages = self._take_streamed_pages(job, written)
         return PrefillResult(job.request_id, destination, result.sampled_token_ids[job.seq_id],
-                             result.logprobs.get(job.seq_id), self.runner.export_generator(job.seq_id),
-                             job.num_cached, num_bytes, checksum, pages, job.stream_to or [])
+                             result.logprobs.get(job.seq_id), job.num_cached, num_bytes, checksum, pages,
+                             job.stream_to or [])
 
     def _take_streamed_pages(self, job: PrefillJob, written: list[int]) -> list[bytes] | None:
         """A streamed job's pages to send, per layer; its private pool goes with them. None for a mapped job."""

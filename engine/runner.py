@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +20,7 @@ from engine.kv.compress import ColdRegion, names_cold
 from engine.model.llama import LlamaModel
 from engine.sampler import History, SamplingBatch, greedy_tokens, process_logits, sample, token_logprobs
 from engine.speculative.acceptance import Verdict, verify_drafts, verify_greedy
-from engine.step import RunnerOutput, ScheduledChunk, SchedulerOutput, runner_output
+from engine.step import RunnerOutput, ScheduledChunk, SchedulerOutput, position_seed, runner_output
 from engine.structured import GrammarCompiler, GuideStates
 
 
@@ -138,10 +138,7 @@ class ModelRunner:
         kv_cache = kv_cache or self.kv_cache
         if sched.compressions:  # before anything writes this step: a moved hot block may already be reused
             self.cold.compress(kv_cache, sched.compressions)
-        for seq_id in sched.finished_seq_ids:
-            self.generators.pop(seq_id, None)
-            if self._guides is not None:
-                self._guides.drop(seq_id)
+        self.forget(sched.finished_seq_ids)
         if sched.is_empty:
             return RunnerOutput()
         layers = self._layers(kv_cache, sched)
@@ -163,6 +160,13 @@ class ModelRunner:
         if not inp.verified_chunks:
             return runner_output(sampled, logprobs)
         return runner_output(sampled, logprobs, *self._verify(logits[num_sampled:].float(), inp.verified_chunks))
+
+    def forget(self, seq_ids: Iterable[int]) -> None:
+        """Drop the per-sequence state (sampler generator, grammar matcher) of sequences that are done here."""
+        for seq_id in seq_ids:
+            self.generators.pop(seq_id, None)
+            if self._guides is not None:
+                self._guides.drop(seq_id)
 
     def _greedy_without_logits(self, rows: torch.Tensor, inp: ModelInput) -> RunnerOutput | None:
         """A step whose rows all take their plain argmax (no drafts to verify): the picks straight off the LM
@@ -303,19 +307,10 @@ class ModelRunner:
         return rows, torch.cat(masks)
 
     def _generator(self, chunk: ScheduledChunk) -> torch.Generator | None:
+        """The sequence's generator, re-seeded for the position this chunk samples (step.position_seed)."""
         if chunk.seed is None or chunk.params.greedy:
             return None
         gen = self.generators.get(chunk.seq_id)
         if gen is None:
-            gen = self.generators[chunk.seq_id] = torch.Generator(device=self.device).manual_seed(chunk.seed)
-        return gen
-
-    def export_generator(self, seq_id: int) -> bytes | None:
-        """The sampler RNG state of a sequence handed to another actor, so seeded sampling continues exactly."""
-        gen = self.generators.pop(seq_id, None)
-        return None if gen is None else bytes(gen.get_state().numpy())
-
-    def import_generator(self, seq_id: int, state: bytes) -> None:
-        gen = torch.Generator(device=self.device)
-        gen.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
-        self.generators[seq_id] = gen
+            gen = self.generators[chunk.seq_id] = torch.Generator(device=self.device)
+        return gen.manual_seed(position_seed(chunk.seed, chunk.sample_position))

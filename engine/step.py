@@ -49,6 +49,12 @@ class ScheduledChunk:
     history: tuple[int, ...] = ()
     num_prompt_tokens: int = 0
 
+    @property
+    def sample_position(self) -> int:
+        """The position of the token this chunk samples (its first emitted token when it verifies drafts):
+        the sequence's length before the step, wherever and however the sequence got there."""
+        return self.start_pos + len(self.token_ids) - self.num_draft
+
 
 @dataclass(frozen=True)
 class SchedulerOutput:
@@ -125,3 +131,14 @@ def eos_for(params: SamplingParams, eos_token_ids: frozenset[int]) -> frozenset[
 def sequence_seed(seed: int | None, sample_index: int) -> int | None:
     """Each of a request's n samples draws from its own RNG stream derived from the request's seed."""
     return None if seed is None else (seed * 1_000_003 + sample_index) % (1 << 63)
+
+
+def position_seed(seed: int, position: int) -> int:
+    """The seed of the draws that sample the token at `position`. Randomness keyed by position, not by a
+    generator that advances with every draw, makes a seeded sequence's text a function of (seed, tokens so
+    far): it continues exactly on another actor, after a hand-off, a preemption or a migration, with no RNG
+    state to carry. (A splitmix64 step: nearby positions get unrelated seeds; re-seeding costs about 1 us.)"""
+    z = (seed + (position + 1) * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFF

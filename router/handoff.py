@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Callable
 
-from actors.convert import params_to_wire
+from actors.convert import params_to_wire, resume_to_wire
 from actors.supervisor import ActorHandle
 from engine.engine_core import EngineRequest
 from router.placement import Placement
@@ -60,6 +60,11 @@ class Routed:
     finished_samples: set[int] = field(default_factory=set)
     parked_at: float = field(default_factory=time.monotonic)
     dispatched_at: float = 0.0
+    emitted: dict[int, list[int]] = field(default_factory=dict)  # sample -> the tokens forwarded to the client
+    cached_tokens: int = 0  # prompt tokens its first admission found in the prefix cache
+    migrations: int = 0  # times the stream moved to another decode actor
+    moved_from: str | None = None  # the decode actor it is moving off, until it is placed again
+    moves: tuple[str, ...] = ()  # "decode-0->decode-1", one per migration (the access line shows them)
 
     @property
     def request_id(self) -> str:
@@ -102,7 +107,7 @@ class Handoff:
         routed.prefill = routed.placement.prefill_actor
         routed.move(Phase.RESERVING)
         deadline = time.time() + self.handoff_timeout
-        self.send(routed.decode, m.ReserveBlocks(routed.request_id, routed.request.prompt_token_ids, deadline))
+        self.send(routed.decode, m.ReserveBlocks(routed.request_id, routed.request.context_token_ids, deadline))
 
     def colocate(self, routed: Routed) -> None:
         """Run the whole request (prefill too) on its decode actor."""
@@ -111,7 +116,7 @@ class Handoff:
         req = routed.request
         self.send(routed.decode, m.AddRequest(req.request_id, req.prompt_token_ids, params_to_wire(req.params),
                                                req.priority, req.arrival_time, speculate=req.speculate,
-                                               compress_first=req.compress_first))
+                                               compress_first=req.compress_first, resume=resume_to_wire(req.resume)))
 
     def fall_back(self, routed: Routed) -> None:
         """The prefill side failed or went away: free the reservation and prefill on the decode actor."""
@@ -125,10 +130,11 @@ class Handoff:
             return
         routed.move(Phase.PREFILLING)
         req, block_size = routed.request, handle.ready.block_size
-        self.send(routed.prefill, m.PrefillRequest(req.request_id, req.prompt_token_ids, params_to_wire(req.params),
+        self.send(routed.prefill, m.PrefillRequest(req.request_id, req.context_token_ids, params_to_wire(req.params),
                                                     routed.decode, msg.block_ids, msg.num_cached_tokens // block_size,
                                                     time.time() + self.handoff_timeout, stream=not mappable(handle),
-                                                    kv_format=handle.ready.kv_export.get("kv_format", "auto")))
+                                                    kv_format=handle.ready.kv_export.get("kv_format", "auto"),
+                                                    num_prompt_tokens=len(req.prompt_token_ids) if req.resume else None))
 
     def on_reservation_failed(self, handle: ActorHandle, msg: m.ReservationFailed) -> None:
         routed = self._held(msg.request_id, Phase.RESERVING, handle)
@@ -168,8 +174,8 @@ def _commit(req: EngineRequest, msg: m.KVReady) -> m.AddRequest:
     """Start decoding a prefilled request on the decode actor that holds its reserved blocks."""
     return m.AddRequest(req.request_id, req.prompt_token_ids, params_to_wire(req.params), req.priority,
                         req.arrival_time, prefilled=True, first_token=msg.first_token, first_logprob=msg.logprob,
-                        first_top_logprobs=msg.top_logprobs, generator_state=msg.generator_state,
-                        checksum=msg.checksum, speculate=req.speculate, compress_first=req.compress_first)
+                        first_top_logprobs=msg.top_logprobs, checksum=msg.checksum, speculate=req.speculate,
+                        compress_first=req.compress_first, resume=resume_to_wire(req.resume))
 
 
 def mappable(decode: ActorHandle) -> bool:

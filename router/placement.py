@@ -59,6 +59,7 @@ class Placement:
     disaggregated_cost: float | None
     uncached_tokens: int
     estimated_ttft: float
+    moves: tuple[str, ...] = ()  # the stream's migrations so far ("decode-0->decode-1"), set by the router
 
     def header(self) -> str:
         """The X-Placement response header: decision and the estimates behind it."""

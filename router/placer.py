@@ -45,7 +45,7 @@ class Placer:
         if not decodes:
             return None
         block_size = decodes[0].ready.block_size
-        prompt = len(request.prompt_token_ids)
+        prompt = request.num_context_tokens  # a resumed stream prefills its emitted tokens too
         views = {h.actor_id: self._decode_view(h, self.arrivals.rate / len(decodes)) for h in decodes}
         chosen = choose_decode_actor(list(views.values()), prompt, block_size) or min(
             views.values(), key=lambda v: v.running)  # none has room now: queue on the least loaded
@@ -85,11 +85,11 @@ class Placer:
             if r.streamed or r.prefill is not None:
                 streams += r.request.params.n
             else:
-                queued += len(r.request.prompt_token_ids)
+                queued += r.request.num_context_tokens
         return streams, queued
 
     def _queued_prefill(self, handle: ActorHandle) -> int:
-        return sum(len(r.request.prompt_token_ids) for r in self.routed.values()
+        return sum(r.request.num_context_tokens for r in self.routed.values()
                    if r.prefill == handle.actor_id and r.phase in HANDOFF_PHASES)
 
     def prefill_cost(self, handle: ActorHandle) -> PrefillCost:

@@ -27,6 +27,7 @@ from router.placer import Placer
 from transport import messages as m
 
 log = logging.getLogger("router")
+LEAVING_SETTLE_SECONDS = 0.5  # after an actor's Leaving, how long to wait for the server's own stop signal
 
 __all__ = ["ActorRouter", "RequestFailedError", "RouterSettings"]
 
@@ -37,6 +38,7 @@ class RouterSettings:
     handoff_timeout: float = 30.0  # a reservation + prefill + commit must finish within this
     max_attempts: int = 3
     park_timeout: float = 60.0  # how long a request waits for a decode actor to come (back) up
+    max_migrations: int = 3  # times one stream may move to another decode actor before it ends with an error
 
 
 class ActorRouter:
@@ -50,15 +52,16 @@ class ActorRouter:
         self.placer = Placer(self.supervisor, self.routed, settings.policy)
         self.handoff = Handoff(self.routed, self._send, self.placer.record_estimate, settings.handoff_timeout)
         self.failover = Failover(self.supervisor, self.routed, self.handoff, self._dispatch, on_error,
-                                 settings.max_attempts, settings.park_timeout)
+                                 settings.max_attempts, settings.park_timeout, settings.max_migrations)
         self._watchdog: asyncio.Task | None = None
         self._trace: tuple[float, ...] = ()  # the stamps of the token frame being delivered
         self._integrity_waiters: dict[str, asyncio.Future] = {}
+        self._stopping = False  # the server is shutting down: actors that leave are neither drained nor replaced
         self._handlers = {m.TokenUpdates: self._on_tokens, m.BlocksReserved: self.handoff.on_reserved,
                           m.ReservationFailed: self.handoff.on_reservation_failed,
                           m.KVReady: self.handoff.on_kv_ready, m.KVPages: self.handoff.on_kv_pages,
                           m.RequestFailed: self.failover.on_request_failed, m.Error: self._on_actor_error,
-                          m.IntegrityReport: self._on_integrity_report}
+                          m.IntegrityReport: self._on_integrity_report, m.Leaving: self._on_leaving}
 
     # ---------------------------------------------------------------- EngineClient
 
@@ -98,7 +101,8 @@ class ActorRouter:
 
     def actors(self) -> list[dict]:
         return [{"id": h.actor_id, "role": h.spec.role, "device": h.spec.device, "pid": h.pid, "state": h.state,
-                 "restarts": h.restarts, "running": h.load.running if h.load else 0,
+                 "restarts": h.restarts, "draining": h.draining, "last_exit": h.last_exit,
+                 "running": h.load.running if h.load else 0,
                  "kv_blocks": {"total": h.load.kv_blocks_total, "used": h.load.kv_blocks_used} if h.load else None,
                  "backend": h.ready.backend if h.ready else None}
                 for h in self.supervisor.handles]
@@ -114,8 +118,47 @@ class ActorRouter:
     def can_serve(self) -> bool:
         return bool(self.supervisor.ready(Role.DECODE))
 
+    def counters(self) -> dict[str, int]:
+        """Cumulative router counters for /metrics: KV hand-offs and stream migrations."""
+        c, moved = self.handoff.counters, self.failover.counters
+        return {"kv_transfers": c.kv_transfers, "kv_bytes_transferred": c.kv_bytes_transferred,
+                "migrations": moved.migrations, "migrated_tokens": moved.migrated_tokens,
+                "failed_migrations": moved.failed_migrations}
+
+    def shutting_down(self) -> None:
+        self._stopping = True
+
+    async def drain(self, actor_id: str) -> int:
+        """Move every request off a prefill or decode actor while it still runs, then stop it; the supervisor
+        starts a fresh one at once (a rolling restart). Returns the number of requests moved. KeyError for an
+        unknown actor, ValueError for one that cannot be drained."""
+        handle = self.supervisor.by_id(actor_id)
+        if handle.spec.role is Role.DRAFT or handle.spec.remote:
+            raise ValueError(f"actor {actor_id} is a {'remote' if handle.spec.remote else 'draft'} actor; only "
+                             "local prefill and decode actors can be drained")
+        if handle.state is not ActorState.READY or handle.draining:
+            raise ValueError(f"actor {actor_id} is {'draining' if handle.draining else handle.state.value}")
+        handle.draining = True  # placement skips it from now on
+        moved = self.failover.move_off(handle)
+        log.info("draining actor %s: %d requests moved", actor_id, moved, extra={"actor_id": actor_id})
+        await handle.send(m.Shutdown())
+        return moved
+
+    def _on_leaving(self, handle: ActorHandle, msg: m.Leaving) -> None:
+        """An actor got SIGTERM. When the whole server is stopping (a signal to the process group reaches every
+        process at once) let it be; otherwise drain it, after a moment in which the server's own signal would
+        have arrived."""
+        async def drain_unless_stopping() -> None:
+            await asyncio.sleep(LEAVING_SETTLE_SECONDS)
+            if not self._stopping and handle.state is ActorState.READY and not handle.draining:
+                await self.drain(handle.actor_id)
+
+        log.info("actor %s was asked to stop", handle.actor_id, extra={"actor_id": handle.actor_id})
+        asyncio.ensure_future(drain_unless_stopping())
+
     async def close(self) -> None:
         """Fail every request in flight and stop the actors."""
+        self._stopping = True
         if self._watchdog is not None:
             self._watchdog.cancel()
         for routed in list(self.routed.values()):
@@ -159,6 +202,10 @@ class ActorRouter:
         if placement is None:
             self.failover.park(routed)
             return None
+        if routed.moved_from is not None:
+            routed.moves += (f"{routed.moved_from}->{placement.decode_actor}",)
+            routed.moved_from = None
+        placement = replace(placement, moves=routed.moves)
         routed.placement, routed.decode = placement, placement.decode_actor
         routed.dispatched_at = time.monotonic()
         if placement.path == DISAGGREGATED and routed.request.params.n == 1:
@@ -185,7 +232,10 @@ class ActorRouter:
             if routed is None or routed.decode != handle.actor_id:
                 continue  # a request this actor no longer owns (aborted, or failed over)
             self._observe_token(handle, routed, row)
-            updates.append(update_from_wire(row))
+            update = update_from_wire(row)
+            if routed.migrations:  # what the first admission found cached, not what the resumed prefill found
+                update = replace(update, num_cached_tokens=routed.cached_tokens)
+            updates.append(update)
         if updates:
             self._on_updates(updates)
 
@@ -194,7 +244,11 @@ class ActorRouter:
         if not routed.streamed and routed.prefill is None and routed.placement is not None:
             self.placer.record_estimate(handle, routed.placement.estimated_ttft,
                                         time.monotonic() - routed.dispatched_at, routed.placement.uncached_tokens)
-        routed.streamed |= row.token_id is not None
+        if row.token_id is not None:
+            if not routed.streamed:
+                routed.cached_tokens = row.num_cached_tokens
+            routed.streamed = True
+            routed.emitted.setdefault(row.sample_index, []).append(row.token_id)
         if row.finish_reason is not None:
             routed.finished_samples.add(row.sample_index)
             if len(routed.finished_samples) >= routed.request.params.n:

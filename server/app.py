@@ -33,7 +33,7 @@ def create_app(llm: AsyncLLM, settings: ServerSettings,
     app.on_response_prepare.append(_add_request_id_header)
     app.add_routes([web.post("/v1/completions", _completions), web.post("/v1/chat/completions", _chat),
                     web.get("/v1/models", _models), web.get("/health", _health), web.get("/metrics", _metrics),
-                    web.get("/status", _status)])
+                    web.get("/status", _status), web.post("/admin/drain", _drain)])
     return app
 
 
@@ -93,6 +93,8 @@ def _access_line(ctx: ServerContext, request: web.Request, status: int, seconds:
         "prompt_tokens": tracker.prompt_tokens, "completion_tokens": tracker.completion_tokens,
         "ttft": None if tracker.ttft is None else round(tracker.ttft, 4), "quadrant": tracker.quadrant.value,
         "outcome": "cancelled" if status == CLIENT_CLOSED else tracker.outcome}
+    if tracker is not None and tracker.last is not None and tracker.last.moves:
+        usage["migrated"] = ", ".join(tracker.last.moves)  # the decode actors the stream moved between
     err = request.get(API_ERROR)
     why = {} if err is None else {"code": err.code, "param": err.param}  # a 4xx says what the client got wrong
     ctx.log.info("access", method=request.method, path=request.path, status=status,
@@ -102,7 +104,7 @@ def _access_line(ctx: ServerContext, request: web.Request, status: int, seconds:
 @web.middleware
 async def _require_api_key(request: web.Request, handler: Handler) -> web.StreamResponse:
     key = request.app[CONTEXT].settings.api_key
-    if key is None or not request.path.startswith("/v1/"):
+    if key is None or not request.path.startswith(("/v1/", "/admin/")):
         return await handler(request)
     given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
     if not hmac.compare_digest(given.encode(), key.encode()):
@@ -142,6 +144,22 @@ async def _health(request: web.Request) -> web.Response:
 async def _metrics(request: web.Request) -> web.Response:
     body = request.app[CONTEXT].metrics.render()
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def _drain(request: web.Request) -> web.Response:
+    """POST /admin/drain?actor=ID: move the actor's streams to others (or to its replacement), then restart it."""
+    actor = request.query.get("actor")
+    if not actor:
+        raise ApiError(400, "name the actor to drain: POST /admin/drain?actor=ID (GET /status lists them)",
+                       "actor", "missing_actor")
+    try:
+        moved = await request.app[CONTEXT].llm.drain(actor)
+    except KeyError:
+        raise ApiError(404, f"there is no actor {actor!r} (GET /status lists them)", "actor",
+                       "actor_not_found") from None
+    except ValueError as exc:
+        raise ApiError(409, str(exc), "actor", "cannot_drain") from None
+    return web.json_response({"actor": actor, "moved_requests": moved, "status": "draining"})
 
 
 async def _status(request: web.Request) -> web.Response:

@@ -44,7 +44,7 @@ class ServerContext:
         limits = ModelLimits(settings.served_model_name or llm.model_name, llm.max_model_len,
                              llm.source.config.vocab_size)
         dtype = llm.dtype_name
-        metrics = ServerMetrics(llm.stats, limits.name, limits.max_model_len, llm.actors)
+        metrics = ServerMetrics(llm.stats, limits.name, limits.max_model_len, llm.actors, llm.counters)
         return cls(llm, settings, limits, dtype, metrics, Admission(settings.max_queue), log, int(time.time()),
                    treatment_options(llm, settings))
 

@@ -91,6 +91,25 @@ class EngineStatsCollector:
                        s.num_preemptions)
 
 
+class RouterCollector:
+    """The router's cumulative counters (KV hand-offs, stream migrations), read at scrape time; none in-process."""
+
+    DOCS = {"kv_transfers": "KV hand-offs from a prefill actor to a decode actor.",
+            "kv_bytes_transferred": "KV bytes handed from prefill actors to decode actors.",
+            "migrations": "Streams moved to another decode actor (its own died or drained) and resumed there.",
+            "migrated_tokens": "Tokens those streams had already sent, recomputed on the new actor (never re-sent).",
+            "failed_migrations": "Streams that could not be moved (too many moves, or no decode actor in time)."}
+
+    def __init__(self, counters: Callable[[], dict[str, int]]) -> None:
+        self._counters = counters
+
+    def collect(self) -> Iterator[Metric]:
+        counters = self._counters()
+        for name, doc in self.DOCS.items():
+            if name in counters:
+                yield _counter(name, doc, counters[name])
+
+
 class ActorCollector:
     """Actors by role and state, and restarts per actor, read from the supervisor's view at scrape time.
     Every state of a role that has actors is present (0 when none is in it), so an alert on `ready == 0`
@@ -144,7 +163,7 @@ class ServerMetrics:
     """Request-level histograms and counters plus the engine's live gauges, in this object's registry."""
 
     def __init__(self, stats: Callable[[], EngineStats], model_name: str = "", max_model_len: int = 8192,
-                 actors: Callable[[], list[dict]] = list) -> None:
+                 actors: Callable[[], list[dict]] = list, counters: Callable[[], dict[str, int]] = dict) -> None:
         self._inner = CollectorRegistry(auto_describe=True)
         self.ttft = self._histogram("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
         self.itl = self._histogram("inter_token_latency_seconds", "Time between consecutive output tokens.",
@@ -189,6 +208,7 @@ class ServerMetrics:
         self.spec_by_quadrant: dict[str, SpecCounts] = {}  # the same counts, for /status
         self._inner.register(EngineStatsCollector(stats))
         self._inner.register(ActorCollector(actors))
+        self._inner.register(RouterCollector(counters))
         ProcessCollector(registry=self._inner)
         PlatformCollector(registry=self._inner)
         GCCollector(registry=self._inner)

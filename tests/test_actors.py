@@ -10,7 +10,6 @@ import pytest
 import pytest_asyncio
 
 from engine import LLM, AsyncLLM, SamplingParams
-from router.router import RequestFailedError
 from tests.test_engine import GREEDY, make_prompts
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -109,28 +108,52 @@ async def test_prefill_actor_killed_mid_prefill_falls_back_to_colocated(cluster,
     await wait_for(lambda: prefill.state == "ready" and prefill.restarts == restarts + 1, 30, "the restart")
 
 
-async def test_decode_actor_killed_mid_decode(cluster, reference):
+async def test_decode_actor_killed_mid_decode_migrates_every_stream(cluster, reference):
+    """kill -9 of the only decode actor while 8 greedy and 4 seeded streams are mid-reply: each waits for the
+    restarted actor, resumes there (through the prefill actor: --disagg always) and ends with exactly the text
+    of an uninterrupted run, every token delivered once."""
     router = cluster._client
-    long = SamplingParams(max_tokens=700, temperature=0.0, ignore_eos=True)
-    streamed = asyncio.Event()
-
-    async def stream_until_killed():
-        async for _ in cluster.generate(make_prompts(1, seed=45)[0], long):
-            streamed.set()
-
-    task = asyncio.create_task(stream_until_killed())
-    await asyncio.wait_for(streamed.wait(), 20)
+    prompts = make_prompts(12, seed=45)
+    params = [SamplingParams(max_tokens=160, temperature=0.0, ignore_eos=True)] * 8 + \
+        [SamplingParams(max_tokens=160, temperature=1.0, top_p=0.95, seed=100 + i, ignore_eos=True) for i in range(4)]
+    expected = await asyncio.to_thread(references, reference, prompts, params)  # off the loop: heartbeats go on
+    progress = [0] * len(prompts)
+    tasks = [asyncio.create_task(stream_tokens(cluster, p, sp, progress, i))
+             for i, (p, sp) in enumerate(zip(prompts, params))]
+    await wait_for(lambda: min(progress) >= 3, 30, "every stream to start")
     decode = router.supervisor.ready("decode")[0]
     os.kill(decode.pid, signal.SIGKILL)
-    with pytest.raises(RequestFailedError, match="after streaming"):
-        await asyncio.wait_for(task, 20)
+    outs = await asyncio.wait_for(asyncio.gather(*tasks), 120)
+    assert outs == expected
+    moved = router.counters()
+    assert moved["migrations"] >= 1 and moved["migrated_tokens"] >= 3 * moved["migrations"]
+    assert moved["failed_migrations"] == 0
+    assert decode.restarts == 1
+    await assert_clean(cluster)
     # a request that arrives while no decode actor is up waits for the restart, then completes
     prompt = make_prompts(1, seed=46)[0]
+    os.kill(decode.pid, signal.SIGKILL)
     late = asyncio.create_task(generate(cluster, prompt))
-    await wait_for(lambda: decode.state == "ready" and decode.restarts == 1, 30, "the decode actor's restart")
+    await wait_for(lambda: decode.state == "ready" and decode.restarts == 2, 60, "the decode actor's restart")
     assert await asyncio.wait_for(late, 30) == reference.generate([prompt], GREEDY)[0].token_ids
     await assert_clean(cluster)
     assert cluster.can_serve()
+
+
+def references(llm: LLM, prompts, params) -> list[list[int]]:
+    return [llm.generate([p], sp)[0].token_ids for p, sp in zip(prompts, params)]
+
+
+async def stream_tokens(llm: AsyncLLM, prompt, params, progress: list[int], index: int) -> list[int]:
+    """The stream's deltas joined; they must add up to the final output (no token twice, none missing)."""
+    tokens: list[int] = []
+    final = None
+    async for out in llm.generate(prompt, params):
+        tokens += out.outputs[0].delta_token_ids
+        progress[index] = len(tokens)
+        final = out
+    assert final is not None and final.token_ids == tokens and final.finished
+    return tokens
 
 
 async def start_remote_decode_worker(llm: AsyncLLM, model_dir, secret: str, actor_id: str = "remote-decode-0"):

@@ -45,8 +45,7 @@ def run_disaggregated(decode: LLM, prefill: PrefillEngine, prompts: list[list[in
                 engine.kv_cache.write_pages(layer, res.dest_block_ids, payload)
             computed[res.request_id] = len(prompts[int(res.request_id[1:])]) - res.num_cached_tokens
             req = EngineRequest(res.request_id, prompts[int(res.request_id[1:])], params)
-            updates = engine.add_prefilled_request(req, res.first_token, res.logprobs, res.generator_state,
-                                                     res.checksum)
+            updates = engine.add_prefilled_request(req, res.first_token, res.logprobs, res.checksum)
             outs, _ = processor.process(updates)
             finals.update((o.request_id, o) for o in outs if o.finished)
     while engine.has_unfinished_requests():
@@ -139,6 +138,6 @@ def test_corrupted_hand_off_is_refused_and_released(pair):
     engine.kv_cache.data[0, 0, blocks[-1], 0, 0, 0] += 1.0  # one value flipped after the prefill wrote it
     with pytest.raises(ValueError, match="checksum"):
         engine.add_prefilled_request(EngineRequest("bad", prompt, GREEDY), res.first_token, None,
-                                     res.generator_state, res.checksum)
+                                     res.checksum)
     engine.pool.check_integrity()
     assert engine.pool.num_used == 0 and not engine.has_unfinished_requests()

@@ -272,7 +272,7 @@ def test_corrupted_quantised_hand_off_is_refused(tiny_model_dir, kv_format):
         engine.kv_cache.data[-1, 1, blocks[0], scale_byte] ^= 1  # one scale bit flipped after the write
         with pytest.raises(ValueError, match="checksum"):
             engine.add_prefilled_request(EngineRequest("bad", prompt, GREEDY), res.first_token, None,
-                                         res.generator_state, res.checksum)
+                                         res.checksum)
         assert_pool_clean(decode)
     finally:
         pool.unlink()

@@ -54,10 +54,12 @@ MODULE_TIERS: Mapping[str, Tier] = {
     "test_layers.py": U,
     "test_logs.py": P,  # the logging, calibration and kernel-key units are marked unit
     "test_metrics.py": P,  # the ServerMetrics and PromQL tests are marked unit
+    "test_migration.py": P,
     "test_model_parity.py": E,
     "test_placement.py": U,
     "test_prompt_attention.py": E,
     "test_qwen3.py": E,
+    "test_resume.py": E,
     "test_sampler.py": U,
     "test_sampling_controls.py": U,
     "test_sampling_controls_api.py": P,

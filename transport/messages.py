@@ -26,7 +26,10 @@ Flows (router = main process):
               router -> PrefillRequest (prefill) -> [KVPages ... over TCP] -> KVReady | RequestFailed;
               router -> AddRequest(prefilled=True, first_token) (decode), or ReleaseReservation on failure.
 - drafting:   decode actor -> ProposeDrafts (draft actor) -> DraftProposals; decode actor -> ReleaseDrafts.
+- migration:  a stream whose decode actor died or drains is resumed elsewhere: AddRequest (or the hand-off's
+              messages) with `resume`, the tokens the client already has.
 - stop:       router -> Drain (finish running work, accept none), router -> Shutdown; either side -> Error.
+              An actor sent SIGTERM says Leaving; the router moves its streams off, then sends Shutdown.
 """
 from __future__ import annotations
 
@@ -36,7 +39,7 @@ from dataclasses import dataclass, fields, is_dataclass
 from types import MappingProxyType
 from typing import Any, ClassVar
 
-PROTOCOL_VERSION = 5  # 5: `sampling` carries `guide` (structured outputs: kind, source, choices)
+PROTOCOL_VERSION = 6  # 6: AddRequest.resume and PrefillRequest.num_prompt_tokens (migrated streams), Leaving
 
 KV_EXPORT_KINDS = ("shm", "cuda_ipc", "none")
 """`Ready.kv_export["kind"]`: how peers map the actor's KV pool."""
@@ -187,10 +190,11 @@ class AddRequest(Message):
     first_token: int | None = None
     first_logprob: float | None = None
     first_top_logprobs: list[TopLogprob] | None = None
-    generator_state: bytes | None = None  # the sampler RNG after the first token, so seeded sampling continues
     checksum: int | None = None  # crc32 of the KV the prefill actor wrote; verified before decoding
     speculate: bool | None = None  # per-request treatment (engine.engine_core.EngineRequest): None = default
     compress_first: bool = False
+    # A stream resumed after its decode actor died or drained: [[sample index, [tokens it already emitted]], ...]
+    resume: list[list[Any]] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -275,6 +279,8 @@ class PrefillRequest(Message):
     deadline: float | None
     stream: bool = False  # the destination is on another host: send its pages (KVPages) instead of writing them
     kv_format: str = "auto"  # the destination pool's page format (what streamed pages must be in)
+    num_prompt_tokens: int | None = None  # a resumed stream: the prompt's share of prompt_token_ids (the rest
+    # are tokens it already emitted, which penalties and grammars count as output)
 
 
 @dataclass(frozen=True, slots=True)
@@ -303,7 +309,6 @@ class KVReady(Message):
     num_bytes: int
     checksum: int
     num_cached_tokens: int = 0  # prompt tokens the destination already had (not computed, not written)
-    generator_state: bytes | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -410,6 +415,16 @@ class Drain(Message):
     """Finish running requests, accept no new ones."""
 
     TAG: ClassVar[str] = "drain"
+
+
+@dataclass(frozen=True, slots=True)
+class Leaving(Message):
+    """The actor was asked to stop (SIGTERM): move its requests elsewhere, then send Shutdown. It stops by
+    itself after `deadline` (Unix time) if no Shutdown comes."""
+
+    TAG: ClassVar[str] = "leaving"
+    actor_id: str
+    deadline: float
 
 
 @dataclass(frozen=True, slots=True)
