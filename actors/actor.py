@@ -15,6 +15,7 @@ import time
 from typing import Any, Callable
 
 from actors.spec import ActorSpec, Role
+from actors.startup import Startup
 from engine.engine_thread import EngineThread, build_off_thread
 from engine.stats import EngineStats
 from transport import Connection, TransportError, connect_tcp, serve_unix
@@ -44,6 +45,7 @@ class Actor:
         self.connections: set[Connection] = set()
         self._parent = os.getppid()
         self._leaving = False
+        self.startup = Startup()  # the worker replaces it with one that starts at the process's creation
 
     # ---------------------------------------------------------------- overridden per role
     def build_engine(self) -> Any:
@@ -68,7 +70,9 @@ class Actor:
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, self._on_sigterm)
         self._start_engine()
         server = await serve_unix(self.spec.socket_path, self.serve_connection)
-        log.info("actor %s (%s) ready on %s", self.spec.actor_id, self.spec.role, self.spec.socket_path)
+        self.startup.mark("listen")
+        log.info("actor %s (%s) ready on %s in %.2fs (%s)", self.spec.actor_id, self.spec.role, self.spec.socket_path,
+                 self.startup.total, self.startup.summary(), extra={"startup": self.startup.rounded()})
         try:
             await self.stopped.wait()
         finally:

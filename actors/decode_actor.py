@@ -15,7 +15,7 @@ from actors.convert import logprobs_from_wire, params_from_wire, resume_from_wir
 from engine.kv.export import SharedPool, create_shared_pool
 from actors.remote_proposer import RemoteProposer
 from actors.spec import ActorSpec
-from engine.calibration import calibrate_engine, log_calibration
+from engine.calibration import Calibration, calibrate_engine, log_calibration, warm_up
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore, EngineRequest, RequestError
 from engine.stats import EngineStats
@@ -53,10 +53,16 @@ class DecodeActor(Actor):
             return self.pool.tensor
 
         shared = not self.spec.remote  # peers on another host cannot map our memory
-        self.engine = EngineCore(EngineConfig(**self.spec.engine), device=self.spec.local_device,
-                                 kv_allocator=allocate if shared else None, proposer=self._draft_client())
-        self.calibration = calibrate_engine(self.engine)
-        log_calibration(self.calibration, log)
+        with self.startup.stage("engine"):
+            self.engine = EngineCore(EngineConfig(**self.spec.engine), device=self.spec.local_device,
+                                     kv_allocator=allocate if shared else None, proposer=self._draft_client())
+        with self.startup.stage("calibration"):
+            if self.spec.calibration is None:
+                self.calibration = calibrate_engine(self.engine)
+                log_calibration(self.calibration, log)
+            else:
+                self.calibration = Calibration.from_wire(self.spec.calibration)
+                warm_up(self.engine)
         return self.engine
 
     def start_tasks(self) -> None:

@@ -8,7 +8,7 @@ from typing import Callable
 from actors.actor import RESERVATION_SWEEP_SECONDS, Actor, to_monotonic
 from actors.convert import logprobs_to_wire, params_from_wire
 from engine.kv.export import open_shared_pool
-from engine.calibration import calibrate_prefill_engine, log_calibration
+from engine.calibration import Calibration, calibrate_prefill_engine, log_calibration
 from engine.config import EngineConfig
 from engine.kv.cache import KVCache
 from engine.prefill_engine import PrefillEngine, PrefillJob, PrefillResult
@@ -23,9 +23,14 @@ class PrefillActor(Actor):
     """Runs prompts straight into attached decode actors' pools and reports the first token."""
 
     def build_engine(self) -> PrefillEngine:
-        self.engine = PrefillEngine(EngineConfig(**self.spec.engine), device=self.spec.local_device)
-        self.calibration = calibrate_prefill_engine(self.engine)
-        log_calibration(self.calibration, log)
+        with self.startup.stage("engine"):
+            self.engine = PrefillEngine(EngineConfig(**self.spec.engine), device=self.spec.local_device)
+        with self.startup.stage("calibration"):
+            if self.spec.calibration is None:
+                self.calibration = calibrate_prefill_engine(self.engine)
+                log_calibration(self.calibration, log)
+            else:
+                self.calibration = Calibration.from_wire(self.spec.calibration)
         return self.engine
 
     def start_tasks(self) -> None:

@@ -31,6 +31,9 @@ class ActorSpec:
     remote: bool = False  # joined over TCP from another host: its KV pool cannot be mapped here
     draft_actor: str = ""  # a decode actor's draft actor (same supervisor), if drafts come from one
     trace: bool = False  # stamp token frames with step-done and sent times (serve --trace-tokens)
+    # The calibration a previous process of this actor measured (Calibration.to_wire): a replacement reuses it
+    # instead of measuring again, since the spec (model, device share, engine options) is the same.
+    calibration: dict | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

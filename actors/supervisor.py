@@ -66,6 +66,7 @@ class ActorHandle:
     incarnation: int = 0  # bumps at every (re)start, so stale events of an old process are ignored
     draining: bool = False  # being drained (router.drain): no new work, and its exit is a planned restart
     last_exit: int | None = None  # the exit status of its previous process (negative: killed by that signal)
+    down_at: float | None = None  # monotonic time it went down, until its replacement is ready
 
     @property
     def actor_id(self) -> str:
@@ -178,7 +179,13 @@ class Supervisor:
         handle.tasks = [asyncio.create_task(self._read(handle, incarnation)),
                         asyncio.create_task(self._heartbeat(handle, incarnation)),
                         asyncio.create_task(self._watch_exit(handle, incarnation))]
-        log.info("actor %s ready (pid %s)", handle.actor_id, handle.pid)
+        if handle.down_at is None:
+            log.info("actor %s ready (pid %s)", handle.actor_id, handle.pid)
+        else:
+            back = time.monotonic() - handle.down_at
+            log.info("actor %s serving again (pid %s), %.2fs after it went down", handle.actor_id, handle.pid, back,
+                     extra={"actor_id": handle.actor_id, "seconds_down": round(back, 3)})
+            handle.down_at = None
         await _maybe_await(self._on_up(handle))
 
     async def _handshake(self, handle: ActorHandle) -> None:
@@ -249,6 +256,8 @@ class Supervisor:
             return
         was_ready = handle.state is ActorState.READY
         handle.state = ActorState.DEAD
+        if was_ready:
+            handle.down_at = time.monotonic()
         for task in handle.tasks:
             if task is not asyncio.current_task():
                 task.cancel()
@@ -281,6 +290,8 @@ class Supervisor:
         await handle.process.wait()
 
     async def _restart(self, handle: ActorHandle) -> None:
+        if handle.ready is not None and handle.ready.calibration and handle.spec.calibration is None:
+            handle.spec = replace(handle.spec, calibration=handle.ready.calibration)  # same spec: same costs
         if handle.draining:  # a planned stop: replace it now, and it counts towards no crash loop
             handle.draining = False
             handle.restarts += 1

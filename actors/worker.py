@@ -4,6 +4,10 @@ It picks the role's class (decode_actor, prefill_actor, draft_actor), ties its l
 it on uvloop."""
 from __future__ import annotations
 
+import time
+
+ENTERED = time.time()  # before the heavy imports below: the start-up line splits interpreter from imports
+
 import argparse
 import logging
 import os
@@ -18,6 +22,7 @@ from actors.draft_actor import DraftActor
 from actors.logs import configure_actor_logging
 from actors.prefill_actor import PrefillActor
 from actors.spec import ActorSpec, Role
+from actors.startup import Startup
 from transport import load_secret
 
 log = logging.getLogger("actor")
@@ -60,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import uvloop
         actor = actor_class(spec.role)(spec)
+        actor.startup = Startup.of_this_process(ENTERED)
         if args.connect is None:
             uvloop.run(actor.run())
         else:

@@ -31,6 +31,11 @@ class Calibration:
     def to_wire(self) -> dict:
         return {"prefill": [list(p) for p in self.prefill], "decode": [list(d) for d in self.decode]}
 
+    @staticmethod
+    def from_wire(raw: dict) -> "Calibration":
+        return Calibration([(int(n), float(t)) for n, t in raw.get("prefill", ())],
+                           [(int(b), float(t)) for b, t in raw.get("decode", ())])
+
     def rounded(self, digits: int = 4) -> dict[str, list[list[float]]]:
         """The curves with seconds to `digits` significant digits, for logs."""
         return {"prefill": [[n, _significant(t, digits)] for n, t in self.prefill],
@@ -86,6 +91,17 @@ def calibrate_engine(engine: EngineCore, seed: int = 0) -> Calibration:
     decode = [(b, _time_decode(engine, b, rng, vocab)) for b in DECODE_BATCHES
               if b <= engine.config.max_num_seqs and b * 16 < budget]
     return Calibration(engine_prefill, decode)
+
+
+def warm_up(engine: EngineCore) -> None:
+    """One short prefill and a few decode steps, paid at start-up rather than by the first request (what an
+    engine that reuses an earlier calibration runs instead of calibrating)."""
+    params = SamplingParams(max_tokens=DECODE_STEPS, temperature=0.0, ignore_eos=True)
+    engine.add_request(EngineRequest(f"warm-up-{time.perf_counter_ns()}",
+                                     _random_prompt(random.Random(0), PREFILL_LENGTHS[0], engine.source.config.vocab_size),
+                                     params))
+    while engine.has_unfinished_requests():
+        engine.step()
 
 
 def _time_prefill(engine: EngineCore, prompt: list[int]) -> float:

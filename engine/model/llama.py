@@ -128,7 +128,10 @@ class LlamaModel(nn.Module):
         self.cfg = cfg
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling,
                                     device)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # Given its (meta) weight, Embedding skips its random init, whose meta-device path imports torch._dynamo
+        # (about 1.5 s of every actor start).
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -233,6 +236,20 @@ def build_model(cfg: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]], d
     """Allocate the model uninitialised (meta device), then fill it from the checkpoint in `dtype`."""
     with torch.device("meta"):
         model = LlamaModel(cfg, device)
-    model = model.to_empty(device=device).to(dtype)
+    _materialise(model, dtype, device)
     model.load_weights(weights)
     return model.eval().requires_grad_(False)
+
+
+def _materialise(model: nn.Module, dtype: torch.dtype, device: torch.device | str) -> None:
+    """Real, uninitialised storage for every meta parameter and buffer (floating ones in `dtype`). Plain
+    torch.empty: Module.to_empty goes through the meta tensors' Python reference ops, whose first call
+    imports sympy and torch.fx (about 0.8 s of every actor start)."""
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, tensor in table.items():
+                if tensor is None or tensor.device.type != "meta":
+                    continue
+                empty = torch.empty(tensor.shape, dtype=dtype if tensor.is_floating_point() else tensor.dtype,
+                                    device=device)
+                table[name] = nn.Parameter(empty, requires_grad=False) if name in module._parameters else empty
