@@ -42,7 +42,7 @@ MODULE_TIERS: Mapping[str, Tier] = {
     "test_engine.py": E,
     "test_engine_client.py": U,
     "test_engine_thread.py": U,
-    "test_gemma.py": U,
+    "test_gemma.py": E,
     "test_gguf_loader.py": U,  # the default model's tests are slow
     "test_gguf_quants.py": U,
     "test_gguf_sentencepiece.py": U,  # the chat tests run the engine: marked engine
