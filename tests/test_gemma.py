@@ -90,6 +90,34 @@ def test_configs_written_by_transformers(tmp_path):
     assert cfg.sliding_window is None and not cfg.windowed and cfg.attention_scale == 16 ** -0.5
 
 
+MINIMAL = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=7, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=32)
+
+
+@pytest.mark.parametrize("model_type", ["gemma2", "gemma3_text", "mistral"])
+def test_keys_a_config_leaves_out_take_transformers_defaults(folder, model_type):
+    """A config.json of only the shapes: window, layer pattern, caps, query scalar and RoPE bases as
+    transformers' own config class fills them in."""
+    from transformers import AutoConfig
+
+    raw = dict(MINIMAL, model_type=model_type)
+    if model_type == "mistral":
+        raw.pop("head_dim")
+    cfg = read_hf_config(write_config(folder, raw))
+    hf = AutoConfig.from_pretrained(folder)
+    assert cfg.sliding_window == hf.sliding_window
+    kinds = getattr(hf, "layer_types", None) or ["sliding_attention"] * hf.num_hidden_layers
+    assert [cfg.layer_window(i) is not None for i in range(7)] == [k == "sliding_attention" for k in kinds]
+    if model_type != "mistral":
+        assert cfg.attention_scale == hf.query_pre_attn_scalar ** -0.5
+        assert (cfg.attn_logit_softcap, cfg.final_logit_softcap) == (hf.attn_logit_softcapping,
+                                                                      hf.final_logit_softcapping)
+    if model_type == "gemma3_text":
+        params = hf.rope_parameters
+        assert (cfg.rope_theta, cfg.rope_local_theta) == (params["full_attention"]["rope_theta"],
+                                                          params["sliding_attention"]["rope_theta"])
+
+
 @pytest.mark.parametrize("raw, words", [
     (dict(HUB_GEMMA3, model_type="gemma3"), ["gemma3 model", "gemma3_text", "gemma2", "llama"]),
     (dict(HUB_GEMMA3, model_type="gemma"), ["gemma model", "expected one of"]),

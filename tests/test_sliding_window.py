@@ -158,12 +158,15 @@ def test_speculative_verification_keeps_greedy_outputs(windowed_dir, options):
     assert spec.engine.stats().spec_proposed > 0
 
 
-def test_disaggregated_greedy_equals_transformers(windowed_dir, expected_tokens):
+@pytest.mark.parametrize("streamed", [False, True], ids=["shared-pool", "streamed-pages"])
+def test_disaggregated_greedy_equals_transformers(windowed_dir, expected_tokens, streamed):
+    """The prefill engine computes into the decode engine's pool, or (as for another host) into its own, whose
+    pages are then written into the reserved blocks."""
     options = dict(dtype="float32", num_kv_blocks=96, block_size=BLOCK, max_num_batched_tokens=6)
     decode = LLM(str(windowed_dir), **options)
     prefill = PrefillEngine(EngineConfig(model=str(windowed_dir), **options), source=decode.engine.source)
     prefill.attach_pool("decode-0", decode.engine.kv_cache)
-    outs, _ = run_disaggregated(decode, prefill, PROMPTS, GREEDY)
+    outs, _ = run_disaggregated(decode, prefill, PROMPTS, GREEDY, streamed)
     assert [o.token_ids for o in outs] == expected_tokens
     decode.engine.pool.check_integrity()
 

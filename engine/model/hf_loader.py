@@ -18,6 +18,14 @@ GEMMA_ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 # Gemma's configs give the layer pattern as a period when they list no layer_types: layer i is windowed unless
 # (i + 1) is a multiple of it (transformers' own default: 2 for Gemma 2, 6 for Gemma 3)
 DEFAULT_WINDOW_PERIOD = {"gemma2": 2, "gemma3_text": 6}
+# transformers' config defaults for the keys a config.json may leave out (an explicit null stays None)
+GEMMA_DEFAULTS = {
+    "gemma2": dict(query_pre_attn_scalar=256, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                   sliding_window=4096),
+    "gemma3_text": dict(query_pre_attn_scalar=256, attn_logit_softcapping=None, final_logit_softcapping=None,
+                        sliding_window=4096),
+}
+MISTRAL_DEFAULT_WINDOW = 4096
 
 
 def read_hf_config(folder: Path) -> ModelConfig:
@@ -38,6 +46,8 @@ def read_hf_config(folder: Path) -> ModelConfig:
     eos = raw.get("eos_token_id")
     global_rope, local_theta = _gemma3_rope(raw) if model_type == "gemma3_text" else (raw, None)
     window, sliding_layers = _sliding_window(raw, model_type, folder)
+    if gemma:
+        raw = {**GEMMA_DEFAULTS[model_type], **raw}
     return ModelConfig(
         vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"], intermediate_size=raw["intermediate_size"],
         num_layers=raw["num_hidden_layers"], num_heads=heads,
@@ -62,7 +72,7 @@ def _sliding_window(raw: dict[str, Any], model_type: str, folder: Path) -> tuple
     """(window, per-layer windowed flags) as transformers applies them for this model type."""
     layer_types = raw.get("layer_types")
     if model_type == "mistral":  # every layer windowed when sliding_window is set
-        return raw.get("sliding_window"), ()
+        return raw.get("sliding_window", MISTRAL_DEFAULT_WINDOW), ()
     if model_type in GEMMA:
         if not layer_types:
             period = raw.get("sliding_window_pattern") or DEFAULT_WINDOW_PERIOD[model_type]
@@ -73,7 +83,7 @@ def _sliding_window(raw: dict[str, Any], model_type: str, folder: Path) -> tuple
             raise ModelLoadError(f"{folder} has layer types {sorted(unknown)}; expected full_attention and "
                                  "sliding_attention")
         sliding = tuple(kind == "sliding_attention" for kind in layer_types)
-        window = raw.get("sliding_window")
+        window = raw.get("sliding_window", GEMMA_DEFAULTS[model_type]["sliding_window"])
         return (window, sliding) if window is not None and any(sliding) else (None, ())
     if raw.get("use_sliding_window") or any(kind != "full_attention" for kind in layer_types or ()):
         raise ModelLoadError(f"{folder} is a {model_type} model with sliding-window attention, which this server "
