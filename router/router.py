@@ -69,7 +69,10 @@ class ActorRouter:
         if listen is not None:
             self.listen_address = await self.supervisor.listen_for_workers(*listen)
         elif not self.supervisor.ready(Role.DECODE):
-            raise RuntimeError("no decode actor could start; see the actor logs above")
+            reasons = "; ".join(f"{h.actor_id}: {h.start_error}" for h in self.supervisor.handles
+                                if h.spec.role is Role.DECODE and h.start_error)
+            raise RuntimeError(f"no decode actor could start: {reasons}" if reasons else
+                               "no decode actor could start; see the actor logs above")
         self._watchdog = asyncio.create_task(self.failover.watch())
 
     async def add(self, request: EngineRequest) -> Placement | None:
