@@ -105,6 +105,10 @@ class Supervisor:
         """Start every actor and wait until each is ready (or has failed to start)."""
         await asyncio.gather(*(self._start(h) for h in self.handles))
 
+    def begin_shutdown(self) -> None:
+        """The server is stopping: an actor that exits from now on is not restarted."""
+        self._stopping = True
+
     async def stop(self, grace: float = 5.0) -> None:
         self._stopping = True
         await asyncio.gather(*(self._stop(h, grace) for h in self.handles))

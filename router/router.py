@@ -36,7 +36,7 @@ class RouterSettings:
     policy: PlacementPolicy = PlacementPolicy("auto")
     handoff_timeout: float = 30.0  # a reservation + prefill + commit must finish within this
     max_attempts: int = 3
-    park_timeout: float = 60.0  # how long a request waits for a decode actor to come (back) up
+    park_timeout: float = 30.0  # how long a request waits for a decode actor to come (back) up
 
 
 class ActorRouter:
@@ -116,6 +116,10 @@ class ActorRouter:
 
     def can_serve(self) -> bool:
         return bool(self.supervisor.ready(Role.DECODE))
+
+    def begin_shutdown(self) -> None:
+        """The server drains: actors that exit now (a signal to the whole process group) stay down."""
+        self.supervisor.begin_shutdown()
 
     async def close(self) -> None:
         """Fail every request in flight and stop the actors."""
