@@ -35,7 +35,7 @@ PR_SET_PDEATHSIG = 1
 
 
 def _die_with_parent() -> None:
-    """Linux: get SIGTERM (a clean stop that removes the shared pool) if the server process dies."""
+    """Linux: get SIGTERM (a clean stop) if the server process dies."""
     try:
         import ctypes
 
