@@ -31,6 +31,7 @@ class ActorSpec:
     remote: bool = False  # joined over TCP from another host: its KV pool cannot be mapped here
     draft_actor: str = ""  # a decode actor's draft actor (same supervisor), if drafts come from one
     trace: bool = False  # stamp token frames with step-done and sent times (serve --trace-tokens)
+    share_kv: bool = False  # a decode actor whose KV pool prefill actors write into: export it (shared memory)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -63,6 +64,16 @@ class ActorSpec:
         if not self.draft_actor or not self.socket_path:
             return ""
         return str(Path(self.socket_path).parent / socket_name(self.draft_actor))
+
+    @property
+    def pool_socket(self) -> str:
+        """Where this decode actor hands its shared KV pool's descriptor to prefill actors (beside its socket)."""
+        return str(Path(self.socket_path).with_name(f"{self.actor_id}.kv.sock")) if self.socket_path else ""
+
+    @property
+    def error_path(self) -> str:
+        """Where the actor leaves the reason it could not start, for its supervisor to report."""
+        return str(Path(self.socket_path).with_name(f"{self.actor_id}.error")) if self.socket_path else ""
 
     @property
     def local_device(self) -> str:

@@ -24,6 +24,10 @@ class RequestFailedError(RuntimeError):
     """The request could not be completed (after retries, or after tokens had already been streamed)."""
 
 
+class NoCapacityError(RequestFailedError):
+    """No decode actor came (back) up within `park_timeout`: worth retrying later (the server's 503)."""
+
+
 class Failover:
     def __init__(self, supervisor: Supervisor, routed: dict[str, Routed], handoff: Handoff,
                  dispatch: Callable[[Routed], object], on_error: Callable[[str, Exception], None],
@@ -94,11 +98,12 @@ class Failover:
     def expire_parked(self, now: float) -> None:
         for routed in self._parked():
             if now - routed.parked_at > self.park_timeout:
-                self.fail(routed, "no decode actor became available")
+                self.fail(routed, f"no decode actor became available within {self.park_timeout:g} s",
+                          NoCapacityError)
 
-    def fail(self, routed: Routed, reason: str) -> None:
+    def fail(self, routed: Routed, reason: str, error: type[RequestFailedError] = RequestFailedError) -> None:
         self.forget(routed)
-        self._on_error(routed.request_id, RequestFailedError(reason))
+        self._on_error(routed.request_id, error(reason))
 
     def forget(self, routed: Routed) -> None:
         self.routed.pop(routed.request_id, None)

@@ -36,7 +36,7 @@ class RouterSettings:
     policy: PlacementPolicy = PlacementPolicy("auto")
     handoff_timeout: float = 30.0  # a reservation + prefill + commit must finish within this
     max_attempts: int = 3
-    park_timeout: float = 60.0  # how long a request waits for a decode actor to come (back) up
+    park_timeout: float = 30.0  # how long a request waits for a decode actor to come (back) up
 
 
 class ActorRouter:
@@ -69,7 +69,10 @@ class ActorRouter:
         if listen is not None:
             self.listen_address = await self.supervisor.listen_for_workers(*listen)
         elif not self.supervisor.ready(Role.DECODE):
-            raise RuntimeError("no decode actor could start; see the actor logs above")
+            reasons = "; ".join(f"{h.actor_id}: {h.start_error}" for h in self.supervisor.handles
+                                if h.spec.role is Role.DECODE and h.start_error)
+            raise RuntimeError(f"no decode actor could start: {reasons}" if reasons else
+                               "no decode actor could start; see the actor logs above")
         self._watchdog = asyncio.create_task(self.failover.watch())
 
     async def add(self, request: EngineRequest) -> Placement | None:
@@ -113,6 +116,10 @@ class ActorRouter:
 
     def can_serve(self) -> bool:
         return bool(self.supervisor.ready(Role.DECODE))
+
+    def begin_shutdown(self) -> None:
+        """The server drains: actors that exit now (a signal to the whole process group) stay down."""
+        self.supervisor.begin_shutdown()
 
     async def close(self) -> None:
         """Fail every request in flight and stop the actors."""

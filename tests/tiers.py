@@ -68,6 +68,7 @@ MODULE_TIERS: Mapping[str, Tier] = {
     "test_sampling_params.py": U,
     "test_server.py": P,  # request parsing is marked unit, the drain and error tests engine
     "test_server_actors.py": P,
+    "test_server_lifecycle.py": P,
     "test_sliding_window.py": E,
     "test_source_hygiene.py": U,
     "test_spec_decode.py": E,
