@@ -50,9 +50,12 @@ class DecodeActor(Actor):
     def build_engine(self) -> EngineCore:
         def allocate(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
             self.pool = create_shared_pool(shape, dtype, self.spec.local_device, tag=self.spec.actor_id)
+            if self.spec.pool_socket:
+                self.pool.serve(self.spec.pool_socket)
             return self.pool.tensor
 
-        shared = not self.spec.remote  # peers on another host cannot map our memory
+        # Only prefill actors write into the pool; peers on another host cannot map our memory.
+        shared = self.spec.share_kv and not self.spec.remote
         with self.startup.stage("engine"):
             self.engine = EngineCore(EngineConfig(**self.spec.engine), device=self.spec.local_device,
                                      kv_allocator=allocate if shared else None, proposer=self._draft_client())
@@ -81,7 +84,7 @@ class DecodeActor(Actor):
 
     def release(self) -> None:
         if self.pool is not None:
-            self.pool.unlink()
+            self.pool.close()
 
     def handlers(self) -> dict[type, Callable]:
         return {m.AddRequest: self.on_add, m.AbortRequest: self.on_abort, m.ReserveBlocks: self.on_reserve,

@@ -31,6 +31,7 @@ class ActorSpec:
     remote: bool = False  # joined over TCP from another host: its KV pool cannot be mapped here
     draft_actor: str = ""  # a decode actor's draft actor (same supervisor), if drafts come from one
     trace: bool = False  # stamp token frames with step-done and sent times (serve --trace-tokens)
+    share_kv: bool = False  # a decode actor whose KV pool prefill actors write into: export it (shared memory)
     # The calibration a previous process of this actor measured (Calibration.to_wire): a replacement reuses it
     # instead of measuring again, since the spec (model, device share, engine options) is the same.
     calibration: dict | None = None
@@ -66,6 +67,16 @@ class ActorSpec:
         if not self.draft_actor or not self.socket_path:
             return ""
         return str(Path(self.socket_path).parent / socket_name(self.draft_actor))
+
+    @property
+    def pool_socket(self) -> str:
+        """Where this decode actor hands its shared KV pool's descriptor to prefill actors (beside its socket)."""
+        return str(Path(self.socket_path).with_name(f"{self.actor_id}.kv.sock")) if self.socket_path else ""
+
+    @property
+    def error_path(self) -> str:
+        """Where the actor leaves the reason it could not start, for its supervisor to report."""
+        return str(Path(self.socket_path).with_name(f"{self.actor_id}.error")) if self.socket_path else ""
 
     @property
     def local_device(self) -> str:

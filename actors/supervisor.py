@@ -14,16 +14,18 @@ import os
 import shutil
 import signal
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from pathlib import Path
 from typing import Awaitable, Callable
 
-from engine.kv.export import release_export
+from engine.kv.export import reclaim_stale_pools
 from actors.spec import ROLES, ActorSpec, Role, socket_name
 from engine.stats import EngineStats
 from transport import Connection, TransportError, connect_unix, private_socket_dir, serve_tcp
+from transport.owned import owned_prefix, reclaim
 from transport import messages as m
 
 log = logging.getLogger("supervisor")
@@ -64,6 +66,7 @@ class ActorHandle:
     load: EngineStats | None = None  # as of the last heartbeat
     tasks: list[asyncio.Task] = field(default_factory=list)
     incarnation: int = 0  # bumps at every (re)start, so stale events of an old process are ignored
+    start_error: str | None = None  # why its last start failed, in the actor's words when it gave them
     draining: bool = False  # being drained (router.drain): no new work, and its exit is a planned restart
     last_exit: int | None = None  # the exit status of its previous process (negative: killed by that signal)
     down_at: float | None = None  # monotonic time it went down, until its replacement is ready
@@ -95,7 +98,9 @@ class Supervisor:
     def __init__(self, specs: list[ActorSpec], on_message: OnMessage, on_up: OnChange, on_down: OnChange,
                  settings: SupervisorSettings = SupervisorSettings()) -> None:
         self.settings = settings
-        self.socket_dir = private_socket_dir("phase-serve-actors-")
+        reclaim(Path(tempfile.gettempdir()), SOCKET_DIR_KIND)  # what servers killed with SIGKILL left
+        reclaim_stale_pools()
+        self.socket_dir = private_socket_dir(owned_prefix(SOCKET_DIR_KIND))
         self.handles = [ActorHandle(replace(s, socket_path=str(self.socket_dir / socket_name(s.actor_id))))
                         for s in specs]
         self._on_message, self._on_up, self._on_down = on_message, on_up, on_down
@@ -105,6 +110,10 @@ class Supervisor:
     async def start(self) -> None:
         """Start every actor and wait until each is ready (or has failed to start)."""
         await asyncio.gather(*(self._start(h) for h in self.handles))
+
+    def begin_shutdown(self) -> None:
+        """The server is stopping: an actor that exits from now on is not restarted."""
+        self._stopping = True
 
     async def stop(self, grace: float = 5.0) -> None:
         self._stopping = True
@@ -165,16 +174,18 @@ class Supervisor:
         handle.incarnation += 1
         handle.state = ActorState.STARTING
         Path(handle.spec.socket_path).unlink(missing_ok=True)
+        Path(handle.spec.error_path).unlink(missing_ok=True)
         handle.process = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "actors.worker", "--spec", handle.spec.to_json(),
             env=handle.spec.child_environment(), cwd=_project_root(), stdin=asyncio.subprocess.DEVNULL)
         try:
             await asyncio.wait_for(self._handshake(handle), self.settings.start_timeout)
         except (asyncio.TimeoutError, TransportError, ConnectionError, OSError) as exc:
-            log.error("actor %s failed to start: %s", handle.actor_id, exc)
+            handle.start_error = str(exc) or type(exc).__name__
+            log.error("actor %s failed to start: %s", handle.actor_id, handle.start_error)
             await self._mark_down(handle, handle.incarnation)
             return
-        handle.state, handle.last_ack = ActorState.READY, time.monotonic()
+        handle.state, handle.last_ack, handle.start_error = ActorState.READY, time.monotonic(), None
         incarnation = handle.incarnation
         handle.tasks = [asyncio.create_task(self._read(handle, incarnation)),
                         asyncio.create_task(self._heartbeat(handle, incarnation)),
@@ -202,7 +213,9 @@ class Supervisor:
         """The actor listens only once its model is loaded: poll for the socket while the process lives."""
         while True:
             if handle.process.returncode is not None:
-                raise TransportError(f"process exited with {handle.process.returncode} while starting")
+                reason = _read_start_error(handle.spec)
+                raise TransportError(f"pid {handle.pid} {describe_exit(handle.process.returncode)} while starting"
+                                     + (f": {reason}" if reason else ""))
             if Path(handle.spec.socket_path).exists():
                 try:
                     return await connect_unix(handle.spec.socket_path, timeout=5.0)
@@ -263,31 +276,23 @@ class Supervisor:
                 task.cancel()
         if handle.conn is not None:
             handle.conn.close(abort=True)
-        if handle.process is not None and handle.process.returncode is None:
-            await self._end_process(handle)
+        # A drained actor closes its connection on the way out: give it time to exit by itself.
+        notice = self.settings.drain_exit_timeout if handle.draining else EXIT_NOTICE_SECONDS
+        exited = handle.process is None or await _exits_within(handle.process, notice)
+        if not exited:
+            handle.process.kill()
+            await handle.process.wait()
         if handle.process is not None:
             handle.last_exit = handle.process.returncode
-        if handle.ready is not None and not handle.spec.remote:
-            release_export(handle.ready.kv_export)  # a killed actor cannot remove its shared pool itself
         if was_ready:  # however it was noticed (exit, closed connection, silence), say so once
             code = None if handle.process is None else handle.process.returncode
-            log.error("actor %s is down (exit status %s)", handle.actor_id, code,
-                      extra={"actor_id": handle.actor_id, "exit_status": code})
+            how = describe_exit(code) if exited else "stopped by the supervisor (killed by SIGKILL)"
+            level = logging.INFO if handle.draining and code == 0 else logging.ERROR  # a drain's end is planned
+            log.log(level, "actor %s (pid %s) is down: %s", handle.actor_id, handle.pid, how,
+                    extra={"actor_id": handle.actor_id, "actor_pid": handle.pid, "exit_status": code})
             await _maybe_await(self._on_down(handle))
         if not self._stopping and not handle.spec.remote:  # a remote worker reconnects by itself
             asyncio.create_task(self._restart(handle))
-
-    async def _end_process(self, handle: ActorHandle) -> None:
-        """Kill the process, unless it is a drained actor on its way out (it closed the connection first)."""
-        if handle.draining:
-            try:
-                await asyncio.wait_for(handle.process.wait(), self.settings.drain_exit_timeout)
-                return
-            except asyncio.TimeoutError:
-                log.warning("drained actor %s did not exit within %.0fs: killing it", handle.actor_id,
-                            self.settings.drain_exit_timeout)
-        handle.process.kill()
-        await handle.process.wait()
 
     async def _restart(self, handle: ActorHandle) -> None:
         if handle.ready is not None and handle.ready.calibration and handle.spec.calibration is None:
@@ -306,10 +311,48 @@ class Supervisor:
             return
         delay = self.settings.restart_backoff[min(len(handle.restart_times), len(self.settings.restart_backoff) - 1)]
         handle.restart_times.append(now)
+        log.warning("restarting actor %s in %g s, restart %d", handle.actor_id, delay, handle.restarts + 1,
+                    extra={"actor_id": handle.actor_id})
         await asyncio.sleep(delay)
         if not self._stopping:
             handle.restarts += 1
             await self._start(handle)
+
+
+EXIT_NOTICE_SECONDS = 0.5  # how long a lost actor gets to be reaped before it is killed (for its exit status)
+SOCKET_DIR_KIND = "actors"  # the owned-name kind of the supervisors' socket directories (transport.owned)
+
+
+async def _exits_within(process: asyncio.subprocess.Process, seconds: float) -> bool:
+    """Whether the process ends by itself within `seconds` (a closed connection is often noticed first)."""
+    if process.returncode is None:
+        try:
+            await asyncio.wait_for(process.wait(), seconds)
+        except asyncio.TimeoutError:
+            return False
+    return True
+
+
+def describe_exit(returncode: int | None) -> str:
+    """'exited with status 1', 'killed by SIGKILL' (asyncio reports death by signal N as -N)."""
+    if returncode is None:
+        return "still running"
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exited with status {returncode}"
+
+
+def _read_start_error(spec: ActorSpec) -> str | None:
+    """What an actor that failed to start wrote about it (actors.worker), if anything."""
+    if not spec.error_path:
+        return None
+    try:
+        return Path(spec.error_path).read_text(errors="replace").strip() or None
+    except OSError:
+        return None
 
 
 def _project_root() -> str:

@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import sys
+from pathlib import Path
 
 import torch
 
@@ -23,6 +24,7 @@ from actors.logs import configure_actor_logging
 from actors.prefill_actor import PrefillActor
 from actors.spec import ActorSpec, Role
 from actors.startup import Startup
+from engine.kv.export import SharedMemoryError
 from transport import load_secret
 
 log = logging.getLogger("actor")
@@ -38,7 +40,7 @@ PR_SET_PDEATHSIG = 1
 
 
 def _die_with_parent() -> None:
-    """Linux: get SIGTERM (a clean stop that removes the shared pool) if the server process dies."""
+    """Linux: get SIGTERM (a clean stop) if the server process dies."""
     try:
         import ctypes
 
@@ -73,7 +75,24 @@ def main(argv: list[str] | None = None) -> int:
             uvloop.run(actor.run_connected(host, int(port), load_secret(args.secret_file)))
     except KeyboardInterrupt:
         pass
+    except Exception as exc:
+        _report_fatal(spec, exc)
+        return 1
     return 0
+
+
+def _report_fatal(spec: ActorSpec, exc: Exception) -> None:
+    """Log why the actor stops and leave the reason where its supervisor reports it from (spec.error_path)."""
+    reason = str(exc) if isinstance(exc, SharedMemoryError) else f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, SharedMemoryError):
+        log.error("cannot start: %s", reason)
+    else:
+        log.exception("actor %s failed", spec.actor_id)
+    if spec.error_path:
+        try:
+            Path(spec.error_path).write_text(reason)
+        except OSError:
+            pass
 
 
 if __name__ == "__main__":

@@ -27,6 +27,10 @@ from router.placement import PlacementMode, PlacementPolicy
 from router.router import ActorRouter, RouterSettings
 
 
+class RequestAbortedError(RuntimeError):
+    """The request was aborted by `AsyncLLM.abort` (the server does so at the end of its grace period)."""
+
+
 class AsyncLLM:
     """Streaming generation: `async for out in AsyncLLM().generate(prompt, params)` yields outputs whose
     `outputs[i].delta_text` is the new text. Cancelling the iteration aborts the request.
@@ -39,14 +43,17 @@ class AsyncLLM:
     `stream_interval` (tokens, or "auto"): how many new tokens an output waits for (StreamInterval). Outputs
     that pile up before the consumer reads them are merged into one, whatever the interval. `trace_tokens`:
     each output's `trace` holds when its tokens left the step, were sent, received and detokenised.
+    `capacity_timeout`: with actors, how long a request waits for a decode actor to come (back) up before it
+    fails with router.failover.NoCapacityError.
     """
 
     def __init__(self, model: str | None = None, dtype: str | None = None, *, decode_actors: int = 0,
                  prefill_actors: int = 0, devices: Sequence[str] = (), disagg: PlacementMode = "auto",
                  listen_workers: str | None = None, draft_actors: int = 0, stream_interval: int | str = 1,
-                 trace_tokens: bool = False, **engine_options) -> None:
+                 trace_tokens: bool = False, capacity_timeout: float = 30.0, **engine_options) -> None:
         self.stream_interval = StreamInterval.parse(stream_interval)
         self.trace_tokens = trace_tokens
+        self.capacity_timeout = capacity_timeout
         self.config = engine_config(model, dtype, engine_options)
         self.layout = ActorLayout(prefill_actors, decode_actors, tuple(devices), disagg, listen_workers, draft_actors,
                                   trace_tokens)
@@ -81,9 +88,13 @@ class AsyncLLM:
         if not self.layout.uses_actors:
             return InProcessClient(self.engine, loop, self._on_updates, self._on_error)
         specs = actor_specs(self.layout, _config_options(self.config))
-        settings = RouterSettings(PlacementPolicy(self.layout.disagg))
+        settings = RouterSettings(PlacementPolicy(self.layout.disagg), park_timeout=self.capacity_timeout)
         router = ActorRouter(specs, self._on_updates, self._on_error, settings)
-        await router.start(self.layout.listen_address())
+        try:
+            await router.start(self.layout.listen_address())
+        except BaseException:
+            await router.close()  # the actors that did start, and the socket directory
+            raise
         return router
 
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
@@ -137,8 +148,20 @@ class AsyncLLM:
                                f"{self.max_model_len} tokens including at least one output token", "prompt")
 
     def abort(self, request_id: str) -> None:
+        """Abort a request: its engine work stops, and its stream ends at once with RequestAbortedError
+        (outputs not yet read are dropped)."""
         if self._client is not None:
             self._client.abort(request_id)
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            self.processor.abort(request_id)
+            stream.fail_now(RequestAbortedError(f"request {request_id} was aborted"))
+
+    def begin_shutdown(self) -> None:
+        """The server is draining: actors that exit or ask to leave now are neither replaced nor drained (a
+        no-op in process)."""
+        if self._client is not None:
+            self._client.begin_shutdown()
 
     @property
     def model_name(self) -> str:
@@ -180,11 +203,6 @@ class AsyncLLM:
     def counters(self) -> dict[str, int]:
         """Cumulative router counters (KV hand-offs, stream migrations); empty in-process."""
         return {} if self._client is None else self._client.counters()
-
-    def shutting_down(self) -> None:
-        """The server is stopping: actors that leave now are neither drained nor replaced."""
-        if self._client is not None:
-            self._client.shutting_down()
 
     async def drain(self, actor_id: str) -> int:
         """Move a prefill or decode actor's requests elsewhere, then restart it; the number moved. KeyError:
@@ -251,6 +269,11 @@ class _OutputStream:
     def put(self, item: RequestOutput | Exception) -> None:
         self._items.append(item)
         self._ready.set()
+
+    def fail_now(self, exc: Exception) -> None:
+        """End the stream with `exc` before anything still queued."""
+        self._items.clear()
+        self.put(exc)
 
     async def next(self) -> RequestOutput | Exception:
         """The next item, with the outputs queued behind it merged in (an error waits for the next call)."""

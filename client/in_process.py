@@ -43,8 +43,8 @@ class InProcessClient:
     def counters(self) -> dict[str, int]:
         return {}
 
-    def shutting_down(self) -> None:
-        pass
+    def begin_shutdown(self) -> None:
+        pass  # nothing restarts in process
 
     async def drain(self, actor_id: str) -> int:
         raise KeyError(actor_id)  # the engine runs in this process: there is no actor to drain

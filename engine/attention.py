@@ -13,6 +13,11 @@ QuantizedPages (fp8 / fp4, engine/kv/formats.py): those quantise new tokens as t
 dequantise gathered pages to the serving dtype; everything after the gather is the same. A prefill chunk
 without cached context attends to its fresh keys/values directly, so with a quantised cache the first
 chunk of a prompt sees unquantised keys and every later chunk or decode step sees quantised ones.
+
+A windowed layer (sliding_window W) lets the query at position p see keys p - W < j <= p only, through the
+same gathers with a narrower mask; a soft-capped layer (Gemma 2) caps the scores as cap * tanh(s / cap) before
+the mask. The backend's kernels take neither, so they serve a windowed layer only where the window cuts no
+row's context (every context within W tokens: the same result), and never a soft-capped one.
 """
 from __future__ import annotations
 
@@ -40,6 +45,19 @@ class PrefillSegment:
     context_start: int  # tokens of this sequence already in the cache before the chunk
     block_table: torch.Tensor  # [num_blocks] int64, covering context_start + length tokens
     causal_mask: torch.Tensor | None = None  # [length, context_start + length] bool; None when context_start == 0
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # window -> causal_mask within it
+
+    def mask(self, window: int | None) -> torch.Tensor | None:
+        """[length, context_start + length] bool: key j is visible to the row's query (causal, and within
+        `window` where one is given); None where plain causal attention over a fresh chunk is meant."""
+        if window is None or self.context_start + self.length <= window:
+            return self.causal_mask
+        if window not in self.window_masks:
+            device = self.block_table.device
+            self.window_masks[window] = _window_mask(torch.arange(self.context_start, self.context_start + self.length,
+                                                                  device=device),
+                                                     self.context_start + self.length, window)
+        return self.window_masks[window]
 
 
 @dataclass
@@ -52,6 +70,8 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None = None  # [D, max_blocks] int64, padded with block 0
     decode_mask: torch.Tensor | None = None  # [D, 1, 1, max_blocks * block_size] bool: key is in the context
     decode_context_lens: torch.Tensor | None = None  # [D] int64
+    max_decode_context: int = 0  # the longest of decode_context_lens
+    decode_window_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # window -> decode mask within it
     # the backend's in-place decode attention may serve this step (the runner's steps; a draft proposer's gather)
     use_kernels: bool = False
     prefills: list[PrefillSegment] = field(default_factory=list)
@@ -72,6 +92,7 @@ class AttentionMetadata:
                                  use_kernels=use_kernels)
         if decode_rows:
             meta.decode_block_tables, meta.decode_context_lens = _decode_tables(decode_rows, block_size, device)
+            meta.max_decode_context = max(n for _, n in decode_rows)
         start = len(decode_rows)
         for table, context_start, length in prefill_rows:
             slots.extend(_slot(table, pos, block_size) for pos in range(context_start, context_start + length))
@@ -94,14 +115,27 @@ def _decode_tables(rows: list[tuple[list[int], int]], block_size: int,
             torch.tensor([n for _, n in rows], dtype=torch.long, device=device))
 
 
-def _decode_mask(meta: AttentionMetadata, block_size: int) -> torch.Tensor:
-    """[D, 1, 1, max_blocks * block_size] bool: the key is inside the sequence's context (built lazily: the
-    in-place kernel does not need it)."""
+def _decode_mask(meta: AttentionMetadata, block_size: int, window: int | None = None) -> torch.Tensor:
+    """[D, 1, 1, max_blocks * block_size] bool: the key is inside the sequence's context, and within the last
+    `window` positions of it where a window is given (built lazily: the in-place kernel does not need it)."""
+    if window is not None and meta.max_decode_context > window:
+        if window not in meta.decode_window_masks:
+            lens = meta.decode_context_lens
+            keys = torch.arange(meta.decode_block_tables.shape[1] * block_size, device=lens.device)
+            meta.decode_window_masks[window] = ((keys < lens[:, None])
+                                                & (keys >= lens[:, None] - window))[:, None, None, :]
+        return meta.decode_window_masks[window]
     if meta.decode_mask is None:
         width = meta.decode_block_tables.shape[1] * block_size
         lens = meta.decode_context_lens
         meta.decode_mask = (torch.arange(width, device=lens.device) < lens[:, None])[:, None, None, :]
     return meta.decode_mask
+
+
+def _window_mask(query_pos: torch.Tensor, total: int, window: int) -> torch.Tensor:
+    """[len(query_pos), total] bool: key j is visible from query position p iff p - window < j <= p."""
+    keys = torch.arange(total, device=query_pos.device)[None, :]
+    return (keys <= query_pos[:, None]) & (keys > query_pos[:, None] - window)
 
 
 def _prefill_segment(table: list[int], start: int, context_start: int, length: int, block_size: int,
@@ -117,37 +151,64 @@ def _prefill_segment(table: list[int], start: int, context_start: int, length: i
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: KVPages,
                     v_cache: KVPages, meta: AttentionMetadata, scale: float,
-                    backend: Backend | None = None) -> torch.Tensor:
+                    backend: Backend | None = None, window: int | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
     """q [T, Hq, D], k/v [T, Hkv, D] for the new tokens; caches [num_blocks, block_size, Hkv, D] (or
     quantised pages). Returns [T, Hq, D]. `backend`: whose kernels may take the decode group and fresh prompts
-    (None, or a step without meta.use_kernels: SDPA throughout)."""
-    backend = backend if meta.use_kernels else None
+    (None, or a step without meta.use_kernels: SDPA throughout). `window`: the layer's sliding window (None:
+    whole contexts); `softcap`: the layer's attention-score cap (None: uncapped)."""
+    backend = backend if meta.use_kernels and softcap is None else None
     _write(k_cache, k, meta)
     _write(v_cache, v, meta)
     if meta.num_decode and not meta.prefills:  # decode only: no copy into a shared output
-        return _decode(q, k_cache, v_cache, meta, scale, backend)
+        return _decode(q, k_cache, v_cache, meta, scale, backend, window, softcap)
     out = torch.empty_like(q)
     if meta.num_decode:
-        out[: meta.num_decode] = _decode(q[: meta.num_decode], k_cache, v_cache, meta, scale, backend)
+        out[: meta.num_decode] = _decode(q[: meta.num_decode], k_cache, v_cache, meta, scale, backend, window,
+                                         softcap)
     for run in _prefill_runs(meta.prefills):
         rows = slice(run[0].start, run[-1].start + run[-1].length)
         if run[0].context_start == 0:
-            out[rows] = _fresh(q[rows], k[rows], v[rows], len(run), scale, backend)
+            out[rows] = _fresh(q[rows], k[rows], v[rows], len(run), scale, backend, window, softcap)
         else:
-            out[rows] = _prefill_attention(q[rows], k_cache, v_cache, run[0], scale)
+            out[rows] = _prefill_attention(q[rows], k_cache, v_cache, run[0], scale, window, softcap)
     return out
 
 
 def _decode(q: torch.Tensor, k_cache: KVPages, v_cache: KVPages, meta: AttentionMetadata, scale: float,
-            backend: Backend | None) -> torch.Tensor:
-    out = backend.decode_attention(q, k_cache, v_cache, meta, scale) if backend is not None else None
-    return _decode_attention(q, k_cache, v_cache, meta, scale) if out is None else out
+            backend: Backend | None, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    cut = window is not None and meta.max_decode_context > window  # the window hides part of some context
+    out = backend.decode_attention(q, k_cache, v_cache, meta, scale) if backend is not None and not cut else None
+    return _decode_attention(q, k_cache, v_cache, meta, scale, window, softcap) if out is None else out
 
 
 def _fresh(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: int, scale: float,
-           backend: Backend | None) -> torch.Tensor:
-    out = backend.fresh_attention(q, k, v, count, scale) if backend is not None else None
-    return _fresh_attention(q, k, v, count, scale) if out is None else out
+           backend: Backend | None, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    length = len(q) // count
+    window = window if window is not None and window < length else None  # a window wider than the prompt
+    out = backend.fresh_attention(q, k, v, count, scale) if backend is not None and window is None else None
+    return _fresh_attention(q, k, v, count, scale, window, softcap) if out is None else out
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+           softcap: float | None = None, causal: bool = False) -> torch.Tensor:
+    """SDPA with grouped KV heads: q [B, Hq, S, D], k/v [B, Hkv, L, D], mask bool broadcastable to [B, Hq, S, L]
+    with a head axis of 1 (or None; `causal`: a causal mask over S == L) -> [B, Hq, S, D]. With `softcap` the
+    scores are capped before the mask, as transformers' eager attention does (SDPA has no such hook)."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
+                                              scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    b, num_heads, s, d = q.shape
+    num_kv_heads, length = k.shape[1], k.shape[2]
+    grouped = q.reshape(b, num_kv_heads, num_heads // num_kv_heads, s, d)  # [B, Hkv, G, S, D]
+    scores = torch.matmul(grouped, k.unsqueeze(2).transpose(-1, -2)) * scale  # [B, Hkv, G, S, L]
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is None and causal:
+        mask = torch.ones(s, length, dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~(mask.unsqueeze(1) if mask.dim() == 4 else mask), float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v.unsqueeze(2)).reshape(b, num_heads, s, d)
 
 
 def _prefill_runs(segments: list[PrefillSegment]) -> list[list[PrefillSegment]]:
@@ -164,13 +225,17 @@ def _prefill_runs(segments: list[PrefillSegment]) -> list[list[PrefillSegment]]:
     return runs
 
 
-def _fresh_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: int, scale: float) -> torch.Tensor:
-    # q [count * S, Hq, hd]: `count` whole prompts of S tokens each, attending only to themselves
+def _fresh_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: int, scale: float,
+                     window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    # q [count * S, Hq, hd]: `count` whole prompts of S tokens each, attending only to themselves (within the
+    # last `window` positions, where one is given: it is narrower than S then)
     rows, num_heads, head_dim = q.shape
-    qh = q.view(count, rows // count, num_heads, head_dim).transpose(1, 2)  # [count, Hq, S, hd]
-    kh = k.view(count, rows // count, *k.shape[1:]).transpose(1, 2)  # [count, Hkv, S, hd]
-    vh = v.view(count, rows // count, *v.shape[1:]).transpose(1, 2)
-    out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
+    length = rows // count
+    qh = q.view(count, length, num_heads, head_dim).transpose(1, 2)  # [count, Hq, S, hd]
+    kh = k.view(count, length, *k.shape[1:]).transpose(1, 2)  # [count, Hkv, S, hd]
+    vh = v.view(count, length, *v.shape[1:]).transpose(1, 2)
+    mask = None if window is None else _window_mask(torch.arange(length, device=q.device), length, window)
+    out = attend(qh, kh, vh, mask, scale, softcap, causal=True)
     return out.transpose(1, 2).reshape(rows, num_heads, head_dim)
 
 
@@ -197,26 +262,26 @@ def _gather(cache: KVPages, block_tables: torch.Tensor) -> torch.Tensor:
     return blocks.view(b, nb * bs, h, d).transpose(1, 2)
 
 
-def _decode_attention(q: torch.Tensor, k_cache: KVPages, v_cache: KVPages,
-                      meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def _decode_attention(q: torch.Tensor, k_cache: KVPages, v_cache: KVPages, meta: AttentionMetadata, scale: float,
+                      window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     # One query per sequence: fold each KV head's query group into the query-length axis, so no KV repeat.
     num_rows, num_heads, head_dim = q.shape
     keys = _gather(k_cache, meta.decode_block_tables)  # [D, Hkv, L, hd]
     num_kv_heads = keys.shape[1]
     values = _gather(v_cache, meta.decode_block_tables)
     grouped_q = q.view(num_rows, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [D, Hkv, G, hd]
-    mask = _decode_mask(meta, keys.shape[2] // meta.decode_block_tables.shape[1])
-    out = F.scaled_dot_product_attention(grouped_q, keys, values, attn_mask=mask, scale=scale)
+    mask = _decode_mask(meta, keys.shape[2] // meta.decode_block_tables.shape[1], window)
+    out = attend(grouped_q, keys, values, mask, scale, softcap)
     return out.reshape(num_rows, num_heads, head_dim)
 
 
 def _prefill_attention(q: torch.Tensor, k_cache: KVPages, v_cache: KVPages, seg: PrefillSegment,
-                       scale: float) -> torch.Tensor:
+                       scale: float, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     # q [S, Hq, hd], a chunk after `seg.context_start` cached tokens: it attends to them and to itself, all
     # gathered from the pages (its own keys/values were written there first).
     qh = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, S, hd]
     total = seg.context_start + seg.length
     keys = _gather(k_cache, seg.block_table[None])[:, :, :total]
     values = _gather(v_cache, seg.block_table[None])[:, :, :total]
-    out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=seg.causal_mask, scale=scale, enable_gqa=True)
+    out = attend(qh, keys, values, seg.mask(window), scale, softcap)
     return out[0].transpose(0, 1)

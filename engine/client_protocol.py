@@ -48,8 +48,8 @@ class EngineClient(Protocol):
     def counters(self) -> dict[str, int]:
         """Cumulative router counters for /metrics (KV hand-offs, stream migrations; empty in-process)."""
 
-    def shutting_down(self) -> None:
-        """The server is stopping: actors that leave now are neither drained nor replaced."""
+    def begin_shutdown(self) -> None:
+        """The server is draining: actors that exit or ask to leave now are neither replaced nor drained."""
 
     async def drain(self, actor_id: str) -> int:
         """Move an actor's requests elsewhere and restart it; how many moved (KeyError: no such actor)."""
@@ -66,5 +66,5 @@ class EngineClient(Protocol):
         """Fail or abort every request in flight and release the engine(s)."""
 
 
-ENGINE_CLIENT_METHODS = ("add", "abort", "stats", "can_serve", "actors", "calibration", "counters", "shutting_down",
+ENGINE_CLIENT_METHODS = ("add", "abort", "stats", "can_serve", "actors", "calibration", "counters", "begin_shutdown",
                          "drain", "placement_of", "trace", "close")

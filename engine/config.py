@@ -28,9 +28,16 @@ class RopeScaling:
             raise ConfigError(f"rope_scaling factor must be positive, got {self.factor}")
 
 
+HIDDEN_ACTS = ("silu", "gelu_tanh")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    """Hyper-parameters of a Llama-family decoder (Llama, SmolLM, Qwen2, Qwen3, Mistral without sliding window)."""
+    """Hyper-parameters of a decoder of the Llama family (Llama, SmolLM, Qwen2, Qwen3, Mistral) or of Gemma 2/3.
+
+    Sliding-window attention: a query at position p of a windowed layer attends to keys at positions
+    p - sliding_window < j <= p (the window counts the query itself, as transformers' masks do).
+    """
 
     vocab_size: int
     hidden_size: int
@@ -50,6 +57,17 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     architecture: str = "llama"
+    sliding_window: int | None = None  # tokens a windowed layer sees, the query's own included
+    # per layer: True where the layer attends through the sliding window; () with a window: every layer (Mistral)
+    sliding_layers: tuple[bool, ...] = ()
+    hidden_act: str = "silu"  # the MLP's gate activation: silu (SwiGLU) or gelu_tanh (GeGLU, Gemma)
+    norm_weight_offset: float = 0.0  # the checkpoint's RMSNorm weights w scale by (offset + w): 1 for Gemma
+    scale_embeddings: bool = False  # embeddings times sqrt(hidden_size) (Gemma)
+    sandwich_norms: bool = False  # norms after attention and around the MLP as well (Gemma 2/3)
+    query_pre_attn_scalar: float | None = None  # attention scale is this ** -0.5 (default head_dim ** -0.5)
+    attn_logit_softcap: float | None = None  # scores -> cap * tanh(scores / cap) before the mask (Gemma 2)
+    final_logit_softcap: float | None = None  # the same on the LM head's logits
+    rope_local_theta: float | None = None  # RoPE base of the windowed layers, unscaled (Gemma 3); None: rope_theta
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -60,6 +78,33 @@ class ModelConfig:
             raise ConfigError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if self.head_dim % 2:
             raise ConfigError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ConfigError(f"sliding_window must be positive, got {self.sliding_window}")
+        if self.sliding_layers and len(self.sliding_layers) != self.num_layers:
+            raise ConfigError(f"sliding_layers names {len(self.sliding_layers)} layers, the model has {self.num_layers}")
+        if any(self.sliding_layers) and self.sliding_window is None:
+            raise ConfigError("sliding_layers marks windowed layers but sliding_window is not set")
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ConfigError(f"hidden_act must be one of {', '.join(HIDDEN_ACTS)}, got {self.hidden_act!r}")
+        for name in ("query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap", "rope_local_theta"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ConfigError(f"model config {name} must be positive, got {value}")
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of layer `layer`, or None where it attends to its whole context."""
+        if self.sliding_window is None or (self.sliding_layers and not self.sliding_layers[layer]):
+            return None
+        return self.sliding_window
+
+    @property
+    def windowed(self) -> bool:
+        """Whether any layer attends through a sliding window."""
+        return any(self.layer_window(i) is not None for i in range(self.num_layers))
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
     def q_size(self) -> int:

@@ -35,6 +35,10 @@ class MigrationCounters:
     failed_migrations: int = 0  # streams that could not be moved (too many moves, or no decode actor in time)
 
 
+class NoCapacityError(RequestFailedError):
+    """No decode actor came (back) up within `park_timeout`: worth retrying later (the server's 503)."""
+
+
 class Failover:
     def __init__(self, supervisor: Supervisor, routed: dict[str, Routed], handoff: Handoff,
                  dispatch: Callable[[Routed], object], on_error: Callable[[str, Exception], None],
@@ -147,11 +151,12 @@ class Failover:
             if now - routed.parked_at > self.park_timeout:
                 if routed.streamed:
                     self.counters.failed_migrations += 1
-                self.fail(routed, "no decode actor became available")
+                self.fail(routed, f"no decode actor became available within {self.park_timeout:g} s",
+                          NoCapacityError)
 
-    def fail(self, routed: Routed, reason: str) -> None:
+    def fail(self, routed: Routed, reason: str, error: type[RequestFailedError] = RequestFailedError) -> None:
         self.forget(routed)
-        self._on_error(routed.request_id, RequestFailedError(reason))
+        self._on_error(routed.request_id, error(reason))
 
     def forget(self, routed: Routed) -> None:
         self.routed.pop(routed.request_id, None)

@@ -33,6 +33,11 @@ class ActorLayout:
     def uses_actors(self) -> bool:
         return self.decode_actors > 0 or self.listen_workers is not None
 
+    @property
+    def hands_off_kv(self) -> bool:
+        """Whether a prefill actor may write into the decode actors' pools: only then are they exported."""
+        return self.prefill_actors > 0 or self.listen_workers is not None
+
     def listen_address(self) -> tuple[str, int, bytes] | None:
         if self.listen_workers is None:
             return None
@@ -59,7 +64,8 @@ def actor_specs(layout: ActorLayout, engine_options: dict) -> list[ActorSpec]:
         if role is Role.DRAFT:
             options = _draft_options(options, layout.decode_actors, num_drafts, index)
         specs.append(ActorSpec(f"{role}-{index}", role, device, max(len(cpus), 1), cpus, "", options,
-                               draft_actor=draft_actor, trace=layout.trace_tokens))
+                               draft_actor=draft_actor, trace=layout.trace_tokens,
+                               share_kv=role is Role.DECODE and layout.hands_off_kv))
     return specs
 
 

@@ -37,7 +37,7 @@ class RouterSettings:
     policy: PlacementPolicy = PlacementPolicy("auto")
     handoff_timeout: float = 30.0  # a reservation + prefill + commit must finish within this
     max_attempts: int = 3
-    park_timeout: float = 60.0  # how long a request waits for a decode actor to come (back) up
+    park_timeout: float = 30.0  # how long a request waits for a decode actor to come (back) up
     max_migrations: int = 3  # times one stream may move to another decode actor before it ends with an error
 
 
@@ -72,7 +72,10 @@ class ActorRouter:
         if listen is not None:
             self.listen_address = await self.supervisor.listen_for_workers(*listen)
         elif not self.supervisor.ready(Role.DECODE):
-            raise RuntimeError("no decode actor could start; see the actor logs above")
+            reasons = "; ".join(f"{h.actor_id}: {h.start_error}" for h in self.supervisor.handles
+                                if h.spec.role is Role.DECODE and h.start_error)
+            raise RuntimeError(f"no decode actor could start: {reasons}" if reasons else
+                               "no decode actor could start; see the actor logs above")
         self._watchdog = asyncio.create_task(self.failover.watch())
 
     async def add(self, request: EngineRequest) -> Placement | None:
@@ -125,9 +128,6 @@ class ActorRouter:
                 "migrations": moved.migrations, "migrated_tokens": moved.migrated_tokens,
                 "failed_migrations": moved.failed_migrations}
 
-    def shutting_down(self) -> None:
-        self._stopping = True
-
     async def drain(self, actor_id: str) -> int:
         """Move every request off a prefill or decode actor while it still runs, then stop it; the supervisor
         starts a fresh one at once (a rolling restart). Returns the number of requests moved. KeyError for an
@@ -155,6 +155,12 @@ class ActorRouter:
 
         log.info("actor %s was asked to stop", handle.actor_id, extra={"actor_id": handle.actor_id})
         asyncio.ensure_future(drain_unless_stopping())
+
+    def begin_shutdown(self) -> None:
+        """The server drains: actors that exit now (a signal to the whole process group) stay down, and
+        actors that ask to leave are not drained."""
+        self._stopping = True
+        self.supervisor.begin_shutdown()
 
     async def close(self) -> None:
         """Fail every request in flight and stop the actors."""

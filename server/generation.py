@@ -11,6 +11,7 @@ from typing import AsyncIterator
 import jinja2
 from aiohttp import web
 
+from client.async_llm import RequestAbortedError
 from engine.engine_core import RequestError
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -18,6 +19,7 @@ from engine.model.loader import ModelSource
 from engine.structured import Guide, GuideError, source_compiler
 from engine.tokenizer import Tokenizer
 from engine.treatment import Treatment
+from router.failover import NoCapacityError, RequestFailedError
 from server.context import REQUEST_ID, TRACKER, ServerContext
 from server.errors import ApiError, bad_request
 from server.metrics import RequestRecord
@@ -28,6 +30,8 @@ from server.responses import ResponseMeta, chat_body, completion_body
 from server.streaming import DONE, SSE_HEADERS, ChunkBuilder, encode_events, sse_event
 
 OFFLOAD_CHARS = 16_384  # longer texts are tokenised on a worker thread so the loop stays responsive
+NO_CAPACITY_RETRY_AFTER = 5  # seconds: about what an actor restart takes
+SHUTTING_DOWN = "server shutting down"
 
 
 @dataclass(frozen=True)
@@ -159,8 +163,9 @@ def _render_chat(tokenizer: Tokenizer, req: GenerationRequest) -> str:
 
 async def engine_outputs(ctx: ServerContext, prepared: Prepared, tracker: RequestTracker
                          ) -> AsyncIterator[RequestOutput]:
-    """The engine's outputs, with its refusals as 400s and a shutdown abort as 503. Close it with aclosing():
-    closing it early aborts the request in the engine."""
+    """The engine's outputs, with its refusals as 400s, a shutdown abort as 503, no decode actor up in time as
+    503 with Retry-After, and a request the actors could not complete as 503 naming the cause. Close it with
+    aclosing(): closing it early aborts the request in the engine."""
     stream = ctx.llm.generate(prepared.token_ids, prepared.params, request_id=tracker.request_id,
                               priority=prepared.request.priority, treatment=prepared.treatment)
     async with aclosing(stream):
@@ -168,11 +173,17 @@ async def engine_outputs(ctx: ServerContext, prepared: Prepared, tracker: Reques
             async for out in stream:
                 tracker.last = out
                 if any(o.finish_reason == "abort" for o in out.outputs):
-                    raise ApiError(503, "the request was aborted: the server is shutting down", None,
-                                   "shutting_down")
+                    raise ApiError(503, SHUTTING_DOWN, None, "shutting_down")
                 yield out
         except RequestError as exc:
             raise bad_request(str(exc), exc.param) from None
+        except RequestAbortedError:
+            raise ApiError(503, SHUTTING_DOWN, None, "shutting_down") from None
+        except NoCapacityError as exc:
+            raise ApiError(503, f"no capacity: {exc}; retry later", None, "no_capacity",
+                           {"Retry-After": str(NO_CAPACITY_RETRY_AFTER)}) from None
+        except RequestFailedError as exc:
+            raise ApiError(503, f"the request could not be completed: {exc}", None, "engine_failure") from None
 
 
 async def whole_response(ctx: ServerContext, prepared: Prepared, tracker: RequestTracker,

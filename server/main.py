@@ -132,7 +132,7 @@ def _install_signal_handlers(shutdown: _Shutdown) -> None:
 async def drain(ctx: ServerContext, forced: asyncio.Event, log: structlog.stdlib.BoundLogger) -> None:
     """Stop admitting (503), give in-flight requests the grace period, then abort the rest."""
     ctx.admission.start_draining()
-    ctx.llm.shutting_down()
+    ctx.llm.begin_shutdown()
     log.info("draining", in_flight=len(ctx.admission.active_ids), grace_period=ctx.settings.grace_period)
     if await _idle_or_forced(ctx, forced, ctx.settings.grace_period):
         return

@@ -76,6 +76,8 @@ class ActorOptions:
                                 "says it pays (auto), always, or never")
     listen_workers: str | None = option(None, "accept `cli.py worker --connect` actors from other hosts (secret: "
                                         "$PHASE_SERVE_SECRET)", metavar="HOST:PORT", shown="none")
+    capacity_timeout: float = option(30.0, "seconds a request waits for a decode actor to come (back) up, e.g. "
+                                     "during a restart, before it gets 503 with Retry-After")
     in_process: bool = option(False, "run the engine inside the server process instead of actor subprocesses "
                               "(debugging)")
     long_prompt_threshold: int | None = option(None, "prompt tokens from which a request is long-in",
@@ -83,12 +85,17 @@ class ActorOptions:
     long_output_threshold: int | None = option(None, "max_tokens from which a request is long-out",
                                                shown="context / 32, at least 64")
 
+    def __post_init__(self) -> None:
+        if self.capacity_timeout <= 0:
+            raise ConfigError(f"capacity_timeout must be positive, got {self.capacity_timeout}")
+
     def client_options(self) -> dict:
         """The AsyncLLM keyword arguments (none in process)."""
         if self.in_process:
             return {}
         return dict(decode_actors=self.decode_actors, prefill_actors=self.prefill_actors, devices=self.devices,
-                    disagg=self.disagg, listen_workers=self.listen_workers, draft_actors=self.draft_actors)
+                    disagg=self.disagg, listen_workers=self.listen_workers, draft_actors=self.draft_actors,
+                    capacity_timeout=self.capacity_timeout)
 
     def thresholds(self, context: int) -> QuadrantThresholds:
         """Thresholds as given, else scaled to the served model's context (8192 -> 512 in, 256 out)."""

@@ -81,13 +81,15 @@ class ServerProcess:
 
 
 def start_server(log_path: Path, *args: str, env: dict[str, str] | None = None,
-                 timeout: float = 120) -> ServerProcess:
-    """Runs `cli.py serve ARGS` on a free loopback port and waits until /health answers 200."""
+                 timeout: float = 120, new_session: bool = False) -> ServerProcess:
+    """Runs `cli.py serve ARGS` on a free loopback port and waits until /health answers 200. `new_session`:
+    the server leads a process group of its own (its pid is the group id), as a service manager starts it."""
     port = free_port()
     cmd = [sys.executable, "cli.py", "serve", "--port", str(port), "--log-format", "json", *args]
     full_env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", **(env or {})}
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=full_env)
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=full_env,
+                                start_new_session=new_session)
     server = ServerProcess(proc, f"http://127.0.0.1:{port}", log_path)
     if not wait_until(lambda: _healthy(server), timeout, interval=0.1):
         server.stop(signal.SIGKILL)

@@ -11,6 +11,7 @@ import pytest_asyncio
 
 from engine import LLM, AsyncLLM, SamplingParams
 from tests.test_engine import GREEDY, make_prompts
+from transport.owned import owned_prefix
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 OPTIONS = dict(dtype="float32", num_kv_blocks=256, block_size=8, max_num_batched_tokens=64)
@@ -21,9 +22,12 @@ async def cluster(tiny_model_dir):
     llm = AsyncLLM(str(tiny_model_dir), decode_actors=1, prefill_actors=1, disagg="always", **OPTIONS)
     await llm.start()
     yield llm
-    pools = [h.ready.kv_export["name"] for h in llm._client.supervisor.handles if h.spec.role == "decode"]
+    decodes = [h for h in llm._client.supervisor.handles if h.spec.role == "decode"]
+    assert all(h.ready.kv_export["kind"] == "shm" and h.ready.kv_export["socket"] for h in decodes)
+    pids = [h.pid for h in decodes]
     await llm.aclose()
-    assert not any(Path(name).exists() for name in pools), "a shared KV pool outlived its actor"
+    left = [p for pid in pids for p in Path("/dev/shm").glob(f"{owned_prefix('kv', pid)}*")]
+    assert not left, "a shared KV pool outlived its actor"
 
 
 @pytest.fixture(scope="module")

@@ -253,7 +253,7 @@ def test_disaggregated_into_a_quantised_pool_equals_colocated(tiny_model_dir, kv
         assert [o.token_ids for o in outs] == [o.token_ids for o in colocated]
         assert_pool_clean(decode)
     finally:
-        pool.unlink()
+        pool.close()
 
 
 @pytest.mark.parametrize("kv_format", QUANTISED)
@@ -275,7 +275,7 @@ def test_corrupted_quantised_hand_off_is_refused(tiny_model_dir, kv_format):
                                          res.checksum)
         assert_pool_clean(decode)
     finally:
-        pool.unlink()
+        pool.close()
 
 
 @pytest.mark.process

@@ -199,7 +199,7 @@ def test_hand_off_into_an_adaptive_decode_engine(tiny_model_dir):
             assert out.token_ids[:n] == ref[:n]
         assert_clean(engine)
     finally:
-        pools[0].unlink()
+        pools[0].close()
 
 
 # ----------------------------------------------------------------------------------- pages

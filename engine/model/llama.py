@@ -1,14 +1,20 @@
-"""A Llama-family decoder (Llama 2/3, SmolLM, Qwen2, Qwen3, Mistral) written for a paged KV cache.
+"""A Llama-family decoder (Llama 2/3, SmolLM, Qwen2, Qwen3, Mistral) or Gemma 2/3, written for a paged KV cache.
 
 forward() takes the flat batch of new tokens of every scheduled sequence (no padding) with their positions
 and the attention metadata; each layer writes its new keys/values into the cache pages and attends through
 them. Projections are fused (q|k|v and gate|up) so that one step issues few, large matrix products.
+
+Gemma differs only in what ModelConfig names: embeddings scaled by sqrt(hidden); RMSNorm weights stored as w
+and applied as (1 + w), so they are loaded as 1 + w and every norm runs as Llama's; GeGLU; a norm after
+attention and after the MLP as well as before each (GemmaDecoderLayer); soft-capped attention scores and
+logits; windowed layers with their own RoPE base (Gemma 3).
 """
 from __future__ import annotations
 
 from typing import Iterable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention
@@ -45,15 +51,17 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.cfg = cfg
+        self.window = cfg.layer_window(layer)  # None: the layer attends to its whole context
+        self.softcap = cfg.attn_logit_softcap
         self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
         self.o_proj = Linear(cfg.q_size, cfg.hidden_size, bias=cfg.attention_out_bias)
         # Qwen3: one RMSNorm over head_dim, shared by every q head (and one by every k head)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.scale = cfg.head_dim ** -0.5
+        self.scale = cfg.attention_scale
 
     def forward(self, x: torch.Tensor, rope: Rope, meta: AttentionMetadata, kv: tuple[torch.Tensor, torch.Tensor],
                 backend: Backend, keep_rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -64,7 +72,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             self._norm_heads(qkv, backend)
         q, k, v = backend.rotary(qkv, rope, c.num_heads, c.num_kv_heads, c.head_dim)  # [T, H, hd]
-        out = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale, backend)  # [T, Hq, hd]
+        out = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale, backend, self.window,
+                              self.softcap)  # [T, Hq, hd]
         if keep_rows is not None:
             out = out[keep_rows]  # [K, Hq, hd]
         return self.o_proj(out.reshape(len(out), c.q_size), backend)
@@ -88,18 +97,23 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.act = cfg.hidden_act
 
     def forward(self, x: torch.Tensor, backend: Backend) -> torch.Tensor:
         gate_up = self.gate_up_proj
-        h = backend.gate_up_silu(x, gate_up.weight, gate_up.packed, self.gate_up_silu)  # silu(gate) * up [T, I]
+        if self.act == "gelu_tanh":  # GeGLU: gelu_tanh(gate) * up [T, I]
+            gate, up = gate_up(x, backend).chunk(2, dim=-1)
+            h = F.gelu(gate, approximate="tanh") * up
+        else:
+            h = backend.gate_up_silu(x, gate_up.weight, gate_up.packed, self.gate_up_silu)  # silu(gate) * up [T, I]
         return self.down_proj(h, backend)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
@@ -120,6 +134,34 @@ class DecoderLayer(nn.Module):
         return self.mlp(h, backend), residual
 
 
+class GemmaDecoderLayer(nn.Module):
+    """Gemma 2/3: each sub-block's output is normalised before it joins the residual stream, and the MLP's input
+    has a norm of its own (post_attention_layernorm here follows attention, unlike Llama's)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+        self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope, meta: AttentionMetadata,
+                kv: tuple[torch.Tensor, torch.Tensor], backend: Backend,
+                keep_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """As DecoderLayer.forward: x is the previous layer's normalised MLP output, not yet added."""
+        if residual is None:
+            h, residual = self.input_layernorm(x, backend), x
+        else:
+            h, residual = self.input_layernorm.add_forward(x, residual, backend)
+        h = self.post_attention_layernorm(self.self_attn(h, rope, meta, kv, backend, keep_rows), backend)
+        if keep_rows is not None:
+            residual = residual[keep_rows]
+        h, residual = self.pre_feedforward_layernorm.add_forward(h, residual, backend)
+        return self.post_feedforward_layernorm(self.mlp(h, backend), backend), residual
+
+
 class LlamaModel(nn.Module):
     """Decoder stack plus LM head. KV pages are passed in, never owned, so actors can share or export them."""
 
@@ -128,11 +170,15 @@ class LlamaModel(nn.Module):
         self.cfg = cfg
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling,
                                     device)
+        # Gemma 3's windowed layers rotate with their own base, unscaled
+        self.local_rope = None if cfg.rope_local_theta is None else RotaryEmbedding(
+            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_local_theta, None, device)
         # Given its (meta) weight, Embedding skips its random init, whose meta-device path imports torch._dynamo
         # (about 1.5 s of every actor start).
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        layer_class = GemmaDecoderLayer if cfg.sandwich_norms else DecoderLayer
+        self.layers = nn.ModuleList(layer_class(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.backend: Backend = TorchBackend(device)  # see set_backend
@@ -149,7 +195,10 @@ class LlamaModel(nn.Module):
         skips nearly all of that layer's products. A decode-only step may run the layers as one backend call
         (Backend.decode_layers), to the same bits."""
         x = self.embed_tokens(input_ids)
+        if self.cfg.scale_embeddings:  # the scale rounded to the weights' dtype first, as transformers does
+            x = x * torch.tensor(self.cfg.hidden_size ** 0.5, dtype=x.dtype)
         rope = self.rope.lookup(positions, x.dtype)
+        local = rope if self.local_rope is None else self.local_rope.lookup(positions, x.dtype)
         kv_caches = kv_caches[:len(self.layers) if num_layers is None else num_layers]
         stacked = self.backend.decode_layers(self, x, rope, meta, kv_caches)
         if stacked is not None:
@@ -160,17 +209,24 @@ class LlamaModel(nn.Module):
             residual = None
             last = len(kv_caches) - 1
             for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
-                x, residual = layer(x, residual, rope, meta, kv, self.backend, keep_rows if i == last else None)
+                layer_rope = rope if layer.self_attn.window is None else local
+                x, residual = layer(x, residual, layer_rope, meta, kv, self.backend, keep_rows if i == last else None)
         return self.norm.add_forward(x, residual, self.backend)[0]
 
     def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
         """hidden [B, hidden] -> logits [B, vocab], in float32 or (float32=False) in the model's dtype."""
         logits = self.backend.linear(hidden, self.lm_weight(), None, self.lm_packed)
+        cap = self.cfg.final_logit_softcap
+        if cap is not None:  # in the model's dtype, as transformers caps them
+            logits = torch.tanh(logits / cap) * cap
         return logits.float() if float32 else logits
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden [B, hidden] -> [B] int64: each row's argmax of compute_logits(hidden, float32=False), taken as
-        the LM head's results come out, without the [B, V] logits; None where the backend has no such path."""
+        the LM head's results come out, without the [B, V] logits; None where the backend has no such path, and
+        with capped logits (capping in the model's dtype may tie what the raw logits order)."""
+        if self.cfg.final_logit_softcap is not None:
+            return None
         return self.backend.greedy_tokens(self, hidden)
 
     def lm_weight(self) -> torch.Tensor:
@@ -207,6 +263,8 @@ class LlamaModel(nn.Module):
                 continue
             if target not in params:
                 raise KeyError(f"checkpoint tensor {name!r} has no place in the model")
+            if self.cfg.norm_weight_offset and target.endswith("norm.weight"):  # Gemma's (1 + w), in float32
+                tensor = tensor.float() + self.cfg.norm_weight_offset
             params[target].narrow(0, offset, tensor.shape[0]).copy_(tensor)
             rows_filled[target] += tensor.shape[0]
         missing = sorted(n for n, rows in rows_filled.items() if rows != params[n].shape[0])

@@ -43,7 +43,7 @@ class LayerPrefixModel(nn.Module):
         if not 1 <= num_layers <= target.cfg.num_layers:
             raise ValueError(f"self:{num_layers} needs 1..{target.cfg.num_layers} layers of the target")
         self.target = target
-        self.cfg = replace(target.cfg, num_layers=num_layers)
+        self.cfg = replace(target.cfg, num_layers=num_layers, sliding_layers=target.cfg.sliding_layers[:num_layers])
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
