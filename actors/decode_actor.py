@@ -171,12 +171,15 @@ class DecodeActor(Actor):
 
     def deliver(self, outputs: list) -> None:
         by_owner: dict[int, tuple[Connection, list]] = {}
+        done = set()
         for update in outputs:
             conn = self.owners.get(update.request_id)
             if conn is not None:
                 by_owner.setdefault(id(conn), (conn, []))[1].append(update_to_wire(update))
             if update.finish_reason is not None and update.request_id not in self.engine.scheduler.by_request:
-                self.owners.pop(update.request_id, None)  # every sample of the request has finished
+                done.add(update.request_id)  # every sample has finished: forgotten once this step's rows are out
+        for request_id in done:
+            self.owners.pop(request_id, None)
         trace = [self.thread.step_done_at, time.monotonic()] if self.spec.trace else None
         for conn, rows in by_owner.values():
             asyncio.ensure_future(send_quietly(conn, m.TokenUpdates(rows, trace)))

@@ -67,6 +67,21 @@ async def test_disaggregated_outputs_equal_colocated(cluster, reference):
     await assert_clean(cluster)
 
 
+async def test_samples_finishing_in_one_step_all_arrive(cluster, reference):
+    """n samples that finish in the same step each send their last row (the request's owner outlives the
+    step's rows), so an n > 1 request ends, with the in-process engine's samples."""
+    prompt = make_prompts(1, seed=40)[0]
+    for n in (2, 4):
+        params = SamplingParams(max_tokens=5, temperature=1.0, seed=9, n=n)
+        last = None
+        async for out in cluster.generate(prompt, params):
+            last = out
+        assert last.finished and [o.finish_reason for o in last.outputs] == ["length"] * n
+        expected = await asyncio.to_thread(reference.generate, [prompt], params)
+        assert [o.token_ids for o in last.outputs] == [o.token_ids for o in expected[0].outputs]
+    await assert_clean(cluster)
+
+
 async def test_only_missing_blocks_move_on_a_prefix_hit(cluster, reference):
     router = cluster._client
     decode = router.supervisor.ready("decode")[0].ready
