@@ -36,7 +36,7 @@ from dataclasses import dataclass, fields, is_dataclass
 from types import MappingProxyType
 from typing import Any, ClassVar
 
-PROTOCOL_VERSION = 5  # 5: `sampling` carries `guide` (structured outputs: kind, source, choices)
+PROTOCOL_VERSION = 6  # 6: `guide.kind` may be structural_tag (tool calls); 5: `sampling` carries `guide`
 
 KV_EXPORT_KINDS = ("shm", "cuda_ipc", "none")
 """`Ready.kv_export["kind"]`: how peers map the actor's KV pool."""
