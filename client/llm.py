@@ -5,13 +5,14 @@ import itertools
 import time
 from typing import Sequence
 
-from client.prompts import Messages, Prepared, Prompt, chat_prompt, engine_config, prepare
+from client.prompts import Messages, Prepared, Prompt, ToolRequest, chat_prompt, engine_config, prepare
 from engine.config import OFFLINE_MAX_NUM_BATCHED_TOKENS
 from engine.engine_core import EngineCore, EngineRequest
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.step import SequenceUpdate
+from engine.tool_calls import parser_for
 
 
 class LLM:
@@ -34,9 +35,20 @@ class LLM:
         return self._run([prepare(self.tokenizer, p) for p in prompts], params)
 
     def chat(self, messages: Messages | Sequence[Messages],
-             params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+             params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+             tools: Sequence[dict] | None = None, tool_choice: str | dict | None = None,
+             parallel_tool_calls: bool = True, tool_call_parser: str = "auto") -> list[RequestOutput]:
+        """With `tools` (OpenAI's shape), each sample's `tool_calls` and `content` hold what the model called
+        and said; tool_choice "required" or `{"type": "function", "function": {"name": ...}}` forces a call
+        whose arguments follow the function's schema. tool_call_parser: auto, hermes, llama3 or mistral."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        return self._run([chat_prompt(self.tokenizer, m) for m in conversations], params)
+        if not tools:
+            return self._run([chat_prompt(self.tokenizer, m) for m in conversations], params)
+        parser = parser_for(tool_call_parser, self.tokenizer.chat_template, self.engine.source.config.architecture)
+        request = ToolRequest.of(tools, tool_choice, parser, parallel_tool_calls)
+        params_list = [request.params(self.tokenizer, p) for p in _per_prompt(params, len(conversations))]
+        outputs = self._run([request.prompt(self.tokenizer, m) for m in conversations], params_list)
+        return [request.read(out) for out in outputs]
 
     def _run(self, prepared: list[Prepared], params) -> list[RequestOutput]:
         params_list = _per_prompt(params, len(prepared))

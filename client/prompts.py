@@ -1,14 +1,19 @@
 """Prompts as the embedded clients take them: text, token ids or chat messages, tokenised once."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Union
+from typing import Any, Sequence, Union
 
 from engine.config import EngineConfig
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
+from engine.tool_calls import (Tool, ToolChoice, ToolParser, marks_special_tokens, parse_tool_choice, parse_tools,
+                               template_renders_tools, tool_messages)
 
 Prompt = Union[str, list[int]]
-Messages = list[dict[str, str]]
+Messages = list[dict[str, Any]]
 
 
 def engine_config(model: str | None, dtype: str | None, options: dict) -> EngineConfig:
@@ -30,3 +35,45 @@ def prepare(tokenizer: Tokenizer, prompt: Prompt) -> Prepared:
 def chat_prompt(tokenizer: Tokenizer, messages: Messages) -> Prepared:
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     return Prepared(text, tokenizer.encode(text, add_special_tokens=False))
+
+
+@dataclass(frozen=True)
+class ToolRequest:
+    """A chat's tools as the embedded clients take them (OpenAI's `tools` and `tool_choice`)."""
+
+    tools: tuple[Tool, ...]
+    choice: ToolChoice
+    parser: ToolParser
+    parallel: bool = True
+
+    @classmethod
+    def of(cls, tools: Sequence[dict[str, Any]], tool_choice: Any, parser: ToolParser,
+           parallel: bool = True) -> ToolRequest:
+        """ToolError (a ValueError naming the field) for malformed tools or a choice naming no tool."""
+        parsed = parse_tools(list(tools))
+        return cls(parsed, parse_tool_choice(tool_choice, parsed), parser, parallel)
+
+    def prompt(self, tokenizer: Tokenizer, messages: Messages) -> Prepared:
+        rendered, extra = tool_messages(messages, self.tools, self.parser,
+                                        template_renders_tools(tokenizer.chat_template))
+        text = tokenizer.apply_chat_template(rendered, add_generation_prompt=True, **extra)
+        return Prepared(text, tokenizer.encode(text, add_special_tokens=False))
+
+    def params(self, tokenizer: Tokenizer, params: SamplingParams) -> SamplingParams:
+        """`params` with the grammar of a forced call, and special tokens kept where the format's marker is one."""
+        if self.choice.mode == "none":
+            return params
+        if self.choice.forced:
+            params = dataclasses.replace(params, guide=self.parser.forced_guide(self.tools, self.choice,
+                                                                                self.parallel))
+        if marks_special_tokens(self.parser, tokenizer):
+            params = dataclasses.replace(params, skip_special_tokens=False)
+        return params
+
+    def read(self, out: RequestOutput) -> RequestOutput:
+        """Each sample's tool calls and content, read out of its text."""
+        if self.choice.mode == "none":
+            return out
+        for sample in out.outputs:
+            sample.content, sample.tool_calls = self.parser.parse(sample.text, parallel=self.parallel)
+        return out

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 from engine.sampler import TokenLogprobs
 from engine.speculative.adaptive import SpecCounts
+from engine.tool_calls import ToolCall
 
 
 @dataclass
@@ -19,6 +20,9 @@ class CompletionOutput:
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
     delta_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # LLM.chat with tools: the calls read out of `text` (None: no tools offered), and the text before them.
+    tool_calls: list[ToolCall] | None = None
+    content: str | None = None
 
     @property
     def finished(self) -> bool:

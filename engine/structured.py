@@ -26,7 +26,7 @@ import torch
 if TYPE_CHECKING:
     from engine.tokenizer import Tokenizer
 
-GUIDE_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+GUIDE_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 CACHE_SIZE = 256  # compiled grammars kept per tokenizer
 # Whitespace characters allowed between JSON tokens: enough for a model's usual `{"a": 1}` spacing, bounded so
 # that a sampler cannot spend its whole budget on blanks.
@@ -40,7 +40,9 @@ class GuideError(ValueError):
 @dataclass(frozen=True)
 class Guide:
     """One constraint. `kind` is one of GUIDE_KINDS; `source` is the schema as JSON text (json), the regex
-    (regex), the EBNF grammar (grammar), "" (json_object: any JSON object); `choices` for kind choice."""
+    (regex), the EBNF grammar (grammar), "" (json_object: any JSON object), xgrammar's structural tag as JSON
+    text (structural_tag: literal text around JSON-schema parts, such as a tool call); `choices` for kind
+    choice."""
 
     kind: str
     source: str = ""
@@ -166,7 +168,7 @@ class GrammarCompiler:
 
     def _compile(self, guide: Guide) -> Any:
         try:
-            c = self._for_json() if guide.kind in ("json", "json_object") else self._compiler
+            c = self._for_json() if guide.kind in ("json", "json_object", "structural_tag") else self._compiler
             if guide.kind == "json":
                 return c.compile_json_schema(guide.source, any_whitespace=True, max_whitespace_cnt=MAX_WHITESPACE)
             if guide.kind == "json_object":
@@ -174,6 +176,8 @@ class GrammarCompiler:
                                              max_whitespace_cnt=MAX_WHITESPACE)
             if guide.kind == "regex":
                 return c.compile_regex(guide.source)
+            if guide.kind == "structural_tag":
+                return c.compile_structural_tag(guide.source)
             if guide.kind == "choice":
                 return c.compile_grammar("root ::= " + " | ".join(_ebnf_string(x) for x in guide.choices))
             return c.compile_grammar(guide.source)

@@ -75,7 +75,7 @@ async def _json_errors(ctx: ServerContext, request: web.Request, handler: Handle
     except ApiError as err:
         return _error(request, err)
     except web.HTTPException as exc:  # the router's 404 / 405
-        return _error(request, from_http_exception(exc))
+        return _error(request, from_http_exception(exc, request.method, request.path))
     except Exception:
         ctx.log.exception("unhandled error", method=request.method, path=request.path)
         return _error(request, ApiError(500, f"internal server error (request {request[REQUEST_ID]})", None,
@@ -130,7 +130,15 @@ async def _chat(request: web.Request) -> web.StreamResponse:
 
 async def _models(request: web.Request) -> web.Response:
     ctx = request.app[CONTEXT]
-    return web.json_response(model_list(ctx.limits.name, ctx.created, ctx.limits.max_model_len))
+    return web.json_response(model_list(ctx.limits.name, ctx.created, ctx.limits.max_model_len,
+                                        active_defaults(ctx)))
+
+
+def active_defaults(ctx: ServerContext) -> dict:
+    """The defaults of fields a request leaves out: the model's generation_config.json ones, the max_tokens
+    cap, and the tool-call format."""
+    return {"generation_config": ctx.generation_defaults, "max_tokens": ctx.defaults.max_tokens,
+            "tool_call_parser": ctx.tool_parser.name}
 
 
 async def _health(request: web.Request) -> web.Response:

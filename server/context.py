@@ -9,9 +9,11 @@ import structlog
 from aiohttp import web
 
 from client import AsyncLLM
+from engine.tool_calls import ToolParser, parser_for
 from server.admission import Admission
+from server.defaults import request_defaults
 from server.metrics import ServerMetrics
-from server.protocol import ModelLimits
+from server.protocol import ModelLimits, RequestDefaults
 from server.quadrant import TreatmentOptions
 from server.settings import ServerSettings
 
@@ -38,6 +40,9 @@ class ServerContext:
     log: structlog.stdlib.BoundLogger
     created: int  # unix time the app was built; the model card's `created`
     treatment: TreatmentOptions  # what treatment_for() may give each quadrant
+    defaults: RequestDefaults  # what a request that leaves fields out gets
+    generation_defaults: dict[str, Any]  # the model's own defaults among them (generation_config.json)
+    tool_parser: ToolParser  # the served model's tool-call format
 
     @classmethod
     def build(cls, llm: AsyncLLM, settings: ServerSettings, log: structlog.stdlib.BoundLogger) -> ServerContext:
@@ -45,8 +50,12 @@ class ServerContext:
                              llm.source.config.vocab_size)
         dtype = llm.dtype_name
         metrics = ServerMetrics(llm.stats, limits.name, limits.max_model_len, llm.actors, llm.counters)
+        defaults, from_model = request_defaults(llm.source.path, settings.generation_config,
+                                                settings.default_max_tokens)
+        parser = parser_for(settings.tool_call_parser, llm.tokenizer.chat_template,
+                            getattr(llm.source.config, "architecture", None))
         return cls(llm, settings, limits, dtype, metrics, Admission(settings.max_queue), log, int(time.time()),
-                   treatment_options(llm, settings))
+                   treatment_options(llm, settings), defaults, from_model, parser)
 
 
 CONTEXT = web.AppKey("phase_serve_context", ServerContext)

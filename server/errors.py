@@ -48,11 +48,20 @@ def json_type(value: Any) -> str:
     return names.get(type(value), type(value).__name__)
 
 
-def from_http_exception(exc: web.HTTPException) -> ApiError:
-    """aiohttp's own 404 / 405 / 413 as OpenAI-shaped errors."""
+ROUTES = ("POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models", "GET /health", "GET /metrics",
+          "GET /status")
+
+
+def from_http_exception(exc: web.HTTPException, method: str = "", path: str = "") -> ApiError:
+    """aiohttp's own 404 / 405 / 413 as OpenAI-shaped errors, with a sentence saying what exists."""
     codes = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}
     headers = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
-    return ApiError(exc.status, exc.reason, None, codes.get(exc.status), headers)
+    message = exc.reason
+    if exc.status == 404:
+        message = f"there is no route {method} {path} on this server; it serves {', '.join(ROUTES)}."
+    elif exc.status == 405 and headers:
+        message = f"{path} does not take {method}; it takes {headers['Allow']}."
+    return ApiError(exc.status, message, None, codes.get(exc.status), headers)
 
 
 def error_response(err: ApiError) -> web.Response:

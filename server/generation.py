@@ -3,6 +3,7 @@ as server-sent events, and record its metrics."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -14,19 +15,21 @@ from aiohttp import web
 from client.async_llm import RequestAbortedError
 from engine.engine_core import RequestError
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, SamplingParamsError
 from engine.model.loader import ModelSource
 from engine.structured import Guide, GuideError, source_compiler
 from engine.tokenizer import Tokenizer
+from engine.tool_calls import ToolParser, marks_special_tokens, template_renders_tools, tool_messages
 from engine.treatment import Treatment
 from router.failover import NoCapacityError, RequestFailedError
 from server.context import REQUEST_ID, TRACKER, ServerContext
 from server.errors import ApiError, bad_request
+from server.fim import fim_prompt, fim_tokens
 from server.metrics import RequestRecord
 from server.protocol import (GenerationRequest, ModelLimits, check_prompt_tokens, effective_max_tokens,
                              messages_as_dicts, parse_chat, parse_completion, parse_json_body, sampling_params)
 from server.quadrant import Quadrant, QuadrantThresholds, TreatmentOptions, classify, treatment_for
-from server.responses import ResponseMeta, chat_body, completion_body
+from server.responses import ResponseMeta, ToolOutput, best_of_outputs, chat_body, completion_body, usage
 from server.streaming import DONE, SSE_HEADERS, ChunkBuilder, encode_events, sse_event
 
 OFFLOAD_CHARS = 16_384  # longer texts are tokenised on a worker thread so the loop stays responsive
@@ -41,6 +44,8 @@ class Prepared:
     params: SamplingParams
     quadrant: Quadrant
     treatment: Treatment
+    tools: ToolOutput | None = None  # how to read tool calls out of the output; None: plain text
+
 
 
 @dataclass
@@ -116,15 +121,37 @@ async def read_body(request: web.Request, limit: int) -> bytes:
 
 async def prepare(req: GenerationRequest, tokenizer: Tokenizer, limits: ModelLimits,
                   thresholds: QuadrantThresholds, treatments: TreatmentOptions = TreatmentOptions(),
-                  source: ModelSource | None = None) -> Prepared:
-    """`source`: the model whose vocabulary compiles a structured-output constraint (None: left to the engine)."""
-    token_ids = await _encode(req, tokenizer)
+                  source: ModelSource | None = None, tool_parser: ToolParser | None = None) -> Prepared:
+    """`source`: the model whose vocabulary compiles a structured-output constraint (None: left to the engine).
+    `tool_parser`: the served model's tool-call format (None: hermes)."""
+    parser = (tool_parser or ToolParser.default()) if req.tools else None
+    token_ids = await _encode(req, tokenizer, parser)
     check_prompt_tokens(token_ids, limits, req.prompt_param)
-    params = sampling_params(req.sampling, len(token_ids), limits)
+    params = _best_of(req, sampling_params(req.sampling, len(token_ids), limits))
+    guide_param, tools = req.sampling.guide_param, None
+    if parser is not None and req.tool_choice.mode != "none":
+        tools = ToolOutput(parser, req.parallel_tool_calls)
+        if req.tool_choice.forced:
+            params = dataclasses.replace(params, guide=parser.forced_guide(req.tools, req.tool_choice,
+                                                                           req.parallel_tool_calls))
+            guide_param = "tools"
+        if marks_special_tokens(parser, tokenizer):
+            params = dataclasses.replace(params, skip_special_tokens=False)
     if params.guide is not None and source is not None:
-        await compile_guide(params.guide, req.sampling.guide_param, source)
+        await compile_guide(params.guide, guide_param, source)
     quadrant = classify(len(token_ids), effective_max_tokens(req.sampling, len(token_ids), limits), thresholds)
-    return Prepared(req, token_ids, params, quadrant, treatment_for(quadrant, treatments))
+    return Prepared(req, token_ids, params, quadrant, treatment_for(quadrant, treatments), tools)
+
+
+def _best_of(req: GenerationRequest, params: SamplingParams) -> SamplingParams:
+    """best_of samples, each with its tokens' logprobs (to rank them by their sum)."""
+    if req.best_of is None:
+        return params
+    try:
+        return dataclasses.replace(params, n=req.best_of, logprobs=params.logprobs or 0)
+    except SamplingParamsError as exc:
+        raise bad_request(str(exc).replace("n must", "best_of must", 1), "best_of") from None
+
 
 
 async def compile_guide(guide: Guide, param: str, source: ModelSource) -> None:
@@ -137,12 +164,24 @@ async def compile_guide(guide: Guide, param: str, source: ModelSource) -> None:
         raise bad_request(f"'{param}': {exc}", param) from None
 
 
-async def _encode(req: GenerationRequest, tokenizer: Tokenizer) -> list[int]:
+async def _encode(req: GenerationRequest, tokenizer: Tokenizer, parser: ToolParser | None) -> list[int]:
+    if req.suffix is not None:
+        return await _encode_text(tokenizer, _fill_in_the_middle(tokenizer, req), add_special_tokens=True)
     if isinstance(req.prompt, str):
         return await _encode_text(tokenizer, req.prompt, add_special_tokens=True)
     if not req.chat:
         return list(req.prompt)
-    return await _encode_text(tokenizer, _render_chat(tokenizer, req), add_special_tokens=False)
+    return await _encode_text(tokenizer, _render_chat(tokenizer, req, parser), add_special_tokens=False)
+
+
+def _fill_in_the_middle(tokenizer: Tokenizer, req: GenerationRequest) -> str:
+    tokens = fim_tokens(tokenizer)
+    if tokens is None:
+        raise bad_request("'suffix' needs fill-in-the-middle tokens, and this model's vocabulary has none "
+                          "(<fim_prefix>/<fim_suffix>/<fim_middle> or the like).", "suffix", "unsupported_parameter")
+    prompt = req.prompt if isinstance(req.prompt, str) else tokenizer.decode(list(req.prompt),
+                                                                               skip_special_tokens=False)
+    return fim_prompt(tokens, prompt, req.suffix or "")
 
 
 async def _encode_text(tokenizer: Tokenizer, text: str, add_special_tokens: bool) -> list[int]:
@@ -151,9 +190,13 @@ async def _encode_text(tokenizer: Tokenizer, text: str, add_special_tokens: bool
     return tokenizer.encode(text, add_special_tokens)
 
 
-def _render_chat(tokenizer: Tokenizer, req: GenerationRequest) -> str:
+def _render_chat(tokenizer: Tokenizer, req: GenerationRequest, parser: ToolParser | None) -> str:
+    messages, extra = messages_as_dicts(req.prompt), {}
+    if parser is not None or any(m["role"] == "tool" or m.get("tool_calls") for m in messages):
+        messages, extra = tool_messages(messages, req.tools, parser or ToolParser.default(),
+                                        template_renders_tools(tokenizer.chat_template))
     try:
-        return tokenizer.apply_chat_template(messages_as_dicts(req.prompt), add_generation_prompt=True)
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt, **extra)
     except (jinja2.TemplateError, ValueError) as exc:
         raise bad_request(f"the messages cannot be rendered with this model's chat template: {exc}",
                           "messages") from None
@@ -192,9 +235,21 @@ async def whole_response(ctx: ServerContext, prepared: Prepared, tracker: Reques
     async with aclosing(engine_outputs(ctx, prepared, tracker)) as outputs:
         async for final in outputs:
             pass
-    build = chat_body if prepared.request.chat else completion_body
     tracker.outcome = "ok"
-    return web.json_response(build(meta, final, ctx.llm.tokenizer), headers=placement_headers(prepared, final))
+    return web.json_response(response_body(prepared, meta, final, ctx.llm.tokenizer),
+                             headers=placement_headers(prepared, final))
+
+
+def response_body(prepared: Prepared, meta: ResponseMeta, final: RequestOutput, tokenizer: Tokenizer) -> dict:
+    req = prepared.request
+    if req.chat:
+        return chat_body(meta, final, tokenizer, prepared.tools)
+    if req.best_of is None:
+        return completion_body(meta, final, tokenizer, req.echo_text(tokenizer))
+    best = best_of_outputs(final, req.sampling.n, keep_logprobs=req.sampling.logprobs is not None)
+    body = completion_body(meta, best, tokenizer, req.echo_text(tokenizer))
+    body["usage"] = usage(len(final.prompt_token_ids), final.outputs)  # every sample generated counts
+    return body
 
 
 def placement_headers(prepared: Prepared, out: RequestOutput) -> dict[str, str]:
@@ -206,7 +261,8 @@ async def stream_response(request: web.Request, ctx: ServerContext, prepared: Pr
                           meta: ResponseMeta) -> web.StreamResponse:
     req = prepared.request
     builder = ChunkBuilder(meta, ctx.llm.tokenizer, chat=req.chat, wants_logprobs=req.sampling.logprobs is not None,
-                           include_usage=req.include_usage)
+                           include_usage=req.include_usage, tools=prepared.tools,
+                           echo=None if req.chat else req.echo_text(ctx.llm.tokenizer))
     async with aclosing(engine_outputs(ctx, prepared, tracker)) as outputs:
         first = await anext(outputs)  # before the headers, so that a refusal still gets its status code
         response = web.StreamResponse(headers=SSE_HEADERS | placement_headers(prepared, first))
@@ -264,8 +320,8 @@ async def handle_generation(request: web.Request, ctx: ServerContext, chat: bool
     ctx.admission.check_open()
     body = parse_json_body(await read_body(request, ctx.settings.max_body_bytes))
     parse = parse_chat if chat else parse_completion
-    prepared = await prepare(parse(body, ctx.limits.name), ctx.llm.tokenizer, ctx.limits, ctx.settings.quadrants,
-                             ctx.treatment, ctx.llm.source)
+    prepared = await prepare(parse(body, ctx.limits.name, ctx.defaults), ctx.llm.tokenizer, ctx.limits,
+                             ctx.settings.quadrants, ctx.treatment, ctx.llm.source, ctx.tool_parser)
     tracker = RequestTracker(request[REQUEST_ID], arrival, len(prepared.token_ids), prepared.quadrant)
     request[TRACKER] = tracker
     meta = ResponseMeta(tracker.request_id, int(time.time()), ctx.limits.name)

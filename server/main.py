@@ -15,7 +15,7 @@ from engine.args import engine_options
 from engine.config import ConfigError
 from client import AsyncLLM
 from engine.model.errors import ModelLoadError
-from server.app import create_app
+from server.app import active_defaults, create_app
 from server.args import actor_options, log_settings, quadrant_thresholds, server_settings
 from server.context import CONTEXT, ServerContext
 from server.logging import configure_logging
@@ -113,7 +113,7 @@ def _announce(ctx: ServerContext, runner: web.AppRunner, log: structlog.stdlib.B
     # One line in the log's own format; the event keeps the words "serving MODEL on URL (BACKEND)" that scripts
     # (bench/serve_latency.py) look for with `serving .* on (http://\S+)`.
     log.info(f"serving {ctx.limits.name} on {url} ({backend})", url=url, model=ctx.limits.name, dtype=ctx.dtype,
-             max_model_len=ctx.limits.max_model_len, backend=backend)
+             max_model_len=ctx.limits.max_model_len, backend=backend, defaults=active_defaults(ctx))
 
 
 def backend_summary(in_process: dict | None, actors: list[dict]) -> str:

@@ -7,16 +7,18 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 from engine.sampling_params import SamplingParams, SamplingParamsError
 from engine.structured import Guide, GuideError
+from engine.tool_calls import Tool, ToolChoice, ToolError, parse_tool_choice, parse_tools
 from server.errors import ApiError, bad_request, invalid_type, json_type
+from server.request_fields import CHAT, COMPLETIONS, refuse_unsupported
 
 INT64_MIN, UINT64_MAX = -(1 << 63), (1 << 64) - 1
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
-CHAT_ROLES = ("system", "developer", "user", "assistant")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOP_SEQUENCES = 16
 
 
@@ -31,6 +33,23 @@ class ModelLimits:
 class Message:
     role: str
     content: str
+    tool_calls: tuple[dict[str, Any], ...] = ()  # an assistant's calls, OpenAI's shape
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    name: str | None = None
+
+
+@dataclass(frozen=True)
+class RequestDefaults:
+    """What a request that leaves a field out gets: the model's generation_config.json where it says, else
+    OpenAI's defaults; max_tokens from --default-max-tokens (completions: else OpenAI's 16; chat: else the
+    rest of the context)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -39,6 +58,7 @@ class SamplingFields:
 
     max_tokens: int | None = None
     max_tokens_param: str = "max_tokens"  # which field set it, for error messages
+    max_tokens_defaulted: bool = False  # not in the request: capped at the room the prompt leaves
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
@@ -57,6 +77,8 @@ class SamplingFields:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
     guide: Guide | None = None  # structured outputs
     guide_param: str = "response_format"  # the field that set it, for error messages
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
 
 @dataclass(frozen=True)
@@ -70,10 +92,25 @@ class GenerationRequest:
     stream: bool = False
     include_usage: bool = False
     priority: int = 0
+    tools: tuple[Tool, ...] = ()
+    tool_choice: ToolChoice = field(default_factory=lambda: ToolChoice("none"))
+    parallel_tool_calls: bool = True
+    add_generation_prompt: bool = True
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None  # more samples than n, the best n returned
 
     @property
     def prompt_param(self) -> str:
         return "messages" if self.chat else "prompt"
+
+    def echo_text(self, tokenizer: Any) -> str | None:
+        """With echo: the prompt as text, which the completion's text follows."""
+        if not self.echo or self.chat:
+            return None
+        if isinstance(self.prompt, str):
+            return self.prompt
+        return tokenizer.decode(list(self.prompt), skip_special_tokens=False)
 
 
 # ---------------------------------------------------------------------------------------- body and types
@@ -176,19 +213,31 @@ def _max_tokens(body: dict[str, Any], names: tuple[str, ...]) -> tuple[int | Non
     return None, names[0]
 
 
+def _repetition_penalty(body: dict[str, Any], default: float) -> float:
+    """vLLM's repetition_penalty, or llama.cpp server's repeat_penalty (the same operation)."""
+    if body.get("repetition_penalty") is not None and body.get("repeat_penalty") is not None:
+        raise bad_request("'repetition_penalty' and 'repeat_penalty' are the same control; give one.",
+                          "repeat_penalty")
+    name = "repeat_penalty" if body.get("repeat_penalty") is not None else "repetition_penalty"
+    return _number(body, name, default)
+
+
 def _sampling_fields(body: dict[str, Any], max_token_names: tuple[str, ...], logprobs: tuple[int | None, str],
-                     default_max_tokens: int | None) -> SamplingFields:
-    max_tokens, max_param = _max_tokens(body, max_token_names)
+                     default_max_tokens: int | None, defaults: RequestDefaults) -> SamplingFields:
+    max_tokens, max_param = _max_tokens(body, max_token_names + ("n_predict",))
     return SamplingFields(
         max_tokens=default_max_tokens if max_tokens is None else max_tokens, max_tokens_param=max_param,
+        max_tokens_defaulted=max_tokens is None and default_max_tokens is not None,
         logprobs=logprobs[0], logprobs_param=logprobs[1],
-        n=_int(body, "n", 1), temperature=_number(body, "temperature", 1.0), top_p=_number(body, "top_p", 1.0),
-        top_k=_int(body, "top_k", -1), seed=_seed(body), stop=_stop(body),
-        stop_token_ids=_token_ids(body, "stop_token_ids"), ignore_eos=_bool(body, "ignore_eos"),
+        n=_int(body, "n", 1), temperature=_number(body, "temperature", defaults.temperature),
+        top_p=_number(body, "top_p", defaults.top_p), top_k=_int(body, "top_k", defaults.top_k), seed=_seed(body),
+        stop=_stop(body), stop_token_ids=_token_ids(body, "stop_token_ids"), ignore_eos=_bool(body, "ignore_eos"),
         min_tokens=_int(body, "min_tokens", 0), presence_penalty=_number(body, "presence_penalty", 0.0),
         frequency_penalty=_number(body, "frequency_penalty", 0.0),
-        repetition_penalty=_number(body, "repetition_penalty", 1.0), min_p=_number(body, "min_p", 0.0),
-        logit_bias=_logit_bias(body), **_guide_fields(body))
+        repetition_penalty=_repetition_penalty(body, defaults.repetition_penalty),
+        min_p=_number(body, "min_p", defaults.min_p), logit_bias=_logit_bias(body),
+        include_stop_str_in_output=_bool(body, "include_stop_str_in_output"),
+        skip_special_tokens=_bool(body, "skip_special_tokens", True), **_guide_fields(body))
 
 
 # ---------------------------------------------------------------------------------------- structured outputs
@@ -273,26 +322,6 @@ def _text(name: str, value: Any) -> str:
     return value
 
 
-# ---------------------------------------------------------------------------------------- unsupported fields
-
-# Fields whose non-default value would change the output in ways this server does not implement: refusing
-# them is better than silently ignoring them. Other unknown fields are ignored, as OpenAI-compatible servers do.
-_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    "echo": lambda v: v is True,
-    "suffix": lambda v: v not in (None, ""),
-    "best_of": lambda v: v not in (None, 1),
-    "tools": lambda v: bool(v),
-    "functions": lambda v: bool(v),
-    "tool_choice": lambda v: v not in (None, "none"),
-}
-
-
-def _refuse_unsupported(body: dict[str, Any]) -> None:
-    for name, is_set in _UNSUPPORTED.items():
-        if name in body and is_set(body[name]):
-            raise bad_request(f"'{name}' is not supported by this server.", name, "unsupported_parameter")
-
-
 # ---------------------------------------------------------------------------------------- common envelope
 
 def _check_model(body: dict[str, Any], served: str) -> None:
@@ -312,20 +341,40 @@ def _include_usage(body: dict[str, Any], stream: bool) -> bool:
     return value
 
 
-def _envelope(body: dict[str, Any], served: str) -> dict[str, Any]:
+def _envelope(body: dict[str, Any], served: str, route: str) -> dict[str, Any]:
     _check_model(body, served)
-    _refuse_unsupported(body)
+    refuse_unsupported(body, route)
     stream = _bool(body, "stream")
     return dict(stream=stream, include_usage=_include_usage(body, stream), priority=_int(body, "priority", 0))
 
 
 # ---------------------------------------------------------------------------------------- completions
 
-def parse_completion(body: dict[str, Any], served_model: str) -> GenerationRequest:
-    envelope = _envelope(body, served_model)
+def parse_completion(body: dict[str, Any], served_model: str,
+                     defaults: RequestDefaults = RequestDefaults()) -> GenerationRequest:
+    envelope = _envelope(body, served_model, COMPLETIONS)
     logprobs = (_int(body, "logprobs"), "logprobs")
-    fields = _sampling_fields(body, ("max_tokens",), logprobs, DEFAULT_COMPLETION_MAX_TOKENS)
-    return GenerationRequest(_completion_prompt(body.get("prompt")), fields, chat=False, **envelope)
+    fields = _sampling_fields(body, ("max_tokens",), logprobs, defaults.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS,
+                              defaults)
+    echo = _bool(body, "echo")
+    if echo and fields.logprobs is not None:
+        raise bad_request("'echo' with 'logprobs' would need the prompt's logprobs, which this server does not "
+                          "compute; drop one of them.", "echo", "unsupported_parameter")
+    suffix = _typed(body, "suffix", lambda v: isinstance(v, str), "a string", None) or None
+    return GenerationRequest(_completion_prompt(body.get("prompt")), fields, chat=False, echo=echo, suffix=suffix,
+                             best_of=_best_of(body, fields, envelope["stream"]), **envelope)
+
+
+def _best_of(body: dict[str, Any], fields: SamplingFields, stream: bool) -> int | None:
+    best_of = _int(body, "best_of")
+    if best_of is None or best_of == fields.n:
+        return None
+    if best_of < fields.n:
+        raise bad_request(f"'best_of' ({best_of}) must be at least 'n' ({fields.n}).", "best_of")
+    if stream:
+        raise bad_request("'best_of' cannot be streamed: the best samples are known only once all have finished.",
+                          "best_of")
+    return best_of
 
 
 def _completion_prompt(prompt: Any) -> str | tuple[int, ...]:
@@ -354,10 +403,26 @@ def _single_prompt(prompt: Any) -> Any:
 
 # ---------------------------------------------------------------------------------------- chat
 
-def parse_chat(body: dict[str, Any], served_model: str) -> GenerationRequest:
-    envelope = _envelope(body, served_model)
-    fields = _sampling_fields(body, ("max_completion_tokens", "max_tokens"), _chat_logprobs(body), None)
-    return GenerationRequest(_messages(body.get("messages")), fields, chat=True, **envelope)
+def parse_chat(body: dict[str, Any], served_model: str,
+               defaults: RequestDefaults = RequestDefaults()) -> GenerationRequest:
+    envelope = _envelope(body, served_model, CHAT)
+    fields = _sampling_fields(body, ("max_completion_tokens", "max_tokens"), _chat_logprobs(body),
+                              defaults.max_tokens, defaults)
+    tools, choice = _tools(body)
+    if choice.forced and fields.guide is not None:
+        raise bad_request(f"'tool_choice' {choice.mode} and '{fields.guide_param}' both constrain the output; "
+                          f"give one.", "tool_choice")
+    return GenerationRequest(_messages(body.get("messages")), fields, chat=True, tools=tools, tool_choice=choice,
+                             parallel_tool_calls=_bool(body, "parallel_tool_calls", True),
+                             add_generation_prompt=_bool(body, "add_generation_prompt", True), **envelope)
+
+
+def _tools(body: dict[str, Any]) -> tuple[tuple[Tool, ...], ToolChoice]:
+    try:
+        tools = parse_tools(body.get("tools"))
+        return tools, parse_tool_choice(body.get("tool_choice"), tools)
+    except ToolError as exc:
+        raise bad_request(str(exc), exc.param) from None
 
 
 def _chat_logprobs(body: dict[str, Any]) -> tuple[int | None, str]:
@@ -384,7 +449,40 @@ def _message(item: Any, where: str) -> Message:
     role = item.get("role")
     if role not in CHAT_ROLES:
         raise bad_request(f"'{where}.role' must be one of {', '.join(CHAT_ROLES)}, got {role!r}.", f"{where}.role")
-    return Message(role, _content(item.get("content"), f"{where}.content", role))
+    calls = _message_tool_calls(item.get("tool_calls"), f"{where}.tool_calls") if role == "assistant" else ()
+    content = "" if calls and item.get("content") is None else _content(item.get("content"), f"{where}.content", role)
+    call_id = _typed(item, "tool_call_id", lambda v: isinstance(v, str), "a string", None)
+    if role == "tool" and call_id is None:
+        raise bad_request(f"'{where}.tool_call_id' is required in a tool message: it names the call answered.",
+                          f"{where}.tool_call_id", "missing_required_parameter")
+    name = _typed(item, "name", lambda v: isinstance(v, str), "a string", None)
+    return Message(role, content, calls, call_id, name)
+
+
+def _message_tool_calls(calls: Any, where: str) -> tuple[dict[str, Any], ...]:
+    """An assistant message's earlier calls: `[{"id", "type": "function", "function": {"name", "arguments"}}]`,
+    the arguments a JSON object as text."""
+    if calls is None:
+        return ()
+    if not isinstance(calls, list):
+        raise invalid_type(where, "an array of tool calls", calls)
+    out = []
+    for i, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise bad_request(f"'{where}[{i}]' must be {{\"id\", \"type\": \"function\", \"function\": "
+                              f"{{\"name\", \"arguments\"}}}}.", f"{where}[{i}]")
+        args = fn.get("arguments", "{}")
+        try:
+            parsed = json.loads(args) if isinstance(args, str) else None
+        except ValueError:
+            parsed = None
+        if not isinstance(parsed, dict):
+            raise bad_request(f"'{where}[{i}].function.arguments' must be a JSON object as a string.",
+                              f"{where}[{i}].function.arguments")
+        out.append({"id": str(call.get("id") or f"call_{i}"), "type": "function",
+                    "function": {"name": fn["name"], "arguments": args}})
+    return tuple(out)
 
 
 def _content(content: Any, where: str, role: str) -> str:
@@ -401,8 +499,19 @@ def _is_text_part(part: Any) -> bool:
     return isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
 
 
-def messages_as_dicts(messages: tuple[Message, ...]) -> list[dict[str, str]]:
-    return [{"role": m.role, "content": m.content} for m in messages]
+def messages_as_dicts(messages: tuple[Message, ...]) -> list[dict[str, Any]]:
+    """The messages as chat templates take them (Hugging Face's shape)."""
+    out = []
+    for m in messages:
+        d: dict[str, Any] = {"role": m.role, "content": m.content}
+        if m.tool_calls:
+            d["tool_calls"] = [dict(c) for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            d["tool_call_id"] = m.tool_call_id
+        if m.name is not None:
+            d["name"] = m.name
+        out.append(d)
+    return out
 
 
 # ---------------------------------------------------------------------------------------- against the model
@@ -432,6 +541,8 @@ def effective_max_tokens(fields: SamplingFields, prompt_tokens: int, limits: Mod
 
 def sampling_params(fields: SamplingFields, prompt_tokens: int, limits: ModelLimits) -> SamplingParams:
     """SamplingParams for a prompt of `prompt_tokens` tokens; 400 naming the field when anything is off."""
+    if fields.max_tokens_defaulted and fields.max_tokens is not None:
+        fields = replace(fields, max_tokens=max(1, min(fields.max_tokens, limits.max_model_len - prompt_tokens)))
     params = _build_params(fields)
     _check_vocab(fields.stop_token_ids, limits, "stop_token_ids")
     _check_vocab([t for t, _ in params.logit_bias], limits, "logit_bias")
@@ -450,7 +561,9 @@ def _build_params(fields: SamplingFields) -> SamplingParams:
                               ignore_eos=fields.ignore_eos, logprobs=fields.logprobs,
                               presence_penalty=fields.presence_penalty, frequency_penalty=fields.frequency_penalty,
                               repetition_penalty=fields.repetition_penalty, min_p=fields.min_p,
-                              logit_bias=fields.logit_bias, guide=fields.guide)
+                              logit_bias=fields.logit_bias, guide=fields.guide,
+                              include_stop_str_in_output=fields.include_stop_str_in_output,
+                              skip_special_tokens=fields.skip_special_tokens)
     except SamplingParamsError as exc:
         renamed = {"max_tokens": fields.max_tokens_param, "logprobs": fields.logprobs_param}
         param = renamed.get(exc.param, exc.param)

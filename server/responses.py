@@ -1,12 +1,14 @@
 """Response bodies and stream chunks in OpenAI's exact shapes, built from the engine's outputs."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampler import TokenLogprobs
 from engine.tokenizer import Tokenizer
+from engine.tool_calls import ToolParser
 
 Json = dict[str, Any]
 LOGPROB_FLOOR = -9999.0  # stands in for -inf / NaN, which JSON cannot carry
@@ -21,6 +23,14 @@ class ResponseMeta:
     model: str
 
 
+@dataclass(frozen=True)
+class ToolOutput:
+    """A request whose output is read for tool calls: the format, and whether several calls may be kept."""
+
+    parser: ToolParser
+    parallel: bool = True
+
+
 def usage(prompt_tokens: int, outputs: Sequence[CompletionOutput]) -> Json:
     """The prompt counts once; completion tokens are summed over the n samples."""
     completion = sum(len(o.token_ids) for o in outputs)
@@ -28,9 +38,12 @@ def usage(prompt_tokens: int, outputs: Sequence[CompletionOutput]) -> Json:
             "total_tokens": prompt_tokens + completion}
 
 
-def model_list(model: str, created: int, max_model_len: int) -> Json:
+def model_list(model: str, created: int, max_model_len: int, defaults: Json | None = None) -> Json:
+    """`defaults`: the sampling defaults requests get where they leave fields out, and where they come from."""
     card = {"id": model, "object": "model", "created": created, "owned_by": "phase-serve",
             "max_model_len": max_model_len}
+    if defaults is not None:
+        card["defaults"] = defaults
     return {"object": "list", "data": [card]}
 
 
@@ -80,8 +93,8 @@ def completion_choice(tokenizer: Tokenizer, out: CompletionOutput, text: str, en
     return {"index": out.index, "text": text, "logprobs": logprobs, "finish_reason": out.finish_reason}
 
 
-def completion_body(meta: ResponseMeta, final: RequestOutput, tokenizer: Tokenizer) -> Json:
-    choices = [completion_choice(tokenizer, o, o.text, o.logprobs) for o in final.outputs]
+def completion_body(meta: ResponseMeta, final: RequestOutput, tokenizer: Tokenizer, echo: str | None = None) -> Json:
+    choices = [completion_choice(tokenizer, o, (echo or "") + o.text, o.logprobs) for o in final.outputs]
     return {"id": meta.id, "object": "text_completion", "created": meta.created, "model": meta.model,
             "choices": choices, "usage": usage(len(final.prompt_token_ids), final.outputs),
             "system_fingerprint": None}
@@ -103,15 +116,29 @@ def chat_logprobs(tokenizer: Tokenizer, entries: Sequence[TokenLogprobs]) -> Jso
     return {"content": content}
 
 
-def chat_choice(tokenizer: Tokenizer, out: CompletionOutput) -> Json:
+def best_of_outputs(final: RequestOutput, n: int, keep_logprobs: bool) -> RequestOutput:
+    """The n samples with the highest cumulative logprob, best first, indexed 0..n-1."""
+    ranked = sorted(final.outputs, key=lambda o: -sum(e.logprob for e in o.logprobs or ()))
+    best = [dataclasses.replace(o, index=i, logprobs=o.logprobs if keep_logprobs else None)
+            for i, o in enumerate(ranked[:n])]
+    return dataclasses.replace(final, outputs=best)
+
+
+def chat_choice(tokenizer: Tokenizer, out: CompletionOutput, tools: ToolOutput | None = None) -> Json:
     logprobs = None if out.logprobs is None else chat_logprobs(tokenizer, out.logprobs)
-    return {"index": out.index, "message": {"role": "assistant", "content": out.text}, "logprobs": logprobs,
-            "finish_reason": out.finish_reason}
+    message: Json = {"role": "assistant", "content": out.text}
+    reason = out.finish_reason
+    if tools is not None:
+        content, calls = tools.parser.parse(out.text, parallel=tools.parallel)
+        if calls:
+            message = {"role": "assistant", "content": content, "tool_calls": [c.as_dict() for c in calls]}
+            reason = "tool_calls" if reason == "stop" else reason
+    return {"index": out.index, "message": message, "logprobs": logprobs, "finish_reason": reason}
 
 
-def chat_body(meta: ResponseMeta, final: RequestOutput, tokenizer: Tokenizer) -> Json:
+def chat_body(meta: ResponseMeta, final: RequestOutput, tokenizer: Tokenizer, tools: ToolOutput | None = None) -> Json:
     return {"id": meta.id, "object": "chat.completion", "created": meta.created, "model": meta.model,
-            "choices": [chat_choice(tokenizer, o) for o in final.outputs],
+            "choices": [chat_choice(tokenizer, o, tools) for o in final.outputs],
             "usage": usage(len(final.prompt_token_ids), final.outputs), "system_fingerprint": None}
 
 

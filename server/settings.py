@@ -14,6 +14,8 @@ DEFAULT_MAX_BODY_BYTES = 4 << 20
 API_KEY_ENV = "PHASE_SERVE_API_KEY"
 
 DisaggMode = Literal["auto", "always", "never"]
+ToolCallParserName = Literal["auto", "hermes", "llama3", "mistral"]
+GenerationConfigMode = Literal["auto", "none"]
 
 
 @dataclass(frozen=True)
@@ -42,7 +44,19 @@ class ServerSettings:
         f"up to {AUTO_OUTPUTS_PER_STEP} streams run, then fewer events per stream as more run (at most "
         f"{AUTO_MAX_TOKENS} tokens each); first tokens and finishes are never held", metavar="N|auto")
 
+    tool_call_parser: ToolCallParserName = option(
+        "auto", "how tool calls are read from the output: hermes (<tool_call> JSON; Qwen), llama3 (JSON, "
+        "<|python_tag|>), mistral ([TOOL_CALLS]); auto: from the chat template, else the architecture, else hermes")
+    default_max_tokens: int | None = option(
+        None, "max_tokens of a request that sends none (chat: else the rest of the context; completions: else 16)",
+        shown="none")
+    generation_config: GenerationConfigMode = option(
+        "auto", "auto: a Hugging Face folder's generation_config.json sets the defaults of temperature, top_p, "
+        "top_k, min_p and repetition_penalty for requests that leave them out; none: OpenAI's defaults")
+
     def __post_init__(self) -> None:
+        if self.default_max_tokens is not None and self.default_max_tokens < 1:
+            raise ConfigError(f"default_max_tokens must be at least 1, got {self.default_max_tokens}")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be between 0 and 65535, got {self.port}")
         if self.max_queue < 1:

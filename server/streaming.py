@@ -6,8 +6,9 @@ from typing import Any
 
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.tokenizer import Tokenizer
-from server.responses import (Json, ResponseMeta, chat_chunk, chat_delta_choice, chat_role_choice, completion_choice,
-                              completion_chunk, usage_chunk)
+from engine.tool_calls import ToolCallStream
+from server.responses import (Json, ResponseMeta, ToolOutput, chat_chunk, chat_delta_choice, chat_logprobs,
+                              chat_role_choice, completion_choice, completion_chunk, usage_chunk)
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 DONE = b"data: [DONE]\n\n"
@@ -19,10 +20,12 @@ def sse_event(payload: Any) -> bytes:
 
 class ChunkBuilder:
     """Turns one request's outputs into chunks: a choice appears when it has new text (or new logprobs, when
-    asked for), and its finish_reason is sent exactly once."""
+    asked for), and its finish_reason is sent exactly once. With tools, a sample's text goes through a
+    ToolCallStream: content and tool-call deltas, each in a chunk of its own. With echo, a completion's first
+    chunk starts with the prompt."""
 
     def __init__(self, meta: ResponseMeta, tokenizer: Tokenizer, *, chat: bool, wants_logprobs: bool,
-                 include_usage: bool) -> None:
+                 include_usage: bool, tools: ToolOutput | None = None, echo: str | None = None) -> None:
         self._meta = meta
         self._tokenizer = tokenizer
         self._chat = chat
@@ -30,6 +33,10 @@ class ChunkBuilder:
         self._include_usage = include_usage
         self._finished: set[int] = set()
         self._text_offsets: dict[int, int] = {}
+        self._tools = tools
+        self._tool_streams: dict[int, ToolCallStream] = {}
+        self._echo = echo
+        self._echoed: set[int] = set()
 
     def opening(self, num_choices: int) -> list[Json]:
         """Chat streams open with the assistant role, one chunk per choice, as OpenAI's do."""
@@ -38,7 +45,27 @@ class ChunkBuilder:
         return [self._chunk([chat_role_choice(i)]) for i in range(num_choices)]
 
     def chunks(self, out: RequestOutput) -> list[Json]:
-        return [self._chunk([self._choice(o)]) for o in out.outputs if self._has_news(o)]
+        chunks = []
+        for o in out.outputs:
+            if not self._has_news(o):
+                continue
+            if self._chat and self._tools is not None:
+                chunks.extend(self._chunk([choice]) for choice in self._tool_choices(o))
+            else:
+                chunks.append(self._chunk([self._choice(o)]))
+        return chunks
+
+    def _tool_choices(self, o: CompletionOutput) -> list[Json]:
+        stream = self._tool_streams.get(o.index)
+        if stream is None:
+            stream = self._tool_streams[o.index] = ToolCallStream(self._tools.parser, self._tools.parallel)
+        deltas = stream.feed(o.delta_text, o.finished)
+        logprobs = chat_logprobs(self._tokenizer, o.delta_logprobs) if self._wants_logprobs else None
+        if not deltas and (o.finished or logprobs is not None):
+            deltas = [{}]
+        reason = "tool_calls" if o.finish_reason == "stop" and stream.called else o.finish_reason
+        return [{"index": o.index, "delta": delta, "logprobs": logprobs if i == 0 else None,
+                 "finish_reason": reason if i == len(deltas) - 1 else None} for i, delta in enumerate(deltas)]
 
     def closing(self, last: RequestOutput) -> list[Json]:
         if not self._include_usage:
@@ -57,7 +84,11 @@ class ChunkBuilder:
         if self._chat:
             return chat_delta_choice(self._tokenizer, o, self._wants_logprobs, o.finish_reason)
         entries = o.delta_logprobs if self._wants_logprobs else None
-        choice = completion_choice(self._tokenizer, o, o.delta_text, entries, self._text_offsets.get(o.index, 0))
+        text = o.delta_text
+        if self._echo is not None and o.index not in self._echoed:
+            self._echoed.add(o.index)
+            text = self._echo + text
+        choice = completion_choice(self._tokenizer, o, text, entries, self._text_offsets.get(o.index, 0))
         if choice["logprobs"] is not None:
             self._text_offsets[o.index] = self._text_offsets.get(o.index, 0) + sum(
                 len(t) for t in choice["logprobs"]["tokens"])

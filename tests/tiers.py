@@ -58,6 +58,7 @@ MODULE_TIERS: Mapping[str, Tier] = {
     "test_migration.py": P,
     "test_model_parity.py": E,
     "test_placement.py": U,
+    "test_request_fields.py": U,
     "test_prompt_attention.py": E,
     "test_qwen3.py": E,
     "test_resume.py": E,
@@ -83,6 +84,8 @@ MODULE_TIERS: Mapping[str, Tier] = {
     "test_tiers.py": U,
     "test_tiled_linear.py": E,
     "test_tokenizer.py": U,  # SmolLM2's tokenizer tests are slow
+    "test_tool_calls.py": U,  # the grammar and LLM.chat tests are marked engine
+    "test_tool_calls_api.py": P,
     "test_transport.py": U,  # the tests over real sockets are marked process
     "test_treatment.py": E,
     "test_workloads.py": U,

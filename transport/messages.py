@@ -39,7 +39,9 @@ from dataclasses import dataclass, fields, is_dataclass
 from types import MappingProxyType
 from typing import Any, ClassVar
 
-PROTOCOL_VERSION = 6  # 6: AddRequest.resume and PrefillRequest.num_prompt_tokens (migrated streams), Leaving
+# 7: AddRequest.resume, PrefillRequest.num_prompt_tokens (migrated streams), Leaving; no generator_state
+# 6: `guide.kind` may be structural_tag (tool calls); 5: `sampling` carries `guide`
+PROTOCOL_VERSION = 7
 
 KV_EXPORT_KINDS = ("shm", "cuda_ipc", "none")
 """`Ready.kv_export["kind"]`: how peers map the actor's KV pool."""
