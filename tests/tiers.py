@@ -55,6 +55,7 @@ MODULE_TIERS: Mapping[str, Tier] = {
     "test_layers.py": U,
     "test_logs.py": P,  # the logging, calibration and kernel-key units are marked unit
     "test_metrics.py": P,  # the ServerMetrics and PromQL tests are marked unit
+    "test_model_errors.py": P,  # the resolve and check tests in this process are marked unit
     "test_model_parity.py": E,
     "test_placement.py": U,
     "test_prompt_attention.py": E,
