@@ -13,6 +13,7 @@ from engine.args import add_engine_args, add_sampling_args, engine_options, samp
 from engine.flags import ConfigFileError, HelpFormatter, add_group, config_file_argv, option, options
 
 PACKAGE = "phase-serve"
+SHELLS = ("bash", "zsh")
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     worker = _command(sub, "worker", "an actor on this host joining a server on another (over TCP)")
     add_group(worker, WorkerOptions, "worker")
     add_engine_args(worker)
+    completion = _command(sub, "completion", "print a shell completion script: "
+                          "`source <(python cli.py completion bash)`, or the same with zsh")
+    completion.add_argument("shell", choices=SHELLS, help="the shell to complete for")
     return parser
 
 
@@ -204,6 +208,11 @@ def _parse_as_file(command: argparse.ArgumentParser, path: str, words: list[str]
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parse_args(parser, argv)
+    if args.command == "completion":
+        from engine.completion import completion_script
+
+        sys.stdout.write(completion_script(parser, args.shell))
+        return 0
     if args.command == "serve":
         from server.main import serve
 

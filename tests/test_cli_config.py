@@ -1,4 +1,5 @@
-"""`serve --config FILE.yaml` (flags from a file, command-line flags winning) and `serve MODEL`."""
+"""`serve --config FILE.yaml` (flags from a file, command-line flags winning), `serve MODEL`, and the shell
+completion scripts of `cli.py completion bash|zsh`, driven through real shells."""
 from __future__ import annotations
 
 import shutil
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import cli
+from engine.completion import commands
 from engine.flags import ConfigFileError, config_file_argv
 from tests.server_utils import TINY_ENGINE_FLAGS, start_server
 
@@ -134,3 +136,117 @@ def test_serve_runs_from_a_config_file_and_a_positional_model(tmp_path, tiny_mod
         assert reply.status == 200 and reply.json()["usage"]["completion_tokens"] == 3
     finally:
         assert server.stop() == 0
+
+
+# ---------------------------------------------------------------- shell completion
+
+
+def _script(shell: str) -> str:
+    done = subprocess.run([sys.executable, "cli.py", "completion", shell], cwd=REPO, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+@pytest.fixture(scope="module")
+def bash_script(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("completion") / "cli.bash"
+    path.write_text(_script("bash"))
+    return path
+
+
+def _bash_complete(script: Path, line: str, cwd: Path = REPO, before: str = "") -> list[str]:
+    """COMPREPLY for the command line `line` (its last word is the one completed), from the sourced script."""
+    code = (f"{before}\nsource {script}\nCOMP_WORDS=({line}); [[ '{line}' == *' ' ]] && COMP_WORDS+=('')\n"
+            "COMP_CWORD=$((${#COMP_WORDS[@]} - 1))\n"
+            "spec=$(complete -p \"${COMP_WORDS[0]##*/}\"); fn=${spec#*-F }; fn=${fn%% *}\n"
+            "\"$fn\" \"${COMP_WORDS[0]}\" \"${COMP_WORDS[COMP_CWORD]}\" \"${COMP_WORDS[COMP_CWORD-1]}\"\n"
+            "printf '%s\\n' \"${COMPREPLY[@]}\"\n")
+    done = subprocess.run(["bash", "--norc", "--noprofile", "-c", code], cwd=cwd, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    return [w for w in done.stdout.splitlines() if w]
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+@pytest.mark.parametrize("line, expected", [
+    ("python cli.py ", ["generate", "chat", "serve", "worker", "completion", "-h", "--help", "--version"]),
+    ("python cli.py se", ["serve"]),
+    ("python3 cli.py serve --max-num-s", ["--max-num-seqs"]),
+    ("cli.py serve --no-enable-p", ["--no-enable-prefix-caching"]),
+    ("python cli.py serve --dtype ", ["auto", "bfloat16", "float16", "float32"]),
+    ("python cli.py generate --speculative ", ["off", "ngram", "draft"]),
+    ("python cli.py worker --role ", ["decode", "prefill"]),
+    ("python cli.py completion ", ["bash", "zsh"]),
+    ("python cli.py serve --port ", []),
+    ("python cli.py chat --sys", ["--system"]),
+])
+def test_bash_completes_commands_flags_and_choices(bash_script, line, expected):
+    assert _bash_complete(bash_script, line) == expected
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_bash_completes_file_names_for_path_flags_and_the_model(bash_script, tmp_path):
+    (tmp_path / "model.gguf").write_bytes(b"")
+    (tmp_path / "serve.yaml").write_text("")
+    assert _bash_complete(bash_script, "python cli.py serve --model mo", cwd=tmp_path) == ["model.gguf"]
+    assert _bash_complete(bash_script, "python cli.py serve --config se", cwd=tmp_path) == ["serve.yaml"]
+    assert _bash_complete(bash_script, "python cli.py serve mo", cwd=tmp_path) == ["model.gguf"]
+    assert _bash_complete(bash_script, "python cli.py generate --draft-model mo", cwd=tmp_path) == ["model.gguf"]
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_bash_leaves_other_python_command_lines_to_their_completion(bash_script):
+    before = "_earlier() { COMPREPLY=(from-the-earlier-completion); }; complete -F _earlier python"
+    assert _bash_complete(bash_script, "python other.py --x", before=before) == ["from-the-earlier-completion"]
+    assert _bash_complete(bash_script, "python cli.py se", before=before) == ["serve"]
+
+
+@pytest.mark.unit
+def test_every_flag_of_every_command_is_in_the_bash_script():
+    from engine.completion import completion_script
+
+    parser = cli.build_parser()
+    text = completion_script(parser, "bash")
+    for name in ("generate", "chat", "serve", "worker", "completion"):
+        case = text.split(f"        {name})\n", 1)[1]
+        listed = case.split("\n", 1)[0].strip().removeprefix('flags="').removesuffix('"').split()
+        expected = [flag for action in cli._subparser(parser, name)._actions for flag in action.option_strings]
+        assert listed == expected and "--help" in listed, name
+
+
+ZSH_STUBS = """
+_arguments() { print -r -- "ARGUMENTS ${words[1]} $CURRENT"; print -rl -- "$@"; }
+_describe() { local name=$4; print -r -- "DESCRIBE"; print -rl -- ${(P)name}; }
+compadd() { print -r -- "COMPADD $*"; }
+_python() { print -r -- "PYTHON"; }
+"""
+
+
+def _zsh_complete(script: Path, *words: str) -> list[str]:
+    quoted = " ".join("'" + w + "'" for w in words)
+    code = f"{ZSH_STUBS}\nsource {script}\nwords=({quoted}); CURRENT={len(words)}\n_phase_serve_cli\n"
+    done = subprocess.run(["zsh", "-f", "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.splitlines()
+
+
+@pytest.mark.skipif(shutil.which("zsh") is None, reason="needs zsh")
+def test_zsh_script_dispatches_to_each_command_s_arguments(tmp_path):
+    script = tmp_path / "cli.zsh"
+    script.write_text(_script("zsh"))
+    assert subprocess.run(["zsh", "-n", str(script)], capture_output=True, timeout=60).returncode == 0
+    first = _zsh_complete(script, "python", "cli.py", "")
+    assert first[0] == "DESCRIBE" and "serve:OpenAI-compatible HTTP server" in first
+    assert "COMPADD -- -h --help --version" in first
+    serve = _zsh_complete(script, "python", "cli.py", "serve", "--po")
+    assert serve[0] == "ARGUMENTS serve 2"  # the words shifted so that _arguments sees `serve --po`
+    assert "--port[port to listen on (0\\: any free port; the start-up line says which)]:port: " in serve
+    assert "--dtype[weights and KV dtype\\: bfloat16 on CPU, fp16/bf16 on GPU]:dtype:(auto bfloat16 float16 " \
+           "float32)" in serve
+    assert {"(--enable-prefix-caching --no-enable-prefix-caching)--enable-prefix-caching[reuse KV blocks of "
+            "identical prompt prefixes]", "1:model:_files"} <= set(serve)
+    assert "--model[Hugging Face folder or .gguf file (or a hub id already in the local Hugging Face cache)]" \
+           ":path:_files" in serve
+    assert _zsh_complete(script, "python", "other.py", "") == ["PYTHON"]
+    assert _zsh_complete(script, "cli.py", "completion", "")[-1] == "1:shell:(bash zsh)"

@@ -32,7 +32,7 @@ MODULE_TIERS: Mapping[str, Tier] = {
     "test_block_pool.py": U,  # one test hashes in subprocesses: marked process
     "test_calibration.py": E,
     "test_chat_session.py": U,  # the command driven through its stdin is marked process
-    "test_cli_config.py": P,  # the config-file parsing tests are marked unit
+    "test_cli_config.py": P,  # the config-file parsing tests are marked unit, the shells run as subprocesses
     "test_cli_flags.py": P,  # most of its tests read `cli.py --help` from a subprocess
     "test_cpu_kernels.py": E,
     "test_cuda.py": E,  # one test starts actors on the GPU: marked process
