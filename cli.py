@@ -1,4 +1,5 @@
-"""Command line: `python cli.py serve`, `generate PROMPT`, `chat`, and `worker --connect HOST:PORT`."""
+"""Command line: `python cli.py serve [MODEL]`, `generate PROMPT`, `chat`, `worker --connect HOST:PORT`, and
+`completion bash|zsh`."""
 from __future__ import annotations
 
 import argparse

@@ -264,6 +264,15 @@ def test_generate_prints_one_sentence_and_exits_2(bad_models, name):
     assert done.stdout == ""
 
 
+@pytest.mark.parametrize("name", ["arch", "missing-tensor"])
+def test_chat_prints_the_same_sentence_before_its_banner(bad_models, name):
+    path, words = bad_models[name]
+    done = subprocess.run([sys.executable, "cli.py", "chat", "--model", str(path)], cwd=REPO, input="hello\n",
+                          capture_output=True, text=True, timeout=CLI_TIMEOUT)
+    assert done.returncode == 2, done.stderr
+    assert words in _only_error_line(done.stderr) and "chatting with" not in done.stderr
+
+
 def _serve_events(stderr: str) -> list[dict]:
     assert "Traceback" not in stderr, stderr
     return [json.loads(line) for line in stderr.splitlines() if line.strip()]
