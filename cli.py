@@ -1,4 +1,5 @@
-"""Command line: `python cli.py serve`, `generate PROMPT`, `chat`, and `worker --connect HOST:PORT`."""
+"""Command line: `python cli.py serve [MODEL]`, `generate PROMPT`, `chat`, `worker --connect HOST:PORT`, and
+`completion bash|zsh`."""
 from __future__ import annotations
 
 import argparse
@@ -10,9 +11,10 @@ from pathlib import Path
 from typing import Literal
 
 from engine.args import add_engine_args, add_sampling_args, engine_options, sampling_options
-from engine.flags import HelpFormatter, add_group, option, options
+from engine.flags import ConfigFileError, HelpFormatter, add_group, config_file_argv, option, options
 
 PACKAGE = "phase-serve"
+SHELLS = ("bash", "zsh")
 
 
 @dataclass(frozen=True)
@@ -27,13 +29,21 @@ class ChatOptions:
 
 
 @dataclass(frozen=True)
+class ConfigFileOptions:
+    """`serve --config FILE`: vLLM's YAML file of long flag names and values."""
+
+    config: str | None = option(None, "a YAML file of flags, long names as keys (`port: 8001`, `max_num_seqs: 32`); "
+                                "flags given on the command line win over it", metavar="FILE", shown="none")
+
+
+@dataclass(frozen=True)
 class WorkerOptions:
     """`worker`: an actor on this host that joins a server on another."""
 
     connect: str = option(help="the server's --listen-workers address", metavar="HOST:PORT")
     role: Literal["decode", "prefill"] = option("decode", "the actor's role")
     actor_id: str | None = option(None, "unique name", shown="ROLE-HOSTNAME-PID")
-    secret_file: str | None = option(None, "shared secret file", shown="$PHASE_SERVE_SECRET")
+    secret_file: str | None = option(None, "shared secret file", shown="$PHASE_SERVE_SECRET", metavar="FILE")
     device: str = option("cpu", "cpu or cuda:N")
 
 
@@ -63,11 +73,17 @@ def build_parser() -> argparse.ArgumentParser:
         add_engine_args(p)
         add_sampling_args(p)
     serve = _command(sub, "serve", "OpenAI-compatible HTTP server")
+    serve.add_argument("model_tag", nargs="?", metavar="MODEL", help="the model, as --model takes it (vLLM's "
+                       "positional form; the default model when neither is given)")
+    add_group(serve, ConfigFileOptions, "config file")
     add_engine_args(serve)
     _add_server_args(serve)
     worker = _command(sub, "worker", "an actor on this host joining a server on another (over TCP)")
     add_group(worker, WorkerOptions, "worker")
     add_engine_args(worker)
+    completion = _command(sub, "completion", "print a shell completion script: "
+                          "`source <(python cli.py completion bash)`, or the same with zsh")
+    completion.add_argument("shell", choices=SHELLS, help="the shell to complete for")
     return parser
 
 
@@ -151,8 +167,53 @@ def run_worker(args: argparse.Namespace) -> int:
     return worker.main(["--spec", spec.to_json(), "--connect", opts.connect, *extra])
 
 
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, with the flags of a `--config` file put before the command's own (so those win), and
+    `serve MODEL` folded into --model."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parser.parse_args(argv)
+    if getattr(args, "model_tag", None) and args.model is not None and args.model != args.model_tag:
+        _subparser(parser, args.command).error(f"the model is given twice, as {args.model_tag!r} and as "
+                                               f"--model {args.model!r}; give one")
+    if getattr(args, "config", None):
+        command = _subparser(parser, args.command)
+        try:
+            words = config_file_argv(command, args.config)
+        except ConfigFileError as exc:
+            command.error(str(exc))
+        _parse_as_file(command, args.config, words)
+        at = argv.index(args.command) + 1
+        args = parser.parse_args([*argv[:at], *words, *argv[at:]])
+    if getattr(args, "model_tag", None):
+        args.model = args.model_tag
+    return args
+
+
+def _subparser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return action.choices[command]
+
+
+def _parse_as_file(command: argparse.ArgumentParser, path: str, words: list[str]) -> None:
+    """Parses the file's words alone first, so that a bad value in the file is reported as the file's."""
+    def error(message: str) -> None:
+        argparse.ArgumentParser.error(command, f"in the config file {path}: {message}")
+
+    command.error = error  # an instance attribute: this parser only, for this one parse
+    try:
+        command.parse_args(words)
+    finally:
+        del command.error
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parse_args(parser, argv)
+    if args.command == "completion":
+        from engine.completion import completion_script
+
+        sys.stdout.write(completion_script(parser, args.shell))
+        return 0
     if args.command == "serve":
         from server.main import serve
 

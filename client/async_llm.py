@@ -14,7 +14,7 @@ from engine.client_protocol import EngineClient
 from engine.config import ConfigError, EngineConfig
 from engine.engine_core import EngineCore, EngineRequest, RequestError
 from engine.engine_thread import build_off_thread
-from engine.model.loader import resolve_dtype, resolve_model
+from engine.model.loader import check_model, resolve_dtype, resolve_model
 from engine.output_processor import OutputProcessor
 from engine.stream_interval import StreamInterval
 from engine.outputs import RequestOutput
@@ -60,7 +60,7 @@ class AsyncLLM:
         if draft_actors and self.config.speculative != "draft":
             raise ConfigError("draft_actors needs speculative='draft' (and a draft_model)")
         self.engine = None if self.layout.uses_actors else build_off_thread(lambda: EngineCore(self.config))
-        self.source = self.engine.source if self.engine else resolve_model(self.config.model)
+        self.source = self.engine.source if self.engine else _checked_source(self.config)
         self.tokenizer = self.source.tokenizer
         self.processor = OutputProcessor(self.tokenizer)
         self._streams: dict[str, _OutputStream] = {}
@@ -285,6 +285,16 @@ class _OutputStream:
                 and isinstance(self._items[0], RequestOutput):
             item = self._items.popleft().after(item)
         return item
+
+
+def _checked_source(config: EngineConfig):
+    """The model (and draft model) checked here, before any actor spawns: a model that cannot load fails with
+    one ModelLoadError sentence instead of an actor's traceback."""
+    source = resolve_model(config.model)
+    check_model(source)
+    if config.speculative == "draft" and config.draft_model and not config.draft_model.startswith("self:"):
+        check_model(resolve_model(config.draft_model))
+    return source
 
 
 def _config_options(config: EngineConfig) -> dict:

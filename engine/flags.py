@@ -123,3 +123,76 @@ def _show(value: Any) -> str:
     if isinstance(value, float):
         return format(value, "g")
     return "none" if value is None else str(value)
+
+
+class ConfigFileError(ValueError):
+    """A --config file that cannot be read, or that names a key no flag has."""
+
+
+def config_file_argv(parser: argparse.ArgumentParser, path: str, skip: tuple[str, ...] = ("--config",)) -> list[str]:
+    """The command-line words that a YAML file of `long-flag-name: value` pairs stands for, for `parser`.
+
+    Keys are the long flag names without the dashes, with '-' or '_' between words; a boolean flag takes true
+    or false, a list flag a YAML list or its comma-separated text, and null leaves the flag's default. The
+    words go through the parser like typed flags, so a bad value gets the error the flag gets.
+    """
+    import difflib
+
+    import yaml  # here: only a command given --config needs PyYAML
+
+    try:
+        with open(path, encoding="utf-8") as stream:  # a stream, so that YAML's messages name the file
+            data = yaml.safe_load(stream)
+    except OSError as exc:
+        raise ConfigFileError(f"cannot read the config file {path}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigFileError(f"the config file {path} is not valid YAML ({' '.join(str(exc).split())})") from None
+    if data is None:
+        return []
+    if not isinstance(data, dict):
+        raise ConfigFileError(f"the config file {path} holds a {type(data).__name__}; expected a mapping of flag "
+                              "names to values")
+    actions = _file_flags(parser, skip)
+    words: list[str] = []
+    for key, value in data.items():
+        flag = "--" + str(key).lstrip("-").replace("_", "-")
+        action = actions.get(flag)
+        if action is None:
+            close = difflib.get_close_matches(flag, list(actions), n=1, cutoff=0.5)
+            hint = f"the closest flag is {close[0]}" if close else f"see `{parser.prog} --help` for the flags"
+            raise ConfigFileError(f"the config file {path} has the unknown key {key!r}; {hint}")
+        words += _file_words(action, flag, value, path)
+    return words
+
+
+def _file_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...]) -> dict[str, argparse.Action]:
+    """Long flag -> its action, for every flag a file may set (the negative --no-x of a switch excluded)."""
+    flags: dict[str, argparse.Action] = {}
+    for action in parser._actions:
+        if isinstance(action, (argparse._HelpAction, argparse._VersionAction)):
+            continue
+        for flag in action.option_strings:
+            negative = isinstance(action, argparse.BooleanOptionalAction) and flag.startswith("--no-")
+            if flag.startswith("--") and flag not in skip and not negative:
+                flags[flag] = action
+    return flags
+
+
+def _file_words(action: argparse.Action, flag: str, value: Any, path: str) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(action, argparse.BooleanOptionalAction):
+        if not isinstance(value, bool):
+            raise ConfigFileError(f"the config file {path} sets {flag[2:]} to {value!r}; expected true or false")
+        return [flag if value else "--no-" + flag[2:]]
+    if isinstance(value, dict):
+        raise ConfigFileError(f"the config file {path} sets {flag[2:]} to a mapping; expected one value")
+    if isinstance(value, (list, tuple)):
+        value = ",".join(_file_text(v) for v in value)
+    return [f"{flag}={_file_text(value)}"]  # one word, so that a value starting with '-' stays a value
+
+
+def _file_text(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)

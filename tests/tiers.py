@@ -32,6 +32,7 @@ MODULE_TIERS: Mapping[str, Tier] = {
     "test_block_pool.py": U,  # one test hashes in subprocesses: marked process
     "test_calibration.py": E,
     "test_chat_session.py": U,  # the command driven through its stdin is marked process
+    "test_cli_config.py": P,  # the config-file parsing tests are marked unit, the shells run as subprocesses
     "test_cli_flags.py": P,  # most of its tests read `cli.py --help` from a subprocess
     "test_cpu_kernels.py": E,
     "test_cuda.py": E,  # one test starts actors on the GPU: marked process
@@ -56,6 +57,7 @@ MODULE_TIERS: Mapping[str, Tier] = {
     "test_logs.py": P,  # the logging, calibration and kernel-key units are marked unit
     "test_metrics.py": P,  # the ServerMetrics and PromQL tests are marked unit
     "test_migration.py": P,
+    "test_model_errors.py": P,  # the resolve and check tests in this process are marked unit
     "test_model_parity.py": E,
     "test_placement.py": U,
     "test_request_fields.py": U,

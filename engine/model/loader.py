@@ -1,20 +1,25 @@
-"""Resolve `--model` (a Hugging Face folder, a .gguf file, or nothing for the default) and build the model."""
+"""Resolve `--model` (a Hugging Face folder, a .gguf file, a hub id already in the local Hugging Face cache, or
+nothing for the default), check it against the model it describes, and build the model."""
 from __future__ import annotations
 
+import json
+import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Mapping
 
 import torch
 
-from engine.config import ModelConfig
+from engine.config import ConfigError, ModelConfig
 from engine.model.errors import ModelLoadError
 from engine.model.gguf_loader import default_model_path, read_gguf_lazily
-from engine.model.hf_loader import iter_hf_weights, read_hf_config
+from engine.model.hf_loader import hf_weight_shapes, iter_hf_weights, read_hf_config
 from engine.model.llama import LlamaModel, build_model
 from engine.tokenizer import Tokenizer
 
 DTYPE_NAMES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # what huggingface_hub accepts as "org/name"
 
 
 @dataclass(frozen=True)
@@ -26,17 +31,85 @@ class ModelSource:
     config: ModelConfig
     tokenizer: Tokenizer
     weights: Callable[[], Iterable[tuple[str, torch.Tensor]]]
+    shapes: Callable[[], Mapping[str, tuple[int, ...]]]  # weight name -> shape, from the file headers alone
 
 
 def resolve_model(model: str | Path | None) -> ModelSource:
+    """Reads the config and tokenizer (and GGUF tensor types), not the weights; ModelLoadError names what is wrong."""
     path = default_model_path() if model is None else Path(model).expanduser()
+    name = None
+    if model is not None and not path.exists() and HUB_ID.fullmatch(str(model)):
+        path, name = hub_snapshot(str(model)), str(model)
     if path.is_dir() and (path / "config.json").is_file():
-        return ModelSource(path, path.name, read_hf_config(path), Tokenizer.from_hf_folder(path),
-                           lambda: iter_hf_weights(path))
+        return ModelSource(path, name or path.name, _hf_config(path), Tokenizer.from_hf_folder(path),
+                           lambda: iter_hf_weights(path), lambda: hf_weight_shapes(path))
     if path.is_file() and path.suffix == ".gguf":
-        config, tokenizer, weights = read_gguf_lazily(path)
-        return ModelSource(path, path.stem, config, tokenizer, weights)
+        lazy = read_gguf_lazily(path)
+        return ModelSource(path, name or path.stem, lazy.config, lazy.tokenizer, lazy.weights, lambda: lazy.shapes)
+    if not path.exists():
+        raise ModelLoadError(f"model {str(path)!r} does not exist; expected a Hugging Face folder with config.json "
+                             "or a .gguf file")
     raise ModelLoadError(f"model {str(path)!r} is neither a Hugging Face folder with config.json nor a .gguf file")
+
+
+def _hf_config(folder: Path) -> ModelConfig:
+    try:
+        return read_hf_config(folder)
+    except json.JSONDecodeError as exc:
+        raise ModelLoadError(f"{folder / 'config.json'} is not valid JSON ({exc})") from None
+    except KeyError as exc:
+        raise ModelLoadError(f"{folder / 'config.json'} lacks {exc.args[0]!r}; expected a complete model "
+                             "config") from None
+    except (ConfigError, TypeError, ValueError) as exc:
+        raise ModelLoadError(f"{folder / 'config.json'} describes an inconsistent model ({exc})") from None
+
+
+def hub_cache() -> Path:
+    """Where huggingface_hub keeps downloaded repositories: HF_HUB_CACHE, else HF_HOME/hub, else
+    $XDG_CACHE_HOME/huggingface/hub (~/.cache by default)."""
+    explicit = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE")
+    if explicit:
+        return Path(explicit).expanduser()
+    home = os.environ.get("HF_HOME") or Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache") / "huggingface"
+    return Path(home).expanduser() / "hub"
+
+
+def hub_snapshot(repo_id: str) -> Path:
+    """The local snapshot of a hub model (the one refs/main names, else the newest): its folder, or its one
+    .gguf file when it holds GGUF files and no config.json. Nothing is downloaded."""
+    repo = hub_cache() / ("models--" + repo_id.replace("/", "--"))
+    snapshots = sorted((p for p in (repo / "snapshots").glob("*") if p.is_dir()), key=lambda p: p.stat().st_mtime)
+    ref = repo / "refs" / "main"
+    named = repo / "snapshots" / ref.read_text().strip() if ref.is_file() else None
+    snapshot = named if named is not None and named.is_dir() else (snapshots[-1] if snapshots else None)
+    if snapshot is None:
+        raise ModelLoadError(f"model {repo_id!r} is not a local path, and models load from a local Hugging Face "
+                             f"folder or .gguf file: the local Hugging Face cache would hold it in {repo}, which "
+                             f"has no snapshot (`huggingface-cli download {repo_id}` puts one there)")
+    if (snapshot / "config.json").is_file():
+        return snapshot
+    ggufs = sorted(snapshot.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return ggufs[0]
+    if ggufs:
+        raise ModelLoadError(f"the cached snapshot {snapshot} of {repo_id!r} holds {len(ggufs)} .gguf files; pass "
+                             f"one of them as the model: {', '.join(p.name for p in ggufs)}")
+    raise ModelLoadError(f"the cached snapshot {snapshot} of {repo_id!r} has neither config.json nor a .gguf file; "
+                         "expected a complete download")
+
+
+def check_model(source: ModelSource) -> None:
+    """Fits the checkpoint's tensor names and shapes into the model its config describes, on the meta device:
+    the same checks as loading, without reading or allocating any weights. ModelLoadError when they do not fit."""
+    with torch.device("meta"):
+        model = LlamaModel(source.config, "meta")
+        tensors = [(name, torch.empty(shape)) for name, shape in source.shapes().items()]
+    try:
+        model.load_weights(tensors)
+    except (KeyError, RuntimeError, IndexError) as exc:  # a misplaced name, or a shape that does not fit
+        detail = exc.args[0] if exc.args else type(exc).__name__
+        raise ModelLoadError(f"{source.path} does not fit the {source.config.architecture} model its config "
+                             f"describes: {detail}") from None
 
 
 def resolve_dtype(name: str, device: torch.device | str) -> torch.dtype:
@@ -49,4 +122,5 @@ def resolve_dtype(name: str, device: torch.device | str) -> torch.dtype:
 
 
 def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device | str = "cpu") -> LlamaModel:
+    check_model(source)  # before any memory is allocated: a mismatch fails with one sentence
     return build_model(source.config, source.weights(), dtype, device)
