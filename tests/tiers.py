@@ -76,6 +76,7 @@ MODULE_TIERS: Mapping[str, Tier] = {
     "test_server_lifecycle.py": P,
     "test_sliding_window.py": E,
     "test_source_hygiene.py": U,
+    "test_startup.py": U,  # the process-age test starts an interpreter: marked process
     "test_spec_decode.py": E,
     "test_spec_decode_units.py": U,
     "test_stats_record.py": U,
