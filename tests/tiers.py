@@ -59,6 +59,7 @@ MODULE_TIERS: Mapping[str, Tier] = {
     "test_migration.py": P,
     "test_model_errors.py": P,  # the resolve and check tests in this process are marked unit
     "test_model_parity.py": E,
+    "test_packaging.py": P,  # runs setuptools' editable build in a subprocess
     "test_placement.py": U,
     "test_request_fields.py": U,
     "test_prompt_attention.py": E,
