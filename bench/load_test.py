@@ -7,7 +7,8 @@ Each client sends streaming requests one after another (greedy, EOS ignored, so 
 --max-tokens tokens) until --requests have been sent in total. TTFT is measured from sending the request to the
 first chunk with text; ITL is the gap between consecutive chunks with text (a chunk can carry more than one
 token when the detokeniser holds back an incomplete character, so ITL is per chunk). Output tokens come from
-the server's usage chunk.
+the server's usage chunk. --json OUT writes the report, every request's TTFT and chunk gaps, the command line and
+the start time (what `python -m bench.report` reads).
 """
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import aiohttp
+
+from bench.provenance import provenance
 
 PROMPTS = ("Write a short story about a lighthouse keeper.", "Explain how a bicycle stays upright.",
            "List some uses for a paperclip.", "Describe the water cycle to a child.",
@@ -136,6 +139,11 @@ async def _worker(session: aiohttp.ClientSession, cfg: LoadConfig, indices: asyn
 
 
 async def run_load(cfg: LoadConfig) -> Report:
+    return summarise(*await run_requests(cfg))
+
+
+async def run_requests(cfg: LoadConfig) -> tuple[list[RequestResult], float]:
+    """Every request's result and the wall time of the whole run."""
     indices: asyncio.Queue = asyncio.Queue()
     for i in range(cfg.requests):
         indices.put_nowait(i)
@@ -147,7 +155,7 @@ async def run_load(cfg: LoadConfig) -> Report:
         started = time.perf_counter()
         await asyncio.gather(*(_worker(session, cfg, indices, results) for _ in range(cfg.concurrency)))
         wall = time.perf_counter() - started
-    return summarise(results, wall)
+    return results, wall
 
 
 def summarise(results: list[RequestResult], wall: float) -> Report:
@@ -189,13 +197,23 @@ def parse_args(argv: list[str] | None) -> tuple[LoadConfig, str | None]:
     return cfg, args.json
 
 
+def result_json(cfg: LoadConfig, report: Report, results: list[RequestResult], origin: dict) -> dict:
+    """The report with every request's samples (TTFT, chunk gaps) for `python -m bench.report`'s CDFs;
+    `origin` is the provenance taken when the run started."""
+    config = {k: v for k, v in asdict(cfg).items() if k != "api_key"}
+    return {**origin, "config": config, "report": asdict(report),
+            "requests": [asdict(r) for r in results]}
+
+
 def main(argv: list[str] | None = None) -> int:
     cfg, json_path = parse_args(argv)
-    report = asyncio.run(run_load(cfg))
+    origin = provenance("load_test", argv)
+    results, wall = asyncio.run(run_requests(cfg))
+    report = summarise(results, wall)
     print(format_report(cfg, report))
     if json_path:
         with open(json_path, "w") as f:
-            json.dump({"config": asdict(cfg), "report": asdict(report)}, f, indent=2)
+            json.dump(result_json(cfg, report, results, origin), f, indent=2)
     return 1 if report.errors else 0
 
 

@@ -35,6 +35,7 @@ import numpy as np
 import psutil
 import torch
 
+from bench.provenance import provenance
 from engine import LLM, EngineConfig, ModelConfig, SamplingParams
 from engine.engine_core import EngineRequest
 from engine.backends import CpuKernelBackend
@@ -684,6 +685,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="profile with the decode stack off: each kernel's time by itself, at the Python layers' cost")
     args = p.parse_args(argv)
     args.batch_list = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
+    args.origin = provenance("offline_throughput", argv)  # taken when the run starts
     return args
 
 
@@ -808,7 +810,8 @@ def write_json(args: argparse.Namespace, ours: list[OursResult], hf: dict[int, H
                agree: dict[int, Agreement], bw: Bandwidth, bound: dict, profile: dict | None) -> None:
     strip = lambda d: {k: v for k, v in d.items() if k != "outputs"}  # noqa: E731
     doc = {
-        "args": {k: v for k, v in vars(args).items()},
+        **args.origin,
+        "args": {k: v for k, v in vars(args).items() if k != "origin"},
         "bandwidth": asdict(bw),
         "bound": bound,
         "ours": [strip(asdict(r)) for r in ours],

@@ -20,6 +20,7 @@ import urllib.request
 from collections.abc import Sequence
 
 from bench import workloads
+from bench.provenance import provenance
 
 SERVER_FLAGS = {
     "colocated-2core": ["--decode-actors", "1", "--prefill-actors", "0"],
@@ -58,6 +59,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--base-port", type=int, default=8201)
     p.add_argument("--server-args", default="", help="extra flags for every server, e.g. '--dtype bfloat16'")
     args, workload_args = p.parse_known_args(argv)
+    started = provenance("placement", argv)
     policies = [x.strip() for x in args.policies.split(",") if x.strip()]
     unknown = [x for x in policies if x not in SERVER_FLAGS]
     if unknown:
@@ -70,7 +72,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             procs[name] = start_server(name, args.base_port + i, args.server_args.split())
             wait_healthy(url, procs[name])
         compare = ",".join(f"{name}={url}" for name, url in urls.items())
-        return workloads.main([*DEFAULT_WORKLOAD, *workload_args, "--compare", compare])
+        origin = {**started, "policies": {name: SERVER_FLAGS[name] for name in policies},
+                  "server_args": args.server_args}
+        return workloads.main([*DEFAULT_WORKLOAD, *workload_args, "--compare", compare], origin)
     finally:
         for proc in procs.values():
             proc.terminate()

@@ -34,6 +34,8 @@ import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from bench.provenance import provenance
+
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = ("river stone lantern harbour meadow signal copper winter garden thunder paper orbit candle forest "
          "engine silver bridge market violin desert").split()
@@ -171,6 +173,7 @@ def main(argv: list[str] | None = None) -> None:
     from engine import LLM
 
     args = parse_args(argv)
+    origin = provenance("serve_latency", argv)
     model_flags = ["--model", args.model] if args.model else []
     if args.trace:
         return trace_main(args, model_flags)
@@ -191,8 +194,16 @@ def main(argv: list[str] | None = None) -> None:
         proc.wait(timeout=60)
     print_table(rows, "in-process" if args.in_process else "actors")
     if args.json:
-        Path(args.json).write_text(json.dumps({n: [[asdict(s) for s in side] for side in sides]
-                                               for n, sides in rows.items()}, indent=2))
+        Path(args.json).write_text(json.dumps(result_json(args, rows, origin), indent=2))
+
+
+def result_json(args: argparse.Namespace, rows: dict[int, tuple[list[Side], list[Side]]], origin: dict) -> dict:
+    """Every round of both sides, per number of streams; `origin` is the provenance taken at the start."""
+    config = {k: v for k, v in vars(args).items() if k != "stream_counts"}
+    return {**origin, "config": config,
+            "mode": "in-process" if args.in_process else "actors",
+            "streams": {str(n): {"embedded": [asdict(s) for s in emb], "server": [asdict(s) for s in srv]}
+                        for n, (emb, srv) in rows.items()}}
 
 
 def trace_main(args: argparse.Namespace, model_flags: list[str]) -> None:

@@ -43,6 +43,8 @@ from typing import Any
 import aiohttp
 import numpy as np
 
+from bench.provenance import provenance
+
 QUADRANTS = ("siso", "liso", "silo", "lilo")
 TOKENS_PER_WORD = 1.3
 SHORT_IN = (16, 128)
@@ -1203,7 +1205,8 @@ def describe_specs(specs: Mapping[str, QuadrantSpec]) -> str:
                      for q, s in specs.items())
 
 
-async def run_bench(cfg: BenchConfig) -> int:
+async def run_bench(cfg: BenchConfig, origin: Mapping[str, Any] | None = None) -> int:
+    """`origin`: the provenance written at the head of the JSON (default: this bench and its command line)."""
     async with make_session(cfg.api_key) as session:
         infos = [await discover(session, t.url) for t in cfg.targets]
     for warning in duplicate_url_warnings(cfg.targets):
@@ -1226,7 +1229,8 @@ async def run_bench(cfg: BenchConfig) -> int:
         results = await _rate_runs(cfg, opts, specs, prompts)
     if results is None:
         return 0
-    return report(cfg, results, {"context": context, "context_source": source, "token_counting": prompts.method,
+    return report(cfg, results, {**(origin or provenance("workloads")), "context": context,
+                                 "context_source": source, "token_counting": prompts.method,
                                  "quadrants": {k: asdict(v) for k, v in specs.items()}})
 
 
@@ -1323,10 +1327,11 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, origin: Mapping[str, Any] | None = None) -> int:
+    """`origin`: the provenance of a bench that drives this one (bench/placement.py), else this command line."""
     cfg = parse_args(argv)
     try:
-        return asyncio.run(run_bench(cfg))
+        return asyncio.run(run_bench(cfg, origin or provenance("workloads", argv)))
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
