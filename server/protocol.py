@@ -325,10 +325,18 @@ def _text(name: str, value: Any) -> str:
 # ---------------------------------------------------------------------------------------- common envelope
 
 def _check_model(body: dict[str, Any], served: str) -> None:
-    model = _typed(body, "model", lambda v: isinstance(v, str), "a string", served)
+    check_model_name(_typed(body, "model", lambda v: isinstance(v, str), "a string", served), served)
+
+
+def check_model_name(model: str, served: str) -> None:
+    """404 model_not_found for any name but the served one, as OpenAI and vLLM answer."""
     if model != served:
-        raise bad_request(f"the model '{model}' does not exist; this server serves '{served}'.", "model",
-                          "model_not_found")
+        raise model_not_found(model, served)
+
+
+def model_not_found(model: str, served: str) -> ApiError:
+    return ApiError(404, f"the model '{model}' does not exist; this server serves '{served}'.", "model",
+                    "model_not_found")
 
 
 def _include_usage(body: dict[str, Any], stream: bool) -> bool:

@@ -183,7 +183,7 @@ BAD = [
     ("/v1/completions", b'{"prompt": "x", "temperature": NaN}', 400, None),
     ("/v1/completions", {"prompt": "x", "max_tokens": "5"}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "x", "temperature": "hot"}, 400, "temperature"),
-    ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 400, "model"),
+    ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "model"),
     ("/v1/completions", {"prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"prompt": []}, 400, "prompt"),
     ("/v1/completions", {}, 400, "prompt"),
