@@ -29,7 +29,8 @@ from server.metrics import RequestRecord
 from server.protocol import (GenerationRequest, ModelLimits, check_prompt_tokens, effective_max_tokens,
                              messages_as_dicts, parse_chat, parse_completion, parse_json_body, sampling_params)
 from server.quadrant import Quadrant, QuadrantThresholds, TreatmentOptions, classify, treatment_for
-from server.responses import ResponseMeta, ToolOutput, best_of_outputs, chat_body, completion_body, usage
+from server.responses import (ResponseMeta, ToolOutput, best_of_outputs, chat_body, completion_body, output_usage,
+                              summed_usage, usage_chunk)
 from server.streaming import DONE, SSE_HEADERS, ChunkBuilder, encode_events, sse_event
 
 OFFLOAD_CHARS = 16_384  # longer texts are tokenised on a worker thread so the loop stays responsive
@@ -248,7 +249,7 @@ def response_body(prepared: Prepared, meta: ResponseMeta, final: RequestOutput, 
         return completion_body(meta, final, tokenizer, req.echo_text(tokenizer))
     best = best_of_outputs(final, req.sampling.n, keep_logprobs=req.sampling.logprobs is not None)
     body = completion_body(meta, best, tokenizer, req.echo_text(tokenizer))
-    body["usage"] = usage(len(final.prompt_token_ids), final.outputs)  # every sample generated counts
+    body["usage"] = output_usage(final)  # every sample generated counts
     return body
 
 
