@@ -99,10 +99,17 @@ class GenerationRequest:
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None  # more samples than n, the best n returned
+    prompts: tuple[str | tuple[int, ...], ...] = ()  # a completion's list of several prompts, in order
 
     @property
     def prompt_param(self) -> str:
         return "messages" if self.chat else "prompt"
+
+    def per_prompt(self) -> list[GenerationRequest]:
+        """One request per prompt of a list (each runs as its own engine request); [self] for one prompt."""
+        if not self.prompts:
+            return [self]
+        return [replace(self, prompt=p, prompts=()) for p in self.prompts]
 
     def echo_text(self, tokenizer: Any) -> str | None:
         """With echo: the prompt as text, which the completion's text follows."""
@@ -369,8 +376,10 @@ def parse_completion(body: dict[str, Any], served_model: str,
         raise bad_request("'echo' with 'logprobs' would need the prompt's logprobs, which this server does not "
                           "compute; drop one of them.", "echo", "unsupported_parameter")
     suffix = _typed(body, "suffix", lambda v: isinstance(v, str), "a string", None) or None
-    return GenerationRequest(_completion_prompt(body.get("prompt")), fields, chat=False, echo=echo, suffix=suffix,
-                             best_of=_best_of(body, fields, envelope["stream"]), **envelope)
+    prompts = _completion_prompts(body.get("prompt"))
+    return GenerationRequest(prompts[0], fields, chat=False, echo=echo, suffix=suffix,
+                             best_of=_best_of(body, fields, envelope["stream"]),
+                             prompts=prompts if len(prompts) > 1 else (), **envelope)
 
 
 def _best_of(body: dict[str, Any], fields: SamplingFields, stream: bool) -> int | None:
@@ -385,28 +394,26 @@ def _best_of(body: dict[str, Any], fields: SamplingFields, stream: bool) -> int 
     return best_of
 
 
-def _completion_prompt(prompt: Any) -> str | tuple[int, ...]:
+def _completion_prompts(prompt: Any) -> tuple[str | tuple[int, ...], ...]:
+    """OpenAI's four shapes: a string, token ids, a list of strings, a list of token-id lists (or a mix of
+    the last two); the prompts in order."""
     if prompt is None:
         raise bad_request("'prompt' is required.", "prompt", "missing_required_parameter")
-    prompt = _single_prompt(prompt)
+    is_list = isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt)
+    if not is_list:
+        return (_one_prompt(prompt, "prompt"),)
+    return tuple(_one_prompt(p, f"prompt[{i}]") for i, p in enumerate(prompt))
+
+
+def _one_prompt(prompt: Any, where: str) -> str | tuple[int, ...]:
     if isinstance(prompt, list) and all(_is_int(t) for t in prompt):
         prompt = tuple(prompt)
     elif not isinstance(prompt, str):
-        raise invalid_type("prompt", "a string or an array of token ids", prompt)
+        raise bad_request(f"'{where}' must be a string or an array of token ids, got {json_type(prompt)}.",
+                          "prompt", "invalid_type")
     if not prompt:
-        raise bad_request("'prompt' must not be empty.", "prompt")
+        raise bad_request(f"'{where}' must not be empty.", "prompt")
     return prompt
-
-
-def _single_prompt(prompt: Any) -> Any:
-    """Unwraps a batch of one (`["text"]`, `[[1, 2]]`); a batch of several is refused."""
-    is_batch = isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt)
-    if not is_batch:
-        return prompt
-    if len(prompt) > 1:
-        raise bad_request(f"'prompt' holds {len(prompt)} prompts; this server takes one prompt per request.",
-                          "prompt", "unsupported_parameter")
-    return prompt[0]
 
 
 # ---------------------------------------------------------------------------------------- chat

@@ -187,7 +187,7 @@ BAD = [
     ("/v1/completions", {"prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"prompt": []}, 400, "prompt"),
     ("/v1/completions", {}, 400, "prompt"),
-    ("/v1/completions", {"prompt": ["one", "two"]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ["one", ""]}, 400, "prompt"),
     ("/v1/completions", {"prompt": [999999]}, 400, "prompt"),
     ("/v1/completions", {"prompt": _ids(CONTEXT_LEN)}, 400, "prompt"),
     ("/v1/completions", {"prompt": "Hello", "max_tokens": CONTEXT_LEN}, 400, "max_tokens"),
