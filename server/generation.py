@@ -205,12 +205,12 @@ async def compile_guide(guide: Guide, param: str, source: ModelSource) -> None:
 
 async def _encode(req: GenerationRequest, tokenizer: Tokenizer, parser: ToolParser | None) -> list[int]:
     if req.suffix is not None:
-        return await _encode_text(tokenizer, _fill_in_the_middle(tokenizer, req), add_special_tokens=True)
+        return await encode_text(tokenizer, _fill_in_the_middle(tokenizer, req), add_special_tokens=True)
     if isinstance(req.prompt, str):
-        return await _encode_text(tokenizer, req.prompt, add_special_tokens=True)
+        return await encode_text(tokenizer, req.prompt, add_special_tokens=True)
     if not req.chat:
         return list(req.prompt)
-    return await _encode_text(tokenizer, _render_chat(tokenizer, req, parser), add_special_tokens=False)
+    return await encode_text(tokenizer, render_chat(tokenizer, req, parser), add_special_tokens=False)
 
 
 def _fill_in_the_middle(tokenizer: Tokenizer, req: GenerationRequest) -> str:
@@ -223,13 +223,13 @@ def _fill_in_the_middle(tokenizer: Tokenizer, req: GenerationRequest) -> str:
     return fim_prompt(tokens, prompt, req.suffix or "")
 
 
-async def _encode_text(tokenizer: Tokenizer, text: str, add_special_tokens: bool) -> list[int]:
+async def encode_text(tokenizer: Tokenizer, text: str, add_special_tokens: bool) -> list[int]:
     if len(text) > OFFLOAD_CHARS:
         return await asyncio.to_thread(tokenizer.encode, text, add_special_tokens)
     return tokenizer.encode(text, add_special_tokens)
 
 
-def _render_chat(tokenizer: Tokenizer, req: GenerationRequest, parser: ToolParser | None) -> str:
+def render_chat(tokenizer: Tokenizer, req: GenerationRequest, parser: ToolParser | None) -> str:
     messages, extra = messages_as_dicts(req.prompt), {}
     if parser is not None or any(m["role"] == "tool" or m.get("tool_calls") for m in messages):
         messages, extra = tool_messages(messages, req.tools, parser or ToolParser.default(),

@@ -423,16 +423,17 @@ def parse_chat(body: dict[str, Any], served_model: str,
     envelope = _envelope(body, served_model, CHAT)
     fields = _sampling_fields(body, ("max_completion_tokens", "max_tokens"), _chat_logprobs(body),
                               defaults.max_tokens, defaults)
-    tools, choice = _tools(body)
+    tools, choice = parse_tool_fields(body)
     if choice.forced and fields.guide is not None:
         raise bad_request(f"'tool_choice' {choice.mode} and '{fields.guide_param}' both constrain the output; "
                           f"give one.", "tool_choice")
-    return GenerationRequest(_messages(body.get("messages")), fields, chat=True, tools=tools, tool_choice=choice,
+    return GenerationRequest(parse_messages(body.get("messages")), fields, chat=True, tools=tools,
+                             tool_choice=choice,
                              parallel_tool_calls=_bool(body, "parallel_tool_calls", True),
                              add_generation_prompt=_bool(body, "add_generation_prompt", True), **envelope)
 
 
-def _tools(body: dict[str, Any]) -> tuple[tuple[Tool, ...], ToolChoice]:
+def parse_tool_fields(body: dict[str, Any]) -> tuple[tuple[Tool, ...], ToolChoice]:
     try:
         tools = parse_tools(body.get("tools"))
         return tools, parse_tool_choice(body.get("tool_choice"), tools)
@@ -448,7 +449,7 @@ def _chat_logprobs(body: dict[str, Any]) -> tuple[int | None, str]:
     return ((top or 0) if wanted else None), "top_logprobs"
 
 
-def _messages(messages: Any) -> tuple[Message, ...]:
+def parse_messages(messages: Any) -> tuple[Message, ...]:
     if messages is None:
         raise bad_request("'messages' is required.", "messages", "missing_required_parameter")
     if not isinstance(messages, list):
