@@ -253,3 +253,17 @@ def test_embeddings_are_refused_with_a_404_that_says_why(client):
         client.embeddings.create(model=MODEL, input="Hello")
     message = err.value.body["message"]
     assert "embeddings" in message and "pooling" in message
+
+
+@pytest.mark.unit
+def test_the_four_prompt_shapes_parse_into_one_request_per_prompt():
+    from server.protocol import parse_completion
+
+    shapes = {"text": ("one",), "ids": ((1, 2),), "texts": ("one", "two"), "id lists": ((1,), (2, 3)),
+              "mixed": ("one", (2, 3))}
+    bodies = {"text": "one", "ids": [1, 2], "texts": ["one", "two"], "id lists": [[1], [2, 3]],
+              "mixed": ["one", [2, 3]]}
+    for name, prompt in bodies.items():
+        parts = parse_completion({"prompt": prompt, "n": 2}, MODEL).per_prompt()
+        assert tuple(p.prompt for p in parts) == shapes[name], name
+        assert all(p.prompts == () and p.sampling.n == 2 for p in parts)
