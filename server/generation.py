@@ -134,6 +134,12 @@ class TrackerGroup:
         return self.trackers[0].quadrant
 
     @property
+    def last(self) -> RequestOutput | None:
+        """The output whose migrations the access line names: the first prompt's that moved, else the first's."""
+        moved = [t.last for t in self.trackers if t.last is not None and t.last.moves]
+        return moved[0] if moved else self.trackers[0].last
+
+    @property
     def outcome(self) -> str:
         return next((t.outcome for t in self.trackers if t.outcome != "ok"), "ok")
 
