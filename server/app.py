@@ -18,8 +18,10 @@ from server.errors import ApiError, error_response, from_http_exception
 from server.generation import handle_generation
 from server.logging import make_logger
 from server.metrics import UNMATCHED_ROUTE, spec_summary
-from server.responses import model_list
+from server.protocol import model_not_found
+from server.responses import model_card, model_list
 from server.settings import ServerSettings
+from server.utility import detokenize, embeddings, tokenize
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 CLIENT_CLOSED = 499  # nginx's status for "the client went away before the answer"
@@ -32,7 +34,10 @@ def create_app(llm: AsyncLLM, settings: ServerSettings,
     app[CONTEXT] = ServerContext.build(llm, settings, log or make_logger())
     app.on_response_prepare.append(_add_request_id_header)
     app.add_routes([web.post("/v1/completions", _completions), web.post("/v1/chat/completions", _chat),
-                    web.get("/v1/models", _models), web.get("/health", _health), web.get("/metrics", _metrics),
+                    web.get("/v1/models", _models), web.get("/v1/models/{model:.+}", _model_card),
+                    web.post("/tokenize", tokenize), web.post("/detokenize", detokenize),
+                    web.post("/v1/embeddings", embeddings),
+                    web.get("/health", _health), web.get("/metrics", _metrics),
                     web.get("/status", _status), web.post("/admin/drain", _drain)])
     return app
 
@@ -131,6 +136,16 @@ async def _chat(request: web.Request) -> web.StreamResponse:
 async def _models(request: web.Request) -> web.Response:
     ctx = request.app[CONTEXT]
     return web.json_response(model_list(ctx.limits.name, ctx.created, ctx.limits.max_model_len,
+                                        active_defaults(ctx)))
+
+
+async def _model_card(request: web.Request) -> web.Response:
+    """OpenAI's model object for the served model; 404 model_not_found for any other id."""
+    ctx = request.app[CONTEXT]
+    name = request.match_info["model"]
+    if name != ctx.limits.name:
+        raise model_not_found(name, ctx.limits.name)
+    return web.json_response(model_card(ctx.limits.name, ctx.created, ctx.limits.max_model_len,
                                         active_defaults(ctx)))
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from contextlib import aclosing
+from contextlib import ExitStack, aclosing
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
@@ -29,7 +29,8 @@ from server.metrics import RequestRecord
 from server.protocol import (GenerationRequest, ModelLimits, check_prompt_tokens, effective_max_tokens,
                              messages_as_dicts, parse_chat, parse_completion, parse_json_body, sampling_params)
 from server.quadrant import Quadrant, QuadrantThresholds, TreatmentOptions, classify, treatment_for
-from server.responses import ResponseMeta, ToolOutput, best_of_outputs, chat_body, completion_body, usage
+from server.responses import (ResponseMeta, ToolOutput, best_of_outputs, chat_body, completion_body, output_usage,
+                              summed_usage, usage_chunk)
 from server.streaming import DONE, SSE_HEADERS, ChunkBuilder, encode_events, sse_event
 
 OFFLOAD_CHARS = 16_384  # longer texts are tokenised on a worker thread so the loop stays responsive
@@ -108,6 +109,50 @@ class RequestTracker:
         return queue, prefill, decode
 
 
+@dataclass
+class TrackerGroup:
+    """The trackers of one HTTP request: one per prompt (a completion's prompt list has several), summed for
+    the access line."""
+
+    trackers: list[RequestTracker]
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(t.prompt_tokens for t in self.trackers)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(t.completion_tokens for t in self.trackers)
+
+    @property
+    def ttft(self) -> float | None:
+        times = [t.ttft for t in self.trackers if t.ttft is not None]
+        return min(times) if times else None
+
+    @property
+    def quadrant(self) -> Quadrant:
+        return self.trackers[0].quadrant
+
+    @property
+    def last(self) -> RequestOutput | None:
+        """The output whose migrations the access line names: the first prompt's that moved, else the first's."""
+        moved = [t.last for t in self.trackers if t.last is not None and t.last.moves]
+        return moved[0] if moved else self.trackers[0].last
+
+    @property
+    def outcome(self) -> str:
+        return next((t.outcome for t in self.trackers if t.outcome != "ok"), "ok")
+
+    @outcome.setter
+    def outcome(self, value: str) -> None:
+        for t in self.trackers:
+            t.outcome = value
+
+    def streamed(self) -> None:
+        for t in self.trackers:
+            t.streamed = True
+
+
 # ---------------------------------------------------------------------------------------- preparation
 
 async def read_body(request: web.Request, limit: int) -> bytes:
@@ -166,12 +211,12 @@ async def compile_guide(guide: Guide, param: str, source: ModelSource) -> None:
 
 async def _encode(req: GenerationRequest, tokenizer: Tokenizer, parser: ToolParser | None) -> list[int]:
     if req.suffix is not None:
-        return await _encode_text(tokenizer, _fill_in_the_middle(tokenizer, req), add_special_tokens=True)
+        return await encode_text(tokenizer, _fill_in_the_middle(tokenizer, req), add_special_tokens=True)
     if isinstance(req.prompt, str):
-        return await _encode_text(tokenizer, req.prompt, add_special_tokens=True)
+        return await encode_text(tokenizer, req.prompt, add_special_tokens=True)
     if not req.chat:
         return list(req.prompt)
-    return await _encode_text(tokenizer, _render_chat(tokenizer, req, parser), add_special_tokens=False)
+    return await encode_text(tokenizer, render_chat(tokenizer, req, parser), add_special_tokens=False)
 
 
 def _fill_in_the_middle(tokenizer: Tokenizer, req: GenerationRequest) -> str:
@@ -184,13 +229,13 @@ def _fill_in_the_middle(tokenizer: Tokenizer, req: GenerationRequest) -> str:
     return fim_prompt(tokens, prompt, req.suffix or "")
 
 
-async def _encode_text(tokenizer: Tokenizer, text: str, add_special_tokens: bool) -> list[int]:
+async def encode_text(tokenizer: Tokenizer, text: str, add_special_tokens: bool) -> list[int]:
     if len(text) > OFFLOAD_CHARS:
         return await asyncio.to_thread(tokenizer.encode, text, add_special_tokens)
     return tokenizer.encode(text, add_special_tokens)
 
 
-def _render_chat(tokenizer: Tokenizer, req: GenerationRequest, parser: ToolParser | None) -> str:
+def render_chat(tokenizer: Tokenizer, req: GenerationRequest, parser: ToolParser | None) -> str:
     messages, extra = messages_as_dicts(req.prompt), {}
     if parser is not None or any(m["role"] == "tool" or m.get("tool_calls") for m in messages):
         messages, extra = tool_messages(messages, req.tools, parser or ToolParser.default(),
@@ -229,15 +274,74 @@ async def engine_outputs(ctx: ServerContext, prepared: Prepared, tracker: Reques
             raise ApiError(503, f"the request could not be completed: {exc}", None, "engine_failure") from None
 
 
-async def whole_response(ctx: ServerContext, prepared: Prepared, tracker: RequestTracker,
+async def whole_response(ctx: ServerContext, parts: list[Prepared], group: TrackerGroup,
                          meta: ResponseMeta) -> web.Response:
-    final = None
-    async with aclosing(engine_outputs(ctx, prepared, tracker)) as outputs:
-        async for final in outputs:
-            pass
-    tracker.outcome = "ok"
-    return web.json_response(response_body(prepared, meta, final, ctx.llm.tokenizer),
-                             headers=placement_headers(prepared, final))
+    if len(parts) == 1:
+        final = None
+        async with aclosing(engine_outputs(ctx, parts[0], group.trackers[0])) as outputs:
+            async for final in outputs:
+                pass
+        group.outcome = "ok"
+        return web.json_response(response_body(parts[0], meta, final, ctx.llm.tokenizer),
+                                 headers=placement_headers(parts[0], final))
+    finals: list[RequestOutput | None] = [None] * len(parts)
+    async with aclosing(MergedOutputs(ctx, parts, group.trackers)) as outputs:
+        async for i, out in outputs:
+            finals[i] = out
+    group.outcome = "ok"
+    bodies = [response_body(p, meta, f, ctx.llm.tokenizer) for p, f in zip(parts, finals)]
+    body = bodies[0] | {"choices": [c for i, b in enumerate(bodies) for c in _offset(b["choices"], i, parts)],
+                        "usage": summed_usage([b["usage"] for b in bodies])}
+    return web.json_response(body, headers=batch_headers(parts, finals))
+
+
+def _offset(choices: list[dict], prompt_index: int, parts: list[Prepared]) -> list[dict]:
+    """A prompt's choices renumbered for the whole list: prompt i, sample j -> index i * n + j (OpenAI's and
+    vLLM's order)."""
+    n = parts[prompt_index].request.sampling.n
+    for choice in choices:
+        choice["index"] += prompt_index * n
+    return choices
+
+
+class MergedOutputs:
+    """The outputs of several engine requests (a completion's prompt list) as one stream of (prompt index,
+    output), in arrival order: each runs as its own engine request, concurrently. The first failure ends the
+    stream with that error; aclose() (and so any early exit) aborts the requests still running."""
+
+    def __init__(self, ctx: ServerContext, parts: list[Prepared], trackers: list[RequestTracker]) -> None:
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._running = len(parts)
+        self._tasks = [asyncio.create_task(self._drain(i, engine_outputs(ctx, p, t)))
+                       for i, (p, t) in enumerate(zip(parts, trackers))]
+
+    async def _drain(self, index: int, outputs: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async with aclosing(outputs):
+                async for out in outputs:
+                    self._queue.put_nowait((index, out))
+            self._queue.put_nowait((index, None))
+        except Exception as exc:  # handed to the reader, which raises it
+            self._queue.put_nowait((index, exc))
+
+    def __aiter__(self) -> MergedOutputs:
+        return self
+
+    async def __anext__(self) -> tuple[int, RequestOutput]:
+        while self._running:
+            index, item = await self._queue.get()
+            if item is None:
+                self._running -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                return index, item
+        raise StopAsyncIteration
+
+    async def aclose(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
 def response_body(prepared: Prepared, meta: ResponseMeta, final: RequestOutput, tokenizer: Tokenizer) -> dict:
@@ -248,7 +352,7 @@ def response_body(prepared: Prepared, meta: ResponseMeta, final: RequestOutput, 
         return completion_body(meta, final, tokenizer, req.echo_text(tokenizer))
     best = best_of_outputs(final, req.sampling.n, keep_logprobs=req.sampling.logprobs is not None)
     body = completion_body(meta, best, tokenizer, req.echo_text(tokenizer))
-    body["usage"] = usage(len(final.prompt_token_ids), final.outputs)  # every sample generated counts
+    body["usage"] = output_usage(final)  # every sample generated counts
     return body
 
 
@@ -257,17 +361,71 @@ def placement_headers(prepared: Prepared, out: RequestOutput) -> dict[str, str]:
     return {"X-Quadrant": prepared.quadrant.value, "X-Placement": out.placement}
 
 
-async def stream_response(request: web.Request, ctx: ServerContext, prepared: Prepared, tracker: RequestTracker,
-                          meta: ResponseMeta) -> web.StreamResponse:
+def batch_headers(parts: list[Prepared], outs: list[RequestOutput | None]) -> dict[str, str]:
+    """A prompt list's quadrants, and the placements known so far, in prompt order, joined with ' | '."""
+    return {"X-Quadrant": ",".join(p.quadrant.value for p in parts),
+            "X-Placement": " | ".join(o.placement for o in outs if o is not None)}
+
+
+def chunk_builder(ctx: ServerContext, prepared: Prepared, meta: ResponseMeta) -> ChunkBuilder:
     req = prepared.request
-    builder = ChunkBuilder(meta, ctx.llm.tokenizer, chat=req.chat, wants_logprobs=req.sampling.logprobs is not None,
-                           include_usage=req.include_usage, tools=prepared.tools,
-                           echo=None if req.chat else req.echo_text(ctx.llm.tokenizer))
+    return ChunkBuilder(meta, ctx.llm.tokenizer, chat=req.chat, wants_logprobs=req.sampling.logprobs is not None,
+                        include_usage=req.include_usage, tools=prepared.tools,
+                        echo=None if req.chat else req.echo_text(ctx.llm.tokenizer))
+
+
+async def stream_response(request: web.Request, ctx: ServerContext, parts: list[Prepared], group: TrackerGroup,
+                          meta: ResponseMeta) -> web.StreamResponse:
+    if len(parts) > 1:
+        return await _stream_list(request, ctx, parts, group, meta)
+    prepared, tracker = parts[0], group.trackers[0]
+    builder = chunk_builder(ctx, prepared, meta)
     async with aclosing(engine_outputs(ctx, prepared, tracker)) as outputs:
         first = await anext(outputs)  # before the headers, so that a refusal still gets its status code
         response = web.StreamResponse(headers=SSE_HEADERS | placement_headers(prepared, first))
         await response.prepare(request)
         await _pump(ctx, response, builder, first, outputs, tracker)
+    return response
+
+
+async def _stream_list(request: web.Request, ctx: ServerContext, parts: list[Prepared], group: TrackerGroup,
+                       meta: ResponseMeta) -> web.StreamResponse:
+    """A completion's prompt list as one stream: each prompt's chunks as its outputs arrive, their choices
+    renumbered (prompt i, sample j -> index i * n + j), and one usage chunk summed over the prompts."""
+    builders = [chunk_builder(ctx, p, meta) for p in parts]
+    async with aclosing(MergedOutputs(ctx, parts, group.trackers)) as outputs:
+        first = await anext(outputs)  # before the headers, so that a refusal still gets its status code
+        firsts: list[RequestOutput | None] = [None] * len(parts)
+        firsts[first[0]] = first[1]
+        response = web.StreamResponse(headers=SSE_HEADERS | batch_headers(parts, firsts))
+        await response.prepare(request)
+        group.streamed()
+        try:
+            index, out = first
+            while True:
+                chunks = builders[index].chunks(out)
+                for chunk in chunks:
+                    _offset(chunk["choices"], index, parts)
+                await response.write(encode_events(_traced(chunks, out)))
+                group.trackers[index].written(out, time.monotonic())
+                try:
+                    index, out = await anext(outputs)
+                except StopAsyncIteration:
+                    break
+            closing = []
+            if parts[0].request.include_usage:
+                totals = summed_usage([output_usage(t.last) for t in group.trackers])
+                closing = [usage_chunk(meta, False, totals)]
+            await response.write(encode_events(closing) + DONE)
+            group.outcome = "ok"
+        except ConnectionError:
+            group.outcome = "client_disconnected"  # leaving aclosing() aborts the requests in the engine
+        except ApiError as err:
+            await _end_with_error(response, group, err, "aborted")
+        except Exception:
+            ctx.log.exception("stream failed")
+            internal = ApiError(500, f"internal error while streaming (request {meta.id})", None, "internal_error")
+            await _end_with_error(response, group, internal, "error")
     return response
 
 
@@ -304,7 +462,7 @@ def _traced(chunks: list[dict], out: RequestOutput) -> list[dict]:
     return chunks
 
 
-async def _end_with_error(response: web.StreamResponse, tracker: RequestTracker, err: ApiError,
+async def _end_with_error(response: web.StreamResponse, tracker: RequestTracker | TrackerGroup, err: ApiError,
                           outcome: str) -> None:
     tracker.outcome = outcome
     try:
@@ -320,15 +478,24 @@ async def handle_generation(request: web.Request, ctx: ServerContext, chat: bool
     ctx.admission.check_open()
     body = parse_json_body(await read_body(request, ctx.settings.max_body_bytes))
     parse = parse_chat if chat else parse_completion
-    prepared = await prepare(parse(body, ctx.limits.name, ctx.defaults), ctx.llm.tokenizer, ctx.limits,
-                             ctx.settings.quadrants, ctx.treatment, ctx.llm.source, ctx.tool_parser)
-    tracker = RequestTracker(request[REQUEST_ID], arrival, len(prepared.token_ids), prepared.quadrant)
-    request[TRACKER] = tracker
-    meta = ResponseMeta(tracker.request_id, int(time.time()), ctx.limits.name)
-    with ctx.admission.slot(tracker.request_id):
+    requests = parse(body, ctx.limits.name, ctx.defaults).per_prompt()
+    if len(requests) > ctx.settings.max_queue:
+        raise bad_request(f"'prompt' holds {len(requests)} prompts; this server runs at most {ctx.settings.max_queue} "
+                          "requests at once (--max-queue), so send them in smaller lists.", "prompt")
+    parts = [await prepare(r, ctx.llm.tokenizer, ctx.limits, ctx.settings.quadrants, ctx.treatment, ctx.llm.source,
+                           ctx.tool_parser) for r in requests]  # every prompt is checked before any one runs
+    ids = [request[REQUEST_ID]] if len(parts) == 1 else [f"{request[REQUEST_ID]}-{i}" for i in range(len(parts))]
+    group = TrackerGroup([RequestTracker(rid, arrival, len(p.token_ids), p.quadrant) for rid, p in zip(ids, parts)])
+    request[TRACKER] = group
+    meta = ResponseMeta(request[REQUEST_ID], int(time.time()), ctx.limits.name)
+    with ExitStack() as slots:
+        for rid in ids:  # each prompt is an engine request and takes a slot; a 429 releases those taken
+            slots.enter_context(ctx.admission.slot(rid))
         try:
-            if prepared.request.stream:
-                return await stream_response(request, ctx, prepared, tracker, meta)
-            return await whole_response(ctx, prepared, tracker, meta)
+            if requests[0].stream:
+                return await stream_response(request, ctx, parts, group, meta)
+            return await whole_response(ctx, parts, group, meta)
         finally:
-            ctx.metrics.record(tracker.record(time.monotonic()))
+            now = time.monotonic()
+            for tracker in group.trackers:
+                ctx.metrics.record(tracker.record(now))

@@ -99,10 +99,17 @@ class GenerationRequest:
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None  # more samples than n, the best n returned
+    prompts: tuple[str | tuple[int, ...], ...] = ()  # a completion's list of several prompts, in order
 
     @property
     def prompt_param(self) -> str:
         return "messages" if self.chat else "prompt"
+
+    def per_prompt(self) -> list[GenerationRequest]:
+        """One request per prompt of a list (each runs as its own engine request); [self] for one prompt."""
+        if not self.prompts:
+            return [self]
+        return [replace(self, prompt=p, prompts=()) for p in self.prompts]
 
     def echo_text(self, tokenizer: Any) -> str | None:
         """With echo: the prompt as text, which the completion's text follows."""
@@ -325,10 +332,18 @@ def _text(name: str, value: Any) -> str:
 # ---------------------------------------------------------------------------------------- common envelope
 
 def _check_model(body: dict[str, Any], served: str) -> None:
-    model = _typed(body, "model", lambda v: isinstance(v, str), "a string", served)
+    check_model_name(_typed(body, "model", lambda v: isinstance(v, str), "a string", served), served)
+
+
+def check_model_name(model: str, served: str) -> None:
+    """404 model_not_found for any name but the served one, as OpenAI and vLLM answer."""
     if model != served:
-        raise bad_request(f"the model '{model}' does not exist; this server serves '{served}'.", "model",
-                          "model_not_found")
+        raise model_not_found(model, served)
+
+
+def model_not_found(model: str, served: str) -> ApiError:
+    return ApiError(404, f"the model '{model}' does not exist; this server serves '{served}'.", "model",
+                    "model_not_found")
 
 
 def _include_usage(body: dict[str, Any], stream: bool) -> bool:
@@ -361,8 +376,10 @@ def parse_completion(body: dict[str, Any], served_model: str,
         raise bad_request("'echo' with 'logprobs' would need the prompt's logprobs, which this server does not "
                           "compute; drop one of them.", "echo", "unsupported_parameter")
     suffix = _typed(body, "suffix", lambda v: isinstance(v, str), "a string", None) or None
-    return GenerationRequest(_completion_prompt(body.get("prompt")), fields, chat=False, echo=echo, suffix=suffix,
-                             best_of=_best_of(body, fields, envelope["stream"]), **envelope)
+    prompts = _completion_prompts(body.get("prompt"))
+    return GenerationRequest(prompts[0], fields, chat=False, echo=echo, suffix=suffix,
+                             best_of=_best_of(body, fields, envelope["stream"]),
+                             prompts=prompts if len(prompts) > 1 else (), **envelope)
 
 
 def _best_of(body: dict[str, Any], fields: SamplingFields, stream: bool) -> int | None:
@@ -377,28 +394,26 @@ def _best_of(body: dict[str, Any], fields: SamplingFields, stream: bool) -> int 
     return best_of
 
 
-def _completion_prompt(prompt: Any) -> str | tuple[int, ...]:
+def _completion_prompts(prompt: Any) -> tuple[str | tuple[int, ...], ...]:
+    """OpenAI's four shapes: a string, token ids, a list of strings, a list of token-id lists (or a mix of
+    the last two); the prompts in order."""
     if prompt is None:
         raise bad_request("'prompt' is required.", "prompt", "missing_required_parameter")
-    prompt = _single_prompt(prompt)
+    is_list = isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt)
+    if not is_list:
+        return (_one_prompt(prompt, "prompt"),)
+    return tuple(_one_prompt(p, f"prompt[{i}]") for i, p in enumerate(prompt))
+
+
+def _one_prompt(prompt: Any, where: str) -> str | tuple[int, ...]:
     if isinstance(prompt, list) and all(_is_int(t) for t in prompt):
         prompt = tuple(prompt)
     elif not isinstance(prompt, str):
-        raise invalid_type("prompt", "a string or an array of token ids", prompt)
+        raise bad_request(f"'{where}' must be a string or an array of token ids, got {json_type(prompt)}.",
+                          "prompt", "invalid_type")
     if not prompt:
-        raise bad_request("'prompt' must not be empty.", "prompt")
+        raise bad_request(f"'{where}' must not be empty.", "prompt")
     return prompt
-
-
-def _single_prompt(prompt: Any) -> Any:
-    """Unwraps a batch of one (`["text"]`, `[[1, 2]]`); a batch of several is refused."""
-    is_batch = isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt)
-    if not is_batch:
-        return prompt
-    if len(prompt) > 1:
-        raise bad_request(f"'prompt' holds {len(prompt)} prompts; this server takes one prompt per request.",
-                          "prompt", "unsupported_parameter")
-    return prompt[0]
 
 
 # ---------------------------------------------------------------------------------------- chat
@@ -408,16 +423,17 @@ def parse_chat(body: dict[str, Any], served_model: str,
     envelope = _envelope(body, served_model, CHAT)
     fields = _sampling_fields(body, ("max_completion_tokens", "max_tokens"), _chat_logprobs(body),
                               defaults.max_tokens, defaults)
-    tools, choice = _tools(body)
+    tools, choice = parse_tool_fields(body)
     if choice.forced and fields.guide is not None:
         raise bad_request(f"'tool_choice' {choice.mode} and '{fields.guide_param}' both constrain the output; "
                           f"give one.", "tool_choice")
-    return GenerationRequest(_messages(body.get("messages")), fields, chat=True, tools=tools, tool_choice=choice,
+    return GenerationRequest(parse_messages(body.get("messages")), fields, chat=True, tools=tools,
+                             tool_choice=choice,
                              parallel_tool_calls=_bool(body, "parallel_tool_calls", True),
                              add_generation_prompt=_bool(body, "add_generation_prompt", True), **envelope)
 
 
-def _tools(body: dict[str, Any]) -> tuple[tuple[Tool, ...], ToolChoice]:
+def parse_tool_fields(body: dict[str, Any]) -> tuple[tuple[Tool, ...], ToolChoice]:
     try:
         tools = parse_tools(body.get("tools"))
         return tools, parse_tool_choice(body.get("tool_choice"), tools)
@@ -433,7 +449,7 @@ def _chat_logprobs(body: dict[str, Any]) -> tuple[int | None, str]:
     return ((top or 0) if wanted else None), "top_logprobs"
 
 
-def _messages(messages: Any) -> tuple[Message, ...]:
+def parse_messages(messages: Any) -> tuple[Message, ...]:
     if messages is None:
         raise bad_request("'messages' is required.", "messages", "missing_required_parameter")
     if not isinstance(messages, list):

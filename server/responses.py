@@ -31,20 +31,39 @@ class ToolOutput:
     parallel: bool = True
 
 
-def usage(prompt_tokens: int, outputs: Sequence[CompletionOutput]) -> Json:
-    """The prompt counts once; completion tokens are summed over the n samples."""
+def usage(prompt_tokens: int, outputs: Sequence[CompletionOutput], cached_tokens: int = 0) -> Json:
+    """The prompt counts once; completion tokens are summed over the n samples. `cached_tokens`: prompt tokens
+    whose KV came from the prefix cache (OpenAI's prompt_tokens_details)."""
     completion = sum(len(o.token_ids) for o in outputs)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-            "total_tokens": prompt_tokens + completion}
+            "total_tokens": prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
-def model_list(model: str, created: int, max_model_len: int, defaults: Json | None = None) -> Json:
-    """`defaults`: the sampling defaults requests get where they leave fields out, and where they come from."""
+def output_usage(out: RequestOutput, outputs: Sequence[CompletionOutput] | None = None) -> Json:
+    """usage() of one engine request; `outputs`: the samples to count, if not all of out's."""
+    return usage(len(out.prompt_token_ids), out.outputs if outputs is None else outputs, out.num_cached_tokens)
+
+
+def summed_usage(parts: Sequence[Json]) -> Json:
+    """The usage of a completion request with several prompts: every count summed over its prompts."""
+    total = {key: sum(p[key] for p in parts) for key in ("prompt_tokens", "completion_tokens", "total_tokens")}
+    cached = sum(p["prompt_tokens_details"]["cached_tokens"] for p in parts)
+    return total | {"prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def model_card(model: str, created: int, max_model_len: int, defaults: Json | None = None) -> Json:
+    """OpenAI's model object; `defaults`: the sampling defaults requests get where they leave fields out, and
+    where they come from."""
     card = {"id": model, "object": "model", "created": created, "owned_by": "phase-serve",
             "max_model_len": max_model_len}
     if defaults is not None:
         card["defaults"] = defaults
-    return {"object": "list", "data": [card]}
+    return card
+
+
+def model_list(model: str, created: int, max_model_len: int, defaults: Json | None = None) -> Json:
+    return {"object": "list", "data": [model_card(model, created, max_model_len, defaults)]}
 
 
 # ---------------------------------------------------------------------------------------- token strings
@@ -96,8 +115,7 @@ def completion_choice(tokenizer: Tokenizer, out: CompletionOutput, text: str, en
 def completion_body(meta: ResponseMeta, final: RequestOutput, tokenizer: Tokenizer, echo: str | None = None) -> Json:
     choices = [completion_choice(tokenizer, o, (echo or "") + o.text, o.logprobs) for o in final.outputs]
     return {"id": meta.id, "object": "text_completion", "created": meta.created, "model": meta.model,
-            "choices": choices, "usage": usage(len(final.prompt_token_ids), final.outputs),
-            "system_fingerprint": None}
+            "choices": choices, "usage": output_usage(final), "system_fingerprint": None}
 
 
 def completion_chunk(meta: ResponseMeta, choices: list[Json], with_usage_field: bool) -> Json:
@@ -139,7 +157,7 @@ def chat_choice(tokenizer: Tokenizer, out: CompletionOutput, tools: ToolOutput |
 def chat_body(meta: ResponseMeta, final: RequestOutput, tokenizer: Tokenizer, tools: ToolOutput | None = None) -> Json:
     return {"id": meta.id, "object": "chat.completion", "created": meta.created, "model": meta.model,
             "choices": [chat_choice(tokenizer, o, tools) for o in final.outputs],
-            "usage": usage(len(final.prompt_token_ids), final.outputs), "system_fingerprint": None}
+            "usage": output_usage(final), "system_fingerprint": None}
 
 
 def chat_delta_choice(tokenizer: Tokenizer, out: CompletionOutput, wants_logprobs: bool,
@@ -161,7 +179,7 @@ def chat_chunk(meta: ResponseMeta, choices: list[Json], with_usage_field: bool) 
     return chunk
 
 
-def usage_chunk(meta: ResponseMeta, chat: bool, prompt_tokens: int, outputs: Sequence[CompletionOutput]) -> Json:
+def usage_chunk(meta: ResponseMeta, chat: bool, usage_body: Json) -> Json:
     obj = "chat.completion.chunk" if chat else "text_completion"
     return {"id": meta.id, "object": obj, "created": meta.created, "model": meta.model, "choices": [],
-            "usage": usage(prompt_tokens, outputs), "system_fingerprint": None}
+            "usage": usage_body, "system_fingerprint": None}

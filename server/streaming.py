@@ -8,7 +8,8 @@ from engine.outputs import CompletionOutput, RequestOutput
 from engine.tokenizer import Tokenizer
 from engine.tool_calls import ToolCallStream
 from server.responses import (Json, ResponseMeta, ToolOutput, chat_chunk, chat_delta_choice, chat_logprobs,
-                              chat_role_choice, completion_choice, completion_chunk, usage_chunk)
+                              chat_role_choice, completion_choice, completion_chunk, output_usage,
+                              usage_chunk)
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 DONE = b"data: [DONE]\n\n"
@@ -70,7 +71,7 @@ class ChunkBuilder:
     def closing(self, last: RequestOutput) -> list[Json]:
         if not self._include_usage:
             return []
-        return [usage_chunk(self._meta, self._chat, len(last.prompt_token_ids), last.outputs)]
+        return [usage_chunk(self._meta, self._chat, output_usage(last))]
 
     def _has_news(self, o: CompletionOutput) -> bool:
         if o.index in self._finished:

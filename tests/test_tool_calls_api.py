@@ -252,7 +252,7 @@ def test_defaults_come_from_generation_config_and_the_max_tokens_flag(client, se
 
 
 def test_a_missing_route_is_a_404_with_a_sentence(server):
-    result = server.post("/v1/embeddings", {"input": "x"})
+    result = server.post("/v1/audio/transcriptions", {"input": "x"})
     error = result.json()["error"]
     assert result.status == 404 and error["code"] == "not_found"
-    assert "no route POST /v1/embeddings" in error["message"] and "/v1/chat/completions" in error["message"]
+    assert "no route POST /v1/audio/transcriptions" in error["message"] and "/v1/chat/completions" in error["message"]

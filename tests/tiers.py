@@ -26,6 +26,7 @@ U, E, P = Tier.UNIT, Tier.ENGINE, Tier.PROCESS
 
 MODULE_TIERS: Mapping[str, Tier] = {
     "test_actor_stats.py": P,
+    "test_api_routes.py": P,
     "test_actors.py": P,
     "test_async_llm.py": E,
     "test_attention.py": E,
