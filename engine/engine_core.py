@@ -80,7 +80,7 @@ class EngineCore:
         model_cfg = self.source.config
         self.max_model_len = min(config.max_model_len or model_cfg.max_position_embeddings,
                                  model_cfg.max_position_embeddings)
-        model = load_model(self.source, self.dtype, device)
+        model = load_model(self.source, self.dtype, device, config.weight_dtype)
         kv_format = config.kv_cache_dtype
         num_blocks, num_cold = self._kv_block_counts()
         storage = None if kv_allocator is None else kv_allocator(

@@ -64,7 +64,7 @@ class PrefillEngine:
         self.source = source or resolve_model(config.model)
         self.dtype = resolve_dtype(config.dtype, device)
         self.device = device
-        self.runner = ModelRunner(load_model(self.source, self.dtype, device), None, device,
+        self.runner = ModelRunner(load_model(self.source, self.dtype, device, config.weight_dtype), None, device,
                                   select_backend(device, self.dtype, config.enforce_eager))
         self.runner.grammar_compiler = lambda: source_compiler(self.source)
         self.eos_token_ids = frozenset(self.source.tokenizer.eos_token_ids or self.source.config.eos_token_ids)

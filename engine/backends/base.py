@@ -50,6 +50,19 @@ class Backend(ABC):
                      fused: torch.Tensor | None) -> torch.Tensor:
         """silu(gate) * up of the MLP's gate|up product x W^T; `fused`: the interleaved copy made by `prepare`."""
 
+    def linear_int8(self, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
+                    bias: torch.Tensor | None) -> torch.Tensor:
+        """x (codes * scale)^T + bias for an int8 weight with per-output-channel scales (engine/model/quant.py);
+        here by F.linear on the weight dequantised to x's dtype."""
+        from engine.model.quant import linear_int8
+
+        return linear_int8(x, codes, scale, bias)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up [T, 2I] (gate | up) -> silu(gate) * up [T, I]."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate) * up
+
     @abstractmethod
     def row_argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """[B, V] -> [B] int64, logits.max(dim=-1).indices."""

@@ -31,6 +31,11 @@ class CpuKernelConfig:
     max_tiled_rows: int | None = None  # the packed blocks serve 2..this many rows; None: the engine's own limit
     max_tiled_rows_tiles: int = 1024  # AMX tiles: the 2048-token offline steps keep F.linear
     max_tiled_rows_vectors: int = 4096  # AVX-512 BF16: every step up to 4096 tokens
+
+    # Rows a product on int8 weights takes on the int8 kernel (engine/kernels/int8_linear.cpp); more dequantise the
+    # weight to bf16 for F.linear. Kept: int8 batch-1 decode 1.31-1.48x bf16's tok/s (python -m bench.weight_quant).
+    max_int8_rows: int = 64
+
     max_onednn_rows: int = 128  # oneDNN's packed copy serves 2..this many rows
     onednn_batch_hint: int = 64  # the row count oneDNN picks its blocking for
     max_prompt_attention_tokens: int = KERNEL_MAX_PROMPT_TOKENS  # longer fresh prompts take SDPA

@@ -101,6 +101,17 @@ class CpuKernelBackend(TorchBackend):
             return cpu_ext.linear_bf16(x, weight, bias)
         return F.linear(x, weight, bias)
 
+    def linear_int8(self, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
+                    bias: torch.Tensor | None) -> torch.Tensor:
+        """The int8 kernel (weights read as int8, dequantised in registers) for up to max_int8_rows rows, else
+        F.linear on the weight dequantised to bf16. decode_stack.cpp's project() makes the same choice."""
+        if x.shape[0] <= self.config.max_int8_rows and x.dtype == torch.bfloat16:
+            return cpu_ext.linear_int8(x, codes, scale, bias)
+        return super().linear_int8(x, codes, scale, bias)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return cpu_ext.silu_mul(gate_up) if self.elementwise else super().silu_mul(gate_up)
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return cpu_ext.rms_norm(x, weight, eps)[0] if self.elementwise else super().rms_norm(x, weight, eps)
 
@@ -175,7 +186,8 @@ class CpuKernelBackend(TorchBackend):
             return None
         x, residual = model.stack.forward(x, *rope, meta.slot_mapping, meta.decode_block_tables,
                                           meta.decode_context_lens, kv_caches, self.config.max_gemv_rows,
-                                          self.config.max_onednn_rows, self.max_tiled_rows)
+                                          self.config.max_onednn_rows, self.max_tiled_rows,
+                                          self.config.max_int8_rows)
         return x, residual
 
     def greedy_tokens(self, model: LlamaModel, hidden: torch.Tensor) -> torch.Tensor | None:
@@ -196,7 +208,7 @@ class CpuKernelBackend(TorchBackend):
         on = {"gemv": self.config.max_gemv_rows > 0, "packed_blocks": self.tiled, "onednn_packed": self.onednn,
               "fused_gate_up": self.fused_gate_up, "lm_head_argmax": self.tiled, "row_argmax": True,
               "decode_attention_bf16": self.attends_in_place, "decode_attention_fp8": self.attends_in_place,
-              "prompt_attention": self.engine is not None, "rms_norm": self.elementwise,
+              "prompt_attention": self.engine is not None, "linear_int8": self.config.max_int8_rows > 0, "rms_norm": self.elementwise,
               "rotary": self.elementwise, "silu_mul": self.elementwise, "decode_stack": self.stacks}
         return [name for name, used in on.items() if used]
 
@@ -217,8 +229,9 @@ def _matrix_engine(asked: str, engines: tuple[str, ...]) -> str | None:
     return asked
 
 
-def _projection(linear: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    return linear.weight, linear.bias, linear.packed
+def _projection(linear: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None,
+                                                 torch.Tensor | None]:
+    return linear.weight, linear.bias, linear.packed, linear.weight_scale
 
 
 def _norm_weight(norm: torch.nn.Module | None) -> torch.Tensor | None:

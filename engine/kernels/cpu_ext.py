@@ -4,6 +4,7 @@ for which product, step or row count is engine/backends/cpu_kernels.py's decisio
 
 - `linear_bf16`: x W^T + b for a few rows, each weight row streamed once (oneDNN's bf16 GEMM is built for large
   batches).
+- `linear_int8`: the same for int8 weights with per-output-channel scales, widened to fp32 in registers.
 - `decode_attention_bf16` / `_fp8`: one query a row against its context read in place from the pages through its
   block table (no gather copy, no padding mask); fp8 pages decoded to bf16 in registers.
 - `rms_norm` (+ the residual add), `silu_mul`, `rotary_`: one pass each instead of 3-10 torch ops, rounding to
@@ -88,6 +89,13 @@ def _engine_code(engine: str) -> int:
 def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] bf16, weight [N, K] bf16 (contiguous), bias [N] -> [M, N] bf16, rounded once from fp32."""
     return ops().linear_bf16(x, weight, bias)
+
+
+def linear_int8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] bf16, codes [N, K] int8 (contiguous), scale [N] fp32, bias [N] -> [M, N] bf16 =
+    (x codes^T) * scale + bias, the sums in fp32 and rounded once (engine/model/quant.py's format)."""
+    return ops().linear_int8(x, codes, scale, bias)
 
 
 def decode_attention_bf16(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,

@@ -23,6 +23,9 @@ void rotary_bf16_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t
 // tiled_linear.cpp (engine 0: the fastest here)
 torch::Tensor tiled_linear_bf16(torch::Tensor x, torch::Tensor packed, torch::Tensor bias, int64_t engine);
 torch::Tensor tiled_linear_silu_mul_bf16(torch::Tensor x, torch::Tensor packed, int64_t engine);
+// int8_linear.cpp
+torch::Tensor linear_int8(torch::Tensor x, torch::Tensor weight, torch::Tensor scale,
+                          const std::optional<torch::Tensor>& bias);
 
 namespace {
 
@@ -37,19 +40,22 @@ const c10::TypedOperatorHandle<PackedLinear>& packed_linear_op() {
   return op;
 }
 
-// A Linear module's tensors, as Python passes them: (weight [N, K], bias [N] or None, packed weight or None).
-// The packed weight is 16x16-pair blocks (4-D, from tile_pack_bf16) or oneDNN's packed copy
-// (engine/kernels/packed_linear.py).
-using ProjectionArgs = std::tuple<torch::Tensor, std::optional<torch::Tensor>, std::optional<torch::Tensor>>;
+// A Linear module's tensors, as Python passes them: (weight [N, K], bias [N] or None, packed weight or None,
+// per-channel scale [N] fp32 or None). The packed weight is 16x16-pair blocks (4-D, from tile_pack_bf16) or
+// oneDNN's packed copy (engine/kernels/packed_linear.py). With a scale the weight is int8 (engine/model/quant.py)
+// and has no packed copy.
+using ProjectionArgs = std::tuple<torch::Tensor, std::optional<torch::Tensor>, std::optional<torch::Tensor>,
+                                  std::optional<torch::Tensor>>;
 
 struct Projection {
   torch::Tensor weight;
   std::optional<torch::Tensor> bias;
   std::optional<torch::Tensor> packed;
+  std::optional<torch::Tensor> scale;
   torch::Tensor gemv_bias;  // bias, or empty: linear_bf16's "no bias"
 
   explicit Projection(const ProjectionArgs& args)
-      : weight(std::get<0>(args)), bias(std::get<1>(args)), packed(std::get<2>(args)),
+      : weight(std::get<0>(args)), bias(std::get<1>(args)), packed(std::get<2>(args)), scale(std::get<3>(args)),
         gemv_bias(bias ? *bias : torch::empty({0})) {}
 };
 
@@ -59,12 +65,18 @@ struct RowLimits {
   int64_t gemv;
   int64_t packed;
   int64_t tiled;
+  int64_t int8;  // rows the int8 kernel takes; more dequantise the weight to bf16 for at::linear
 };
 
 // engine/model/llama.py `linear` with the kernels on: the packed weight for 2..limits.tiled rows (packed blocks)
 // or 2..limits.packed (oneDNN's copy), else the GEMV for up to limits.gemv rows, else F.linear.
+// An int8 weight: CpuKernelBackend.linear_int8's choice, the same ops.
 torch::Tensor project(const Projection& p, const torch::Tensor& x, const RowLimits& limits) {
   const int64_t rows = x.size(0);
+  if (p.scale) {
+    if (rows <= limits.int8) return linear_int8(x, p.weight, *p.scale, p.bias);
+    return at::linear(x, p.weight.to(at::kBFloat16).mul_(p.scale->unsqueeze(1)), p.bias);
+  }
   const bool tiled = p.packed && p.packed->dim() == 4;
   if (p.packed && rows >= 2 && rows <= (tiled ? limits.tiled : limits.packed)) {
     if (tiled) return tiled_linear_bf16(x, *p.packed, p.gemv_bias, 0);
@@ -111,12 +123,13 @@ class DecodeStack {
   std::vector<torch::Tensor> forward(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
                                      torch::Tensor slot_mapping, torch::Tensor block_tables,
                                      torch::Tensor context_lens, const std::vector<LayerPages>& kv,
-                                     int64_t max_gemv_rows, int64_t max_packed_rows, int64_t max_tiled_rows) const {
+                                     int64_t max_gemv_rows, int64_t max_packed_rows, int64_t max_tiled_rows,
+                                     int64_t max_int8_rows) const {
     TORCH_CHECK(!kv.empty() && kv.size() <= layers_.size(), "DecodeStack: ", kv.size(), " layers of pages for ",
                 layers_.size(), " layers");
     const Step step{cos.reshape({cos.size(0), -1}), sin.reshape({sin.size(0), -1}), std::move(slot_mapping),
                     std::move(block_tables), std::move(context_lens),
-                    RowLimits{max_gemv_rows, max_packed_rows, max_tiled_rows}};
+                    RowLimits{max_gemv_rows, max_packed_rows, max_tiled_rows, max_int8_rows}};
     torch::Tensor residual = no_residual_;
     for (size_t i = 0; i < kv.size(); ++i) {
       const Layer& layer = layers_[i];
@@ -190,7 +203,7 @@ class DecodeStack {
 }  // namespace
 
 void bind_decode_stack(pybind11::module& m) {
-  pybind11::class_<DecodeStack>(m, "DecodeStack", "the decoder layers of a decode-only bf16 step in one call")
+  pybind11::class_<DecodeStack>(m, "DecodeStack", "the decoder layers of a decode-only bf16 step in one call (bf16 or int8 weights)")
       .def(pybind11::init<int64_t, int64_t, int64_t, double, double>())
       .def("add_layer", &DecodeStack::add_layer)
       .def("forward", &DecodeStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>());

@@ -27,7 +27,8 @@ from typing import Iterator
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-SOURCES = tuple(HERE / name for name in ("cpu_ext.cpp", "decode_stack.cpp", "tiled_linear.cpp", "prompt_attention.cpp"))
+SOURCES = tuple(HERE / name for name in ("cpu_ext.cpp", "decode_stack.cpp", "tiled_linear.cpp", "prompt_attention.cpp",
+                                              "int8_linear.cpp"))
 HEADERS = tuple(HERE / name for name in ("amx.h", "parallel.h", "vec.h"))
 # -fopenmp: at::parallel_for is inline OpenMP; the extension then binds to the libgomp torch already loaded.
 CFLAGS = ("-O3", "-march=native", "-fopenmp")

@@ -21,15 +21,20 @@ from engine.attention import AttentionMetadata, paged_attention
 from engine.backends.base import Backend, Rope
 from engine.backends.torch_ops import TorchBackend
 from engine.config import ModelConfig
+from engine.model import quant
 from engine.model.rope import RotaryEmbedding
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose product the backend runs, on the weight's packed copy where the backend made one."""
+    """nn.Linear whose product the backend runs, on the weight's packed copy where the backend made one; with
+    `weight_scale` the weight is int8 codes with per-output-channel scales (engine/model/quant.py)."""
 
     packed: torch.Tensor | None = None  # the backend's packed copy of the weight (Backend.prepare)
+    weight_scale: torch.Tensor | None = None  # [out_features] fp32 where the weight is int8
 
     def forward(self, x: torch.Tensor, backend: Backend) -> torch.Tensor:
+        if self.weight_scale is not None:
+            return backend.linear_int8(x, self.weight, self.weight_scale, self.bias)
         return backend.linear(x, self.weight, self.bias, self.packed)
 
 
@@ -104,6 +109,8 @@ class MLP(nn.Module):
         if self.act == "gelu_tanh":  # GeGLU: gelu_tanh(gate) * up [T, I]
             gate, up = gate_up(x, backend).chunk(2, dim=-1)
             h = F.gelu(gate, approximate="tanh") * up
+        elif gate_up.weight_scale is not None:  # int8: no packed or fused copy
+            h = backend.silu_mul(gate_up(x, backend))
         else:
             h = backend.gate_up_silu(x, gate_up.weight, gate_up.packed, self.gate_up_silu)  # silu(gate) * up [T, I]
         return self.down_proj(h, backend)
@@ -194,7 +201,7 @@ class LlamaModel(nn.Module):
         then runs its output projection and MLP on them only, which in a prefill step of whole prompts
         skips nearly all of that layer's products. A decode-only step may run the layers as one backend call
         (Backend.decode_layers), to the same bits."""
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         if self.cfg.scale_embeddings:  # the scale rounded to the weights' dtype first, as transformers does
             x = x * torch.tensor(self.cfg.hidden_size ** 0.5, dtype=x.dtype)
         rope = self.rope.lookup(positions, x.dtype)
@@ -215,7 +222,11 @@ class LlamaModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
         """hidden [B, hidden] -> logits [B, vocab], in float32 or (float32=False) in the model's dtype."""
-        logits = self.backend.linear(hidden, self.lm_weight(), None, self.lm_packed)
+        scale = self.lm_scale()
+        if scale is not None:
+            logits = self.backend.linear_int8(hidden, self.lm_weight(), scale, None)
+        else:
+            logits = self.backend.linear(hidden, self.lm_weight(), None, self.lm_packed)
         cap = self.cfg.final_logit_softcap
         if cap is not None:  # in the model's dtype, as transformers caps them
             logits = torch.tanh(logits / cap) * cap
@@ -232,9 +243,29 @@ class LlamaModel(nn.Module):
     def lm_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
+    def lm_scale(self) -> torch.Tensor | None:
+        """The LM head's per-row scales where its weight is int8, else None."""
+        return getattr(self.embed_tokens if self.lm_head is None else self.lm_head, "weight_scale", None)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] -> embeddings [T, hidden] in the model's dtype (dequantised rows of an int8 table)."""
+        scale = getattr(self.embed_tokens, "weight_scale", None)
+        if scale is None:
+            return self.embed_tokens(input_ids)
+        return quant.embed_int8(self.embed_tokens.weight, scale, input_ids, self.dtype)
+
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed_tokens.weight.dtype
+        """The activations' (and the plain weights') dtype: the norms', which are never quantised."""
+        return self.norm.weight.dtype
+
+    @property
+    def weight_dtype(self) -> str:
+        """"int8" where the layers' projections hold int8 codes (engine/model/quant.py), else the dtype's name."""
+        proj = self.layers[0].self_attn.qkv_proj if len(self.layers) else None
+        if proj is not None and proj.weight_scale is not None:
+            return "int8"
+        return str(self.dtype).removeprefix("torch.")
 
     def set_backend(self, backend: Backend) -> None:
         """Run on `backend` from now on; it prepares what it needs of the weights now (packed copies, the decode
@@ -256,6 +287,7 @@ class LlamaModel(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up; every parameter must be filled."""
         params = dict(self.named_parameters())
+        scales = quant.weight_scales(self)  # int8 weights: each tensor's rows quantised as they arrive
         rows_filled = dict.fromkeys(params, 0)
         for name, tensor in weights:
             target, offset = self._fused_target(name)
@@ -265,7 +297,12 @@ class LlamaModel(nn.Module):
                 raise KeyError(f"checkpoint tensor {name!r} has no place in the model")
             if self.cfg.norm_weight_offset and target.endswith("norm.weight"):  # Gemma's (1 + w), in float32
                 tensor = tensor.float() + self.cfg.norm_weight_offset
-            params[target].narrow(0, offset, tensor.shape[0]).copy_(tensor)
+            if target in scales:
+                codes, scale = quant.quantize_rows(tensor)
+                params[target].narrow(0, offset, tensor.shape[0]).copy_(codes)
+                scales[target].narrow(0, offset, tensor.shape[0]).copy_(scale)
+            else:
+                params[target].narrow(0, offset, tensor.shape[0]).copy_(tensor)
             rows_filled[target] += tensor.shape[0]
         missing = sorted(n for n, rows in rows_filled.items() if rows != params[n].shape[0])
         if missing:
@@ -290,10 +327,13 @@ class LlamaModel(nn.Module):
 
 
 def build_model(cfg: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype,
-                device: torch.device | str = "cpu") -> LlamaModel:
-    """Allocate the model uninitialised (meta device), then fill it from the checkpoint in `dtype`."""
+                device: torch.device | str = "cpu", weight_dtype: str = "bfloat16") -> LlamaModel:
+    """Allocate the model uninitialised (meta device), then fill it from the checkpoint in `dtype`; with
+    weight_dtype "int8" the projections and LM head are quantised as they load (engine/model/quant.py)."""
     with torch.device("meta"):
         model = LlamaModel(cfg, device)
+    if quant.resolve_weight_dtype(weight_dtype) == "int8":
+        quant.int8_layout(model, device)
     _materialise(model, dtype, device)
     model.load_weights(weights)
     return model.eval().requires_grad_(False)

@@ -121,6 +121,8 @@ def resolve_dtype(name: str, device: torch.device | str) -> torch.dtype:
     return torch.bfloat16
 
 
-def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device | str = "cpu") -> LlamaModel:
+def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device | str = "cpu",
+               weight_dtype: str = "auto") -> LlamaModel:
+    """`weight_dtype` (EngineConfig.weight_dtype): "int8" quantises the projections and LM head as they load."""
     check_model(source)  # before any memory is allocated: a mismatch fails with one sentence
-    return build_model(source.config, source.weights(), dtype, device)
+    return build_model(source.config, source.weights(), dtype, device, weight_dtype)

@@ -19,7 +19,8 @@ def build_proposer(config: EngineConfig, target: LlamaModel, target_source: Mode
         return None
     if config.speculative == "ngram":
         return NgramProposer()
-    return DraftModelProposer(draft_net(config.draft_model, target_source, dtype, device, target),
+    return DraftModelProposer(draft_net(config.draft_model, target_source, dtype, device, target,
+                                        config.weight_dtype),
                               num_blocks + draft_spare_blocks(config), config.block_size, dtype, device)
 
 
@@ -29,18 +30,18 @@ def draft_spare_blocks(config: EngineConfig) -> int:
 
 
 def draft_net(draft_model: str, target_source: ModelSource, dtype: torch.dtype, device: torch.device | str,
-              target: LlamaModel | None = None):
+              target: LlamaModel | None = None, weight_dtype: str = "auto"):
     """The draft network. self:N shares the target's weights: loaded here when `target` is not given (a draft
-    actor, which holds no target of its own)."""
+    actor, which holds no target of its own). `weight_dtype` as EngineConfig.weight_dtype."""
     if draft_model.startswith("self:"):
         num_layers = parse_self_draft(draft_model)
         if num_layers > target_source.config.num_layers:
             raise ConfigError(f"draft_model {draft_model} asks for more layers than the target has "
                               f"({target_source.config.num_layers})")
-        return LayerPrefixModel(target if target is not None else load_model(target_source, dtype, device),
+        return LayerPrefixModel(target if target is not None else load_model(target_source, dtype, device, weight_dtype),
                                 num_layers)
     source = resolve_model(draft_model)
     if source.config.vocab_size != target_source.config.vocab_size:
         raise ConfigError(f"the draft model's vocabulary ({source.config.vocab_size} tokens) differs from the "
                           f"target's ({target_source.config.vocab_size})")
-    return load_model(source, dtype, device)
+    return load_model(source, dtype, device, weight_dtype)

@@ -1,0 +1,164 @@
+"""int8 weights (--weight-dtype int8) against bf16 weights on the default model: speed, accuracy, memory.
+
+    python -m bench.weight_quant [--rounds 7] [--steps 64] [--context 128] [--windows 8] [--window 256]
+        [--threads 2] [--model PATH] [--json OUT] [--skip speed,accuracy,memory]
+
+1. Batch-1 decode tokens/s: one sequence with `--context` tokens of English text before it, `--steps` timed
+   decode steps (bench.kv_accuracy.decode_rate), the variants alternated over `--rounds` in one process; medians,
+   and the median of the per-round ratios to bf16. Variants: bf16 and int8 on the C++ decode stack, and int8
+   on the Python layer loop (decode_stack off, the same kernels).
+2. Teacher-forced accuracy on the English text bench/kv_accuracy.py uses (the Debian license texts): `--windows`
+   windows of `--window` tokens fed one token a step as decode rows (the int8 kernel's path) through both models;
+   KL(bf16 || int8) mean and p99, top-1 agreement, and each model's perplexity of the real next token.
+3. Resident memory after load: a fresh process per variant builds the engine (64 KV blocks) and reports its RSS
+   before and after, and the bytes of the model's own tensors.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP: the cores are shared
+
+import torch  # noqa: E402
+
+from bench.kv_accuracy import Scores, corpus_windows, decode_rate, forced_steps  # noqa: E402
+from engine import LLM  # noqa: E402
+from engine.backends import CpuKernelBackend  # noqa: E402
+from engine.model.llama import LlamaModel  # noqa: E402
+from engine.model.quant import weight_scales  # noqa: E402
+
+VARIANTS = ("bf16", "int8", "int8-layers")  # int8-layers: the Python layer loop, no decode stack
+WEIGHT_DTYPE = {"bf16": "bfloat16", "int8": "int8", "int8-layers": "int8"}
+
+
+def build(model: str | None, variant: str, threads: int, blocks: int) -> LLM:
+    llm = LLM(model, dtype="bfloat16", weight_dtype=WEIGHT_DTYPE[variant], num_kv_blocks=blocks,
+              num_threads=threads, max_num_seqs=8)
+    if variant == "int8-layers":
+        runner = llm.engine.runner
+        runner.set_backend(CpuKernelBackend(replace(runner.backend.config, decode_stack=False)))
+    return llm
+
+
+def speed(llms: dict[str, LLM], prompt: list[int], steps: int, rounds: int) -> dict:
+    rates: dict[str, list[float]] = {v: [] for v in llms}
+    for _ in range(rounds):
+        for v, llm in llms.items():
+            rates[v].append(decode_rate(llm, [prompt], steps))
+    out = {}
+    for v, r in rates.items():
+        ratios = [a / b for a, b in zip(r, rates["bf16"])]
+        out[v] = {"tok_s": statistics.median(r), "vs_bf16": statistics.median(ratios), "all": r}
+    return out
+
+
+@torch.inference_mode()
+def accuracy(models: dict[str, LlamaModel], windows: list[list[int]]) -> dict:
+    """Both models fed the windows in lockstep, one token a step (decode rows); every position but the last."""
+    runs = {v: forced_steps(m, windows, "auto", 1, torch.bfloat16, 0) for v, m in models.items()}
+    scores, own = Scores(), {v: Scores() for v in models}
+    length = len(windows[0])
+    for pos in range(length - 1):
+        logp = {v: next(run).log_softmax(-1) for v, run in runs.items()}
+        targets = torch.tensor([w[pos + 1] for w in windows])
+        scores.add(logp["bf16"], logp["int8"], targets)
+        for v in models:
+            own[v].add(logp[v], logp[v], targets)
+    summary = scores.summary()
+    summary["ppl_bf16"], summary["ppl_int8"] = own["bf16"].summary()["ppl"], own["int8"].summary()["ppl"]
+    return summary
+
+
+def rss_child(model: str | None, variant: str, threads: int) -> dict:
+    import psutil
+
+    torch.set_num_threads(threads)
+    before = psutil.Process().memory_info().rss
+    llm = build(model, variant, threads, 64)
+    after = psutil.Process().memory_info().rss
+    net = llm.engine.runner.model
+    tensors = sum(t.numel() * t.element_size() for t in list(net.parameters()) + list(net.buffers()))
+    tensors += sum(s.numel() * s.element_size() for s in weight_scales(net).values())
+    return {"rss_before_mib": before / 2 ** 20, "rss_after_mib": after / 2 ** 20,
+            "load_mib": (after - before) / 2 ** 20, "model_tensors_mib": tensors / 2 ** 20}
+
+
+def memory(model: str | None, threads: int) -> dict:
+    out = {}
+    for v in ("bf16", "int8"):
+        cmd = [sys.executable, "-m", "bench.weight_quant", "--rss-child", v, "--threads", str(threads)]
+        if model:
+            cmd += ["--model", model]
+        done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+        out[v] = json.loads(done.stdout.strip().splitlines()[-1])
+    return out
+
+
+def print_tables(results: dict, args: argparse.Namespace) -> None:
+    if "speed" in results:
+        print(f"\nbatch-1 decode, {args.context} tokens of context, {args.steps} steps, {args.rounds} rounds "
+              f"alternated, {args.threads} threads")
+        print(f"{'variant':<12} {'tok/s (median)':>15} {'x bf16 (median of rounds)':>27}")
+        for v, r in results["speed"].items():
+            print(f"{v:<12} {r['tok_s']:>15.1f} {r['vs_bf16']:>27.2f}")
+    if "accuracy" in results:
+        a = results["accuracy"]
+        print(f"\nteacher-forced, int8 against bf16 weights: {a['tokens']} positions of English text (decode rows)")
+        print(f"KL mean {a['kl_mean']:.5f}  p99 {a['kl_p99']:.5f}  max {a['kl_max']:.4f}  top-1 {a['top1']:.4f}  "
+              f"ppl bf16 {a['ppl_bf16']:.3f}  int8 {a['ppl_int8']:.3f}")
+    if "memory" in results:
+        print("\nresident memory after load (fresh process each, 64 KV blocks)")
+        print(f"{'variant':<8} {'RSS before':>11} {'RSS after':>10} {'load':>8} {'model tensors':>14}  (MiB)")
+        for v, m in results["memory"].items():
+            print(f"{v:<8} {m['rss_before_mib']:>11.1f} {m['rss_after_mib']:>10.1f} {m['load_mib']:>8.1f} "
+                  f"{m['model_tensors_mib']:>14.1f}")
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--steps", type=int, default=64)
+    p.add_argument("--context", type=int, default=128)
+    p.add_argument("--windows", type=int, default=8)
+    p.add_argument("--window", type=int, default=256)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--model", default=None)
+    p.add_argument("--json", default=None)
+    p.add_argument("--skip", default="", help="comma-separated: speed, accuracy, memory")
+    p.add_argument("--rss-child", choices=("bf16", "int8"), help=argparse.SUPPRESS)
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    if args.rss_child:
+        print(json.dumps(rss_child(args.model, args.rss_child, args.threads)))
+        return
+    torch.set_num_threads(args.threads)
+    skip = set(filter(None, args.skip.split(",")))
+    results: dict = {}
+    if "memory" not in skip:  # first: the children load while this process is still small
+        results["memory"] = memory(args.model, args.threads)
+    if not {"speed", "accuracy"} <= skip:
+        blocks = max(args.windows * -(-args.window // 16), -(-(args.context + args.steps + 8) // 16)) * 2 + 8
+        llms = {v: build(args.model, v, args.threads, blocks) for v in VARIANTS}
+        windows = corpus_windows(llms["bf16"].tokenizer, max(args.window, args.context), args.windows)
+        if "speed" not in skip:
+            results["speed"] = speed(llms, windows[0][:args.context], args.steps, args.rounds)
+        if "accuracy" not in skip:
+            models = {v: llms[v].engine.runner.model for v in ("bf16", "int8")}
+            results["accuracy"] = accuracy(models, [w[:args.window] for w in windows])
+    print_tables(results, args)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
