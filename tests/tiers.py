@@ -26,8 +26,9 @@ U, E, P = Tier.UNIT, Tier.ENGINE, Tier.PROCESS
 
 MODULE_TIERS: Mapping[str, Tier] = {
     "test_actor_stats.py": P,
-    "test_api_routes.py": P,
     "test_actors.py": P,
+    "test_api_routes.py": P,
+    "test_api_smollm2.py": P,  # slow: the real model
     "test_async_llm.py": E,
     "test_attention.py": E,
     "test_block_pool.py": U,  # one test hashes in subprocesses: marked process
