@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.sampling_params import SamplingParams
-from engine.structured import unpack_bitmask
+from engine.structured import mask_logits
 
 Argmax = Callable[[torch.Tensor], torch.Tensor]  # [B, V] -> [B] int64, the first maximal index of each row
 Index = tuple[torch.Tensor, torch.Tensor]  # (rows, token ids), flattened
@@ -250,10 +250,8 @@ def apply_penalties(logits: torch.Tensor, pen: Penalties) -> torch.Tensor:
 
 def apply_grammar(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """logits [B, V] with the tokens each grammar row's bitmask forbids at -inf; other rows untouched. Does not
-    modify its input; only the G constrained rows are unpacked and masked."""
-    allowed = unpack_bitmask(bitmask, logits.shape[-1])  # [G, V]
-    masked = logits.index_select(0, rows).masked_fill(~allowed, float("-inf"))
-    return logits.index_copy(0, rows, masked)
+    modify its input."""
+    return mask_logits(logits, rows, bitmask)
 
 
 def adjust_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -257,11 +257,16 @@ class GuideStates:
         return out
 
 
-def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
-    """int32 [B, W] -> bool [B, vocab]: True where the token is allowed."""
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [B, W, 32]
-    return bits.reshape(bitmask.shape[0], -1)[:, :vocab].bool()
+def mask_logits(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """A copy of logits [B, V] with the tokens that bitmask [G, W] forbids in `rows` [G] at -inf, by xgrammar's
+    own kernel (16 of 32 rows of 49152 tokens, one thread: 1.8 ms against 4.4 ms unpacking the bits in torch)."""
+    import xgrammar as xgr  # noqa: PLC0415 - loaded already: a bitmask comes from it
+
+    full = torch.full((logits.shape[0], bitmask.shape[1]), -1, dtype=torch.int32, device=logits.device)
+    full[rows] = bitmask.to(logits.device)
+    out = logits.clone()
+    xgr.apply_token_bitmask_inplace(out, full, indices=rows.tolist(), vocab_size=logits.shape[-1])
+    return out
 
 
 def source_compiler(source: Any) -> GrammarCompiler:

@@ -8,11 +8,12 @@ import re
 
 import msgpack
 import pytest
+import torch
 
 from actors.convert import params_from_wire, params_to_wire
 from engine import LLM, SamplingParams
 from engine.engine_core import EngineRequest, RequestError
-from engine.structured import Guide, GuideError, token_bytes
+from engine.structured import Guide, GuideError, mask_logits, token_bytes
 from transport import codec
 from transport import messages as m
 
@@ -150,3 +151,20 @@ def test_the_constraint_travels_in_the_wire_params():
         assert params_from_wire(raw) == params
         decoded = codec.decode(codec.encode(m.AddRequest("r", [1, 2], params_to_wire(params))))
         assert params_from_wire(decoded.sampling) == params
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mask_logits_forbids_exactly_the_cleared_bits_of_the_named_rows(dtype):
+    gen = torch.Generator().manual_seed(3)
+    vocab, batch = 100, 5  # a vocabulary that is not a whole number of 32-bit words
+    logits = torch.randn(batch, vocab, generator=gen).to(dtype)
+    rows = torch.tensor([1, 3])
+    bitmask = torch.randint(-2 ** 31, 2 ** 31 - 1, (2, -(-vocab // 32)), dtype=torch.int32, generator=gen)
+    out = mask_logits(logits, rows, bitmask)
+    allowed = torch.ones(batch, vocab, dtype=torch.bool)
+    for g, row in enumerate(rows.tolist()):
+        for token in range(vocab):
+            allowed[row, token] = bool((int(bitmask[g, token // 32]) >> (token % 32)) & 1)
+    assert torch.equal(out.isinf(), ~allowed) and (~allowed).any()
+    assert torch.equal(out[allowed], logits[allowed]) and not logits.isinf().any()  # the input is left as it was
