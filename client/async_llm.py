@@ -131,7 +131,7 @@ class AsyncLLM:
                 placement = client.placement_of(rid) or placement
                 if placement is not None:
                     item.path, item.placement = placement.path, placement.header()
-                    item.moves = getattr(placement, "moves", ())
+                    item.moves = placement.moves
                 finished = item.finished
                 yield item
         finally:

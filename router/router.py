@@ -57,6 +57,7 @@ class ActorRouter:
         self._trace: tuple[float, ...] = ()  # the stamps of the token frame being delivered
         self._integrity_waiters: dict[str, asyncio.Future] = {}
         self._stopping = False  # the server is shutting down: actors that leave are neither drained nor replaced
+        self._drains: set[asyncio.Task] = set()  # drains started by an actor's Leaving (held until done)
         self._handlers = {m.TokenUpdates: self._on_tokens, m.BlocksReserved: self.handoff.on_reserved,
                           m.ReservationFailed: self.handoff.on_reservation_failed,
                           m.KVReady: self.handoff.on_kv_ready, m.KVPages: self.handoff.on_kv_pages,
@@ -154,7 +155,9 @@ class ActorRouter:
                 await self.drain(handle.actor_id)
 
         log.info("actor %s was asked to stop", handle.actor_id, extra={"actor_id": handle.actor_id})
-        asyncio.ensure_future(drain_unless_stopping())
+        task = asyncio.ensure_future(drain_unless_stopping())
+        self._drains.add(task)
+        task.add_done_callback(self._drains.discard)
 
     def begin_shutdown(self) -> None:
         """The server drains: actors that exit now (a signal to the whole process group) stay down, and
