@@ -44,16 +44,18 @@ class AsyncLLM:
     that pile up before the consumer reads them are merged into one, whatever the interval. `trace_tokens`:
     each output's `trace` holds when its tokens left the step, were sent, received and detokenised.
     `capacity_timeout`: with actors, how long a request waits for a decode actor to come (back) up before it
-    fails with router.failover.NoCapacityError.
+    fails with router.failover.NoCapacityError. `max_migrations`: how many times one stream may be resumed on
+    another decode actor before it fails.
     """
 
     def __init__(self, model: str | None = None, dtype: str | None = None, *, decode_actors: int = 0,
                  prefill_actors: int = 0, devices: Sequence[str] = (), disagg: PlacementMode = "auto",
                  listen_workers: str | None = None, draft_actors: int = 0, stream_interval: int | str = 1,
-                 trace_tokens: bool = False, capacity_timeout: float = 30.0, **engine_options) -> None:
+                 trace_tokens: bool = False, capacity_timeout: float = 30.0, max_migrations: int = 3,
+                 **engine_options) -> None:
         self.stream_interval = StreamInterval.parse(stream_interval)
         self.trace_tokens = trace_tokens
-        self.capacity_timeout = capacity_timeout
+        self.capacity_timeout, self.max_migrations = capacity_timeout, max_migrations
         self.config = engine_config(model, dtype, engine_options)
         self.layout = ActorLayout(prefill_actors, decode_actors, tuple(devices), disagg, listen_workers, draft_actors,
                                   trace_tokens)
@@ -88,7 +90,8 @@ class AsyncLLM:
         if not self.layout.uses_actors:
             return InProcessClient(self.engine, loop, self._on_updates, self._on_error)
         specs = actor_specs(self.layout, _config_options(self.config))
-        settings = RouterSettings(PlacementPolicy(self.layout.disagg), park_timeout=self.capacity_timeout)
+        settings = RouterSettings(PlacementPolicy(self.layout.disagg), park_timeout=self.capacity_timeout,
+                                  max_migrations=self.max_migrations)
         router = ActorRouter(specs, self._on_updates, self._on_error, settings)
         try:
             await router.start(self.layout.listen_address())

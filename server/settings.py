@@ -92,6 +92,8 @@ class ActorOptions:
                                         "$PHASE_SERVE_SECRET)", metavar="HOST:PORT", shown="none")
     capacity_timeout: float = option(30.0, "seconds a request waits for a decode actor to come (back) up, e.g. "
                                      "during a restart, before it gets 503 with Retry-After")
+    max_migrations: int = option(3, "times one stream may move to another decode actor (its own died or "
+                                 "drained) before it ends with an error; 0: a stream on a dead actor ends at once")
     in_process: bool = option(False, "run the engine inside the server process instead of actor subprocesses "
                               "(debugging)")
     long_prompt_threshold: int | None = option(None, "prompt tokens from which a request is long-in",
@@ -102,6 +104,8 @@ class ActorOptions:
     def __post_init__(self) -> None:
         if self.capacity_timeout <= 0:
             raise ConfigError(f"capacity_timeout must be positive, got {self.capacity_timeout}")
+        if self.max_migrations < 0:
+            raise ConfigError(f"max_migrations must not be negative, got {self.max_migrations}")
 
     def client_options(self) -> dict:
         """The AsyncLLM keyword arguments (none in process)."""
@@ -109,7 +113,7 @@ class ActorOptions:
             return {}
         return dict(decode_actors=self.decode_actors, prefill_actors=self.prefill_actors, devices=self.devices,
                     disagg=self.disagg, listen_workers=self.listen_workers, draft_actors=self.draft_actors,
-                    capacity_timeout=self.capacity_timeout)
+                    capacity_timeout=self.capacity_timeout, max_migrations=self.max_migrations)
 
     def thresholds(self, context: int) -> QuadrantThresholds:
         """Thresholds as given, else scaled to the served model's context (8192 -> 512 in, 256 out)."""

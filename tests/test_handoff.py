@@ -135,3 +135,21 @@ def test_retries_stop_at_max_attempts(wire):
     routed.attempts = 2
     failover.retry(routed, "died")
     assert "after 2 attempts" in str(errors[0])
+
+
+def test_a_dead_actors_stream_is_resumed_from_what_it_sent_until_max_migrations(wire):
+    routed = _routed()
+    routed.request.params = SamplingParams(max_tokens=40, n=2)
+    routed.streamed, routed.emitted, routed.finished_samples = True, {0: [7, 8, 9], 1: [5]}, {1}
+    errors, dispatched = [], []
+    failover = Failover(None, {"r1": routed}, _handoff(wire), dispatched.append, lambda rid, exc: errors.append(exc),
+                        3, 60.0, max_migrations=1)
+    failover.on_down(_handle("decode-0", "decode"))
+    assert dispatched == [routed] and not errors
+    assert routed.request.resume == {0: [7, 8, 9]}  # the finished sample is not resumed
+    assert routed.moved_from == "decode-0" and routed.decode is None and routed.migrations == 1
+    assert (failover.counters.migrations, failover.counters.migrated_tokens) == (1, 3)
+    routed.decode = "decode-1"
+    failover.on_down(_handle("decode-1", "decode"))
+    assert dispatched == [routed] and "already moved 1 times" in str(errors[0])
+    assert failover.counters.failed_migrations == 1
