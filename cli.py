@@ -45,6 +45,9 @@ class WorkerOptions:
     actor_id: str | None = option(None, "unique name", shown="ROLE-HOSTNAME-PID")
     secret_file: str | None = option(None, "shared secret file", shown="$PHASE_SERVE_SECRET", metavar="FILE")
     device: str = option("cpu", "cpu or cuda:N")
+    kv_listen: str = option("", "a decode worker's KV endpoint, where prefill actors stream pages to it directly "
+                            "(off: the server relays them)", shown="the address it joins from, a free port",
+                            metavar="HOST:PORT|off")
 
 
 def version() -> str:
@@ -162,7 +165,7 @@ def run_worker(args: argparse.Namespace) -> int:
     opts = WorkerOptions(**options(WorkerOptions, args))
     actor_id = opts.actor_id or f"{opts.role}-{socket.gethostname()}-{os.getpid()}"
     spec = ActorSpec(actor_id, opts.role, opts.device, engine.get("num_threads") or os.cpu_count() or 1,
-                     engine=engine, remote=True)
+                     engine=engine, remote=True, kv_listen=opts.kv_listen)
     extra = ["--secret-file", opts.secret_file] if opts.secret_file else []
     return worker.main(["--spec", spec.to_json(), "--connect", opts.connect, *extra])
 

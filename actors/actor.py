@@ -60,6 +60,9 @@ class Actor:
 
     def deliver(self, outputs: list) -> None: ...
 
+    async def on_joined(self, conn: Connection, secret: bytes) -> None:
+        """Joined a server on another host over `conn`, before Hello and Ready go out on it."""
+
     def stats(self) -> EngineStats:
         """What the next heartbeat reports (read on this thread, without stopping a step)."""
         return EngineStats()
@@ -91,6 +94,7 @@ class Actor:
                     await asyncio.sleep(1.0)
                     continue
                 log.info("actor %s joined %s:%s", self.spec.actor_id, host, port)
+                await self.on_joined(conn, secret)
                 await self.serve_connection(conn)
         finally:
             self._stop_engine()

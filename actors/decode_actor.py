@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -21,6 +22,7 @@ from engine.engine_core import EngineCore, EngineRequest, RequestError
 from engine.stats import EngineStats
 from transport import Connection
 from transport import messages as m
+from transport.kv_stream import KVStreamServer
 
 log = logging.getLogger("actor")
 
@@ -32,10 +34,12 @@ def _retryable(exc: Exception) -> bool:
 STREAM_WRITE_MARGIN = 1.0  # seconds before a reservation's deadline after which its pages are refused
 
 
-@dataclass(frozen=True)
+@dataclass
 class _StreamedReservation:
     block_ids: frozenset[int]  # the reserved blocks pages may be written into
     deadline: float  # monotonic
+    written: int = 0  # page bytes written into them so far
+    refused: str | None = None  # why some pages were not written
 
 
 class DecodeActor(Actor):
@@ -45,7 +49,13 @@ class DecodeActor(Actor):
         super().__init__(spec)
         self.pool: SharedPool | None = None
         self.engine: EngineCore | None = None
-        self.streams: dict[str, _StreamedReservation] = {}  # hand-offs whose pages arrive as KVPages
+        # Hand-offs whose pages arrive from another host, written by the loop (relayed KVPages) or by the KV
+        # endpoint's threads (direct streams). `_streams_lock` is held for each check-and-write and for each
+        # removal, so no page lands in a block after its reservation is forgotten here; the engine frees a
+        # reservation's blocks only after that (release, abort, admission, expiry by the sweep).
+        self.streams: dict[str, _StreamedReservation] = {}
+        self._streams_lock = threading.Lock()
+        self.kv_endpoint: KVStreamServer | None = None
 
     def build_engine(self) -> EngineCore:
         def allocate(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -79,12 +89,64 @@ class DecodeActor(Actor):
         kv = self.engine.kv_cache
         export = dict(self.pool.export if self.pool else {"kind": "none"}, bytes_per_token=kv.bytes_per_token,
                       kv_format=kv.kv_format)
+        if self.kv_endpoint is not None:
+            export.update(kind="tcp", host=self.kv_endpoint.address[0], port=self.kv_endpoint.address[1])
         return m.Ready(self.spec.actor_id, kv.num_blocks, kv.block_size, export, self.calibration.to_wire(),
                        self.engine.runner.backend.describe())
 
     def release(self) -> None:
+        if self.kv_endpoint is not None:
+            self.kv_endpoint.close()
         if self.pool is not None:
             self.pool.close()
+
+    async def on_joined(self, conn: Connection, secret: bytes) -> None:
+        """Joined a server on another host: offer the KV endpoint that its prefill actors stream pages to, on
+        the address this host reached it from (or the spec's `kv_listen`; "off" keeps pages relayed)."""
+        if self.kv_endpoint is not None or self.spec.kv_listen == "off":
+            return
+        host, port = (conn.local_address[0], 0) if not self.spec.kv_listen else _host_port(self.spec.kv_listen)
+        self.kv_endpoint = KVStreamServer(host, port, secret, self)
+        log.info("KV endpoint for streamed hand-offs on %s:%s", *self.kv_endpoint.address)
+
+    # ---- the KV endpoint's sink (transport.kv_stream.PageSink), called on its connection threads
+    def page_bytes(self, layer: int, block_ids: list[int]) -> int:
+        kv = self.engine.kv_cache
+        if not 0 <= layer < kv.data.shape[0] or any(not 0 <= b < kv.num_blocks for b in block_ids):
+            raise ValueError(f"layer {layer} or a block id outside the pool")
+        return len(block_ids) * kv.bytes_per_layer_block
+
+    def write(self, request_id: str, layer: int, block_ids: list[int], payload: memoryview) -> None:
+        with self._streams_lock:
+            self._write_locked(request_id, layer, block_ids, payload)
+
+    def finish(self, request_id: str) -> tuple[int, str | None]:
+        with self._streams_lock:
+            stream = self.streams.get(request_id)
+            if stream is None:
+                return 0, "no live reservation for these pages (released or expired)"
+            return stream.written, stream.refused
+
+    def _write_locked(self, request_id: str, layer: int, block_ids: list[int],
+                      payload: bytes | memoryview) -> None:
+        stream = self.streams.get(request_id)
+        if stream is None or time.monotonic() > stream.deadline - STREAM_WRITE_MARGIN \
+                or not stream.block_ids.issuperset(block_ids):
+            log.warning("dropping KV pages for %s: no live reservation holds those blocks", request_id,
+                        extra={"request_id": request_id})
+            if stream is not None:
+                stream.refused = "pages came too late or for blocks the reservation does not hold"
+            return
+        try:
+            self.engine.kv_cache.write_pages(layer, block_ids, payload)
+            stream.written += len(payload)
+        except ValueError as exc:  # the checksum at admission then refuses the hand-off
+            stream.refused = str(exc)
+            log.warning("dropping malformed KV pages for %s: %s", request_id, exc, extra={"request_id": request_id})
+
+    def _forget_stream(self, request_id: str) -> None:
+        with self._streams_lock:
+            self.streams.pop(request_id, None)
 
     def handlers(self) -> dict[type, Callable]:
         return {m.AddRequest: self.on_add, m.AbortRequest: self.on_abort, m.ReserveBlocks: self.on_reserve,
@@ -101,7 +163,7 @@ class DecodeActor(Actor):
                             time.monotonic(), speculate=msg.speculate, compress_first=msg.compress_first,
                             resume=resume_from_wire(msg.resume))
         self.owners[msg.request_id] = conn
-        self.streams.pop(msg.request_id, None)  # its pages are all in: nothing more may be written
+        self._forget_stream(msg.request_id)  # its pages are all in: nothing more may be written
         try:
             if req.params.guide is not None:  # compiled off both the loop and the step thread
                 await asyncio.to_thread(self.engine.prepare_request, req)
@@ -119,7 +181,7 @@ class DecodeActor(Actor):
         return engine.add_prefilled_request(req, msg.first_token, logprobs, msg.checksum)
 
     async def on_abort(self, conn: Connection, msg: m.AbortRequest) -> None:
-        self.streams.pop(msg.request_id, None)
+        self._forget_stream(msg.request_id)
         self.thread.post_outputs(lambda engine: engine.abort_request(msg.request_id, msg.sample_index))
 
     async def on_reserve(self, conn: Connection, msg: m.ReserveBlocks) -> None:
@@ -132,33 +194,25 @@ class DecodeActor(Actor):
             return
         if self.spec.remote:  # only a decode actor on another host gets its pages as KVPages
             fresh = blocks[cached // self.engine.kv_cache.block_size:]
-            self.streams[msg.request_id] = _StreamedReservation(frozenset(fresh), deadline)
+            with self._streams_lock:
+                self.streams[msg.request_id] = _StreamedReservation(frozenset(fresh), deadline)
         await conn.send(m.BlocksReserved(msg.request_id, blocks, cached))
 
     async def on_kv_pages(self, conn: Connection, msg: m.KVPages) -> None:
-        """Pages of a hand-off from another host. Written here on the loop thread, at once: the blocks are
-        reserved for this request, so no step reads them, and a reservation is forgotten on this thread
-        before the engine may free its blocks (release, abort, admission, or STREAM_WRITE_MARGIN before its
-        deadline), so late or foreign pages never land in blocks that someone else may own."""
-        stream = self.streams.get(msg.request_id)
-        if stream is None or time.monotonic() > stream.deadline - STREAM_WRITE_MARGIN \
-                or not stream.block_ids.issuperset(msg.block_ids):
-            log.warning("dropping KV pages for %s: no live reservation holds those blocks", msg.request_id,
-                        extra={"request_id": msg.request_id})
-            return
-        try:
-            self.engine.kv_cache.write_pages(msg.layer, msg.block_ids, msg.payload)
-        except ValueError as exc:  # the checksum at admission then refuses the hand-off
-            log.warning("dropping malformed KV pages for %s: %s", msg.request_id, exc,
-                        extra={"request_id": msg.request_id})
+        """Pages of a hand-off from another host, relayed by the router (no direct stream). Written at once:
+        the blocks are reserved for this request, so no step reads them, and a reservation is forgotten (under
+        the same lock) before the engine may free its blocks (release, abort, admission, or
+        STREAM_WRITE_MARGIN before its deadline), so late or foreign pages never land in someone else's."""
+        with self._streams_lock:
+            self._write_locked(msg.request_id, msg.layer, msg.block_ids, msg.payload)
 
     async def on_release(self, conn: Connection, msg: m.ReleaseReservation) -> None:
-        self.streams.pop(msg.request_id, None)
+        self._forget_stream(msg.request_id)
         self.thread.post(lambda engine: engine.cancel_remote_prefill(msg.request_id))
 
     def on_owner_lost(self, request_id: str) -> None:
         super().on_owner_lost(request_id)
-        self.streams.pop(request_id, None)
+        self._forget_stream(request_id)
         self.thread.post_outputs(lambda engine: engine.abort_request(request_id))
 
     def abort_everything(self, engine: EngineCore) -> None:
@@ -187,5 +241,14 @@ class DecodeActor(Actor):
     async def _sweep_reservations(self) -> None:
         while not self.stopped.is_set():
             await asyncio.sleep(RESERVATION_SWEEP_SECONDS)
-            self.thread.post(lambda engine: engine.expire_remote_prefills(time.monotonic()))
+            now = time.monotonic()
+            with self._streams_lock:  # before the engine may free them: no page is written after this
+                for rid in [rid for rid, s in self.streams.items() if now > s.deadline - STREAM_WRITE_MARGIN]:
+                    del self.streams[rid]
+            self.thread.post(lambda engine: engine.expire_remote_prefills(now))
+
+
+def _host_port(address: str) -> tuple[str, int]:
+    host, port = address.rsplit(":", 1)
+    return host, int(port)
 

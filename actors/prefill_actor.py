@@ -1,4 +1,8 @@
-"""The prefill actor: runs prompts straight into attached decode actors' KV pools and reports the first token."""
+"""The prefill actor: runs prompts straight into attached decode actors' KV pools and reports the first token.
+
+A decode actor on another host that offers a KV endpoint (Ready.kv_export kind "tcp") gets its pages on one
+kept-open stream from this actor (transport.kv_stream), layer by layer while the prefill runs; KVReady goes
+to the router only once that actor has acknowledged every page, so the commit that follows finds them in."""
 from __future__ import annotations
 
 import asyncio
@@ -13,14 +17,17 @@ from engine.config import EngineConfig
 from engine.kv.cache import KVCache
 from engine.prefill_engine import PrefillEngine, PrefillJob, PrefillResult
 from engine.stats import EngineStats
-from transport import Connection
+from transport import Connection, load_secret
 from transport import messages as m
+from transport.kv_stream import KVStreamSender
 
 log = logging.getLogger("actor")
 
 
 class PrefillActor(Actor):
     """Runs prompts straight into attached decode actors' pools and reports the first token."""
+
+    links: dict[str, KVStreamSender]  # decode actor id -> the stream to its KV endpoint (another host)
 
     def build_engine(self) -> PrefillEngine:
         with self.startup.stage("engine"):
@@ -34,7 +41,12 @@ class PrefillActor(Actor):
         return self.engine
 
     def start_tasks(self) -> None:
+        self.links = {}
         self.loop.create_task(self._sweep_deadlines())
+
+    def release(self) -> None:
+        for link in self.links.values():
+            link.close()
 
     def ready_message(self) -> m.Ready:
         return m.Ready(self.spec.actor_id, 0, self.engine.config.block_size, {"kind": "none"},
@@ -48,12 +60,30 @@ class PrefillActor(Actor):
         return EngineStats(running=len(self.engine.jobs))
 
     async def on_attach(self, conn: Connection, msg: m.AttachPool) -> None:
+        if msg.kv_export.get("kind") == "tcp":
+            self._link(msg.actor_id, msg.kv_export)
+            return
         storage = open_shared_pool(msg.kv_export)
         cfg = self.engine.source.config
         kv = KVCache.from_export(cfg, msg.num_blocks, msg.block_size, storage, msg.kv_export, self.engine.dtype)
         self.thread.post(lambda engine: engine.attach_pool(msg.actor_id, kv))
 
+    def _link(self, actor_id: str, export: dict) -> None:
+        """Stream to `actor_id`'s endpoint from now on (it connects on first use), or relay without a secret."""
+        try:
+            secret = load_secret()
+        except ValueError as exc:
+            log.warning("no direct KV stream to %s (%s): its pages go through the server", actor_id, exc)
+            return
+        old = self.links.pop(actor_id, None)
+        if old is not None:
+            old.close()
+        self.links[actor_id] = KVStreamSender(export["host"], int(export["port"]), secret, name=actor_id)
+
     async def on_detach(self, conn: Connection, msg: m.DetachPool) -> None:
+        link = self.links.pop(msg.actor_id, None)
+        if link is not None:
+            link.close()
         dropped = await self.thread.submit(lambda engine: engine.detach_pool(msg.actor_id))
         for rid in dropped:
             self.send_to_owner(rid, m.RequestFailed(rid, f"{msg.actor_id} went away", True), finished=True)
@@ -65,7 +95,8 @@ class PrefillActor(Actor):
         self.owners[msg.request_id] = conn
         try:
             if msg.stream:
-                await self.thread.submit(lambda engine: engine.add_streamed(job, msg.kv_format))
+                sink = self.links.get(msg.dest_actor_id)
+                await self.thread.submit(lambda engine: engine.add_streamed(job, msg.kv_format, sink))
             else:
                 await self.thread.submit(lambda engine: engine.add(job))
         except Exception as exc:
@@ -86,12 +117,28 @@ class PrefillActor(Actor):
 
     def deliver(self, outputs: list[PrefillResult]) -> None:
         for res in outputs:
+            if res.sink is not None:  # its pages are on the direct stream: ready once they are acknowledged
+                res.sink.end(res.request_id, res.deadline, self._stream_done(res))
+                continue
             for layer, payload in enumerate(res.pages or ()):  # sent in order, before KVReady
                 self.send_to_owner(res.request_id, m.KVPages(res.request_id, layer, res.dest_block_ids, payload))
-            logprob, top = logprobs_to_wire(res.logprobs)
-            msg = m.KVReady(res.request_id, res.first_token, logprob, top, res.num_bytes, res.checksum,
-                            res.num_cached_tokens)
-            self.send_to_owner(res.request_id, msg, finished=True)
+            self._ready(res, 0)
+
+    def _ready(self, res: PrefillResult, streamed_bytes: int) -> None:
+        logprob, top = logprobs_to_wire(res.logprobs)
+        msg = m.KVReady(res.request_id, res.first_token, logprob, top, res.num_bytes, res.checksum,
+                        res.num_cached_tokens, streamed_bytes)
+        self.send_to_owner(res.request_id, msg, finished=True)
+
+    def _stream_done(self, res: PrefillResult) -> Callable[[int, str | None], None]:
+        """The direct stream's completion (on its thread): KVReady, or a retryable failure, from the loop."""
+        def done(num_bytes: int, error: str | None) -> None:
+            if error is None:
+                self.loop.call_soon_threadsafe(self._ready, res, num_bytes)
+            else:
+                failed = m.RequestFailed(res.request_id, f"KV stream to the decode actor: {error}", True)
+                self.loop.call_soon_threadsafe(lambda: self.send_to_owner(res.request_id, failed, finished=True))
+        return done
 
     async def _sweep_deadlines(self) -> None:
         while not self.stopped.is_set():

@@ -29,6 +29,9 @@ class ActorSpec:
     socket_path: str = ""  # the Unix socket the actor listens on (inside the supervisor's 0700 directory)
     engine: dict = field(default_factory=dict)  # EngineConfig keyword arguments
     remote: bool = False  # joined over TCP from another host: its KV pool cannot be mapped here
+    # A remote decode actor's KV endpoint, HOST:PORT, where prefill actors stream pages ("": the address it
+    # joins from, a free port; "off": none, the router relays the pages)
+    kv_listen: str = ""
     draft_actor: str = ""  # a decode actor's draft actor (same supervisor), if drafts come from one
     trace: bool = False  # stamp token frames with step-done and sent times (serve --trace-tokens)
     share_kv: bool = False  # a decode actor whose KV pool prefill actors write into: export it (shared memory)

@@ -1,7 +1,8 @@
 """KV hand-off cost: shared memory (what actors on one host use) and TCP loopback (actors on other hosts),
-against a plain memory copy of the same bytes in the same run.
+against a plain memory copy of the same bytes in the same run; then the TTFT of a disaggregated prompt with
+and without the layer-wise overlap.
 
-    python -m bench.kv_transfer [--tokens 1024,8192,32768] [--repeats 5]
+    python -m bench.kv_transfer [--tokens 1024,8192,32768] [--repeats 5] [--ttft-tokens 4096] [--ttft-repeats 3]
 
 Geometry is SmolLM2-135M's (30 layers, 3 KV heads x 64, bf16: 23,040 bytes per token). Per size it reports:
 - memcpy: one torch copy of the prompt's KV bytes (the bound for anything that moves them);
@@ -9,9 +10,19 @@ Geometry is SmolLM2-135M's (30 layers, 3 KV heads x 64, bf16: 23,040 bytes per t
   hand-off fingerprint; the owner verifies it;
 - shm protocol only: the same without the page write. This is what the zero-copy path adds to a prefill,
   since a prefill actor writes each layer's KV in place as it computes it;
-- tcp: the pages streamed layer by layer as KVPages frames over authenticated loopback TCP and written
-  into the receiver's pool (KVCache.read_pages / write_pages, as a prefill actor and a decode actor on
-  another host do; in the server the frames take one more local hop, prefill actor -> router).
+- tcp relayed (the path without a KV endpoint, `worker --kv-listen off`): each layer's pages as a KVPages
+  msgpack frame over authenticated loopback TCP to a relay that decodes and re-sends it (the router), then
+  written into the receiver's pool (KVCache.read_pages / write_pages);
+- tcp direct (the default): each layer's pages out of band on one kept-open connection straight to the
+  receiver's KV endpoint (transport.kv_stream: sendmsg of the pool's memory, received into a held buffer,
+  written under the reservation lock), timed to the receiver's acknowledgement.
+Everything runs in this process (the direct path's ends on their own threads).
+
+TTFT (`--ttft-tokens`, 0 to skip): a random model with SmolLM2-135M's KV geometry (30 layers, 3 KV heads x 64;
+hidden 192, so the prefill is short), fp32, one prefill actor and one decode worker joined over TCP, one
+thread each: the first token of a fresh prompt, disaggregated with the pages sent after the prefill
+(PHASE_SERVE_KV_OVERLAP=none), after each layer of the last chunk (layer), after each layer of each chunk
+(chunk, the default); and colocated on the decode worker.
 """
 from __future__ import annotations
 
@@ -21,6 +32,7 @@ import secrets
 import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -29,6 +41,7 @@ from engine.config import ModelConfig
 from engine.kv.cache import KVCache
 from transport import connect_tcp, serve_tcp
 from transport import messages as m
+from transport.kv_stream import KVStreamSender, KVStreamServer
 
 LAYERS, HEADS, HEAD_DIM, BLOCK = 30, 3, 64, 16
 DTYPE = torch.bfloat16
@@ -42,12 +55,14 @@ class Row:
     shm_write_verify_ms: float
     shm_protocol_ms: float
     tcp_ms: float
+    direct_ms: float
 
     def line(self) -> str:
         gbps = lambda ms: self.mbytes / 1e3 / (ms / 1e3)  # noqa: E731
         return (f"{self.tokens:>7} {self.mbytes:>9.1f} {self.memcpy_ms:>9.2f} ({gbps(self.memcpy_ms):5.2f} GB/s) "
                 f"{self.shm_write_verify_ms:>9.2f} ({gbps(self.shm_write_verify_ms):5.2f} GB/s) "
-                f"{self.shm_protocol_ms:>9.2f} {self.tcp_ms:>9.2f} ({gbps(self.tcp_ms):5.2f} GB/s)")
+                f"{self.shm_protocol_ms:>9.2f} {self.tcp_ms:>9.2f} ({gbps(self.tcp_ms):5.2f} GB/s) "
+                f"{self.direct_ms:>9.2f} ({gbps(self.direct_ms):5.2f} GB/s)")
 
 
 def pool_shape(num_blocks: int) -> tuple[int, ...]:
@@ -79,7 +94,11 @@ def run_shm(tokens: int, repeats: int, write: bool) -> float:
     import multiprocessing as mp
 
     nblocks = -(-tokens // BLOCK)
+    import tempfile
+
     pool = create_shared_pool(pool_shape(nblocks), DTYPE, tag="bench")
+    socket_dir = tempfile.mkdtemp()
+    pool.serve(f"{socket_dir}/kv.sock")  # how the writer process gets the pool's descriptor
     ctx = mp.get_context("spawn")
     requests, replies = ctx.Queue(), ctx.Queue()
     proc = ctx.Process(target=_shm_writer, args=(pool.export, nblocks, requests, replies), daemon=True)
@@ -96,7 +115,7 @@ def run_shm(tokens: int, repeats: int, write: bool) -> float:
     finally:
         requests.put(None)
         proc.join(10)
-        pool.unlink()
+        pool.close()
 
 
 def _shm_writer(export: dict, nblocks: int, requests, replies) -> None:
@@ -125,7 +144,14 @@ async def run_tcp(tokens: int, repeats: int) -> float:
                 await done.put(True)
 
     server = await serve_tcp("127.0.0.1", 0, secret, receiver)
-    conn = await connect_tcp(*server.address, secret)
+    relay_to = await connect_tcp(*server.address, secret)
+
+    async def relay(conn) -> None:  # the router: decodes each KVPages frame and sends it on
+        async for msg in conn:
+            await relay_to.send(msg)
+
+    relay_server = await serve_tcp("127.0.0.1", 0, secret, relay)
+    conn = await connect_tcp(*relay_server.address, secret)
     pages = torch.randn(pool_shape(nblocks), dtype=torch.float32).to(DTYPE)
     block_ids = list(range(nblocks))
     source = KVCache(GEOMETRY, nblocks, BLOCK, DTYPE, storage=pages)
@@ -142,7 +168,59 @@ async def run_tcp(tokens: int, repeats: int) -> float:
         assert torch.equal(dest, pages), "TCP hand-off corrupted the pages"
     finally:
         await conn.aclose()
+        await relay_to.aclose()
+        await relay_server.close()
         await server.close()
+    return statistics.median(samples)
+
+
+class _PoolSink:
+    """The receiving end of a direct stream, as a decode actor on another host runs it."""
+
+    def __init__(self, cache: KVCache) -> None:
+        self.cache, self.written = cache, 0
+        import threading
+        self.lock = threading.Lock()
+
+    def page_bytes(self, layer: int, block_ids: list[int]) -> int:
+        return len(block_ids) * self.cache.bytes_per_layer_block
+
+    def write(self, request_id: str, layer: int, block_ids: list[int], payload: memoryview) -> None:
+        with self.lock:
+            self.cache.write_pages(layer, block_ids, payload)
+            self.written += len(payload)
+
+    def finish(self, request_id: str) -> tuple[int, str | None]:
+        written, self.written = self.written, 0
+        return written, None
+
+
+def run_direct(tokens: int, repeats: int) -> float:
+    import threading
+
+    nblocks = -(-tokens // BLOCK)
+    secret = secrets.token_bytes(32)
+    dest = torch.zeros(pool_shape(nblocks), dtype=DTYPE)
+    server = KVStreamServer("127.0.0.1", 0, secret, _PoolSink(KVCache(GEOMETRY, nblocks, BLOCK, DTYPE, storage=dest)))
+    sender = KVStreamSender(*server.address, secret)
+    pages = torch.randn(pool_shape(nblocks), dtype=torch.float32).to(DTYPE)
+    source = KVCache(GEOMETRY, nblocks, BLOCK, DTYPE, storage=pages)
+    block_ids = list(range(nblocks))
+    samples = []
+    try:
+        for i in range(repeats + 1):
+            done = threading.Event()
+            start = time.perf_counter()
+            for layer in range(LAYERS):  # what a prefill actor's step thread queues: views of its pool
+                sender.send_pages(f"r{i}", layer, block_ids, pages[layer], source.bytes_per_layer_block)
+            sender.end(f"r{i}", time.monotonic() + 60, lambda n, err: done.set())
+            done.wait(60)
+            if i:
+                samples.append((time.perf_counter() - start) * 1e3)
+        assert torch.equal(dest, pages), "the direct stream corrupted the pages"
+    finally:
+        sender.close()
+        server.close()
     return statistics.median(samples)
 
 
@@ -157,16 +235,87 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokens", default="1024,8192,32768")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--ttft-tokens", type=int, default=4096)
+    parser.add_argument("--ttft-repeats", type=int, default=3)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     print(f"torch threads {torch.get_num_threads()}; bytes per token {LAYERS * 2 * HEADS * HEAD_DIM * 2}")
     print(f"{'tokens':>7} {'MB':>9} {'memcpy ms':>22} {'shm write+verify ms':>22} {'shm proto ms':>9} "
-          f"{'tcp ms':>22}")
-    for tokens in (int(t) for t in args.tokens.split(",")):
+          f"{'tcp relayed ms':>22} {'tcp direct ms':>22}")
+    for tokens in (int(t) for t in args.tokens.split(",") if t):
         mbytes = LAYERS * 2 * -(-tokens // BLOCK) * BLOCK * HEADS * HEAD_DIM * 2 / 1e6
         row = Row(tokens, mbytes, run_memcpy(tokens, args.repeats), run_shm(tokens, args.repeats, True),
-                  run_shm(tokens, args.repeats, False), asyncio.run(run_tcp(tokens, args.repeats)))
+                  run_shm(tokens, args.repeats, False), asyncio.run(run_tcp(tokens, args.repeats)),
+                  run_direct(tokens, args.repeats))
         print(row.line(), flush=True)
+    if args.ttft_tokens:
+        asyncio.run(run_ttft(args.ttft_tokens, args.ttft_repeats))
+
+
+async def _ttft_once(model_dir: str, prompts: list[list[int]], overlap: str | None) -> list[float]:
+    """TTFTs (ms) of `prompts`, one at a time, on a prefill actor and a decode worker joined over TCP
+    (overlap: the prefill actor's PHASE_SERVE_KV_OVERLAP), or colocated on the worker (overlap None)."""
+    import os
+    import sys
+
+    from engine import AsyncLLM, SamplingParams
+
+    secret = secrets.token_hex(16)
+    env = {**os.environ, "PHASE_SERVE_SECRET": secret}
+    os.environ.update(PHASE_SERVE_SECRET=secret, PHASE_SERVE_KV_OVERLAP=overlap or "chunk")
+    options = dict(dtype="float32", block_size=BLOCK, max_num_batched_tokens=512, num_kv_blocks=8)
+    llm = AsyncLLM(model_dir, prefill_actors=1, disagg="never" if overlap is None else "always",
+                   listen_workers="127.0.0.1:0", **options)
+    await llm.start()
+    host, port = llm._client.listen_address
+    worker = await asyncio.create_subprocess_exec(
+        sys.executable, "cli.py", "worker", "--role", "decode", "--connect", f"{host}:{port}", "--actor-id",
+        "remote-decode-0", "--model", model_dir, "--dtype", "float32", "--num-kv-blocks",
+        str(2 * -(-len(prompts[0]) // BLOCK) + 8), "--block-size", str(BLOCK), "--max-num-batched-tokens", "512",
+        "--threads", "1", env=env)
+    samples = []
+    try:
+        while not llm._client.supervisor.ready("decode"):
+            await asyncio.sleep(0.1)
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+        for prompt in prompts:
+            start = time.perf_counter()
+            async for _ in llm.generate(prompt, params):
+                break
+            samples.append((time.perf_counter() - start) * 1e3)
+            await asyncio.sleep(0.5)  # the request finishes and frees its blocks
+    finally:
+        await llm.aclose()
+        await asyncio.wait_for(worker.wait(), 30)
+    return samples
+
+
+async def run_ttft(tokens: int, repeats: int) -> None:
+    import random
+    import tempfile
+
+    from tests.tiny_models import tiny_llama_config, write_tiny_model
+
+    config = tiny_llama_config(hidden_size=HEADS * HEAD_DIM, intermediate_size=512, num_hidden_layers=LAYERS,
+                               num_attention_heads=HEADS, num_key_value_heads=HEADS, max_position_embeddings=2 * tokens)
+    model_dir = str(write_tiny_model(Path(tempfile.mkdtemp()), config, seed=3))
+    rng = random.Random(5)
+    kv_mb = LAYERS * 2 * HEADS * HEAD_DIM * 4 * tokens / 1e6
+    print(f"TTFT of a {tokens}-token prompt ({kv_mb:.0f} MB of fp32 KV), median of {repeats} fresh prompts:")
+    results = {}
+    for label, overlap in (("disaggregated, pages after the prefill (none)", "none"),
+                           ("disaggregated, layer-wise at the last chunk (layer)", "layer"),
+                           ("disaggregated, layer-wise per chunk (chunk)", "chunk"),
+                           ("colocated on the decode worker", None)):
+        prompts = [[rng.randrange(1, 500) for _ in range(tokens)] for _ in range(repeats + 1)]
+        samples = (await _ttft_once(model_dir, prompts, overlap))[1:]  # the first warms the actors up
+        results[overlap] = statistics.median(samples)
+        print(f"  {label:<52} {results[overlap]:9.1f} ms  ({', '.join(f'{x:.0f}' for x in samples)})", flush=True)
+    direct = run_direct(tokens, 3) * 2  # fp32 here: twice the bench's bf16 bytes
+    for mode in ("layer", "chunk"):
+        exposed = results[mode] - (results["none"] - direct)
+        print(f"  transfer {direct:.1f} ms (direct stream, measured above): {mode}: "
+              f"{100 * (1 - exposed / direct):.0f}% hidden behind the prefill")
 
 
 if __name__ == "__main__":

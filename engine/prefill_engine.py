@@ -7,13 +7,18 @@ draws are keyed by position, engine.step.position_seed).
 
 A decode actor on another host cannot be mapped: its jobs are *streamed*. The prompt runs into a private
 pool sized to it (the destination's cached prefix is recomputed here, its KV is not on this host), and the
-result carries the pages the destination lacks, per layer, for the actor to send in KVPages messages.
+result carries the pages the destination lacks, per layer, for the actor to send in KVPages messages. With a
+`PageSink` (a direct stream to that host, transport.kv_stream), pages go to it instead, as they become final:
+by default after each layer of each chunk, the blocks that chunk completed (`stream_overlap`), so the
+transfer runs behind the rest of the prefill.
 """
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -26,6 +31,24 @@ from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.step import RunnerOutput, SchedulerOutput, build_chunk
 from engine.structured import source_compiler
+
+
+OVERLAP_ENV = "PHASE_SERVE_KV_OVERLAP"
+OVERLAP_MODES = ("chunk", "layer", "none")
+"""When a streamed job's pages go to its sink: after each layer of each chunk, the blocks complete so far
+("chunk", the default); after each layer of the prompt's last chunk ("layer"); or all after the prefill
+("none"). `$PHASE_SERVE_KV_OVERLAP` picks one (bench.kv_transfer compares them)."""
+
+
+class PageSink(Protocol):
+    """Where a streamed job's pages go (transport.kv_stream.KVStreamSender); called on the step thread."""
+
+    def send_pages(self, request_id: str, layer: int, block_ids: list[int], pages: torch.Tensor,
+                   bytes_per_block: int) -> None: ...
+
+    def end(self, request_id: str, deadline: float, done) -> None: ...
+
+    def cancel(self, request_id: str) -> None: ...
 
 
 @dataclass
@@ -41,6 +64,8 @@ class PrefillJob:
     num_cached: int = field(default=0, init=False)  # num_computed at submission: what the destination had
     stream_to: list[int] | None = None  # set by add_streamed (destination on another host): where pages go
     num_prompt_tokens: int | None = None  # of token_ids, the prompt; the rest were generated (a resumed stream)
+    sink: PageSink | None = None  # set by add_streamed: pages go there as they are final, not in the result
+    num_sent_blocks: int = field(default=0, init=False)  # of the private pool's blocks: sent to the sink
 
 
 @dataclass(frozen=True)
@@ -54,6 +79,8 @@ class PrefillResult:
     checksum: int = 0  # crc32 of those bytes, verified by the destination before it decodes
     pages: list[bytes] | None = None  # streamed job: each layer's pages (KVCache.read_pages) to send
     dest_block_ids: list[int] = field(default_factory=list)  # streamed job: where those pages go (as on the wire)
+    sink: PageSink | None = None  # streamed job whose pages went to this sink: the actor ends its stream
+    deadline: float = 0.0  # the job's (monotonic)
 
 
 class PrefillEngine:
@@ -71,6 +98,9 @@ class PrefillEngine:
         self.pools: dict[str, KVCache] = {}
         self.jobs: dict[str, PrefillJob] = {}
         self._seq_ids = itertools.count()
+        self.stream_overlap = os.environ.get(OVERLAP_ENV) or "chunk"
+        if self.stream_overlap not in OVERLAP_MODES:
+            raise ValueError(f"${OVERLAP_ENV} must be one of {', '.join(OVERLAP_MODES)}")
 
     def attach_pool(self, name: str, kv_cache: KVCache) -> None:
         self.pools[name] = kv_cache
@@ -92,10 +122,11 @@ class PrefillEngine:
         job.num_cached = job.num_computed
         self.jobs[job.request_id] = job
 
-    def add_streamed(self, job: PrefillJob, kv_format: str = "auto") -> None:
+    def add_streamed(self, job: PrefillJob, kv_format: str = "auto", sink: PageSink | None = None) -> None:
         """A job whose destination pool is on another host (`job.block_table` and `job.num_computed` name its
         blocks and cached prefix): compute the whole prompt into a private pool in the destination's page
-        format; the result carries the pages of the blocks the destination lacks."""
+        format; the pages of the blocks the destination lacks go to `sink` while it runs, or without one in
+        the result."""
         bs = self.config.block_size
         name = f"stream:{job.request_id}"
         if name in self.pools or job.request_id in self.jobs:
@@ -107,6 +138,7 @@ class PrefillEngine:
         self.pools[name] = KVCache(self.source.config, num_blocks, bs, self.dtype, self.device, kv_format=kv_format)
         job.stream_to = job.block_table[skip:]
         job.block_table, job.num_computed, job.destination = list(range(num_blocks)), 0, name
+        job.sink, job.num_sent_blocks = sink, skip
         self.add(job)
         job.num_cached = skip * bs  # what the destination had: those pages are computed here but not sent
 
@@ -126,6 +158,8 @@ class PrefillEngine:
             self.runner.forget([job.seq_id])
             if job.stream_to is not None:
                 self.pools.pop(job.destination, None)
+            if job.sink is not None:
+                job.sink.cancel(request_id)
         return job is not None
 
     def has_work(self) -> bool:
@@ -137,8 +171,42 @@ class PrefillEngine:
             return []
         destination = next(iter(self.jobs.values())).destination
         sched = self._schedule(destination)
-        result = self.runner.run(sched, self.pools[destination])
+        pool = self.pools[destination]
+        streams = self._streams(sched, pool)
+        self.runner.model.layer_hook = (lambda layer: self._send_layer(streams, pool, layer)) if streams else None
+        try:
+            result = self.runner.run(sched, pool)
+        finally:
+            self.runner.model.layer_hook = None
+        for job, _, hi in streams:
+            job.num_sent_blocks = hi
         return self._update(sched, result, destination)
+
+    def _streams(self, sched: SchedulerOutput, pool: KVCache) -> list[tuple[PrefillJob, int, int]]:
+        """The sink jobs of this step with the private-pool blocks [lo, hi) that are final once it has run."""
+        if self.stream_overlap == "none":
+            return []
+        by_seq = {job.seq_id: job for job in self.jobs.values() if job.sink is not None}
+        streams = []
+        for chunk in sched.chunks:
+            job = by_seq.get(chunk.seq_id)
+            if job is None:
+                continue
+            computed = job.num_computed + len(chunk.token_ids)
+            last = computed >= len(job.token_ids)
+            if self.stream_overlap == "layer" and not last:
+                continue
+            hi = len(job.block_table) if last else computed // pool.block_size
+            if hi > job.num_sent_blocks:
+                streams.append((job, job.num_sent_blocks, hi))
+        return streams
+
+    @staticmethod
+    def _send_layer(streams: list[tuple[PrefillJob, int, int]], pool: KVCache, layer: int) -> None:
+        for job, lo, hi in streams:
+            skip = len(job.block_table) - len(job.stream_to)
+            job.sink.send_pages(job.request_id, layer, job.stream_to[lo - skip:hi - skip], pool.data[layer, :, lo:hi],
+                                pool.bytes_per_layer_block)
 
     def _schedule(self, destination: str) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
@@ -172,11 +240,22 @@ class PrefillEngine:
         pages = self._take_streamed_pages(job, written)
         return PrefillResult(job.request_id, destination, result.sampled_token_ids[job.seq_id],
                              result.logprobs.get(job.seq_id), job.num_cached, num_bytes, checksum, pages,
-                             job.stream_to or [])
+                             job.stream_to or [], sink=job.sink, deadline=job.deadline)
 
     def _take_streamed_pages(self, job: PrefillJob, written: list[int]) -> list[bytes] | None:
-        """A streamed job's pages to send, per layer; its private pool goes with them. None for a mapped job."""
+        """A streamed job's pages to send, per layer; its private pool goes with them. None for a mapped job
+        and for a sink job, whose pages not sent yet go to the sink now (views: the sink holds the memory)."""
         if job.stream_to is None:
             return None
         pool = self.pools.pop(job.destination)
+        if job.sink is not None:
+            lo, hi = job.num_sent_blocks, len(job.block_table)
+            if hi > lo:
+                self._send_layers(job, pool, lo, hi)
+            return None
         return [pool.read_pages(layer, written) for layer in range(pool.data.shape[0])]
+
+    def _send_layers(self, job: PrefillJob, pool: KVCache, lo: int, hi: int) -> None:
+        for layer in range(pool.data.shape[0]):
+            self._send_layer([(job, lo, hi)], pool, layer)
+        job.num_sent_blocks = hi

@@ -89,7 +89,7 @@ RecordEstimate = Callable[[ActorHandle, float, float, int], None]
 class TransferCounters:
     kv_bytes_transferred: int = 0
     kv_transfers: int = 0
-    kv_bytes_streamed: int = 0  # of those, relayed over TCP to decode actors on other hosts
+    kv_bytes_streamed: int = 0  # page bytes sent over TCP to decode actors on other hosts (direct or relayed)
 
 
 class Handoff:
@@ -162,6 +162,7 @@ class Handoff:
             self._record_estimate(handle, routed.placement.disaggregated_cost,
                                   time.monotonic() - routed.dispatched_at, routed.placement.uncached_tokens)
         self.counters.kv_bytes_transferred += msg.num_bytes
+        self.counters.kv_bytes_streamed += msg.streamed_bytes
         self.counters.kv_transfers += 1
         self.send(routed.decode, _commit(routed.request, msg))
 
@@ -181,3 +182,9 @@ def _commit(req: EngineRequest, msg: m.KVReady) -> m.AddRequest:
 def mappable(decode: ActorHandle) -> bool:
     """Only a pool on this host (shared memory / CUDA IPC) can be written into by our prefill actors."""
     return decode.ready.kv_export.get("kind") in ("shm", "cuda_ipc")
+
+
+def attachable(decode: ActorHandle) -> bool:
+    """A decode actor that prefill actors are told about: one whose pool they map, or whose KV endpoint
+    (another host) they stream pages to directly."""
+    return mappable(decode) or decode.ready.kv_export.get("kind") == "tcp"

@@ -21,7 +21,7 @@ from engine.engine_core import EngineRequest
 from engine.stats import EngineStats
 from engine.step import SequenceUpdate
 from router.failover import Failover, RequestFailedError
-from router.handoff import Handoff, Phase, Routed, mappable
+from router.handoff import Handoff, Phase, Routed, attachable
 from router.placement import DISAGGREGATED, Placement, PlacementPolicy
 from router.placer import Placer
 from transport import messages as m
@@ -269,11 +269,11 @@ class ActorRouter:
     # ---------------------------------------------------------------- actors coming and going
 
     async def _on_up(self, handle: ActorHandle) -> None:
-        if handle.spec.role is Role.DECODE and mappable(handle):
+        if handle.spec.role is Role.DECODE and attachable(handle):
             for prefill in self.supervisor.ready(Role.PREFILL):
                 await prefill.send(_attach(handle))
         elif handle.spec.role is Role.PREFILL:
-            for decode in filter(mappable, self.supervisor.ready(Role.DECODE)):
+            for decode in filter(attachable, self.supervisor.ready(Role.DECODE)):
                 await handle.send(_attach(decode))
         self.failover.unpark()
 

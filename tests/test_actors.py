@@ -175,32 +175,38 @@ async def stream_tokens(llm: AsyncLLM, prompt, params, progress: list[int], inde
     return tokens
 
 
-async def start_remote_decode_worker(llm: AsyncLLM, model_dir, secret: str, actor_id: str = "remote-decode-0"):
+async def start_remote_decode_worker(llm: AsyncLLM, model_dir, secret: str, actor_id: str = "remote-decode-0",
+                                     extra: tuple[str, ...] = ()):
     import sys
 
     host, port = llm._client.listen_address
     return await asyncio.create_subprocess_exec(
         sys.executable, "cli.py", "worker", "--role", "decode", "--connect", f"{host}:{port}",
         "--actor-id", actor_id, "--model", str(model_dir), "--dtype", "float32", "--num-kv-blocks",
-        "256", "--block-size", "8", "--max-num-batched-tokens", "64", "--threads", "1",
+        "256", "--block-size", "8", "--max-num-batched-tokens", "64", "--threads", "1", *extra,
         env={**os.environ, "PHASE_SERVE_SECRET": secret})
 
 
-async def test_pages_stream_over_tcp_to_a_decode_actor_on_another_host(tiny_model_dir, reference, monkeypatch):
+@pytest.mark.parametrize("kv_listen", ["", "off"], ids=["direct", "relayed"])
+async def test_pages_stream_over_tcp_to_a_decode_actor_on_another_host(tiny_model_dir, reference, monkeypatch,
+                                                                       kv_listen):
     """A local prefill actor hands off to a decode worker that joined over TCP (it cannot map our memory): the
-    pages travel as KVPages through the router, only the blocks the worker lacks, and outputs are exact."""
+    pages travel straight to the worker's KV endpoint (out-of-band frames on one kept-open connection), or,
+    with `--kv-listen off`, as KVPages through the router; only the blocks the worker lacks, and outputs are
+    exact either way."""
     import secrets
 
     secret = secrets.token_hex(16)
     monkeypatch.setenv("PHASE_SERVE_SECRET", secret)
     llm = AsyncLLM(str(tiny_model_dir), prefill_actors=1, disagg="always", listen_workers="127.0.0.1:0", **OPTIONS)
     await llm.start()
-    worker = await start_remote_decode_worker(llm, tiny_model_dir, secret)
+    extra = ("--kv-listen", kv_listen) if kv_listen else ()
+    worker = await start_remote_decode_worker(llm, tiny_model_dir, secret, extra=extra)
     router = llm._client
     try:
         await wait_for(lambda: router.supervisor.ready("decode"), 60, "the remote decode worker")
         decode = router.supervisor.ready("decode")[0]
-        assert decode.spec.remote and decode.ready.kv_export["kind"] == "none"
+        assert decode.spec.remote and decode.ready.kv_export["kind"] == ("none" if kv_listen else "tcp")
         bytes_per_block = decode.ready.kv_export["bytes_per_token"] * decode.ready.block_size
         prompts = make_prompts(3, seed=48)
         outs = await asyncio.gather(*(asyncio.wait_for(generate(llm, p), 60) for p in prompts))

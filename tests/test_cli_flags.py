@@ -212,7 +212,7 @@ def test_in_process_runs_no_actors_and_api_key_falls_back_to_the_environment(mon
 def test_worker_and_sampling_flags():
     args = cli.build_parser().parse_args(["worker", "--connect", "h:1", "--role", "prefill", "--threads", "2"])
     assert options(cli.WorkerOptions, args) == dict(connect="h:1", role="prefill", actor_id=None, secret_file=None,
-                                                    device="cpu")
+                                                    device="cpu", kv_listen="")
     args = cli.build_parser().parse_args(["chat", "--seed", "7", "--temperature", "0.5", "--max-tokens", "3"])
     params = sampling_options(args).params()
     assert (params.seed, params.temperature, params.max_tokens) == (7, 0.5, 3)

@@ -54,6 +54,7 @@ MODULE_TIERS: Mapping[str, Tier] = {
     "test_kernel_build.py": E,  # build keys and errors; one test runs a failing compiler
     "test_kv_cache_quant.py": E,  # one test starts actors: marked process
     "test_kv_compress.py": E,
+    "test_kv_stream.py": P,  # real sockets and threads; one test runs a decode worker
     "test_kv_quant.py": U,  # the import and CUDA-simulator checks run in subprocesses: marked process
     "test_layers.py": U,
     "test_logs.py": P,  # the logging, calibration and kernel-key units are marked unit

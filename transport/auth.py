@@ -17,11 +17,12 @@ import hmac
 import logging
 import os
 import secrets
+import socket
 from collections.abc import Mapping
 from pathlib import Path
 
 from transport.errors import AuthenticationError, ConnectionClosed
-from transport.framing import read_exactly
+from transport.framing import read_exactly, recv_exactly_into
 
 MAGIC = b"PHSV\x00\x01"  # "phase-serve", handshake version 1
 NONCE_BYTES = 32
@@ -99,3 +100,35 @@ def write_secret_file(path: str | os.PathLike[str]) -> bytes:
     with os.fdopen(fd, "wb") as f:
         f.write(secret + b"\n")
     return secret
+
+
+def server_handshake_blocking(sock: socket.socket, secret: bytes) -> None:
+    """`server_handshake` on a blocking socket (the caller sets its timeout)."""
+    server_nonce = secrets.token_bytes(NONCE_BYTES)
+    sock.sendall(MAGIC + server_nonce)
+    reply = _recv_or_fail(sock, NONCE_BYTES + PROOF_BYTES, "client")
+    client_nonce, client_proof = reply[:NONCE_BYTES], reply[NONCE_BYTES:]
+    if not hmac.compare_digest(client_proof, _proof(secret, b"client", server_nonce, client_nonce)):
+        raise AuthenticationError("the client's proof does not match: wrong secret")
+    sock.sendall(_proof(secret, b"server", server_nonce, client_nonce))
+
+
+def client_handshake_blocking(sock: socket.socket, secret: bytes) -> None:
+    """`client_handshake` on a blocking socket (the caller sets its timeout)."""
+    challenge = _recv_or_fail(sock, len(MAGIC) + NONCE_BYTES, "server")
+    if challenge[:len(MAGIC)] != MAGIC:
+        raise AuthenticationError("the server does not speak this handshake (wrong port or version?)")
+    server_nonce, client_nonce = challenge[len(MAGIC):], secrets.token_bytes(NONCE_BYTES)
+    sock.sendall(client_nonce + _proof(secret, b"client", server_nonce, client_nonce))
+    server_proof = _recv_or_fail(sock, PROOF_BYTES, "server")
+    if not hmac.compare_digest(server_proof, _proof(secret, b"server", server_nonce, client_nonce)):
+        raise AuthenticationError("the server's proof does not match: wrong secret")
+
+
+def _recv_or_fail(sock: socket.socket, n: int, peer: str) -> bytes:
+    buf = bytearray(n)
+    try:
+        recv_exactly_into(sock, memoryview(buf))
+    except ConnectionClosed as exc:
+        raise AuthenticationError(f"the {peer} hung up during the handshake (wrong secret?): {exc}") from None
+    return bytes(buf)

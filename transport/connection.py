@@ -32,6 +32,7 @@ class Connection:
         self._send_lock = asyncio.Lock()
         self._closed = False
         self.peer = peer or _peer_name(writer)
+        self.local_address = writer.get_extra_info("sockname")  # (host, port) for TCP
 
     @property
     def max_frame(self) -> int:

@@ -1,10 +1,16 @@
 """Frames on a byte stream: a 4-byte big-endian body length, then the body (one encoded message).
 
 The length is checked against the reader's limit before a single body byte is read, so a hostile prefix
-costs nothing. These functions do not close anything; `Connection` decides what a failure means."""
+costs nothing. These functions do not close anything; `Connection` decides what a failure means.
+
+Out-of-band frames (KV pages, transport.kv_stream) are an ordinary frame whose message declares a payload
+size, followed by that many raw bytes that are no part of the msgpack body: the sender writes them straight
+from the tensor's memory (`send_buffers`, one `sendmsg` of memoryviews) and the receiver reads them into a
+buffer it already holds (`recv_exactly_into`), so the payload is never copied into or out of msgpack."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import struct
 from collections.abc import Sequence
 
@@ -55,3 +61,57 @@ async def read_exactly(reader: asyncio.StreamReader, n: int) -> bytes:
         raise ConnectionClosed(f"peer closed the connection ({len(exc.partial)} of {n} bytes read)") from None
     except OSError as exc:  # ConnectionResetError and friends
         raise ConnectionClosed(f"connection lost: {exc}") from None
+
+
+# ---- blocking sockets (threads that stream KV pages) ------------------------------------------------------
+
+SENDMSG_MAX_BUFFERS = 512  # under IOV_MAX (1024 on Linux)
+
+
+def send_buffers(sock: socket.socket, buffers: Sequence[bytes | bytearray | memoryview]) -> int:
+    """Writes every buffer, in order, with as few `sendmsg` calls as the kernel allows: no buffer is copied or
+    joined; a partial send resumes from a memoryview slice. Returns the bytes written; OSError as the socket
+    raises it (the stream is then unusable: part of a frame may be out)."""
+    views = [memoryview(b).cast("B") for b in buffers if len(b)]
+    total = sum(len(v) for v in views)
+    while views:
+        sent = sock.sendmsg(views[:SENDMSG_MAX_BUFFERS])
+        while sent:
+            if sent >= len(views[0]):
+                sent -= len(views.pop(0))
+            else:
+                views[0], sent = views[0][sent:], 0
+    return total
+
+
+def frame_buffers(body_parts: Sequence[bytes], max_size: int) -> list[bytes]:
+    """One frame's header and body parts, ready for `send_buffers` (out-of-band payloads go after them)."""
+    size = sum(len(p) for p in body_parts)
+    check_frame_size(size, max_size)
+    return [HEADER.pack(size), *body_parts]
+
+
+def recv_exactly_into(sock: socket.socket, view: memoryview) -> None:
+    """Fills `view` from the socket; ConnectionClosed if the peer ends the stream first or resets it."""
+    got, n = 0, len(view)
+    while got < n:
+        try:
+            k = sock.recv_into(view[got:], n - got)
+        except (TimeoutError, socket.timeout):
+            raise
+        except OSError as exc:
+            raise ConnectionClosed(f"connection lost: {exc}") from None
+        if k == 0:
+            raise ConnectionClosed(f"peer closed the connection ({got} of {n} bytes read)")
+        got += k
+
+
+def recv_frame_body(sock: socket.socket, max_size: int) -> bytearray:
+    """The next frame's body from a blocking socket; ProtocolError before reading a body over `max_size`."""
+    header = bytearray(HEADER.size)
+    recv_exactly_into(sock, memoryview(header))
+    (size,) = HEADER.unpack(header)
+    check_frame_size(size, max_size)
+    body = bytearray(size)
+    recv_exactly_into(sock, memoryview(body))
+    return body

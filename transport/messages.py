@@ -23,8 +23,11 @@ Flows (router = main process):
 - liveness:   router -> Heartbeat, actor -> HeartbeatAck (with the actor's EngineStats).
 - colocated:  router -> AddRequest, actor -> TokenUpdates ..., router -> AbortRequest when a client leaves.
 - hand-off:   router -> ReserveBlocks (decode) -> BlocksReserved | ReservationFailed;
-              router -> PrefillRequest (prefill) -> [KVPages ... over TCP] -> KVReady | RequestFailed;
-              router -> AddRequest(prefilled=True, first_token) (decode), or ReleaseReservation on failure.
+              router -> PrefillRequest (prefill) -> [pages for a decode actor on another host] -> KVReady |
+              RequestFailed; router -> AddRequest(prefilled=True, first_token) (decode), or ReleaseReservation.
+- pages to another host: straight from the prefill actor on its kept-open connection to the decode actor's
+              KV endpoint (KVPageFrame + raw bytes ..., KVStreamEnd -> KVStreamAck, then KVReady), or relayed
+              by the router as KVPages when the decode actor offers no endpoint.
 - drafting:   decode actor -> ProposeDrafts (draft actor) -> DraftProposals; decode actor -> ReleaseDrafts.
 - migration:  a stream whose decode actor died or drains is resumed elsewhere: AddRequest (or the hand-off's
               messages) with `resume`, the tokens the client already has.
@@ -39,12 +42,14 @@ from dataclasses import dataclass, fields, is_dataclass
 from types import MappingProxyType
 from typing import Any, ClassVar
 
+# 8: KVReady.streamed_bytes; KVPageFrame, KVStreamEnd, KVStreamAck (direct KV streams, out-of-band pages)
 # 7: AddRequest.resume, PrefillRequest.num_prompt_tokens (migrated streams), Leaving; no generator_state
 # 6: `guide.kind` may be structural_tag (tool calls); 5: `sampling` carries `guide`
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 
-KV_EXPORT_KINDS = ("shm", "cuda_ipc", "none")
-"""`Ready.kv_export["kind"]`: how peers map the actor's KV pool."""
+KV_EXPORT_KINDS = ("shm", "cuda_ipc", "tcp", "none")
+"""`Ready.kv_export["kind"]`: how peers map the actor's KV pool, or (`tcp`, with `host` and `port`) where
+a decode actor on another host takes streamed pages (transport.kv_stream)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -299,6 +304,38 @@ class KVPages(Message):
 
 
 @dataclass(frozen=True, slots=True)
+class KVPageFrame(Message):
+    """On a direct KV stream (prefill actor -> decode actor on another host): one layer's pages of some blocks
+    follow this frame as `num_bytes` raw bytes, out of band (laid out as KVPages.payload)."""
+
+    TAG: ClassVar[str] = "kv_page_frame"
+    request_id: str
+    layer: int
+    block_ids: list[int]
+    num_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class KVStreamEnd(Message):
+    """On a direct KV stream: every page of the request was sent, `num_bytes` in all; answered by KVStreamAck."""
+
+    TAG: ClassVar[str] = "kv_stream_end"
+    request_id: str
+    num_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class KVStreamAck(Message):
+    """The decode actor wrote `num_bytes` of the request's pages into its reserved blocks; `error` says why not
+    all (no live reservation, pages refused), None when every page it was sent is in."""
+
+    TAG: ClassVar[str] = "kv_stream_ack"
+    request_id: str
+    num_bytes: int
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class KVReady(Message):
     """The prefill actor finished writing the KV; `checksum` over the `num_bytes` written lets the decode
     actor refuse a corrupt transfer instead of producing garbage."""
@@ -311,6 +348,7 @@ class KVReady(Message):
     num_bytes: int
     checksum: int
     num_cached_tokens: int = 0  # prompt tokens the destination already had (not computed, not written)
+    streamed_bytes: int = 0  # page bytes the destination acknowledged over a direct stream (another host)
 
 
 @dataclass(frozen=True, slots=True)

@@ -110,8 +110,9 @@ class KVCache:
         pages = self.data[layer].index_select(1, ids)  # [2, n, *page]
         return pages.contiguous().view(torch.uint8).cpu().numpy().tobytes()
 
-    def write_pages(self, layer: int, block_ids: list[int], payload: bytes) -> None:
-        """Copy read_pages' bytes (from a pool of the same model, block size and format) into `block_ids`."""
+    def write_pages(self, layer: int, block_ids: list[int], payload: bytes | bytearray | memoryview) -> None:
+        """Copy read_pages' bytes (from a pool of the same model, block size and format) into `block_ids`. A
+        writable buffer (what a KV stream receives into) is read in place; `bytes` are copied once first."""
         if not 0 <= layer < self.data.shape[0]:
             raise ValueError(f"layer {layer} is outside the pool's {self.data.shape[0]} layers")
         if any(not 0 <= b < self.num_blocks for b in block_ids):
@@ -119,10 +120,18 @@ class KVCache:
         if len(payload) != len(block_ids) * self.bytes_per_layer_block:
             raise ValueError(f"{len(payload)} bytes of pages for {len(block_ids)} blocks of "
                              f"{self.bytes_per_layer_block} bytes")
-        pages = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(self.data.dtype)
-        ids = torch.tensor(block_ids, dtype=torch.long, device=self.data.device)
+        if not block_ids:
+            return
+        writable = isinstance(payload, bytearray) or (isinstance(payload, memoryview) and not payload.readonly)
+        pages = torch.frombuffer(payload if writable else bytearray(payload), dtype=torch.uint8)
+        pages = pages.view(self.data.dtype).view(2, len(block_ids), *self.data.shape[3:])
         layer_pages = self.data[layer]  # [2, N, *page]
-        layer_pages.index_copy_(1, ids, pages.view(2, len(block_ids), *layer_pages.shape[2:]).to(self.data.device))
+        first = block_ids[0] if block_ids else 0
+        if block_ids == list(range(first, first + len(block_ids))):  # one run of blocks: a plain copy
+            layer_pages[:, first:first + len(block_ids)].copy_(pages)
+        else:
+            ids = torch.tensor(block_ids, dtype=torch.long, device=self.data.device)
+            layer_pages.index_copy_(1, ids, pages.to(self.data.device))
 
     def checksum(self, block_ids: list[int]) -> tuple[int, int]:
         """(bytes written, crc32 of a fingerprint) of the given blocks, computed by the writer of a hand-off

@@ -11,7 +11,7 @@ logits; windowed layers with their own RoPE base (Gemma 3).
 """
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -191,6 +191,9 @@ class LlamaModel(nn.Module):
         self.backend: Backend = TorchBackend(device)  # see set_backend
         self.lm_packed: torch.Tensor | None = None  # the backend's packed copy of the LM head
         self.stack: object | None = None  # the backend's decode stack: the layers as one call (decode-only steps)
+        # Called with a layer's index once its KV is in the cache, in the layer-by-layer path only (a prefill
+        # actor streams that layer's pages to another host while the next one computes).
+        self.layer_hook: Callable[[int], None] | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], num_layers: int | None = None,
@@ -218,6 +221,8 @@ class LlamaModel(nn.Module):
             for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
                 layer_rope = rope if layer.self_attn.window is None else local
                 x, residual = layer(x, residual, layer_rope, meta, kv, self.backend, keep_rows if i == last else None)
+                if self.layer_hook is not None:
+                    self.layer_hook(i)
         return self.norm.add_forward(x, residual, self.backend)[0]
 
     def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
