@@ -1,15 +1,18 @@
 """int8 weights (--weight-dtype int8) against bf16 weights on the default model: speed, accuracy, memory.
 
     python -m bench.weight_quant [--rounds 7] [--steps 64] [--context 128] [--windows 8] [--window 256]
-        [--threads 2] [--model PATH] [--json OUT] [--skip speed,accuracy,memory]
+        [--threads 2] [--batch 1] [--model PATH] [--json OUT] [--skip speed,accuracy,memory]
 
-1. Batch-1 decode tokens/s: one sequence with `--context` tokens of English text before it, `--steps` timed
+1. Decode tokens/s: `--batch` sequences (default 1), each with `--context` tokens of English text before it, `--steps` timed
    decode steps (bench.kv_accuracy.decode_rate), the variants alternated over `--rounds` in one process; medians,
-   and the median of the per-round ratios to bf16. Variants: bf16 and int8 on the C++ decode stack, and int8
-   on the Python layer loop (decode_stack off, the same kernels).
+   and the median of the per-round ratios to bf16. Variants, each on the C++ decode stack: bf16; int8-widen,
+   the int8 kernel that widens the weights to fp32 against fp32 activations (max_w8a8_rows 0); int8-w8a8, the
+   W8A8 kernel (each activation row quantised to int8, int32 sums on AVX-512 VNNI; on a CPU without VNNI it
+   is int8-widen again); and int8-layers, the shipped int8 kernels from the Python layer loop (decode_stack off).
 2. Teacher-forced accuracy on the English text bench/kv_accuracy.py uses (the Debian license texts): `--windows`
-   windows of `--window` tokens fed one token a step as decode rows (the int8 kernel's path) through both models;
-   KL(bf16 || int8) mean and p99, top-1 agreement, and each model's perplexity of the real next token.
+   windows of `--window` tokens fed one token a step as decode rows (the int8 kernels' path) through bf16 and
+   each int8 kernel; KL(bf16 || int8) mean and p99, top-1 agreement, and each model's perplexity of the real
+   next token.
 3. Resident memory after load: a fresh process per variant builds the engine (64 KV blocks) and reports its RSS
    before and after, and the bytes of the model's own tensors.
 """
@@ -34,24 +37,26 @@ from engine.backends import CpuKernelBackend  # noqa: E402
 from engine.model.llama import LlamaModel  # noqa: E402
 from engine.model.quant import weight_scales  # noqa: E402
 
-VARIANTS = ("bf16", "int8", "int8-layers")  # int8-layers: the Python layer loop, no decode stack
-WEIGHT_DTYPE = {"bf16": "bfloat16", "int8": "int8", "int8-layers": "int8"}
+VARIANTS = ("bf16", "int8-widen", "int8-w8a8", "int8-layers")
+INT8_KERNELS = ("int8-widen", "int8-w8a8")  # the accuracy part scores each against bf16
+# each variant's changes to the shipped CpuKernelConfig
+CONFIG = {"bf16": {}, "int8-widen": {"max_w8a8_rows": 0}, "int8-w8a8": {}, "int8-layers": {"decode_stack": False}}
 
 
 def build(model: str | None, variant: str, threads: int, blocks: int) -> LLM:
-    llm = LLM(model, dtype="bfloat16", weight_dtype=WEIGHT_DTYPE[variant], num_kv_blocks=blocks,
-              num_threads=threads, max_num_seqs=8)
-    if variant == "int8-layers":
+    llm = LLM(model, dtype="bfloat16", weight_dtype="bfloat16" if variant == "bf16" else "int8",
+              num_kv_blocks=blocks, num_threads=threads, max_num_seqs=8)
+    if CONFIG[variant]:
         runner = llm.engine.runner
-        runner.set_backend(CpuKernelBackend(replace(runner.backend.config, decode_stack=False)))
+        runner.set_backend(CpuKernelBackend(replace(runner.backend.config, **CONFIG[variant])))
     return llm
 
 
-def speed(llms: dict[str, LLM], prompt: list[int], steps: int, rounds: int) -> dict:
+def speed(llms: dict[str, LLM], prompts: list[list[int]], steps: int, rounds: int) -> dict:
     rates: dict[str, list[float]] = {v: [] for v in llms}
     for _ in range(rounds):
         for v, llm in llms.items():
-            rates[v].append(decode_rate(llm, [prompt], steps))
+            rates[v].append(decode_rate(llm, prompts, steps))
     out = {}
     for v, r in rates.items():
         ratios = [a / b for a, b in zip(r, rates["bf16"])]
@@ -61,19 +66,21 @@ def speed(llms: dict[str, LLM], prompt: list[int], steps: int, rounds: int) -> d
 
 @torch.inference_mode()
 def accuracy(models: dict[str, LlamaModel], windows: list[list[int]]) -> dict:
-    """Both models fed the windows in lockstep, one token a step (decode rows); every position but the last."""
+    """The models fed the windows in lockstep, one token a step (decode rows); every position but the last.
+    -> per int8 variant: its KL / top-1 against bf16 and its perplexity; "bf16": bf16's perplexity."""
     runs = {v: forced_steps(m, windows, "auto", 1, torch.bfloat16, 0) for v, m in models.items()}
-    scores, own = Scores(), {v: Scores() for v in models}
+    scores, own = {v: Scores() for v in models if v != "bf16"}, {v: Scores() for v in models}
     length = len(windows[0])
     for pos in range(length - 1):
         logp = {v: next(run).log_softmax(-1) for v, run in runs.items()}
         targets = torch.tensor([w[pos + 1] for w in windows])
-        scores.add(logp["bf16"], logp["int8"], targets)
+        for v in scores:
+            scores[v].add(logp["bf16"], logp[v], targets)
         for v in models:
             own[v].add(logp[v], logp[v], targets)
-    summary = scores.summary()
-    summary["ppl_bf16"], summary["ppl_int8"] = own["bf16"].summary()["ppl"], own["int8"].summary()["ppl"]
-    return summary
+    out = {v: s.summary() | {"ppl": own[v].summary()["ppl"]} for v, s in scores.items()}
+    out["bf16"] = {"ppl": own["bf16"].summary()["ppl"]}
+    return out
 
 
 def rss_child(model: str | None, variant: str, threads: int) -> dict:
@@ -92,7 +99,7 @@ def rss_child(model: str | None, variant: str, threads: int) -> dict:
 
 def memory(model: str | None, threads: int) -> dict:
     out = {}
-    for v in ("bf16", "int8"):
+    for v in ("bf16",) + INT8_KERNELS:
         cmd = [sys.executable, "-m", "bench.weight_quant", "--rss-child", v, "--threads", str(threads)]
         if model:
             cmd += ["--model", model]
@@ -103,16 +110,20 @@ def memory(model: str | None, threads: int) -> dict:
 
 def print_tables(results: dict, args: argparse.Namespace) -> None:
     if "speed" in results:
-        print(f"\nbatch-1 decode, {args.context} tokens of context, {args.steps} steps, {args.rounds} rounds "
+        print(f"\nbatch-{args.batch} decode, {args.context} tokens of context, {args.steps} steps, {args.rounds} rounds "
               f"alternated, {args.threads} threads")
         print(f"{'variant':<12} {'tok/s (median)':>15} {'x bf16 (median of rounds)':>27}")
         for v, r in results["speed"].items():
             print(f"{v:<12} {r['tok_s']:>15.1f} {r['vs_bf16']:>27.2f}")
     if "accuracy" in results:
         a = results["accuracy"]
-        print(f"\nteacher-forced, int8 against bf16 weights: {a['tokens']} positions of English text (decode rows)")
-        print(f"KL mean {a['kl_mean']:.5f}  p99 {a['kl_p99']:.5f}  max {a['kl_max']:.4f}  top-1 {a['top1']:.4f}  "
-              f"ppl bf16 {a['ppl_bf16']:.3f}  int8 {a['ppl_int8']:.3f}")
+        tokens = next(r["tokens"] for v, r in a.items() if v != "bf16")
+        print(f"\nteacher-forced against bf16 weights: {tokens} positions of English text (decode rows); "
+              f"ppl bf16 {a['bf16']['ppl']:.3f}")
+        for v, r in a.items():
+            if v != "bf16":
+                print(f"{v:<12} KL mean {r['kl_mean']:.5f}  p99 {r['kl_p99']:.5f}  max {r['kl_max']:.4f}  "
+                      f"top-1 {r['top1']:.4f}  ppl {r['ppl']:.3f}")
     if "memory" in results:
         print("\nresident memory after load (fresh process each, 64 KV blocks)")
         print(f"{'variant':<8} {'RSS before':>11} {'RSS after':>10} {'load':>8} {'model tensors':>14}  (MiB)")
@@ -129,10 +140,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--windows", type=int, default=8)
     p.add_argument("--window", type=int, default=256)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--batch", type=int, default=1, help="sequences decoded together in the speed part (at most 8)")
     p.add_argument("--model", default=None)
     p.add_argument("--json", default=None)
     p.add_argument("--skip", default="", help="comma-separated: speed, accuracy, memory")
-    p.add_argument("--rss-child", choices=("bf16", "int8"), help=argparse.SUPPRESS)
+    p.add_argument("--rss-child", choices=VARIANTS, help=argparse.SUPPRESS)
     return p.parse_args()
 
 
@@ -147,13 +159,15 @@ def main() -> None:
     if "memory" not in skip:  # first: the children load while this process is still small
         results["memory"] = memory(args.model, args.threads)
     if not {"speed", "accuracy"} <= skip:
-        blocks = max(args.windows * -(-args.window // 16), -(-(args.context + args.steps + 8) // 16)) * 2 + 8
+        blocks = max(args.windows * -(-args.window // 16),
+                     args.batch * -(-(args.context + args.steps + 8) // 16)) * 2 + 8
         llms = {v: build(args.model, v, args.threads, blocks) for v in VARIANTS}
         windows = corpus_windows(llms["bf16"].tokenizer, max(args.window, args.context), args.windows)
         if "speed" not in skip:
-            results["speed"] = speed(llms, windows[0][:args.context], args.steps, args.rounds)
+            prompts = [windows[i % len(windows)][:args.context] for i in range(args.batch)]
+            results["speed"] = speed(llms, prompts, args.steps, args.rounds)
         if "accuracy" not in skip:
-            models = {v: llms[v].engine.runner.model for v in ("bf16", "int8")}
+            models = {v: llms[v].engine.runner.model for v in ("bf16",) + INT8_KERNELS}
             results["accuracy"] = accuracy(models, [w[:args.window] for w in windows])
     print_tables(results, args)
     if args.json:

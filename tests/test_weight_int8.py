@@ -87,6 +87,130 @@ def test_kernel_refuses_other_dtypes():
         cpu_ext.linear_int8(x, codes, scale.to(torch.bfloat16))
 
 
+# ---- the W8A8 kernel: int8 activations in groups of 32, int32 sums on VNNI ----------------------------------
+
+
+def require_w8a8() -> None:
+    require_kernels(vectors=True)
+    if not cpu_ext.w8a8_vnni():
+        pytest.skip("the CPU kernels were built without AVX-512 VNNI")
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's activation format: x [M, K] -> codes [M, G, 32] (zero-padded past K) and scales [M, G],
+    a = max |group| / 127 (1 for a group of zeros), q = round(x / a) to nearest even."""
+    g = quant.W8A8_GROUP
+    m, k = x.shape
+    padded = torch.zeros(m, -(-k // g) * g)
+    padded[:, :k] = x.float()
+    groups = padded.view(m, -1, g)
+    amax = groups.abs().amax(-1)
+    a = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+    return torch.round(groups / a[..., None]).clamp(-127, 127), a
+
+
+def group_sums(q: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """Exact integer sums of each activation group against each weight row: [M, N, G] int64."""
+    n, k = codes.shape
+    padded = torch.zeros(n, q.shape[1] * q.shape[2], dtype=torch.int64)
+    padded[:, :k] = codes
+    return torch.einsum("mgk,ngk->mng", q.to(torch.int64), padded.view(n, q.shape[1], q.shape[2]))
+
+
+def reference_w8a8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
+                   bias: torch.Tensor | None) -> torch.Tensor:
+    """The W8A8 product in float64 from the exact group sums: s[n] * sum_g a[m, g] * sum_g + bias."""
+    q, a = quantize_activations(x)
+    out = (group_sums(q, codes).double() * a.double()[:, None, :]).sum(-1) * scale.double()
+    return out if bias is None else out + bias.double()
+
+
+def test_pack_w8a8_layout():
+    codes = torch.randint(-127, 128, (37, 70), dtype=torch.int8)
+    packed = quant.pack_w8a8(codes)
+    assert packed.dtype == torch.uint8 and packed.shape == (3, 24, 16, 4)  # ceil(37/16), ceil(70/32) * 32 / 4
+    for b, j, c, t in [(0, 0, 0, 0), (1, 5, 7, 3), (2, 17, 4, 1), (0, 12, 15, 2)]:
+        assert int(packed[b, j, c, t]) == int(codes[16 * b + c, 4 * j + t]) + 128
+    assert (packed[2, :, 5:] == 128).all() and (packed[:, 18:] == 128).all()  # channels past 37, k past 70
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 11, 64])
+@pytest.mark.parametrize("n,k", [(200, 576), (33, 100), (1, 17), (130, 15), (96, 1536), (64, 4)])
+def test_w8a8_int32_sums_are_exact(rows, n, k):
+    """Inputs whose every group scale is exactly 1 (each group holds a +-127) and weight scales 1, with sums
+    small enough for bf16 to hold: the output is the integer sum itself, so a wrong product, correction for the
+    unsigned weights, group boundary, padding or channel tail shows as an inequality."""
+    require_w8a8()
+    gen = torch.Generator().manual_seed(rows * 1000 + n + k)
+    g = quant.W8A8_GROUP
+    x = torch.randint(-1, 2, (rows, k), generator=gen).float()
+    pos = [i * g + int(torch.randint(0, min(g, k - i * g), (1,), generator=gen)) for i in range(-(-k // g))]
+    x[:, pos] = 127 * (torch.randint(0, 2, (rows, len(pos)), generator=gen) * 2 - 1).float()
+    codes = torch.randint(-1, 2, (n, k), generator=gen).to(torch.int8)
+    # only the first group's +-127 meets a weight, and only k < 100 hold weights: |sum| <= 127 + 99; the zero
+    # weights past 100 still read as 128 each in the kernel, which its correction must cancel exactly
+    codes[:, pos[1:]] = 0
+    codes[:, 100:] = 0
+    q, a = quantize_activations(x.to(torch.bfloat16))
+    assert (a == 1).all()
+    exact = group_sums(q, codes).sum(-1)
+    assert exact.abs().max() < 256
+    got = cpu_ext.linear_w8a8(x.to(torch.bfloat16), quant.pack_w8a8(codes), torch.ones(n))
+    assert torch.equal(got.float(), exact.float())
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 11, 64])
+@pytest.mark.parametrize("n,k", [(200, 576), (33, 100), (1, 17), (130, 15), (96, 1536)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_w8a8_matches_the_reference_arithmetic(rows, n, k, with_bias):
+    """Random activations and weights against the float64 reference of the same quantised arithmetic: within one
+    bf16 rounding everywhere, and bit-equal to it rounded but where the kernel's fp32 sum over groups sits
+    within an fp32 error of a bf16 rounding boundary."""
+    require_w8a8()
+    torch.manual_seed(rows * 1000 + n + k)
+    x = torch.randn(rows, k).to(torch.bfloat16)
+    x[0, : min(k, 8)] *= 50  # an outlier group: its own scale, the others unaffected
+    codes, scale = quant.quantize_rows(torch.randn(n, k) * 0.05)
+    bias = torch.randn(n).to(torch.bfloat16) if with_bias else None
+    got = cpu_ext.linear_w8a8(x, quant.pack_w8a8(codes), scale, bias)
+    ref = reference_w8a8(x, codes, scale, bias)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    assert ((got.double() - ref).abs() <= ref.abs() * 2 ** -8 + 1e-30).all()
+    assert (got == ref.to(torch.bfloat16)).double().mean() >= 0.99
+
+
+def test_w8a8_is_close_to_the_unquantised_product():
+    """Group-of-32 activation codes lose little against the fp32-activation kernel on the same int8 weights."""
+    require_w8a8()
+    torch.manual_seed(2)
+    x = torch.randn(4, 576).to(torch.bfloat16)
+    codes, scale = quant.quantize_rows(torch.randn(300, 576) * 0.05)
+    got = cpu_ext.linear_w8a8(x, quant.pack_w8a8(codes), scale).float()
+    ref = reference_int8(x, codes, scale, None)
+    assert ((got - ref).norm() / ref.norm()) < 0.01
+
+
+def test_w8a8_each_row_depends_on_that_row_only():
+    require_w8a8()
+    torch.manual_seed(1)
+    x = torch.randn(13, 300).to(torch.bfloat16)
+    codes, scale = quant.quantize_rows(torch.randn(70, 300))
+    packed = quant.pack_w8a8(codes)
+    batched = cpu_ext.linear_w8a8(x, packed, scale)
+    for r in (0, 7, 8, 12):
+        assert torch.equal(cpu_ext.linear_w8a8(x[r:r + 1], packed, scale), batched[r:r + 1])
+
+
+def test_w8a8_refuses_a_packing_of_other_shapes():
+    require_kernels()
+    x = torch.randn(2, 64).to(torch.bfloat16)
+    codes, scale = quant.quantize_rows(torch.randn(16, 64))
+    with pytest.raises(RuntimeError, match="packed"):
+        cpu_ext.linear_w8a8(x, quant.pack_w8a8(codes[:, :32]), scale)
+    with pytest.raises(RuntimeError, match="packed"):
+        cpu_ext.linear_w8a8(x, codes, scale)
+
+
 # ---- the model -----------------------------------------------------------------------------------------------
 
 
@@ -155,37 +279,59 @@ def decode_logits(model, ids: list[int]) -> torch.Tensor:
 IDS = [int(t) for t in torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(3))]
 
 
-@pytest.mark.parametrize("kernel_rows", [64, 0], ids=["int8-kernel", "dequantised"])
-def test_int8_logits_match_the_torch_int8_reference(tiny_model_dir, untied_dir, kernel_rows):
-    """Kernel backend (decode stack and Python layers, int8 kernel or dequantised F.linear) against the same int8
-    weights on plain torch ops, prefill and decode."""
+# (max_int8_rows, max_w8a8_rows, max |diff|, mean |diff|): bf16 logits of std ~1; the kernels' own rounding order
+# (bf16 weights, decode) already differs from torch's by up to 0.0625, mean 0.007 here. Measured: fp32-activation
+# kernel 0.074 / 0.010; W8A8 (activations quantised to int8, which torch's path does not do) 0.145 / 0.018.
+PATHS = [(64, 0, 0.1, 0.015), (64, 64, 0.2, 0.025), (0, 0, 0.1, 0.015)]
+
+
+@pytest.mark.parametrize("int8_rows,w8a8_rows,max_diff,mean_diff", PATHS, ids=["widen", "w8a8", "dequantised"])
+def test_int8_logits_match_the_torch_int8_reference(tiny_model_dir, untied_dir, int8_rows, w8a8_rows, max_diff,
+                                                    mean_diff):
+    """Kernel backend (decode stack and Python layers; the fp32-activation int8 kernel, the W8A8 kernel, or
+    dequantised F.linear) against the same int8 weights on plain torch ops, prefill and decode."""
     require_kernels(vectors=True)
     for folder in (tiny_model_dir, untied_dir):
         model = load(folder, "int8")
         model.set_backend(TorchBackend())
         ref = forward_logits(model, IDS)
         for stack in (True, False):
-            model.set_backend(kernel_backend(max_int8_rows=kernel_rows, decode_stack=stack))
+            model.set_backend(kernel_backend(max_int8_rows=int8_rows, max_w8a8_rows=w8a8_rows, decode_stack=stack))
             assert (model.stack is not None) == stack
             for got in (forward_logits(model, IDS), decode_logits(model, IDS)):
                 diff = (got - ref).abs()
-                # bf16 logits of std ~1; the kernels' own rounding order (bf16 weights, decode) already differs
-                # from torch's by up to 0.0625, mean 0.007 here; int8 measured 0.074, mean 0.010
-                assert diff.max() <= 0.1 and diff.mean() <= 0.015, (diff.max(), diff.mean())
+                assert diff.max() <= max_diff and diff.mean() <= mean_diff, (diff.max(), diff.mean())
 
 
-def test_int8_decode_stack_is_bit_identical_to_the_python_layers(tiny_model_dir):
+@pytest.mark.parametrize("w8a8_rows", [64, 0], ids=["w8a8", "widen"])
+def test_int8_decode_stack_is_bit_identical_to_the_python_layers(tiny_model_dir, w8a8_rows):
     require_kernels(vectors=True)
     model = load(tiny_model_dir, "int8")
     got = {}
     for stack in (True, False):
-        model.set_backend(kernel_backend(decode_stack=stack))
+        model.set_backend(kernel_backend(decode_stack=stack, max_w8a8_rows=w8a8_rows))
         got[stack] = decode_logits(model, IDS[:12])
     assert torch.equal(got[True], got[False])
 
 
-# measured: top-1 0.95 / 0.975 and KL 0.00046 / 0.00026 on the tied / untied tiny model (40 positions, flat
-# random logits, so near-ties flip); SmolLM2's figures: docs/performance.md (python -m bench.weight_quant)
+def test_int8_decode_takes_the_w8a8_kernel_where_vnni_is_built(tiny_model_dir):
+    """Default config: the products run W8A8 (the stack's and the Python layers' logits both differ from the
+    fp32-activation kernel's); max_w8a8_rows 0 turns it off."""
+    require_w8a8()
+    model = load(tiny_model_dir, "int8")
+    on, off = kernel_backend(), kernel_backend(max_w8a8_rows=0)
+    assert "linear_w8a8" in on.kernels() and "linear_w8a8" not in off.kernels() and "linear_int8" in off.kernels()
+    got = {}
+    for name, backend in (("on", on), ("off", off)):
+        model.set_backend(backend)
+        got[name] = decode_logits(model, IDS[:12])
+    assert not torch.equal(got["on"], got["off"])
+    assert on.w8a8_packed and not off.w8a8_packed
+
+
+# measured with the fp32-activation kernel: top-1 0.95 / 0.975 and KL 0.00046 / 0.00026 on the tied / untied tiny
+# model (40 positions, flat random logits, so near-ties flip); with W8A8 (the default on VNNI) top-1 1.0 / 1.0,
+# KL 0.00061 / 0.00046; SmolLM2's figures: docs/performance.md (python -m bench.weight_quant)
 TOP1_THRESHOLD = 0.9
 KL_LIMIT = 0.005
 

@@ -16,6 +16,7 @@ from engine.backends.cpu_config import CpuKernelConfig
 from engine.backends.torch_ops import TorchBackend, split_heads
 from engine.kernels import cpu_ext, packed_linear
 from engine.kv.formats import QuantizedPages
+from engine.model import quant
 
 if TYPE_CHECKING:
     from engine.attention import AttentionMetadata
@@ -38,6 +39,9 @@ class CpuKernelBackend(TorchBackend):
         self.onednn = packed_linear.onednn_available()
         self.fused_gate_up = config.fused_gate_up and self.tiled and self.elementwise
         self.max_tiled_rows = config.engine_max_tiled_rows(self.engine)
+        # the W8A8 kernel only where VNNI was built in (its scalar loop is slower than the int8 kernel's)
+        self.max_w8a8_rows = min(config.max_w8a8_rows, config.max_int8_rows) if cpu_ext.w8a8_vnni() else 0
+        self.w8a8_packed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(codes) -> (codes, pack_w8a8)
         # the C++ stack runs the packed products on the first engine ("auto"), as the Python layers do by default
         self.stacks = (config.decode_stack and self.elementwise and self.attends_in_place
                        and (self.engine is None or self.engine == cpu_ext.matrix_engines()[0]))
@@ -56,6 +60,10 @@ class CpuKernelBackend(TorchBackend):
             for proj in (attn.qkv_proj, attn.o_proj, mlp.down_proj) + unfused:
                 proj.packed = self.pack(proj.weight)
         model.lm_packed = self.pack(model.lm_weight())
+        self.w8a8_packed = {}
+        if self.max_w8a8_rows:
+            for module in quant.quantized_modules(model) if model.weight_dtype == "int8" else ():
+                self.w8a8_packed[id(module.weight)] = (module.weight, quant.pack_w8a8(module.weight))
         model.stack = self._build_stack(model) if self.stacks and stack_takes(model.cfg) else None
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor | None:
@@ -76,11 +84,19 @@ class CpuKernelBackend(TorchBackend):
                                      model.layers[0].self_attn.scale)
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            stack.add_layer(layer.input_layernorm.weight, _projection(attn.qkv_proj), _projection(attn.o_proj),
-                            layer.post_attention_layernorm.weight, _projection(mlp.gate_up_proj),
-                            _projection(mlp.down_proj), mlp.gate_up_silu, _norm_weight(attn.q_norm),
+            stack.add_layer(layer.input_layernorm.weight, self._projection(attn.qkv_proj),
+                            self._projection(attn.o_proj), layer.post_attention_layernorm.weight,
+                            self._projection(mlp.gate_up_proj), self._projection(mlp.down_proj), mlp.gate_up_silu, _norm_weight(attn.q_norm),
                             _norm_weight(attn.k_norm))
         return stack
+
+    def _projection(self, linear: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None,
+                                                            torch.Tensor | None]:
+        """A Linear's tensors as decode_stack.cpp takes them; an int8 weight's packed copy is its W8A8 copy."""
+        packed = linear.packed
+        if linear.weight_scale is not None:
+            packed = self.w8a8_packed.get(id(linear.weight), (None, None))[1]
+        return linear.weight, linear.bias, packed, linear.weight_scale
 
     # ---- the operations -------------------------------------------------------------------------------------
 
@@ -103,9 +119,14 @@ class CpuKernelBackend(TorchBackend):
 
     def linear_int8(self, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
                     bias: torch.Tensor | None) -> torch.Tensor:
-        """The int8 kernel (weights read as int8, dequantised in registers) for up to max_int8_rows rows, else
-        F.linear on the weight dequantised to bf16. decode_stack.cpp's project() makes the same choice."""
-        if x.shape[0] <= self.config.max_int8_rows and x.dtype == torch.bfloat16:
+        """The W8A8 kernel (x quantised to int8 per row, int32 sums on VNNI) for up to max_w8a8_rows rows, the
+        int8 kernel (weights widened to fp32 in registers) for up to max_int8_rows, else F.linear on the weight
+        dequantised to bf16. decode_stack.cpp's project() makes the same choice."""
+        rows = x.shape[0]
+        if rows <= self.config.max_int8_rows and x.dtype == torch.bfloat16:
+            packed = self.w8a8_packed.get(id(codes))
+            if packed is not None and packed[0] is codes and rows <= self.max_w8a8_rows:
+                return cpu_ext.linear_w8a8(x, packed[1], scale, bias)
             return cpu_ext.linear_int8(x, codes, scale, bias)
         return super().linear_int8(x, codes, scale, bias)
 
@@ -187,7 +208,7 @@ class CpuKernelBackend(TorchBackend):
         x, residual = model.stack.forward(x, *rope, meta.slot_mapping, meta.decode_block_tables,
                                           meta.decode_context_lens, kv_caches, self.config.max_gemv_rows,
                                           self.config.max_onednn_rows, self.max_tiled_rows,
-                                          self.config.max_int8_rows)
+                                          self.config.max_int8_rows, self.max_w8a8_rows)
         return x, residual
 
     def greedy_tokens(self, model: LlamaModel, hidden: torch.Tensor) -> torch.Tensor | None:
@@ -208,7 +229,8 @@ class CpuKernelBackend(TorchBackend):
         on = {"gemv": self.config.max_gemv_rows > 0, "packed_blocks": self.tiled, "onednn_packed": self.onednn,
               "fused_gate_up": self.fused_gate_up, "lm_head_argmax": self.tiled, "row_argmax": True,
               "decode_attention_bf16": self.attends_in_place, "decode_attention_fp8": self.attends_in_place,
-              "prompt_attention": self.engine is not None, "linear_int8": self.config.max_int8_rows > 0, "rms_norm": self.elementwise,
+              "prompt_attention": self.engine is not None, "linear_int8": self.config.max_int8_rows > self.max_w8a8_rows,
+              "linear_w8a8": self.max_w8a8_rows > 0, "rms_norm": self.elementwise,
               "rotary": self.elementwise, "silu_mul": self.elementwise, "decode_stack": self.stacks}
         return [name for name, used in on.items() if used]
 
@@ -227,11 +249,6 @@ def _matrix_engine(asked: str, engines: tuple[str, ...]) -> str | None:
     if asked not in engines:
         raise ValueError(f"matrix engine {asked!r} is not available here (this CPU and build have {engines or 'none'})")
     return asked
-
-
-def _projection(linear: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None,
-                                                 torch.Tensor | None]:
-    return linear.weight, linear.bias, linear.packed, linear.weight_scale
 
 
 def _norm_weight(norm: torch.nn.Module | None) -> torch.Tensor | None:

@@ -5,6 +5,7 @@ for which product, step or row count is engine/backends/cpu_kernels.py's decisio
 - `linear_bf16`: x W^T + b for a few rows, each weight row streamed once (oneDNN's bf16 GEMM is built for large
   batches).
 - `linear_int8`: the same for int8 weights with per-output-channel scales, widened to fp32 in registers.
+- `linear_w8a8`: the same int8 weights against each row of x quantised to int8, int32 sums on AVX-512 VNNI.
 - `decode_attention_bf16` / `_fp8`: one query a row against its context read in place from the pages through its
   block table (no gather copy, no padding mask); fp8 pages decoded to bf16 in registers.
 - `rms_norm` (+ the residual add), `silu_mul`, `rotary_`: one pass each instead of 3-10 torch ops, rounding to
@@ -96,6 +97,19 @@ def linear_int8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
     """x [M, K] bf16, codes [N, K] int8 (contiguous), scale [N] fp32, bias [N] -> [M, N] bf16 =
     (x codes^T) * scale + bias, the sums in fp32 and rounded once (engine/model/quant.py's format)."""
     return ops().linear_int8(x, codes, scale, bias)
+
+
+def linear_w8a8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """linear_int8's arguments and result, with each row of x quantised to int8 first (a = max |x| / 127 per row,
+    q = round(x / a), nearest even): bf16(float(q codes^T) * (a * scale) + bias), the sums exact in int32."""
+    return ops().linear_w8a8(x, codes, scale, bias)
+
+
+@functools.cache
+def w8a8_vnni() -> bool:
+    """Whether linear_w8a8 was built on AVX-512 VNNI here (its scalar fallback is for tests only)."""
+    return bool(ops().w8a8_vnni())
 
 
 def decode_attention_bf16(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,

@@ -6,6 +6,7 @@
 #include <torch/extension.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
+#include <algorithm>
 #include <cstring>
 #include <optional>
 #include <string_view>
@@ -26,6 +27,8 @@ torch::Tensor tiled_linear_silu_mul_bf16(torch::Tensor x, torch::Tensor packed, 
 // int8_linear.cpp
 torch::Tensor linear_int8(torch::Tensor x, torch::Tensor weight, torch::Tensor scale,
                           const std::optional<torch::Tensor>& bias);
+torch::Tensor linear_w8a8(torch::Tensor x, torch::Tensor packed, torch::Tensor scale,
+                          const std::optional<torch::Tensor>& bias);
 
 namespace {
 
@@ -43,7 +46,7 @@ const c10::TypedOperatorHandle<PackedLinear>& packed_linear_op() {
 // A Linear module's tensors, as Python passes them: (weight [N, K], bias [N] or None, packed weight or None,
 // per-channel scale [N] fp32 or None). The packed weight is 16x16-pair blocks (4-D, from tile_pack_bf16) or
 // oneDNN's packed copy (engine/kernels/packed_linear.py). With a scale the weight is int8 (engine/model/quant.py)
-// and has no packed copy.
+// and its packed copy, where the backend made one, is the W8A8 kernel's (quant.py pack_w8a8).
 using ProjectionArgs = std::tuple<torch::Tensor, std::optional<torch::Tensor>, std::optional<torch::Tensor>,
                                   std::optional<torch::Tensor>>;
 
@@ -66,6 +69,7 @@ struct RowLimits {
   int64_t packed;
   int64_t tiled;
   int64_t int8;  // rows the int8 kernel takes; more dequantise the weight to bf16 for at::linear
+  int64_t w8a8;  // of those, rows that take it on int8-quantised activations (linear_w8a8)
 };
 
 // engine/model/llama.py `linear` with the kernels on: the packed weight for 2..limits.tiled rows (packed blocks)
@@ -74,6 +78,7 @@ struct RowLimits {
 torch::Tensor project(const Projection& p, const torch::Tensor& x, const RowLimits& limits) {
   const int64_t rows = x.size(0);
   if (p.scale) {
+    if (p.packed && rows <= limits.w8a8) return linear_w8a8(x, *p.packed, *p.scale, p.bias);
     if (rows <= limits.int8) return linear_int8(x, p.weight, *p.scale, p.bias);
     return at::linear(x, p.weight.to(at::kBFloat16).mul_(p.scale->unsqueeze(1)), p.bias);
   }
@@ -124,12 +129,13 @@ class DecodeStack {
                                      torch::Tensor slot_mapping, torch::Tensor block_tables,
                                      torch::Tensor context_lens, const std::vector<LayerPages>& kv,
                                      int64_t max_gemv_rows, int64_t max_packed_rows, int64_t max_tiled_rows,
-                                     int64_t max_int8_rows) const {
+                                     int64_t max_int8_rows, int64_t max_w8a8_rows) const {
     TORCH_CHECK(!kv.empty() && kv.size() <= layers_.size(), "DecodeStack: ", kv.size(), " layers of pages for ",
                 layers_.size(), " layers");
     const Step step{cos.reshape({cos.size(0), -1}), sin.reshape({sin.size(0), -1}), std::move(slot_mapping),
                     std::move(block_tables), std::move(context_lens),
-                    RowLimits{max_gemv_rows, max_packed_rows, max_tiled_rows, max_int8_rows}};
+                    RowLimits{max_gemv_rows, max_packed_rows, max_tiled_rows, max_int8_rows,
+                              std::min(max_w8a8_rows, max_int8_rows)}};
     torch::Tensor residual = no_residual_;
     for (size_t i = 0; i < kv.size(); ++i) {
       const Layer& layer = layers_[i];

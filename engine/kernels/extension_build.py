@@ -35,8 +35,8 @@ CFLAGS = ("-O3", "-march=native", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 # The ISA extensions the kernels' code paths test for (directly or through the intrinsics they use).
 FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512bf16", "avx512fp16",
-            "amx-tile", "amx-bf16")
-_CPUINFO_NAMES = {"avx512bf16": "avx512_bf16", "avx512fp16": "avx512_fp16"}
+            "avx512vnni", "amx-tile", "amx-bf16")
+_CPUINFO_NAMES = {"avx512bf16": "avx512_bf16", "avx512fp16": "avx512_fp16", "avx512vnni": "avx512_vnni"}
 
 
 class KernelBuildError(RuntimeError):

@@ -6,9 +6,11 @@ loader's fp32 dequantisation, or a folder's bf16/fp32) row by row, so no bf16 co
 What is quantised: each decoder layer's fused q|k|v, o, fused gate|up and down projections, and the LM head; with
 tied embeddings the embedding table is the LM head's tensor, so its lookups dequantise the rows they read.
 
-A product reads Q and applies s to its fp32 sums: x W^T ~ (x Q^T) * s. The CPU kernel (engine/kernels/
-int8_linear.cpp) does that for decode-sized row counts; larger ones (and every other backend) dequantise Q * s to
-the activations' dtype and run F.linear (`dequantize`, `linear_int8`).
+A product reads Q and applies s to its fp32 sums: x W^T ~ (x Q^T) * s. The CPU kernels (engine/kernels/
+int8_linear.cpp) do that for decode-sized row counts: on AVX-512 VNNI against x quantised to int8 in groups of
+32 (`W8A8_GROUP`), on the copy of Q `pack_w8a8` makes once per model; elsewhere on Q widened to fp32. Larger row
+counts (and every other backend) dequantise Q * s to the activations' dtype and run F.linear (`dequantize`,
+`linear_int8`).
 """
 from __future__ import annotations
 
@@ -42,6 +44,22 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     codes = torch.round(w / scale.unsqueeze(1)).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
     return codes, scale
+
+
+W8A8_GROUP = 32  # activation codes per scale in the W8A8 kernel (its packed copy pads K to a multiple)
+W8A8_CHANNELS = 16  # output channels per packed block: one int32 lane each
+
+
+def pack_w8a8(codes: torch.Tensor) -> torch.Tensor:
+    """codes [N, K] int8 -> the W8A8 kernel's copy, uint8 [ceil(N / 16), ceil(K / 32) * 8, 16, 4]:
+    packed[b, j, c, t] = codes[16 b + c, 4 j + t] + 128 (0 + 128 past N and K). One 64-byte vector holds 4
+    consecutive k of 16 channels, unsigned as vpdpbusd's first operand must be."""
+    n, k = codes.shape
+    blocks, kp = -(-n // W8A8_CHANNELS), -(-k // W8A8_GROUP) * W8A8_GROUP
+    padded = torch.zeros(blocks * W8A8_CHANNELS, kp, dtype=torch.int16)
+    padded[:n, :k] = codes
+    shifted = (padded + 128).to(torch.uint8)
+    return shifted.view(blocks, W8A8_CHANNELS, kp // 4, 4).permute(0, 2, 1, 3).contiguous()
 
 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
