@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from contextlib import ExitStack, aclosing
+from contextlib import ExitStack, aclosing, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
@@ -400,7 +400,7 @@ async def _stream_list(request: web.Request, ctx: ServerContext, parts: list[Pre
         response = web.StreamResponse(headers=SSE_HEADERS | batch_headers(parts, firsts))
         await response.prepare(request)
         group.streamed()
-        try:
+        async with _stream_failures(ctx, response, group, meta.id):
             index, out = first
             while True:
                 chunks = builders[index].chunks(out)
@@ -418,14 +418,6 @@ async def _stream_list(request: web.Request, ctx: ServerContext, parts: list[Pre
                 closing = [usage_chunk(meta, False, totals)]
             await response.write(encode_events(closing) + DONE)
             group.outcome = "ok"
-        except ConnectionError:
-            group.outcome = "client_disconnected"  # leaving aclosing() aborts the requests in the engine
-        except ApiError as err:
-            await _end_with_error(response, group, err, "aborted")
-        except Exception:
-            ctx.log.exception("stream failed")
-            internal = ApiError(500, f"internal error while streaming (request {meta.id})", None, "internal_error")
-            await _end_with_error(response, group, internal, "error")
     return response
 
 
@@ -433,7 +425,7 @@ async def _pump(ctx: ServerContext, response: web.StreamResponse, builder: Chunk
                 outputs: AsyncIterator[RequestOutput], tracker: RequestTracker) -> None:
     """Writes the stream; every failure after the headers ends it with an error event instead of a status."""
     tracker.streamed = True
-    try:
+    async with _stream_failures(ctx, response, tracker, tracker.request_id):
         opening = builder.opening(len(first.outputs))
         await response.write(encode_events(opening + _traced(builder.chunks(first), first)))
         tracker.written(first, time.monotonic())
@@ -442,14 +434,22 @@ async def _pump(ctx: ServerContext, response: web.StreamResponse, builder: Chunk
             tracker.written(out, time.monotonic())
         await response.write(encode_events(builder.closing(tracker.last)) + DONE)
         tracker.outcome = "ok"
+
+
+@asynccontextmanager
+async def _stream_failures(ctx: ServerContext, response: web.StreamResponse, tracker: RequestTracker | TrackerGroup,
+                           request_id: str) -> AsyncIterator[None]:
+    """A failure once the headers are out ends the stream with an error event (the status is sent already);
+    a client that left ends it quietly (leaving aclosing() then aborts its requests in the engine)."""
+    try:
+        yield
     except ConnectionError:
-        tracker.outcome = "client_disconnected"  # leaving aclosing() aborts the request in the engine
+        tracker.outcome = "client_disconnected"
     except ApiError as err:
         await _end_with_error(response, tracker, err, "aborted")
     except Exception:
         ctx.log.exception("stream failed")
-        internal = ApiError(500, f"internal error while streaming (request {tracker.request_id})", None,
-                            "internal_error")
+        internal = ApiError(500, f"internal error while streaming (request {request_id})", None, "internal_error")
         await _end_with_error(response, tracker, internal, "error")
 
 
