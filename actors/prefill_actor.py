@@ -124,17 +124,17 @@ class PrefillActor(Actor):
                 self.send_to_owner(res.request_id, m.KVPages(res.request_id, layer, res.dest_block_ids, payload))
             self._ready(res, 0)
 
-    def _ready(self, res: PrefillResult, streamed_bytes: int) -> None:
+    def _ready(self, res: PrefillResult, streamed_bytes: int, stream_seconds: float = 0.0) -> None:
         logprob, top = logprobs_to_wire(res.logprobs)
         msg = m.KVReady(res.request_id, res.first_token, logprob, top, res.num_bytes, res.checksum,
-                        res.num_cached_tokens, streamed_bytes)
+                        res.num_cached_tokens, streamed_bytes, stream_seconds)
         self.send_to_owner(res.request_id, msg, finished=True)
 
     def _stream_done(self, res: PrefillResult) -> Callable[[int, str | None], None]:
         """The direct stream's completion (on its thread): KVReady, or a retryable failure, from the loop."""
-        def done(num_bytes: int, error: str | None) -> None:
+        def done(num_bytes: int, error: str | None, seconds: float) -> None:
             if error is None:
-                self.loop.call_soon_threadsafe(self._ready, res, num_bytes)
+                self.loop.call_soon_threadsafe(self._ready, res, num_bytes, seconds)
             else:
                 failed = m.RequestFailed(res.request_id, f"KV stream to the decode actor: {error}", True)
                 self.loop.call_soon_threadsafe(lambda: self.send_to_owner(res.request_id, failed, finished=True))

@@ -213,7 +213,7 @@ def run_direct(tokens: int, repeats: int) -> float:
             start = time.perf_counter()
             for layer in range(LAYERS):  # what a prefill actor's step thread queues: views of its pool
                 sender.send_pages(f"r{i}", layer, block_ids, pages[layer], source.bytes_per_layer_block)
-            sender.end(f"r{i}", time.monotonic() + 60, lambda n, err: done.set())
+            sender.end(f"r{i}", time.monotonic() + 60, lambda n, err, _seconds: done.set())
             done.wait(60)
             if i:
                 samples.append((time.perf_counter() - start) * 1e3)

@@ -2,7 +2,7 @@
 
 Prefill seconds for n new tokens: a + b*n + c*n^2 (the quadratic term is attention over the prompt).
 Decode step seconds for a batch of B sequences: d0 + d1*B.
-Hand-off seconds for a number of bytes: latency + bytes / bandwidth.
+Hand-off seconds for a number of bytes: latency + bytes / bandwidth, per link learnt from the transfers on it.
 
 Both fits take only the points of a curve that never falls (engine.calibration.monotonic_points): a timing
 below an earlier, smaller one is noise, and fitted it would bend the curve down.
@@ -64,6 +64,34 @@ class TransferCost:
 
     def seconds(self, num_bytes: int) -> float:
         return self.latency + num_bytes / self.bytes_per_second
+
+
+@dataclass(frozen=True)
+class LinkEstimate:
+    """A link's transfer cost, learnt from its transfers: an exponentially weighted mean of seconds per byte over
+    transfers of at least MIN_LINK_SAMPLE_BYTES (smaller ones are mostly latency), starting from `prior`."""
+
+    prior: TransferCost
+    seconds_per_byte: float | None = None
+    samples: int = 0
+    weight: float = 0.2
+
+    def observe(self, num_bytes: int, seconds: float) -> "LinkEstimate":
+        if num_bytes < MIN_LINK_SAMPLE_BYTES or seconds <= 0:
+            return self
+        sample = max(seconds - self.prior.latency, 0.0) / num_bytes
+        mean = sample if self.seconds_per_byte is None else \
+            (1 - self.weight) * self.seconds_per_byte + self.weight * sample
+        return replace(self, seconds_per_byte=mean, samples=self.samples + 1)
+
+    @property
+    def cost(self) -> TransferCost:
+        if self.seconds_per_byte is None:
+            return self.prior
+        return TransferCost(self.prior.latency, 1.0 / self.seconds_per_byte if self.seconds_per_byte else float("inf"))
+
+
+MIN_LINK_SAMPLE_BYTES = 1 << 20  # a transfer this large is bandwidth-bound on any link worth disaggregating over
 
 
 @dataclass(frozen=True)

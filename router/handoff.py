@@ -83,6 +83,7 @@ class Routed:
 
 Send = Callable[[str | None, m.Message], None]
 RecordEstimate = Callable[[ActorHandle, float, float, int], None]
+RecordTransfer = Callable[[ActorHandle, str, int, float], None]  # (prefill actor, decode actor id, bytes, seconds)
 
 
 @dataclass
@@ -96,9 +97,9 @@ class Handoff:
     """Drives each request through the phases above, by the messages it sends and the replies it gets."""
 
     def __init__(self, routed: dict[str, Routed], send: Send, record_estimate: RecordEstimate,
-                 handoff_timeout: float) -> None:
+                 handoff_timeout: float, record_transfer: RecordTransfer | None = None) -> None:
         self.routed = routed
-        self.send, self._record_estimate = send, record_estimate
+        self.send, self._record_estimate, self._record_transfer = send, record_estimate, record_transfer
         self.handoff_timeout = handoff_timeout
         self.counters = TransferCounters()
 
@@ -161,6 +162,8 @@ class Handoff:
         if routed.placement is not None and routed.placement.disaggregated_cost is not None:
             self._record_estimate(handle, routed.placement.disaggregated_cost,
                                   time.monotonic() - routed.dispatched_at, routed.placement.uncached_tokens)
+        if msg.streamed_bytes and self._record_transfer is not None:
+            self._record_transfer(handle, routed.decode, msg.streamed_bytes, msg.stream_seconds)
         self.counters.kv_bytes_transferred += msg.num_bytes
         self.counters.kv_bytes_streamed += msg.streamed_bytes
         self.counters.kv_transfers += 1

@@ -11,7 +11,7 @@ from typing import Mapping
 from actors.spec import Role
 from actors.supervisor import ActorHandle, Supervisor
 from engine.engine_core import EngineRequest
-from router.cost_model import ArrivalRate, DecodeCost, PrefillCost, Smoothed, TransferCost
+from router.cost_model import ArrivalRate, DecodeCost, LinkEstimate, PrefillCost, Smoothed, TransferCost
 from router.handoff import HANDOFF_PHASES, Phase, Routed, mappable
 from router.placement import DecodeActorView, Placement, PlacementPolicy, PrefillActorView, choose_decode_actor, place
 
@@ -19,8 +19,8 @@ from router.placement import DecodeActorView, Placement, PlacementPolicy, Prefil
 DEFAULT_PREFILL = PrefillCost(fixed=0.01, per_token=0.002)
 DEFAULT_DECODE = DecodeCost(fixed=0.03, per_seq=0.002)
 SHM_TRANSFER = TransferCost(latency=0.001, bytes_per_second=float("inf"))  # written in place: no copy
-# Pages streamed to a decode actor on another host, relayed by this process (measured on loopback by
-# bench/kv_transfer.py: 0.24-0.47 GB/s; a real network is slower), until live transfers correct it.
+# Pages streamed to a decode actor on another host (bench/kv_transfer.py on loopback: 0.2-1 GB/s; a real network
+# is slower), until the transfers on that link measure it (Placer.links).
 TCP_TRANSFER = TransferCost(latency=0.005, bytes_per_second=2.5e8)
 MIN_CORRECTION_TOKENS = 256  # shorter prompts do not correct the prefill cost curves (see record_estimate)
 STREAMS_AVERAGE_WEIGHT = 0.1  # EWMA of each decode actor's streams, sampled at every placement
@@ -34,6 +34,7 @@ class Placer:
         self.estimate_errors: deque[float] = deque(maxlen=1024)  # |predicted - observed| / observed
         self.streams_average: dict[str, float] = {}  # decode actor -> EWMA of its streams at placements
         self.arrivals = ArrivalRate()
+        self.links: dict[tuple[str, str], LinkEstimate] = {}  # (prefill node, decode node) -> its measured cost
 
     def observe_arrival(self, now: float) -> None:
         """A new request (a retry is no arrival)."""
@@ -50,9 +51,8 @@ class Placer:
         chosen = choose_decode_actor(list(views.values()), prompt, block_size) or min(
             views.values(), key=lambda v: v.running)  # none has room now: queue on the least loaded
         handle = self.supervisor.by_id(chosen.actor_id)
-        transfer = SHM_TRANSFER if mappable(handle) else TCP_TRANSFER
-        prefills = [PrefillActorView(h.actor_id, self.prefill_cost(h), self._queued_prefill(h), transfer)
-                    for h in self.supervisor.ready(Role.PREFILL)]
+        prefills = [PrefillActorView(h.actor_id, self.prefill_cost(h), self._queued_prefill(h),
+                                     self.transfer_cost(h, handle)) for h in self.supervisor.ready(Role.PREFILL)]
         policy = self.policy if prefills else NEVER
         bytes_per_token = int(handle.ready.kv_export.get("bytes_per_token", 0))
         return place(policy, prompt, block_size, [chosen], prefills, bytes_per_token) \
@@ -92,6 +92,26 @@ class Placer:
         return sum(r.request.num_context_tokens for r in self.routed.values()
                    if r.prefill == handle.actor_id and r.phase in HANDOFF_PHASES)
 
+    def transfer_cost(self, prefill: ActorHandle, decode: ActorHandle) -> TransferCost:
+        """Pages written in place on this host cost ~nothing; a stream costs what its link has measured."""
+        if mappable(decode):
+            return SHM_TRANSFER
+        return self.links.get(link_key(prefill, decode), LinkEstimate(TCP_TRANSFER)).cost
+
+    def record_transfer(self, prefill: ActorHandle, decode_id: str, num_bytes: int, seconds: float) -> None:
+        """A direct stream's bytes and busy seconds: the link's bandwidth estimate learns from them, so `auto`
+        stops disaggregating over a link that turns out slow."""
+        try:
+            key = link_key(prefill, self.supervisor.by_id(decode_id))
+        except KeyError:
+            return
+        self.links[key] = self.links.get(key, LinkEstimate(TCP_TRANSFER)).observe(num_bytes, seconds)
+
+    def link_costs(self) -> dict[str, dict]:
+        """What /status shows of each measured link."""
+        return {f"{a}->{b}": {"bytes_per_second": est.cost.bytes_per_second, "samples": est.samples}
+                for (a, b), est in self.links.items()}
+
     def prefill_cost(self, handle: ActorHandle) -> PrefillCost:
         """Fitted from the actor's start-up calibration, scaled by what live traffic has shown since."""
         samples = (handle.ready.calibration or {}).get("prefill")
@@ -122,6 +142,15 @@ class Placer:
             decode = decode_cost(handle)
             entry |= {"decode_step_fixed_seconds": decode.fixed, "decode_step_seconds_per_seq": decode.per_seq}
         return entry
+
+
+def node_of(handle: ActorHandle) -> str:
+    """Where an actor runs, as far as links go: this host, or (joined over TCP) its own."""
+    return handle.actor_id if handle.spec.remote else "local"
+
+
+def link_key(prefill: ActorHandle, decode: ActorHandle) -> tuple[str, str]:
+    return node_of(prefill), node_of(decode)
 
 
 def decode_cost(handle: ActorHandle) -> DecodeCost:

@@ -50,7 +50,8 @@ class ActorRouter:
         self.supervisor = Supervisor(specs, self._on_message, self._on_up, self._on_down, supervisor_settings)
         self.routed: dict[str, Routed] = {}
         self.placer = Placer(self.supervisor, self.routed, settings.policy)
-        self.handoff = Handoff(self.routed, self._send, self.placer.record_estimate, settings.handoff_timeout)
+        self.handoff = Handoff(self.routed, self._send, self.placer.record_estimate, settings.handoff_timeout,
+                               self.placer.record_transfer)
         self.failover = Failover(self.supervisor, self.routed, self.handoff, self._dispatch, on_error,
                                  settings.max_attempts, settings.park_timeout, settings.max_migrations)
         self._watchdog: asyncio.Task | None = None
@@ -112,8 +113,10 @@ class ActorRouter:
                 for h in self.supervisor.handles]
 
     def calibration(self) -> dict:
-        """What /status shows: each actor's fitted costs and the live correction applied to them."""
-        return self.placer.calibration([h for h in self.supervisor.handles if h.state is ActorState.READY])
+        """What /status shows: each actor's fitted costs and the live correction applied to them, and under "links"
+        the measured cost of each prefill -> decode link that has streamed pages."""
+        costs = self.placer.calibration([h for h in self.supervisor.handles if h.state is ActorState.READY])
+        return costs | ({"links": self.placer.link_costs()} if self.placer.links else {})
 
     def placement_of(self, request_id: str) -> Placement | None:
         routed = self.routed.get(request_id)

@@ -82,6 +82,21 @@ def test_a_full_handoff_sends_reserve_prefill_commit(wire):
     assert wire.estimates == [("prefill-0", 0.5)]
 
 
+def test_a_streamed_handoff_reports_its_link_transfer_and_a_written_one_does_not(wire):
+    transfers = []
+    streamed, written = _routed("r1"), _routed("r2")
+    handoff = Handoff({"r1": streamed, "r2": written}, wire.send, wire.record, 30.0,
+                      lambda prefill, decode, n, s: transfers.append((prefill.actor_id, decode, n, s)))
+    decode, prefill = _handle("decode-0", "decode", "tcp"), _handle("prefill-0", "prefill")
+    for routed, rid in ((streamed, "r1"), (written, "r2")):
+        handoff.begin(routed)
+        handoff.on_reserved(decode, m.BlocksReserved(rid, [3, 4, 5], 0))
+    handoff.on_kv_ready(prefill, m.KVReady("r1", 7, None, None, 4096, 1, streamed_bytes=4096, stream_seconds=0.25))
+    handoff.on_kv_ready(prefill, m.KVReady("r2", 7, None, None, 4096, 1))
+    assert transfers == [("prefill-0", "decode-0", 4096, 0.25)]
+    assert handoff.counters.kv_bytes_streamed == 4096
+
+
 def test_a_reply_from_the_wrong_actor_or_phase_changes_nothing(wire):
     routed = _routed()
     handoff = _handoff(wire, routed)

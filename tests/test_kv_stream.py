@@ -110,14 +110,42 @@ class Sink:
         return self.written.get(request_id, 0), None
 
 
-def _stream(sender: KVStreamSender, rid: str, source: torch.Tensor, src_blocks: slice, dest: list[int]):
+def _stream(sender: KVStreamSender, rid: str, source: torch.Tensor, src_blocks: slice, dest: list[int],
+            seconds: list[float] | None = None):
     done = threading.Event()
     result = []
     for layer in range(source.shape[0]):
         sender.send_pages(rid, layer, dest, source[layer, :, src_blocks], 2 * source.shape[3])
-    sender.end(rid, time.monotonic() + 10, lambda n, err: (result.append((n, err)), done.set()))
+    sender.end(rid, time.monotonic() + 10, lambda n, err, busy: (result.append((n, err)), seconds is not None
+                                                                 and seconds.append(busy), done.set()))
     assert done.wait(10)
     return result[0]
+
+
+class TickClock:
+    """A clock that advances one second each time it is read."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += 1.0
+        return self.now
+
+
+def test_busy_seconds_cover_each_layer_write_and_the_acknowledgement():
+    sink = Sink()
+    server = KVStreamServer("127.0.0.1", 0, SECRET, sink)
+    sender = KVStreamSender(*server.address, SECRET, clock=TickClock())
+    try:
+        source = torch.randint(0, 255, (2, 2, 8, 64), dtype=torch.uint8)  # 2 layers
+        sink.reserved["a"] = {0, 1}
+        seconds: list[float] = []
+        assert _stream(sender, "a", source, slice(0, 2), [0, 1], seconds) == (2 * 2 * 128, None)
+        assert seconds == [3.0]  # one tick around each layer's writes, one around end + ack
+    finally:
+        sender.close()
+        server.close()
 
 
 def test_pages_land_in_the_reserved_blocks_and_the_ack_counts_them():

@@ -3,7 +3,12 @@ from __future__ import annotations
 
 import pytest
 
-from router.cost_model import ArrivalRate, DecodeCost, PrefillCost, Smoothed, TransferCost
+from actors.spec import ActorSpec
+from actors.supervisor import ActorHandle
+from router.cost_model import (MIN_LINK_SAMPLE_BYTES, ArrivalRate, DecodeCost, LinkEstimate, PrefillCost, Smoothed,
+                               TransferCost)
+from router.placer import SHM_TRANSFER, Placer
+from transport import messages as m
 from router.placement import (COLOCATED, DISAGGREGATED, DecodeActorView, PlacementPolicy, PrefillActorView,
                               place)
 
@@ -136,3 +141,53 @@ def test_smoothing_moves_towards_observations_and_clips_outliers():
 def test_invalid_mode_is_rejected():
     with pytest.raises(ValueError, match="auto, always or never"):
         PlacementPolicy("sometimes")
+
+
+def test_link_estimate_learns_bandwidth_from_large_transfers_only():
+    prior = TransferCost(latency=0.005, bytes_per_second=2.5e8)
+    est = LinkEstimate(prior)
+    assert est.cost == prior
+    assert est.observe(MIN_LINK_SAMPLE_BYTES - 1, 10.0) == est  # latency-bound: no bandwidth sample
+    for _ in range(40):  # 8 MiB in 0.805 s: 10 MiB/s once the latency is taken off
+        est = est.observe(8 << 20, 0.805)
+    assert est.samples == 40
+    assert est.cost.bytes_per_second == pytest.approx(10 << 20, rel=1e-6)
+    assert est.cost.latency == prior.latency
+
+
+def test_a_link_measured_slow_stops_disaggregating_over_it():
+    est = LinkEstimate(TransferCost(latency=0.005, bytes_per_second=2.5e8))
+    before = place(AUTO, 2000, 16, [decode_actor(running=32)], [prefill_actor(est.cost)], KV_BYTES)
+    assert before.path == DISAGGREGATED
+    for _ in range(30):  # the streams on this link run at 1 MB/s
+        est = est.observe(KV_BYTES * 2000, 0.005 + KV_BYTES * 2000 / 1e6)
+    after = place(AUTO, 2000, 16, [decode_actor(running=32)], [prefill_actor(est.cost)], KV_BYTES)
+    assert after.path == COLOCATED and after.disaggregated_cost > before.disaggregated_cost * 10
+
+
+class _Supervisor:
+    def __init__(self, handles):
+        self.handles = handles
+
+    def by_id(self, actor_id):
+        for handle in self.handles:
+            if handle.actor_id == actor_id:
+                return handle
+        raise KeyError(actor_id)
+
+
+def _handle(actor_id, role, kind, remote):
+    handle = ActorHandle(ActorSpec(actor_id, role, remote=remote))
+    handle.ready = m.Ready(actor_id, 100, 16, {"kind": kind})
+    return handle
+
+
+def test_placer_keeps_one_estimate_per_link_and_shared_pools_cost_nothing():
+    prefill = _handle("prefill-0", "prefill", "none", False)
+    far, near = _handle("decode-r", "decode", "tcp", True), _handle("decode-0", "decode", "shm", False)
+    placer = Placer(_Supervisor([prefill, far, near]), {}, AUTO)
+    placer.record_transfer(prefill, "decode-r", 4 << 20, 2.005)  # 2 MiB/s
+    placer.record_transfer(prefill, "decode-gone", 4 << 20, 1.0)  # an actor no longer known: ignored
+    assert placer.transfer_cost(prefill, far).bytes_per_second == pytest.approx(2 << 20, rel=0.01)
+    assert placer.transfer_cost(prefill, near) is SHM_TRANSFER
+    assert list(placer.link_costs()) == ["local->decode-r"]

@@ -65,14 +65,16 @@ def page_views(pages: torch.Tensor) -> list[memoryview]:
 
 # ---- the sending side (prefill actor) ---------------------------------------------------------------------
 
-StreamDone = Callable[[int, str | None], None]
-"""Called on the sender's thread when a request's stream ends: (bytes the peer wrote, error or None)."""
+StreamDone = Callable[[int, str | None, float], None]
+"""Called on the sender's thread when a request's stream ends: (bytes the peer wrote, error or None, seconds the
+link was busy with the request: writing its frames and waiting for its acknowledgement)."""
 
 
 @dataclass
 class _Request:
     sent: int = 0
     error: str | None = None
+    busy: float = 0.0  # seconds spent writing its frames and awaiting its acknowledgement
 
 
 class KVStreamSender:
@@ -81,9 +83,9 @@ class KVStreamSender:
     request's acknowledgement. A failure fails the requests in flight on that connection, not later ones."""
 
     def __init__(self, host: str, port: int, secret: bytes, *, name: str = "",
-                 max_payload: int = MAX_PAYLOAD_BYTES) -> None:
+                 max_payload: int = MAX_PAYLOAD_BYTES, clock: Callable[[], float] = time.monotonic) -> None:
         self.host, self.port, self._secret = host, port, auth.check_secret(secret)
-        self.max_payload = max_payload
+        self.max_payload, self._clock = max_payload, clock  # the clock times each request's busy seconds
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._requests: dict[str, _Request] = {}
         self._sock: socket.socket | None = None
@@ -129,6 +131,7 @@ class KVStreamSender:
         if req.error is not None:
             return
         per_frame = max(1, self.max_payload // max(1, bytes_per_block))
+        start = self._clock()
         try:
             sock = self._connected()
             for lo in range(0, len(block_ids), per_frame):  # [2, n, *page]: K and V of each block range
@@ -140,9 +143,11 @@ class KVStreamSender:
                 self.bytes_sent += num_bytes
         except (OSError, TransportError) as exc:
             self._fail(req, f"sending pages to {self.host}:{self.port}: {exc}")
+        req.busy += self._clock() - start
 
     def _end(self, request_id: str, deadline: float, done: StreamDone) -> None:
         req = self._requests.pop(request_id, _Request())
+        start = self._clock()
         if req.error is None:
             try:
                 sock = self._connected()
@@ -156,16 +161,16 @@ class KVStreamSender:
                     raise ProtocolError(f"expected the acknowledgement of {request_id}, got {type(ack).__name__}")
                 error = ack.error if ack.error is not None or ack.num_bytes == req.sent else \
                     f"the peer wrote {ack.num_bytes} of {req.sent} bytes"
-                self._call(done, ack.num_bytes, error)
+                self._call(done, ack.num_bytes, error, req.busy + self._clock() - start)
                 return
             except (OSError, TransportError) as exc:  # TimeoutError included: a late ack is no ack
                 self._fail(req, f"ending the stream to {self.host}:{self.port}: {exc}")
-        self._call(done, 0, req.error)
+        self._call(done, 0, req.error, req.busy)
 
     @staticmethod
-    def _call(done: StreamDone, num_bytes: int, error: str | None) -> None:
+    def _call(done: StreamDone, num_bytes: int, error: str | None, seconds: float) -> None:
         try:
-            done(num_bytes, error)
+            done(num_bytes, error, seconds)
         except Exception:
             log.exception("kv stream: completion callback failed")
 

@@ -42,10 +42,11 @@ from dataclasses import dataclass, fields, is_dataclass
 from types import MappingProxyType
 from typing import Any, ClassVar
 
+# 9: KVReady.stream_seconds (the router learns each link's cost from it)
 # 8: KVReady.streamed_bytes; KVPageFrame, KVStreamEnd, KVStreamAck (direct KV streams, out-of-band pages)
 # 7: AddRequest.resume, PrefillRequest.num_prompt_tokens (migrated streams), Leaving; no generator_state
 # 6: `guide.kind` may be structural_tag (tool calls); 5: `sampling` carries `guide`
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 
 KV_EXPORT_KINDS = ("shm", "cuda_ipc", "tcp", "none")
 """`Ready.kv_export["kind"]`: how peers map the actor's KV pool, or (`tcp`, with `host` and `port`) where
@@ -349,6 +350,7 @@ class KVReady(Message):
     checksum: int
     num_cached_tokens: int = 0  # prompt tokens the destination already had (not computed, not written)
     streamed_bytes: int = 0  # page bytes the destination acknowledged over a direct stream (another host)
+    stream_seconds: float = 0.0  # how long the direct stream was busy with them (the router learns links from it)
 
 
 @dataclass(frozen=True, slots=True)
