@@ -301,7 +301,8 @@ class LlamaModel(nn.Module):
             if target not in params:
                 raise KeyError(f"checkpoint tensor {name!r} has no place in the model")
             if self.cfg.norm_weight_offset and target.endswith("norm.weight"):  # Gemma's (1 + w), in float32
-                tensor = tensor.float() + self.cfg.norm_weight_offset
+                # in place on the float copy: out of place, a meta tensor (check_model) imports torch._dynamo
+                tensor = tensor.to(torch.float32, copy=True).add_(self.cfg.norm_weight_offset)
             if target in scales:
                 codes, scale = quant.quantize_rows(tensor)
                 params[target].narrow(0, offset, tensor.shape[0]).copy_(codes)
