@@ -376,13 +376,14 @@ def _merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[st
     are equal.
     """
     ids = {token: i for i, token in enumerate(tokens)}
-    ranked: list[tuple[float, str, str]] = []
+    ranked: list[tuple[float, int, int, int, str, str]] = []  # sort keys, then the merge; plain tuple sorts
     for token, score in dict(zip(tokens, scores)).items():
-        splits = [(token[:k], token[k:]) for k in range(1, len(token)) if token[:k] in ids and token[k:] in ids]
-        splits.sort(key=lambda pair: (ids[pair[0]], ids[pair[1]]))
-        ranked.extend((score, left, right) for left, right in splits)
-    ranked.sort(key=lambda merge: (-merge[0], -len(merge[1]), -len(merge[2])))  # stable: ties keep vocab order
-    return [(left, right) for _, left, right in ranked]
+        splits = sorted((ids[left], ids[right], left, right) for k in range(1, len(token))
+                        if (left := token[:k]) in ids and (right := token[k:]) in ids)
+        ranked.extend((-score, -len(left), -len(right), len(ranked) + n, left, right)  # len(ranked) + n: vocab order
+                      for n, (_, _, left, right) in enumerate(splits))
+    ranked.sort()
+    return [(left, right) for *_, left, right in ranked]
 
 
 def _byte_to_unicode() -> dict[int, str]:
