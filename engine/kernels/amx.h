@@ -51,7 +51,9 @@ inline void load_tile_config() {
     config.rows[t] = kTileRows;
     config.colsb[t] = 64;
   }
-  _tile_loadconfig(&config);
+  // ldtilecfg through asm with the whole struct as its operand: GCC 12 does not see _tile_loadconfig read the
+  // 64 bytes, drops the stores of rows and colsb where it inlines this, and the instruction then faults (#GP).
+  asm volatile("ldtilecfg %0" : : "m"(config));
 }
 
 #endif  // CPU_EXT_AMX
