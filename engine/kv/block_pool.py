@@ -212,10 +212,15 @@ class BlockPool:
             if block_id is None:
                 break
             found.append(block_id)
-        if self.enable_prefix_caching and group == 0:
-            self._stats.prefix_queries += len(hashes)
-            self._stats.prefix_hits += len(found)
+        if group == 0:
+            self.record_prefix_query(len(hashes), len(found))
         return found
+
+    def record_prefix_query(self, queried: int, hit: int) -> None:
+        """Count a prefix query of `queried` blocks that `hit` blocks answered (a no-op without prefix caching)."""
+        if self.enable_prefix_caching:
+            self._stats.prefix_queries += queried
+            self._stats.prefix_hits += hit
 
     def lookup(self, hashes: Sequence[int], group: int = 0) -> list[int | None]:
         """Per hash, the block of ``group`` holding it, or None (every None without prefix caching). A
