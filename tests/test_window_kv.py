@@ -61,13 +61,11 @@ def test_gemma3_1b_splits_into_one_full_group_and_six_windowed_groups_of_four():
     assert groups.layer_groups.count(6) == 2  # 22 windowed layers: the last group has two
 
 
-@pytest.mark.parametrize("name, expected", [
-    ("gemma3", (2, (None, WINDOW, WINDOW))), ("mistral", (2, (WINDOW,)))])
-def test_tiny_models_layouts(windowed_dir, name, expected):
+def test_tiny_models_layouts(windowed_dir):
+    """Gemma 3's 2 global and 4 windowed layers: groups of 2; Mistral (loaded as llama): one windowed group."""
     cfg = read_hf_config(windowed_dir)
-    if cfg.architecture != name and not (name == "mistral" and cfg.architecture == "llama"):
-        pytest.skip("the layout of the other model")
     groups = KVGroups.for_model(cfg, free_windows=True)
+    expected = {"gemma3": (2, (None, WINDOW, WINDOW)), "llama": (2, (WINDOW,))}[cfg.architecture]
     assert (groups.group_size, groups.windows) == expected
     assert KVGroups.for_model(cfg, free_windows=False) == KVGroups.single(cfg.num_layers)
 
@@ -77,6 +75,15 @@ def test_first_needed_block_keeps_every_key_a_later_query_sees():
         first = first_needed_block(next_query, WINDOW, BLOCK)
         oldest_key = max(0, next_query - WINDOW + 1)  # what the query at next_query reads first
         assert first * BLOCK <= oldest_key < (first + 1) * BLOCK
+
+
+def test_the_bench_counts_gemma3_1b_bytes_per_sequence():
+    """bench.window_kv: 26 layers x 2 x 256 x bf16 per token without freeing; with it, the 4 global layers'
+    every token plus six 4-layer groups of the 32 blocks the window touches at 4096."""
+    from bench.window_kv import kv_bytes
+    cfg = gemma3_1b_shape()
+    assert kv_bytes(cfg, False, 4096, 16, "auto") == 4096 * 26 * 2 * 256 * 2
+    assert kv_bytes(cfg, True, 4096, 16, "auto") == (256 + 6 * 32) * 4 * 2 * 16 * 256 * 2
 
 
 # ---- memory: one long sequence -----------------------------------------------------------------------------

@@ -111,12 +111,14 @@ class KVCache:
 
     @property
     def bytes_per_block(self) -> int:
+        """Bytes of one pool block: every layer's page, or with KV-cache groups one group's layers' pages."""
         return self.data[:, :, 0].numel() * self.data.element_size()
 
     @property
     def bytes_per_token(self) -> float:
-        """Pool bytes per cached token (a block's bytes / block_size: exact, block_size is a power of two)."""
-        return self.bytes_per_block / self.block_size
+        """KV bytes of one token in every layer, what a hand-off moves per token (exact: block_size is a power of
+        two); a pool block's bytes / block_size in the plain layout."""
+        return self.bytes_per_layer_block * len(self.layers) / self.block_size
 
     @property
     def bytes_per_layer_block(self) -> int:
