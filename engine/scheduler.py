@@ -278,7 +278,7 @@ class Scheduler:
     def _grow(self, seq: Sequence, needed: int) -> None:
         """Extend every group's table by its share of `needed` blocks (which the pool can give)."""
         for group, table in enumerate(seq.block_tables):
-            table.extend(self.pool.allocate(needed // len(seq.block_tables), group))
+            table.extend(self.pool.allocate(needed // len(self.windows), group))
 
     def _compact(self, needed: int, plan: _Plan) -> bool:
         """Compress old pages of running sequences until `needed` blocks can be allocated; False if it cannot."""
@@ -337,21 +337,23 @@ class Scheduler:
             seq.num_cached_tokens = seq.num_computed_tokens
 
     def _cached_prefix_length(self, found: list[list[int | None]], longest: int) -> int:
-        """The most leading blocks every group can serve (each group's lookups in `found`): shrinks until no
-        group objects, since a windowed group's needs move with the length."""
-        hit, settled = longest, False
-        while not settled:
-            lengths = [self._group_hit(blocks, hit, window) for blocks, window in zip(found, self.windows)]
-            settled, hit = min(lengths) == hit, min(lengths)
+        """The most leading blocks every group can serve (each group's lookups in `found`): each group in turn
+        shortens the hit, until a whole round leaves it as it is (a windowed group's needs move with it)."""
+        hit, previous = longest, None
+        while hit != previous:
+            previous = hit
+            for blocks, window in zip(found, self.windows):  # a full group first, where there is one
+                hit = self._group_hit(blocks, hit, window)
         return hit
 
     def _group_hit(self, blocks: list[int | None], longest: int, window: int | None) -> int:
         """The longest hit <= `longest` this group serves: every block before it (full), or those in the window
         of its first uncached position (windowed)."""
+        if window is None:
+            return blocks.index(None) if None in blocks[:longest] else longest
         bs = self.pool.block_size
         for hit in range(longest, 0, -1):
-            first = 0 if window is None else first_needed_block(hit * bs, window, bs)
-            if None not in blocks[first:hit]:
+            if None not in blocks[first_needed_block(hit * bs, window, bs):hit]:
                 return hit
         return 0
 
@@ -439,13 +441,14 @@ class Scheduler:
         if self.window is None:
             return
         first = first_needed_block(seq.num_computed_tokens, self.window, self.pool.block_size)
-        for group, window in enumerate(self.windows):
-            if window is not None and first > seq.released_blocks:
-                table = seq.block_tables[group]
+        if first <= seq.released_blocks:
+            return
+        for table, window in zip(seq.block_tables, self.windows):
+            if window is not None:
                 released = table[seq.released_blocks:first]
                 table[seq.released_blocks:first] = [NULL_BLOCK] * len(released)
                 self.pool.free(reversed(released))
-        seq.released_blocks = max(seq.released_blocks, first)
+        seq.released_blocks = first
 
     def _release_blocks(self, seq: Sequence) -> None:
         for table in seq.block_tables:  # tail first, so the shared prefix is evicted last

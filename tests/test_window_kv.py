@@ -11,10 +11,14 @@ windowed group needs only the cached blocks inside its window. Hand-off: refused
 """
 from __future__ import annotations
 
+from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig, ModelConfig
@@ -24,6 +28,8 @@ from engine.model.hf_loader import read_hf_config
 from engine.prefill_engine import PrefillEngine
 from engine.scheduler import Scheduler, SchedulerLimits
 from engine.sequence import Sequence
+from engine.speculative.adaptive import SpecState
+from engine.step import runner_output
 from tests.kernel_helpers import require_kernels
 from tests.test_sliding_window import hf_generate, random_ids
 from tests.test_spec_decode import repetitive_prompts
@@ -272,3 +278,100 @@ def test_freeing_is_off_for_an_exported_pool(windowed_dir):
                       kv_allocator=allocate)
     assert core.kv_cache.groups == KVGroups.single(core.source.config.num_layers)
     assert core.scheduler.windows == (None,)
+
+
+# ---- the scheduler with windowed groups, driven at random ------------------------------------------------------
+
+
+class WindowedSchedulerMachine(RuleBasedStateMachine):
+    """A scheduler over a small pool with one full and two windowed groups, run by a fake runner that keeps
+    every page's tokens: each step checks that every key a chunk's queries read (all earlier positions in the
+    full group, the window in the others) is in its table and holds that position's token, whether it was
+    computed, found in the prefix cache or kept through preemption and speculative rollback. Between steps
+    the pool is consistent and holds exactly the references the running sequences' tables name."""
+
+    windows = (None, WINDOW, WINDOW)
+    num_blocks = 48
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool = BlockPool(self.num_blocks, BLOCK, num_groups=len(self.windows))
+        self.scheduler = Scheduler(self.pool, SchedulerLimits(10, 3), (), windows=self.windows)
+        self.pages: dict[int, dict[int, int]] = {}  # block -> slot -> token written there
+        self.requests = 0
+
+    @rule(prefix=st.sampled_from([(), tuple(range(1, 13)), tuple(range(1, 21))]), tail=st.integers(1, 9),
+          max_tokens=st.integers(1, 14), speculate=st.booleans())
+    def add(self, prefix: tuple[int, ...], tail: int, max_tokens: int, speculate: bool) -> None:
+        self.requests += 1
+        tokens = list(prefix) + [100 + self.requests * 10 + i for i in range(tail)]
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        seq = Sequence(self.requests, f"r{self.requests}", 0, tokens, len(tokens), params,
+                       len(tokens) + max_tokens, spec=SpecState.start(3) if speculate else None)
+        self.scheduler.add([seq])
+
+    @precondition(lambda self: self.scheduler.has_unfinished())
+    @rule(data=st.data())
+    def step(self, data: st.DataObject) -> None:
+        sched = self.scheduler.schedule()
+        sched = replace(sched, chunks=tuple(self._with_drafts(c, data) for c in sched.chunks))
+        for chunk in sched.chunks:
+            self._check_reads(chunk)
+            self._write(chunk)
+        self.scheduler.update(sched, self._result(sched, data))
+
+    @precondition(lambda self: self.scheduler.by_request)
+    @rule(data=st.data())
+    def abort(self, data: st.DataObject) -> None:
+        self.scheduler.abort(data.draw(st.sampled_from(sorted(self.scheduler.by_request))))
+
+    def _with_drafts(self, chunk, data: st.DataObject):
+        if not chunk.num_spec_slots:
+            return chunk
+        drafts = tuple(data.draw(st.lists(st.integers(0, 50), max_size=chunk.num_spec_slots)))
+        return replace(chunk, token_ids=chunk.token_ids + drafts, num_draft=len(drafts))
+
+    def _check_reads(self, chunk) -> None:
+        """Every key the chunk's queries read before its own tokens is in place, with the right token."""
+        known = self.scheduler.running_tokens(chunk.seq_id)
+        for table, window in zip(chunk.block_tables, self.windows):
+            first_key = 0 if window is None else max(0, chunk.start_pos - window + 1)
+            for j in range(first_key, chunk.start_pos):
+                block = table[j // BLOCK]
+                assert block != NULL_BLOCK, f"key {j} of a chunk at {chunk.start_pos} was given back"
+                assert self.pages.get(block, {}).get(j % BLOCK) == known[j], f"key {j} holds another token"
+
+    def _write(self, chunk) -> None:
+        for table in chunk.block_tables:
+            for pos, token in enumerate(chunk.token_ids, chunk.start_pos):
+                assert table[pos // BLOCK] != NULL_BLOCK
+                self.pages.setdefault(table[pos // BLOCK], {})[pos % BLOCK] = token
+
+    def _result(self, sched, data: st.DataObject):
+        sampled, verified = {}, {}
+        for chunk in sched.chunks:
+            own = (chunk.seq_id * 7 + chunk.start_pos + len(chunk.token_ids)) % 50
+            if chunk.num_draft:
+                accepted = data.draw(st.integers(0, chunk.num_draft))
+                verified[chunk.seq_id] = list(chunk.token_ids[1:1 + accepted]) + [own]
+            elif chunk.sample:
+                sampled[chunk.seq_id] = own
+        return runner_output(sampled, verified=verified)
+
+    @invariant()
+    def pool_holds_what_the_tables_name(self) -> None:
+        self.pool.check_integrity()
+        refs: Counter[int] = Counter()
+        for seq in self.scheduler.running:
+            assert len({len(t) for t in seq.block_tables}) == 1
+            for group, (table, window) in enumerate(zip(seq.block_tables, self.windows)):
+                nulls = [i for i, b in enumerate(table) if b == NULL_BLOCK]
+                assert nulls == (list(range(seq.released_blocks)) if window is not None else [])
+                live = [b for b in table if b != NULL_BLOCK]
+                assert all(self.pool.group_of(b) == group for b in live)
+                refs.update(live)
+        assert all(self.pool.refcount(b) == refs[b] for b in range(self.num_blocks))
+
+
+TestWindowedScheduler = WindowedSchedulerMachine.TestCase
+TestWindowedScheduler.settings = settings(max_examples=80, stateful_step_count=50, deadline=None)
