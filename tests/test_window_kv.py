@@ -186,6 +186,18 @@ def test_speculative_verification_with_freeing_keeps_outputs(windowed_dir, optio
     assert saved > 0 and freeing.engine.stats().spec_proposed > 0
 
 
+def test_parallel_samples_share_the_prompt_window_with_freeing(windowed_dir):
+    """n = 2: the second sample starts from the first one's cached prompt, of which its windowed groups take
+    only the window; seeded samples equal the engine's without freeing."""
+    params = SamplingParams(n=2, max_tokens=24, temperature=0.8, seed=5, ignore_eos=True)
+    prompts = [list(range(40, 61)), random_ids(19, 50)]
+    freeing, keeping = engines(windowed_dir)
+    outs = [[c.token_ids for c in o.outputs] for o in freeing.generate(prompts, params)]
+    assert outs == [[c.token_ids for c in o.outputs] for o in keeping.generate(prompts, params)]
+    assert freeing.engine.stats().prefix_hits >= 4  # the second sample's prompt blocks, per prompt
+    freeing.engine.pool.check_integrity()
+
+
 def test_preemption_with_freeing_recomputes_the_same_tokens(windowed_dir):
     """A pool of 8 blocks' memory, where one 52-token sequence without freeing needs 13: with freeing it fits,
     and of six sequences those that do not fit at once are preempted and recompute."""
