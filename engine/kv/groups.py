@@ -4,14 +4,15 @@ The layers are split into groups of one size; the layer at position i of every g
 storage slot i, indexed by block id, so a pool block is the same bytes whichever group holds it and one
 pool serves them all. Each sequence has one block table per group. In a windowed group (every layer reads
 only the last W tokens), a block whose tokens all precede the window of the oldest position that can
-still be queried is released and its table entry becomes NULL_BLOCK, which no kernel reads.
+still be queried is released and its table entry becomes NULL_BLOCK (gathered as block 0 and masked out
+with everything else before the window; never written, and never seen by a kernel: such a context is cut by
+the window, which sends it to the masked gather).
 
 Layouts: one group of every layer (no window, or freeing off: the plain layout); one windowed group
 (Mistral: every layer windowed); or, where full and windowed layers mix (Gemma 2/3), groups the size of
-the smaller class, full groups first: group 0 is always a full group there, so its table is the whole
-context, as drafters and the prefix cache's stats expect. The last group of a class may be short: its
-missing slots hold pages no layer reads (Gemma 3 1B: 4 full layers and 22 windowed ones, groups of 4,
-2 of 28 slots idle).
+the smaller class, full groups first (a prefix-cache lookup then bounds the hit by a full group before
+it tries the windowed ones). The last group of a class may be short: its missing slots hold pages no
+layer reads (Gemma 3 1B: 4 full layers and 22 windowed ones, groups of 4, 2 of 28 slots idle).
 """
 from __future__ import annotations
 
