@@ -66,8 +66,11 @@ class DecodeActor(Actor):
 
         # Only prefill actors write into the pool; peers on another host cannot map our memory.
         shared = self.spec.share_kv and not self.spec.remote
+        # A pool that takes hand-offs (shared, or streamed to a worker on another host) keeps the plain layout
+        options = dict(self.spec.engine, free_window_kv=False) if self.spec.share_kv or self.spec.remote \
+            else self.spec.engine
         with self.startup.stage("engine"):
-            self.engine = EngineCore(EngineConfig(**self.spec.engine), device=self.spec.local_device,
+            self.engine = EngineCore(EngineConfig(**options), device=self.spec.local_device,
                                      kv_allocator=allocate if shared else None, proposer=self._draft_client())
         with self.startup.stage("calibration"):
             if self.spec.calibration is None:

@@ -18,6 +18,10 @@ A windowed layer (sliding_window W) lets the query at position p see keys p - W 
 same gathers with a narrower mask; a soft-capped layer (Gemma 2) caps the scores as cap * tanh(s / cap) before
 the mask. The backend's kernels take neither, so they serve a windowed layer only where the window cuts no
 row's context (every context within W tokens: the same result), and never a soft-capped one.
+
+A windowed layer's table may name NULL_BLOCK (engine/kv/groups.py: a block given back, wholly before the
+window of every query of the step): it is gathered as block 0 and masked out like everything else before the
+window, and never written. A context that long is cut by the window, so no kernel sees it.
 """
 from __future__ import annotations
 
@@ -111,7 +115,7 @@ def _decode_tables(rows: list[tuple[list[int], int]], block_size: int,
     """Block tables [D, max_blocks] padded with block 0, and context lengths [D]."""
     max_blocks = max((context_len + block_size - 1) // block_size for _, context_len in rows)
     padded = [table[:max_blocks] + [0] * (max_blocks - min(len(table), max_blocks)) for table, _ in rows]
-    return (torch.tensor(padded, dtype=torch.long, device=device),
+    return (torch.tensor(padded, dtype=torch.long, device=device).clamp_(min=0),  # NULL_BLOCK -> block 0
             torch.tensor([n for _, n in rows], dtype=torch.long, device=device))
 
 
@@ -146,7 +150,8 @@ def _prefill_segment(table: list[int], start: int, context_start: int, length: i
     if context_start:
         query_pos = torch.arange(context_start, total, device=device)[:, None]
         mask = torch.arange(total, device=device)[None, :] <= query_pos  # [length, total]
-    return PrefillSegment(start, length, context_start, torch.tensor(used, dtype=torch.long, device=device), mask)
+    table_tensor = torch.tensor(used, dtype=torch.long, device=device).clamp_(min=0)  # NULL_BLOCK -> block 0
+    return PrefillSegment(start, length, context_start, table_tensor, mask)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: KVPages,

@@ -189,6 +189,9 @@ class EngineConfig:
     kv_compress_after: int = option(256, "with --kv-compress: the newest N tokens of each sequence stay in "
                                     "--kv-cache-dtype", metavar="N")
     kv_compress_share: float = option(0.5, "with --kv-compress: share of the KV memory for the FP4 region (0..1)")
+    free_window_kv: bool = option(True, "give back the KV blocks that lie wholly outside the sliding window of "
+                                  "every layer that reads them (Gemma 2/3, Mistral); kept off by actors that "
+                                  "export their pool and by --kv-compress")
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

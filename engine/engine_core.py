@@ -15,7 +15,8 @@ import torch
 from engine.kv.block_pool import BlockPool, TieredBlockPool
 from engine.kv.compaction import MIN_BATCH_SHARE, Compactor
 from engine.config import EngineConfig
-from engine.kv.cache import KVCache, choose_num_blocks
+from engine.kv.cache import KVCache, choose_num_blocks, grouped_num_blocks
+from engine.kv.groups import KVGroups
 from engine.kv.compress import ColdRegion, split_kv_budget
 from engine.model.loader import ModelSource, load_model, resolve_dtype, resolve_model
 from engine.backends import select_backend
@@ -82,23 +83,27 @@ class EngineCore:
                                  model_cfg.max_position_embeddings)
         model = load_model(self.source, self.dtype, device, config.weight_dtype)
         kv_format = config.kv_cache_dtype
-        num_blocks, num_cold = self._kv_block_counts()
+        plain_blocks, num_cold = self._kv_block_counts()
+        # An exported pool (an actor's: a peer writes its pages) and a compressed one keep the plain layout
+        groups = KVGroups.for_model(model_cfg, config.free_window_kv and kv_allocator is None and not num_cold)
+        num_blocks = grouped_num_blocks(model_cfg, plain_blocks, groups)
         storage = None if kv_allocator is None else kv_allocator(
             KVCache.shape_for(model_cfg, num_blocks, config.block_size, kv_format),
             KVCache.storage_dtype(self.dtype, kv_format))
-        self.kv_cache = KVCache(model_cfg, num_blocks, config.block_size, self.dtype, device, storage, kv_format)
-        self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching) if not num_cold else \
-            TieredBlockPool(num_blocks, num_cold, config.block_size, config.enable_prefix_caching)
+        self.kv_cache = KVCache(model_cfg, num_blocks, config.block_size, self.dtype, device, storage, kv_format,
+                                groups)
+        self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching, groups.num_groups) \
+            if not num_cold else TieredBlockPool(num_blocks, num_cold, config.block_size, config.enable_prefix_caching)
         limits = SchedulerLimits(config.max_num_batched_tokens, config.max_num_seqs, config.enable_chunked_prefill)
         eos = self.source.tokenizer.eos_token_ids or model_cfg.eos_token_ids
-        self.scheduler = Scheduler(self.pool, limits, tuple(eos), self._compactor())
+        self.scheduler = Scheduler(self.pool, limits, tuple(eos), self._compactor(), groups.windows)
         self.runner = ModelRunner(model, self.kv_cache, device, select_backend(device, self.dtype, config.enforce_eager))
         self.runner.grammar_compiler = self.grammar_compiler
         if num_cold:
             self.runner.attach_cold_region(ColdRegion(model_cfg, num_cold, num_blocks, config.block_size,
                                                       self.dtype, device))
         if proposer is None:
-            proposer = build_proposer(config, model, self.source, num_blocks, self.dtype, device)
+            proposer = build_proposer(config, model, self.source, plain_blocks, self.dtype, device)
         self.speculator = None if proposer is None else Speculator(proposer, model_cfg.vocab_size)
         self._seq_ids = itertools.count()
 

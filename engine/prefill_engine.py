@@ -103,6 +103,10 @@ class PrefillEngine:
             raise ValueError(f"${OVERLAP_ENV} must be one of {', '.join(OVERLAP_MODES)}")
 
     def attach_pool(self, name: str, kv_cache: KVCache) -> None:
+        """Compute into `kv_cache`, another engine's pool: in the plain layout only, the one hand-off writes."""
+        if not kv_cache.groups.is_plain:
+            raise ValueError(f"pool {name!r} has {kv_cache.groups.num_groups} KV-cache groups; a hand-off needs "
+                             "the plain layout (build that engine with free_window_kv=False)")
         self.pools[name] = kv_cache
 
     def detach_pool(self, name: str) -> list[str]:

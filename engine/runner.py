@@ -28,7 +28,8 @@ from engine.structured import GrammarCompiler, GuideStates
 class ModelInput:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
-    meta: AttentionMetadata
+    meta: AttentionMetadata  # KV-cache group 0's
+    group_metas: tuple[AttentionMetadata, ...]  # per KV-cache group (engine/kv/groups.py), group 0 first
     sample_rows: torch.Tensor  # [B] rows of the flat batch whose logits are sampled
     sampled_chunks: tuple[ScheduledChunk, ...]
     verify_rows: torch.Tensor  # [R] every row of the chunks with drafts, chunk after chunk
@@ -60,25 +61,27 @@ def prepare_input(chunks: Sequence[ScheduledChunk], block_size: int, device: tor
             verify_rows.extend(range(len(ids) - len(chunk.token_ids), len(ids)))
         elif chunk.sample:
             sample_rows.append(len(ids) - 1)
-    meta = AttentionMetadata.build(
+    num_groups = len(chunks[0].block_tables) if chunks else 1
+    metas = tuple(AttentionMetadata.build(
         block_size,
-        _decode_rows(decodes),
-        [(list(c.block_table), c.start_pos, len(c.token_ids)) for c in prefills],
+        _decode_rows(decodes, group),
+        [(list(c.block_tables[group]), c.start_pos, len(c.token_ids)) for c in prefills],
         use_kernels,
         num_decode_seqs=len(decodes),
         device=device,
-    )
+    ) for group in range(num_groups))
     as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
-    return ModelInput(as_tensor(ids), as_tensor(positions), meta, as_tensor(sample_rows),
+    return ModelInput(as_tensor(ids), as_tensor(positions), metas[0], metas, as_tensor(sample_rows),
                       tuple(c for c in ordered if c.sample and not c.num_draft), as_tensor(verify_rows),
                       tuple(c for c in ordered if c.num_draft))
 
 
-def _decode_rows(chunks: Sequence[ScheduledChunk]) -> list[tuple[list[int], int]]:
-    """(block table, context length) per token row of the decode group: one row per token of each chunk."""
+def _decode_rows(chunks: Sequence[ScheduledChunk], group: int = 0) -> list[tuple[list[int], int]]:
+    """(block table of KV-cache group `group`, context length) per token row of the decode group: one row per
+    token of each chunk."""
     rows = []
     for c in chunks:
-        table = list(c.block_table)  # AttentionMetadata pads the tables as lists
+        table = list(c.block_tables[group])  # AttentionMetadata pads the tables as lists
         rows.extend((table, c.start_pos + j + 1) for j in range(len(c.token_ids)))
     return rows
 
@@ -146,8 +149,8 @@ class ModelRunner:
                             self._verify_as_rows(sched, layers))
         read = torch.cat([inp.sample_rows, inp.verify_rows])  # [B + R]: the rows whose logits are needed
         every_row = len(read) == len(inp.input_ids)  # a decode step: no row to leave out
-        hidden = self.model(inp.input_ids, inp.positions, inp.meta, layers,
-                            keep_rows=None if every_row else read)  # [T or B + R, hidden]
+        hidden = self.model(inp.input_ids, inp.positions, inp.meta, layers, keep_rows=None if every_row else read,
+                            layer_metas=self._layer_metas(kv_cache, inp))  # [T or B + R, hidden]
         if not inp.sampled_chunks and not inp.verified_chunks:
             return RunnerOutput()
         rows = hidden[read] if every_row else hidden
@@ -160,6 +163,13 @@ class ModelRunner:
         if not inp.verified_chunks:
             return runner_output(sampled, logprobs)
         return runner_output(sampled, logprobs, *self._verify(logits[num_sampled:].float(), inp.verified_chunks))
+
+    @staticmethod
+    def _layer_metas(kv_cache: KVCache, inp: ModelInput) -> list[AttentionMetadata] | None:
+        """Each layer's metadata, its KV-cache group's; None where one group serves every layer."""
+        if len(inp.group_metas) == 1:
+            return None
+        return [inp.group_metas[group] for group in kv_cache.groups.layer_groups]
 
     def forget(self, seq_ids: Iterable[int]) -> None:
         """Drop the per-sequence state (sampler generator, grammar matcher) of sequences that are done here."""

@@ -18,6 +18,13 @@ cannot cover the shortfall is anyone preempted. The step's output lists the move
 never compresses: doing so only moved the shortage onto the running sequences, which were then preempted
 (tiny model, 16 prompts, 64 blocks: 6 preemptions against none); the hot blocks that compaction frees as
 running sequences grow are what admits newcomers.
+
+KV-cache groups (engine/kv/groups.py): a sequence holds one block table per group, grown together. After
+every step, a windowed group gives back the blocks that lie wholly before the window of the sequence's
+next query (num_computed_tokens): no later query is older, since verification only ever rolls back to
+positions after it, so rejected drafts never need them. A prefix-cache hit takes the longest prefix that
+every group can serve: a full group needs all its blocks, a windowed one only those inside the window of
+the first position it computes.
 """
 from __future__ import annotations
 
@@ -27,6 +34,7 @@ from dataclasses import dataclass, field
 
 from engine.kv.block_pool import BlockPool, block_hash, prefix_block_hashes
 from engine.kv.compaction import Compactor, Move
+from engine.kv.groups import NULL_BLOCK, first_needed_block
 from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.sequence import FinishReason, Sequence, SequenceStatus
@@ -57,8 +65,13 @@ class _Plan:
 
 class Scheduler:
     def __init__(self, pool: BlockPool, limits: SchedulerLimits, eos_token_ids: tuple[int, ...],
-                 compactor: Compactor | None = None) -> None:
+                 compactor: Compactor | None = None, windows: tuple[int | None, ...] = (None,)) -> None:
+        """`windows`: per KV-cache group, the window past which its blocks are given back (None: kept)."""
+        if len(windows) != pool.num_groups or len({w for w in windows if w is not None}) > 1:
+            raise ValueError(f"windows {windows} must name the pool's {pool.num_groups} groups and one window")
         self.pool = pool
+        self.windows = windows
+        self.window = next((w for w in windows if w is not None), None)
         self.compactor = compactor
         self.limits = limits
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -106,6 +119,9 @@ class Scheduler:
         freshly reserved blocks. Returns (block table, number of prompt tokens already cached)."""
         if request_id in self._remote or request_id in self.by_request:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if self.windows != (None,):
+            raise ValueError("KV hand-off needs the plain KV layout: this engine gives windowed blocks back "
+                             "(free_window_kv)")
         bs = self.pool.block_size
         hashes = prefix_block_hashes(token_ids[: len(token_ids) - 1], bs)
         cached = self.pool.find_cached_prefix(hashes)
@@ -137,7 +153,7 @@ class Scheduler:
     def admit_prefilled(self, seq: Sequence, first_token: int, logprobs: TokenLogprobs | None) -> SequenceUpdate:
         """The prompt's KV has arrived in the reserved blocks: the sequence starts decoding at once."""
         cached, hashes = self._remote.pop(seq.request_id)
-        seq.block_ids = cached + self.pool.commit_reservation(seq.request_id)
+        seq.block_tables = [cached + self.pool.commit_reservation(seq.request_id)]
         seq.block_hashes = list(hashes)
         seq.num_cached_tokens = len(cached) * self.pool.block_size
         seq.num_computed_tokens = seq.num_tokens
@@ -193,6 +209,7 @@ class Scheduler:
     def _apply_chunk(self, seq: Sequence, chunk: ScheduledChunk, result: RunnerOutput) -> list[SequenceUpdate]:
         seq.num_computed_tokens += len(chunk.token_ids)
         self._register_full_blocks(seq)
+        self._release_outside_window(seq)
         if not chunk.sample:
             return []
         update = self._append_token(seq, result.sampled_token_ids[chunk.seq_id], result.logprobs.get(chunk.seq_id))
@@ -215,6 +232,7 @@ class Scheduler:
         seq.num_computed_tokens = chunk.start_pos + len(tokens)  # last token + accepted drafts
         self._register_full_blocks(seq)
         self._trim_blocks(seq)
+        self._release_outside_window(seq)
         return updates
 
     # ------------------------------------------------------------------ running sequences
@@ -254,8 +272,13 @@ class Scheduler:
             self._preempt(victim, plan)
             if victim is seq:
                 return False
-        seq.block_ids.extend(self.pool.allocate(needed))
+        self._grow(seq, needed)
         return True
+
+    def _grow(self, seq: Sequence, needed: int) -> None:
+        """Extend every group's table by its share of `needed` blocks (which the pool can give)."""
+        for group, table in enumerate(seq.block_tables):
+            table.extend(self.pool.allocate(needed // len(self.windows), group))
 
     def _compact(self, needed: int, plan: _Plan) -> bool:
         """Compress old pages of running sequences until `needed` blocks can be allocated; False if it cannot."""
@@ -292,7 +315,7 @@ class Scheduler:
         if num_new == 0 or not self.pool.can_allocate(needed):
             self._release_blocks(seq)
             return False
-        seq.block_ids.extend(self.pool.allocate(needed))
+        self._grow(seq, needed)
         self.waiting.remove(seq)
         self.running.append(seq)
         self._running_by_id[seq.seq_id] = seq
@@ -303,12 +326,42 @@ class Scheduler:
         # At least one token must run to produce logits, so the last token is never taken from the cache.
         bs = self.pool.block_size
         hashes = prefix_block_hashes(seq.token_ids[: seq.num_tokens - 1], bs)
-        blocks = self.pool.find_cached_prefix(hashes)
-        self.pool.acquire(blocks)
-        seq.block_ids, seq.block_hashes = blocks, hashes[: len(blocks)]
-        seq.num_computed_tokens = len(blocks) * bs
+        found = [self.pool.lookup(hashes, group) for group in range(len(self.windows))]
+        hit = self._cached_prefix_length(found, len(hashes))
+        self.pool.record_prefix_query(len(hashes), hit)
+        seq.released_blocks = 0 if self.window is None else first_needed_block(hit * bs, self.window, bs)
+        seq.block_tables = [self._attach_group(seq, group, blocks[:hit]) for group, blocks in enumerate(found)]
+        seq.block_hashes = hashes[:hit]
+        seq.num_computed_tokens = hit * bs
         if seq.num_preemptions == 0:
             seq.num_cached_tokens = seq.num_computed_tokens
+
+    def _cached_prefix_length(self, found: list[list[int | None]], longest: int) -> int:
+        """The most leading blocks every group can serve (each group's lookups in `found`): each group in turn
+        shortens the hit, until a whole round leaves it as it is (a windowed group's needs move with it)."""
+        hit, previous = longest, None
+        while hit != previous:
+            previous = hit
+            for blocks, window in zip(found, self.windows):  # a full group first, where there is one
+                hit = self._group_hit(blocks, hit, window)
+        return hit
+
+    def _group_hit(self, blocks: list[int | None], longest: int, window: int | None) -> int:
+        """The longest hit <= `longest` this group serves: every block before it (full), or those in the window
+        of its first uncached position (windowed)."""
+        if window is None:
+            return blocks.index(None) if None in blocks[:longest] else longest
+        bs = self.pool.block_size
+        for hit in range(longest, 0, -1):
+            if None not in blocks[first_needed_block(hit * bs, window, bs):hit]:
+                return hit
+        return 0
+
+    def _attach_group(self, seq: Sequence, group: int, blocks: list[int | None]) -> list[int]:
+        """Acquire the hit's blocks that `group` reads; the windowed ones it no longer needs stay NULL."""
+        first = seq.released_blocks if self.windows[group] is not None else 0
+        self.pool.acquire(blocks[first:], group)
+        return [NULL_BLOCK] * first + blocks[first:]
 
     # ------------------------------------------------------------------ helpers
 
@@ -319,13 +372,15 @@ class Scheduler:
         return remaining if remaining <= budget else 0
 
     def _blocks_needed(self, seq: Sequence, num_new: int) -> int:
+        """Pool blocks for `num_new` more tokens: as many per group (the tables grow together)."""
         total = seq.num_computed_tokens + num_new
-        return max(0, -(-total // self.pool.block_size) - len(seq.block_ids))
+        return len(self.windows) * max(0, -(-total // self.pool.block_size) - len(seq.block_ids))
 
     def _chunk(self, seq: Sequence, num_new: int, spec_slots: int) -> ScheduledChunk:
         return build_chunk(seq.seq_id, seq.token_ids, seq.num_computed_tokens, num_new, seq.block_ids, seq.params,
                            seq.sample_index, seq.num_prompt_tokens, self.eos_token_ids,
-                           speculative=seq.spec is not None and seq.in_decode, num_spec_slots=spec_slots)
+                           speculative=seq.spec is not None and seq.in_decode, num_spec_slots=spec_slots,
+                           extra_tables=seq.block_tables[1:])
 
     def _eos_for(self, params: SamplingParams) -> frozenset[int]:
         return eos_for(params, self.eos_token_ids)
@@ -336,7 +391,9 @@ class Scheduler:
             i = len(seq.block_hashes)
             parent = seq.block_hashes[-1] if seq.block_hashes else None
             seq.block_hashes.append(block_hash(parent, seq.token_ids[i * bs:(i + 1) * bs]))
-            self.pool.register(seq.block_ids[i], seq.block_hashes[-1])
+            for table in seq.block_tables:
+                if table[i] != NULL_BLOCK:
+                    self.pool.register(table[i], seq.block_hashes[-1])
 
     def _append_token(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None) -> SequenceUpdate:
         seq.token_ids.append(token)
@@ -374,14 +431,30 @@ class Scheduler:
     def _trim_blocks(self, seq: Sequence) -> None:
         """Free the blocks past the sequence's tokens (they held only rejected or never-filled drafts)."""
         keep = -(-seq.num_tokens // self.pool.block_size)
-        extra = seq.block_ids[keep:]
-        if extra:
-            del seq.block_ids[keep:]
+        for table in seq.block_tables:
+            extra = table[keep:]
+            del table[keep:]
             self.pool.free(reversed(extra))
 
+    def _release_outside_window(self, seq: Sequence) -> None:
+        """Give back the windowed groups' blocks that no query from num_computed_tokens on reads."""
+        if self.window is None:
+            return
+        first = first_needed_block(seq.num_computed_tokens, self.window, self.pool.block_size)
+        if first <= seq.released_blocks:
+            return
+        for table, window in zip(seq.block_tables, self.windows):
+            if window is not None:
+                released = table[seq.released_blocks:first]
+                table[seq.released_blocks:first] = [NULL_BLOCK] * len(released)
+                self.pool.free(reversed(released))
+        seq.released_blocks = first
+
     def _release_blocks(self, seq: Sequence) -> None:
-        self.pool.free(reversed(seq.block_ids))  # tail first, so the shared prefix is evicted last
-        seq.block_ids, seq.block_hashes, seq.num_computed_tokens = [], [], 0
+        for table in seq.block_tables:  # tail first, so the shared prefix is evicted last
+            self.pool.free(b for b in reversed(table) if b != NULL_BLOCK)
+        seq.block_tables = [[] for _ in self.windows]
+        seq.block_hashes, seq.num_computed_tokens, seq.released_blocks = [], 0, 0
 
     def _live(self, seq_id: int) -> Sequence | None:
         seq = self._running_by_id.get(seq_id)

@@ -37,13 +37,21 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     num_cached_tokens: int = 0  # of the prompt, found in the prefix cache at first admission
-    block_ids: list[int] = field(default_factory=list)
+    # one block table per KV-cache group (engine/kv/groups.py), all of one length; a windowed group's leading
+    # `released_blocks` entries are NULL_BLOCK, their blocks given back
+    block_tables: list[list[int]] = field(default_factory=lambda: [[]])
+    released_blocks: int = 0
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of the full blocks registered so far
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
     spec: SpecState | None = None  # None: this sequence never speculates
     spec_counts: SpecCounts = SpecCounts()  # its drafts so far
     compress_first: bool = False  # adaptive KV compression takes this sequence's old pages before others'
+
+    @property
+    def block_ids(self) -> list[int]:
+        """Group 0's table (live: the compactor rewrites entries in place); the whole table of a plain layout."""
+        return self.block_tables[0]
 
     @property
     def in_decode(self) -> bool:

@@ -48,6 +48,14 @@ class ScheduledChunk:
     # samples or its drafts.
     history: tuple[int, ...] = ()
     num_prompt_tokens: int = 0
+    # the block tables of KV-cache groups 1.. (engine/kv/groups.py), each as long as block_table, with
+    # NULL_BLOCK where a windowed group gave a block back; () in the plain layout
+    extra_tables: tuple[tuple[int, ...], ...] = ()
+
+    @property
+    def block_tables(self) -> tuple[tuple[int, ...], ...]:
+        """One table per KV-cache group, group 0 first."""
+        return (self.block_table, *self.extra_tables)
 
     @property
     def sample_position(self) -> int:
@@ -111,7 +119,8 @@ class SequenceUpdate:
 
 def build_chunk(seq_id: int, token_ids: Sequence[int], start: int, num_new: int, block_table: Sequence[int],
                 params: SamplingParams, sample_index: int, num_prompt_tokens: int, eos_token_ids: frozenset[int],
-                speculative: bool = False, num_spec_slots: int = 0) -> ScheduledChunk:
+                speculative: bool = False, num_spec_slots: int = 0,
+                extra_tables: Sequence[Sequence[int]] = ()) -> ScheduledChunk:
     """The next `num_new` tokens of a sequence from `start`; it samples when it reaches the last known token."""
     under_min = len(token_ids) - num_prompt_tokens < params.min_tokens
     banned = tuple(eos_for(params, eos_token_ids)) + params.stop_token_ids if under_min else ()
@@ -121,7 +130,7 @@ def build_chunk(seq_id: int, token_ids: Sequence[int], start: int, num_new: int,
                           seed=sequence_seed(params.seed, sample_index), banned_token_ids=banned,
                           speculative=speculative, num_spec_slots=num_spec_slots,
                           history=tuple(token_ids) if sample and (params.penalised or params.guide) else (),
-                          num_prompt_tokens=num_prompt_tokens)
+                          num_prompt_tokens=num_prompt_tokens, extra_tables=tuple(map(tuple, extra_tables)))
 
 
 def eos_for(params: SamplingParams, eos_token_ids: frozenset[int]) -> frozenset[int]:

@@ -366,7 +366,7 @@ def test_integrity_detects_corruption() -> None:
 
 def test_integrity_detects_cached_block_without_hash() -> None:
     pool, ids, _ = _filled_cached_pool(2)
-    del pool._hash_to_block[pool._block_to_hash.pop(ids[0])]
+    del pool._hash_to_block[(0, pool._block_to_hash.pop(ids[0]))]
     with pytest.raises(AssertionError, match="no hash"):
         pool.check_integrity()
 
@@ -382,12 +382,14 @@ class BlockPoolMachine(RuleBasedStateMachine):
 
     num_blocks = 8
     enable_prefix_caching = True
+    num_groups = 1
 
     def __init__(self) -> None:
         super().__init__()
-        self.pool = BlockPool(self.num_blocks, 4, self.enable_prefix_caching)
+        self.pool = BlockPool(self.num_blocks, 4, self.enable_prefix_caching, self.num_groups)
         self.held: Counter[int] = Counter()  # references the test holds, per block
         self.hash_of: dict[int, int] = {}  # model of which block holds which hash
+        self.group_of: dict[int, int] = {}  # model of the group each held or cached block holds pages of
         self.cached_lru: list[int] = []  # model of CACHED blocks, least recently freed first
         self.reservations: dict[str, tuple[list[int], float]] = {}
         self.queries = self.hits = self.evictions = 0
@@ -410,24 +412,33 @@ class BlockPoolMachine(RuleBasedStateMachine):
         for block_id in taken:
             assert self.held[block_id] == 0 and block_id not in self._reserved_ids()
             self.hash_of.pop(block_id, None)
+            self.group_of.pop(block_id, None)
+
+    def _hashes_in(self, group: int) -> dict[int, int]:
+        """hash -> block, of the model's blocks of `group`."""
+        return {h: b for b, h in self.hash_of.items() if self.group_of[b] == group}
 
     def _release_in_model(self, block_id: int) -> None:
         self.held[block_id] -= 1
         if self.held[block_id] == 0 and block_id in self.hash_of:
             self.cached_lru.append(block_id)
+        elif self.held[block_id] == 0:
+            del self.group_of[block_id]
 
     # -- rules
 
-    @rule(n=st.integers(0, 5))
-    def allocate(self, n: int) -> None:
+    @rule(n=st.integers(0, 5), data=st.data())
+    def allocate(self, n: int, data: st.DataObject) -> None:
+        group = data.draw(st.integers(0, self.num_groups - 1))
         if n > self.pool.num_available:
             with pytest.raises(NoFreeBlocksError):
-                self.pool.allocate(n)
+                self.pool.allocate(n, group)
             return
-        taken = self.pool.allocate(n)
+        taken = self.pool.allocate(n, group)
         assert len(set(taken)) == n
         self._take_from_model(taken)
         self.held.update(taken)
+        self.group_of.update(dict.fromkeys(taken, group))
 
     @precondition(lambda self: +self.held)
     @rule(data=st.data())
@@ -461,28 +472,32 @@ class BlockPoolMachine(RuleBasedStateMachine):
             with pytest.raises(BlockStateError):
                 self.pool.register(block_id, h)
             return
-        expect_new = self.enable_prefix_caching and current is None and h not in self.hash_of.values()
+        expect_new = self.enable_prefix_caching and current is None \
+            and h not in self._hashes_in(self.group_of[block_id])
         assert self.pool.register(block_id, h) == expect_new
         if expect_new:
             self.hash_of[block_id] = h
 
     @rule(data=st.data())
     def find_and_acquire(self, data: st.DataObject) -> None:
-        known = sorted(self.hash_of.values())
+        group = data.draw(st.integers(0, self.num_groups - 1))
+        block_by_hash = self._hashes_in(group)
+        known = sorted(block_by_hash)
         leading = data.draw(st.lists(st.sampled_from(known), unique=True, max_size=3)) if known else []
         hashes = leading + data.draw(st.lists(st.sampled_from(HASH_UNIVERSE), max_size=2))
-        block_by_hash = {h: b for b, h in self.hash_of.items()}
         expected: list[int] = []
         for h in hashes:
             if h not in block_by_hash:
                 break
             expected.append(block_by_hash[h])
-        found = self.pool.find_cached_prefix(hashes)
+        found = self.pool.find_cached_prefix(hashes, group)
         assert found == (expected if self.enable_prefix_caching else [])
-        if self.enable_prefix_caching:
+        assert self.pool.lookup(hashes, group) == [block_by_hash.get(h) if self.enable_prefix_caching else None
+                                                   for h in hashes]
+        if self.enable_prefix_caching and group == 0:
             self.queries += len(hashes)
             self.hits += len(found)
-        self.pool.acquire(found)
+        self.pool.acquire(found, group)
         self.cached_lru = [b for b in self.cached_lru if b not in found]
         self.held.update(found)
 
@@ -508,6 +523,16 @@ class BlockPoolMachine(RuleBasedStateMachine):
         ids, _ = self.reservations.pop(owner)
         assert self.pool.commit_reservation(owner) == ids
         self.held.update(ids)
+        self.group_of.update(dict.fromkeys(ids, 0))
+
+    @precondition(lambda self: self.num_groups > 1 and self.group_of)
+    @rule(data=st.data())
+    def acquire_into_another_group_raises(self, data: st.DataObject) -> None:
+        """A block's pages belong to its group's layers: no other group may take it."""
+        block_id = data.draw(st.sampled_from(sorted(self.group_of)))
+        other = (self.group_of[block_id] + data.draw(st.integers(1, self.num_groups - 1))) % self.num_groups
+        with pytest.raises(BlockStateError):
+            self.pool.acquire([block_id], other)
 
     @rule(owner=st.sampled_from(OWNERS))
     def cancel(self, owner: str) -> None:
@@ -536,6 +561,9 @@ class BlockPoolMachine(RuleBasedStateMachine):
         assert all(pool.refcount(b) == self.held[b] for b in range(self.num_blocks))
         assert all(pool.hash_of(b) == h for b, h in self.hash_of.items())
         assert set(pool.reserved_owners()) == set(self.reservations)
+        assert all(pool.group_of(b) == self.group_of.get(b) for b in range(self.num_blocks))
+        assert [pool.num_used_in(g) for g in range(self.num_groups)] == \
+            [sum(1 for b in +self.held if self.group_of[b] == g) for g in range(self.num_groups)]
         stats = pool.stats
         assert (stats.prefix_queries, stats.prefix_hits, stats.evictions) == (self.queries, self.hits, self.evictions)
 
@@ -544,8 +572,17 @@ class BlockPoolWithoutPrefixCachingMachine(BlockPoolMachine):
     enable_prefix_caching = False
 
 
+class GroupedBlockPoolMachine(BlockPoolMachine):
+    """Three KV-cache groups (a full one and two windowed ones, as engine/kv/groups.py lays out Gemma): the
+    same hashes registered in several groups name different blocks, and lookups never cross groups."""
+
+    num_groups = 3
+
+
 _MACHINE_SETTINGS = settings(max_examples=60, stateful_step_count=40, deadline=None)
 TestBlockPoolStateful = BlockPoolMachine.TestCase
 TestBlockPoolStateful.settings = _MACHINE_SETTINGS
 TestBlockPoolWithoutPrefixCachingStateful = BlockPoolWithoutPrefixCachingMachine.TestCase
 TestBlockPoolWithoutPrefixCachingStateful.settings = _MACHINE_SETTINGS
+TestGroupedBlockPoolStateful = GroupedBlockPoolMachine.TestCase
+TestGroupedBlockPoolStateful.settings = _MACHINE_SETTINGS

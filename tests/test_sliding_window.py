@@ -161,9 +161,10 @@ def test_speculative_verification_keeps_greedy_outputs(windowed_dir, options):
 @pytest.mark.parametrize("streamed", [False, True], ids=["shared-pool", "streamed-pages"])
 def test_disaggregated_greedy_equals_transformers(windowed_dir, expected_tokens, streamed):
     """The prefill engine computes into the decode engine's pool, or (as for another host) into its own, whose
-    pages are then written into the reserved blocks."""
+    pages are then written into the reserved blocks. A pool that takes hand-offs keeps every block (decode
+    actors build their engines so)."""
     options = dict(dtype="float32", num_kv_blocks=96, block_size=BLOCK, max_num_batched_tokens=6)
-    decode = LLM(str(windowed_dir), **options)
+    decode = LLM(str(windowed_dir), free_window_kv=False, **options)
     prefill = PrefillEngine(EngineConfig(model=str(windowed_dir), **options), source=decode.engine.source)
     prefill.attach_pool("decode-0", decode.engine.kv_cache)
     outs, _ = run_disaggregated(decode, prefill, PROMPTS, GREEDY, streamed)

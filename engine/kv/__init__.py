@@ -2,6 +2,8 @@
 
 - `block_pool`: pure-Python block bookkeeping (free list, reference counts, the prefix cache's chained hashes,
   reservations) with an integrity check; no torch.
+- `groups`: KV-cache groups, the layers that share one block table, and which blocks a windowed group still
+  reads (no torch).
 - `cache`: the pool's tensor, every layer's key and value pages, and page reads/writes for hand-offs.
 - `formats`: quantised page layouts (fp8, fp4 with their scales beside the codes) and the per-layer store.
 - `compaction`: which old pages of running sequences move to the FP4 cold region (bookkeeping, no torch).

@@ -9,6 +9,10 @@ Every block is in exactly one state:
               prefix lookup can still revive it; evicted least-recently-freed first.
 * USED     -- refcount >= 1.
 * RESERVED -- held for a request whose KV arrives from another process (an owner and a deadline).
+
+KV-cache groups (engine/kv/groups.py): a USED or CACHED block belongs to one group, whose layers' pages it
+holds; prefix hashes are looked up per group (the same tokens in two groups are two blocks), and a block
+is only ever acquired again into its own group. One pool, one free list: any group takes any FREE block.
 """
 from __future__ import annotations
 
@@ -88,17 +92,22 @@ def prefix_block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
 class BlockPool:
     """Owns the state of block ids ``0..num_blocks-1``. Every operation is O(1) per block touched."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
-        if num_blocks <= 0 or block_size <= 0:
-            raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks}, {block_size}")
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 num_groups: int = 1) -> None:
+        if num_blocks <= 0 or block_size <= 0 or num_groups <= 0:
+            raise ValueError(f"num_blocks, block_size and num_groups must be positive, got {num_blocks}, "
+                             f"{block_size}, {num_groups}")
         self._num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.num_groups = num_groups
+        self._groups: dict[int, int] = {}  # exactly the USED and CACHED blocks -> the group they hold pages of
+        self._used_per_group = [0] * num_groups
         self._states = [BlockState.FREE] * num_blocks
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._lru: OrderedDict[int, None] = OrderedDict()  # CACHED blocks, least recently freed first
         self._refcounts: dict[int, int] = {}  # exactly the USED blocks
-        self._hash_to_block: dict[int, int] = {}
+        self._hash_to_block: dict[tuple[int, int], int] = {}  # (group, hash) -> block
         self._block_to_hash: dict[int, int] = {}
         self._reservations: dict[str, _Reservation] = {}
         self._num_reserved = 0
@@ -136,6 +145,14 @@ class BlockPool:
         """A snapshot; mutating it does not affect the pool."""
         return replace(self._stats)
 
+    def num_used_in(self, group: int) -> int:
+        """USED blocks holding pages of `group` (reservations not included)."""
+        return self._used_per_group[group]
+
+    def group_of(self, block_id: int) -> int | None:
+        """The group a USED or CACHED block holds pages of; None for FREE and RESERVED blocks."""
+        return self._groups.get(block_id)
+
     def can_allocate(self, n: int) -> bool:
         return n <= self.num_available
 
@@ -152,12 +169,12 @@ class BlockPool:
 
     # ---------------------------------------------------------------- allocation
 
-    def allocate(self, n: int) -> list[int]:
-        """Take ``n`` blocks (FREE first, then evicting CACHED in LRU order) as USED with refcount 1."""
+    def allocate(self, n: int, group: int = 0) -> list[int]:
+        """Take ``n`` blocks (FREE first, then evicting CACHED in LRU order) as USED with refcount 1 in ``group``."""
+        self._require_valid_group(group)
         block_ids = self._take_available(n)
         for block_id in block_ids:
-            self._states[block_id] = BlockState.USED
-            self._refcounts[block_id] = 1
+            self._make_used(block_id, group)
         return block_ids
 
     def free(self, block_ids: Iterable[int]) -> None:
@@ -187,32 +204,48 @@ class BlockPool:
 
     # ---------------------------------------------------------------- prefix caching
 
-    def find_cached_prefix(self, hashes: Sequence[int]) -> list[int]:
-        """Blocks holding the longest leading run of ``hashes`` (USED or CACHED). Changes no state."""
-        if not self.enable_prefix_caching:
-            return []
+    def find_cached_prefix(self, hashes: Sequence[int], group: int = 0) -> list[int]:
+        """Blocks of ``group`` holding the longest leading run of ``hashes`` (USED or CACHED). Changes no
+        state; the hit counters count group 0's queries only (one query per block of the prompt)."""
         found: list[int] = []
-        for wanted in hashes:
-            block_id = self._hash_to_block.get(wanted)
+        for block_id in self.lookup(hashes, group):
             if block_id is None:
                 break
             found.append(block_id)
-        self._stats.prefix_queries += len(hashes)
-        self._stats.prefix_hits += len(found)
+        if group == 0:
+            self.record_prefix_query(len(hashes), len(found))
         return found
 
-    def acquire(self, block_ids: Iterable[int]) -> None:
-        """Take a reference on blocks from ``find_cached_prefix``: CACHED -> USED(1), USED -> refcount+1."""
+    def record_prefix_query(self, queried: int, hit: int) -> None:
+        """Count a prefix query of `queried` blocks that `hit` blocks answered (a no-op without prefix caching)."""
+        if self.enable_prefix_caching:
+            self._stats.prefix_queries += queried
+            self._stats.prefix_hits += hit
+
+    def lookup(self, hashes: Sequence[int], group: int = 0) -> list[int | None]:
+        """Per hash, the block of ``group`` holding it, or None (every None without prefix caching). A
+        windowed group needs only the blocks inside its window, so it looks past gaps. Changes no state."""
+        self._require_valid_group(group)
+        if not self.enable_prefix_caching:
+            return [None] * len(hashes)
+        return [self._hash_to_block.get((group, wanted)) for wanted in hashes]
+
+    def acquire(self, block_ids: Iterable[int], group: int = 0) -> None:
+        """Take a reference on blocks of ``group`` from ``find_cached_prefix`` or ``lookup``: CACHED -> USED(1),
+        USED -> refcount+1."""
         block_ids = list(block_ids)
         for block_id in block_ids:
             if self.block_state(block_id) not in (BlockState.CACHED, BlockState.USED):
                 raise BlockStateError(f"cannot acquire block {block_id}: it is {self._describe(block_id)}")
+            if self._groups[block_id] != group:
+                raise BlockStateError(f"cannot acquire block {block_id} into group {group}: it holds group "
+                                      f"{self._groups[block_id]}")
         for block_id in block_ids:
             if self._states[block_id] is BlockState.CACHED:
                 del self._lru[block_id]
-                self._states[block_id] = BlockState.USED
-                self._refcounts[block_id] = 0
-            self._refcounts[block_id] += 1
+                self._make_used(block_id, group)
+            else:
+                self._refcounts[block_id] += 1
 
     def register(self, block_id: int, block_hash: int) -> bool:
         """Record that USED full block ``block_id`` holds the content named ``block_hash``.
@@ -230,9 +263,10 @@ class BlockPool:
         current = self._block_to_hash.get(block_id)
         if current is not None and current != block_hash:
             raise BlockStateError(f"block {block_id} already holds hash {current:#x}, not {block_hash:#x}")
-        if block_hash in self._hash_to_block:
+        key = (self._groups[block_id], block_hash)
+        if key in self._hash_to_block:
             return False
-        self._hash_to_block[block_hash] = block_id
+        self._hash_to_block[key] = block_id
         self._block_to_hash[block_id] = block_hash
         return True
 
@@ -253,8 +287,7 @@ class BlockPool:
         """The KV has arrived: the reserved blocks become USED with refcount 1."""
         reservation = self._pop_reservation(owner)
         for block_id in reservation.block_ids:
-            self._states[block_id] = BlockState.USED
-            self._refcounts[block_id] = 1
+            self._make_used(block_id, 0)
         return reservation.block_ids
 
     def cancel_reservation(self, owner: str) -> bool:
@@ -294,7 +327,7 @@ class BlockPool:
 
     def _evict_lru(self) -> int:
         block_id, _ = self._lru.popitem(last=False)
-        del self._hash_to_block[self._block_to_hash.pop(block_id)]
+        del self._hash_to_block[(self._groups.pop(block_id), self._block_to_hash.pop(block_id))]
         self._stats.evictions += 1
         return block_id
 
@@ -303,15 +336,23 @@ class BlockPool:
         if self._refcounts[block_id] > 0:
             return
         del self._refcounts[block_id]
+        self._used_per_group[self._groups[block_id]] -= 1
         if block_id in self._block_to_hash:
             self._states[block_id] = BlockState.CACHED
             self._lru[block_id] = None
         else:
             self._make_free(block_id)
 
+    def _make_used(self, block_id: int, group: int) -> None:
+        self._states[block_id] = BlockState.USED
+        self._refcounts[block_id] = 1
+        self._groups[block_id] = group
+        self._used_per_group[group] += 1
+
     def _make_free(self, block_id: int) -> None:
         self._states[block_id] = BlockState.FREE
         self._free[block_id] = None
+        self._groups.pop(block_id, None)
 
     def _pop_reservation(self, owner: str) -> _Reservation:
         if owner not in self._reservations:
@@ -323,6 +364,10 @@ class BlockPool:
     def _require_valid_id(self, block_id: int) -> None:
         if not 0 <= block_id < self._num_blocks:
             raise BlockStateError(f"block id {block_id} outside 0..{self._num_blocks - 1}")
+
+    def _require_valid_group(self, group: int) -> None:
+        if not 0 <= group < self.num_groups:
+            raise BlockStateError(f"group {group} outside 0..{self.num_groups - 1}")
 
     def _describe(self, block_id: int) -> str:
         state = self._states[block_id]
@@ -344,6 +389,7 @@ class BlockPool:
         if bad_refcounts:
             raise AssertionError(f"USED blocks with refcount < 1: {bad_refcounts}")
         self._check_hash_maps()
+        self._check_groups()
 
     def _reserved_ids_checked(self) -> list[int]:
         reserved = [b for res in self._reservations.values() for b in res.block_ids]
@@ -362,9 +408,12 @@ class BlockPool:
                 f"and misses {sorted(expected - set(block_ids))} that are")
 
     def _check_hash_maps(self) -> None:
-        for block_hash_, block_id in self._hash_to_block.items():
+        for (group, block_hash_), block_id in self._hash_to_block.items():
             if self._block_to_hash.get(block_id) != block_hash_:
                 raise AssertionError(f"hash {block_hash_:#x} -> block {block_id}, but reverse map disagrees")
+            if self._groups.get(block_id) != group:
+                raise AssertionError(f"hash {block_hash_:#x} of group {group} names block {block_id} of group "
+                                     f"{self._groups.get(block_id)}")
         if len(self._block_to_hash) != len(self._hash_to_block):
             raise AssertionError(
                 f"reverse map has {len(self._block_to_hash)} entries, hash map {len(self._hash_to_block)}")
@@ -375,6 +424,19 @@ class BlockPool:
         unhashed_cached = sorted(b for b in self._lru if b not in self._block_to_hash)
         if unhashed_cached:
             raise AssertionError(f"CACHED blocks {unhashed_cached} have no hash")
+
+    def _check_groups(self) -> None:
+        holding = {b for b, s in enumerate(self._states) if s in (BlockState.USED, BlockState.CACHED)}
+        if set(self._groups) != holding:
+            raise AssertionError(f"group map names {sorted(set(self._groups) ^ holding)} wrongly: it must hold "
+                                 "exactly the USED and CACHED blocks")
+        stray = sorted(b for b, g in self._groups.items() if not 0 <= g < self.num_groups)
+        if stray:
+            raise AssertionError(f"blocks {stray} name a group outside 0..{self.num_groups - 1}")
+        counted = Counter(self._groups[b] for b in self._refcounts)
+        expected = [counted.get(g, 0) for g in range(self.num_groups)]
+        if self._used_per_group != expected:
+            raise AssertionError(f"USED per group counted {self._used_per_group}, the blocks say {expected}")
 
 
 class TieredBlockPool(BlockPool):

@@ -5,6 +5,10 @@ or, for a quantised pool (kv_format "fp8" / "fp4", see engine/kv/formats.py), ui
 [num_layers, 2, num_blocks, page_bytes] with each page's scales stored inside it. Keeping it one tensor lets
 an actor export the whole pool once (shared memory on CPU, a CUDA IPC handle on GPU) and lets a block move
 as `data[:, :, block_id]`.
+
+With KV-cache groups (engine/kv/groups.py) the first axis is the storage slot, not the layer: layer l keeps
+its pages in slot `groups.layer_slots[l]`, so a pool block is one group's worth of layers. The plain layout
+(one group, slot = layer) is the only one exported or handed off.
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ import torch
 
 from engine.config import ModelConfig
 from engine.kv.formats import PageFormat, QuantizedPages, fingerprint_offsets, page_format
+from engine.kv.groups import KVGroups
 
 DEFAULT_KV_FRACTION = 0.2  # of available memory, when neither a block count nor a byte budget is given
 MAX_DEFAULT_KV_BYTES = 1 << 30
@@ -26,10 +31,22 @@ def _page_format(cfg: ModelConfig, block_size: int, kv_format: str) -> PageForma
     return None if kv_format == "auto" else page_format(kv_format, block_size, cfg.num_kv_heads, cfg.head_dim)
 
 
-def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, kv_format: str = "auto") -> int:
+def _slots(cfg: ModelConfig, groups: KVGroups | None) -> int:
+    return cfg.num_layers if groups is None else groups.group_size
+
+
+def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, kv_format: str = "auto",
+                    groups: KVGroups | None = None) -> int:
+    """Bytes of one pool block: every layer's page (plain layout) or one group's layers' pages."""
     fmt = _page_format(cfg, block_size, kv_format)
     page_bytes = block_size * cfg.kv_size * dtype.itemsize if fmt is None else fmt.page_bytes
-    return cfg.num_layers * 2 * page_bytes
+    return _slots(cfg, groups) * 2 * page_bytes
+
+
+def grouped_num_blocks(cfg: ModelConfig, plain_blocks: int, groups: KVGroups) -> int:
+    """The pool blocks of `groups` that fit in the memory of `plain_blocks` blocks of every layer: --num-kv-blocks
+    and --kv-cache-memory name the same bytes whatever the layout."""
+    return plain_blocks * cfg.num_layers // groups.group_size
 
 
 def choose_num_blocks(cfg: ModelConfig, block_size: int, dtype: torch.dtype, num_blocks: int | None,
@@ -48,9 +65,11 @@ def choose_num_blocks(cfg: ModelConfig, block_size: int, dtype: torch.dtype, num
 class KVCache:
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device | str = "cpu", storage: torch.Tensor | None = None,
-                 kv_format: str = "auto") -> None:
-        """`dtype` is the serving dtype (what attention computes in); a quantised pool stores uint8."""
-        shape = self.shape_for(cfg, num_blocks, block_size, kv_format)
+                 kv_format: str = "auto", groups: KVGroups | None = None) -> None:
+        """`dtype` is the serving dtype (what attention computes in); a quantised pool stores uint8. `groups`:
+        the KV-cache groups (None: the plain layout, one group of every layer)."""
+        self.groups = groups or KVGroups.single(cfg.num_layers)
+        shape = self.shape_for(cfg, num_blocks, block_size, kv_format, self.groups)
         storage_dtype = self.storage_dtype(dtype, kv_format)
         if storage is None:
             storage = torch.zeros(shape, dtype=storage_dtype, device=device)
@@ -64,7 +83,7 @@ class KVCache:
         self.kv_format = kv_format
         self.page_format = _page_format(cfg, block_size, kv_format)
         self.layers: list[tuple[LayerPages, LayerPages]] = [
-            (self._pages(storage[i, 0]), self._pages(storage[i, 1])) for i in range(cfg.num_layers)]
+            (self._pages(storage[slot, 0]), self._pages(storage[slot, 1])) for slot in self.groups.layer_slots]
 
     @classmethod
     def from_export(cls, cfg: ModelConfig, num_blocks: int, block_size: int, storage: torch.Tensor,
@@ -76,11 +95,12 @@ class KVCache:
         return cls(cfg, num_blocks, block_size, serving, storage.device, storage, kv_format)
 
     @staticmethod
-    def shape_for(cfg: ModelConfig, num_blocks: int, block_size: int, kv_format: str = "auto") -> tuple[int, ...]:
+    def shape_for(cfg: ModelConfig, num_blocks: int, block_size: int, kv_format: str = "auto",
+                  groups: KVGroups | None = None) -> tuple[int, ...]:
         fmt = _page_format(cfg, block_size, kv_format)
         if fmt is None:
-            return (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        return (cfg.num_layers, 2, num_blocks, fmt.page_bytes)
+            return (_slots(cfg, groups), 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        return (_slots(cfg, groups), 2, num_blocks, fmt.page_bytes)
 
     @staticmethod
     def storage_dtype(dtype: torch.dtype, kv_format: str = "auto") -> torch.dtype:
@@ -91,12 +111,14 @@ class KVCache:
 
     @property
     def bytes_per_block(self) -> int:
+        """Bytes of one pool block: every layer's page, or with KV-cache groups one group's layers' pages."""
         return self.data[:, :, 0].numel() * self.data.element_size()
 
     @property
     def bytes_per_token(self) -> float:
-        """Pool bytes per cached token (a block's bytes / block_size: exact, block_size is a power of two)."""
-        return self.bytes_per_block / self.block_size
+        """KV bytes of one token in every layer, what a hand-off moves per token (exact: block_size is a power of
+        two); a pool block's bytes / block_size in the plain layout."""
+        return self.bytes_per_layer_block * len(self.layers) / self.block_size
 
     @property
     def bytes_per_layer_block(self) -> int:

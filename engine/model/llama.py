@@ -11,7 +11,7 @@ logits; windowed layers with their own RoPE base (Gemma 3).
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -197,20 +197,23 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], num_layers: int | None = None,
-                keep_rows: torch.Tensor | None = None) -> torch.Tensor:
+                keep_rows: torch.Tensor | None = None,
+                layer_metas: Sequence[AttentionMetadata] | None = None) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden]; after the first `num_layers` layers
         only when given (a self-draft: the final norm still applies). With `keep_rows` [K] (the rows the
         caller reads, e.g. the sampled ones) -> [K, hidden] for those rows, in that order: the last layer
         then runs its output projection and MLP on them only, which in a prefill step of whole prompts
         skips nearly all of that layer's products. A decode-only step may run the layers as one backend call
-        (Backend.decode_layers), to the same bits."""
+        (Backend.decode_layers), to the same bits. `layer_metas`: per layer, its own metadata (KV-cache groups,
+        engine/kv/groups.py: each group's block tables differ), instead of `meta` for every layer; the layers
+        then run one by one."""
         x = self.embed(input_ids)
         if self.cfg.scale_embeddings:  # the scale rounded to the weights' dtype first, as transformers does
             x = x * torch.tensor(self.cfg.hidden_size ** 0.5, dtype=x.dtype)
         rope = self.rope.lookup(positions, x.dtype)
         local = rope if self.local_rope is None else self.local_rope.lookup(positions, x.dtype)
         kv_caches = kv_caches[:len(self.layers) if num_layers is None else num_layers]
-        stacked = self.backend.decode_layers(self, x, rope, meta, kv_caches)
+        stacked = None if layer_metas is not None else self.backend.decode_layers(self, x, rope, meta, kv_caches)
         if stacked is not None:
             x, residual = stacked
             if keep_rows is not None:
@@ -220,7 +223,9 @@ class LlamaModel(nn.Module):
             last = len(kv_caches) - 1
             for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
                 layer_rope = rope if layer.self_attn.window is None else local
-                x, residual = layer(x, residual, layer_rope, meta, kv, self.backend, keep_rows if i == last else None)
+                layer_meta = meta if layer_metas is None else layer_metas[i]
+                x, residual = layer(x, residual, layer_rope, layer_meta, kv, self.backend,
+                                    keep_rows if i == last else None)
                 if self.layer_hook is not None:
                     self.layer_hook(i)
         return self.norm.add_forward(x, residual, self.backend)[0]
