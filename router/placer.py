@@ -12,7 +12,7 @@ from actors.spec import Role
 from actors.supervisor import ActorHandle, Supervisor
 from engine.engine_core import EngineRequest
 from router.cost_model import ArrivalRate, DecodeCost, PrefillCost, Smoothed, TransferCost
-from router.handoff import HANDOFF_PHASES, Phase, Routed, mappable
+from router.handoff import HANDOFF_PHASES, Phase, Routed, shares_memory
 from router.placement import DecodeActorView, Placement, PlacementPolicy, PrefillActorView, choose_decode_actor, place
 
 # Costs until calibration measures them (a 135M model on one CPU core, roughly).
@@ -50,8 +50,8 @@ class Placer:
         chosen = choose_decode_actor(list(views.values()), prompt, block_size) or min(
             views.values(), key=lambda v: v.running)  # none has room now: queue on the least loaded
         handle = self.supervisor.by_id(chosen.actor_id)
-        transfer = SHM_TRANSFER if mappable(handle) else TCP_TRANSFER
-        prefills = [PrefillActorView(h.actor_id, self.prefill_cost(h), self._queued_prefill(h), transfer)
+        prefills = [PrefillActorView(h.actor_id, self.prefill_cost(h), self._queued_prefill(h),
+                                     SHM_TRANSFER if shares_memory(handle, h) else TCP_TRANSFER)
                     for h in self.supervisor.ready(Role.PREFILL)]
         policy = self.policy if prefills else NEVER
         bytes_per_token = int(handle.ready.kv_export.get("bytes_per_token", 0))
