@@ -19,7 +19,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from actors.ray_options import RayOptions, shortfall
+from actors.ray_options import RayOptions, shortfall, unfitting
 from actors.spec import NODE_ADDRESS_ENV, NODE_ID_ENV, ActorSpec, socket_name
 from transport.auth import SECRET_ENV
 
@@ -74,7 +74,8 @@ class RayCluster:
     async def open(self) -> None:
         """Connect, check the demands against the cluster, and wait until the placement group is placed."""
         connect(self.options)
-        missing = shortfall(self.demands, ray.cluster_resources())
+        nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+        missing = shortfall(self.demands, ray.cluster_resources()) or unfitting(self.demands, nodes)
         if missing:
             raise RayUnavailable(f"cannot place the actors: {missing}")
         self.group = placement_group(self.demands, strategy="PACK")
@@ -82,7 +83,7 @@ class RayCluster:
             await asyncio.wait_for(asyncio.wrap_future(self.group.ready().future()), self.options.placement_timeout)
         except asyncio.TimeoutError:
             raise RayUnavailable(f"cannot place the actors: the Ray cluster did not place {self.demands} within "
-                                 f"{self.options.placement_timeout:g}s (no node has room for one of them)") from None
+                                 f"{self.options.placement_timeout:g}s (the nodes with room are busy)") from None
 
     def server_host(self) -> str:
         """The address Ray actors reach this process on: its Ray node's address (127.0.0.1 on loopback)."""
@@ -94,7 +95,7 @@ class RayCluster:
         custom = {k: v for k, v in demand.items() if k not in ("CPU", "GPU")}
         strategy = PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=self.bundles[spec.actor_id])
         actor = ray.remote(ActorProcess).options(
-            name=None, num_cpus=demand.get("CPU", 0), num_gpus=demand.get("GPU", 0), resources=custom,
+            num_cpus=demand.get("CPU", 0), num_gpus=demand.get("GPU", 0), resources=custom,
             scheduling_strategy=strategy, max_restarts=0, runtime_env={"env_vars": _actor_environment(spec)}).remote()
         return Launched(actor, actor.run.remote(spec.to_json(), address[0], address[1], secret))
 
@@ -103,10 +104,6 @@ class RayCluster:
             ray.kill(launched.actor, no_restart=True)
         except Exception:  # noqa: BLE001 - already gone, or the cluster is: either way it no longer runs
             pass
-
-    def nodes(self) -> list[dict]:
-        """Ray's live nodes: id and address."""
-        return [{"id": n["NodeID"], "address": n["NodeManagerAddress"]} for n in ray.nodes() if n.get("Alive")]
 
     def close(self) -> None:
         if self.group is not None:
@@ -147,9 +144,13 @@ def _search_path() -> dict[str, str]:
     return {"PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)}
 
 
+FORWARDED = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "PHASE_SERVE_LOG_FORMAT", "PHASE_SERVE_LOG_LEVEL",
+             "PHASE_SERVE_KV_OVERLAP", "PHASE_SERVE_SHM_FREE_BYTES")
+
+
 def _actor_environment(spec: ActorSpec) -> dict[str, str]:
-    """The thread counts the actor's torch must start with, the server's log settings, and the search path
-    (Ray itself narrows CUDA_VISIBLE_DEVICES to the GPU it reserved)."""
+    """What a local actor would inherit and the Ray actor must be given: its torch thread counts, the server's
+    log settings and actor knobs, and the search path. Ray narrows CUDA_VISIBLE_DEVICES to the GPU it
+    reserved itself; the secret goes as an argument of run(), not into the job's visible environment."""
     env = spec.child_environment()
-    keep = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "PHASE_SERVE_LOG_FORMAT", "PHASE_SERVE_LOG_LEVEL")
-    return {k: env[k] for k in keep if k in env} | _search_path()
+    return {k: env[k] for k in FORWARDED if k in env} | _search_path()

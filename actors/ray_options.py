@@ -46,7 +46,6 @@ class RayOptions:
     num_cpus: float = 1.0
     prefill_resources: Resources = ()
     decode_resources: Resources = ()
-    draft_resources: Resources = ()
     connect_timeout: float = 30.0  # reaching the cluster
     placement_timeout: float = 60.0  # the placement group of the whole layout being placed
 
@@ -57,7 +56,7 @@ class RayOptions:
             raise ConfigError(f"Ray CPUs per actor must be positive, got {self.num_cpus}")
         if self.connect_timeout <= 0 or self.placement_timeout <= 0:
             raise ConfigError("Ray timeouts must be positive")
-        for resources in (self.prefill_resources, self.decode_resources, self.draft_resources):
+        for resources in (self.prefill_resources, self.decode_resources):
             check_resources(resources)
 
     def environment(self) -> dict[str, str]:
@@ -71,8 +70,8 @@ class RayOptions:
         return device | dict(self.role_resources(spec.role))
 
     def role_resources(self, role: Role) -> Resources:
-        return {Role.PREFILL: self.prefill_resources, Role.DECODE: self.decode_resources,
-                Role.DRAFT: self.draft_resources}[Role(role)]
+        """Draft actors are not placed on Ray (router.layout refuses them), so they have none."""
+        return {Role.PREFILL: self.prefill_resources, Role.DECODE: self.decode_resources}.get(Role(role), ())
 
 
 def shortfall(demands: list[dict[str, float]], available: dict[str, float]) -> str | None:
@@ -87,4 +86,16 @@ def shortfall(demands: list[dict[str, float]], available: dict[str, float]) -> s
             return (f"the Ray cluster has no node with the resource {name!r}, which the layout needs {amount:g} of"
                     if have == 0 else
                     f"the Ray cluster has {have:g} of the resource {name!r} in all, and the layout needs {amount:g}")
+    return None
+
+
+def unfitting(demands: list[dict[str, float]], nodes: list[dict[str, float]]) -> str | None:
+    """One sentence naming what no single node has enough of for one actor, when the totals suffice but no
+    node can take that actor whole (nodes: each live node's total resources)."""
+    for demand in demands:
+        if any(all(node.get(k, 0.0) + 1e-9 >= v for k, v in demand.items()) for node in nodes):
+            continue
+        short = sorted({k for node in nodes for k, v in demand.items() if node.get(k, 0.0) + 1e-9 < v})
+        return (f"no node of the Ray cluster has room for an actor needing {demand}: each lacks enough of "
+                f"{', '.join(repr(k) for k in short)}")
     return None

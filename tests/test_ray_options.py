@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from actors.ray_options import RayOptions, parse_resources, shortfall
+from actors.ray_options import RayOptions, parse_resources, shortfall, unfitting
 from actors.spec import ActorSpec
 from actors.supervisor import ActorHandle
 from engine.config import ConfigError
@@ -64,6 +64,14 @@ def test_shortfall_names_the_missing_resource():
     assert "no node with the resource 'decode_node'" in shortfall(demands, {"CPU": 4.0})
     assert "has 1 of the resource 'CPU' in all, and the layout needs 2" in shortfall(demands, {"CPU": 1.0,
                                                                                                 "decode_node": 1.0})
+
+
+def test_an_actor_no_single_node_can_hold_is_named():
+    demands = [{"CPU": 2.0, "decode_node": 1.0}]
+    nodes = [{"CPU": 1.0, "decode_node": 1.0}, {"CPU": 4.0}]
+    assert shortfall(demands, {"CPU": 5.0, "decode_node": 1.0}) is None  # enough in all ...
+    assert "each lacks enough of 'CPU', 'decode_node'" in unfitting(demands, nodes)  # ... but on no one node
+    assert unfitting(demands, [*nodes, {"CPU": 2.0, "decode_node": 1.0}]) is None
 
 
 def test_same_node_maps_the_pool_and_another_node_streams_to_its_endpoint():
