@@ -17,7 +17,8 @@ OVERLAPS = ("none", "chunk")
 
 
 def start_cluster():
-    """A head without CPUs, node A (room for both actors) and node B (room for one)."""
+    """A head without CPUs, node A and node B; their CPUs are Ray's bookkeeping, not cores: A has room for
+    two servers' worth of actors (bench.placement runs ray-apart and ray-together side by side), B for two."""
     if "ray" in sys.modules:
         raise RuntimeError("Ray was imported before its loopback setting")
     os.environ[LOOPBACK_ENV] = "0"
@@ -25,8 +26,8 @@ def start_cluster():
 
     cluster = Cluster(initialize_head=True, connect=False,
                       head_node_args=dict(num_cpus=0, include_dashboard=False, **NODE_MEMORY))
-    cluster.add_node(num_cpus=2, resources={"node_a": 2}, **NODE_MEMORY)
-    cluster.add_node(num_cpus=1, resources={"node_b": 1}, **NODE_MEMORY)
+    cluster.add_node(num_cpus=4, resources={"node_a": 4}, **NODE_MEMORY)
+    cluster.add_node(num_cpus=2, resources={"node_b": 2}, **NODE_MEMORY)
     return cluster
 
 
