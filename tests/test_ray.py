@@ -119,6 +119,22 @@ async def test_status_lists_each_actor_with_its_node(placed):
 
 
 @on_module_loop
+async def test_a_killed_ray_actor_is_replaced_by_a_new_one(placed, reference):
+    router, prefill = placed._client, handle(placed, "prefill")
+    restarts, old_pid = prefill.restarts, prefill.pid
+    router.supervisor.kill(prefill.actor_id)  # ray.kill: its run() fails with RayActorError
+    await wait_for(lambda: prefill.state == "ready" and prefill.restarts > restarts, 60, "a new prefill actor")
+    assert prefill.pid != old_pid and prefill.hello.node_id in nodes_with("prefill_node")
+    assert ray_actor_nodes() == {prefill.hello.node_id, handle(placed, "decode").hello.node_id}
+    prompts = make_prompts(3, seed=74)
+    before = router.kv_transfers
+    assert await asyncio.gather(*(_generate(placed, p) for p in prompts)) == \
+        [o.token_ids for o in reference.generate(prompts, GREEDY)]
+    assert router.kv_transfers == before + 3  # handed off by the new actor
+    await assert_clean(placed)
+
+
+@on_module_loop
 async def test_removing_the_decode_node_moves_its_streams_to_a_new_actor(placed, reference, ray_cluster):
     router, decode = placed._client, handle(placed, "decode")
     lost = decode.hello.node_id
