@@ -12,6 +12,7 @@ import asyncio
 import os
 import socket
 import tempfile
+import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -122,10 +123,22 @@ def connect(options: RayOptions) -> None:
         return
     if options.address != "auto":
         probe(options.address)
+    init = threading.Thread(target=_init, args=(options.address, failure := []), daemon=True, name="ray-init")
+    init.start()
+    init.join(options.connect_timeout)
+    if init.is_alive():  # accepted TCP but never answered as a GCS; the thread dies with this process
+        raise RayUnavailable(f"cannot reach the Ray cluster at {options.address}: no answer within "
+                             f"{options.connect_timeout:g}s")
+    if failure:
+        raise RayUnavailable(f"cannot reach the Ray cluster at {options.address}: {failure[0]}")
+
+
+def _init(address: str, failure: list[str]) -> None:
+    """ray.init, which may wait for minutes on an address that does not speak Ray; the caller bounds it."""
     try:
-        ray.init(address=options.address, log_to_driver=True, runtime_env={"env_vars": _search_path()})
-    except (ConnectionError, RuntimeError, ValueError) as exc:
-        raise RayUnavailable(f"cannot reach the Ray cluster at {options.address}: {exc}") from None
+        ray.init(address=address, log_to_driver=True, runtime_env={"env_vars": _search_path()})
+    except Exception as exc:  # noqa: BLE001 - reported to the user as why the cluster cannot be reached
+        failure.append(str(exc) or type(exc).__name__)
 
 
 def probe(address: str) -> None:
