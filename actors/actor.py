@@ -14,7 +14,7 @@ import signal
 import time
 from typing import Any, Callable
 
-from actors.spec import ActorSpec, Role
+from actors.spec import ActorSpec, Role, node_identity
 from actors.startup import Startup
 from engine.engine_thread import EngineThread, build_off_thread
 from engine.stats import EngineStats
@@ -128,7 +128,9 @@ class Actor:
         """Free process-external resources (shared memory) on the way out."""
 
     async def serve_connection(self, conn: Connection) -> None:
-        await conn.send(m.Hello(self.spec.role.value, self.spec.device, os.getpid(), self.spec.actor_id))
+        node_id, node_address = node_identity()
+        await conn.send(m.Hello(self.spec.role.value, self.spec.device, os.getpid(), self.spec.actor_id,
+                                node_id=node_id, node_address=node_address))
         await conn.send(self.ready_message())
         self.connections.add(conn)
         try:

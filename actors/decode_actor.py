@@ -64,8 +64,9 @@ class DecodeActor(Actor):
                 self.pool.serve(self.spec.pool_socket)
             return self.pool.tensor
 
-        # Only prefill actors write into the pool; peers on another host cannot map our memory.
-        shared = self.spec.share_kv and not self.spec.remote
+        # Only prefill actors write into the pool; peers on another host cannot map our memory, but on a Ray
+        # node the actors placed beside this one can.
+        shared = self.spec.share_kv and (self.spec.ray or not self.spec.remote)
         # A pool that takes hand-offs (shared, or streamed to a worker on another host) keeps the plain layout
         options = dict(self.spec.engine, free_window_kv=False) if self.spec.share_kv or self.spec.remote \
             else self.spec.engine
@@ -93,7 +94,10 @@ class DecodeActor(Actor):
         export = dict(self.pool.export if self.pool else {"kind": "none"}, bytes_per_token=kv.bytes_per_token,
                       kv_format=kv.kv_format)
         if self.kv_endpoint is not None:
-            export.update(kind="tcp", host=self.kv_endpoint.address[0], port=self.kv_endpoint.address[1])
+            host, port = self.kv_endpoint.address
+            export["endpoint"] = [host, port]
+            if self.pool is None:
+                export.update(kind="tcp", host=host, port=port)
         return m.Ready(self.spec.actor_id, kv.num_blocks, kv.block_size, export, self.calibration.to_wire(),
                        self.engine.runner.backend.describe())
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -29,6 +30,9 @@ class ActorSpec:
     socket_path: str = ""  # the Unix socket the actor listens on (inside the supervisor's 0700 directory)
     engine: dict = field(default_factory=dict)  # EngineConfig keyword arguments
     remote: bool = False  # joined over TCP from another host: its KV pool cannot be mapped here
+    # Placed on a Ray node (actors.ray_actors): it joins over TCP like a remote worker, but still shares its KV
+    # pool with peers on its own node (and offers a KV endpoint to the others)
+    ray: bool = False
     # A remote decode actor's KV endpoint, HOST:PORT, where prefill actors stream pages ("": the address it
     # joins from, a free port; "off": none, the router relays the pages)
     kv_listen: str = ""
@@ -85,6 +89,15 @@ class ActorSpec:
     def local_device(self) -> str:
         """Inside the child, a GPU is always cuda:0 (CUDA_VISIBLE_DEVICES narrows it to one)."""
         return "cuda:0" if self.device.startswith("cuda") else "cpu"
+
+
+NODE_ID_ENV = "PHASE_SERVE_NODE_ID"  # set by the Ray actor wrapper: the Ray node this actor runs on
+NODE_ADDRESS_ENV = "PHASE_SERVE_NODE_ADDRESS"
+
+
+def node_identity() -> tuple[str, str]:
+    """(node id, node address) that this process reports in Hello: its Ray node's, else its host's name."""
+    return (os.environ.get(NODE_ID_ENV) or f"host:{socket.gethostname()}", os.environ.get(NODE_ADDRESS_ENV, ""))
 
 
 def socket_name(actor_id: str) -> str:

@@ -5,12 +5,17 @@ listening on a socket in a private directory. The supervisor connects, waits for
 heartbeats it. An actor that exits, closes its connection or misses heartbeats is killed, reported down
 (the router fails over its requests) and restarted with exponential back-off; too many restarts in a short
 window is a crash loop, reported and not retried.
+
+With Ray options (`serve --ray`) the actors are Ray actors instead (actors.ray_actors): each joins over TCP
+like a remote worker, Ray's report of its death counts like a process exit, and its restart is a new Ray
+actor in the same bundle of the layout's placement group.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import os
+import secrets
 import shutil
 import signal
 import sys
@@ -19,14 +24,18 @@ import time
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from pathlib import Path
-from typing import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from engine.kv.export import reclaim_stale_pools
+from actors.ray_options import RayOptions
 from actors.spec import ROLES, ActorSpec, Role, socket_name
 from engine.stats import EngineStats
 from transport import Connection, TransportError, connect_unix, private_socket_dir, serve_tcp
 from transport.owned import owned_prefix, reclaim
 from transport import messages as m
+
+if TYPE_CHECKING:
+    from actors.ray_actors import RayCluster
 
 log = logging.getLogger("supervisor")
 
@@ -60,6 +69,9 @@ class ActorHandle:
     process: asyncio.subprocess.Process | None = None
     conn: Connection | None = None
     ready: m.Ready | None = None
+    hello: m.Hello | None = None  # who it said it is, and on which node
+    ray: Any = None  # on Ray: the running actor (actors.ray_actors.Launched)
+    joined: asyncio.Future | None = None  # on Ray: resolves when the actor joined (Hello + Ready)
     restarts: int = 0
     restart_times: list[float] = field(default_factory=list)
     last_ack: float = 0.0
@@ -77,7 +89,9 @@ class ActorHandle:
 
     @property
     def pid(self) -> int | None:
-        return None if self.process is None else self.process.pid
+        if self.process is not None:
+            return self.process.pid
+        return None if self.hello is None else self.hello.pid
 
     async def send(self, msg: m.Message) -> bool:
         """False when the actor is not reachable (the router then treats it as down)."""
@@ -96,8 +110,11 @@ OnChange = Callable[[ActorHandle], Awaitable[None] | None]
 
 class Supervisor:
     def __init__(self, specs: list[ActorSpec], on_message: OnMessage, on_up: OnChange, on_down: OnChange,
-                 settings: SupervisorSettings = SupervisorSettings()) -> None:
+                 settings: SupervisorSettings = SupervisorSettings(), ray: RayOptions | None = None) -> None:
         self.settings = settings
+        self._ray_options = ray
+        self.cluster: RayCluster | None = None
+        self._join: tuple[tuple[str, int], bytes] | None = None  # where and with what secret Ray actors join
         reclaim(Path(tempfile.gettempdir()), SOCKET_DIR_KIND)  # what servers killed with SIGKILL left
         reclaim_stale_pools()
         self.socket_dir = private_socket_dir(owned_prefix(SOCKET_DIR_KIND))
@@ -108,8 +125,20 @@ class Supervisor:
         self._tcp = None
 
     async def start(self) -> None:
-        """Start every actor and wait until each is ready (or has failed to start)."""
+        """Start every actor and wait until each is ready (or has failed to start). On Ray, a cluster that
+        cannot be reached or cannot place the layout raises actors.ray_actors.RayUnavailable first."""
+        if self._ray_options is not None:
+            await self._open_ray(self._ray_options)
         await asyncio.gather(*(self._start(h) for h in self.handles))
+
+    async def _open_ray(self, options: RayOptions) -> None:
+        os.environ.update(options.environment())  # Ray reads it once, at its import
+        from actors.ray_actors import RayCluster  # only here: without --ray nothing imports Ray
+
+        self.cluster = RayCluster(options, [h.spec for h in self.handles if h.spec.ray])
+        await self.cluster.open()
+        secret = secrets.token_hex(32).encode()
+        self._join = (await self.listen_for_workers(self.cluster.server_host(), 0, secret), secret)
 
     def begin_shutdown(self) -> None:
         """The server is stopping: an actor that exits from now on is not restarted."""
@@ -120,6 +149,8 @@ class Supervisor:
         await asyncio.gather(*(self._stop(h, grace) for h in self.handles))
         if self._tcp is not None:
             await self._tcp.close()
+        if self.cluster is not None:
+            self.cluster.close()
         shutil.rmtree(self.socket_dir, ignore_errors=True)
 
     async def listen_for_workers(self, host: str, port: int, secret: bytes) -> tuple[str, int]:
@@ -132,12 +163,20 @@ class Supervisor:
         ready = await conn.recv(timeout=self.settings.start_timeout)
         if not isinstance(hello, m.Hello) or not isinstance(ready, m.Ready) or hello.role not in ROLES:
             raise TransportError("a remote worker must open with Hello and Ready")
+        if hello.protocol_version != m.PROTOCOL_VERSION:
+            raise TransportError(f"protocol version {hello.protocol_version} != {m.PROTOCOL_VERSION}")
         handle = self._remote_handle(hello)
-        handle.incarnation += 1
-        handle.conn, handle.ready, handle.state, handle.last_ack = conn, ready, ActorState.READY, time.monotonic()
+        if not handle.spec.ray:  # a Ray actor's incarnation began when it was launched
+            handle.incarnation += 1
+        handle.conn, handle.ready, handle.hello = conn, ready, hello
+        handle.state, handle.last_ack = ActorState.READY, time.monotonic()
         incarnation = handle.incarnation
-        handle.tasks = [asyncio.create_task(self._heartbeat(handle, incarnation))]
-        log.info("remote actor %s (%s) joined from %s", handle.actor_id, hello.role, conn.peer)
+        watchers = handle.tasks if handle.spec.ray else []  # a Ray actor's keeps its launch's watch
+        handle.tasks = [*watchers, asyncio.create_task(self._heartbeat(handle, incarnation))]
+        if handle.joined is not None and not handle.joined.done():
+            handle.joined.set_result(None)
+        log.info("remote actor %s (%s) joined from %s (node %s)", handle.actor_id, hello.role, conn.peer,
+                 hello.node_address or hello.node_id)
         await _maybe_await(self._on_up(handle))
         await self._read(handle, incarnation)
 
@@ -152,9 +191,12 @@ class Supervisor:
         return handle
 
     def kill(self, actor_id: str, sig: int = signal.SIGKILL) -> None:
-        """Send a signal to an actor's process (tests and operators use this for failure drills)."""
+        """Send a signal to an actor's process (tests and operators use this for failure drills); a Ray actor
+        is killed through Ray, whatever the signal."""
         handle = self.by_id(actor_id)
-        if handle.process is not None and handle.process.returncode is None:
+        if handle.ray is not None:
+            self.cluster.kill(handle.ray)
+        elif handle.process is not None and handle.process.returncode is None:
             handle.process.send_signal(sig)
 
     def by_id(self, actor_id: str) -> ActorHandle:
@@ -171,6 +213,9 @@ class Supervisor:
     # ---------------------------------------------------------------- start / stop
 
     async def _start(self, handle: ActorHandle) -> None:
+        if handle.spec.ray:
+            await self._start_on_ray(handle)
+            return
         handle.incarnation += 1
         handle.state = ActorState.STARTING
         Path(handle.spec.socket_path).unlink(missing_ok=True)
@@ -190,6 +235,10 @@ class Supervisor:
         handle.tasks = [asyncio.create_task(self._read(handle, incarnation)),
                         asyncio.create_task(self._heartbeat(handle, incarnation)),
                         asyncio.create_task(self._watch_exit(handle, incarnation))]
+        await self._serving(handle)
+
+    async def _serving(self, handle: ActorHandle) -> None:
+        """The actor is ready: say so (and how long it was down, for a replacement), and tell the router."""
         if handle.down_at is None:
             log.info("actor %s ready (pid %s)", handle.actor_id, handle.pid)
         else:
@@ -207,7 +256,40 @@ class Supervisor:
             raise TransportError(f"expected Hello and Ready, got {type(hello).__name__}, {type(ready).__name__}")
         if hello.protocol_version != m.PROTOCOL_VERSION:
             raise TransportError(f"protocol version {hello.protocol_version} != {m.PROTOCOL_VERSION}")
-        handle.conn, handle.ready = conn, ready
+        handle.conn, handle.ready, handle.hello = conn, ready, hello
+
+    async def _start_on_ray(self, handle: ActorHandle) -> None:
+        """Launch the actor on Ray and wait until it joins; Ray's report of its end counts as its exit."""
+        handle.incarnation += 1
+        incarnation = handle.incarnation
+        handle.state, handle.hello = ActorState.STARTING, None
+        handle.joined = asyncio.get_running_loop().create_future()
+        handle.ray = self.cluster.launch(handle.spec, *self._join)
+        handle.tasks = [asyncio.create_task(self._watch_ray(handle, incarnation, handle.ray))]
+        try:
+            await asyncio.wait_for(asyncio.shield(handle.joined), self.settings.start_timeout)
+        except (asyncio.TimeoutError, TransportError) as exc:
+            handle.start_error = str(exc) or "did not join within the start timeout"
+            log.error("actor %s failed to start on Ray: %s", handle.actor_id, handle.start_error)
+            await self._mark_down(handle, incarnation)
+            return
+        handle.start_error = None
+        await self._serving(handle)
+
+    async def _watch_ray(self, handle: ActorHandle, incarnation: int, launched: Any) -> None:
+        """Wait for the Ray actor's run() to end: RayActorError when it (or its node) died."""
+        try:
+            status = await launched.finished()
+            how = f"its Ray actor ended (status {status})"
+        except Exception as exc:  # noqa: BLE001 - ray.exceptions.RayActorError and its kin: all mean it is gone
+            how = f"its Ray actor died: {type(exc).__name__}"
+        if handle.incarnation != incarnation:
+            return
+        if handle.joined is not None and not handle.joined.done():
+            handle.joined.set_exception(TransportError(how))
+        elif handle.state is ActorState.READY:
+            log.error("actor %s: %s", handle.actor_id, how)
+            await self._mark_down(handle, incarnation)
 
     async def _connect(self, handle: ActorHandle) -> Connection:
         """The actor listens only once its model is loaded: poll for the socket while the process lives."""
@@ -228,6 +310,9 @@ class Supervisor:
             task.cancel()
         await handle.send(m.Shutdown())
         handle.state = ActorState.DEAD
+        if handle.ray is not None:
+            await _ray_stops_within(handle.ray, grace)
+            self.cluster.kill(handle.ray)
         if handle.process is not None and handle.process.returncode is None:
             try:
                 await asyncio.wait_for(handle.process.wait(), grace)
@@ -276,6 +361,8 @@ class Supervisor:
                 task.cancel()
         if handle.conn is not None:
             handle.conn.close(abort=True)
+        if handle.ray is not None:  # whatever noticed it first: the Ray actor must not linger (nor reconnect)
+            self.cluster.kill(handle.ray)
         # A drained actor closes its connection on the way out: give it time to exit by itself.
         notice = self.settings.drain_exit_timeout if handle.draining else EXIT_NOTICE_SECONDS
         exited = handle.process is None or await _exits_within(handle.process, notice)
@@ -287,11 +374,13 @@ class Supervisor:
         if was_ready:  # however it was noticed (exit, closed connection, silence), say so once
             code = None if handle.process is None else handle.process.returncode
             how = describe_exit(code) if exited else "stopped by the supervisor (killed by SIGKILL)"
+            if handle.ray is not None:
+                how = "lost; its Ray actor is killed and a new one takes its place"
             level = logging.INFO if handle.draining and code == 0 else logging.ERROR  # a drain's end is planned
             log.log(level, "actor %s (pid %s) is down: %s", handle.actor_id, handle.pid, how,
                     extra={"actor_id": handle.actor_id, "actor_pid": handle.pid, "exit_status": code})
             await _maybe_await(self._on_down(handle))
-        if not self._stopping and not handle.spec.remote:  # a remote worker reconnects by itself
+        if not self._stopping and (handle.spec.ray or not handle.spec.remote):  # a remote worker reconnects itself
             asyncio.create_task(self._restart(handle))
 
     async def _restart(self, handle: ActorHandle) -> None:
@@ -321,6 +410,14 @@ class Supervisor:
 
 EXIT_NOTICE_SECONDS = 0.5  # how long a lost actor gets to be reaped before it is killed (for its exit status)
 SOCKET_DIR_KIND = "actors"  # the owned-name kind of the supervisors' socket directories (transport.owned)
+
+
+async def _ray_stops_within(launched: Any, seconds: float) -> None:
+    """Give a Ray actor told to shut down `seconds` to end its run() by itself."""
+    try:
+        await asyncio.wait_for(launched.finished(), seconds)
+    except Exception:  # noqa: BLE001 - late, or already dead: it is killed next either way
+        pass
 
 
 async def _exits_within(process: asyncio.subprocess.Process, seconds: float) -> bool:

@@ -1,4 +1,5 @@
-"""The actor process entry point: `python -m actors.worker --spec JSON [--connect HOST:PORT]`.
+"""The actor process entry point: `python -m actors.worker --spec JSON [--connect HOST:PORT]`, and `run_actor`,
+which the Ray actors (actors.ray_actors) call in their own processes.
 
 It picks the role's class (decode_actor, prefill_actor, draft_actor), ties its life to the parent's and runs
 it on uvloop."""
@@ -58,6 +59,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--secret-file", default=None, help="shared secret (else $PHASE_SERVE_SECRET)")
     args = parser.parse_args(argv)
     spec = ActorSpec.from_json(args.spec)
+    if args.connect is None:
+        return run_actor(spec)
+    host, port = args.connect.rsplit(":", 1)
+    return run_actor(spec, (host, int(port), load_secret(args.secret_file)))
+
+
+def run_actor(spec: ActorSpec, join: tuple[str, int, bytes] | None = None, entered: float = ENTERED) -> int:
+    """Run the spec's actor until it stops: serving its Unix socket for a local supervisor, or, with
+    `join=(host, port, secret)`, joining a server over TCP (`cli.py worker --connect`, and each Ray actor).
+    Returns the exit status."""
     configure_actor_logging(spec.actor_id, spec.role)  # the server's format and level, from the environment
     if spec.cpus:
         os.sched_setaffinity(0, spec.cpus)
@@ -67,12 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import uvloop
         actor = actor_class(spec.role)(spec)
-        actor.startup = Startup.of_this_process(ENTERED)
-        if args.connect is None:
-            uvloop.run(actor.run())
-        else:
-            host, port = args.connect.rsplit(":", 1)
-            uvloop.run(actor.run_connected(host, int(port), load_secret(args.secret_file)))
+        actor.startup = Startup.of_this_process(entered)
+        uvloop.run(actor.run() if join is None else actor.run_connected(*join))
     except KeyboardInterrupt:
         pass
     except Exception as exc:

@@ -3,6 +3,7 @@ against a plain memory copy of the same bytes in the same run; then the TTFT of 
 and without the layer-wise overlap.
 
     python -m bench.kv_transfer [--tokens 1024,8192,32768] [--repeats 5] [--ttft-tokens 4096] [--ttft-repeats 3]
+    python -m bench.kv_transfer --ray [--tokens 1024,8192] [--repeats 3]
 
 Geometry is SmolLM2-135M's (30 layers, 3 KV heads x 64, bf16: 23,040 bytes per token). Per size it reports:
 - memcpy: one torch copy of the prompt's KV bytes (the bound for anything that moves them);
@@ -17,6 +18,13 @@ Geometry is SmolLM2-135M's (30 layers, 3 KV heads x 64, bf16: 23,040 bytes per t
   receiver's KV endpoint (transport.kv_stream: sendmsg of the pool's memory, received into a held buffer,
   written under the reservation lock), timed to the receiver's acknowledgement.
 Everything runs in this process (the direct path's ends on their own threads).
+
+Ray (`--ray`, needs the cluster extra): a Ray cluster on this host's loopback (ray.cluster_utils: a head and
+nodes A and B) and the same random model as the TTFT run, one prefill and one decode Ray actor, one thread
+each, every request disaggregated: the prefill actor on A and the decode actor on B (the pages go over the
+direct KV stream) against both on A (the pages are written in place in shared memory). With the pages sent
+after the prefill (PHASE_SERVE_KV_OVERLAP=none) the TTFT difference is the cross-node transfer, so the bytes
+handed off over it give the hand-off GB/s; the default overlap (chunk) shows what is left of it in the TTFT.
 
 TTFT (`--ttft-tokens`, 0 to skip): a random model with SmolLM2-135M's KV geometry (30 layers, 3 KV heads x 64;
 hidden 192, so the prefill is short), fp32, one prefill actor and one decode worker joined over TCP, one
@@ -237,8 +245,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--ttft-tokens", type=int, default=4096)
     parser.add_argument("--ttft-repeats", type=int, default=3)
+    parser.add_argument("--ray", action="store_true", help="only the Ray two-node comparison (see above)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.ray:
+        from bench.ray_nodes import run_ray
+
+        sizes = [int(t) for t in args.tokens.split(",") if t]
+        asyncio.run(run_ray(geometry_model(max(sizes)), sizes, args.repeats))
+        return
     print(f"torch threads {torch.get_num_threads()}; bytes per token {LAYERS * 2 * HEADS * HEAD_DIM * 2}")
     print(f"{'tokens':>7} {'MB':>9} {'memcpy ms':>22} {'shm write+verify ms':>22} {'shm proto ms':>9} "
           f"{'tcp relayed ms':>22} {'tcp direct ms':>22}")
@@ -290,15 +305,21 @@ async def _ttft_once(model_dir: str, prompts: list[list[int]], overlap: str | No
     return samples
 
 
-async def run_ttft(tokens: int, repeats: int) -> None:
-    import random
+def geometry_model(tokens: int) -> str:
+    """A random model folder with SmolLM2-135M's KV geometry and a small hidden size (a short prefill)."""
     import tempfile
 
     from tests.tiny_models import tiny_llama_config, write_tiny_model
 
     config = tiny_llama_config(hidden_size=HEADS * HEAD_DIM, intermediate_size=512, num_hidden_layers=LAYERS,
                                num_attention_heads=HEADS, num_key_value_heads=HEADS, max_position_embeddings=2 * tokens)
-    model_dir = str(write_tiny_model(Path(tempfile.mkdtemp()), config, seed=3))
+    return str(write_tiny_model(Path(tempfile.mkdtemp()), config, seed=3))
+
+
+async def run_ttft(tokens: int, repeats: int) -> None:
+    import random
+
+    model_dir = geometry_model(tokens)
     rng = random.Random(5)
     kv_mb = LAYERS * 2 * HEADS * HEAD_DIM * 4 * tokens / 1e6
     print(f"TTFT of a {tokens}-token prompt ({kv_mb:.0f} MB of fp32 KV), median of {repeats} fresh prompts:")

@@ -8,6 +8,7 @@ import time
 from dataclasses import fields
 from typing import AsyncIterator, Sequence
 
+from actors.ray_options import RayOptions
 from client.in_process import InProcessClient
 from client.prompts import Messages, Prepared, Prompt, chat_prompt, engine_config, prepare
 from engine.client_protocol import EngineClient
@@ -45,20 +46,20 @@ class AsyncLLM:
     each output's `trace` holds when its tokens left the step, were sent, received and detokenised.
     `capacity_timeout`: with actors, how long a request waits for a decode actor to come (back) up before it
     fails with router.failover.NoCapacityError. `max_migrations`: how many times one stream may be resumed on
-    another decode actor before it fails.
+    another decode actor before it fails. `ray`: place the actors on a Ray cluster (actors.ray_options).
     """
 
     def __init__(self, model: str | None = None, dtype: str | None = None, *, decode_actors: int = 0,
                  prefill_actors: int = 0, devices: Sequence[str] = (), disagg: PlacementMode = "auto",
                  listen_workers: str | None = None, draft_actors: int = 0, stream_interval: int | str = 1,
                  trace_tokens: bool = False, capacity_timeout: float = 30.0, max_migrations: int = 3,
-                 **engine_options) -> None:
+                 ray: RayOptions | None = None, **engine_options) -> None:
         self.stream_interval = StreamInterval.parse(stream_interval)
         self.trace_tokens = trace_tokens
         self.capacity_timeout, self.max_migrations = capacity_timeout, max_migrations
         self.config = engine_config(model, dtype, engine_options)
         self.layout = ActorLayout(prefill_actors, decode_actors, tuple(devices), disagg, listen_workers, draft_actors,
-                                  trace_tokens)
+                                  trace_tokens, ray)
         if draft_actors and self.config.speculative != "draft":
             raise ConfigError("draft_actors needs speculative='draft' (and a draft_model)")
         self.engine = None if self.layout.uses_actors else build_off_thread(lambda: EngineCore(self.config))
@@ -92,7 +93,7 @@ class AsyncLLM:
         specs = actor_specs(self.layout, _config_options(self.config))
         settings = RouterSettings(PlacementPolicy(self.layout.disagg), park_timeout=self.capacity_timeout,
                                   max_migrations=self.max_migrations)
-        router = ActorRouter(specs, self._on_updates, self._on_error, settings)
+        router = ActorRouter(specs, self._on_updates, self._on_error, settings, ray=self.layout.ray)
         try:
             await router.start(self.layout.listen_address())
         except BaseException:

@@ -84,6 +84,7 @@ class Routed:
 Send = Callable[[str | None, m.Message], None]
 RecordEstimate = Callable[[ActorHandle, float, float, int], None]
 RecordTransfer = Callable[[ActorHandle, str, int, float], None]  # (prefill actor, decode actor id, bytes, seconds)
+HandleOf = Callable[[str], ActorHandle | None]
 
 
 @dataclass
@@ -97,8 +98,10 @@ class Handoff:
     """Drives each request through the phases above, by the messages it sends and the replies it gets."""
 
     def __init__(self, routed: dict[str, Routed], send: Send, record_estimate: RecordEstimate,
-                 handoff_timeout: float, record_transfer: RecordTransfer | None = None) -> None:
+                 handoff_timeout: float, handle_of: HandleOf = lambda actor_id: None,
+                 record_transfer: RecordTransfer | None = None) -> None:
         self.routed = routed
+        self.handle_of = handle_of  # the prefill actor's handle, for where it runs
         self.send, self._record_estimate, self._record_transfer = send, record_estimate, record_transfer
         self.handoff_timeout = handoff_timeout
         self.counters = TransferCounters()
@@ -133,7 +136,8 @@ class Handoff:
         req, block_size = routed.request, handle.ready.block_size
         self.send(routed.prefill, m.PrefillRequest(req.request_id, req.context_token_ids, params_to_wire(req.params),
                                                     routed.decode, msg.block_ids, msg.num_cached_tokens // block_size,
-                                                    time.time() + self.handoff_timeout, stream=not mappable(handle),
+                                                    time.time() + self.handoff_timeout,
+                                                    stream=not shares_memory(handle, self.handle_of(routed.prefill)),
                                                     kv_format=handle.ready.kv_export.get("kv_format", "auto"),
                                                     num_prompt_tokens=len(req.prompt_token_ids) if req.resume else None))
 
@@ -190,4 +194,26 @@ def mappable(decode: ActorHandle) -> bool:
 def attachable(decode: ActorHandle) -> bool:
     """A decode actor that prefill actors are told about: one whose pool they map, or whose KV endpoint
     (another host) they stream pages to directly."""
-    return mappable(decode) or decode.ready.kv_export.get("kind") == "tcp"
+    return mappable(decode) or "endpoint" in decode.ready.kv_export or decode.ready.kv_export.get("kind") == "tcp"
+
+
+def node_of(handle: ActorHandle | None) -> str:
+    """The node an actor reported in its Hello ("" before it did)."""
+    return "" if handle is None or handle.hello is None else handle.hello.node_id
+
+
+def shares_memory(decode: ActorHandle, prefill: ActorHandle | None) -> bool:
+    """Whether `prefill` writes into the decode actor's pool in place: a mappable pool on the same node."""
+    return mappable(decode) and (prefill is None or node_of(prefill) == node_of(decode))
+
+
+def export_for(decode: ActorHandle, prefill: ActorHandle) -> dict | None:
+    """What `prefill` is told about the decode actor's pool: the pool itself on the same node, else its KV
+    endpoint (kind "tcp"); None when it has neither for this peer (the router then relays the pages)."""
+    export = decode.ready.kv_export
+    if shares_memory(decode, prefill) or export.get("kind") == "tcp":
+        return export
+    if "endpoint" in export:
+        host, port = export["endpoint"]
+        return dict(export, kind="tcp", host=host, port=port)
+    return None

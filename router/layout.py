@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from actors.ray_options import RayOptions
 from actors.spec import ActorSpec, Role, split_cores
 from router.placement import PlacementMode
 from transport import load_secret
@@ -19,6 +20,7 @@ class ActorLayout:
     listen_workers: str | None = None  # HOST:PORT where workers on other hosts join (secret: $PHASE_SERVE_SECRET)
     draft_actors: int = 0  # with speculative="draft": draft model processes (0: the draft runs in each decode actor)
     trace_tokens: bool = False  # decode actors stamp their token frames (serve --trace-tokens)
+    ray: RayOptions | None = None  # place the actors on a Ray cluster (serve --ray)
 
     def __post_init__(self) -> None:
         if self.prefill_actors < 0 or self.decode_actors < 0 or self.draft_actors < 0:
@@ -28,6 +30,17 @@ class ActorLayout:
         if self.prefill_actors and not self.decode_actors and self.listen_workers is None:
             raise ValueError("prefill actors need a decode actor (or --listen-workers for remote ones) to hand "
                              "their KV to")
+        if self.ray is not None:
+            self._check_ray()
+
+    def _check_ray(self) -> None:
+        if not self.decode_actors:
+            raise ValueError("--ray needs at least one decode actor")
+        if self.listen_workers is not None:
+            raise ValueError("--ray and --listen-workers are two ways to run actors elsewhere; give one")
+        if self.draft_actors:
+            raise ValueError("draft actors are not placed on Ray; leave --draft-actors at 0 with --ray (the draft "
+                             "model then runs inside each decode actor)")
 
     @property
     def uses_actors(self) -> bool:
@@ -52,20 +65,22 @@ def actor_specs(layout: ActorLayout, engine_options: dict) -> list[ActorSpec]:
     num_drafts = layout.draft_actors if engine_options.get("speculative") == "draft" else 0
     roles = [Role.PREFILL] * layout.prefill_actors + [Role.DECODE] * layout.decode_actors + [Role.DRAFT] * num_drafts
     counters = dict.fromkeys(Role, 0)
-    shares = split_cores(len(roles))
+    shares = split_cores(len(roles)) if layout.ray is None else [()] * len(roles)  # Ray: no host to split
     specs = []
     for i, role in enumerate(roles):
         index = counters[role]
         counters[role] += 1
         device = layout.devices[i % len(layout.devices)] if layout.devices else "cpu"
         cpus = () if device != "cpu" else shares[i]
-        options = dict(engine_options, num_threads=max(len(cpus), 1))
+        threads = max(len(cpus), 1) if layout.ray is None else max(int(layout.ray.num_cpus), 1)
+        options = dict(engine_options, num_threads=threads)
         draft_actor = f"draft-{index % num_drafts}" if role is Role.DECODE and num_drafts else ""
         if role is Role.DRAFT:
             options = _draft_options(options, layout.decode_actors, num_drafts, index)
-        specs.append(ActorSpec(f"{role}-{index}", role, device, max(len(cpus), 1), cpus, "", options,
+        specs.append(ActorSpec(f"{role}-{index}", role, device, threads, cpus, "", options,
                                draft_actor=draft_actor, trace=layout.trace_tokens,
-                               share_kv=role is Role.DECODE and layout.hands_off_kv))
+                               share_kv=role is Role.DECODE and layout.hands_off_kv,
+                               remote=layout.ray is not None, ray=layout.ray is not None))
     return specs
 
 

@@ -12,7 +12,7 @@ from actors.spec import Role
 from actors.supervisor import ActorHandle, Supervisor
 from engine.engine_core import EngineRequest
 from router.cost_model import ArrivalRate, DecodeCost, LinkEstimate, PrefillCost, Smoothed, TransferCost
-from router.handoff import HANDOFF_PHASES, Phase, Routed, mappable
+from router.handoff import HANDOFF_PHASES, Phase, Routed, node_of, shares_memory
 from router.placement import DecodeActorView, Placement, PlacementPolicy, PrefillActorView, choose_decode_actor, place
 
 # Costs until calibration measures them (a 135M model on one CPU core, roughly).
@@ -93,8 +93,8 @@ class Placer:
                    if r.prefill == handle.actor_id and r.phase in HANDOFF_PHASES)
 
     def transfer_cost(self, prefill: ActorHandle, decode: ActorHandle) -> TransferCost:
-        """Pages written in place on this host cost ~nothing; a stream costs what its link has measured."""
-        if mappable(decode):
+        """Pages written in place on one node cost ~nothing; a stream costs what its link has measured."""
+        if shares_memory(decode, prefill):
             return SHM_TRANSFER
         return self.links.get(link_key(prefill, decode), LinkEstimate(TCP_TRANSFER)).cost
 
@@ -144,12 +144,8 @@ class Placer:
         return entry
 
 
-def node_of(handle: ActorHandle) -> str:
-    """Where an actor runs, as far as links go: this host, or (joined over TCP) its own."""
-    return handle.actor_id if handle.spec.remote else "local"
-
-
 def link_key(prefill: ActorHandle, decode: ActorHandle) -> tuple[str, str]:
+    """One link per node pair (the nodes the actors reported in their Hello)."""
     return node_of(prefill), node_of(decode)
 
 

@@ -15,13 +15,14 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 from actors.convert import update_from_wire
+from actors.ray_options import RayOptions
 from actors.spec import ActorSpec, Role
 from actors.supervisor import ActorHandle, ActorState, Supervisor, SupervisorSettings
 from engine.engine_core import EngineRequest
 from engine.stats import EngineStats
 from engine.step import SequenceUpdate
 from router.failover import Failover, RequestFailedError
-from router.handoff import Handoff, Phase, Routed, attachable
+from router.handoff import Handoff, Phase, Routed, attachable, export_for
 from router.placement import DISAGGREGATED, Placement, PlacementPolicy
 from router.placer import Placer
 from transport import messages as m
@@ -44,14 +45,14 @@ class RouterSettings:
 class ActorRouter:
     def __init__(self, specs: list[ActorSpec], on_updates: Callable[[list[SequenceUpdate]], None],
                  on_error: Callable[[str, Exception], None], settings: RouterSettings = RouterSettings(),
-                 supervisor_settings: SupervisorSettings = SupervisorSettings()) -> None:
+                 supervisor_settings: SupervisorSettings = SupervisorSettings(), ray: RayOptions | None = None) -> None:
         self.settings = settings
         self._on_updates = on_updates
-        self.supervisor = Supervisor(specs, self._on_message, self._on_up, self._on_down, supervisor_settings)
+        self.supervisor = Supervisor(specs, self._on_message, self._on_up, self._on_down, supervisor_settings, ray)
         self.routed: dict[str, Routed] = {}
         self.placer = Placer(self.supervisor, self.routed, settings.policy)
         self.handoff = Handoff(self.routed, self._send, self.placer.record_estimate, settings.handoff_timeout,
-                               self.placer.record_transfer)
+                               self._handle_or_none, self.placer.record_transfer)
         self.failover = Failover(self.supervisor, self.routed, self.handoff, self._dispatch, on_error,
                                  settings.max_attempts, settings.park_timeout, settings.max_migrations)
         self._watchdog: asyncio.Task | None = None
@@ -106,6 +107,7 @@ class ActorRouter:
 
     def actors(self) -> list[dict]:
         return [{"id": h.actor_id, "role": h.spec.role, "device": h.spec.device, "pid": h.pid, "state": h.state,
+                 "node": {"id": h.hello.node_id, "address": h.hello.node_address} if h.hello else None,
                  "restarts": h.restarts, "draining": h.draining, "last_exit": h.last_exit,
                  "running": h.load.running if h.load else 0,
                  "kv_blocks": {"total": h.load.kv_blocks_total, "used": h.load.kv_blocks_used} if h.load else None,
@@ -274,10 +276,10 @@ class ActorRouter:
     async def _on_up(self, handle: ActorHandle) -> None:
         if handle.spec.role is Role.DECODE and attachable(handle):
             for prefill in self.supervisor.ready(Role.PREFILL):
-                await prefill.send(_attach(handle))
+                await _attach(handle, prefill)
         elif handle.spec.role is Role.PREFILL:
             for decode in filter(attachable, self.supervisor.ready(Role.DECODE)):
-                await handle.send(_attach(decode))
+                await _attach(decode, handle)
         self.failover.unpark()
 
     async def _on_down(self, handle: ActorHandle) -> None:
@@ -286,6 +288,12 @@ class ActorRouter:
                 await prefill.send(m.DetachPool(handle.actor_id))
         self.failover.on_down(handle)
 
+    def _handle_or_none(self, actor_id: str | None) -> ActorHandle | None:
+        try:
+            return None if actor_id is None else self.supervisor.by_id(actor_id)
+        except KeyError:
+            return None
+
     def _send(self, actor_id: str | None, msg: m.Message) -> None:
         if actor_id is None:
             return
@@ -293,5 +301,8 @@ class ActorRouter:
         asyncio.ensure_future(handle.send(msg))
 
 
-def _attach(decode: ActorHandle) -> m.AttachPool:
-    return m.AttachPool(decode.actor_id, decode.ready.kv_export, decode.ready.num_kv_blocks, decode.ready.block_size)
+async def _attach(decode: ActorHandle, prefill: ActorHandle) -> None:
+    """Tell a prefill actor how to reach a decode actor's pool: in place on its node, else its KV endpoint."""
+    export = export_for(decode, prefill)
+    if export is not None:
+        await prefill.send(m.AttachPool(decode.actor_id, export, decode.ready.num_kv_blocks, decode.ready.block_size))

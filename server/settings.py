@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from actors.ray_options import RayOptions, parse_resources
 from engine.config import ConfigError
 from engine.flags import option, parse_list
 from engine.stream_interval import AUTO_MAX_TOKENS, AUTO_OUTPUTS_PER_STEP, StreamInterval
@@ -94,6 +95,18 @@ class ActorOptions:
                                      "during a restart, before it gets 503 with Retry-After")
     max_migrations: int = option(3, "times one stream may move to another decode actor (its own died or "
                                  "drained) before it ends with an error; 0: a stream on a dead actor ends at once")
+    ray: str | None = option(None, "place the actors on a Ray cluster: auto (the running one), local (a private "
+                             "one on this host, on 127.0.0.1) or HOST:PORT of its head", metavar="auto|local|HOST:PORT",
+                             shown="none: actor subprocesses on this host")
+    ray_cpus: float = option(1.0, "with --ray: the CPUs each CPU actor reserves (a cuda device reserves one GPU)")
+    ray_prefill_resources: str | None = option(
+        None, "with --ray: custom Ray resources every prefill actor reserves, as JSON, e.g. '{\"compute_node\": 1}' "
+        "(a node label: compute-rich nodes)", metavar="JSON", shown="none")
+    ray_decode_resources: str | None = option(
+        None, "with --ray: custom Ray resources every decode actor reserves, as JSON, e.g. '{\"decode_node\": 1}' "
+        "(bandwidth-rich nodes)", metavar="JSON", shown="none")
+    ray_placement_timeout: float = option(60.0, "with --ray: seconds the cluster gets to place every actor before "
+                                          "serve refuses to start")
     in_process: bool = option(False, "run the engine inside the server process instead of actor subprocesses "
                               "(debugging)")
     long_prompt_threshold: int | None = option(None, "prompt tokens from which a request is long-in",
@@ -106,6 +119,14 @@ class ActorOptions:
             raise ConfigError(f"capacity_timeout must be positive, got {self.capacity_timeout}")
         if self.max_migrations < 0:
             raise ConfigError(f"max_migrations must not be negative, got {self.max_migrations}")
+        self.ray_options()  # ConfigError for a bad --ray value or resource JSON
+
+    def ray_options(self) -> RayOptions | None:
+        if self.ray is None:
+            return None
+        return RayOptions(self.ray, self.ray_cpus, parse_resources(self.ray_prefill_resources or "{}"),
+                          parse_resources(self.ray_decode_resources or "{}"),
+                          placement_timeout=self.ray_placement_timeout)
 
     def client_options(self) -> dict:
         """The AsyncLLM keyword arguments (none in process)."""
@@ -113,7 +134,7 @@ class ActorOptions:
             return {}
         return dict(decode_actors=self.decode_actors, prefill_actors=self.prefill_actors, devices=self.devices,
                     disagg=self.disagg, listen_workers=self.listen_workers, draft_actors=self.draft_actors,
-                    capacity_timeout=self.capacity_timeout, max_migrations=self.max_migrations)
+                    capacity_timeout=self.capacity_timeout, max_migrations=self.max_migrations, ray=self.ray_options())
 
     def thresholds(self, context: int) -> QuadrantThresholds:
         """Thresholds as given, else scaled to the served model's context (8192 -> 512 in, 256 out)."""

@@ -163,7 +163,7 @@ def test_the_cli_defaults_build_the_default_configs(monkeypatch):
     assert server_settings(serve) == ServerSettings()
     assert actor_options(serve) == dict(decode_actors=1, prefill_actors=0, devices=(), disagg="auto",
                                         listen_workers=None, draft_actors=0, capacity_timeout=30.0,
-                                        max_migrations=3)
+                                        max_migrations=3, ray=None)
     assert sampling_options(parser.parse_args(["generate", "hi"])) == SamplingOptions()
 
 
@@ -191,7 +191,7 @@ def test_parsed_flags_round_trip_into_the_configs(monkeypatch):
     assert log_settings(args) == LogSettings(format="json", level="debug")
     assert actor_options(args) == dict(decode_actors=2, prefill_actors=0, devices=("cuda:0", "cuda:1"),
                                        disagg="never", listen_workers=None, draft_actors=0,
-                                       capacity_timeout=30.0, max_migrations=1)
+                                       capacity_timeout=30.0, max_migrations=1, ray=None)
     assert quadrant_thresholds(args, 8192) == type(quadrant_thresholds(args, 8192))(100, 256)
 
 

@@ -86,7 +86,7 @@ def test_a_streamed_handoff_reports_its_link_transfer_and_a_written_one_does_not
     transfers = []
     streamed, written = _routed("r1"), _routed("r2")
     handoff = Handoff({"r1": streamed, "r2": written}, wire.send, wire.record, 30.0,
-                      lambda prefill, decode, n, s: transfers.append((prefill.actor_id, decode, n, s)))
+                      record_transfer=lambda prefill, decode, n, s: transfers.append((prefill.actor_id, decode, n, s)))
     decode, prefill = _handle("decode-0", "decode", "tcp"), _handle("prefill-0", "prefill")
     for routed, rid in ((streamed, "r1"), (written, "r2")):
         handoff.begin(routed)

@@ -176,18 +176,21 @@ class _Supervisor:
         raise KeyError(actor_id)
 
 
-def _handle(actor_id, role, kind, remote):
-    handle = ActorHandle(ActorSpec(actor_id, role, remote=remote))
+def _handle(actor_id, role, kind, node):
+    handle = ActorHandle(ActorSpec(actor_id, role, remote=node != "a"))
+    handle.hello = m.Hello(role, "cpu", 1, actor_id, node_id=node)
     handle.ready = m.Ready(actor_id, 100, 16, {"kind": kind})
     return handle
 
 
-def test_placer_keeps_one_estimate_per_link_and_shared_pools_cost_nothing():
-    prefill = _handle("prefill-0", "prefill", "none", False)
-    far, near = _handle("decode-r", "decode", "tcp", True), _handle("decode-0", "decode", "shm", False)
-    placer = Placer(_Supervisor([prefill, far, near]), {}, AUTO)
+def test_placer_keeps_one_estimate_per_node_pair_and_shared_pools_cost_nothing():
+    prefill = _handle("prefill-0", "prefill", "none", "a")
+    far, near = _handle("decode-r", "decode", "tcp", "b"), _handle("decode-0", "decode", "shm", "a")
+    far_too = _handle("decode-s", "decode", "tcp", "b")
+    placer = Placer(_Supervisor([prefill, far, far_too, near]), {}, AUTO)
     placer.record_transfer(prefill, "decode-r", 4 << 20, 2.005)  # 2 MiB/s
     placer.record_transfer(prefill, "decode-gone", 4 << 20, 1.0)  # an actor no longer known: ignored
     assert placer.transfer_cost(prefill, far).bytes_per_second == pytest.approx(2 << 20, rel=0.01)
+    assert placer.transfer_cost(prefill, far_too) == placer.transfer_cost(prefill, far)  # the same two nodes
     assert placer.transfer_cost(prefill, near) is SHM_TRANSFER
-    assert list(placer.link_costs()) == ["local->decode-r"]
+    assert list(placer.link_costs()) == ["a->b"]

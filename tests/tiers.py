@@ -67,6 +67,8 @@ MODULE_TIERS: Mapping[str, Tier] = {
     "test_report.py": U,  # synthetic bench results through bench/report.py, plots drawn with Agg
     "test_request_fields.py": U,
     "test_prompt_attention.py": E,
+    "test_ray.py": P,  # a Ray cluster on loopback and actors on it
+    "test_ray_options.py": U,  # the no-Ray-import check runs in a subprocess: marked process
     "test_qwen3.py": E,
     "test_real_gemma3.py": P,  # slow: a real Gemma 3 GGUF from a registry package
     "test_resume.py": E,

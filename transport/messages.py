@@ -42,7 +42,7 @@ from dataclasses import dataclass, fields, is_dataclass
 from types import MappingProxyType
 from typing import Any, ClassVar
 
-# 9: KVReady.stream_seconds (the router learns each link's cost from it)
+# 9: Hello.node_id, node_address (where an actor runs); KVReady.stream_seconds (each link's measured cost)
 # 8: KVReady.streamed_bytes; KVPageFrame, KVStreamEnd, KVStreamAck (direct KV streams, out-of-band pages)
 # 7: AddRequest.resume, PrefillRequest.num_prompt_tokens (migrated streams), Leaving; no generator_state
 # 6: `guide.kind` may be structural_tag (tool calls); 5: `sampling` carries `guide`
@@ -50,7 +50,9 @@ PROTOCOL_VERSION = 9
 
 KV_EXPORT_KINDS = ("shm", "cuda_ipc", "tcp", "none")
 """`Ready.kv_export["kind"]`: how peers map the actor's KV pool, or (`tcp`, with `host` and `port`) where
-a decode actor on another host takes streamed pages (transport.kv_stream)."""
+a decode actor on another host takes streamed pages (transport.kv_stream). A shared pool that also has such an
+endpoint (a decode actor on a Ray node) keeps its kind and adds `endpoint: [host, port]`: peers on its node map
+the pool, peers on other nodes stream to the endpoint."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +146,10 @@ class Hello(Message):
     pid: int
     actor_id: str
     protocol_version: int = PROTOCOL_VERSION
+    # Where it runs: peers with the same node id share memory (KV pages by shared memory, else over TCP).
+    # A Ray node id on a Ray cluster, else "host:HOSTNAME"; the address is the node's IP ("" when unknown).
+    node_id: str = ""
+    node_address: str = ""
 
 
 @dataclass(frozen=True, slots=True)
