@@ -16,8 +16,8 @@
 //                    + bias[n]),
 // the int32 sums exact, the sum over groups in fp32 in group order; each row's result depends on that row only.
 
-// Kept over torch's aten._weight_int4pack_mm_for_cpu on the same codes: 1.19x its decode tok/s at batch 1, 1.63x
-// at batch 8 (python -m bench.weight_quant, int4-layers against int4-torch).
+// Kept over torch's aten._weight_int4pack_mm_for_cpu on the same codes: 1.19x its decode tok/s at batch 1, 1.38-1.43x
+// at batch 8 (per-round medians, two runs of python -m bench.weight_quant: int4-layers against int4-torch).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
