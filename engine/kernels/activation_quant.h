@@ -27,6 +27,7 @@ struct QuantRows {
   std::vector<int8_t> codes;  // [M, kp], zero past k
   std::vector<int32_t> sums;  // [M, groups]: the sum of the group's codes
   std::vector<float> scale;   // [M, groups]: a
+  std::vector<float> totals;  // [M, groups]: the sum of the group's values themselves (fp32, in k order)
   int64_t kp, groups;
 };
 
@@ -38,12 +39,16 @@ inline QuantRows quantize_activations(const float* x, int64_t m, int64_t k) {
   q.codes.assign(m * q.kp, 0);
   q.sums.resize(m * q.groups);
   q.scale.resize(m * q.groups);
+  q.totals.resize(m * q.groups);
   for (int64_t r = 0; r < m; ++r)
     for (int64_t g = 0; g < q.groups; ++g) {
       const float* xg = x + r * k + g * kActGroup;
       const int64_t len = std::min(kActGroup, k - g * kActGroup);
-      float amax = 0.f;
-      for (int64_t i = 0; i < len; ++i) amax = std::max(amax, std::fabs(xg[i]));
+      float amax = 0.f, total = 0.f;
+      for (int64_t i = 0; i < len; ++i) {
+        amax = std::max(amax, std::fabs(xg[i]));
+        total += xg[i];
+      }
       const float a = amax > 0.f ? amax / 127.f : 1.f;
       int32_t sum = 0;
       for (int64_t i = 0; i < len; ++i) {
@@ -53,6 +58,7 @@ inline QuantRows quantize_activations(const float* x, int64_t m, int64_t k) {
       }
       q.sums[r * q.groups + g] = sum;
       q.scale[r * q.groups + g] = a;
+      q.totals[r * q.groups + g] = total;
     }
   return q;
 }

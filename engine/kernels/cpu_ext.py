@@ -117,7 +117,8 @@ def linear_w4a8(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] bf16, an int4 weight (engine/model/quant.py: packed uint8 [ceil(N / 16), ceil(K / 32), 4, 16, 4],
     scales fp16 [2, ceil(K / 32), N]), bias [N] -> [M, N] bf16, with each row of x quantised to int8 in groups of
-    32: bf16(sum_g a_g (s_g float(q x_q) + z_g sum x_q) + bias), the groups' sums exact in int32."""
+    32: bf16(sum_g (a_g s_g float((q - 7.5) x_q) + (z_g + 7.5 s_g) sum_g x) + bias), the groups' sums exact in
+    int32 (the weights' middle meets x's own sums)."""
     return ops().linear_w4a8(x, packed, scales, bias)
 
 

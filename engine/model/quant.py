@@ -60,6 +60,10 @@ GGUF_WEIGHT_FORMATS: Mapping[str, WeightFormat] = {
     "Q8_0": "int8", "Q6_K": "int8", "Q5_0": "int8", "Q5_1": "int8", "Q5_K": "int8",
     "Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4", "Q3_K": "int4", "Q2_K": "int4",
 }
+# The LM head's tensor type -> its format: it decides every token, so a 5- to 8-bit head stays bf16 (within 2^-9 of
+# the file's values; int8's per-row steps are several times coarser than Q8_0's per-32 ones), a 4-bit one int4
+GGUF_HEAD_FORMATS: Mapping[str, WeightFormat] = {"Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4", "Q3_K": "int4",
+                                                 "Q2_K": "int4"}
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -78,7 +82,8 @@ def auto_weight_dtype(types: Mapping[str, str], shapes: Mapping[str, tuple[int, 
     """`--weight-dtype auto` for a checkpoint whose tensors (Hugging Face names) have these GGUF types (empty for a
     Hugging Face folder) -> (choice, why): the layers take the format of the type holding most of their
     projection weights (GGUF_WEIGHT_FORMATS; float types and folders stay bfloat16), the LM head that of its own
-    tensor's type (files often keep it at more bits than the layers: SmolLM2's Q4_1 file has a Q8_0 head)."""
+    tensor's type (GGUF_HEAD_FORMATS: files often keep it at more bits than the layers, as SmolLM2's Q4_1 file
+    keeps a Q8_0 head)."""
     elements: dict[str, int] = {}
     for name, kind in types.items():
         if name.rpartition(".")[0].rpartition(".")[2] in PROJECTIONS:
@@ -88,7 +93,7 @@ def auto_weight_dtype(types: Mapping[str, str], shapes: Mapping[str, tuple[int, 
     dominant = max(elements, key=elements.__getitem__)
     share = elements[dominant] / sum(elements.values())
     head_type = types.get(HEAD_NAMES[1] if tied else HEAD_NAMES[0], "F32")
-    choice = WeightChoice(GGUF_WEIGHT_FORMATS.get(dominant, "bfloat16"), GGUF_WEIGHT_FORMATS.get(head_type, "bfloat16"))
+    choice = WeightChoice(GGUF_WEIGHT_FORMATS.get(dominant, "bfloat16"), GGUF_HEAD_FORMATS.get(head_type, "bfloat16"))
     return choice, (f"{share:.0%} of the layers' projection weights are GGUF {dominant}; the LM head is "
                     f"{head_type}")
 
