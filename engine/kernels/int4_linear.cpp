@@ -19,8 +19,8 @@
 // result depends on that row only. The activations' rounding error then meets only s (q - 7.5), the weights less
 // their group's middle, never more than half the group's range.
 
-// Kept over torch's aten._weight_int4pack_mm_for_cpu on the same codes: 1.19x its decode tok/s at batch 1, 1.38-1.43x
-// at batch 8 (per-round medians, two runs of python -m bench.weight_quant: int4-layers against int4-torch).
+// Kept over torch's aten._weight_int4pack_mm_for_cpu on the same codes: 1.23x its decode tok/s at batch 1, 1.15x at
+// batch 8 (per-round medians of python -m bench.weight_quant, int4-layers against int4-torch).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
