@@ -1,18 +1,24 @@
-"""int8 weights (--weight-dtype int8) against bf16 weights on the default model: speed, accuracy, memory.
+"""int8 and int4 weights (--weight-dtype int8 / int4) against bf16 weights on the default model: speed,
+accuracy, memory.
 
     python -m bench.weight_quant [--rounds 7] [--steps 64] [--context 128] [--windows 8] [--window 256]
-        [--threads 2] [--batch 1] [--model PATH] [--json OUT] [--skip speed,accuracy,memory]
+        [--threads 2] [--batch 1,8] [--variants bf16,int8-w8a8,int4,...] [--model PATH] [--json OUT]
+        [--skip speed,accuracy,memory]
 
-1. Decode tokens/s: `--batch` sequences (default 1), each with `--context` tokens of English text before it, `--steps` timed
-   decode steps (bench.kv_accuracy.decode_rate), the variants alternated over `--rounds` in one process; medians,
-   and the median of the per-round ratios to bf16. Variants, each on the C++ decode stack: bf16; int8-widen,
-   the int8 kernel that widens the weights to fp32 against fp32 activations (max_w8a8_rows 0); int8-w8a8, the
-   W8A8 kernel (each activation row quantised to int8, int32 sums on AVX-512 VNNI; on a CPU without VNNI it
-   is int8-widen again); and int8-layers, the shipped int8 kernels from the Python layer loop (decode_stack off).
+1. Decode tokens/s at each `--batch` (default 1 and 8 sequences), each with `--context` tokens of English text
+   before it, `--steps` timed decode steps (bench.kv_accuracy.decode_rate), the variants alternated over `--rounds`
+   in one process; medians, and the median of the per-round ratios to bf16. Variants, on the C++ decode stack
+   unless named -layers: bf16; int8-widen, the int8 kernel that widens the weights to fp32 against fp32
+   activations (max_w8a8_rows 0); int8-w8a8, the W8A8 kernel (each activation row quantised to int8, int32 sums
+   on AVX-512 VNNI; on a CPU without VNNI it is int8-widen again); int8-layers, the shipped int8 kernels from the
+   Python layer loop (decode_stack off); int4, the W4A8 kernel (engine/kernels/int4_linear.cpp); int4-layers,
+   it from the Python layer loop; int4-torch, the same int4 codes on torch's own kernel
+   (aten._weight_int4pack_mm_for_cpu, bf16 scales and zeros) from the Python layer loop, against int4-layers;
+   auto, what --weight-dtype auto loads (for the default Q4_1 file: int4 layers, an int8 LM head).
 2. Teacher-forced accuracy on the English text bench/kv_accuracy.py uses (the Debian license texts): `--windows`
-   windows of `--window` tokens fed one token a step as decode rows (the int8 kernels' path) through bf16 and
-   each int8 kernel; KL(bf16 || int8) mean and p99, top-1 agreement, and each model's perplexity of the real
-   next token.
+   windows of `--window` tokens fed one token a step as decode rows (the quantised kernels' path) through bf16
+   and each quantised kernel; KL(bf16 || quantised) mean and p99, top-1 agreement, and each model's perplexity of
+   the real next token.
 3. Resident memory after load: a fresh process per variant builds the engine (64 KV blocks) and reports its RSS
    before and after, and the bytes of the model's own tensors.
 """
@@ -34,21 +40,55 @@ import torch  # noqa: E402
 from bench.kv_accuracy import Scores, corpus_windows, decode_rate, forced_steps  # noqa: E402
 from engine import LLM  # noqa: E402
 from engine.backends import CpuKernelBackend  # noqa: E402
+from engine.model import quant  # noqa: E402
 from engine.model.llama import LlamaModel  # noqa: E402
-from engine.model.quant import weight_scales  # noqa: E402
 
-VARIANTS = ("bf16", "int8-widen", "int8-w8a8", "int8-layers")
-INT8_KERNELS = ("int8-widen", "int8-w8a8")  # the accuracy part scores each against bf16
-# each variant's changes to the shipped CpuKernelConfig
-CONFIG = {"bf16": {}, "int8-widen": {"max_w8a8_rows": 0}, "int8-w8a8": {}, "int8-layers": {"decode_stack": False}}
+VARIANTS = ("bf16", "int8-widen", "int8-w8a8", "int8-layers", "int4", "int4-layers", "int4-torch", "auto")
+QUANTISED = ("int8-widen", "int8-w8a8", "int4", "auto")  # the accuracy part scores each against bf16
+MEMORY = ("bf16", "int8-w8a8", "int4", "auto")  # the memory part loads each in a process of its own
+# each variant's weight dtype and changes to the shipped CpuKernelConfig
+CONFIG = {"bf16": {}, "int8-widen": {"max_w8a8_rows": 0}, "int8-w8a8": {}, "int8-layers": {"decode_stack": False},
+          "int4": {}, "int4-layers": {"decode_stack": False}, "int4-torch": {"decode_stack": False}, "auto": {}}
+
+
+def weight_dtype(variant: str) -> str:
+    return "bfloat16" if variant == "bf16" else variant[:4]
+
+
+class TorchInt4Backend(CpuKernelBackend):
+    """The int4 products of up to max_w4a8_rows rows on torch's kernel (aten._weight_int4pack_mm_for_cpu) on a
+    copy of the codes in its format: its scales and zeros are bf16 [G, N, 2] with w = (q - 8) s + zero, so zero =
+    z + 8 s. K must be a multiple of 32 (SmolLM2's are)."""
+
+    def prepare(self, model: LlamaModel) -> None:
+        super().prepare(model)
+        self.torch_int4 = {id(m.weight): (m.weight, *torch_int4pack(m.weight, m.weight_scale))
+                           for m in quant.quantized_modules(model)}
+
+    def linear_int4(self, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+                    bias: torch.Tensor | None) -> torch.Tensor:
+        entry = self.torch_int4.get(id(packed))
+        if entry is None or entry[0] is not packed or x.shape[0] > self.max_w4a8_rows:
+            return super().linear_int4(x, packed, scales, bias)
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, entry[1], quant.INT4_GROUP, entry[2])
+        return out if bias is None else out + bias
+
+
+def torch_int4pack(packed: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    n, groups = scales.shape[2], scales.shape[1]
+    codes = quant.unpack_int4(packed, torch.arange(n))[:, :groups * quant.INT4_GROUP].to(torch.int32)
+    s, z = scales[0].float(), scales[1].float()
+    zeros = torch.stack([s, z + 8 * s], dim=-1).to(torch.bfloat16).contiguous()  # [G, N, 2]
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1), zeros
 
 
 def build(model: str | None, variant: str, threads: int, blocks: int) -> LLM:
-    llm = LLM(model, dtype="bfloat16", weight_dtype="bfloat16" if variant == "bf16" else "int8",
-              num_kv_blocks=blocks, num_threads=threads, max_num_seqs=8)
+    llm = LLM(model, dtype="bfloat16", weight_dtype=weight_dtype(variant), num_kv_blocks=blocks,
+              num_threads=threads, max_num_seqs=8)
     if CONFIG[variant]:
         runner = llm.engine.runner
-        runner.set_backend(CpuKernelBackend(replace(runner.backend.config, **CONFIG[variant])))
+        backend = TorchInt4Backend if variant == "int4-torch" else CpuKernelBackend
+        runner.set_backend(backend(replace(runner.backend.config, **CONFIG[variant])))
     return llm
 
 
@@ -59,7 +99,7 @@ def speed(llms: dict[str, LLM], prompts: list[list[int]], steps: int, rounds: in
             rates[v].append(decode_rate(llm, prompts, steps))
     out = {}
     for v, r in rates.items():
-        ratios = [a / b for a, b in zip(r, rates["bf16"])]
+        ratios = [a / b for a, b in zip(r, rates["bf16"] if "bf16" in rates else r)]
         out[v] = {"tok_s": statistics.median(r), "vs_bf16": statistics.median(ratios), "all": r}
     return out
 
@@ -67,7 +107,7 @@ def speed(llms: dict[str, LLM], prompts: list[list[int]], steps: int, rounds: in
 @torch.inference_mode()
 def accuracy(models: dict[str, LlamaModel], windows: list[list[int]]) -> dict:
     """The models fed the windows in lockstep, one token a step (decode rows); every position but the last.
-    -> per int8 variant: its KL / top-1 against bf16 and its perplexity; "bf16": bf16's perplexity."""
+    -> per quantised variant: its KL / top-1 against bf16 and its perplexity; "bf16": bf16's perplexity."""
     runs = {v: forced_steps(m, windows, "auto", 1, torch.bfloat16, 0) for v, m in models.items()}
     scores, own = {v: Scores() for v in models if v != "bf16"}, {v: Scores() for v in models}
     length = len(windows[0])
@@ -92,14 +132,14 @@ def rss_child(model: str | None, variant: str, threads: int) -> dict:
     after = psutil.Process().memory_info().rss
     net = llm.engine.runner.model
     tensors = sum(t.numel() * t.element_size() for t in list(net.parameters()) + list(net.buffers()))
-    tensors += sum(s.numel() * s.element_size() for s in weight_scales(net).values())
+    tensors += sum(s.numel() * s.element_size() for s in quant.weight_scales(net).values())
     return {"rss_before_mib": before / 2 ** 20, "rss_after_mib": after / 2 ** 20,
             "load_mib": (after - before) / 2 ** 20, "model_tensors_mib": tensors / 2 ** 20}
 
 
-def memory(model: str | None, threads: int) -> dict:
+def memory(model: str | None, threads: int, variants: list[str]) -> dict:
     out = {}
-    for v in ("bf16",) + INT8_KERNELS:
+    for v in (v for v in MEMORY if v in variants):
         cmd = [sys.executable, "-m", "bench.weight_quant", "--rss-child", v, "--threads", str(threads)]
         if model:
             cmd += ["--model", model]
@@ -109,11 +149,11 @@ def memory(model: str | None, threads: int) -> dict:
 
 
 def print_tables(results: dict, args: argparse.Namespace) -> None:
-    if "speed" in results:
-        print(f"\nbatch-{args.batch} decode, {args.context} tokens of context, {args.steps} steps, {args.rounds} rounds "
+    for batch, speeds in results.get("speed", {}).items():
+        print(f"\nbatch-{batch} decode, {args.context} tokens of context, {args.steps} steps, {args.rounds} rounds "
               f"alternated, {args.threads} threads")
         print(f"{'variant':<12} {'tok/s (median)':>15} {'x bf16 (median of rounds)':>27}")
-        for v, r in results["speed"].items():
+        for v, r in speeds.items():
             print(f"{v:<12} {r['tok_s']:>15.1f} {r['vs_bf16']:>27.2f}")
     if "accuracy" in results:
         a = results["accuracy"]
@@ -126,9 +166,9 @@ def print_tables(results: dict, args: argparse.Namespace) -> None:
                       f"top-1 {r['top1']:.4f}  ppl {r['ppl']:.3f}")
     if "memory" in results:
         print("\nresident memory after load (fresh process each, 64 KV blocks)")
-        print(f"{'variant':<8} {'RSS before':>11} {'RSS after':>10} {'load':>8} {'model tensors':>14}  (MiB)")
+        print(f"{'variant':<10} {'RSS before':>11} {'RSS after':>10} {'load':>8} {'model tensors':>14}  (MiB)")
         for v, m in results["memory"].items():
-            print(f"{v:<8} {m['rss_before_mib']:>11.1f} {m['rss_after_mib']:>10.1f} {m['load_mib']:>8.1f} "
+            print(f"{v:<10} {m['rss_before_mib']:>11.1f} {m['rss_after_mib']:>10.1f} {m['load_mib']:>8.1f} "
                   f"{m['model_tensors_mib']:>14.1f}")
 
 
@@ -140,7 +180,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--windows", type=int, default=8)
     p.add_argument("--window", type=int, default=256)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--batch", type=int, default=1, help="sequences decoded together in the speed part (at most 8)")
+    p.add_argument("--batch", default="1,8", help="comma-separated: the sequences decoded together in each speed "
+                   "table (at most 8)")
+    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, of " + ", ".join(VARIANTS))
     p.add_argument("--model", default=None)
     p.add_argument("--json", default=None)
     p.add_argument("--skip", default="", help="comma-separated: speed, accuracy, memory")
@@ -155,19 +197,23 @@ def main() -> None:
         return
     torch.set_num_threads(args.threads)
     skip = set(filter(None, args.skip.split(",")))
+    variants = [v for v in VARIANTS if v in args.variants.split(",")]
+    batches = [int(b) for b in args.batch.split(",")]
     results: dict = {}
     if "memory" not in skip:  # first: the children load while this process is still small
-        results["memory"] = memory(args.model, args.threads)
+        results["memory"] = memory(args.model, args.threads, variants)
     if not {"speed", "accuracy"} <= skip:
         blocks = max(args.windows * -(-args.window // 16),
-                     args.batch * -(-(args.context + args.steps + 8) // 16)) * 2 + 8
-        llms = {v: build(args.model, v, args.threads, blocks) for v in VARIANTS}
-        windows = corpus_windows(llms["bf16"].tokenizer, max(args.window, args.context), args.windows)
+                     max(batches) * -(-(args.context + args.steps + 8) // 16)) * 2 + 8
+        llms = {v: build(args.model, v, args.threads, blocks) for v in variants}
+        windows = corpus_windows(next(iter(llms.values())).tokenizer, max(args.window, args.context), args.windows)
         if "speed" not in skip:
-            prompts = [windows[i % len(windows)][:args.context] for i in range(args.batch)]
-            results["speed"] = speed(llms, prompts, args.steps, args.rounds)
-        if "accuracy" not in skip:
-            models = {v: llms[v].engine.runner.model for v in ("bf16",) + INT8_KERNELS}
+            results["speed"] = {}
+            for batch in batches:
+                prompts = [windows[i % len(windows)][:args.context] for i in range(batch)]
+                results["speed"][batch] = speed(llms, prompts, args.steps, args.rounds)
+        if "accuracy" not in skip and "bf16" in llms:
+            models = {v: llms[v].engine.runner.model for v in ("bf16", *QUANTISED) if v in llms}
             results["accuracy"] = accuracy(models, [w[:args.window] for w in windows])
     print_tables(results, args)
     if args.json:

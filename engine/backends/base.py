@@ -58,6 +58,14 @@ class Backend(ABC):
 
         return linear_int8(x, codes, scale, bias)
 
+    def linear_int4(self, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+                    bias: torch.Tensor | None) -> torch.Tensor:
+        """x W^T + bias for an int4 weight (engine/model/quant.py: pack_int4's codes, fp16 scales and offsets
+        [2, G, N]); here by F.linear on chunks of the weight dequantised to x's dtype."""
+        from engine.model.quant import linear_int4
+
+        return linear_int4(x, packed, scales, bias)
+
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up [T, 2I] (gate | up) -> silu(gate) * up [T, I]."""
         gate, up = gate_up.chunk(2, dim=-1)

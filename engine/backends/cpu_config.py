@@ -39,6 +39,10 @@ class CpuKernelConfig:
     # only where VNNI was built in), the rest the kernel above. Kept: the decode products 1.3-3x faster than the
     # fp32-activation kernel's at 1-64 rows, KL to bf16 0.011 against 0.0072 (python -m bench.weight_quant).
     max_w8a8_rows: int = 64
+    # Rows a product on int4 weights takes on the W4A8 kernel (engine/kernels/int4_linear.cpp; only where VNNI was
+    # built in); more dequantise the weight to bf16 chunk by chunk for F.linear. W8A8's limit, not yet measured
+    # for int4 between 8 and 64 rows.
+    max_w4a8_rows: int = 64
 
     max_onednn_rows: int = 128  # oneDNN's packed copy serves 2..this many rows
     onednn_batch_hint: int = 64  # the row count oneDNN picks its blocking for

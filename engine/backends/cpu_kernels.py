@@ -42,6 +42,7 @@ class CpuKernelBackend(TorchBackend):
         # the W8A8 kernel only where VNNI was built in (its scalar loop is slower than the int8 kernel's)
         self.max_w8a8_rows = min(config.max_w8a8_rows, config.max_int8_rows) if cpu_ext.w8a8_vnni() else 0
         self.w8a8_packed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(codes) -> (codes, pack_w8a8)
+        self.max_w4a8_rows = config.max_w4a8_rows if cpu_ext.w4a8_vnni() else 0  # its scalar loop is for tests
         # the C++ stack runs the packed products on the first engine ("auto"), as the Python layers do by default
         self.stacks = (config.decode_stack and self.elementwise and self.attends_in_place
                        and (self.engine is None or self.engine == cpu_ext.matrix_engines()[0]))
@@ -62,8 +63,9 @@ class CpuKernelBackend(TorchBackend):
         model.lm_packed = self.pack(model.lm_weight())
         self.w8a8_packed = {}
         if self.max_w8a8_rows:
-            for module in quant.quantized_modules(model) if model.weight_dtype == "int8" else ():
-                self.w8a8_packed[id(module.weight)] = (module.weight, quant.pack_w8a8(module.weight))
+            for module in quant.quantized_modules(model):
+                if module.weight.dtype == torch.int8:
+                    self.w8a8_packed[id(module.weight)] = (module.weight, quant.pack_w8a8(module.weight))
         model.stack = self._build_stack(model) if self.stacks and stack_takes(model.cfg) else None
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor | None:
@@ -92,7 +94,8 @@ class CpuKernelBackend(TorchBackend):
 
     def _projection(self, linear: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None,
                                                             torch.Tensor | None]:
-        """A Linear's tensors as decode_stack.cpp takes them; an int8 weight's packed copy is its W8A8 copy."""
+        """A Linear's tensors as decode_stack.cpp takes them; an int8 weight's packed copy is its W8A8 copy (an int4
+        weight is the kernel's layout itself)."""
         packed = linear.packed
         if linear.weight_scale is not None:
             packed = self.w8a8_packed.get(id(linear.weight), (None, None))[1]
@@ -129,6 +132,18 @@ class CpuKernelBackend(TorchBackend):
                 return cpu_ext.linear_w8a8(x, packed[1], scale, bias)
             return cpu_ext.linear_int8(x, codes, scale, bias)
         return super().linear_int8(x, codes, scale, bias)
+
+    def linear_int4(self, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+                    bias: torch.Tensor | None) -> torch.Tensor:
+        """The W4A8 kernel for up to max_w4a8_rows rows, else F.linear on chunks of the weight dequantised to bf16
+        by the kernel's dequantize_int4. decode_stack.cpp's project() makes the same choice."""
+        if x.dtype != torch.bfloat16:
+            return super().linear_int4(x, packed, scales, bias)
+        if x.shape[0] <= self.max_w4a8_rows:
+            return cpu_ext.linear_w4a8(x, packed, scales, bias)
+        k = x.shape[-1]
+        return quant.linear_int4(x, packed, scales, bias,
+                                 lambda begin, end: cpu_ext.dequantize_int4(packed, scales, k, begin, end))
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return cpu_ext.silu_mul(gate_up) if self.elementwise else super().silu_mul(gate_up)
@@ -208,7 +223,7 @@ class CpuKernelBackend(TorchBackend):
         x, residual = model.stack.forward(x, *rope, meta.slot_mapping, meta.decode_block_tables,
                                           meta.decode_context_lens, kv_caches, self.config.max_gemv_rows,
                                           self.config.max_onednn_rows, self.max_tiled_rows,
-                                          self.config.max_int8_rows, self.max_w8a8_rows)
+                                          self.config.max_int8_rows, self.max_w8a8_rows, self.max_w4a8_rows)
         return x, residual
 
     def greedy_tokens(self, model: LlamaModel, hidden: torch.Tensor) -> torch.Tensor | None:
@@ -230,7 +245,8 @@ class CpuKernelBackend(TorchBackend):
               "fused_gate_up": self.fused_gate_up, "lm_head_argmax": self.tiled, "row_argmax": True,
               "decode_attention_bf16": self.attends_in_place, "decode_attention_fp8": self.attends_in_place,
               "prompt_attention": self.engine is not None, "linear_int8": self.config.max_int8_rows > self.max_w8a8_rows,
-              "linear_w8a8": self.max_w8a8_rows > 0, "rms_norm": self.elementwise,
+              "linear_w8a8": self.max_w8a8_rows > 0, "linear_w4a8": self.max_w4a8_rows > 0,
+              "rms_norm": self.elementwise,
               "rotary": self.elementwise, "silu_mul": self.elementwise, "decode_stack": self.stacks}
         return [name for name, used in on.items() if used]
 

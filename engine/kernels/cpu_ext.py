@@ -6,6 +6,7 @@ for which product, step or row count is engine/backends/cpu_kernels.py's decisio
   batches).
 - `linear_int8`: the same for int8 weights with per-output-channel scales, widened to fp32 in registers.
 - `linear_w8a8`: the same int8 weights against each row of x quantised to int8, int32 sums on AVX-512 VNNI.
+- `linear_w4a8` / `dequantize_int4`: int4 weights with group scales and offsets, likewise; and to bf16 rows.
 - `decode_attention_bf16` / `_fp8`: one query a row against its context read in place from the pages through its
   block table (no gather copy, no padding mask); fp8 pages decoded to bf16 in registers.
 - `rms_norm` (+ the residual add), `silu_mul`, `rotary_`: one pass each instead of 3-10 torch ops, rounding to
@@ -110,6 +111,27 @@ def linear_w8a8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
 def w8a8_vnni() -> bool:
     """Whether linear_w8a8 was built on AVX-512 VNNI here (its scalar fallback is for tests only)."""
     return bool(ops().w8a8_vnni())
+
+
+def linear_w4a8(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] bf16, an int4 weight (engine/model/quant.py: packed uint8 [ceil(N / 16), ceil(K / 32), 4, 16, 4],
+    scales fp16 [2, ceil(K / 32), N]), bias [N] -> [M, N] bf16, with each row of x quantised to int8 in groups of
+    32: bf16(sum_g (a_g s_g float((q - 7.5) x_q) + (z_g + 7.5 s_g) sum_g x) + bias), the groups' sums exact in
+    int32 (the weights' middle meets x's own sums)."""
+    return ops().linear_w4a8(x, packed, scales, bias)
+
+
+def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, k: int, begin: int, end: int) -> torch.Tensor:
+    """Output channels [begin, end) of an int4 weight of K columns -> bf16 [end - begin, K], quant.int4_rows'
+    bits."""
+    return ops().dequantize_int4(packed, scales, k, begin, end)
+
+
+@functools.cache
+def w4a8_vnni() -> bool:
+    """Whether linear_w4a8 was built on AVX-512 VNNI here (its scalar fallback is for tests only)."""
+    return bool(ops().w4a8_vnni())
 
 
 def decode_attention_bf16(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,

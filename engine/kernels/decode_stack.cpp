@@ -29,6 +29,10 @@ torch::Tensor linear_int8(torch::Tensor x, torch::Tensor weight, torch::Tensor s
                           const std::optional<torch::Tensor>& bias);
 torch::Tensor linear_w8a8(torch::Tensor x, torch::Tensor packed, torch::Tensor scale,
                           const std::optional<torch::Tensor>& bias);
+// int4_linear.cpp
+torch::Tensor linear_w4a8(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
+                          const std::optional<torch::Tensor>& bias);
+torch::Tensor dequantize_int4(torch::Tensor packed, torch::Tensor scales, int64_t k, int64_t begin, int64_t end);
 
 namespace {
 
@@ -46,7 +50,8 @@ const c10::TypedOperatorHandle<PackedLinear>& packed_linear_op() {
 // A Linear module's tensors, as Python passes them: (weight [N, K], bias [N] or None, packed weight or None,
 // per-channel scale [N] fp32 or None). The packed weight is 16x16-pair blocks (4-D, from tile_pack_bf16) or
 // oneDNN's packed copy (engine/kernels/packed_linear.py). With a scale the weight is int8 (engine/model/quant.py)
-// and its packed copy, where the backend made one, is the W8A8 kernel's (quant.py pack_w8a8).
+// and its packed copy, where the backend made one, is the W8A8 kernel's (quant.py pack_w8a8); or, with a uint8
+// weight, int4: the weight is pack_int4's layout and the scale its fp16 [2, G, N] scales and offsets.
 using ProjectionArgs = std::tuple<torch::Tensor, std::optional<torch::Tensor>, std::optional<torch::Tensor>,
                                   std::optional<torch::Tensor>>;
 
@@ -70,13 +75,19 @@ struct RowLimits {
   int64_t tiled;
   int64_t int8;  // rows the int8 kernel takes; more dequantise the weight to bf16 for at::linear
   int64_t w8a8;  // of those, rows that take it on int8-quantised activations (linear_w8a8)
+  int64_t w4a8;  // rows an int4 weight takes on linear_w4a8; more dequantise it to bf16 for at::linear
 };
 
 // engine/model/llama.py `linear` with the kernels on: the packed weight for 2..limits.tiled rows (packed blocks)
 // or 2..limits.packed (oneDNN's copy), else the GEMV for up to limits.gemv rows, else F.linear.
-// An int8 weight: CpuKernelBackend.linear_int8's choice, the same ops.
+// An int8 or int4 weight: CpuKernelBackend.linear_int8's or linear_int4's choice, the same ops.
 torch::Tensor project(const Projection& p, const torch::Tensor& x, const RowLimits& limits) {
   const int64_t rows = x.size(0);
+  if (p.scale && p.weight.scalar_type() == at::kByte) {
+    if (rows <= limits.w4a8) return linear_w4a8(x, p.weight, *p.scale, p.bias);
+    const int64_t n = p.scale->size(2);
+    return at::linear(x, dequantize_int4(p.weight, *p.scale, x.size(1), 0, n), p.bias);
+  }
   if (p.scale) {
     if (p.packed && rows <= limits.w8a8) return linear_w8a8(x, *p.packed, *p.scale, p.bias);
     if (rows <= limits.int8) return linear_int8(x, p.weight, *p.scale, p.bias);
@@ -129,13 +140,13 @@ class DecodeStack {
                                      torch::Tensor slot_mapping, torch::Tensor block_tables,
                                      torch::Tensor context_lens, const std::vector<LayerPages>& kv,
                                      int64_t max_gemv_rows, int64_t max_packed_rows, int64_t max_tiled_rows,
-                                     int64_t max_int8_rows, int64_t max_w8a8_rows) const {
+                                     int64_t max_int8_rows, int64_t max_w8a8_rows, int64_t max_w4a8_rows) const {
     TORCH_CHECK(!kv.empty() && kv.size() <= layers_.size(), "DecodeStack: ", kv.size(), " layers of pages for ",
                 layers_.size(), " layers");
     const Step step{cos.reshape({cos.size(0), -1}), sin.reshape({sin.size(0), -1}), std::move(slot_mapping),
                     std::move(block_tables), std::move(context_lens),
                     RowLimits{max_gemv_rows, max_packed_rows, max_tiled_rows, max_int8_rows,
-                              std::min(max_w8a8_rows, max_int8_rows)}};
+                              std::min(max_w8a8_rows, max_int8_rows), max_w4a8_rows}};
     torch::Tensor residual = no_residual_;
     for (size_t i = 0; i < kv.size(); ++i) {
       const Layer& layer = layers_[i];
@@ -209,7 +220,7 @@ class DecodeStack {
 }  // namespace
 
 void bind_decode_stack(pybind11::module& m) {
-  pybind11::class_<DecodeStack>(m, "DecodeStack", "the decoder layers of a decode-only bf16 step in one call (bf16 or int8 weights)")
+  pybind11::class_<DecodeStack>(m, "DecodeStack", "the decoder layers of a decode-only bf16 step in one call (bf16, int8 or int4 weights)")
       .def(pybind11::init<int64_t, int64_t, int64_t, double, double>())
       .def("add_layer", &DecodeStack::add_layer)
       .def("forward", &DecodeStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>());

@@ -20,6 +20,7 @@
 #include <optional>
 #include <vector>
 
+#include "activation_quant.h"
 #include "parallel.h"
 #include "vec.h"
 
@@ -33,13 +34,8 @@
 
 namespace {
 
-// Round to nearest even, as torch converts float to bfloat16; NaN stays NaN.
-inline uint16_t to_bf16(float value) {
-  if (std::isnan(value)) return 0x7FC0;
-  uint32_t bits;
-  std::memcpy(&bits, &value, sizeof(bits));
-  return static_cast<uint16_t>((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
-}
+using cpu_ext::QuantRows;
+using cpu_ext::to_bf16;
 
 constexpr int kMaxRows = 8;  // rows of x per pass: R accumulator sets stay in registers
 
@@ -102,8 +98,8 @@ void int8_pass(int64_t rows, const int8_t* w, const float* x, const float* scale
 
 // ---- W8A8: int8 activations against the int8 weights, int32 sums (AVX-512 VNNI) -------------------------------
 //
-// Each row of x is quantised as it comes in, in groups of 32 along K: a[m, g] = max |x[m, g's 32]| / 127,
-// q[m, k] = round(x[m, k] / a[m, g]) (nearest even, codes -127..127; a = 1 for a group of zeros). Then
+// Each row of x is quantised as it comes in, in groups of 32 along K (activation_quant.h: scales a[m, g],
+// codes q[m, k]). Then
 //   out[m, n] = bf16(s[n] * sum_g a[m, g] * float(sum_{k in g} q[m, k] w[n, k]) + bias[n]),
 // each group's sum exact in int32, the sum over groups in fp32 (fused multiply-adds, in group order).
 // The weights come packed once (engine/model/quant.py pack_w8a8): 16 output channels x 4 consecutive k per
@@ -111,42 +107,8 @@ void int8_pass(int64_t rows, const int8_t* w, const float* x, const float* scale
 // a broadcast dword of 4 activation codes, and no horizontal sums are needed. vpdpbusd multiplies unsigned by
 // signed bytes: sum (w + 128) q = sum w q + 128 sum q, so each group's 128 * sum q is subtracted before scaling.
 
-constexpr int64_t kGroup = 32;     // activation codes per scale
+constexpr int64_t kGroup = cpu_ext::kActGroup;  // activation codes per scale
 constexpr int64_t kChannels = 16;  // output channels per packed block (one int32 lane each)
-
-struct QuantRows {
-  std::vector<int8_t> codes;        // [M, kp], zero past k
-  std::vector<int32_t> correction;  // [M, groups]: 128 * sum of the group's codes
-  std::vector<float> scale;         // [M, groups]: a
-  int64_t kp, groups;
-};
-
-// x fp32 [M, K] -> its int8 groups (the definition above; IEEE division, so torch's x / a rounds the same).
-QuantRows quantize_activations(const float* x, int64_t m, int64_t k) {
-  QuantRows q;
-  q.groups = (k + kGroup - 1) / kGroup;
-  q.kp = q.groups * kGroup;
-  q.codes.assign(m * q.kp, 0);
-  q.correction.resize(m * q.groups);
-  q.scale.resize(m * q.groups);
-  for (int64_t r = 0; r < m; ++r)
-    for (int64_t g = 0; g < q.groups; ++g) {
-      const float* xg = x + r * k + g * kGroup;
-      const int64_t len = std::min(kGroup, k - g * kGroup);
-      float amax = 0.f;
-      for (int64_t i = 0; i < len; ++i) amax = std::max(amax, std::fabs(xg[i]));
-      const float a = amax > 0.f ? amax / 127.f : 1.f;
-      int32_t sum = 0;
-      for (int64_t i = 0; i < len; ++i) {
-        const float v = std::min(127.f, std::max(-127.f, std::nearbyint(xg[i] / a)));
-        q.codes[r * q.kp + g * kGroup + i] = static_cast<int8_t>(v);
-        sum += static_cast<int32_t>(v);
-      }
-      q.correction[r * q.groups + g] = 128 * sum;
-      q.scale[r * q.groups + g] = a;
-    }
-  return q;
-}
 
 // Stores channels [n0, n0 + 16) of R rows from their fp32 sums (before s and bias); channels past n are padding.
 template <int R>
@@ -186,7 +148,7 @@ void w8a8_blocks(const uint8_t* packed, const QuantRows& q, int64_t first, const
       }
     }
     for (int r = 0; r < R; ++r) {
-      const __m512i corr = _mm512_set1_epi32(q.correction[(first + r) * q.groups + g]);
+      const __m512i corr = _mm512_set1_epi32(128 * q.sums[(first + r) * q.groups + g]);
       const __m512 a = _mm512_set1_ps(q.scale[(first + r) * q.groups + g]);
       for (int c = 0; c < C; ++c)
         accf[c][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[c][r], corr)), a, accf[c][r]);
@@ -204,7 +166,7 @@ void w8a8_blocks(const uint8_t* packed, const QuantRows& q, int64_t first, const
           for (int64_t i = g * kGroup; i < (g + 1) * kGroup; ++i)
             sum += static_cast<int32_t>(packed[(block + c) * block_bytes + (i / 4) * 64 + j * 4 + i % 4]) *
                    q.codes[(first + r) * q.kp + i];
-          total = std::fma(static_cast<float>(sum - q.correction[(first + r) * q.groups + g]),
+          total = std::fma(static_cast<float>(sum - 128 * q.sums[(first + r) * q.groups + g]),
                            q.scale[(first + r) * q.groups + g], total);
         }
         sums[c][r][j] = total;
@@ -286,7 +248,7 @@ torch::Tensor linear_w8a8(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   torch::Tensor out = torch::empty({m, n}, x.options());
   if (m == 0 || n == 0) return out;
   torch::Tensor xf = x.to(torch::kFloat32).contiguous();
-  const QuantRows q = quantize_activations(xf.data_ptr<float>(), m, k);
+  const QuantRows q = cpu_ext::quantize_activations(xf.data_ptr<float>(), m, k);
   torch::Tensor bf;
   if (bias && bias->numel()) {
     TORCH_CHECK(bias->numel() == n, "linear_w8a8: bias must be [N]");

@@ -62,6 +62,7 @@ class LazyGGUF(NamedTuple):
     tokenizer: Tokenizer
     weights: Callable[[], Iterator[tuple[str, torch.Tensor]]]  # dequantised one tensor at a time
     shapes: dict[str, tuple[int, ...]]  # each weight's Hugging Face name and shape, from the header alone
+    types: dict[str, str]  # each weight's Hugging Face name and its GGUF tensor type's name (Q4_1, F32, ...)
 
 
 def read_gguf(path: str | Path) -> GGUFModel:
@@ -88,7 +89,8 @@ def read_gguf_lazily(path: str | Path) -> LazyGGUF:
                 yield name, tensor - 1.0 if arch in GEMMA and name.endswith("norm.weight") else tensor
 
     shapes = {names[t.name]: t.shape for t in file.tensors if t.name in names}
-    return LazyGGUF(config, Tokenizer.from_gguf(file), weights, shapes)
+    types = {names[t.name]: t.ggml_type.name for t in file.tensors if t.name in names}
+    return LazyGGUF(config, Tokenizer.from_gguf(file), weights, shapes, types)
 
 
 def _open_file(path: Path) -> GGUFFile:

@@ -27,15 +27,25 @@ from engine.model.rope import RotaryEmbedding
 
 class Linear(nn.Linear):
     """nn.Linear whose product the backend runs, on the weight's packed copy where the backend made one; with
-    `weight_scale` the weight is int8 codes with per-output-channel scales (engine/model/quant.py)."""
+    `weight_scale` the weight is int8 codes with per-output-channel scales, or int4 codes with group scales
+    (engine/model/quant.py)."""
 
     packed: torch.Tensor | None = None  # the backend's packed copy of the weight (Backend.prepare)
-    weight_scale: torch.Tensor | None = None  # [out_features] fp32 where the weight is int8
+    # [out_features] fp32 where the weight is int8; [2, groups, out_features] fp16 where it is int4
+    weight_scale: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, backend: Backend) -> torch.Tensor:
         if self.weight_scale is not None:
-            return backend.linear_int8(x, self.weight, self.weight_scale, self.bias)
+            return quantized_linear(backend, x, self.weight, self.weight_scale, self.bias)
         return backend.linear(x, self.weight, self.bias, self.packed)
+
+
+def quantized_linear(backend: Backend, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                     bias: torch.Tensor | None) -> torch.Tensor:
+    """The backend's product on an int8 or int4 weight (quant.is_int4 tells them apart)."""
+    if quant.is_int4(weight):
+        return backend.linear_int4(x, weight, scale, bias)
+    return backend.linear_int8(x, weight, scale, bias)
 
 
 class RMSNorm(nn.Module):
@@ -109,7 +119,7 @@ class MLP(nn.Module):
         if self.act == "gelu_tanh":  # GeGLU: gelu_tanh(gate) * up [T, I]
             gate, up = gate_up(x, backend).chunk(2, dim=-1)
             h = F.gelu(gate, approximate="tanh") * up
-        elif gate_up.weight_scale is not None:  # int8: no packed or fused copy
+        elif gate_up.weight_scale is not None:  # int8 or int4: no packed or fused copy
             h = backend.silu_mul(gate_up(x, backend))
         else:
             h = backend.gate_up_silu(x, gate_up.weight, gate_up.packed, self.gate_up_silu)  # silu(gate) * up [T, I]
@@ -234,7 +244,7 @@ class LlamaModel(nn.Module):
         """hidden [B, hidden] -> logits [B, vocab], in float32 or (float32=False) in the model's dtype."""
         scale = self.lm_scale()
         if scale is not None:
-            logits = self.backend.linear_int8(hidden, self.lm_weight(), scale, None)
+            logits = quantized_linear(self.backend, hidden, self.lm_weight(), scale, None)
         else:
             logits = self.backend.linear(hidden, self.lm_weight(), None, self.lm_packed)
         cap = self.cfg.final_logit_softcap
@@ -254,14 +264,16 @@ class LlamaModel(nn.Module):
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def lm_scale(self) -> torch.Tensor | None:
-        """The LM head's per-row scales where its weight is int8, else None."""
+        """The LM head's scales where its weight is int8 or int4, else None."""
         return getattr(self.embed_tokens if self.lm_head is None else self.lm_head, "weight_scale", None)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids [T] -> embeddings [T, hidden] in the model's dtype (dequantised rows of an int8 table)."""
+        """input_ids [T] -> embeddings [T, hidden] in the model's dtype (dequantised rows of a quantised table)."""
         scale = getattr(self.embed_tokens, "weight_scale", None)
         if scale is None:
             return self.embed_tokens(input_ids)
+        if quant.is_int4(self.embed_tokens.weight):
+            return quant.embed_int4(self.embed_tokens.weight, scale, input_ids, self.cfg.hidden_size, self.dtype)
         return quant.embed_int8(self.embed_tokens.weight, scale, input_ids, self.dtype)
 
     @property
@@ -271,10 +283,11 @@ class LlamaModel(nn.Module):
 
     @property
     def weight_dtype(self) -> str:
-        """"int8" where the layers' projections hold int8 codes (engine/model/quant.py), else the dtype's name."""
+        """"int8" / "int4" where the layers' projections hold such codes (engine/model/quant.py), else the dtype's
+        name."""
         proj = self.layers[0].self_attn.qkv_proj if len(self.layers) else None
         if proj is not None and proj.weight_scale is not None:
-            return "int8"
+            return "int4" if quant.is_int4(proj.weight) else "int8"
         return str(self.dtype).removeprefix("torch.")
 
     def set_backend(self, backend: Backend) -> None:
@@ -297,8 +310,9 @@ class LlamaModel(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up; every parameter must be filled."""
         params = dict(self.named_parameters())
-        scales = quant.weight_scales(self)  # int8 weights: each tensor's rows quantised as they arrive
+        scales = quant.weight_scales(self)  # quantised weights: each tensor's rows quantised as they arrive
         rows_filled = dict.fromkeys(params, 0)
+        rows_needed = {n: scales[n].shape[-1] if n in scales else p.shape[0] for n, p in params.items()}
         for name, tensor in weights:
             target, offset = self._fused_target(name)
             if target is None:
@@ -308,14 +322,16 @@ class LlamaModel(nn.Module):
             if self.cfg.norm_weight_offset and target.endswith("norm.weight"):  # Gemma's (1 + w), in float32
                 # in place on the float copy: out of place, a meta tensor (check_model) imports torch._dynamo
                 tensor = tensor.to(torch.float32, copy=True).add_(self.cfg.norm_weight_offset)
-            if target in scales:
+            if target in scales and quant.is_int4(params[target]):
+                quant.store_int4(params[target], scales[target], offset, tensor)
+            elif target in scales:
                 codes, scale = quant.quantize_rows(tensor)
                 params[target].narrow(0, offset, tensor.shape[0]).copy_(codes)
                 scales[target].narrow(0, offset, tensor.shape[0]).copy_(scale)
             else:
                 params[target].narrow(0, offset, tensor.shape[0]).copy_(tensor)
             rows_filled[target] += tensor.shape[0]
-        missing = sorted(n for n, rows in rows_filled.items() if rows != params[n].shape[0])
+        missing = sorted(n for n, rows in rows_filled.items() if rows != rows_needed[n])
         if missing:
             raise KeyError(f"checkpoint lacks or mis-sizes {len(missing)} tensors, e.g. {missing[:3]}")
 
@@ -338,13 +354,17 @@ class LlamaModel(nn.Module):
 
 
 def build_model(cfg: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype,
-                device: torch.device | str = "cpu", weight_dtype: str = "bfloat16") -> LlamaModel:
+                device: torch.device | str = "cpu", weight_dtype: str | quant.WeightChoice = "bfloat16") -> LlamaModel:
     """Allocate the model uninitialised (meta device), then fill it from the checkpoint in `dtype`; with
-    weight_dtype "int8" the projections and LM head are quantised as they load (engine/model/quant.py)."""
+    weight_dtype "int8" or "int4" the projections and LM head are quantised as they load (engine/model/quant.py),
+    or as a WeightChoice names for each ("auto" here is bfloat16: the loader resolves it from the file first,
+    quant.choose_weight_dtype)."""
     with torch.device("meta"):
         model = LlamaModel(cfg, device)
-    if quant.resolve_weight_dtype(weight_dtype) == "int8":
-        quant.int8_layout(model, device)
+    if isinstance(weight_dtype, str):
+        chosen = quant.resolve_weight_dtype(weight_dtype)
+        weight_dtype = quant.WeightChoice(chosen, chosen)
+    quant.apply_layout(model, weight_dtype, device)
     _materialise(model, dtype, device)
     model.load_weights(weights)
     return model.eval().requires_grad_(False)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Mapping
 
@@ -16,6 +16,7 @@ from engine.model.errors import ModelLoadError
 from engine.model.gguf_loader import default_model_path, read_gguf_lazily
 from engine.model.hf_loader import hf_weight_shapes, iter_hf_weights, read_hf_config
 from engine.model.llama import LlamaModel, build_model
+from engine.model.quant import choose_weight_dtype
 from engine.tokenizer import Tokenizer
 
 DTYPE_NAMES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -32,6 +33,7 @@ class ModelSource:
     tokenizer: Tokenizer
     weights: Callable[[], Iterable[tuple[str, torch.Tensor]]]
     shapes: Callable[[], Mapping[str, tuple[int, ...]]]  # weight name -> shape, from the file headers alone
+    types: Mapping[str, str] = field(default_factory=dict)  # GGUF: weight name -> its tensor type's name
 
 
 def resolve_model(model: str | Path | None) -> ModelSource:
@@ -45,7 +47,8 @@ def resolve_model(model: str | Path | None) -> ModelSource:
                            lambda: iter_hf_weights(path), lambda: hf_weight_shapes(path))
     if path.is_file() and path.suffix == ".gguf":
         lazy = read_gguf_lazily(path)
-        return ModelSource(path, name or path.stem, lazy.config, lazy.tokenizer, lazy.weights, lambda: lazy.shapes)
+        return ModelSource(path, name or path.stem, lazy.config, lazy.tokenizer, lazy.weights, lambda: lazy.shapes,
+                           lazy.types)
     if not path.exists():
         raise ModelLoadError(f"model {str(path)!r} does not exist; expected a Hugging Face folder with config.json "
                              "or a .gguf file")
@@ -123,6 +126,9 @@ def resolve_dtype(name: str, device: torch.device | str) -> torch.dtype:
 
 def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device | str = "cpu",
                weight_dtype: str = "auto") -> LlamaModel:
-    """`weight_dtype` (EngineConfig.weight_dtype): "int8" quantises the projections and LM head as they load."""
+    """`weight_dtype` (EngineConfig.weight_dtype): "int8" / "int4" quantise the projections and LM head as they
+    load; "auto" picks by the GGUF file's tensor types (quant.choose_weight_dtype), bfloat16 for a folder."""
     check_model(source)  # before any memory is allocated: a mismatch fails with one sentence
-    return build_model(source.config, source.weights(), dtype, device, weight_dtype)
+    choice = choose_weight_dtype(weight_dtype, source.types, source.shapes() if source.types else {}, dtype,
+                                 source.config.tie_word_embeddings)
+    return build_model(source.config, source.weights(), dtype, device, choice)

@@ -1,4 +1,7 @@
-"""int8 weights with one scale per output channel (`--weight-dtype int8`).
+"""Quantised weights: int8 with one scale per output channel (`--weight-dtype int8`), int4 with a scale and an
+offset per group of 32 along K (`--weight-dtype int4`), and `auto`'s choice between them for a GGUF file.
+
+int8:
 
 A weight W [N, K] is kept as codes Q [N, K] int8 and scales s [N] fp32 with s[n] = max_k |W[n, k]| / 127 and
 Q = round(W / s) (symmetric, codes in -127..127), computed at load from the checkpoint's own tensors (the GGUF
@@ -11,10 +14,20 @@ int8_linear.cpp) do that for decode-sized row counts: on AVX-512 VNNI against x 
 32 (`W8A8_GROUP`), on the copy of Q `pack_w8a8` makes once per model; elsewhere on Q widened to fp32. Larger row
 counts (and every other backend) dequantise Q * s to the activations' dtype and run F.linear (`dequantize`,
 `linear_int8`).
+
+int4: a weight W [N, K] is kept as codes q in 0..15, two per byte, and per group of 32 consecutive k an fp16 scale
+s and offset z, W ~ s * q + z (asymmetric: z one end of the group's range, s its range / 15 or a little more;
+`quantize_int4`). Groups of 32 with fp16 scales are GGUF's own Q4_0 / Q4_1 blocks (d, m fp16), so their values
+come through exactly (nearly all of Q4_0's), and Q4_K's 32-value sub-blocks nearly so (d * sub-scale rounded to
+fp16): `auto` on such a file adds no second rounding of note. 5 bits a weight (0.625 bytes, Q4_1's size) against int8's 8 and bf16's 16. The codes are stored in the
+decode kernel's layout only (`pack_int4`, engine/kernels/int4_linear.cpp), written row-chunk by row-chunk as
+the checkpoint's tensors arrive; decode-sized products run W4A8 on VNNI (`linear_w4a8`), larger ones and every
+other backend dequantise at most DEQUANT_CHUNK_ROWS rows at a time to bf16 for F.linear (`linear_int4`).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+import logging
+from typing import TYPE_CHECKING, Literal, Mapping, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -25,15 +38,87 @@ from engine.config import WEIGHT_DTYPES
 if TYPE_CHECKING:
     from engine.model.llama import LlamaModel
 
+log = logging.getLogger(__name__)
+
 INT8_MAX = 127
 DEQUANT_CHUNK_ROWS = 8192  # F.linear on at most this many dequantised output channels at once (the LM head's 49k)
 
 
-def resolve_weight_dtype(name: str) -> Literal["bfloat16", "int8"]:
-    """'auto' keeps the serving dtype's weights (bfloat16): the kernels take no GGUF-native block format yet."""
+WeightFormat = Literal["bfloat16", "int8", "int4"]
+
+
+def resolve_weight_dtype(name: str) -> WeightFormat:
+    """'auto' without a file to look at keeps the serving dtype's weights (bfloat16); see `auto_weight_dtype`."""
     if name not in WEIGHT_DTYPES:
         raise ValueError(f"weight dtype must be one of {', '.join(WEIGHT_DTYPES)}, not {name!r}")
     return "bfloat16" if name == "auto" else name
+
+
+# GGUF tensor types -> the format that keeps their values with the fewest bytes: the 4-bit (and fewer) blocks
+# fit int4's groups of 32, 5- to 8-bit ones need int8's 255 levels (int4 would round them again, coarsely)
+GGUF_WEIGHT_FORMATS: Mapping[str, WeightFormat] = {
+    "Q8_0": "int8", "Q6_K": "int8", "Q5_0": "int8", "Q5_1": "int8", "Q5_K": "int8",
+    "Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4", "Q3_K": "int4", "Q2_K": "int4",
+}
+# The LM head's tensor type -> its format: it decides every token, so a 5- to 8-bit head stays bf16 (within 2^-9 of
+# the file's values; int8's per-row steps are several times coarser than Q8_0's per-32 ones), a 4-bit one int4
+GGUF_HEAD_FORMATS: Mapping[str, WeightFormat] = {"Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4", "Q3_K": "int4",
+                                                 "Q2_K": "int4"}
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+HEAD_NAMES = ("lm_head.weight", "model.embed_tokens.weight")  # the LM head's tensor (tied: the embedding table)
+
+
+class WeightChoice(NamedTuple):
+    """What a checkpoint loads as: the layers' projections' format and the LM head's (tied: the embedding's)."""
+
+    layers: WeightFormat
+    head: WeightFormat
+
+
+def auto_weight_dtype(types: Mapping[str, str], shapes: Mapping[str, tuple[int, ...]],
+                      tied: bool = True) -> tuple[WeightChoice, str]:
+    """`--weight-dtype auto` for a checkpoint whose tensors (Hugging Face names) have these GGUF types (empty for a
+    Hugging Face folder) -> (choice, why): the layers take the format of the type holding most of their
+    projection weights (GGUF_WEIGHT_FORMATS; float types and folders stay bfloat16), the LM head that of its own
+    tensor's type (GGUF_HEAD_FORMATS: files often keep it at more bits than the layers, as SmolLM2's Q4_1 file
+    keeps a Q8_0 head)."""
+    elements: dict[str, int] = {}
+    for name, kind in types.items():
+        if name.rpartition(".")[0].rpartition(".")[2] in PROJECTIONS:
+            elements[kind] = elements.get(kind, 0) + _elements(shapes.get(name, ()))
+    if not elements:
+        return WeightChoice("bfloat16", "bfloat16"), "no GGUF-quantised projections (a Hugging Face folder or floats)"
+    dominant = max(elements, key=elements.__getitem__)
+    share = elements[dominant] / sum(elements.values())
+    head_type = types.get(HEAD_NAMES[1] if tied else HEAD_NAMES[0], "F32")
+    choice = WeightChoice(GGUF_WEIGHT_FORMATS.get(dominant, "bfloat16"), GGUF_HEAD_FORMATS.get(head_type, "bfloat16"))
+    return choice, (f"{share:.0%} of the layers' projection weights are GGUF {dominant}; the LM head is "
+                    f"{head_type}")
+
+
+def choose_weight_dtype(name: str, types: Mapping[str, str], shapes: Mapping[str, tuple[int, ...]],
+                        dtype: torch.dtype = torch.bfloat16, tied: bool = True) -> WeightChoice:
+    """The formats `--weight-dtype name` loads this checkpoint with; `auto` logs its choice and the reason. With
+    a serving dtype other than bfloat16 (float32 asks for exactness, and the CPU kernels of the quantised
+    formats take bf16 activations) `auto` keeps every weight in that dtype."""
+    if name != "auto":
+        chosen = resolve_weight_dtype(name)
+        return WeightChoice(chosen, chosen)
+    if dtype != torch.bfloat16:
+        log.info("weight dtype auto: %s weights (the serving dtype)", str(dtype).removeprefix("torch."))
+        return WeightChoice("bfloat16", "bfloat16")
+    choice, why = auto_weight_dtype(types, shapes, tied)
+    log.info("weight dtype auto: layers %s, LM head %s (%s)", choice.layers, choice.head, why)
+    return choice
+
+
+def _elements(shape: tuple[int, ...]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
 
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,28 +170,168 @@ def embed_int8(codes: torch.Tensor, scale: torch.Tensor, ids: torch.Tensor, dtyp
     return codes[ids].to(dtype).mul_(scale[ids].unsqueeze(1))
 
 
-def int8_layout(model: LlamaModel, device: torch.device | str) -> None:
-    """On a model still on the meta device (before its storage is made): every weight `quantized_weights` names
-    becomes an int8 parameter, with its fp32 scales [N] (real storage, filled by load_weights) beside it as the
-    module's `weight_scale`."""
-    for module in quantized_modules(model):
+INT4_GROUP = 32  # weights per scale and offset along K (GGUF's Q4 block), and activations per scale in W4A8
+INT4_CHANNELS = 16  # output channels per packed block: one int32 lane each
+INT4_LEVELS = 15  # codes 0..15
+QUANTIZE_CHUNK_ROWS = 2048  # rows quantised at once at load: their few fp32 copies stay a few MiB
+
+
+def int4_shapes(n: int, k: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The shapes of an int4 weight [N, K]: its codes (pack_int4's layout, uint8) and its scales (fp16)."""
+    groups = -(-k // INT4_GROUP)
+    return (-(-n // INT4_CHANNELS), groups, 4, INT4_CHANNELS, 4), (2, groups, n)
+
+
+INT4_SPANS = (15, 14, 13, 12)  # the code spans quantize_int4 tries for a group's range, from each end
+
+
+def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """weight [N, K] (any float dtype) -> (codes [N, G * 32] uint8 in 0..15, zero past K; scale [N, G] fp16;
+    offset [N, G] fp16), value = scale * code + offset. Per group of 32, from each end of its range (z = min with
+    s > 0, or z = max with s < 0; z rounded to fp16) and each span m of INT4_SPANS, s = (max - min) / m rounded
+    to fp16 and codes round((w - z) / s): the candidate of least squared error, the first on a tie. z = min and
+    m = 15 is Q4_1's min-max rule, so its blocks come back exactly; Q4_0's blocks (d (q - 8), its largest
+    magnitude at -8 d, exact in fp16, the other end at most 7 |d| away) come back exactly from that end for the
+    common spans; a group with one outlier fits better on a shorter span. A constant group: s = 0, codes 0."""
+    n, k = weight.shape
+    groups = -(-k // INT4_GROUP)
+    w = weight.detach().float()
+    if groups * INT4_GROUP != k:  # the last group's padding takes its last value, so min and max stay the row's
+        w = torch.cat([w, w[:, -1:].expand(n, groups * INT4_GROUP - k)], dim=1)
+    g = w.view(n, groups, INT4_GROUP)
+    low, high = g.amin(dim=2), g.amax(dim=2)
+    best: list[torch.Tensor] = []
+    for end, sign in ((low, 1.0), (high, -1.0)):
+        offset = end.to(torch.float16)
+        shifted = g - offset.float().unsqueeze(2)
+        for m in INT4_SPANS:
+            scale = (sign * (high - low) / m).to(torch.float16)
+            step = torch.where(scale != 0, scale.float(), torch.ones_like(low)).unsqueeze(2)
+            codes = torch.round(shifted / step).clamp_(0, INT4_LEVELS)
+            err = (codes * scale.float().unsqueeze(2) - shifted).square_().sum(dim=2)
+            best = _keep_better(best, [err, scale, offset, codes])
+    codes = best[3].to(torch.uint8).view(n, groups * INT4_GROUP)
+    codes[:, k:] = 0
+    return codes, best[1], best[2]
+
+
+def _keep_better(best: list[torch.Tensor], candidate: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Per group, the candidate (err [N, G], then tensors [N, G] or [N, G, 32]) of the lesser error."""
+    if not best:
+        return candidate
+    better = candidate[0] < best[0]
+    return [torch.where(better.view(*better.shape, *[1] * (new.dim() - 2)), new, old)
+            for new, old in zip(candidate, best)]
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """codes [N, G * 32] uint8 (0..15) -> their rows in the kernel's layout, uint8 [N, G, 4, 4]: byte [n, g, t, j]
+    = codes[n, 32 g + 4 t + j] | codes[n, 32 g + 16 + 4 t + j] << 4 (the 16 rows of a block then interleave:
+    `store_int4`)."""
+    n = codes.shape[0]
+    halves = codes.view(n, -1, 2, 4, 4)  # [n, g, low / high half of the group, t, j]
+    return halves[:, :, 0] | (halves[:, :, 1] << 4)
+
+
+def unpack_int4(packed: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """The codes [len(rows), G * 32] uint8 of output channels `rows` (int64) of a weight in pack_int4's layout."""
+    picked = packed[rows // INT4_CHANNELS, :, :, rows % INT4_CHANNELS, :]  # [R, G, 4, 4]
+    return torch.stack([picked & 0x0F, picked >> 4], dim=2).view(len(rows), -1)
+
+
+def store_int4(packed: torch.Tensor, scales: torch.Tensor, first: int, weight: torch.Tensor) -> None:
+    """Quantises weight [R, K] (rows first..first+R of the weight) into its place in packed and scales."""
+    rows = torch.arange(first, first + weight.shape[0])
+    for start in range(0, weight.shape[0], QUANTIZE_CHUNK_ROWS):  # a chunk's fp32 copies at a time
+        chunk = rows[start:start + QUANTIZE_CHUNK_ROWS]
+        codes, scale, offset = quantize_int4(weight[start:start + QUANTIZE_CHUNK_ROWS])
+        packed[chunk // INT4_CHANNELS, :, :, chunk % INT4_CHANNELS, :] = pack_int4(codes)
+        scales[0, :, chunk] = scale.T
+        scales[1, :, chunk] = offset.T
+
+
+def int4_rows(packed: torch.Tensor, scales: torch.Tensor, rows: torch.Tensor, k: int,
+              dtype: torch.dtype) -> torch.Tensor:
+    """Output channels `rows` of an int4 weight of K columns, dequantised: (s * q + z) [len(rows), K] in `dtype`,
+    one rounding of s * q + z in fp32 (s * q is exact) and one to `dtype`, as int4_linear.cpp's dequantize_int4."""
+    codes = unpack_int4(packed, rows).view(len(rows), -1, INT4_GROUP).float()
+    s, z = scales[0, :, rows].T.float().unsqueeze(2), scales[1, :, rows].T.float().unsqueeze(2)
+    return (codes * s + z).view(len(rows), -1)[:, :k].to(dtype)
+
+
+def linear_int4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+                dequantize_rows=None) -> torch.Tensor:
+    """x [M, K] -> x W^T + bias [M, N] for an int4 weight, by F.linear on at most DEQUANT_CHUNK_ROWS output
+    channels dequantised at a time (to x's dtype). `dequantize_rows(begin, end)` makes a chunk (default: torch's
+    int4_rows; the CPU backend passes its kernel's, the same bits)."""
+    n, k = scales.shape[2], x.shape[-1]
+    if dequantize_rows is None:
+        def dequantize_rows(begin: int, end: int) -> torch.Tensor:
+            return int4_rows(packed, scales, torch.arange(begin, end, device=packed.device), k, x.dtype)
+    parts = [F.linear(x, dequantize_rows(i, min(n, i + DEQUANT_CHUNK_ROWS)),
+                      None if bias is None else bias[i:i + DEQUANT_CHUNK_ROWS])
+             for i in range(0, n, DEQUANT_CHUNK_ROWS)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+
+
+def embed_int4(packed: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor, k: int,
+               dtype: torch.dtype) -> torch.Tensor:
+    """The embedding rows of `ids` from an int4 table, dequantised to `dtype`."""
+    return int4_rows(packed, scales, ids.reshape(-1), k, dtype).view(*ids.shape, k)
+
+
+def is_int4(weight: torch.Tensor) -> bool:
+    """Whether a quantised weight (one with a weight_scale) is int4 (pack_int4's uint8 layout) rather than int8."""
+    return weight.dtype == torch.uint8
+
+
+def int4_layout(modules: list[nn.Module], device: torch.device | str) -> None:
+    """As int8_layout, for int4: each module's weight becomes pack_int4's uint8 layout, with its fp16 scales and
+    offsets [2, G, N] as the module's `weight_scale` (filled by load_weights, `store_int4`)."""
+    for module in modules:
+        rows, cols = module.weight.shape
+        codes, scales = int4_shapes(rows, cols)
+        module.weight = nn.Parameter(torch.zeros(codes, dtype=torch.uint8, device=device), requires_grad=False)
+        module.weight_scale = torch.zeros(scales, dtype=torch.float16, device=device)
+
+
+def int8_layout(modules: list[nn.Module], device: torch.device | str) -> None:
+    """On a model still on the meta device (before its storage is made): each module's weight becomes an int8
+    parameter, with its fp32 scales [N] (real storage, filled by load_weights) beside it as the module's
+    `weight_scale`."""
+    for module in modules:
         rows, cols = module.weight.shape
         module.weight = nn.Parameter(torch.empty(rows, cols, dtype=torch.int8, device="meta"), requires_grad=False)
         module.weight_scale = torch.empty(rows, dtype=torch.float32, device=device)
 
 
 def quantized_modules(model: LlamaModel) -> list[nn.Module]:
-    """The modules whose weight --weight-dtype int8 quantises: the layers' four projections and the LM head (the
-    embedding table where it is tied)."""
+    """The modules whose weight --weight-dtype int8 (or int4) quantises: the layers' four projections and the LM
+    head (the embedding table where it is tied)."""
+    return layer_projections(model) + [head_module(model)]
+
+
+def layer_projections(model: LlamaModel) -> list[nn.Module]:
     modules: list[nn.Module] = []
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         modules += [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
-    modules.append(model.embed_tokens if model.lm_head is None else model.lm_head)
     return modules
 
 
+def head_module(model: LlamaModel) -> nn.Module:
+    return model.embed_tokens if model.lm_head is None else model.lm_head
+
+
+def apply_layout(model: LlamaModel, choice: WeightChoice, device: torch.device | str) -> None:
+    """The quantised layouts of `choice` on a model still on the meta device (bfloat16: the plain weights)."""
+    layouts = {"int8": int8_layout, "int4": int4_layout}
+    for modules, chosen in ((layer_projections(model), choice.layers), ([head_module(model)], choice.head)):
+        if chosen in layouts:
+            layouts[chosen](modules, device)
+
+
 def weight_scales(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Parameter name of each int8 weight -> its scales."""
+    """Parameter name of each quantised weight -> its scales."""
     return {f"{name}.weight" if name else "weight": module.weight_scale for name, module in model.named_modules()
             if getattr(module, "weight_scale", None) is not None}

@@ -1,0 +1,66 @@
+// Activations quantised to int8 in groups of 32 along K, shared by the W8A8 (int8_linear.cpp) and W4A8
+// (int4_linear.cpp) kernels, and the bf16 rounding both store their results with.
+//
+// Each row of x is quantised in groups of 32: a[m, g] = max |x[m, g's 32]| / 127, q[m, k] = round(x[m, k] /
+// a[m, g]) (nearest even, codes -127..127; a = 1 for a group of zeros), codes past K zero.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace cpu_ext {
+
+// Round to nearest even, as torch converts float to bfloat16; NaN stays NaN.
+inline uint16_t to_bf16(float value) {
+  if (std::isnan(value)) return 0x7FC0;
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof(bits));
+  return static_cast<uint16_t>((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+}
+
+constexpr int64_t kActGroup = 32;  // activation codes per scale
+
+struct QuantRows {
+  std::vector<int8_t> codes;  // [M, kp], zero past k
+  std::vector<int32_t> sums;  // [M, groups]: the sum of the group's codes
+  std::vector<float> scale;   // [M, groups]: a
+  std::vector<float> totals;  // [M, groups]: the sum of the group's values themselves (fp32, in k order)
+  int64_t kp, groups;
+};
+
+// x fp32 [M, K] -> its int8 groups (the definition above; IEEE division, so torch's x / a rounds the same).
+inline QuantRows quantize_activations(const float* x, int64_t m, int64_t k) {
+  QuantRows q;
+  q.groups = (k + kActGroup - 1) / kActGroup;
+  q.kp = q.groups * kActGroup;
+  q.codes.assign(m * q.kp, 0);
+  q.sums.resize(m * q.groups);
+  q.scale.resize(m * q.groups);
+  q.totals.resize(m * q.groups);
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t g = 0; g < q.groups; ++g) {
+      const float* xg = x + r * k + g * kActGroup;
+      const int64_t len = std::min(kActGroup, k - g * kActGroup);
+      float amax = 0.f, total = 0.f;
+      for (int64_t i = 0; i < len; ++i) {
+        amax = std::max(amax, std::fabs(xg[i]));
+        total += xg[i];
+      }
+      const float a = amax > 0.f ? amax / 127.f : 1.f;
+      int32_t sum = 0;
+      for (int64_t i = 0; i < len; ++i) {
+        const float v = std::min(127.f, std::max(-127.f, std::nearbyint(xg[i] / a)));
+        q.codes[r * q.kp + g * kActGroup + i] = static_cast<int8_t>(v);
+        sum += static_cast<int32_t>(v);
+      }
+      q.sums[r * q.groups + g] = sum;
+      q.scale[r * q.groups + g] = a;
+      q.totals[r * q.groups + g] = total;
+    }
+  return q;
+}
+
+}  // namespace cpu_ext

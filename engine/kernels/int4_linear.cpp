@@ -1,0 +1,254 @@
+// Products on int4 weights (engine/model/quant.py, `--weight-dtype int4`): codes 0..15, two per byte, with an
+// fp16 scale s and offset z per group of 32 along K, value w = s * q + z.
+// - linear_w4a8: decode-sized row counts. The activations are quantised to int8 in groups of 32 (the same groups
+//   as the weights', activation_quant.h), the nibbles unpacked in registers and multiplied by AVX-512 VNNI into
+//   exact int32 sums per group.
+// - dequantize_int4: rows of the weight to bf16, for the larger row counts that take at::linear (prefill).
+// Figures: docs/performance.md, "int8 and int4 weights" (python -m bench.weight_quant).
+//
+// Layout (quant.py pack_int4): packed uint8 [ceil(N / 16), G, 4, 16, 4], G = ceil(K / 32); the 64 bytes of
+// [b, g, t] hold 16 output channels x 4 consecutive k: byte [c, j] = q[16 b + c, 32 g + 4 t + j] in its low
+// nibble and q[16 b + c, 32 g + 16 + 4 t + j] in its high one. scales fp16 [2, G, N]: s at [0, g, n], z at
+// [1, g, n]. Codes past K and channels past N are 0 (and carry no scale: the row loops stop at N).
+//
+// With a[m, g] and codes x[m, k] the activations' groups, x_sum[m, g] the sum of their codes, t[m, g] the fp32 sum
+// of the group's own (unquantised) values, and the weights split about their group's midpoint z + 7.5 s:
+//   out[m, n] = bf16(sum_g (a[m, g] * (s[g, n] / 2) * float(2 sum_{k in g} q[n, k] x[m, k] - 15 x_sum[m, g])
+//                           + (z[g, n] + 7.5 s[g, n]) * t[m, g]) + bias[n]),
+// the integer sums exact, the sum over groups in fp32 in group order (two fused multiply-adds a group); each row's
+// result depends on that row only. The activations' rounding error then meets only s (q - 7.5), the weights less
+// their group's middle, never more than half the group's range.
+
+// Kept over torch's aten._weight_int4pack_mm_for_cpu on the same codes: 1.23x its decode tok/s at batch 1, 1.15x at
+// batch 8 (per-round medians of python -m bench.weight_quant, int4-layers against int4-torch).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+
+#include "activation_quant.h"
+#include "parallel.h"
+#include "vec.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define CPU_EXT_INT4_VNNI 1
+#include <immintrin.h>
+#endif
+
+namespace {
+
+using cpu_ext::QuantRows;
+using cpu_ext::to_bf16;
+
+constexpr int64_t kGroup = cpu_ext::kActGroup;  // weight and activation values per scale
+constexpr int64_t kChannels = 16;               // output channels per packed block (one int32 lane each)
+constexpr int64_t kGroupBytes = kGroup * kChannels / 2;
+constexpr int kMaxRows = 8;  // rows of x per pass: R accumulator sets stay in registers
+
+struct Int4Weights {
+  const uint8_t* packed;
+  const at::Half* scale;   // [G, N]
+  const at::Half* offset;  // [G, N]
+  const float* bias;       // [N] or null
+  int64_t n, groups;
+};
+
+// Stores channels [n0, n0 + 16) of R rows from their fp32 sums; channels past n are padding.
+template <int R>
+void store(const float (&sums)[R][kChannels], const Int4Weights& w, int64_t first, uint16_t* out, int64_t n0) {
+  const int64_t count = std::min<int64_t>(kChannels, w.n - n0);
+  for (int r = 0; r < R; ++r)
+    for (int64_t j = 0; j < count; ++j)
+      out[(first + r) * w.n + n0 + j] = to_bf16(sums[r][j] + (w.bias ? w.bias[n0 + j] : 0.f));
+}
+
+// Blocks [block, block + C) of 16 channels for rows [first, first + R): each 64-byte vector gives two of
+// unsigned codes (low and high nibbles), each added into its own int32 accumulator by vpdpbusd against a
+// broadcast dword of 4 activation codes, so that 2 * C independent chains hide its latency at one row.
+template <int R, int C>
+void w4a8_blocks(const Int4Weights& w, const QuantRows& q, int64_t first, uint16_t* out, int64_t block) {
+  float sums[C][R][kChannels];
+#if defined(CPU_EXT_INT4_VNNI)
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  __m512 accf[C][R];
+  for (int c = 0; c < C; ++c)
+    for (int r = 0; r < R; ++r) accf[c][r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < q.groups; ++g) {
+    __m512i lo[C][R], hi[C][R];
+    for (int c = 0; c < C; ++c)
+      for (int r = 0; r < R; ++r) lo[c][r] = hi[c][r] = _mm512_setzero_si512();
+    for (int64_t t = 0; t < 4; ++t) {
+      for (int c = 0; c < C; ++c) {
+        const __m512i v = _mm512_loadu_si512(w.packed + ((block + c) * w.groups + g) * kGroupBytes + t * 64);
+        const __m512i wl = _mm512_and_si512(v, nibble), wh = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* codes = q.codes.data() + (first + r) * q.kp + g * kGroup + 4 * t;
+          int32_t quad_lo, quad_hi;
+          std::memcpy(&quad_lo, codes, 4);
+          std::memcpy(&quad_hi, codes + 16, 4);
+          lo[c][r] = _mm512_dpbusd_epi32(lo[c][r], wl, _mm512_set1_epi32(quad_lo));
+          hi[c][r] = _mm512_dpbusd_epi32(hi[c][r], wh, _mm512_set1_epi32(quad_hi));
+        }
+      }
+    }
+    for (int c = 0; c < C; ++c) {
+      const int64_t n0 = (block + c) * kChannels;
+      const __mmask16 mask = cpu_ext::lanes_below(w.n - n0);
+      const __m512 s = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, w.scale + g * w.n + n0));
+      const __m512 z = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, w.offset + g * w.n + n0));
+      const __m512 half = _mm512_mul_ps(s, _mm512_set1_ps(0.5f)), mid = _mm512_fmadd_ps(s, _mm512_set1_ps(7.5f), z);
+      for (int r = 0; r < R; ++r) {
+        const int64_t at = (first + r) * q.groups + g;
+        const __m512i twice = _mm512_slli_epi32(_mm512_add_epi32(lo[c][r], hi[c][r]), 1);
+        const __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(twice, _mm512_set1_epi32(15 * q.sums[at])));
+        accf[c][r] = _mm512_fmadd_ps(_mm512_mul_ps(half, dot), _mm512_set1_ps(q.scale[at]), accf[c][r]);
+        accf[c][r] = _mm512_fmadd_ps(mid, _mm512_set1_ps(q.totals[at]), accf[c][r]);
+      }
+    }
+  }
+  for (int c = 0; c < C; ++c)
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(sums[c][r], accf[c][r]);
+#else
+  for (int c = 0; c < C; ++c)
+    for (int r = 0; r < R; ++r)
+      for (int64_t j = 0; j < kChannels; ++j) {
+        const int64_t channel = (block + c) * kChannels + j;
+        float total = 0.f;
+        for (int64_t g = 0; g < q.groups && channel < w.n; ++g) {
+          const uint8_t* bytes = w.packed + ((block + c) * w.groups + g) * kGroupBytes;
+          const int8_t* codes = q.codes.data() + (first + r) * q.kp + g * kGroup;
+          int32_t dot = 0;
+          for (int64_t t = 0; t < 4; ++t)
+            for (int64_t i = 0; i < 4; ++i) {
+              const uint8_t byte = bytes[t * 64 + j * 4 + i];
+              dot += (byte & 0x0F) * codes[4 * t + i] + (byte >> 4) * codes[16 + 4 * t + i];
+            }
+          const int64_t at = (first + r) * q.groups + g;
+          const float s = static_cast<float>(w.scale[g * w.n + channel]);
+          const float z = static_cast<float>(w.offset[g * w.n + channel]);
+          const float centred = static_cast<float>(2 * dot - 15 * q.sums[at]);
+          total = std::fma(std::fma(s, 7.5f, z), q.totals[at], std::fma(s * 0.5f * centred, q.scale[at], total));
+        }
+        sums[c][r][j] = total;
+      }
+#endif
+  for (int c = 0; c < C; ++c) store<R>(sums[c], w, first, out, (block + c) * kChannels);
+}
+
+template <int R>
+void w4a8_rows(const Int4Weights& w, const QuantRows& q, int64_t first, uint16_t* out, int64_t begin, int64_t end) {
+  constexpr int C = R == 1 ? 4 : R == 2 ? 2 : 1;
+  int64_t block = begin;
+  for (; block + C <= end; block += C) w4a8_blocks<R, C>(w, q, first, out, block);
+  for (; block < end; ++block) w4a8_blocks<R, 1>(w, q, first, out, block);
+}
+
+void w4a8_pass(int64_t rows, const Int4Weights& w, const QuantRows& q, int64_t first, uint16_t* out, int64_t begin,
+               int64_t end) {
+  switch (rows) {
+    case 1: w4a8_rows<1>(w, q, first, out, begin, end); break;
+    case 2: w4a8_rows<2>(w, q, first, out, begin, end); break;
+    case 3: w4a8_rows<3>(w, q, first, out, begin, end); break;
+    case 4: w4a8_rows<4>(w, q, first, out, begin, end); break;
+    case 5: w4a8_rows<5>(w, q, first, out, begin, end); break;
+    case 6: w4a8_rows<6>(w, q, first, out, begin, end); break;
+    case 7: w4a8_rows<7>(w, q, first, out, begin, end); break;
+    default: w4a8_rows<8>(w, q, first, out, begin, end); break;
+  }
+}
+
+void check_int4(const torch::Tensor& packed, const torch::Tensor& scales, int64_t k, const char* name) {
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.dim() == 3 && scales.size(0) == 2 && scales.is_contiguous(),
+              name, ": scales must be fp16 [2, G, N]");
+  const int64_t n = scales.size(2), groups = (k + kGroup - 1) / kGroup;
+  TORCH_CHECK(scales.size(1) == groups, name, ": scales have ", scales.size(1), " groups, K = ", k, " needs ", groups);
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 5 &&
+                  packed.size(0) == (n + kChannels - 1) / kChannels && packed.size(1) == groups &&
+                  packed.size(2) == 4 && packed.size(3) == kChannels && packed.size(4) == 4,
+              name, ": packed must be pack_int4's uint8 [ceil(N / 16), ceil(K / 32), 4, 16, 4] for N = ", n,
+              ", K = ", k);
+}
+
+}  // namespace
+
+// x [M, K] bf16, packed and scales as above, bias [N] (any float dtype) or None -> [M, N] bf16. x is quantised
+// once, before the threads, which claim ranges of 16-channel blocks and run every pass of 8 rows of x over their
+// range, so a range's weights come from memory once and from cache for the later passes.
+torch::Tensor linear_w4a8(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
+                          const std::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "linear_w4a8: x must be bf16 [M, K]");
+  const int64_t m = x.size(0), k = x.size(1);
+  check_int4(packed, scales, k, "linear_w4a8");
+  const int64_t n = scales.size(2);
+  torch::Tensor out = torch::empty({m, n}, x.options());
+  if (m == 0 || n == 0) return out;
+  torch::Tensor xf = x.to(torch::kFloat32).contiguous();
+  const QuantRows q = cpu_ext::quantize_activations(xf.data_ptr<float>(), m, k);
+  torch::Tensor bf;
+  if (bias && bias->numel()) {
+    TORCH_CHECK(bias->numel() == n, "linear_w4a8: bias must be [N]");
+    bf = bias->to(torch::kFloat32).contiguous();
+  }
+  const auto* half = scales.data_ptr<at::Half>();
+  const Int4Weights w{packed.data_ptr<uint8_t>(), half, half + q.groups * n, bf.defined() ? bf.data_ptr<float>() : nullptr,
+                      n, q.groups};
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  cpu_ext::parallel_claim((n + kChannels - 1) / kChannels, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t first = 0; first < m; first += kMaxRows)
+      w4a8_pass(std::min<int64_t>(kMaxRows, m - first), w, q, first, op, begin, end);
+  });
+  return out;
+}
+
+// Output channels [begin, end) of the int4 weight of K columns -> bf16 [end - begin, K]: bf16(s * q + z) (s * q
+// is exact in fp32, so the one rounding of the sum and the one to bf16 are torch's quant.dequantize_int4's too).
+torch::Tensor dequantize_int4(torch::Tensor packed, torch::Tensor scales, int64_t k, int64_t begin, int64_t end) {
+  check_int4(packed, scales, k, "dequantize_int4");
+  const int64_t n = scales.size(2), groups = scales.size(1);
+  TORCH_CHECK(0 <= begin && begin <= end && end <= n, "dequantize_int4: rows [", begin, ", ", end, ") of ", n);
+  torch::Tensor out = torch::empty({end - begin, k}, packed.options().dtype(at::kBFloat16));
+  const uint8_t* pp = packed.data_ptr<uint8_t>();
+  const at::Half* sp = scales.data_ptr<at::Half>();
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  at::parallel_for(begin, end, 16, [&](int64_t first, int64_t last) {
+    for (int64_t row = first; row < last; ++row) {
+      const int64_t block = row / kChannels, c = row % kChannels;
+      uint16_t* dst = op + (row - begin) * k;
+      for (int64_t g = 0; g < groups; ++g) {
+        const float s = static_cast<float>(sp[g * n + row]), z = static_cast<float>(sp[(groups + g) * n + row]);
+        const uint8_t* bytes = pp + (block * groups + g) * kGroupBytes + c * 4;
+        for (int64_t t = 0; t < 4; ++t)
+          for (int64_t i = 0; i < 4; ++i) {
+            const uint8_t byte = bytes[t * 64 + i];
+            const int64_t lo = g * kGroup + 4 * t + i, hi = lo + 16;
+            if (lo < k) dst[lo] = to_bf16(s * static_cast<float>(byte & 0x0F) + z);
+            if (hi < k) dst[hi] = to_bf16(s * static_cast<float>(byte >> 4) + z);
+          }
+      }
+    }
+  });
+  return out;
+}
+
+// Whether linear_w4a8 runs on VNNI here (else on its scalar loop, which only tests should take).
+bool w4a8_vnni() {
+#if defined(CPU_EXT_INT4_VNNI)
+  return true;
+#else
+  return false;
+#endif
+}
+
+TORCH_LIBRARY_FRAGMENT(phase_serve, m) {
+  m.def("linear_w4a8(Tensor x, Tensor packed, Tensor scales, Tensor? bias) -> Tensor");
+  m.def("dequantize_int4(Tensor packed, Tensor scales, int k, int begin, int end) -> Tensor");
+  m.def("w4a8_vnni() -> bool", &w4a8_vnni);
+}
+
+TORCH_LIBRARY_IMPL(phase_serve, CPU, m) {
+  m.impl("linear_w4a8", &linear_w4a8);
+  m.impl("dequantize_int4", &dequantize_int4);
+}
