@@ -108,7 +108,7 @@ def test_the_greedy_fast_path_agrees_with_the_general_rule():
 class StubModel:
     """Logits depend only on the position: row j of a chunk starting at 0 scores log P[j]."""
 
-    def __call__(self, input_ids, positions, meta, kv_caches, keep_rows=None):
+    def __call__(self, input_ids, positions, meta, kv_caches, keep_rows=None, layer_metas=None):
         hidden = positions[:, None].float()  # [T, 1]
         return hidden if keep_rows is None else hidden[keep_rows]
 

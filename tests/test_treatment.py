@@ -70,7 +70,7 @@ def _running(seq_id: int, pool: TieredBlockPool, num_tokens: int, compress_first
     seq = Sequence(seq_id, f"r{seq_id}", 0, list(range(num_tokens)), num_tokens - 1, GREEDY, 1000,
                    arrival_time=float(seq_id), status=SequenceStatus.RUNNING, compress_first=compress_first)
     seq.num_computed_tokens = num_tokens - 1
-    seq.block_ids = pool.allocate(-(-num_tokens // BS))
+    seq.block_tables = [pool.allocate(-(-num_tokens // BS))]
     return seq
 
 
