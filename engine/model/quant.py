@@ -27,6 +27,7 @@ other backend dequantise at most DEQUANT_CHUNK_ROWS rows at a time to bf16 for F
 from __future__ import annotations
 
 import logging
+import math
 from typing import TYPE_CHECKING, Literal, Mapping, NamedTuple
 
 import torch
@@ -87,7 +88,7 @@ def auto_weight_dtype(types: Mapping[str, str], shapes: Mapping[str, tuple[int, 
     elements: dict[str, int] = {}
     for name, kind in types.items():
         if name.rpartition(".")[0].rpartition(".")[2] in PROJECTIONS:
-            elements[kind] = elements.get(kind, 0) + _elements(shapes.get(name, ()))
+            elements[kind] = elements.get(kind, 0) + math.prod(shapes.get(name, ()))
     if not elements:
         return WeightChoice("bfloat16", "bfloat16"), "no GGUF-quantised projections (a Hugging Face folder or floats)"
     dominant = max(elements, key=elements.__getitem__)
@@ -112,13 +113,6 @@ def choose_weight_dtype(name: str, types: Mapping[str, str], shapes: Mapping[str
     choice, why = auto_weight_dtype(types, shapes, tied)
     log.info("weight dtype auto: layers %s, LM head %s (%s)", choice.layers, choice.head, why)
     return choice
-
-
-def _elements(shape: tuple[int, ...]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
 
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -202,11 +196,11 @@ def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
     low, high = g.amin(dim=1), g.amax(dim=1)
     best = _int4_candidate(g, low, high, 1.0, INT4_SPANS[0])
     # The other candidates only for the groups the first leaves inexact: none can beat an error of 0, and nearly
-    # every group of a Q4_1 file's values is exact (a quarter of the load time of trying them all).
+    # every group of a Q4_1 file's values is exact (a third of the time of trying them all).
     rest = (best[0] > 0).nonzero().squeeze(1)
-    inexact = [t[rest] for t in best]
+    inexact, g_rest, low_rest, high_rest = [t[rest] for t in best], g[rest], low[rest], high[rest]
     for sign, m in [(sign, m) for sign in (1.0, -1.0) for m in INT4_SPANS][1:]:
-        inexact = _keep_better(inexact, _int4_candidate(g[rest], low[rest], high[rest], sign, m))
+        inexact = _keep_better(inexact, _int4_candidate(g_rest, low_rest, high_rest, sign, m))
     for whole, part in zip(best, inexact):
         whole[rest] = part
     codes = best[3].to(torch.uint8).view(n, groups * INT4_GROUP)
