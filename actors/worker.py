@@ -52,6 +52,12 @@ def _die_with_parent() -> None:
         sys.exit(0)
 
 
+def _leave_sigint_to_the_supervisor() -> None:
+    """A terminal's Ctrl-C reaches the whole process group: the server drains its streams on it, then stops its
+    actors with SIGTERM. An actor that exited on the SIGINT itself would cut those streams off."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="actors.worker")
     parser.add_argument("--spec", required=True, help="ActorSpec as JSON")
@@ -74,6 +80,7 @@ def run_actor(spec: ActorSpec, join: tuple[str, int, bytes] | None = None, enter
         os.sched_setaffinity(0, spec.cpus)
     if not spec.remote:
         _die_with_parent()
+        _leave_sigint_to_the_supervisor()
     torch.set_num_threads(spec.threads)
     try:
         import uvloop

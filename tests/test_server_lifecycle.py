@@ -169,6 +169,30 @@ def test_a_stream_aborted_at_the_end_of_the_grace_period_gets_a_last_error_event
     assert events.index("aborting requests still in flight") < events.index("stopped")
 
 
+def test_ctrl_c_to_the_process_group_finishes_the_streams_like_sigterm(tiny_model_dir, tmp_path):
+    """A terminal's Ctrl-C sends SIGINT to every process of the group, the actors included: they leave the stop to
+    the server, which drains the stream within the grace period and then stops them."""
+    server = _serve(tmp_path, tiny_model_dir, "--grace-period", "600", "--stream-interval", "1", new_session=True)
+    try:
+        stream = openai_client(server).completions.create(
+            model=server.get("/v1/models").json()["data"][0]["id"], prompt="Hello", max_tokens=300,
+            temperature=0, stream=True, extra_body={"ignore_eos": True})
+        chunks = iter(stream)
+        first = next(chunks)
+        os.killpg(server.proc.pid, signal.SIGINT)
+        rest = list(chunks)
+        text = first.choices[0].text + "".join(c.choices[0].text for c in rest if c.choices)
+        assert rest[-1].choices[0].finish_reason == "length"
+        assert len(rest) + 1 >= 300 and text
+        assert server.proc.wait(120) == 0, server.log()  # a hang guard: the stop itself takes seconds
+    finally:
+        server.stop(signal.SIGKILL)
+    events = _log_events(server)
+    assert "aborting requests still in flight" not in events
+    assert not [e for e in events if "is down" in e], events
+    assert events.index("stopped") >= 0
+
+
 def test_with_no_decode_actor_up_a_request_gets_503_and_retry_after(tiny_model_dir, tmp_path):
     model = shutil.copytree(tiny_model_dir, tmp_path / "model")
     server = _serve(tmp_path, model, "--capacity-timeout", "1")
