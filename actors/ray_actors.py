@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import socket
 import tempfile
 import threading
@@ -23,7 +24,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from actors.ray_options import RayOptions, shortfall, unfitting
 from actors.spec import NODE_ADDRESS_ENV, NODE_ID_ENV, ActorSpec, socket_name
 from transport.auth import SECRET_ENV
+from transport.owned import owned_prefix, reclaim
 
+RAY_DIR_KIND = "ray"  # transport.owned: an actor's private socket directory on its node
 PROBE_SECONDS = 5.0  # how long a GCS address gets to accept a TCP connection before it counts as not answering
 
 
@@ -42,13 +45,20 @@ class ActorProcess:
         os.environ[NODE_ID_ENV] = context.get_node_id()
         os.environ[NODE_ADDRESS_ENV] = ray.util.get_node_ip_address()
         os.environ[SECRET_ENV] = secret.decode()  # a prefill actor's KV streams authenticate with it too
-        return worker.run_actor(_on_this_node(ActorSpec.from_json(spec_json)), (host, port, secret))
+        spec = _on_this_node(ActorSpec.from_json(spec_json))
+        try:
+            return worker.run_actor(spec, (host, port, secret))
+        finally:
+            shutil.rmtree(Path(spec.socket_path).parent, ignore_errors=True)
 
 
 def _on_this_node(spec: ActorSpec) -> ActorSpec:
     """The spec with its socket (beside which a decode actor serves its pool's descriptor) in a private
-    directory of this node: the server's directory is on another machine."""
-    directory = tempfile.mkdtemp(prefix=f"phase-serve-ray-{spec.actor_id}-")
+    directory of this node: the server's directory is on another machine. The directory is named for this
+    process (transport.owned), so the next actor started on the node removes it if this one is killed."""
+    tmp = Path(tempfile.gettempdir())
+    reclaim(tmp, RAY_DIR_KIND)
+    directory = tempfile.mkdtemp(prefix=f"{owned_prefix(RAY_DIR_KIND)}{spec.actor_id}-", dir=tmp)
     return replace(spec, socket_path=str(Path(directory) / socket_name(spec.actor_id)))
 
 

@@ -9,6 +9,7 @@ import argparse
 import asyncio
 import os
 import signal
+import shutil
 import socket
 import subprocess
 import sys
@@ -28,6 +29,7 @@ from engine.config import ConfigError, EngineConfig
 from router.layout import ActorLayout, actor_specs
 from engine.speculative.proposer import DraftRequest
 from server.args import actor_options, add_actor_args
+from tests.server_utils import guarded, wait_for
 from tests.test_spec_decode import repetitive_prompts
 from transport import private_socket_dir
 from transport import messages as m
@@ -68,13 +70,6 @@ async def generate(llm: AsyncLLM, prompt, params=GREEDY, on_token=None) -> list[
     return token_ids
 
 
-async def wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.02)
-
-
 async def mixed_batch(llm: AsyncLLM, prompts, plain) -> None:
     """Greedy speculating requests beside sampled ones (drafts with probabilities), one-token requests (never
     speculate) and a long prompt being prefilled in chunks: the greedy outputs equal plain decoding."""
@@ -97,7 +92,7 @@ async def drafting_observed(llm: AsyncLLM, prompt, plain) -> bool:
     draft's state at one instant: adaptive K may pause speculation for a poor random draft at any moment."""
     router = llm._client
     before = router.stats().spec_proposed
-    assert await asyncio.wait_for(generate(llm, prompt, LONG), 30) == (await plain([prompt], LONG))[0]
+    assert await asyncio.wait_for(generate(llm, prompt, LONG), guarded(30)) == (await plain([prompt], LONG))[0]
     deadline = asyncio.get_running_loop().time() + 5  # the counters arrive with the next heartbeats
     while router.stats().spec_proposed == before and asyncio.get_running_loop().time() < deadline:
         await asyncio.sleep(0.1)
@@ -152,9 +147,9 @@ async def test_killing_the_draft_actor_mid_stream_loses_no_request(cluster, prom
     streamed = asyncio.Event()
     jobs = [asyncio.create_task(generate(cluster, p, LONG, lambda n: n >= 16 and streamed.set()))
             for p in prompts[:3]]
-    await asyncio.wait_for(streamed.wait(), 20)
+    await asyncio.wait_for(streamed.wait(), guarded(20))
     os.kill(draft.pid, signal.SIGKILL)
-    outs = await asyncio.wait_for(asyncio.gather(*jobs), 60)
+    outs = await asyncio.wait_for(asyncio.gather(*jobs), guarded(60))
     assert outs == await plain(prompts[:3], LONG)
     await wait_for(lambda: draft.state == "ready" and draft.restarts == 1, 30, "the draft actor's restart")
     # The decode actor reconnects once its back-off runs out, then drafts with the new draft actor.
@@ -262,7 +257,8 @@ class FakeDraftActor:
     """A Unix socket on a thread that accepts connections and runs `script(conn)` on each."""
 
     def __init__(self, script) -> None:
-        self.path = str(private_socket_dir() / "fake.sock")
+        self.directory = private_socket_dir()
+        self.path = str(self.directory / "fake.sock")
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.listener.bind(self.path)
         self.listener.listen(8)
@@ -283,6 +279,7 @@ class FakeDraftActor:
         self.listener.close()
         for sock in self.connections:
             sock.close()
+        shutil.rmtree(self.directory, ignore_errors=True)
 
 
 def greet(conn: BlockingConnection) -> None:
