@@ -1,6 +1,7 @@
 """Starting the real server (`python cli.py serve`) as a subprocess for tests, and small HTTP helpers."""
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -46,8 +47,20 @@ def http(method: str, url: str, body: bytes | dict | None = None, headers: dict[
         return HttpResult(err.code, dict(err.headers), err.read())
 
 
+# Deadlines in process tests guard against hangs; they never measure speed. Each is written as the time a quiet
+# 2-core machine needs and stretched by this factor, so that a machine with another process busy on one of its
+# cores (CI beside other work, a developer's build) still meets it and only a real hang fails.
+HANG_GUARD = 5.0
+
+
+def guarded(seconds: float) -> float:
+    """A hang guard of `seconds` on a quiet machine, stretched for a loaded one."""
+    return seconds * HANG_GUARD
+
+
 def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout
+    """Polls until `predicate` holds; False if it still does not after guarded(timeout) seconds."""
+    deadline = time.monotonic() + guarded(timeout)
     while time.monotonic() < deadline:
         if predicate():
             return True
@@ -111,3 +124,11 @@ def openai_client(server: ServerProcess):
     import openai
 
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+async def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    """Polls on the running loop until `predicate` holds; fails naming `what` after guarded(timeout) seconds."""
+    deadline = time.monotonic() + guarded(timeout)
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.02)

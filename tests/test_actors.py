@@ -10,6 +10,7 @@ import pytest
 import pytest_asyncio
 
 from engine import LLM, AsyncLLM, SamplingParams
+from tests.server_utils import guarded, wait_for
 from tests.test_engine import GREEDY, make_prompts
 from transport.owned import owned_prefix
 
@@ -41,12 +42,6 @@ async def generate(llm: AsyncLLM, prompt, params=GREEDY) -> list[int]:
         token_ids = out.token_ids
     return token_ids
 
-
-async def wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.02)
 
 
 async def assert_clean(llm: AsyncLLM) -> None:
@@ -106,7 +101,7 @@ async def test_garbage_on_an_actor_socket_leaves_it_serving(cluster, reference):
         reader, writer = await asyncio.open_unix_connection(handle.spec.socket_path)
         writer.write(payload)
         await writer.drain()
-        await asyncio.wait_for(reader.read(), 10)  # the actor closes this connection (after its greeting)
+        await asyncio.wait_for(reader.read(), guarded(10))  # the actor closes this connection (after its greeting)
         writer.close()
     prompt = make_prompts(1, seed=43)[0]
     assert await generate(cluster, prompt) == reference.generate([prompt], GREEDY)[0].token_ids
@@ -142,7 +137,7 @@ async def test_decode_actor_killed_mid_decode_migrates_every_stream(cluster, ref
     await wait_for(lambda: min(progress) >= 3, 30, "every stream to start")
     decode = router.supervisor.ready("decode")[0]
     os.kill(decode.pid, signal.SIGKILL)
-    outs = await asyncio.wait_for(asyncio.gather(*tasks), 120)
+    outs = await asyncio.wait_for(asyncio.gather(*tasks), guarded(120))
     assert outs == expected
     moved = router.counters()
     assert moved["migrations"] >= 1 and moved["migrated_tokens"] >= 3 * moved["migrations"]
@@ -154,7 +149,7 @@ async def test_decode_actor_killed_mid_decode_migrates_every_stream(cluster, ref
     os.kill(decode.pid, signal.SIGKILL)
     late = asyncio.create_task(generate(cluster, prompt))
     await wait_for(lambda: decode.state == "ready" and decode.restarts == 2, 60, "the decode actor's restart")
-    assert await asyncio.wait_for(late, 30) == reference.generate([prompt], GREEDY)[0].token_ids
+    assert await asyncio.wait_for(late, guarded(30)) == reference.generate([prompt], GREEDY)[0].token_ids
     await assert_clean(cluster)
     assert cluster.can_serve()
 
@@ -209,7 +204,7 @@ async def test_pages_stream_over_tcp_to_a_decode_actor_on_another_host(tiny_mode
         assert decode.spec.remote and decode.ready.kv_export["kind"] == ("none" if kv_listen else "tcp")
         bytes_per_block = decode.ready.kv_export["bytes_per_token"] * decode.ready.block_size
         prompts = make_prompts(3, seed=48)
-        outs = await asyncio.gather(*(asyncio.wait_for(generate(llm, p), 60) for p in prompts))
+        outs = await asyncio.gather(*(asyncio.wait_for(generate(llm, p), guarded(60)) for p in prompts))
         assert outs == [o.token_ids for o in reference.generate(prompts, GREEDY)]
         assert router.kv_transfers == 3
         assert router.kv_bytes_streamed == sum(-(-len(p) // 8) for p in prompts) * bytes_per_block
@@ -223,7 +218,7 @@ async def test_pages_stream_over_tcp_to_a_decode_actor_on_another_host(tiny_mode
         await assert_clean(llm)
     finally:
         await llm.aclose()
-        await asyncio.wait_for(worker.wait(), 20)
+        await asyncio.wait_for(worker.wait(), guarded(20))
 
 
 async def test_worker_joins_over_tcp_and_serves(tiny_model_dir, reference, monkeypatch):
@@ -242,10 +237,10 @@ async def test_worker_joins_over_tcp_and_serves(tiny_model_dir, reference, monke
         env={**os.environ, "PHASE_SERVE_SECRET": secret})
     try:
         prompt = make_prompts(1, seed=47)[0]
-        assert await asyncio.wait_for(generate(llm, prompt), 60) == reference.generate([prompt], GREEDY)[0].token_ids
+        assert await asyncio.wait_for(generate(llm, prompt), guarded(60)) == reference.generate([prompt], GREEDY)[0].token_ids
         (handle,) = llm._client.supervisor.ready("decode")
         assert handle.actor_id == "remote-decode-0" and handle.spec.remote
     finally:
         await llm.aclose()
-        await asyncio.wait_for(worker.wait(), 20)
+        await asyncio.wait_for(worker.wait(), guarded(20))
     assert worker.returncode == 0
