@@ -25,7 +25,7 @@ def require_kernels(vectors: bool = False, matrix_engine: bool = False, onednn: 
     if matrix_engine and not cpu_ext.matrix_engines():
         pytest.skip("neither AMX tiles nor AVX-512 BF16 on this CPU")
     if onednn and not packed_linear.onednn_available():
-        pytest.skip("this torch has no oneDNN packing ops")
+        pytest.skip("oneDNN does not pack bf16 weights on this CPU (or this torch has no packing ops)")
 
 
 @pytest.fixture

@@ -22,9 +22,13 @@ log = logging.getLogger(__name__)
 
 @functools.cache
 def onednn_available() -> bool:
-    """Whether this torch has the mkldnn packing ops (x86 builds with oneDNN)."""
+    """Whether this torch packs bf16 weights for oneDNN here: x86 builds with oneDNN, on a CPU whose bf16 path it
+    has (AVX-512 or AVX-NE-CONVERT; an AVX2-only CPU refuses every weight). Probed once on a small weight."""
     try:
-        return torch.backends.mkldnn.is_available() and callable(torch.ops.mkldnn._reorder_linear_weight)
+        if not (torch.backends.mkldnn.is_available() and callable(torch.ops.mkldnn._reorder_linear_weight)):
+            return False
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 32, dtype=torch.bfloat16), 1)
+        return True
     except (AttributeError, RuntimeError):
         return False
 
