@@ -314,12 +314,12 @@ def test_int8_decode_stack_is_bit_identical_to_the_python_layers(tiny_model_dir,
     assert torch.equal(got[True], got[False])
 
 
-def test_int8_decode_takes_the_w8a8_kernel_where_vnni_is_built(tiny_model_dir):
-    """Default config: the products run W8A8 (the stack's and the Python layers' logits both differ from the
-    fp32-activation kernel's); max_w8a8_rows 0 turns it off."""
+def test_int8_decode_takes_the_w8a8_kernel_only_where_asked_for(tiny_model_dir):
+    """max_w8a8_rows > 0: the products run W8A8 (the stack's and the Python layers' logits both differ from the
+    fp32-activation kernel's); the default (0: int8 activations fail the accuracy gate) keeps them off."""
     require_w8a8()
     model = load(tiny_model_dir, "int8")
-    on, off = kernel_backend(), kernel_backend(max_w8a8_rows=0)
+    on, off = kernel_backend(max_w8a8_rows=64), kernel_backend()
     assert "linear_w8a8" in on.kernels() and "linear_w8a8" not in off.kernels() and "linear_int8" in off.kernels()
     got = {}
     for name, backend in (("on", on), ("off", off)):

@@ -51,6 +51,7 @@ MODULE_TIERS: Mapping[str, Tier] = {
     "test_gguf_sentencepiece.py": U,  # the chat tests run the engine: marked engine
     "test_handoff.py": U,
     "test_host_memory.py": U,  # the allocator test runs in subprocesses: marked process
+    "test_kernel_accuracy.py": P,  # slow: the real models
     "test_kernel_build.py": E,  # build keys and errors; one test runs a failing compiler
     "test_kv_cache_quant.py": E,  # one test starts actors: marked process
     "test_kv_compress.py": E,

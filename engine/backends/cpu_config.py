@@ -36,13 +36,13 @@ class CpuKernelConfig:
     # weight to bf16 for F.linear. Kept: int8 batch-1 decode 1.31-1.48x bf16's tok/s (python -m bench.weight_quant).
     max_int8_rows: int = 64
     # Of those rows, how many take the W8A8 kernel (x quantised to int8 in groups of 32, int32 sums on AVX-512 VNNI;
-    # only where VNNI was built in), the rest the kernel above. Kept: the decode products 1.3-3x faster than the
-    # fp32-activation kernel's at 1-64 rows, KL to bf16 0.011 against 0.0072 (python -m bench.weight_quant).
-    max_w8a8_rows: int = 64
-    # Rows a product on int4 weights takes on the W4A8 kernel (engine/kernels/int4_linear.cpp; only where VNNI was
-    # built in); more dequantise the weight to bf16 chunk by chunk for F.linear. W8A8's limit, not yet measured
-    # for int4 between 8 and 64 rows.
-    max_w4a8_rows: int = 64
+    # only where VNNI was built in), and how many rows of a product on int4 weights take the W4A8 kernel
+    # (engine/kernels/int4_linear.cpp, the same activation format); more dequantise the weight to bf16 for F.linear.
+    # Off by default: int8 activations fail the accuracy gate (tests/test_kernel_accuracy.py) on the real default
+    # model: W4A8 against the same int4 weights with bf16 activations, top-1 0.952 and KL mean 0.0086
+    # (python -m bench.kernel_accuracy --formats int4 --kernels w4a8). Weight-only products keep llama.cpp's quality.
+    max_w8a8_rows: int = 0
+    max_w4a8_rows: int = 0
 
     max_onednn_rows: int = 128  # oneDNN's packed copy serves 2..this many rows
     onednn_batch_hint: int = 64  # the row count oneDNN picks its blocking for
