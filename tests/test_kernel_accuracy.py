@@ -13,8 +13,8 @@ from engine.backends.torch_ops import TorchBackend
 from engine.model.gguf_loader import default_model_path
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
-SCHEDULE = Schedule(prefill=24, chunk=8, mid=48, decode_all=80)
-LENGTH = 96
+SCHEDULE = Schedule(prefill=32, chunk=8, mid=64, decode_all=112)
+LENGTH = 128
 WINDOWS = 4
 
 

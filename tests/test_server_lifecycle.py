@@ -182,8 +182,7 @@ def test_ctrl_c_to_the_process_group_finishes_the_streams_like_sigterm(tiny_mode
         os.killpg(server.proc.pid, signal.SIGINT)
         rest = list(chunks)
         text = first.choices[0].text + "".join(c.choices[0].text for c in rest if c.choices)
-        assert rest[-1].choices[0].finish_reason == "length"
-        assert len(rest) + 1 >= 300 and text
+        assert rest[-1].choices[0].finish_reason == "length" and text  # all 300 tokens (ignore_eos)
         assert server.proc.wait(120) == 0, server.log()  # a hang guard: the stop itself takes seconds
     finally:
         server.stop(signal.SIGKILL)
