@@ -225,6 +225,7 @@ def _model(folder, dtype):
 def test_bf16_model_with_kernels_matches_torch_ops(tiny_model_dir, kernel_calls):
     """Prefill chunks, then decode steps: logits with the kernels on stay within bf16 noise of the eager
     model's on the same pages (and the kernels did run, in the fast model only)."""
+    require_kernels(vectors=True)  # these paths run only where the kernels have AVX-512
     cfg, eager = _model(tiny_model_dir, torch.bfloat16)
     _, fast = _model(tiny_model_dir, torch.bfloat16)
     backend = kernel_backend(decode_stack=False)  # the Python layers, whose kernel calls the spies see
@@ -272,6 +273,7 @@ def test_bf16_model_with_kernels_matches_torch_ops(tiny_model_dir, kernel_calls)
 
 
 def test_kernel_choices_follow_the_config(kernel_calls):
+    require_kernels(vectors=True)  # these paths run only where the kernels have AVX-512
     q, k_pages, v_pages, tables, lens = scattered_problem(2, 4, 2, 64)
     meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long), num_decode=2, num_decode_seqs=2,
                              decode_block_tables=tables, decode_context_lens=lens, use_kernels=True)
@@ -358,6 +360,7 @@ def test_greedy_engine_picks_from_bf16_logits_with_the_kernel(tiny_model_dir, mo
 
 
 def test_enforce_eager_switches_the_kernels_off(tiny_model_dir):
+    require_kernels(vectors=True)  # these paths run only where the kernels have AVX-512
     on = EngineCore(EngineConfig(model=str(tiny_model_dir), dtype="bfloat16", num_kv_blocks=16))
     off = EngineCore(EngineConfig(model=str(tiny_model_dir), dtype="bfloat16", num_kv_blocks=16,
                                   enforce_eager=True))
@@ -370,6 +373,7 @@ def test_enforce_eager_switches_the_kernels_off(tiny_model_dir):
 def test_verification_rows_through_the_kernel_match_the_causal_segment(tiny_model_dir, kernel_calls):
     """A sequence's last token + 3 drafts, verified as decode rows with growing context (what the runner does
     at batch 1 with the kernels on) gives the logits of the causal-segment path, within bf16 noise."""
+    require_kernels(vectors=True)  # these paths run only where the kernels have AVX-512
     cfg, model = _model(tiny_model_dir, torch.bfloat16)
     model.set_backend(kernel_backend(decode_stack=False))  # the Python layers, whose kernel calls the spy sees
     block, prompt, drafts = 4, [5, 9, 33, 2, 7, 100, 3, 8, 41], [12, 13, 14, 15]
@@ -529,6 +533,7 @@ def test_fp8_decode_attention_decodes_every_e4m3_code():
 
 
 def test_fp8_engine_uses_the_kernel_and_matches_enforce_eager(tiny_model_dir, kernel_calls):
+    require_kernels(vectors=True)  # these paths run only where the kernels have AVX-512
     calls = kernel_calls.rows  # the rows of each fp8 attention call so far
     prompts = ["the cat sat on the mat", "hello there world", "one two three four five six seven"]
     params = SamplingParams(max_tokens=12, temperature=0.0)
