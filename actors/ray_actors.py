@@ -14,6 +14,7 @@ import shutil
 import socket
 import tempfile
 import threading
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -24,9 +25,10 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from actors.ray_options import RayOptions, shortfall, unfitting
 from actors.spec import NODE_ADDRESS_ENV, NODE_ID_ENV, ActorSpec, socket_name
 from transport.auth import SECRET_ENV
-from transport.owned import owned_prefix, reclaim
+from transport.owned import owned_entries, owned_prefix, reclaim
 
 RAY_DIR_KIND = "ray"  # transport.owned: an actor's private socket directory on its node
+RECLAIM_SECONDS = 5.0  # how long this node's actors get to exit when the server leaves the cluster
 PROBE_SECONDS = 5.0  # how long a GCS address gets to accept a TCP connection before it counts as not answering
 
 
@@ -123,6 +125,20 @@ class RayCluster:
             except Exception:  # noqa: BLE001 - the cluster went first
                 pass
         ray.shutdown()
+        _reclaim_when_gone(Path(tempfile.gettempdir()))
+
+
+def _reclaim_when_gone(tmp: Path, seconds: float = RECLAIM_SECONDS) -> None:
+    """Remove the socket directories that this node's Ray actors left: ray.kill, a lost node and the end of the
+    job end a worker with SIGKILL, so its own cleanup never runs. Ray ends the job's actors a moment after
+    shutdown returns; wait that long, and leave whatever a live process (another server's actor) still owns.
+    The directories on other nodes go when the next actor starts there (_on_this_node)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        reclaim(tmp, RAY_DIR_KIND)
+        if not owned_entries(tmp, RAY_DIR_KIND) or time.monotonic() > deadline:
+            return
+        time.sleep(0.05)
 
 
 def connect(options: RayOptions) -> None:

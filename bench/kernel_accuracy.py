@@ -42,7 +42,8 @@ from engine.backends.torch_ops import TorchBackend  # noqa: E402
 from engine.kv.cache import KVCache  # noqa: E402
 from engine.model.gguf_loader import default_model_path  # noqa: E402
 from engine.model.llama import LlamaModel  # noqa: E402
-from engine.model.loader import load_model, resolve_model  # noqa: E402
+from engine.model import quant  # noqa: E402
+from engine.model.loader import ModelSource, load_model, resolve_model  # noqa: E402
 
 BLOCK_SIZE = 16
 FORMATS = ("bfloat16", "int8", "int4", "auto")
@@ -92,10 +93,39 @@ def forced_backend(kernels: str) -> CpuKernelBackend:
     return backend
 
 
-def load(model: str | Path, weight_dtype: str, backend: Backend) -> LlamaModel:
-    loaded = load_model(resolve_model(model), torch.bfloat16, weight_dtype=weight_dtype)
-    loaded.set_backend(backend)
-    return loaded
+class MemoisedReference(TorchBackend):
+    """The reference path (TorchBackend) keeping each quantised weight's dequantised chunks: the same ops on the
+    same values, so the same bits, without dequantising every weight again at every step (which made the int4
+    reference of Gemma 3's 262k-row head the slowest part of the gate)."""
+
+    def __init__(self) -> None:
+        super().__init__("cpu")
+        self.chunks: dict[tuple, torch.Tensor] = {}
+
+    def kept(self, weight: torch.Tensor, x: torch.Tensor, dequantize_rows):
+        """`dequantize_rows` of `weight` for x's dtype, each chunk made once."""
+        def rows(begin: int, end: int) -> torch.Tensor:
+            key = (id(weight), begin, end, x.dtype)
+            if key not in self.chunks:
+                self.chunks[key] = dequantize_rows(begin, end)
+            return self.chunks[key]
+        return rows
+
+    def linear_int8(self, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
+                    bias: torch.Tensor | None) -> torch.Tensor:
+        def dequantize_rows(begin: int, end: int) -> torch.Tensor:
+            return quant.dequantize(codes[begin:end], scale[begin:end], x.dtype)
+        return quant.linear_int8(x, codes, scale, bias, self.kept(codes, x, dequantize_rows))
+
+    def linear_int4(self, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+                    bias: torch.Tensor | None) -> torch.Tensor:
+        def dequantize_rows(begin: int, end: int) -> torch.Tensor:
+            return quant.int4_rows(packed, scales, torch.arange(begin, end), x.shape[-1], x.dtype)
+        return quant.linear_int4(x, packed, scales, bias, self.kept(packed, x, dequantize_rows))
+
+
+def load(source: ModelSource, weight_dtype: str) -> LlamaModel:
+    return load_model(source, torch.bfloat16, weight_dtype=weight_dtype)
 
 
 def forced_logits(model: LlamaModel, windows: list[list[int]], schedule: Schedule,
@@ -116,6 +146,14 @@ def forced_logits(model: LlamaModel, windows: list[list[int]], schedule: Schedul
         yield model.compute_logits(hidden), [(w, p) for w in fed for p in range(start, start + count)]
 
 
+def scored_steps(model: LlamaModel, windows: list[list[int]], schedule: Schedule,
+                 use_kernels: bool) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Per step: the logits of the positions that have a next token in their window, and those next tokens."""
+    for logits, rows in forced_logits(model, windows, schedule, use_kernels):
+        keep = [i for i, (w, p) in enumerate(rows) if p < len(windows[w]) - 1]
+        yield logits[keep], torch.tensor([windows[w][p + 1] for w, p in (rows[i] for i in keep)])
+
+
 def bf16_step(x: torch.Tensor) -> torch.Tensor:
     """One bf16 rounding step (ulp) at each value of x: 2^(exponent - 7)."""
     return torch.exp2(torch.floor(torch.log2(x.abs().clamp_min(1e-30))) - 7)
@@ -131,32 +169,46 @@ def top1_ties(ref: torch.Tensor, got: torch.Tensor) -> int:
 
 
 @torch.inference_mode()
-def compare(reference: LlamaModel, candidate: LlamaModel, windows: list[list[int]],
+def reference_logits(model: LlamaModel, windows: list[list[int]], schedule: Schedule) -> list[torch.Tensor]:
+    """The reference path's scored logits per step (switches `model` to it)."""
+    model.set_backend(MemoisedReference())
+    try:
+        return [logits for logits, _ in scored_steps(model, windows, schedule, False)]
+    finally:
+        model.set_backend(TorchBackend("cpu"))  # drops the dequantised copies
+
+
+@torch.inference_mode()
+def compare(reference: list[torch.Tensor], model: LlamaModel, backend: Backend, windows: list[list[int]],
             schedule: Schedule = Schedule()) -> dict:
-    """Teacher-forced scores of `candidate` against `reference` over every position but each window's last:
-    Scores' figures (top1: strict argmax agreement), and top1_ties: agreement up to one bf16 step (the gate's)."""
+    """Teacher-forced scores of `model` on `backend` against the reference's logits of the same schedule, over
+    every position but each window's last: Scores' figures (top1: strict argmax agreement), and top1_ties:
+    agreement up to one bf16 step (the gate's)."""
     scores, ties = Scores(), 0
-    runs = zip(forced_logits(reference, windows, schedule, False), forced_logits(candidate, windows, schedule, True))
-    for (ref, rows), (got, _) in runs:
-        keep = [i for i, (w, p) in enumerate(rows) if p < len(windows[w]) - 1]
-        targets = torch.tensor([windows[w][p + 1] for w, p in (rows[i] for i in keep)])
-        scores.add(ref[keep].log_softmax(-1), got[keep].log_softmax(-1), targets)
-        ties += top1_ties(ref[keep], got[keep])
+    model.set_backend(backend)
+    for ref, (got, targets) in zip(reference, scored_steps(model, windows, schedule, True), strict=True):
+        scores.add(ref.log_softmax(-1), got.log_softmax(-1), targets)
+        ties += top1_ties(ref, got)
     return scores.summary() | {"top1_ties": ties / scores.count}
 
 
-def gate(model: str | Path, weight_dtype: str, kernels: str, windows: list[list[int]]) -> dict:
-    """The scores of one format on one kernel set, with the kernels that ran and what the format resolved to."""
-    reference = load(model, weight_dtype, TorchBackend("cpu"))
-    backend = forced_backend(kernels)
-    candidate = load(model, weight_dtype, backend)
-    result = compare(reference, candidate, windows)
-    return result | {"kernels": backend.kernels(), "weights": candidate.weight_dtype,
-                     "head": "quantised" if candidate.lm_scale() is not None else "bf16"}
+def gate(source: ModelSource, weight_dtype: str, kernel_sets: list[str], windows: list[list[int]],
+         schedule: Schedule = Schedule()) -> dict[str, dict]:
+    """Per kernel set: the scores of one format, with the kernels that ran and what the format resolved to. The
+    model loads once: the reference and every kernel set run the same weights, one backend after another."""
+    model = load(source, weight_dtype)
+    reference = reference_logits(model, windows, schedule)
+    results = {}
+    for kernels in kernel_sets:
+        backend = forced_backend(kernels)
+        results[kernels] = compare(reference, model, backend, windows, schedule) | {
+            "kernels": backend.kernels(), "weights": model.weight_dtype,
+            "head": "quantised" if model.lm_scale() is not None else "bf16"}
+    return results
 
 
-def text_windows(model: str | Path, windows: int, length: int) -> list[list[int]]:
-    return corpus_windows(resolve_model(model).tokenizer, length, windows)
+def text_windows(source: ModelSource, windows: int, length: int) -> list[list[int]]:
+    return corpus_windows(source.tokenizer, length, windows)
 
 
 def parse_args() -> argparse.Namespace:
@@ -174,14 +226,13 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
-    model = args.model or default_model_path()
-    windows = text_windows(model, args.windows, args.length)
+    source = resolve_model(args.model or default_model_path())
+    windows = text_windows(source, args.windows, args.length)
     results = {}
     print(f"{'format':9} {'kernels':8} {'weights':8} {'head':9} {'positions':>9} {'top-1':>7} {'ties':>7} {'KL mean':>9} "
           f"{'KL p99':>8} {'KL max':>8}")
     for weight_dtype in args.formats.split(","):
-        for kernels in args.kernels.split(","):
-            r = gate(model, weight_dtype, kernels, windows)
+        for kernels, r in gate(source, weight_dtype, args.kernels.split(","), windows).items():
             results[f"{weight_dtype}/{kernels}"] = r
             print(f"{weight_dtype:9} {kernels:8} {r['weights']:8} {r['head']:9} {r['tokens']:9d} {r['top1']:7.4f} {r['top1_ties']:7.4f} "
                   f"{r['kl_mean']:9.5f} {r['kl_p99']:8.5f} {r['kl_max']:8.4f}", flush=True)

@@ -179,8 +179,8 @@ def draft_process(tiny_model_dir):
     """A lone draft actor (self:1 of the tiny model), spawned exactly as the supervisor does."""
     engine = dict(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=64, block_size=4,
                   speculative="draft", draft_model="self:1")
-    spec = ActorSpec("draft-t", "draft", threads=1, socket_path=str(private_socket_dir() / "draft-t.sock"),
-                     engine=engine)
+    directory = private_socket_dir()
+    spec = ActorSpec("draft-t", "draft", threads=1, socket_path=str(directory / "draft-t.sock"), engine=engine)
     proc = subprocess.Popen([sys.executable, "-m", "actors.worker", "--spec", spec.to_json()],
                             env=spec.child_environment(), cwd=PROJECT_ROOT, stdin=subprocess.DEVNULL)
     try:
@@ -192,6 +192,7 @@ def draft_process(tiny_model_dir):
     finally:
         proc.terminate()
         proc.wait(20)
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def integrity(socket_path: str) -> m.IntegrityReport:

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from bench.kernel_accuracy import FORMATS, MAX_KL_MEAN, MIN_TOP1, Schedule, compare, forced_backend, load, text_windows
-from engine.backends.torch_ops import TorchBackend
+from bench.kernel_accuracy import FORMATS, MAX_KL_MEAN, MIN_TOP1, Schedule, gate, text_windows
 from engine.model.gguf_loader import default_model_path
+from engine.model.loader import resolve_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 SCHEDULE = Schedule(prefill=32, chunk=8, mid=64, decode_all=112)
@@ -27,21 +27,19 @@ MODELS = {"smollm2": default_model_path, "gemma3": gemma3_path}
 
 
 @pytest.fixture(scope="module", params=sorted(MODELS))
-def model_path(request):
-    return MODELS[request.param]()
+def model_text(request):
+    """The model's source (config and tokenizer, read once) and the text windows in its tokens."""
+    source = resolve_model(MODELS[request.param]())
+    return source, text_windows(source, WINDOWS, LENGTH)
 
 
 @pytest.mark.parametrize("weight_dtype", FORMATS)
-def test_shipped_kernels_match_the_reference_of_the_same_format(model_path, weight_dtype):
-    windows = text_windows(model_path, WINDOWS, LENGTH)
-    reference = load(model_path, weight_dtype, TorchBackend("cpu"))
-    backend = forced_backend("shipped")
-    candidate = load(model_path, weight_dtype, backend)
-    scores = compare(reference, candidate, windows, SCHEDULE)
-    print(f"\n{model_path.name} {weight_dtype} ({candidate.weight_dtype} layers, "
-          f"{'quantised' if candidate.lm_scale() is not None else 'bf16'} head) on {backend.kernels()}: "
-          f"top-1 {scores['top1']:.4f} ({scores['top1_ties']:.4f} counting bf16 ties), KL mean {scores['kl_mean']:.5f}, p99 {scores['kl_p99']:.5f} "
-          f"over {scores['tokens']} positions")
+def test_shipped_kernels_match_the_reference_of_the_same_format(model_text, weight_dtype):
+    source, windows = model_text
+    scores = gate(source, weight_dtype, ["shipped"], windows, SCHEDULE)["shipped"]
+    print(f"\n{source.path.name} {weight_dtype} ({scores['weights']} layers, {scores['head']} head) on "
+          f"{scores['kernels']}: top-1 {scores['top1']:.4f} ({scores['top1_ties']:.4f} counting bf16 ties), "
+          f"KL mean {scores['kl_mean']:.5f}, p99 {scores['kl_p99']:.5f} over {scores['tokens']} positions")
     assert scores["tokens"] == (WINDOWS - 1) * SCHEDULE.decode_all + LENGTH - 1  # every window's positions but its last
     assert scores["top1_ties"] >= MIN_TOP1, scores
     assert scores["kl_mean"] <= MAX_KL_MEAN, scores

@@ -49,16 +49,21 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def reclaim(directory: Path, kind: str) -> list[Path]:
-    """Remove the entries of `kind` in `directory` whose owner is gone; returns what was removed."""
-    removed = []
+def owned_entries(directory: Path, kind: str) -> list[tuple[Path, int]]:
+    """The entries of `kind` in `directory` named by a process of our PID namespace, with their owners."""
     try:
         entries = list(directory.glob(f"{PREFIX}-{kind}-*"))
     except OSError:
-        return removed
-    for entry in entries:
-        pid = owner_of(entry.name, kind)
-        if pid is None or pid_alive(pid):
+        return []
+    owned = ((entry, owner_of(entry.name, kind)) for entry in entries)
+    return [(entry, pid) for entry, pid in owned if pid is not None]
+
+
+def reclaim(directory: Path, kind: str) -> list[Path]:
+    """Remove the entries of `kind` in `directory` whose owner is gone; returns what was removed."""
+    removed = []
+    for entry, pid in owned_entries(directory, kind):
+        if pid_alive(pid):
             continue
         try:
             if entry.lstat().st_uid != os.getuid():

@@ -147,16 +147,23 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> 
     return codes.to(dtype).mul_(scale.unsqueeze(1))
 
 
-def linear_int8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
-                bias: torch.Tensor | None) -> torch.Tensor:
+def linear_int8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                dequantize_rows=None) -> torch.Tensor:
     """x [M, K] -> x (codes * scale)^T + bias [M, N] by F.linear on the weight dequantised to x's dtype, at most
-    DEQUANT_CHUNK_ROWS output channels at a time (so that the transient copy stays small)."""
-    n = codes.shape[0]
-    if n <= DEQUANT_CHUNK_ROWS:
-        return F.linear(x, dequantize(codes, scale, x.dtype), bias)
-    return torch.cat([F.linear(x, dequantize(codes[i:i + DEQUANT_CHUNK_ROWS], scale[i:i + DEQUANT_CHUNK_ROWS],
-                                             x.dtype), None if bias is None else bias[i:i + DEQUANT_CHUNK_ROWS])
-                      for i in range(0, n, DEQUANT_CHUNK_ROWS)], dim=-1)
+    DEQUANT_CHUNK_ROWS output channels at a time (so that the transient copy stays small). `dequantize_rows(begin,
+    end)` makes a chunk (default: `dequantize` of those rows)."""
+    if dequantize_rows is None:
+        def dequantize_rows(begin: int, end: int) -> torch.Tensor:
+            return dequantize(codes[begin:end], scale[begin:end], x.dtype)
+    return _chunked_linear(x, codes.shape[0], bias, dequantize_rows)
+
+
+def _chunked_linear(x: torch.Tensor, n: int, bias: torch.Tensor | None, dequantize_rows) -> torch.Tensor:
+    """x W^T + bias [M, n] by F.linear on DEQUANT_CHUNK_ROWS output channels of W at a time."""
+    parts = [F.linear(x, dequantize_rows(i, min(n, i + DEQUANT_CHUNK_ROWS)),
+                      None if bias is None else bias[i:i + DEQUANT_CHUNK_ROWS])
+             for i in range(0, n, DEQUANT_CHUNK_ROWS)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
 
 def embed_int8(codes: torch.Tensor, scale: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -274,10 +281,7 @@ def linear_int4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bia
     if dequantize_rows is None:
         def dequantize_rows(begin: int, end: int) -> torch.Tensor:
             return int4_rows(packed, scales, torch.arange(begin, end, device=packed.device), k, x.dtype)
-    parts = [F.linear(x, dequantize_rows(i, min(n, i + DEQUANT_CHUNK_ROWS)),
-                      None if bias is None else bias[i:i + DEQUANT_CHUNK_ROWS])
-             for i in range(0, n, DEQUANT_CHUNK_ROWS)]
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+    return _chunked_linear(x, n, bias, dequantize_rows)
 
 
 def embed_int4(packed: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor, k: int,
