@@ -1,8 +1,13 @@
 from __future__ import annotations
 
+import os
+import shutil
+
 import pytest
 import torch
 
+from tests import leaks
+from tests.server_utils import wait_until
 from tests.tiers import TierError, tier_of
 from tests.tiny_models import tiny_llama_config, write_tiny_model
 
@@ -20,6 +25,29 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(getattr(pytest.mark, tier.value))
     if problems:
         raise pytest.UsageError("\n".join(["tests without exactly one tier:"] + problems))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def nothing_left_behind(request):
+    """A module whose tests start processes leaves nothing in /tmp or /dev/shm once they are gone: no socket
+    directory, no shared-memory pool, no file. Processes exit a moment after their test, so this waits (up to a
+    hang guard) for their entries to go before it names what stayed. Whatever stayed is then removed, so the
+    next module is judged on its own."""
+    if not _starts_processes(request):
+        yield
+        return
+    before = leaks.entries()
+    yield
+    if not wait_until(lambda: not leaks.left_since(before), 10):
+        left = sorted(map(str, leaks.left_since(before)))
+        for path in left:
+            shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.unlink(path)
+        pytest.fail(f"{request.path.name} left {left} behind", pytrace=False)
+
+
+def _starts_processes(request) -> bool:
+    """Whether any test of the module is of the process tier (marked at collection, above)."""
+    return any(item.get_closest_marker("process") for item in request.session.items if item.path == request.path)
 
 
 @pytest.fixture(scope="session")
