@@ -11,10 +11,13 @@ accuracy, memory.
    unless named -layers: bf16; int8-widen, the int8 kernel that widens the weights to fp32 against fp32
    activations (max_w8a8_rows 0); int8-w8a8, the W8A8 kernel (each activation row quantised to int8, int32 sums
    on AVX-512 VNNI; on a CPU without VNNI it is int8-widen again); int8-layers, the shipped int8 kernels from the
-   Python layer loop (decode_stack off); int4, the W4A8 kernel (engine/kernels/int4_linear.cpp); int4-layers,
-   it from the Python layer loop; int4-torch, the same int4 codes on torch's own kernel
-   (aten._weight_int4pack_mm_for_cpu, bf16 scales and zeros) from the Python layer loop, against int4-layers;
-   auto, what --weight-dtype auto loads (for the default Q4_1 file: int4 layers, an int8 LM head).
+   Python layer loop (decode_stack off); int4, the shipped int4 kernels (engine/kernels/int4_linear.cpp: the
+   weight-only kernel, bf16 activations); int4-w4a8, the W4A8 kernel (activations quantised to int8, VNNI;
+   off by default: it fails the accuracy gate); int4-dequant, every product on the weight dequantised to bf16
+   for F.linear (max_int4_rows 0); int4-layers, the shipped kernels from the Python layer loop; int4-torch, the
+   same int4 codes on torch's own kernel (aten._weight_int4pack_mm_for_cpu, bf16 scales and zeros) from the
+   Python layer loop, against int4-layers; auto, what --weight-dtype auto loads (for the default Q4_1 file: int4
+   layers, a bf16 LM head); auto-dequant, it with max_int4_rows 0.
 2. Teacher-forced accuracy on the English text bench/kv_accuracy.py uses (the Debian license texts): `--windows`
    windows of `--window` tokens fed one token a step as decode rows (the quantised kernels' path) through bf16
    and each quantised kernel; KL(bf16 || quantised) mean and p99, top-1 agreement, and each model's perplexity of
@@ -43,12 +46,15 @@ from engine.backends import CpuKernelBackend  # noqa: E402
 from engine.model import quant  # noqa: E402
 from engine.model.llama import LlamaModel  # noqa: E402
 
-VARIANTS = ("bf16", "int8-widen", "int8-w8a8", "int8-layers", "int4", "int4-layers", "int4-torch", "auto")
+VARIANTS = ("bf16", "int8-widen", "int8-w8a8", "int8-layers", "int4", "int4-w4a8", "int4-dequant", "int4-layers",
+            "int4-torch", "auto", "auto-dequant")
 QUANTISED = ("int8-widen", "int8-w8a8", "int4", "auto")  # the accuracy part scores each against bf16
 MEMORY = ("bf16", "int8-w8a8", "int4", "auto")  # the memory part loads each in a process of its own
 # each variant's weight dtype and changes to the shipped CpuKernelConfig
 CONFIG = {"bf16": {}, "int8-widen": {"max_w8a8_rows": 0}, "int8-w8a8": {}, "int8-layers": {"decode_stack": False},
-          "int4": {}, "int4-layers": {"decode_stack": False}, "int4-torch": {"decode_stack": False}, "auto": {}}
+          "int4": {}, "int4-w4a8": {"max_w4a8_rows": 64}, "int4-dequant": {"max_int4_rows": 0},
+          "int4-layers": {"decode_stack": False}, "int4-torch": {"decode_stack": False}, "auto": {},
+          "auto-dequant": {"max_int4_rows": 0}}
 
 
 def weight_dtype(variant: str) -> str:
@@ -56,7 +62,7 @@ def weight_dtype(variant: str) -> str:
 
 
 class TorchInt4Backend(CpuKernelBackend):
-    """The int4 products of up to max_w4a8_rows rows on torch's kernel (aten._weight_int4pack_mm_for_cpu) on a
+    """The int4 products of up to max_int4_rows rows on torch's kernel (aten._weight_int4pack_mm_for_cpu) on a
     copy of the codes in its format: its scales and zeros are bf16 [G, N, 2] with w = (q - 8) s + zero, so zero =
     z + 8 s. K must be a multiple of 32 (SmolLM2's are)."""
 
@@ -68,7 +74,7 @@ class TorchInt4Backend(CpuKernelBackend):
     def linear_int4(self, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
                     bias: torch.Tensor | None) -> torch.Tensor:
         entry = self.torch_int4.get(id(packed))
-        if entry is None or entry[0] is not packed or x.shape[0] > self.max_w4a8_rows:
+        if entry is None or entry[0] is not packed or x.shape[0] > self.config.max_int4_rows:
             return super().linear_int4(x, packed, scales, bias)
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, entry[1], quant.INT4_GROUP, entry[2])
         return out if bias is None else out + bias

@@ -205,6 +205,49 @@ def test_w4a8_each_row_depends_on_that_row_only():
         assert torch.equal(cpu_ext.linear_w4a8(x[r:r + 1], packed, scales), batched[r:r + 1])
 
 
+def require_int4_kernel() -> None:
+    require_kernels()
+    if not cpu_ext.int4_vectorized():
+        pytest.skip("the weight-only int4 kernel was built without AVX2, FMA and F16C")
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 16])  # passes of up to 2 rows: 3 = 2 + 1
+@pytest.mark.parametrize("n,k", [(200, 576), (33, 100), (1, 17), (130, 15), (96, 1536)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_weight_only_int4_is_the_exact_product_rounded_once(rows, n, k, with_bias):
+    """Odd channel counts (blocks of 1-15 channels), K not a multiple of 32 (padded codes), K below one group, an
+    outlier group of activations: within one bf16 rounding of the float64 product of x and the dequantised weights
+    (and the fp32 sums' error), and equal to it rounded but near rounding boundaries. One wrong code would move
+    a result by about sum |x w| / K, far past either bound."""
+    require_int4_kernel()
+    torch.manual_seed(rows * 1000 + n + k)
+    x = torch.randn(rows, k).to(torch.bfloat16)
+    x[0, : min(k, 8)] *= 50
+    w = torch.randn(n, k) * 0.05 + 0.01  # a mean off zero: the offsets matter
+    packed, scales = int4_weight(w)
+    bias = torch.randn(n).to(torch.bfloat16) if with_bias else None
+    got = cpu_ext.linear_int4(x, packed, scales, bias)
+    weights = dequantised(packed, scales, k)
+    ref = x.double() @ weights.T + (0 if bias is None else bias.double())
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    scale = ref.abs() + (x.double().abs() @ weights.abs().T) * 2 ** -7  # fp32 sums: ~sqrt(K) 2^-24 of sum |x w|
+    assert ((got.double() - ref).abs() <= scale * 2 ** -8).all()
+    assert (got == ref.to(torch.bfloat16)).double().mean() >= 0.98
+
+
+def test_weight_only_int4_rows_are_independent_and_fp32_rows_are_taken():
+    require_int4_kernel()
+    torch.manual_seed(5)
+    x = torch.randn(13, 300).to(torch.bfloat16)
+    packed, scales = int4_weight(torch.randn(70, 300))
+    batched = cpu_ext.linear_int4(x, packed, scales)
+    for r in (0, 7, 8, 12):
+        assert torch.equal(cpu_ext.linear_int4(x[r:r + 1], packed, scales), batched[r:r + 1])
+    assert torch.equal(cpu_ext.linear_int4(x.float(), packed, scales), batched)  # the same fp32 values
+    with pytest.raises(RuntimeError, match="groups"):
+        cpu_ext.linear_int4(x, packed, scales[:, :1].contiguous())
+
+
 def test_w4a8_refuses_a_layout_of_other_shapes():
     require_kernels()
     x = torch.randn(2, 64).to(torch.bfloat16)
@@ -282,32 +325,36 @@ def test_int4_embedding_rows_are_the_lm_head_rows(tiny_model_dir):
 # (max |diff|, mean |diff|) of the kernel paths' logits against the same int4 weights on plain torch ops (bf16
 # logits of std ~1; the bf16 kernels' own rounding order already differs from torch's by up to 0.0625, mean
 # 0.007). Measured on the two tiny models: W4A8 (activations quantised to int8, which torch's path does not do)
-# 0.174 / 0.021; dequantised to bf16 for F.linear 0.059 / 0.0078.
-INT4_PATHS = [(64, 0.25, 0.03), (0, 0.1, 0.015)]
+# 0.174 / 0.021; dequantised to bf16 for F.linear 0.059 / 0.0078; the weight-only kernel (weights exact in fp32,
+# where torch's path rounds them to bf16) within the dequantised path's bounds.
+INT4_PATHS = {"w4a8": (dict(max_w4a8_rows=64), 0.25, 0.03),
+              "weight-only": (dict(max_w4a8_rows=0, max_int4_rows=64), 0.1, 0.015),
+              "dequantised": (dict(max_w4a8_rows=0, max_int4_rows=0), 0.1, 0.015)}
 
 
-@pytest.mark.parametrize("w4a8_rows,max_diff,mean_diff", INT4_PATHS, ids=["w4a8", "dequantised"])
-def test_int4_logits_match_the_torch_int4_reference(tiny_model_dir, untied_dir, w4a8_rows, max_diff, mean_diff):
+@pytest.mark.parametrize("path", INT4_PATHS)
+def test_int4_logits_match_the_torch_int4_reference(tiny_model_dir, untied_dir, path):
+    limits, max_diff, mean_diff = INT4_PATHS[path]
     require_kernels(vectors=True)
     for folder in (tiny_model_dir, untied_dir):
         model = load(folder, "int4")
         model.set_backend(TorchBackend())
         ref = forward_logits(model, IDS)
         for stack in (True, False):
-            model.set_backend(kernel_backend(max_w4a8_rows=w4a8_rows, decode_stack=stack))
+            model.set_backend(kernel_backend(decode_stack=stack, **limits))
             assert (model.stack is not None) == stack
             for got in (forward_logits(model, IDS), decode_logits(model, IDS)):
                 diff = (got - ref).abs()
                 assert diff.max() <= max_diff and diff.mean() <= mean_diff, (diff.max(), diff.mean())
 
 
-@pytest.mark.parametrize("w4a8_rows", [64, 0], ids=["w4a8", "dequantised"])
-def test_int4_decode_stack_is_bit_identical_to_the_python_layers(tiny_model_dir, w4a8_rows):
+@pytest.mark.parametrize("path", INT4_PATHS)
+def test_int4_decode_stack_is_bit_identical_to_the_python_layers(tiny_model_dir, path):
     require_kernels(vectors=True)
     model = load(tiny_model_dir, "int4")
     got = {}
     for stack in (True, False):
-        model.set_backend(kernel_backend(decode_stack=stack, max_w4a8_rows=w4a8_rows))
+        model.set_backend(kernel_backend(decode_stack=stack, **INT4_PATHS[path][0]))
         got[stack] = decode_logits(model, IDS[:12])
     assert torch.equal(got[True], got[False])
 

@@ -43,6 +43,12 @@ class CpuKernelConfig:
     # (python -m bench.kernel_accuracy --formats int4 --kernels w4a8). The int8 and int4 weights then meet bf16 activations.
     max_w8a8_rows: int = 0
     max_w4a8_rows: int = 0
+    # Rows a product on int4 weights takes on the weight-only int4 kernel (engine/kernels/int4_linear.cpp: the
+    # nibbles widened to fp32 in registers, bf16 activations kept whole; past max_w4a8_rows); more dequantise the
+    # weight to bf16 for F.linear. Kept: 14x the dequantising path's speed at 1 row, 5.6x at 64 on Zen 2, where
+    # bf16 products are emulated (docs/performance.md, "The weight-only int4 kernel"); int8's row limit, as its
+    # kernel is the int8 counterpart. Not measured on AVX-512 BF16 or AMX hosts, whose bf16 products are native.
+    max_int4_rows: int = 64
 
     max_onednn_rows: int = 128  # oneDNN's packed copy serves 2..this many rows
     onednn_batch_hint: int = 64  # the row count oneDNN picks its blocking for

@@ -43,6 +43,7 @@ class CpuKernelBackend(TorchBackend):
         self.max_w8a8_rows = min(config.max_w8a8_rows, config.max_int8_rows) if cpu_ext.w8a8_vnni() else 0
         self.w8a8_packed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(codes) -> (codes, pack_w8a8)
         self.max_w4a8_rows = config.max_w4a8_rows if cpu_ext.w4a8_vnni() else 0  # its scalar loop is for tests
+        self.max_int4_rows = config.max_int4_rows if cpu_ext.int4_vectorized() else 0  # likewise
         # the C++ stack runs the packed products on the first engine ("auto"), as the Python layers do by default
         self.stacks = (config.decode_stack and self.elementwise and self.attends_in_place
                        and (self.engine is None or self.engine == cpu_ext.matrix_engines()[0]))
@@ -135,12 +136,15 @@ class CpuKernelBackend(TorchBackend):
 
     def linear_int4(self, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
                     bias: torch.Tensor | None) -> torch.Tensor:
-        """The W4A8 kernel for up to max_w4a8_rows rows, else F.linear on chunks of the weight dequantised to bf16
-        by the kernel's dequantize_int4. decode_stack.cpp's project() makes the same choice."""
+        """The W4A8 kernel for up to max_w4a8_rows rows, the weight-only kernel for up to max_int4_rows, else
+        F.linear on chunks of the weight dequantised to bf16 by the kernel's dequantize_int4. decode_stack.cpp's
+        project() makes the same choice."""
         if x.dtype != torch.bfloat16:
             return super().linear_int4(x, packed, scales, bias)
         if x.shape[0] <= self.max_w4a8_rows:
             return cpu_ext.linear_w4a8(x, packed, scales, bias)
+        if x.shape[0] <= self.max_int4_rows:
+            return cpu_ext.linear_int4(x, packed, scales, bias)
         k = x.shape[-1]
         return quant.linear_int4(x, packed, scales, bias,
                                  lambda begin, end: cpu_ext.dequantize_int4(packed, scales, k, begin, end))
@@ -223,7 +227,8 @@ class CpuKernelBackend(TorchBackend):
         x, residual = model.stack.forward(x, *rope, meta.slot_mapping, meta.decode_block_tables,
                                           meta.decode_context_lens, kv_caches, self.config.max_gemv_rows,
                                           self.config.max_onednn_rows, self.max_tiled_rows,
-                                          self.config.max_int8_rows, self.max_w8a8_rows, self.max_w4a8_rows)
+                                          self.config.max_int8_rows, self.max_w8a8_rows, self.max_w4a8_rows,
+                                          self.max_int4_rows)
         return x, residual
 
     def greedy_tokens(self, model: LlamaModel, hidden: torch.Tensor) -> torch.Tensor | None:
@@ -246,6 +251,7 @@ class CpuKernelBackend(TorchBackend):
               "decode_attention_bf16": self.attends_in_place, "decode_attention_fp8": self.attends_in_place,
               "prompt_attention": self.engine is not None, "linear_int8": self.config.max_int8_rows > self.max_w8a8_rows,
               "linear_w8a8": self.max_w8a8_rows > 0, "linear_w4a8": self.max_w4a8_rows > 0,
+              "linear_int4": self.max_int4_rows > self.max_w4a8_rows,
               "rms_norm": self.elementwise,
               "rotary": self.elementwise, "silu_mul": self.elementwise, "decode_stack": self.stacks}
         return [name for name, used in on.items() if used]

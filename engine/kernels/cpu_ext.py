@@ -6,7 +6,8 @@ for which product, step or row count is engine/backends/cpu_kernels.py's decisio
   batches).
 - `linear_int8`: the same for int8 weights with per-output-channel scales, widened to fp32 in registers.
 - `linear_w8a8`: the same int8 weights against each row of x quantised to int8, int32 sums on AVX-512 VNNI.
-- `linear_w4a8` / `dequantize_int4`: int4 weights with group scales and offsets, likewise; and to bf16 rows.
+- `linear_w4a8` / `linear_int4` / `dequantize_int4`: int4 weights with group scales and offsets, on int8 or on
+  fp32 activations; and to bf16 rows.
 - `decode_attention_bf16` / `_fp8`: one query a row against its context read in place from the pages through its
   block table (no gather copy, no padding mask); fp8 pages decoded to bf16 in registers.
 - `rms_norm` (+ the residual add), `silu_mul`, `rotary_`: one pass each instead of 3-10 torch ops, rounding to
@@ -120,6 +121,19 @@ def linear_w4a8(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
     32: bf16(sum_g (a_g s_g float((q - 7.5) x_q) + (z_g + 7.5 s_g) sum_g x) + bias), the groups' sums exact in
     int32 (the weights' middle meets x's own sums)."""
     return ops().linear_w4a8(x, packed, scales, bias)
+
+
+def linear_int4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """linear_w4a8's arguments and result, weight-only: the codes widened to fp32 against x in fp32,
+    bf16(sum_g (s_g sum_k q x + z_g sum_g x) + bias), every sum in fp32. x may be bf16 or fp32."""
+    return ops().linear_int4(x, packed, scales, bias)
+
+
+@functools.cache
+def int4_vectorized() -> bool:
+    """Whether linear_int4 was built on AVX2 vectors here (its scalar fallback is for tests only)."""
+    return bool(ops().int4_vectorized())
 
 
 def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, k: int, begin: int, end: int) -> torch.Tensor:

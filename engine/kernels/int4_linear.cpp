@@ -3,6 +3,8 @@
 // - linear_w4a8: decode-sized row counts. The activations are quantised to int8 in groups of 32 (the same groups
 //   as the weights', activation_quant.h), the nibbles unpacked in registers and multiplied by AVX-512 VNNI into
 //   exact int32 sums per group.
+// - linear_int4: decode-sized row counts, weight-only: the nibbles widened to fp32 in registers against the fp32
+//   activations (AVX2, FMA and F16C), so the activations keep all their bits.
 // - dequantize_int4: rows of the weight to bf16, for the larger row counts that take at::linear (prefill).
 // Figures: docs/performance.md, "int8 and int4 weights" (python -m bench.weight_quant).
 //
@@ -35,6 +37,10 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #define CPU_EXT_INT4_VNNI 1
+#include <immintrin.h>
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define CPU_EXT_INT4_AVX2 1
 #include <immintrin.h>
 #endif
 
@@ -160,6 +166,88 @@ void w4a8_pass(int64_t rows, const Int4Weights& w, const QuantRows& q, int64_t f
   }
 }
 
+// ---- weight-only: fp32 activations against the int4 weights (linear_int4) ------------------------------------
+//
+// With t[m, g] the fp32 sum of row m's values in group g:
+//   out[m, n] = bf16(sum_g (s[g, n] * sum_{k in g} q[n, k] x[m, k] + z[g, n] * t[m, g]) + bias[n]),
+// every sum in fp32. The weights s * q + z are exact in fp32; the reference (F.linear on bf16(s * q + z)) rounds
+// them to bf16 first, so the two differ by that rounding, this kernel being the closer to the file's values.
+
+constexpr int kWeightOnlyRows = 2;  // rows of x per pass: 2 x 4 accumulator chains of 8 lanes stay in registers
+
+struct FloatRows {
+  const float* x;  // [M, G * 32], zero past K
+  const float* t;  // [M, G]
+  int64_t kp, groups;
+};
+
+// The 16 channels of block `block` for rows [first, first + R): each 64-byte slice of a group holds 4 k for 16
+// channels (4 bytes a channel), so a 256-bit load is 8 channels' lanes, and shifting each lane by 8 j (+4) and
+// masking gives the codes of k = 4 t + j (+16) for those 8 channels, widened once for the R rows.
+template <int R>
+void int4_block(const Int4Weights& w, const FloatRows& x, int64_t first, uint16_t* out, int64_t block) {
+  float sums[R][kChannels];
+  const int64_t n0 = block * kChannels, count = std::min<int64_t>(kChannels, w.n - n0);
+#if defined(CPU_EXT_INT4_AVX2)
+  const __m256i nibble = _mm256_set1_epi32(0x0F);
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < w.groups; ++g) {
+    __m256 dot[R][2][2];  // [row][half of the 16 channels][low or high nibble]
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < 2; ++h) dot[r][h][0] = dot[r][h][1] = _mm256_setzero_ps();
+    const uint8_t* bytes = w.packed + (block * w.groups + g) * kGroupBytes;
+    for (int64_t t = 0; t < 4; ++t) {
+      const __m256i v[2] = {_mm256_loadu_si256((const __m256i*)(bytes + t * 64)),
+                            _mm256_loadu_si256((const __m256i*)(bytes + t * 64 + 32))};
+      for (int j = 0; j < 4; ++j) {
+        for (int h = 0; h < 2; ++h) {
+          const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v[h], 8 * j), nibble));
+          const __m256 hi = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v[h], 8 * j + 4), nibble));
+          for (int r = 0; r < R; ++r) {
+            const float* xr = x.x + (first + r) * x.kp + g * kGroup + 4 * t + j;
+            dot[r][h][0] = _mm256_fmadd_ps(lo, _mm256_set1_ps(xr[0]), dot[r][h][0]);
+            dot[r][h][1] = _mm256_fmadd_ps(hi, _mm256_set1_ps(xr[16]), dot[r][h][1]);
+          }
+        }
+      }
+    }
+    alignas(32) at::Half s[kChannels] = {}, z[kChannels] = {};
+    std::memcpy(s, w.scale + g * w.n + n0, count * sizeof(at::Half));
+    std::memcpy(z, w.offset + g * w.n + n0, count * sizeof(at::Half));
+    for (int h = 0; h < 2; ++h) {
+      const __m256 sv = _mm256_cvtph_ps(_mm_load_si128((const __m128i*)(s + 8 * h)));
+      const __m256 zv = _mm256_cvtph_ps(_mm_load_si128((const __m128i*)(z + 8 * h)));
+      for (int r = 0; r < R; ++r) {
+        acc[r][h] = _mm256_fmadd_ps(sv, _mm256_add_ps(dot[r][h][0], dot[r][h][1]), acc[r][h]);
+        acc[r][h] = _mm256_fmadd_ps(zv, _mm256_set1_ps(x.t[(first + r) * x.groups + g]), acc[r][h]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(sums[r] + 8 * h, acc[r][h]);
+#else
+  for (int r = 0; r < R; ++r)
+    for (int64_t c = 0; c < count; ++c) {
+      float total = 0.f;
+      for (int64_t g = 0; g < w.groups; ++g) {
+        const uint8_t* bytes = w.packed + (block * w.groups + g) * kGroupBytes + c * 4;
+        const float* xr = x.x + (first + r) * x.kp + g * kGroup;
+        float lo = 0.f, hi = 0.f;
+        for (int64_t t = 0; t < 4; ++t)
+          for (int64_t j = 0; j < 4; ++j) {
+            lo = std::fma(static_cast<float>(bytes[t * 64 + j] & 0x0F), xr[4 * t + j], lo);
+            hi = std::fma(static_cast<float>(bytes[t * 64 + j] >> 4), xr[16 + 4 * t + j], hi);
+          }
+        total = std::fma(static_cast<float>(w.scale[g * w.n + n0 + c]), lo + hi, total);
+        total = std::fma(static_cast<float>(w.offset[g * w.n + n0 + c]), x.t[(first + r) * x.groups + g], total);
+      }
+      sums[r][c] = total;
+    }
+#endif
+  store<R>(sums, w, first, out, n0);
+}
+
 void check_int4(const torch::Tensor& packed, const torch::Tensor& scales, int64_t k, const char* name) {
   TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.dim() == 3 && scales.size(0) == 2 && scales.is_contiguous(),
               name, ": scales must be fp16 [2, G, N]");
@@ -203,6 +291,41 @@ torch::Tensor linear_w4a8(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   return out;
 }
 
+// x [M, K] bf16 (or fp32), packed and scales as above, bias [N] or None -> [M, N] bf16 (the weight-only product
+// above). The threads claim ranges of 16-channel blocks and run every pass of rows over each block in turn, so a
+// block's weights come from memory once.
+torch::Tensor linear_int4(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
+                          const std::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+              "linear_int4: x must be bf16 or fp32 [M, K]");
+  const int64_t m = x.size(0), k = x.size(1);
+  check_int4(packed, scales, k, "linear_int4");
+  const int64_t n = scales.size(2), groups = scales.size(1), kp = groups * kGroup;
+  torch::Tensor out = torch::empty({m, n}, x.options().dtype(at::kBFloat16));
+  if (m == 0 || n == 0) return out;
+  torch::Tensor xf = torch::zeros({m, kp}, x.options().dtype(at::kFloat));
+  xf.narrow(1, 0, k).copy_(x);
+  torch::Tensor totals = xf.view({m, groups, kGroup}).sum(2).contiguous();
+  torch::Tensor bf;
+  if (bias && bias->numel()) {
+    TORCH_CHECK(bias->numel() == n, "linear_int4: bias must be [N]");
+    bf = bias->to(torch::kFloat32).contiguous();
+  }
+  const auto* half = scales.data_ptr<at::Half>();
+  const Int4Weights w{packed.data_ptr<uint8_t>(), half, half + groups * n, bf.defined() ? bf.data_ptr<float>() : nullptr,
+                      n, groups};
+  const FloatRows rows{xf.data_ptr<float>(), totals.data_ptr<float>(), kp, groups};
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  cpu_ext::parallel_claim((n + kChannels - 1) / kChannels, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t block = begin; block < end; ++block)
+      for (int64_t first = 0; first < m; first += kWeightOnlyRows) {
+        if (m - first >= 2) int4_block<2>(w, rows, first, op, block);
+        else int4_block<1>(w, rows, first, op, block);
+      }
+  });
+  return out;
+}
+
 // Output channels [begin, end) of the int4 weight of K columns -> bf16 [end - begin, K]: bf16(s * q + z) (s * q
 // is exact in fp32, so the one rounding of the sum and the one to bf16 are torch's quant.dequantize_int4's too).
 torch::Tensor dequantize_int4(torch::Tensor packed, torch::Tensor scales, int64_t k, int64_t begin, int64_t end) {
@@ -233,6 +356,15 @@ torch::Tensor dequantize_int4(torch::Tensor packed, torch::Tensor scales, int64_
   return out;
 }
 
+// Whether linear_int4 runs on AVX2 vectors here (else on its scalar loop, which only tests should take).
+bool int4_vectorized() {
+#if defined(CPU_EXT_INT4_AVX2)
+  return true;
+#else
+  return false;
+#endif
+}
+
 // Whether linear_w4a8 runs on VNNI here (else on its scalar loop, which only tests should take).
 bool w4a8_vnni() {
 #if defined(CPU_EXT_INT4_VNNI)
@@ -244,11 +376,14 @@ bool w4a8_vnni() {
 
 TORCH_LIBRARY_FRAGMENT(phase_serve, m) {
   m.def("linear_w4a8(Tensor x, Tensor packed, Tensor scales, Tensor? bias) -> Tensor");
+  m.def("linear_int4(Tensor x, Tensor packed, Tensor scales, Tensor? bias) -> Tensor");
   m.def("dequantize_int4(Tensor packed, Tensor scales, int k, int begin, int end) -> Tensor");
   m.def("w4a8_vnni() -> bool", &w4a8_vnni);
+  m.def("int4_vectorized() -> bool", &int4_vectorized);
 }
 
 TORCH_LIBRARY_IMPL(phase_serve, CPU, m) {
   m.impl("linear_w4a8", &linear_w4a8);
+  m.impl("linear_int4", &linear_int4);
   m.impl("dequantize_int4", &dequantize_int4);
 }
