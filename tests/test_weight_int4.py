@@ -325,10 +325,11 @@ def test_int4_embedding_rows_are_the_lm_head_rows(tiny_model_dir):
 # (max |diff|, mean |diff|) of the kernel paths' logits against the same int4 weights on plain torch ops (bf16
 # logits of std ~1; the bf16 kernels' own rounding order already differs from torch's by up to 0.0625, mean
 # 0.007). Measured on the two tiny models: W4A8 (activations quantised to int8, which torch's path does not do)
-# 0.174 / 0.021; dequantised to bf16 for F.linear 0.059 / 0.0078; the weight-only kernel (weights exact in fp32,
-# where torch's path rounds them to bf16) within the dequantised path's bounds.
+# 0.174 / 0.021; dequantised to bf16 for F.linear 0.059 / 0.0078. The weight-only kernel keeps the weights exact in
+# fp32 where torch's path rounds them to bf16: 0.086 / 0.0115 on Zen 2 (Python layers; the dequantised path there
+# 0.043 / 0.0040, so the AVX-512 kernels' own rounding adds about 0.016 / 0.004).
 INT4_PATHS = {"w4a8": (dict(max_w4a8_rows=64), 0.25, 0.03),
-              "weight-only": (dict(max_w4a8_rows=0, max_int4_rows=64), 0.1, 0.015),
+              "weight-only": (dict(max_w4a8_rows=0, max_int4_rows=64), 0.15, 0.02),
               "dequantised": (dict(max_w4a8_rows=0, max_int4_rows=0), 0.1, 0.015)}
 
 
