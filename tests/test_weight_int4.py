@@ -162,6 +162,17 @@ def test_dequantize_kernel_is_torch_bit_for_bit(n, k):
     assert torch.equal(cpu_ext.dequantize_int4(packed, scales, k, n // 3, n), ref[n // 3:])
 
 
+def product_case(rows: int, n: int, k: int, with_bias: bool):
+    """(x, packed, scales, bias) of one seeded product: x with an outlier group (its own scale, the others
+    unaffected), weights with a mean off zero (the offsets matter), a bf16 bias or None."""
+    torch.manual_seed(rows * 1000 + n + k)
+    x = torch.randn(rows, k).to(torch.bfloat16)
+    x[0, : min(k, 8)] *= 50
+    packed, scales = int4_weight(torch.randn(n, k) * 0.05 + 0.01)
+    bias = torch.randn(n).to(torch.bfloat16) if with_bias else None
+    return x, packed, scales, bias
+
+
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 11, 64])  # passes of up to 8 rows: 11 = 8 + 3
 @pytest.mark.parametrize("n,k", [(200, 576), (33, 100), (1, 17), (130, 15), (96, 1536)])
 @pytest.mark.parametrize("with_bias", [False, True])
@@ -170,12 +181,7 @@ def test_w4a8_matches_the_reference_arithmetic(rows, n, k, with_bias):
     K below one group: within one bf16 rounding of the float64 reference of the same quantised arithmetic, and
     equal to it rounded but where the fp32 sum over groups sits within an fp32 error of a rounding boundary."""
     require_w4a8()
-    torch.manual_seed(rows * 1000 + n + k)
-    x = torch.randn(rows, k).to(torch.bfloat16)
-    x[0, : min(k, 8)] *= 50  # an outlier group: its own scale, the others unaffected
-    w = torch.randn(n, k) * 0.05 + 0.01  # a mean off zero: the offsets matter
-    packed, scales = int4_weight(w)
-    bias = torch.randn(n).to(torch.bfloat16) if with_bias else None
+    x, packed, scales, bias = product_case(rows, n, k, with_bias)
     got = cpu_ext.linear_w4a8(x, packed, scales, bias)
     ref = reference_w4a8(x, packed, scales, bias)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
@@ -220,12 +226,7 @@ def test_weight_only_int4_is_the_exact_product_rounded_once(rows, n, k, with_bia
     (and the fp32 sums' error), and equal to it rounded but near rounding boundaries. One wrong code would move
     a result by about sum |x w| / K, far past either bound."""
     require_int4_kernel()
-    torch.manual_seed(rows * 1000 + n + k)
-    x = torch.randn(rows, k).to(torch.bfloat16)
-    x[0, : min(k, 8)] *= 50
-    w = torch.randn(n, k) * 0.05 + 0.01  # a mean off zero: the offsets matter
-    packed, scales = int4_weight(w)
-    bias = torch.randn(n).to(torch.bfloat16) if with_bias else None
+    x, packed, scales, bias = product_case(rows, n, k, with_bias)
     got = cpu_ext.linear_int4(x, packed, scales, bias)
     weights = dequantised(packed, scales, k)
     ref = x.double() @ weights.T + (0 if bias is None else bias.double())
