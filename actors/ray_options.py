@@ -46,7 +46,7 @@ class RayOptions:
     num_cpus: float = 1.0
     prefill_resources: Resources = ()
     decode_resources: Resources = ()
-    connect_timeout: float = 20.0  # reaching the cluster: serve fails within 30 s of its start
+    connect_timeout: float = 20.0  # reaching the cluster
     placement_timeout: float = 60.0  # the placement group of the whole layout being placed
 
     def __post_init__(self) -> None:

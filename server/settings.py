@@ -105,8 +105,10 @@ class ActorOptions:
     ray_decode_resources: str | None = option(
         None, "with --ray: custom Ray resources every decode actor reserves, as JSON, e.g. '{\"decode_node\": 1}' "
         "(bandwidth-rich nodes)", metavar="JSON", shown="none")
-    ray_placement_timeout: float = option(60.0, "with --ray: seconds the cluster gets to place every actor before "
-                                          "serve refuses to start")
+    ray_connect_timeout: float = option(RayOptions.connect_timeout, "with --ray: seconds to reach the cluster before "
+                                        "serve refuses to start")
+    ray_placement_timeout: float = option(RayOptions.placement_timeout, "with --ray: seconds the cluster gets to "
+                                          "place every actor before serve refuses to start")
     in_process: bool = option(False, "run the engine inside the server process instead of actor subprocesses "
                               "(debugging)")
     long_prompt_threshold: int | None = option(None, "prompt tokens from which a request is long-in",
@@ -126,7 +128,7 @@ class ActorOptions:
             return None
         return RayOptions(self.ray, self.ray_cpus, parse_resources(self.ray_prefill_resources or "{}"),
                           parse_resources(self.ray_decode_resources or "{}"),
-                          placement_timeout=self.ray_placement_timeout)
+                          connect_timeout=self.ray_connect_timeout, placement_timeout=self.ray_placement_timeout)
 
     def client_options(self) -> dict:
         """The AsyncLLM keyword arguments (none in process)."""

@@ -165,9 +165,9 @@ def test_an_address_that_does_not_answer_is_an_error(tiny_model_dir, tmp_path):
 
 def test_an_address_that_accepts_but_never_answers_is_an_error(tiny_model_dir):
     with socket.create_server(("127.0.0.1", 0)) as silent:  # the kernel completes the handshakes; no reply
-        done = _serve(tiny_model_dir, "--ray", f"127.0.0.1:{silent.getsockname()[1]}")
+        done = _serve(tiny_model_dir, "--ray", f"127.0.0.1:{silent.getsockname()[1]}", "--ray-connect-timeout", "3")
     assert done.returncode != 0
-    assert "cannot reach the Ray cluster at 127.0.0.1:" in done.stderr and "no answer within 20s" in done.stderr
+    assert "cannot reach the Ray cluster at 127.0.0.1:" in done.stderr and "no answer within 3s" in done.stderr
 
 
 def test_a_resource_no_node_has_refuses_to_start_naming_it(tiny_model_dir, ray_cluster):
