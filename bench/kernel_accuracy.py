@@ -48,11 +48,12 @@ from engine.model.loader import ModelSource, load_model, resolve_model  # noqa: 
 BLOCK_SIZE = 16
 FORMATS = ("bfloat16", "int8", "int4", "auto")
 # The gate's bounds (tests/test_kernel_accuracy.py). A kernel computes the same weights as its reference and
-# differs only in rounding order and bf16 intermediates: measured on the shipped kernels of both CPU kinds, that
-# costs a KL mean below 0.003 and top-1 above 0.99 on this text. An activation format that drops information
-# (int8 activations of a model with outlier channels) shows as a KL mean several times larger.
-MIN_TOP1 = 0.99  # of top1_ties (see there)
-MAX_KL_MEAN = 0.01
+# differs only in rounding order and bf16 intermediates; an activation format that drops information (int8
+# activations of a model with outlier channels) shows as a KL mean several times larger. The KL bound sits
+# between the two, the top-1 bound below the near-ties that fp32 logits order by that rounding noise. Figures:
+# docs/performance.md, "The accuracy gate".
+MIN_TOP1 = 0.98  # of top1_ties (see there)
+MAX_KL_MEAN = 0.005
 
 
 @dataclass(frozen=True)
@@ -160,9 +161,8 @@ def bf16_step(x: torch.Tensor) -> torch.Tensor:
 
 
 def top1_ties(ref: torch.Tensor, got: torch.Tensor) -> int:
-    """Rows whose candidate's first choice the reference scores within one bf16 step of its own best: the logits
-    are bf16, so such a choice is a tie the next rounding decides (measured: every strict top-1 disagreement of the
-    bf16 kernels on SmolLM2 was an exact tie or one step apart)."""
+    """Rows whose candidate's first choice the reference scores within one bf16 step of its own best: the hidden
+    state the LM head reads is bf16, so candidates that close are ordered by rounding."""
     best = ref.max(-1).values
     chosen = ref.gather(-1, got.argmax(-1, keepdim=True)).squeeze(-1)
     return int((chosen >= best - bf16_step(best)).sum())

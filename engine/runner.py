@@ -157,12 +157,12 @@ class ModelRunner:
         greedy = self._greedy_without_logits(rows, inp)
         if greedy is not None:
             return greedy
-        logits = self.model.compute_logits(rows, float32=False)  # [B + R, V] in the model's dtype
+        logits = self.model.compute_logits(rows)  # [B + R, V] fp32
         num_sampled = len(inp.sampled_chunks)
         sampled, logprobs = self._sample(logits[:num_sampled], inp.sampled_chunks)
         if not inp.verified_chunks:
             return runner_output(sampled, logprobs)
-        return runner_output(sampled, logprobs, *self._verify(logits[num_sampled:].float(), inp.verified_chunks))
+        return runner_output(sampled, logprobs, *self._verify(logits[num_sampled:], inp.verified_chunks))
 
     @staticmethod
     def _layer_metas(kv_cache: KVCache, inp: ModelInput) -> list[AttentionMetadata] | None:

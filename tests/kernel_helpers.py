@@ -56,7 +56,7 @@ class KernelCalls(list):
 
 
 KERNELS = ("linear_bf16", "decode_attention_bf16", "decode_attention_fp8", "rms_norm_bf16", "silu_mul_bf16",
-           "rotary_bf16_", "row_argmax_bf16", "tiled_linear_bf16", "tiled_linear_silu_mul_bf16",
+           "rotary_bf16_", "tiled_linear_bf16", "tiled_linear_silu_mul_bf16",
            "tiled_linear_argmax_bf16", "prompt_attention_bf16")
 ONEDNN = "onednn_packed_linear"
 

@@ -313,52 +313,6 @@ def test_fp32_model_is_untouched_by_the_kernel_switch(tiny_model_dir):
     assert texts[0] == texts[1]
 
 
-@pytest.mark.parametrize("width", [1, 15, 16, 49, 1000])  # no full vector, exactly one, vectors + a tail
-def test_row_argmax_matches_torch_max_on_ties_nan_and_infinities(width, backend):
-    torch.manual_seed(width)
-    rows = [bf16(width), torch.full((width,), -float("inf")), torch.full((width,), 3.0),
-            torch.randint(-2, 3, (width,)).float()]  # many ties: the first maximal index wins
-    if width > 3:
-        rows += [bf16(width).index_fill(0, torch.tensor([2, width - 1]), float("nan")),  # the first NaN wins
-                 bf16(width).index_fill(0, torch.tensor([width - 1]), float("inf")),
-                 torch.zeros(width).index_fill(0, torch.tensor([1]), -0.0)]  # -0 == +0: index 0
-    x = torch.stack(rows).to(torch.bfloat16)
-    assert torch.equal(cpu_ext.row_argmax_bf16(x), x.float().max(dim=-1).indices)
-    wide = torch.cat([x, bf16(len(rows), 7)], dim=1)[:, :width]  # rows with a stride past their width
-    assert torch.equal(cpu_ext.row_argmax_bf16(wide), x.float().max(dim=-1).indices)
-    assert torch.equal(backend.row_argmax(wide), x.float().max(dim=-1).indices)
-    assert torch.equal(backend.row_argmax(x.float()), x.float().max(dim=-1).indices)  # fp32: torch's own
-
-
-def test_greedy_engine_picks_from_bf16_logits_with_the_kernel(tiny_model_dir, monkeypatch, kernel_calls):
-    """A greedy bf16 engine picks by a kernel on the LM head's bf16 output (no fp32 copy): the argmax taken as
-    the packed head's results come out (2+ rows, packed blocks), or the argmax kernel on the head's bf16 logits. Both pick
-    what the fp32 conversion would; sampled or logprob rows still go the fp32 way."""
-    seen = []
-    monkeypatch.setattr(CpuKernelBackend, "row_argmax",
-                        lambda self, x, f=CpuKernelBackend.row_argmax: seen.append(x.dtype) or f(self, x))
-    off_the_head = CpuKernelBackend.greedy_tokens
-
-    def fused_greedy(self, model, x):
-        out = off_the_head(self, model, x)
-        if out is not None:
-            seen.append("fused")
-        return out
-
-    monkeypatch.setattr(CpuKernelBackend, "greedy_tokens", fused_greedy)
-    prompts = ["the cat", "a dog sat on", "1 2 3 4"]
-    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    fast = LLM(model=str(tiny_model_dir), dtype="bfloat16", num_kv_blocks=64)
-    got = [o.token_ids for o in fast.generate(prompts, greedy)]
-    assert seen and set(seen) <= {torch.bfloat16, "fused"}
-    assert ("fused" in seen) == bool(cpu_ext.matrix_engines())  # three rows a step: the packed head where it runs
-    assert ("fused" in seen) == ("tiled_linear_argmax_bf16" in kernel_calls.names())
-    seen.clear()
-    with_logprobs = fast.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True,
-                                                         logprobs=2))
-    assert [o.token_ids for o in with_logprobs] == got and set(seen) == {torch.float32}  # torch's max on fp32
-
-
 def test_enforce_eager_switches_the_kernels_off(tiny_model_dir):
     require_kernels(vectors=True)  # these paths run only where the kernels have AVX-512
     on = EngineCore(EngineConfig(model=str(tiny_model_dir), dtype="bfloat16", num_kv_blocks=16))

@@ -112,7 +112,7 @@ class StubModel:
         hidden = positions[:, None].float()  # [T, 1]
         return hidden if keep_rows is None else hidden[keep_rows]
 
-    def compute_logits(self, hidden, float32=True):
+    def compute_logits(self, hidden):
         return P.log()[hidden[:, 0].long()]  # [R, V]
 
 

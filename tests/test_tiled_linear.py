@@ -25,8 +25,8 @@ class OnEngine:
     def __init__(self, name: str) -> None:
         self.name = name
 
-    def tiled_linear(self, x, packed, bias=None):
-        return cpu_ext.tiled_linear(x, packed, bias, self.name)
+    def tiled_linear(self, x, packed, bias=None, fp32_out=False):
+        return cpu_ext.tiled_linear(x, packed, bias, self.name, fp32_out)
 
     def tiled_linear_silu_mul(self, x, packed):
         return cpu_ext.tiled_linear_silu_mul(x, packed, self.name)
@@ -167,10 +167,15 @@ def test_decode_stack_with_biases_on_the_packed_blocks(qwen2_dir, stack_calls):
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 16, 17, 33, 64, 128, 1000])
 @pytest.mark.parametrize("n,k", [(48, 64), (4096, 576)], ids=["odd-blocks", "head-like"])
-def test_fused_argmax_is_the_argmax_of_the_bf16_product(rows, n, k, engine):
+def test_fused_argmax_is_the_argmax_of_the_fp32_product(rows, n, k, engine):
     x, weight, _ = operands(rows, n, k, seed=rows + n)
     packed = cpu_ext.tile_pack(weight)
-    assert torch.equal(engine.tiled_linear_argmax(x, packed), cpu_ext.row_argmax_bf16(engine.tiled_linear(x, packed)))
+    assert torch.equal(engine.tiled_linear_argmax(x, packed), fp32_argmax(engine, x, packed))
+
+
+def fp32_argmax(engine: OnEngine, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """torch's max(dim) over the product's fp32 sums."""
+    return engine.tiled_linear(x, packed, fp32_out=True).max(dim=-1).indices
 
 
 def on_1_2_and_3_threads(run):
@@ -197,8 +202,8 @@ def test_fused_argmax_takes_the_first_of_equal_maxima_and_nan_first_on_any_threa
     plain, with_nan = answers[0]
     for other in answers[1:]:
         assert torch.equal(other[0], plain) and torch.equal(other[1], with_nan)
-    assert torch.equal(plain, cpu_ext.row_argmax_bf16(engine.tiled_linear(x, packed_plain)))
-    assert torch.equal(with_nan, cpu_ext.row_argmax_bf16(engine.tiled_linear(x, packed_nan)))
+    assert torch.equal(plain, fp32_argmax(engine, x, packed_plain))
+    assert torch.equal(with_nan, fp32_argmax(engine, x, packed_nan))
     assert plain[5] == 0 and with_nan[5] == 0
     assert (with_nan[[r for r in range(64) if r != 5]] == 512).all()  # column 512 is NaN for every other row
     ties = [r for r in range(64) if r != 5 and plain[r] in (40, 700, 1000)]

@@ -58,6 +58,7 @@ MODULE_TIERS: Mapping[str, Tier] = {
     "test_kv_stream.py": P,  # real sockets and threads; one test runs a decode worker
     "test_kv_quant.py": U,  # the import and CUDA-simulator checks run in subprocesses: marked process
     "test_layers.py": U,
+    "test_lm_head.py": E,
     "test_logs.py": P,  # the logging, calibration and kernel-key units are marked unit
     "test_metrics.py": P,  # the ServerMetrics and PromQL tests are marked unit
     "test_migration.py": P,

@@ -66,6 +66,15 @@ class Backend(ABC):
 
         return linear_int4(x, packed, scales, bias)
 
+    def lm_head(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
+                packed: torch.Tensor | None = None) -> torch.Tensor:
+        """The LM head's product x W^T [B, V] in fp32 (a float weight, or int8 / int4 with `scale`; `packed`: its
+        copy made by `prepare`). Rounded to bf16, close logits tie (the steps are 0.125 between 16 and 32) and the
+        argmax picks the lower id. Here by F.linear in fp32 on chunks of the weight widened to fp32."""
+        from engine.model.quant import linear_fp32
+
+        return linear_fp32(x, weight, scale)
+
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up [T, 2I] (gate | up) -> silu(gate) * up [T, I]."""
         gate, up = gate_up.chunk(2, dim=-1)

@@ -46,9 +46,8 @@ class CpuKernelConfig:
     # Rows a product on int4 weights takes on the weight-only int4 kernel (engine/kernels/int4_linear.cpp: the
     # nibbles widened to fp32 in registers, bf16 activations kept whole; past max_w4a8_rows); more dequantise the
     # weight to bf16 for F.linear. Its speed, and 64 as the limit to give it: docs/performance.md, "The weight-only
-    # int4 kernel". Off by default until the logits are fp32: its exact weights move SmolLM2's narrow lead of "The"
-    # over "L" (the capital of France) onto a bf16 tie of the LM head's output, which the argmax breaks towards "L".
-    max_int4_rows: int = 0
+    # int4 kernel".
+    max_int4_rows: int = 64
 
     max_onednn_rows: int = 128  # oneDNN's packed copy serves 2..this many rows
     onednn_batch_hint: int = 64  # the row count oneDNN picks its blocking for

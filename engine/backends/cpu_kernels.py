@@ -112,27 +112,61 @@ class CpuKernelBackend(TorchBackend):
                packed: torch.Tensor | None = None) -> torch.Tensor:
         """The packed copy for 2..max_packed_rows rows, the streaming GEMV for up to max_gemv_rows (one row where
         a packed copy serves the rest), else F.linear. decode_stack.cpp's project() makes the same choice."""
+        out = self._bf16_kernel(x, weight, bias, packed, fp32_out=False)
+        return F.linear(x, weight, bias) if out is None else out
+
+    def _bf16_kernel(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                     packed: torch.Tensor | None, fp32_out: bool) -> torch.Tensor | None:
+        """linear()'s kernels (oneDNN's packed copy only without fp32_out: it rounds to bf16); None for F.linear."""
         rows = x.shape[0]
         if packed is not None and 2 <= rows <= self.max_packed_rows(packed):
             if packed.dim() == 4:
-                return cpu_ext.tiled_linear(x, packed, bias, self.engine)
-            return packed_linear.onednn_linear(x, packed, bias)
+                return cpu_ext.tiled_linear(x, packed, bias, self.engine, fp32_out)
+            if not fp32_out:
+                return packed_linear.onednn_linear(x, packed, bias)
         if rows <= self.config.max_gemv_rows:
-            return cpu_ext.linear_bf16(x, weight, bias)
-        return F.linear(x, weight, bias)
+            return cpu_ext.linear_bf16(x, weight, bias, fp32_out)
+        return None
 
     def linear_int8(self, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
                     bias: torch.Tensor | None) -> torch.Tensor:
         """The W8A8 kernel (x quantised to int8 per row, int32 sums on VNNI) for up to max_w8a8_rows rows, the
         int8 kernel (weights widened to fp32 in registers) for up to max_int8_rows, else F.linear on the weight
         dequantised to bf16. decode_stack.cpp's project() makes the same choice."""
+        out = self._int8_kernel(x, codes, scale, bias, fp32_out=False)
+        return super().linear_int8(x, codes, scale, bias) if out is None else out
+
+    def _int8_kernel(self, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                     fp32_out: bool) -> torch.Tensor | None:
         rows = x.shape[0]
-        if rows <= self.config.max_int8_rows and x.dtype == torch.bfloat16:
-            packed = self.w8a8_packed.get(id(codes))
-            if packed is not None and packed[0] is codes and rows <= self.max_w8a8_rows:
-                return cpu_ext.linear_w8a8(x, packed[1], scale, bias)
-            return cpu_ext.linear_int8(x, codes, scale, bias)
-        return super().linear_int8(x, codes, scale, bias)
+        if rows > self.config.max_int8_rows or x.dtype != torch.bfloat16:
+            return None
+        packed = self.w8a8_packed.get(id(codes))
+        if packed is not None and packed[0] is codes and rows <= self.max_w8a8_rows:
+            return cpu_ext.linear_w8a8(x, packed[1], scale, bias, fp32_out)
+        return cpu_ext.linear_int8(x, codes, scale, bias, fp32_out)
+
+    def _int4_kernel(self, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+                     fp32_out: bool) -> torch.Tensor | None:
+        if x.dtype != torch.bfloat16:
+            return None
+        if x.shape[0] <= self.max_w4a8_rows:
+            return cpu_ext.linear_w4a8(x, packed, scales, bias, fp32_out)
+        if x.shape[0] <= self.max_int4_rows:
+            return cpu_ext.linear_int4(x, packed, scales, bias, fp32_out)
+        return None
+
+    def lm_head(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
+                packed: torch.Tensor | None = None) -> torch.Tensor:
+        """The kernel that linear / linear_int8 / linear_int4 would choose, keeping its fp32 sums; else the base's
+        fp32 F.linear."""
+        if scale is None:
+            out = self._bf16_kernel(x, weight, None, packed, fp32_out=True) if x.dtype == torch.bfloat16 else None
+        elif quant.is_int4(weight):
+            out = self._int4_kernel(x, weight, scale, None, fp32_out=True)
+        else:
+            out = self._int8_kernel(x, weight, scale, None, fp32_out=True)
+        return super().lm_head(x, weight, scale, packed) if out is None else out
 
     def linear_int4(self, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
                     bias: torch.Tensor | None) -> torch.Tensor:
@@ -141,10 +175,9 @@ class CpuKernelBackend(TorchBackend):
         project() makes the same choice."""
         if x.dtype != torch.bfloat16:
             return super().linear_int4(x, packed, scales, bias)
-        if x.shape[0] <= self.max_w4a8_rows:
-            return cpu_ext.linear_w4a8(x, packed, scales, bias)
-        if x.shape[0] <= self.max_int4_rows:
-            return cpu_ext.linear_int4(x, packed, scales, bias)
+        out = self._int4_kernel(x, packed, scales, bias, fp32_out=False)
+        if out is not None:
+            return out
         k = x.shape[-1]
         return quant.linear_int4(x, packed, scales, bias,
                                  lambda begin, end: cpu_ext.dequantize_int4(packed, scales, k, begin, end))
@@ -177,13 +210,6 @@ class CpuKernelBackend(TorchBackend):
             return cpu_ext.silu_mul(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
-
-    def row_argmax(self, logits: torch.Tensor) -> torch.Tensor:
-        """bf16 logits read in place by the kernel (no fp32 copy of [B, V]); anything else (the fp32 logits of
-        sampled or logprob rows) by torch."""
-        if logits.dtype == torch.bfloat16 and logits.dim() == 2 and logits.stride(1) == 1 and logits.shape[1]:
-            return cpu_ext.row_argmax_bf16(logits)
-        return super().row_argmax(logits)
 
     def decode_attention(self, q: torch.Tensor, k_cache: object, v_cache: object, meta: AttentionMetadata,
                          scale: float) -> torch.Tensor | None:
@@ -247,7 +273,7 @@ class CpuKernelBackend(TorchBackend):
     def kernels(self) -> list[str]:
         """The kernels this backend runs (where the row counts and page formats of a step allow)."""
         on = {"gemv": self.config.max_gemv_rows > 0, "packed_blocks": self.tiled, "onednn_packed": self.onednn,
-              "fused_gate_up": self.fused_gate_up, "lm_head_argmax": self.tiled, "row_argmax": True,
+              "fused_gate_up": self.fused_gate_up, "lm_head_argmax": self.tiled,
               "decode_attention_bf16": self.attends_in_place, "decode_attention_fp8": self.attends_in_place,
               "prompt_attention": self.engine is not None, "linear_int8": self.config.max_int8_rows > self.max_w8a8_rows,
               "linear_w8a8": self.max_w8a8_rows > 0, "linear_w4a8": self.max_w4a8_rows > 0,

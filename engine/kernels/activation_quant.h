@@ -1,5 +1,5 @@
 // Activations quantised to int8 in groups of 32 along K, shared by the W8A8 (int8_linear.cpp) and W4A8
-// (int4_linear.cpp) kernels, and the bf16 rounding both store their results with.
+// (int4_linear.cpp) kernels, and the output rows (bf16 or fp32) both store their results in.
 //
 // Each row of x is quantised in groups of 32: a[m, g] = max |x[m, g's 32]| / 127, q[m, k] = round(x[m, k] /
 // a[m, g]) (nearest even, codes -127..127; a = 1 for a group of zeros), codes past K zero.
@@ -11,6 +11,8 @@
 #include <cstring>
 #include <vector>
 
+#include <torch/extension.h>
+
 namespace cpu_ext {
 
 // Round to nearest even, as torch converts float to bfloat16; NaN stays NaN.
@@ -20,6 +22,28 @@ inline uint16_t to_bf16(float value) {
   std::memcpy(&bits, &value, sizeof(bits));
   return static_cast<uint16_t>((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
 }
+
+// A product's output rows: bf16 (to_bf16's rounding), or fp32 where the caller keeps the sums whole (the LM
+// head's logits: a bf16 rounding there ties close candidates, and the argmax then picks the lower id).
+struct OutRows {
+  void* data;
+  bool fp32;
+
+  void put(int64_t i, float value) const {
+    if (fp32) static_cast<float*>(data)[i] = value;
+    else static_cast<uint16_t*>(data)[i] = to_bf16(value);
+  }
+  OutRows shifted(int64_t i) const {
+    return fp32 ? OutRows{static_cast<float*>(data) + i, true} : OutRows{static_cast<uint16_t*>(data) + i, false};
+  }
+};
+
+// An empty [m, n] output for OutRows: fp32, or x's options (bf16).
+inline torch::Tensor output_rows(const torch::Tensor& x, int64_t m, int64_t n, bool fp32) {
+  return torch::empty({m, n}, fp32 ? x.options().dtype(at::kFloat) : x.options().dtype(at::kBFloat16));
+}
+
+inline OutRows out_rows(torch::Tensor& out) { return OutRows{out.data_ptr(), out.scalar_type() == at::kFloat}; }
 
 constexpr int64_t kActGroup = 32;  // activation codes per scale
 

@@ -9,7 +9,6 @@
 #include <cstdint>
 #include <algorithm>
 #include <cstring>
-#include <limits>
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -145,8 +144,9 @@ void gemv_parallel(const uint16_t* w, const float* x, float* out, int64_t n, int
   at::parallel_for(0, n, 32, [&](int64_t begin, int64_t end) { gemv_rows<R>(w, x, out, n, k, begin, end); });
 }
 
-// x [M, K] bf16, weight [N, K] bf16 (contiguous), bias [N] or empty -> [M, N] bf16, in passes of up to 8 rows.
-torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor weight, torch::Tensor bias) {
+// x [M, K] bf16, weight [N, K] bf16 (contiguous), bias [N] or empty -> [M, N] bf16 (fp32 with fp32_out: the
+// sums kept whole), in passes of up to 8 rows.
+torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor weight, torch::Tensor bias, bool fp32_out) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "linear_bf16: shapes");
   TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.is_contiguous(), "linear_bf16: weight");
   const int64_t m = x.size(0), k = x.size(1), n = weight.size(0);
@@ -168,7 +168,7 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor weight, torch::Tensor b
     }
   }
   if (bias.numel()) out.add_(bias.to(torch::kFloat32));
-  return out.to(torch::kBFloat16);
+  return fp32_out ? out : out.to(torch::kBFloat16);
 }
 
 // ---- Decode attention over paged KV -------------------------------------------------------------------------
@@ -1000,59 +1000,6 @@ void rotary_bf16_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t
   });
 }
 
-// ---- Greedy pick ---------------------------------------------------------------------------------------------
-
-namespace {
-
-// The index torch's max(dim) returns for one row: the first NaN if there is one, else the first maximal element.
-// bf16 widens to fp32 exactly, so this is also the answer for the row converted to fp32.
-int64_t argmax_row(const uint16_t* x, int64_t n) {
-  int64_t i = 0;
-  float best = -std::numeric_limits<float>::infinity();
-#if defined(CPU_EXT_AVX512)
-  __m512 lanes_best = _mm512_set1_ps(best);
-  __mmask16 any_nan = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m512 v = load_bf16x16(x + i);
-    any_nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    lanes_best = _mm512_max_ps(lanes_best, v);
-  }
-  if (any_nan) i = 0;  // the scalar scan below finds the first NaN
-  else best = _mm512_reduce_max_ps(lanes_best);
-#endif
-  for (int64_t j = i; j < n; ++j) {
-    const float v = bf16_to_float(x[j]);
-    if (std::isnan(v)) return j;
-    best = std::max(best, v);
-  }
-  i = 0;
-#if defined(CPU_EXT_AVX512)
-  for (const __m512 target = _mm512_set1_ps(best); i + 16 <= n; i += 16) {
-    const __mmask16 hit = _mm512_cmp_ps_mask(load_bf16x16(x + i), target, _CMP_EQ_OQ);
-    if (hit) return i + __builtin_ctz(hit);
-  }
-#endif
-  for (; i < n; ++i)
-    if (bf16_to_float(x[i]) == best) return i;
-  return 0;  // unreachable for n >= 1: best is one of the row's values
-}
-
-}  // namespace
-
-// x [B, V] bf16 -> [B] int64: x.max(dim=-1).indices, reading the bf16 logits in place (no fp32 copy).
-torch::Tensor row_argmax_bf16(torch::Tensor x) {
-  check_rows(x, "row_argmax_bf16: x");
-  TORCH_CHECK(x.size(1) > 0, "row_argmax_bf16: empty rows");
-  const int64_t rows = x.size(0), n = x.size(1), stride = x.stride(0);
-  torch::Tensor out = torch::empty({rows}, x.options().dtype(at::kLong));
-  const uint16_t* xp = bf16_data(x);
-  int64_t* op = out.data_ptr<int64_t>();
-  for_rows(rows, n, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) op[b] = argmax_row(xp + b * stride, n);
-  });
-  return out;
-}
-
 void bind_decode_stack(pybind11::module& m);  // decode_stack.cpp
 
 // The pybind module holds the decode stack only (a class whose forward takes the step's list of page pairs); the
@@ -1063,8 +1010,9 @@ namespace {
 
 torch::Tensor or_empty(const std::optional<torch::Tensor>& t) { return t ? *t : torch::empty({0}); }
 
-torch::Tensor linear_op(torch::Tensor x, torch::Tensor weight, const std::optional<torch::Tensor>& bias) {
-  return linear_bf16(std::move(x), std::move(weight), or_empty(bias));
+torch::Tensor linear_op(torch::Tensor x, torch::Tensor weight, const std::optional<torch::Tensor>& bias,
+                        bool fp32_out) {
+  return linear_bf16(std::move(x), std::move(weight), or_empty(bias), fp32_out);
 }
 
 std::tuple<torch::Tensor, torch::Tensor> rms_norm_op(torch::Tensor x, const std::optional<torch::Tensor>& residual,
@@ -1084,7 +1032,7 @@ bool vectorized() {
 }  // namespace
 
 TORCH_LIBRARY(phase_serve, m) {
-  m.def("linear_bf16(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("linear_bf16(Tensor x, Tensor weight, Tensor? bias, bool fp32_out=False) -> Tensor");
   m.def("decode_attention_bf16(Tensor q, Tensor k_pages, Tensor v_pages, Tensor block_tables, Tensor context_lens, "
         "float scale) -> Tensor");
   m.def("decode_attention_fp8(Tensor q, Tensor k_raw, Tensor v_raw, int scale_offset, int block_size, int kv_heads, "
@@ -1092,7 +1040,6 @@ TORCH_LIBRARY(phase_serve, m) {
   m.def("rms_norm_bf16(Tensor x, Tensor? residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("silu_mul_bf16(Tensor gate_up) -> Tensor");
   m.def("rotary_bf16_(Tensor(a!) x, Tensor cos, Tensor sin, int heads, int head_dim) -> ()");
-  m.def("row_argmax_bf16(Tensor x) -> Tensor");
   m.def("vectorized() -> bool", &vectorized);
 }
 
@@ -1103,5 +1050,4 @@ TORCH_LIBRARY_IMPL(phase_serve, CPU, m) {
   m.impl("rms_norm_bf16", &rms_norm_op);
   m.impl("silu_mul_bf16", &silu_mul_bf16);
   m.impl("rotary_bf16_", &rotary_bf16_);
-  m.impl("row_argmax_bf16", &row_argmax_bf16);
 }

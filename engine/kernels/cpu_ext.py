@@ -12,7 +12,6 @@ for which product, step or row count is engine/backends/cpu_kernels.py's decisio
   block table (no gather copy, no padding mask); fp8 pages decoded to bf16 in registers.
 - `rms_norm` (+ the residual add), `silu_mul`, `rotary_`: one pass each instead of 3-10 torch ops, rounding to
   bf16 wherever the torch ops store an intermediate.
-- `row_argmax_bf16`: the greedy pick on bf16 logits, first maximal index (NaN first), as torch's max(dim).
 - `tile_pack` / `tiled_linear*`: products on weights packed once into 16x16-pair blocks, on AMX tiles or
   AVX-512 BF16 vectors (`matrix_engines`); `_argmax` and `_silu_mul` reduce the product as it comes out.
 - `prompt_attention`: causal attention of whole fresh prompts on the same engines.
@@ -89,23 +88,25 @@ def _engine_code(engine: str) -> int:
     return names.index(engine)
 
 
-def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] bf16, weight [N, K] bf16 (contiguous), bias [N] -> [M, N] bf16, rounded once from fp32."""
-    return ops().linear_bf16(x, weight, bias)
+def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                fp32_out: bool = False) -> torch.Tensor:
+    """x [M, K] bf16, weight [N, K] bf16 (contiguous), bias [N] -> [M, N] bf16, rounded once from fp32 (the fp32
+    sums themselves with fp32_out, as every product below offers: the LM head's logits)."""
+    return ops().linear_bf16(x, weight, bias, fp32_out)
 
 
 def linear_int8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
+                bias: torch.Tensor | None = None, fp32_out: bool = False) -> torch.Tensor:
     """x [M, K] bf16, codes [N, K] int8 (contiguous), scale [N] fp32, bias [N] -> [M, N] bf16 =
     (x codes^T) * scale + bias, the sums in fp32 and rounded once (engine/model/quant.py's format)."""
-    return ops().linear_int8(x, codes, scale, bias)
+    return ops().linear_int8(x, codes, scale, bias, fp32_out)
 
 
 def linear_w8a8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
+                bias: torch.Tensor | None = None, fp32_out: bool = False) -> torch.Tensor:
     """linear_int8's arguments and result, with each row of x quantised to int8 first (a = max |x| / 127 per row,
     q = round(x / a), nearest even): bf16(float(q codes^T) * (a * scale) + bias), the sums exact in int32."""
-    return ops().linear_w8a8(x, codes, scale, bias)
+    return ops().linear_w8a8(x, codes, scale, bias, fp32_out)
 
 
 @functools.cache
@@ -115,19 +116,19 @@ def w8a8_vnni() -> bool:
 
 
 def linear_w4a8(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
+                bias: torch.Tensor | None = None, fp32_out: bool = False) -> torch.Tensor:
     """x [M, K] bf16, an int4 weight (engine/model/quant.py: packed uint8 [ceil(N / 16), ceil(K / 32), 4, 16, 4],
     scales fp16 [2, ceil(K / 32), N]), bias [N] -> [M, N] bf16, with each row of x quantised to int8 in groups of
     32: bf16(sum_g (a_g s_g float((q - 7.5) x_q) + (z_g + 7.5 s_g) sum_g x) + bias), the groups' sums exact in
     int32 (the weights' middle meets x's own sums)."""
-    return ops().linear_w4a8(x, packed, scales, bias)
+    return ops().linear_w4a8(x, packed, scales, bias, fp32_out)
 
 
 def linear_int4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
+                bias: torch.Tensor | None = None, fp32_out: bool = False) -> torch.Tensor:
     """linear_w4a8's arguments and result, weight-only: the codes widened to fp32 against x in fp32,
     bf16(sum_g (s_g sum_k q x + z_g sum_g x) + bias), every sum in fp32. x may be bf16 or fp32."""
-    return ops().linear_int4(x, packed, scales, bias)
+    return ops().linear_int4(x, packed, scales, bias, fp32_out)
 
 
 @functools.cache
@@ -165,11 +166,6 @@ def decode_attention_fp8(q: torch.Tensor, k_raw: torch.Tensor, v_raw: torch.Tens
                                             block_tables, context_lens, scale)
 
 
-def row_argmax_bf16(x: torch.Tensor) -> torch.Tensor:
-    """x [B, V] bf16, unit stride along V -> [B] int64, x.max(dim=-1).indices, without an fp32 copy of x."""
-    return ops().row_argmax_bf16(x)
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, H] bf16 -> (RMSNorm(s) [T, H], s) with s = residual + x (s = x without a residual), each rounded
@@ -194,9 +190,10 @@ def tile_pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 def tiled_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None,
-                 engine: str = "auto") -> torch.Tensor:
-    """x [M, K] bf16, packed from `tile_pack` -> [M, N] bf16 = x W^T + b, fp32 sums rounded once."""
-    return ops().tiled_linear_bf16(x, packed, bias, _engine_code(engine))
+                 engine: str = "auto", fp32_out: bool = False) -> torch.Tensor:
+    """x [M, K] bf16, packed from `tile_pack` -> [M, N] bf16 = x W^T + b, fp32 sums rounded once (kept with
+    fp32_out)."""
+    return ops().tiled_linear_bf16(x, packed, bias, _engine_code(engine), fp32_out)
 
 
 def tiled_linear_silu_mul(x: torch.Tensor, packed: torch.Tensor, engine: str = "auto") -> torch.Tensor:
@@ -207,8 +204,8 @@ def tiled_linear_silu_mul(x: torch.Tensor, packed: torch.Tensor, engine: str = "
 
 
 def tiled_linear_argmax(x: torch.Tensor, packed: torch.Tensor, engine: str = "auto") -> torch.Tensor:
-    """x [M, K] bf16 (M >= 1), packed from `tile_pack` -> [M] int64 = row_argmax(tiled_linear(x, packed)), without
-    writing the [M, N] product: the greedy pick straight off the LM head."""
+    """x [M, K] bf16 (M >= 1), packed from `tile_pack` -> [M] int64 = the argmax of tiled_linear(x, packed,
+    fp32_out=True) (torch's max), without writing the [M, N] product: the greedy pick straight off the LM head."""
     return ops().tiled_linear_argmax_bf16(x, packed, _engine_code(engine))
 
 

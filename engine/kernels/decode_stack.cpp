@@ -15,25 +15,26 @@
 #include <vector>
 
 // Kernels of cpu_ext.cpp.
-torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor weight, torch::Tensor bias);
+torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor weight, torch::Tensor bias, bool fp32_out = false);
 torch::Tensor decode_attention_bf16(torch::Tensor q, torch::Tensor k_pages, torch::Tensor v_pages,
                                    torch::Tensor block_tables, torch::Tensor context_lens, double scale);
 std::vector<torch::Tensor> rms_norm_bf16(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
 torch::Tensor silu_mul_bf16(torch::Tensor gate_up);
 void rotary_bf16_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t heads, int64_t head_dim);
 // tiled_linear.cpp (engine 0: the fastest here)
-torch::Tensor tiled_linear_bf16(torch::Tensor x, torch::Tensor packed, torch::Tensor bias, int64_t engine);
+torch::Tensor tiled_linear_bf16(torch::Tensor x, torch::Tensor packed, torch::Tensor bias, int64_t engine,
+                                bool fp32_out = false);
 torch::Tensor tiled_linear_silu_mul_bf16(torch::Tensor x, torch::Tensor packed, int64_t engine);
 // int8_linear.cpp
 torch::Tensor linear_int8(torch::Tensor x, torch::Tensor weight, torch::Tensor scale,
-                          const std::optional<torch::Tensor>& bias);
+                          const std::optional<torch::Tensor>& bias, bool fp32_out = false);
 torch::Tensor linear_w8a8(torch::Tensor x, torch::Tensor packed, torch::Tensor scale,
-                          const std::optional<torch::Tensor>& bias);
+                          const std::optional<torch::Tensor>& bias, bool fp32_out = false);
 // int4_linear.cpp
 torch::Tensor linear_w4a8(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
-                          const std::optional<torch::Tensor>& bias);
+                          const std::optional<torch::Tensor>& bias, bool fp32_out = false);
 torch::Tensor linear_int4(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
-                          const std::optional<torch::Tensor>& bias);
+                          const std::optional<torch::Tensor>& bias, bool fp32_out = false);
 torch::Tensor dequantize_int4(torch::Tensor packed, torch::Tensor scales, int64_t k, int64_t begin, int64_t end);
 
 namespace {

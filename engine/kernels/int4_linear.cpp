@@ -47,6 +47,9 @@
 namespace {
 
 using cpu_ext::QuantRows;
+using cpu_ext::OutRows;
+using cpu_ext::out_rows;
+using cpu_ext::output_rows;
 using cpu_ext::to_bf16;
 
 constexpr int64_t kGroup = cpu_ext::kActGroup;  // weight and activation values per scale
@@ -64,18 +67,18 @@ struct Int4Weights {
 
 // Stores channels [n0, n0 + 16) of R rows from their fp32 sums; channels past n are padding.
 template <int R>
-void store(const float (&sums)[R][kChannels], const Int4Weights& w, int64_t first, uint16_t* out, int64_t n0) {
+void store(const float (&sums)[R][kChannels], const Int4Weights& w, int64_t first, OutRows out, int64_t n0) {
   const int64_t count = std::min<int64_t>(kChannels, w.n - n0);
   for (int r = 0; r < R; ++r)
     for (int64_t j = 0; j < count; ++j)
-      out[(first + r) * w.n + n0 + j] = to_bf16(sums[r][j] + (w.bias ? w.bias[n0 + j] : 0.f));
+      out.put((first + r) * w.n + n0 + j, sums[r][j] + (w.bias ? w.bias[n0 + j] : 0.f));
 }
 
 // Blocks [block, block + C) of 16 channels for rows [first, first + R): each 64-byte vector gives two of
 // unsigned codes (low and high nibbles), each added into its own int32 accumulator by vpdpbusd against a
 // broadcast dword of 4 activation codes, so that 2 * C independent chains hide its latency at one row.
 template <int R, int C>
-void w4a8_blocks(const Int4Weights& w, const QuantRows& q, int64_t first, uint16_t* out, int64_t block) {
+void w4a8_blocks(const Int4Weights& w, const QuantRows& q, int64_t first, OutRows out, int64_t block) {
   float sums[C][R][kChannels];
 #if defined(CPU_EXT_INT4_VNNI)
   const __m512i nibble = _mm512_set1_epi8(0x0F);
@@ -145,14 +148,14 @@ void w4a8_blocks(const Int4Weights& w, const QuantRows& q, int64_t first, uint16
 }
 
 template <int R>
-void w4a8_rows(const Int4Weights& w, const QuantRows& q, int64_t first, uint16_t* out, int64_t begin, int64_t end) {
+void w4a8_rows(const Int4Weights& w, const QuantRows& q, int64_t first, OutRows out, int64_t begin, int64_t end) {
   constexpr int C = R == 1 ? 4 : R == 2 ? 2 : 1;
   int64_t block = begin;
   for (; block + C <= end; block += C) w4a8_blocks<R, C>(w, q, first, out, block);
   for (; block < end; ++block) w4a8_blocks<R, 1>(w, q, first, out, block);
 }
 
-void w4a8_pass(int64_t rows, const Int4Weights& w, const QuantRows& q, int64_t first, uint16_t* out, int64_t begin,
+void w4a8_pass(int64_t rows, const Int4Weights& w, const QuantRows& q, int64_t first, OutRows out, int64_t begin,
                int64_t end) {
   switch (rows) {
     case 1: w4a8_rows<1>(w, q, first, out, begin, end); break;
@@ -185,7 +188,7 @@ struct FloatRows {
 // channels (4 bytes a channel), so a 256-bit load is 8 channels' lanes, and shifting each lane by 8 j (+4) and
 // masking gives the codes of k = 4 t + j (+16) for those 8 channels, widened once for the R rows.
 template <int R>
-void int4_block(const Int4Weights& w, const FloatRows& x, int64_t first, uint16_t* out, int64_t block) {
+void int4_block(const Int4Weights& w, const FloatRows& x, int64_t first, OutRows out, int64_t block) {
   float sums[R][kChannels];
   const int64_t n0 = block * kChannels, count = std::min<int64_t>(kChannels, w.n - n0);
 #if defined(CPU_EXT_INT4_AVX2)
@@ -262,16 +265,17 @@ void check_int4(const torch::Tensor& packed, const torch::Tensor& scales, int64_
 
 }  // namespace
 
-// x [M, K] bf16, packed and scales as above, bias [N] (any float dtype) or None -> [M, N] bf16. x is quantised
+// x [M, K] bf16, packed and scales as above, bias [N] (any float dtype) or None -> [M, N] bf16 (fp32 with
+// fp32_out). x is quantised
 // once, before the threads, which claim ranges of 16-channel blocks and run every pass of 8 rows of x over their
 // range, so a range's weights come from memory once and from cache for the later passes.
 torch::Tensor linear_w4a8(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
-                          const std::optional<torch::Tensor>& bias) {
+                          const std::optional<torch::Tensor>& bias, bool fp32_out) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "linear_w4a8: x must be bf16 [M, K]");
   const int64_t m = x.size(0), k = x.size(1);
   check_int4(packed, scales, k, "linear_w4a8");
   const int64_t n = scales.size(2);
-  torch::Tensor out = torch::empty({m, n}, x.options());
+  torch::Tensor out = output_rows(x, m, n, fp32_out);
   if (m == 0 || n == 0) return out;
   torch::Tensor xf = x.to(torch::kFloat32).contiguous();
   const QuantRows q = cpu_ext::quantize_activations(xf.data_ptr<float>(), m, k);
@@ -283,7 +287,7 @@ torch::Tensor linear_w4a8(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   const auto* half = scales.data_ptr<at::Half>();
   const Int4Weights w{packed.data_ptr<uint8_t>(), half, half + q.groups * n, bf.defined() ? bf.data_ptr<float>() : nullptr,
                       n, q.groups};
-  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  const OutRows op = out_rows(out);
   cpu_ext::parallel_claim((n + kChannels - 1) / kChannels, 4, [&](int64_t begin, int64_t end) {
     for (int64_t first = 0; first < m; first += kMaxRows)
       w4a8_pass(std::min<int64_t>(kMaxRows, m - first), w, q, first, op, begin, end);
@@ -291,17 +295,17 @@ torch::Tensor linear_w4a8(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   return out;
 }
 
-// x [M, K] bf16 (or fp32), packed and scales as above, bias [N] or None -> [M, N] bf16 (the weight-only product
+// x [M, K] bf16 (or fp32), packed and scales as above, bias [N] or None -> [M, N] bf16 or (fp32_out) fp32 (the weight-only product
 // above). The threads claim ranges of 16-channel blocks and run every pass of rows over each block in turn, so a
 // block's weights come from memory once.
 torch::Tensor linear_int4(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
-                          const std::optional<torch::Tensor>& bias) {
+                          const std::optional<torch::Tensor>& bias, bool fp32_out) {
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
               "linear_int4: x must be bf16 or fp32 [M, K]");
   const int64_t m = x.size(0), k = x.size(1);
   check_int4(packed, scales, k, "linear_int4");
   const int64_t n = scales.size(2), groups = scales.size(1), kp = groups * kGroup;
-  torch::Tensor out = torch::empty({m, n}, x.options().dtype(at::kBFloat16));
+  torch::Tensor out = output_rows(x, m, n, fp32_out);
   if (m == 0 || n == 0) return out;
   torch::Tensor xf = torch::zeros({m, kp}, x.options().dtype(at::kFloat));
   xf.narrow(1, 0, k).copy_(x);
@@ -315,7 +319,7 @@ torch::Tensor linear_int4(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   const Int4Weights w{packed.data_ptr<uint8_t>(), half, half + groups * n, bf.defined() ? bf.data_ptr<float>() : nullptr,
                       n, groups};
   const FloatRows rows{xf.data_ptr<float>(), totals.data_ptr<float>(), kp, groups};
-  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  const OutRows op = out_rows(out);
   cpu_ext::parallel_claim((n + kChannels - 1) / kChannels, 4, [&](int64_t begin, int64_t end) {
     for (int64_t block = begin; block < end; ++block)
       for (int64_t first = 0; first < m; first += kWeightOnlyRows) {
@@ -375,8 +379,8 @@ bool w4a8_vnni() {
 }
 
 TORCH_LIBRARY_FRAGMENT(phase_serve, m) {
-  m.def("linear_w4a8(Tensor x, Tensor packed, Tensor scales, Tensor? bias) -> Tensor");
-  m.def("linear_int4(Tensor x, Tensor packed, Tensor scales, Tensor? bias) -> Tensor");
+  m.def("linear_w4a8(Tensor x, Tensor packed, Tensor scales, Tensor? bias, bool fp32_out=False) -> Tensor");
+  m.def("linear_int4(Tensor x, Tensor packed, Tensor scales, Tensor? bias, bool fp32_out=False) -> Tensor");
   m.def("dequantize_int4(Tensor packed, Tensor scales, int k, int begin, int end) -> Tensor");
   m.def("w4a8_vnni() -> bool", &w4a8_vnni);
   m.def("int4_vectorized() -> bool", &int4_vectorized);

@@ -35,14 +35,16 @@
 namespace {
 
 using cpu_ext::QuantRows;
-using cpu_ext::to_bf16;
+using cpu_ext::OutRows;
+using cpu_ext::out_rows;
+using cpu_ext::output_rows;
 
 constexpr int kMaxRows = 8;  // rows of x per pass: R accumulator sets stay in registers
 
 // Output channels [begin, end) for R rows of x (fp32 [R, k]). Each weight vector of 16 int8 is widened once and
 // used for all R rows; A independent accumulators per row hide the FMA latency at small R.
 template <int R>
-void int8_rows(const int8_t* w, const float* x, const float* scale, const float* bias, uint16_t* out, int64_t n,
+void int8_rows(const int8_t* w, const float* x, const float* scale, const float* bias, OutRows out, int64_t n,
                int64_t k, int64_t begin, int64_t end) {
   for (int64_t row = begin; row < end; ++row) {
     const int8_t* wr = w + row * k;
@@ -78,11 +80,11 @@ void int8_rows(const int8_t* w, const float* x, const float* scale, const float*
     }
 #endif
     const float b = bias ? bias[row] : 0.f;
-    for (int r = 0; r < R; ++r) out[r * n + row] = to_bf16(total[r] * scale[row] + b);
+    for (int r = 0; r < R; ++r) out.put(r * n + row, total[r] * scale[row] + b);
   }
 }
 
-void int8_pass(int64_t rows, const int8_t* w, const float* x, const float* scale, const float* bias, uint16_t* out,
+void int8_pass(int64_t rows, const int8_t* w, const float* x, const float* scale, const float* bias, OutRows out,
                int64_t n, int64_t k, int64_t begin, int64_t end) {
   switch (rows) {
     case 1: int8_rows<1>(w, x, scale, bias, out, n, k, begin, end); break;
@@ -113,11 +115,11 @@ constexpr int64_t kChannels = 16;  // output channels per packed block (one int3
 // Stores channels [n0, n0 + 16) of R rows from their fp32 sums (before s and bias); channels past n are padding.
 template <int R>
 void w8a8_store(const float (&sums)[R][kChannels], const QuantRows& q, int64_t first, const float* scale,
-                const float* bias, uint16_t* out, int64_t n, int64_t n0) {
+                const float* bias, OutRows out, int64_t n, int64_t n0) {
   const int64_t count = std::min<int64_t>(kChannels, n - n0);
   for (int r = 0; r < R; ++r)
     for (int64_t j = 0; j < count; ++j)
-      out[(first + r) * n + n0 + j] = to_bf16(sums[r][j] * scale[n0 + j] + (bias ? bias[n0 + j] : 0.f));
+      out.put((first + r) * n + n0 + j, sums[r][j] * scale[n0 + j] + (bias ? bias[n0 + j] : 0.f));
 }
 
 // Blocks [begin, end) of 16 channels for rows [first, first + R), C blocks at a time: R * C int32 and fp32
@@ -125,7 +127,7 @@ void w8a8_store(const float (&sums)[R][kChannels], const QuantRows& q, int64_t f
 // once for the R rows.
 template <int R, int C>
 void w8a8_blocks(const uint8_t* packed, const QuantRows& q, int64_t first, const float* scale, const float* bias,
-                 uint16_t* out, int64_t n, int64_t block) {
+                 OutRows out, int64_t n, int64_t block) {
   const int64_t block_bytes = q.kp * kChannels;
   float sums[C][R][kChannels];
 #if defined(CPU_EXT_INT8_VNNI)
@@ -177,7 +179,7 @@ void w8a8_blocks(const uint8_t* packed, const QuantRows& q, int64_t first, const
 
 template <int R>
 void w8a8_rows(const uint8_t* packed, const QuantRows& q, int64_t first, const float* scale, const float* bias,
-               uint16_t* out, int64_t n, int64_t begin, int64_t end) {
+               OutRows out, int64_t n, int64_t begin, int64_t end) {
   constexpr int C = R == 1 ? 4 : R == 2 ? 2 : 1;
   int64_t block = begin;
   for (; block + C <= end; block += C) w8a8_blocks<R, C>(packed, q, first, scale, bias, out, n, block);
@@ -185,7 +187,7 @@ void w8a8_rows(const uint8_t* packed, const QuantRows& q, int64_t first, const f
 }
 
 void w8a8_pass(int64_t rows, const uint8_t* packed, const QuantRows& q, int64_t first, const float* scale,
-               const float* bias, uint16_t* out, int64_t n, int64_t begin, int64_t end) {
+               const float* bias, OutRows out, int64_t n, int64_t begin, int64_t end) {
   switch (rows) {
     case 1: w8a8_rows<1>(packed, q, first, scale, bias, out, n, begin, end); break;
     case 2: w8a8_rows<2>(packed, q, first, scale, bias, out, n, begin, end); break;
@@ -201,17 +203,17 @@ void w8a8_pass(int64_t rows, const uint8_t* packed, const QuantRows& q, int64_t 
 }  // namespace
 
 // x [M, K] bf16, weight [N, K] int8 (contiguous), scale [N] fp32, bias [N] (any float dtype) or None
-// -> [M, N] bf16. Threads claim ranges of output channels (parallel.h); within its range a thread runs every
+// -> [M, N] bf16 (fp32 with fp32_out). Threads claim ranges of output channels (parallel.h); within its range a thread runs every
 // pass of 8 rows of x, so a range's weights come from memory once and from cache for the later passes.
 torch::Tensor linear_int8(torch::Tensor x, torch::Tensor weight, torch::Tensor scale,
-                          const std::optional<torch::Tensor>& bias) {
+                          const std::optional<torch::Tensor>& bias, bool fp32_out) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "linear_int8: shapes");
   TORCH_CHECK(weight.scalar_type() == at::kChar && weight.is_contiguous(), "linear_int8: weight must be int8");
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.dim() == 1 && scale.size(0) == weight.size(0) &&
                   scale.is_contiguous(), "linear_int8: scale must be fp32 [N]");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16, "linear_int8: x must be bf16");
   const int64_t m = x.size(0), k = x.size(1), n = weight.size(0);
-  torch::Tensor out = torch::empty({m, n}, x.options());
+  torch::Tensor out = output_rows(x, m, n, fp32_out);
   if (m == 0 || n == 0) return out;
   torch::Tensor xf = x.to(torch::kFloat32).contiguous();
   torch::Tensor bf;
@@ -223,19 +225,19 @@ torch::Tensor linear_int8(torch::Tensor x, torch::Tensor weight, torch::Tensor s
   const float* xp = xf.data_ptr<float>();
   const float* sp = scale.data_ptr<float>();
   const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
-  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  const OutRows op = out_rows(out);
   cpu_ext::parallel_claim(n, 16, [&](int64_t begin, int64_t end) {
     for (int64_t first = 0; first < m; first += kMaxRows)
-      int8_pass(std::min<int64_t>(kMaxRows, m - first), w, xp + first * k, sp, bp, op + first * n, n, k, begin, end);
+      int8_pass(std::min<int64_t>(kMaxRows, m - first), w, xp + first * k, sp, bp, op.shifted(first * n), n, k, begin, end);
   });
   return out;
 }
 
 // x [M, K] bf16, packed [ceil(N / 16), ceil(K / 32) * 8, 16, 4] uint8 (pack_w8a8 of the int8 weight [N, K]),
-// scale [N] fp32, bias [N] or None -> [M, N] bf16 (W8A8 above). x is quantised once, before the threads, which
+// scale [N] fp32, bias [N] or None -> [M, N] bf16 or (fp32_out) fp32 (W8A8 above). x is quantised once, before the threads, which
 // claim ranges of 16-channel blocks and run every pass of 8 rows of x over their range, as linear_int8's do.
 torch::Tensor linear_w8a8(torch::Tensor x, torch::Tensor packed, torch::Tensor scale,
-                          const std::optional<torch::Tensor>& bias) {
+                          const std::optional<torch::Tensor>& bias, bool fp32_out) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "linear_w8a8: x must be bf16 [M, K]");
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.dim() == 1 && scale.is_contiguous(),
               "linear_w8a8: scale must be fp32 [N]");
@@ -245,7 +247,7 @@ torch::Tensor linear_w8a8(torch::Tensor x, torch::Tensor packed, torch::Tensor s
                   packed.size(0) == blocks && packed.size(1) == groups * kGroup / 4 && packed.size(2) == kChannels &&
                   packed.size(3) == 4,
               "linear_w8a8: packed must be pack_w8a8's uint8 [ceil(N / 16), ceil(K / 32) * 8, 16, 4] for K = ", k);
-  torch::Tensor out = torch::empty({m, n}, x.options());
+  torch::Tensor out = output_rows(x, m, n, fp32_out);
   if (m == 0 || n == 0) return out;
   torch::Tensor xf = x.to(torch::kFloat32).contiguous();
   const QuantRows q = cpu_ext::quantize_activations(xf.data_ptr<float>(), m, k);
@@ -257,7 +259,7 @@ torch::Tensor linear_w8a8(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   const float* sp = scale.data_ptr<float>();
   const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
-  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  const OutRows op = out_rows(out);
   cpu_ext::parallel_claim(blocks, 4, [&](int64_t begin, int64_t end) {
     for (int64_t first = 0; first < m; first += kMaxRows)
       w8a8_pass(std::min<int64_t>(kMaxRows, m - first), pp, q, first, sp, bp, op, n, begin, end);
@@ -275,8 +277,8 @@ bool w8a8_vnni() {
 }
 
 TORCH_LIBRARY_FRAGMENT(phase_serve, m) {
-  m.def("linear_int8(Tensor x, Tensor weight, Tensor scale, Tensor? bias) -> Tensor");
-  m.def("linear_w8a8(Tensor x, Tensor packed, Tensor scale, Tensor? bias) -> Tensor");
+  m.def("linear_int8(Tensor x, Tensor weight, Tensor scale, Tensor? bias, bool fp32_out=False) -> Tensor");
+  m.def("linear_w8a8(Tensor x, Tensor packed, Tensor scale, Tensor? bias, bool fp32_out=False) -> Tensor");
   m.def("w8a8_vnni() -> bool", &w8a8_vnni);
 }
 

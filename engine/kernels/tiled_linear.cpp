@@ -54,7 +54,8 @@ struct Problem {
   const float* bias;     // [N] fp32 or null
   uint16_t* out;         // [M, out_cols] bf16: out_cols = N, or N / 2 for silu(gate) * up
   int64_t m, k, row_tiles, col_blocks, k_blocks, out_cols;
-  bool tiles;            // the engine: AMX tiles, or vectors
+  bool tiles;              // the engine: AMX tiles, or vectors
+  float* out32 = nullptr;  // [M, out_cols] fp32, written instead of `out` (the sums kept whole), or null
 };
 
 // Rounded to bf16 and widened back: the value a bf16 store followed by a bf16 load gives.
@@ -62,12 +63,16 @@ inline __m512 bf16_value(__m512 x) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)), 16));
 }
 
-// One row of a 16x16 fp32 result tile -> 16 bf16 of the output, bias added first.
+// One row of a 16x16 fp32 result tile -> 16 bf16 of the output (or 16 fp32 where out32 is set), bias added first.
 void store_row(const Problem& p, const float* c_row, int64_t row, int64_t col_block) {
   const int64_t col0 = col_block * kTileN;
   const __m512 bias = p.bias ? _mm512_loadu_ps(p.bias + col0) : _mm512_setzero_ps();
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p.out + row * p.out_cols + col0),
-                      (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(c_row), bias)));
+  const __m512 sum = _mm512_add_ps(_mm512_load_ps(c_row), bias);
+  if (p.out32) {
+    _mm512_storeu_ps(p.out32 + row * p.out_cols + col0, sum);
+    return;
+  }
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p.out + row * p.out_cols + col0), (__m256i)_mm512_cvtneps_pbh(sum));
 }
 
 // The next pair's weights, asked into L2 a few lines per k block over all of this pair's row-tile passes, so
@@ -239,6 +244,7 @@ void for_row_slices(const Problem& p, const Fn& fn) {
     Problem s = p;
     s.a += first * kTileRows * p.k;
     if (s.out) s.out += first * kTileRows * p.out_cols;
+    if (s.out32) s.out32 += first * kTileRows * p.out_cols;
     s.m = std::min(p.m - first * kTileRows, slice * kTileRows);
     s.row_tiles = std::min(slice, p.row_tiles - first);
     fn(s, first * kTileRows);
@@ -280,7 +286,7 @@ void run_silu_mul(const Problem& p) {
   });
 }
 
-// Each row's best column so far, by row_argmax_bf16's rule: NaN first, then the larger value, then the lower
+// Each row's best column so far, by torch's max(dim) rule: NaN first, then the larger value, then the lower
 // column (so the result does not depend on which thread saw which columns).
 struct RowBest {
   std::vector<float> value;
@@ -300,11 +306,11 @@ struct RowBest {
   }
 };
 
-// One row of a 16x16 fp32 tile as store_row would write it (bf16), offered to `best`.
+// One row of a 16x16 fp32 tile as store_row would write it with out32 (the fp32 sums), offered to `best`.
 void best_in_row(const Problem& p, const float* c_row, int64_t row, int64_t col_block, RowBest& best) {
   const int64_t col0 = col_block * kTileN;
   const __m512 bias = p.bias ? _mm512_loadu_ps(p.bias + col0) : _mm512_setzero_ps();
-  const __m512 v = bf16_value(_mm512_add_ps(_mm512_load_ps(c_row), bias));
+  const __m512 v = _mm512_add_ps(_mm512_load_ps(c_row), bias);
   const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
   if (nan) {
     best.offer(row, v[__builtin_ctz(nan)], col0 + __builtin_ctz(nan));
@@ -402,17 +408,21 @@ uint16_t* bf16_data(torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.dat
 
 }  // namespace
 
-// x [M, K] bf16, packed from tile_pack_bf16, bias [N] or empty -> [M, N] bf16 = x W^T + b. engine: 0 the fastest
-// here (tiles, then vectors), 1 AMX tiles, 2 AVX-512 BF16 vectors.
-torch::Tensor tiled_linear_bf16(torch::Tensor x, torch::Tensor packed, torch::Tensor bias, int64_t engine) {
+// x [M, K] bf16, packed from tile_pack_bf16, bias [N] or empty -> [M, N] bf16 (fp32 with fp32_out: the sums kept
+// whole) = x W^T + b. engine: 0 the fastest here (tiles, then vectors), 1 AMX tiles, 2 AVX-512 BF16 vectors.
+torch::Tensor tiled_linear_bf16(torch::Tensor x, torch::Tensor packed, torch::Tensor bias, int64_t engine,
+                                bool fp32_out) {
   const int64_t n = packed.dim() == 4 ? packed.size(0) * kTileN : 0;
   TORCH_CHECK(bias.numel() == 0 || bias.numel() == n, "tiled_linear_bf16: bias");
-  if (x.dim() == 2 && x.size(0) == 0) return torch::empty({0, n}, x.options());
+  const auto out_dtype = fp32_out ? at::kFloat : at::kBFloat16;
+  if (x.dim() == 2 && x.size(0) == 0) return torch::empty({0, n}, x.options().dtype(out_dtype));
   const bool tiles = check_operands(x, packed, engine, "tiled_linear_bf16");
-  torch::Tensor out = torch::empty({x.size(0), n}, x.options());
+  torch::Tensor out = torch::empty({x.size(0), n}, x.options().dtype(out_dtype));
 #if defined(CPU_EXT_VECTOR_BF16)
   torch::Tensor bias32 = bias.numel() ? bias.to(torch::kFloat32).contiguous() : bias;
-  const Operands ops(x, packed, bias.numel() ? bias32.data_ptr<float>() : nullptr, bf16_data(out), n, tiles);
+  Operands ops(x, packed, bias.numel() ? bias32.data_ptr<float>() : nullptr, fp32_out ? nullptr : bf16_data(out), n,
+               tiles);
+  if (fp32_out) ops.p.out32 = out.data_ptr<float>();
   run(ops.p);
 #endif
   return out;
@@ -436,7 +446,7 @@ torch::Tensor tiled_linear_silu_mul_bf16(torch::Tensor x, torch::Tensor packed, 
 }
 
 // x [M, K] bf16 (M >= 1), packed from tile_pack_bf16 -> [M] int64: for each row, the first column of the maximum
-// (NaN counting as the maximum) of tiled_linear_bf16(x, packed) as bf16, row_argmax_bf16's answer, without
+// (NaN counting as the maximum) of tiled_linear_bf16(x, packed, fp32_out) (torch's max on those fp32 sums), without
 // writing the [M, N] product: the greedy pick straight off the LM head. engine: as tiled_linear_bf16.
 torch::Tensor tiled_linear_argmax_bf16(torch::Tensor x, torch::Tensor packed, int64_t engine) {
   TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1, "tiled_linear_argmax_bf16: x must have rows");
@@ -454,8 +464,8 @@ torch::Tensor tiled_linear_argmax_bf16(torch::Tensor x, torch::Tensor packed, in
 namespace {
 
 torch::Tensor tiled_linear_op(torch::Tensor x, torch::Tensor packed, const std::optional<torch::Tensor>& bias,
-                              int64_t engine) {
-  return tiled_linear_bf16(std::move(x), std::move(packed), bias ? *bias : torch::empty({0}), engine);
+                              int64_t engine, bool fp32_out) {
+  return tiled_linear_bf16(std::move(x), std::move(packed), bias ? *bias : torch::empty({0}), engine, fp32_out);
 }
 
 }  // namespace
@@ -464,7 +474,7 @@ TORCH_LIBRARY_FRAGMENT(phase_serve, m) {
   m.def("matrix_engines() -> int[]", &cpu_ext::amx::available_engines);  // fastest first: 1 tiles, 2 vectors
   m.def("engine_names() -> str[]", &cpu_ext::amx::engine_names);  // by code: the `engine` arguments below
   m.def("tile_pack_bf16(Tensor weight) -> Tensor");
-  m.def("tiled_linear_bf16(Tensor x, Tensor packed, Tensor? bias, int engine) -> Tensor");
+  m.def("tiled_linear_bf16(Tensor x, Tensor packed, Tensor? bias, int engine, bool fp32_out=False) -> Tensor");
   m.def("tiled_linear_silu_mul_bf16(Tensor x, Tensor packed, int engine) -> Tensor");
   m.def("tiled_linear_argmax_bf16(Tensor x, Tensor packed, int engine) -> Tensor");
 }

@@ -240,22 +240,18 @@ class LlamaModel(nn.Module):
                     self.layer_hook(i)
         return self.norm.add_forward(x, residual, self.backend)[0]
 
-    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
-        """hidden [B, hidden] -> logits [B, vocab], in float32 or (float32=False) in the model's dtype."""
-        scale = self.lm_scale()
-        if scale is not None:
-            logits = quantized_linear(self.backend, hidden, self.lm_weight(), scale, None)
-        else:
-            logits = self.backend.linear(hidden, self.lm_weight(), None, self.lm_packed)
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [B, hidden] -> logits [B, vocab] in float32 (Backend.lm_head), soft-capped where the model is."""
+        logits = self.backend.lm_head(hidden, self.lm_weight(), self.lm_scale(), self.lm_packed)
         cap = self.cfg.final_logit_softcap
-        if cap is not None:  # in the model's dtype, as transformers caps them
+        if cap is not None:
             logits = torch.tanh(logits / cap) * cap
-        return logits.float() if float32 else logits
+        return logits
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """hidden [B, hidden] -> [B] int64: each row's argmax of compute_logits(hidden, float32=False), taken as
-        the LM head's results come out, without the [B, V] logits; None where the backend has no such path, and
-        with capped logits (capping in the model's dtype may tie what the raw logits order)."""
+        """hidden [B, hidden] -> [B] int64: each row's argmax of compute_logits(hidden), taken as the LM head's
+        results come out, without the [B, V] logits; None where the backend has no such path, and with capped
+        logits (tanh may tie what the raw logits order)."""
         if self.cfg.final_logit_softcap is not None:
             return None
         return self.backend.greedy_tokens(self, hidden)

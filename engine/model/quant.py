@@ -166,6 +166,15 @@ def _chunked_linear(x: torch.Tensor, n: int, bias: torch.Tensor | None, dequanti
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
 
+def linear_fp32(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """x W^T [M, N] in fp32 for a float weight, or an int8 (scale [N]) or int4 one (scales [2, G, N]): F.linear in
+    fp32 on at most DEQUANT_CHUNK_ROWS output channels widened or dequantised to fp32 at a time."""
+    x = x.float()
+    if scale is None:
+        return _chunked_linear(x, weight.shape[0], None, lambda begin, end: weight[begin:end].float())
+    return linear_int4(x, weight, scale, None) if is_int4(weight) else linear_int8(x, weight, scale, None)
+
+
 def embed_int8(codes: torch.Tensor, scale: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The embedding rows of `ids` from an int8 table: codes[ids] * scale[ids] in `dtype`."""
     return codes[ids].to(dtype).mul_(scale[ids].unsqueeze(1))

@@ -49,8 +49,8 @@ class LayerPrefixModel(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         return self.target(input_ids, positions, meta, kv_caches, num_layers=self.cfg.num_layers)
 
-    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
-        return self.target.compute_logits(hidden, float32)
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.target.compute_logits(hidden)
 
 
 @dataclass
