@@ -146,3 +146,16 @@ def test_greedy_engine_picks_from_fp32_logits(tiny_model_dir, monkeypatch, kerne
     with_logprobs = fast.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True,
                                                          logprobs=2))
     assert [o.token_ids for o in with_logprobs] == got and set(seen) == {torch.float32}
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
+def test_the_gates_memoised_reference_head_is_the_reference_to_the_bit(fmt):
+    from bench.kernel_accuracy import MemoisedReference
+
+    x, weight = operands(5, n=300, k=96)
+    weight, scale = head(fmt, weight)
+    memoised = MemoisedReference()
+    want = TorchBackend("cpu").lm_head(x, weight, scale)
+    for _ in range(2):  # the second call reads the kept chunks
+        assert torch.equal(memoised.lm_head(x, weight, scale), want)
+    assert memoised.chunks

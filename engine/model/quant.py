@@ -166,13 +166,27 @@ def _chunked_linear(x: torch.Tensor, n: int, bias: torch.Tensor | None, dequanti
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
 
-def linear_fp32(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+def linear_fp32(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
+                rows_fp32=None) -> torch.Tensor:
     """x W^T [M, N] in fp32 for a float weight, or an int8 (scale [N]) or int4 one (scales [2, G, N]): F.linear in
-    fp32 on at most DEQUANT_CHUNK_ROWS output channels widened or dequantised to fp32 at a time."""
+    fp32 on at most DEQUANT_CHUNK_ROWS output channels widened or dequantised to fp32 at a time, each made by
+    `rows_fp32(begin, end)` (default: weight_rows_fp32's)."""
     x = x.float()
+    if rows_fp32 is None:
+        rows_fp32 = weight_rows_fp32(weight, scale, x.shape[-1])
+    n = scale.shape[2] if scale is not None and is_int4(weight) else weight.shape[0]
+    return _chunked_linear(x, n, None, rows_fp32)
+
+
+def weight_rows_fp32(weight: torch.Tensor, scale: torch.Tensor | None, k: int):
+    """(begin, end) -> output channels [begin, end) of a float, int8 or int4 weight of K columns in fp32 (the
+    quantised ones dequantised: exact for int8, one rounding of s * q + z for int4)."""
     if scale is None:
-        return _chunked_linear(x, weight.shape[0], None, lambda begin, end: weight[begin:end].float())
-    return linear_int4(x, weight, scale, None) if is_int4(weight) else linear_int8(x, weight, scale, None)
+        return lambda begin, end: weight[begin:end].float()
+    if is_int4(weight):
+        return lambda begin, end: int4_rows(weight, scale, torch.arange(begin, end, device=weight.device), k,
+                                            torch.float32)
+    return lambda begin, end: dequantize(weight[begin:end], scale[begin:end], torch.float32)
 
 
 def embed_int8(codes: torch.Tensor, scale: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
