@@ -101,3 +101,29 @@ def test_the_backend_is_chosen_from_device_dtype_and_enforce_eager():
         assert not isinstance(eager, CpuKernelBackend) and eager.describe()["kernels"] == []
     plain = CpuKernelBackend(replace(CpuKernelConfig(), fused_elementwise=False, decode_stack=False))
     assert not {"rms_norm", "rotary", "silu_mul", "decode_stack"} & set(plain.describe()["kernels"])
+
+
+def test_every_kernel_path_this_cpu_has_features_for_was_built():
+    """The kernel tests skip where a path was not built (require_kernels, the engine fixtures), so a build that
+    lost a feature this CPU has (a compiler too old for -march=native, a flag dropped) would only show as more
+    skips. Each path's features, read from /proc/cpuinfo, against what the loaded extension reports."""
+    require_kernels()
+    has = set(build._cpuinfo_features())
+    avx512 = {"avx512f", "avx512bw", "avx512vl"} <= has
+    expected = {
+        "vectorized (AVX-512)": avx512,
+        "int4_vectorized (AVX2, FMA, F16C)": {"avx2", "fma", "f16c"} <= has,
+        "w8a8_vnni (AVX-512 VNNI)": avx512 and "avx512vnni" in has,
+        "w4a8_vnni (AVX-512 VNNI)": avx512 and "avx512vnni" in has,
+        "vectors engine (AVX-512 BF16)": {"avx512bf16", "avx512bw"} <= has,
+        "tiles engine (AMX)": {"avx512bf16", "avx512bw", "amx-tile", "amx-bf16"} <= has,
+    }
+    built = {
+        "vectorized (AVX-512)": cpu_ext.vectorized(),
+        "int4_vectorized (AVX2, FMA, F16C)": cpu_ext.int4_vectorized(),
+        "w8a8_vnni (AVX-512 VNNI)": cpu_ext.w8a8_vnni(),
+        "w4a8_vnni (AVX-512 VNNI)": cpu_ext.w4a8_vnni(),
+        "vectors engine (AVX-512 BF16)": "vectors" in cpu_ext.matrix_engines(),
+        "tiles engine (AMX)": "tiles" in cpu_ext.matrix_engines(),
+    }
+    assert built == expected, f"this CPU has {sorted(has)}"

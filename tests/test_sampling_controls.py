@@ -235,7 +235,9 @@ def test_invalid_controls_name_the_field(kwargs, param):
     {"logit_bias": {0: -100, 7: 100}},
 ])
 def test_boundary_controls_accepted(kwargs):
-    SamplingParams(**kwargs)
+    params = SamplingParams(**kwargs)
+    for name, value in kwargs.items():
+        assert getattr(params, name) == (tuple(sorted(value.items())) if name == "logit_bias" else value)
 
 
 def test_logit_bias_is_normalised_and_hashable():

@@ -51,7 +51,8 @@ def test_invalid_values_name_the_param(kwargs, param):
     {"seed": 0},
 ])
 def test_boundary_values_accepted(kwargs):
-    SamplingParams(**kwargs)
+    params = SamplingParams(**kwargs)
+    assert all(getattr(params, name) == value for name, value in kwargs.items())
 
 
 def test_stop_normalised_to_tuple():
