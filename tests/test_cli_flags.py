@@ -1,5 +1,6 @@
 """The command line is generated from the config dataclasses: its defaults are theirs, every --help entry states
-its default, the README's flag tables match --help, and parsed flags build the same configs."""
+its default, docs/flags.md is generated from the parsers and matches --help, and parsed flags build the same
+configs."""
 from __future__ import annotations
 
 import argparse
@@ -19,6 +20,7 @@ import pytest
 import cli
 from engine.args import SamplingOptions, add_engine_args, engine_options, sampling_options
 from engine.config import OFFLINE, SERVING, ConfigError, EngineConfig
+from engine.flag_reference import REQUIRED, markdown
 from engine.flags import add_group, flag_fields, option, options, parse_bytes, shown_default
 from server.args import actor_options, log_settings, quadrant_thresholds, server_settings
 from server.logging import LogSettings
@@ -30,7 +32,7 @@ FLAG_CLASSES = (EngineConfig, SamplingOptions, ServerSettings, LogSettings, Acto
                 cli.GenerateOptions)
 NOT_FLAGS = {EngineConfig: {"seed"}, ServerSettings: {"max_body_bytes", "quadrants"}}  # set in code, not flags
 DOCUMENTED_ELSEWHERE = {"--help"}  # argparse's own
-REQUIRED = "(required)"  # the README's default cell of a required flag
+FLAGS_PAGE = ROOT / "docs" / "flags.md"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,46 +74,40 @@ def help_entries() -> dict[str, list[HelpEntry]]:
     return {command: _entries(_help_text(command, "--help")) for command in COMMANDS}
 
 
-def _readme_rows() -> list[tuple[tuple[str, ...], str]]:
-    """(flags, default) of each row of the README's `| flag | default | meaning |` tables."""
-    rows, in_table = [], False
-    for line in (ROOT / "README.md").read_text().splitlines():
-        if line.startswith("| flag | default |"):
-            in_table = True
-        elif in_table and line.startswith("| `-"):
+def _reference_rows() -> list[tuple[tuple[str, ...], str]]:
+    """(flags, default) of each row of docs/flags.md's `| flag | default | meaning |` tables."""
+    rows = []
+    for line in FLAGS_PAGE.read_text().splitlines():
+        if line.startswith("| `-"):
             flag_cell, default_cell = line.split(" | ")[:2]
-            rows.append((_readme_flags(flag_cell), " ".join(default_cell.replace("`", "").split())))
-        elif not line.startswith("|"):
-            in_table = False
+            rows.append((tuple(re.findall(r"`(--?[\w-]+)`", flag_cell)), default_cell))
     return rows
-
-
-def _readme_flags(cell: str) -> tuple[str, ...]:
-    flags = []
-    for flag in re.findall(r"`(--[\[\]\w-]+)`", cell):
-        flags += [flag.replace("[no-]", ""), flag.replace("[no-]", "no-")] if "[no-]" in flag else [flag]
-    return tuple(flags)
 
 
 def _by_flag(help_entries: dict[str, list[HelpEntry]]) -> dict[str, HelpEntry]:
     return {flag: entry for entries in help_entries.values() for entry in entries for flag in entry.flags}
 
 
-def test_readme_flags_exist_in_help_with_the_same_default(help_entries):
+def test_the_flag_reference_is_current():
+    assert FLAGS_PAGE.read_text() == markdown(cli.build_parser()), \
+        "docs/flags.md is out of date: make docs"
+
+
+def test_reference_flags_exist_in_help_with_the_same_default(help_entries):
     by_flag = _by_flag(help_entries)
-    rows = _readme_rows()
+    rows = _reference_rows()
     assert len(rows) > 40
     for flags, default in rows:
         for flag in flags:
-            assert flag in by_flag, f"README flag {flag} is in no sub-command's --help"
-            assert (by_flag[flag].default or REQUIRED) == default, f"README default of {flag}"
+            assert flag in by_flag, f"docs/flags.md flag {flag} is in no sub-command's --help"
+            assert (by_flag[flag].default or REQUIRED) == default, f"docs/flags.md default of {flag}"
 
 
-def test_every_help_flag_is_in_the_readme(help_entries):
-    documented = {flag for flags, _ in _readme_rows() for flag in flags} | DOCUMENTED_ELSEWHERE
+def test_every_help_flag_is_in_the_reference(help_entries):
+    documented = {flag for flags, _ in _reference_rows() for flag in flags} | DOCUMENTED_ELSEWHERE
     for command, entries in help_entries.items():
         for entry in entries:
-            assert documented & set(entry.flags), f"`{command}` flag {entry.flags} is not in the README's tables"
+            assert documented & set(entry.flags), f"`{command}` flag {entry.flags} is not in docs/flags.md"
 
 
 def test_a_flag_shared_by_sub_commands_has_one_default(help_entries):
