@@ -199,7 +199,7 @@ class EngineCore:
             raise RequestError(f"request id {req.request_id!r} is already in use", "request_id")
 
     def abort_request(self, request_id: str, sample_index: int | None = None) -> list[SequenceUpdate]:
-        self.scheduler.cancel_remote(request_id)
+        self.scheduler.remote.cancel(request_id)
         return self.scheduler.abort(request_id, sample_index)
 
     def abort_all(self) -> list[SequenceUpdate]:
@@ -224,18 +224,18 @@ class EngineCore:
         if req.params.n != 1:
             raise RequestError("disaggregated requests take n=1", "n")
         if checksum is not None and checksum != self._written_checksum(req.request_id):
-            self.scheduler.cancel_remote(req.request_id)
+            self.scheduler.remote.cancel(req.request_id)
             raise RequestError(f"the KV hand-off of {req.request_id!r} failed its checksum", "kv")
         return [self.scheduler.admit_prefilled(self._sequences(req)[0], first_token, logprobs)]
 
     def _written_checksum(self, request_id: str) -> int:
-        return self.kv_cache.checksum(self.scheduler.remote_fresh_blocks(request_id))[1]
+        return self.kv_cache.checksum(self.scheduler.remote.fresh_blocks(request_id))[1]
 
     def cancel_remote_prefill(self, request_id: str) -> bool:
-        return self.scheduler.cancel_remote(request_id)
+        return self.scheduler.remote.cancel(request_id)
 
     def expire_remote_prefills(self, now: float) -> list[str]:
-        return self.scheduler.expire_remote(now)
+        return self.scheduler.remote.expire(now)
 
     def step(self) -> list[SequenceUpdate]:
         sched = self.scheduler.schedule()
