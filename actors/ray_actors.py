@@ -184,7 +184,7 @@ def _search_path() -> dict[str, str]:
 
 
 FORWARDED = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "PHASE_SERVE_LOG_FORMAT", "PHASE_SERVE_LOG_LEVEL",
-             "PHASE_SERVE_KV_OVERLAP", "PHASE_SERVE_SHM_FREE_BYTES")
+             "PHASE_SERVE_SHM_FREE_BYTES")
 
 
 def _actor_environment(spec: ActorSpec) -> dict[str, str]:

@@ -23,13 +23,13 @@ Ray (`--ray`, needs the cluster extra): a Ray cluster on this host's loopback (r
 nodes A and B) and the same random model as the TTFT run, one prefill and one decode Ray actor, one thread
 each, every request disaggregated: the prefill actor on A and the decode actor on B (the pages go over the
 direct KV stream) against both on A (the pages are written in place in shared memory). With the pages sent
-after the prefill (PHASE_SERVE_KV_OVERLAP=none) the TTFT difference is the cross-node transfer, so the bytes
+after the prefill (--kv-stream-overlap none) the TTFT difference is the cross-node transfer, so the bytes
 handed off over it give the hand-off GB/s; the default overlap (chunk) shows what is left of it in the TTFT.
 
 TTFT (`--ttft-tokens`, 0 to skip): a random model with SmolLM2-135M's KV geometry (30 layers, 3 KV heads x 64;
 hidden 192, so the prefill is short), fp32, one prefill actor and one decode worker joined over TCP, one
 thread each: the first token of a fresh prompt, disaggregated with the pages sent after the prefill
-(PHASE_SERVE_KV_OVERLAP=none), after each layer of the last chunk (layer), after each layer of each chunk
+(--kv-stream-overlap none), after each layer of the last chunk (layer), after each layer of each chunk
 (chunk, the default); and colocated on the decode worker.
 """
 from __future__ import annotations
@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> None:
 
 async def _ttft_once(model_dir: str, prompts: list[list[int]], overlap: str | None) -> list[float]:
     """TTFTs (ms) of `prompts`, one at a time, on a prefill actor and a decode worker joined over TCP
-    (overlap: the prefill actor's PHASE_SERVE_KV_OVERLAP), or colocated on the worker (overlap None)."""
+    (overlap: the prefill actor's --kv-stream-overlap), or colocated on the worker (overlap None)."""
     import os
     import sys
 
@@ -277,8 +277,9 @@ async def _ttft_once(model_dir: str, prompts: list[list[int]], overlap: str | No
 
     secret = secrets.token_hex(16)
     env = {**os.environ, "PHASE_SERVE_SECRET": secret}
-    os.environ.update(PHASE_SERVE_SECRET=secret, PHASE_SERVE_KV_OVERLAP=overlap or "chunk")
-    options = dict(dtype="float32", block_size=BLOCK, max_num_batched_tokens=512, num_kv_blocks=8)
+    os.environ.update(PHASE_SERVE_SECRET=secret)
+    options = dict(dtype="float32", block_size=BLOCK, max_num_batched_tokens=512, num_kv_blocks=8,
+                   kv_stream_overlap=overlap or "chunk")
     llm = AsyncLLM(model_dir, prefill_actors=1, disagg="never" if overlap is None else "always",
                    listen_workers="127.0.0.1:0", **options)
     await llm.start()

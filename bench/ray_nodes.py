@@ -37,10 +37,9 @@ async def ttfts(model_dir: str, address: str, prompts: list[list[int]], decode_n
     different nodes."""
     from engine import AsyncLLM, SamplingParams
 
-    os.environ["PHASE_SERVE_KV_OVERLAP"] = overlap  # forwarded to the Ray actors
     options = RayOptions(address, prefill_resources=(("node_a", 1.0),), decode_resources=((decode_node, 1.0),))
     llm = AsyncLLM(model_dir, prefill_actors=1, decode_actors=1, disagg="always", ray=options, dtype="float32",
-                   block_size=BLOCK, max_num_batched_tokens=512, num_kv_blocks=2 * -(-len(prompts[0]) // BLOCK) + 8)
+                   kv_stream_overlap=overlap, block_size=BLOCK, max_num_batched_tokens=512, num_kv_blocks=2 * -(-len(prompts[0]) // BLOCK) + 8)
     await llm.start()
     router, samples = llm._client, []
     try:

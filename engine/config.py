@@ -120,11 +120,13 @@ WeightDtype = Literal["auto", "bfloat16", "int8", "int4"]  # engine/model/quant.
 KvCacheDtype = Literal["auto", "fp8", "fp4"]  # auto = the serving dtype; fp8 / fp4: engine/kv/formats.py
 KvCompressMode = Literal["none", "fp4"]  # adaptive compression of old pages (engine/kv/compress.py)
 SpeculativeMode = Literal["off", "ngram", "draft"]
+KvStreamOverlap = Literal["chunk", "layer", "none"]  # engine/prefill_engine.py
 DTYPES = get_args(Dtype)
 WEIGHT_DTYPES = get_args(WeightDtype)
 KV_CACHE_DTYPES = get_args(KvCacheDtype)
 KV_COMPRESS_MODES = get_args(KvCompressMode)
 SPECULATIVE_MODES = get_args(SpeculativeMode)
+KV_STREAM_OVERLAPS = get_args(KvStreamOverlap)
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -194,6 +196,9 @@ class EngineConfig:
     free_window_kv: bool = option(True, "give back the KV blocks that lie wholly outside the sliding window of "
                                   "every layer that reads them (Gemma 2/3, Mistral); kept off by actors that "
                                   "export their pool and by --kv-compress")
+    kv_stream_overlap: KvStreamOverlap = option("chunk", "a prefill actor streaming pages to another host sends "
+                                                "them after each layer of each chunk (chunk), of the last chunk "
+                                                "only (layer), or after the whole prefill (none)")
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -235,6 +240,9 @@ class EngineConfig:
     def _check_kv_compress(self) -> None:
         if self.kv_compress not in KV_COMPRESS_MODES:
             raise ConfigError(f"kv_compress must be one of {', '.join(KV_COMPRESS_MODES)}, got {self.kv_compress!r}")
+        if self.kv_stream_overlap not in KV_STREAM_OVERLAPS:
+            raise ConfigError(f"kv_stream_overlap must be one of {', '.join(KV_STREAM_OVERLAPS)}, "
+                              f"got {self.kv_stream_overlap!r}")
         if isinstance(self.kv_compress_after, bool) or not isinstance(self.kv_compress_after, int) \
                 or self.kv_compress_after < 0:
             raise ConfigError(f"kv_compress_after must be a whole number of tokens >= 0, "

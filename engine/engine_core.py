@@ -97,8 +97,8 @@ class EngineCore:
         limits = SchedulerLimits(config.max_num_batched_tokens, config.max_num_seqs, config.enable_chunked_prefill)
         eos = self.source.tokenizer.eos_token_ids or model_cfg.eos_token_ids
         self.scheduler = Scheduler(self.pool, limits, tuple(eos), self._compactor(), groups.windows)
-        self.runner = ModelRunner(model, self.kv_cache, device, select_backend(device, self.dtype, config.enforce_eager))
-        self.runner.grammar_compiler = self.grammar_compiler
+        self.runner = ModelRunner(model, self.kv_cache, device, select_backend(device, self.dtype, config.enforce_eager),
+                                  grammar_compiler=self.grammar_compiler)
         if num_cold:
             self.runner.attach_cold_region(ColdRegion(model_cfg, num_cold, num_blocks, config.block_size,
                                                       self.dtype, device))

@@ -9,13 +9,12 @@ A decode actor on another host cannot be mapped: its jobs are *streamed*. The pr
 pool sized to it (the destination's cached prefix is recomputed here, its KV is not on this host), and the
 result carries the pages the destination lacks, per layer, for the actor to send in KVPages messages. With a
 `PageSink` (a direct stream to that host, transport.kv_stream), pages go to it instead, as they become final:
-by default after each layer of each chunk, the blocks that chunk completed (`stream_overlap`), so the
+by default after each layer of each chunk, the blocks that chunk completed (`--kv-stream-overlap`), so the
 transfer runs behind the rest of the prefill.
 """
 from __future__ import annotations
 
 import itertools
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -31,13 +30,6 @@ from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.step import RunnerOutput, SchedulerOutput, build_chunk
 from engine.structured import source_compiler
-
-
-OVERLAP_ENV = "PHASE_SERVE_KV_OVERLAP"
-OVERLAP_MODES = ("chunk", "layer", "none")
-"""When a streamed job's pages go to its sink: after each layer of each chunk, the blocks complete so far
-("chunk", the default); after each layer of the prompt's last chunk ("layer"); or all after the prefill
-("none"). `$PHASE_SERVE_KV_OVERLAP` picks one (bench.kv_transfer compares them)."""
 
 
 class PageSink(Protocol):
@@ -92,15 +84,13 @@ class PrefillEngine:
         self.dtype = resolve_dtype(config.dtype, device)
         self.device = device
         self.runner = ModelRunner(load_model(self.source, self.dtype, device, config.weight_dtype), None, device,
-                                  select_backend(device, self.dtype, config.enforce_eager))
-        self.runner.grammar_compiler = lambda: source_compiler(self.source)
+                                  select_backend(device, self.dtype, config.enforce_eager),
+                                  grammar_compiler=lambda: source_compiler(self.source))
         self.eos_token_ids = frozenset(self.source.tokenizer.eos_token_ids or self.source.config.eos_token_ids)
         self.pools: dict[str, KVCache] = {}
         self.jobs: dict[str, PrefillJob] = {}
         self._seq_ids = itertools.count()
-        self.stream_overlap = os.environ.get(OVERLAP_ENV) or "chunk"
-        if self.stream_overlap not in OVERLAP_MODES:
-            raise ValueError(f"${OVERLAP_ENV} must be one of {', '.join(OVERLAP_MODES)}")
+        self.stream_overlap = config.kv_stream_overlap  # when a streamed job's pages go to its sink
 
     def attach_pool(self, name: str, kv_cache: KVCache) -> None:
         """Compute into `kv_cache`, another engine's pool: in the plain layout only, the one hand-off writes."""

@@ -112,15 +112,17 @@ class ModelRunner:
     """Owns the model, its KV pages and the per-sequence sampler generators."""
 
     def __init__(self, model: LlamaModel, kv_cache: KVCache | None, device: torch.device | str = "cpu",
-                 backend: Backend | None = None) -> None:
-        """`backend`: the hardware operations (engine/backends.select_backend); None = plain torch ops."""
+                 backend: Backend | None = None,
+                 grammar_compiler: Callable[[], GrammarCompiler] | None = None) -> None:
+        """`backend`: the hardware operations (engine/backends.select_backend); None = plain torch ops.
+        `grammar_compiler`: the engine's (built on first use); None refuses constrained requests."""
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
         self.generators: dict[int, torch.Generator] = {}
         # Structured outputs: the grammar compiler (built on first use, from the engine's tokenizer) and one
         # matcher per constrained sequence.
-        self.grammar_compiler: Callable[[], GrammarCompiler] | None = None
+        self.grammar_compiler = grammar_compiler
         self._guides: GuideStates | None = None
         self.cold: ColdRegion | None = None
         if torch.device(device).type == "cpu":

@@ -227,7 +227,8 @@ def test_bad_flags_are_refused_by_the_parser(argv, capsys):
     (dict(dtype="float8"), "dtype must be one of auto, bfloat16, float16, float32, got 'float8'"),
     (dict(kv_cache_dtype="int4"), "kv_cache_dtype must be one of auto, fp8, fp4, got 'int4'"),
     (dict(kv_compress="zip"), "kv_compress must be one of none, fp4, got 'zip'"),
-    (dict(speculative="eagle"), "speculative must be one of off, ngram, draft, got 'eagle'")])
+    (dict(speculative="eagle"), "speculative must be one of off, ngram, draft, got 'eagle'"),
+    (dict(kv_stream_overlap="always"), "kv_stream_overlap must be one of chunk, layer, none, got 'always'")])
 def test_the_configs_still_validate_their_modes(options_, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         EngineConfig(**options_)
