@@ -1,6 +1,7 @@
-"""The OpenAI features agent frameworks send, on the real default model (SmolLM2-135M-Instruct) through
-`serve` and the official openai client: a parsed structured output, a forced tool call whose arguments
-follow the schema, and a tool-result round trip. Replies are printed in the test log."""
+"""The real default model (SmolLM2-135M-Instruct) through `serve` and the official openai client: a greedy
+answer to a plain question, and the OpenAI features agent frameworks send: a parsed structured output, a forced
+tool call whose arguments follow the schema, and a tool-result round trip. Replies are printed in the test
+log."""
 from __future__ import annotations
 
 import json
@@ -30,6 +31,13 @@ def client(tmp_path_factory):
                           "--num-kv-blocks", "256", "--threads", "2")
     yield openai_client(server)
     assert server.stop() == 0, server.log()
+
+
+def test_the_default_model_knows_the_capital_of_france(client):
+    out = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=32,
+                                         messages=[{"role": "user", "content": "What is the capital of France?"}])
+    print(f"\nSmolLM2: {out.choices[0].message.content!r}")
+    assert "Paris" in out.choices[0].message.content
 
 
 def test_parse_returns_a_valid_pydantic_object(client):

@@ -457,21 +457,6 @@ async def test_a_bug_is_a_500_logged_with_the_request_id(tiny_llm, caplog):
     assert "RuntimeError: boom" in caplog.text
 
 
-# ---------------------------------------------------------------------------------------- the real model
-
-@pytest.mark.slow
-def test_default_model_knows_the_capital_of_france(tmp_path):
-    proc = start_server(tmp_path / "server.log", "--max-model-len", "2048", timeout=300)
-    try:
-        client = openai.OpenAI(base_url=proc.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-        model = client.models.list().data[0].id
-        out = client.chat.completions.create(model=model, temperature=0, max_tokens=32,
-                                             messages=[{"role": "user", "content": "What is the capital of France?"}])
-        assert "Paris" in out.choices[0].message.content
-    finally:
-        assert proc.stop() == 0, proc.log()
-
-
 def test_a_busy_port_fails_before_the_model_loads(tiny_model_dir):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
