@@ -10,7 +10,7 @@ from typing import AsyncIterator, Sequence
 
 from actors.ray_options import RayOptions
 from client.in_process import InProcessClient
-from client.prompts import Messages, Prepared, Prompt, chat_prompt, engine_config, prepare
+from client.prompts import Messages, Prepared, Prompt, ToolRequest, chat_prompt, engine_config, prepare
 from engine.client_protocol import EngineClient
 from engine.config import ConfigError, EngineConfig
 from engine.engine_core import EngineCore, EngineRequest, RequestError
@@ -107,10 +107,19 @@ class AsyncLLM:
         async for out in self._stream(prepare(self.tokenizer, prompt), params, request_id, priority, treatment):
             yield out
 
-    async def chat(self, messages: Messages, params: SamplingParams | None = None,
-                   request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        async for out in self._stream(chat_prompt(self.tokenizer, messages), params, request_id, 0):
-            yield out
+    async def chat(self, messages: Messages, params: SamplingParams | None = None, request_id: str | None = None,
+                   *, tools: Sequence[dict] | None = None, tool_choice: str | dict | None = None,
+                   parallel_tool_calls: bool = True, tool_call_parser: str = "auto") -> AsyncIterator[RequestOutput]:
+        """`tools` as LLM.chat takes them: the outputs stream the model's text, and the last one's samples hold
+        the `tool_calls` and `content` read out of it. ToolError (a ValueError naming the field) for bad tools."""
+        if not tools:
+            async for out in self._stream(chat_prompt(self.tokenizer, messages), params, request_id, 0):
+                yield out
+            return
+        request = ToolRequest.for_model(self.source, tools, tool_choice, parallel_tool_calls, tool_call_parser)
+        async for out in self._stream(request.prompt(self.tokenizer, messages),
+                                      request.params(self.tokenizer, params or SamplingParams()), request_id, 0):
+            yield request.read(out) if out.finished else out
 
     async def _stream(self, prep: Prepared, params: SamplingParams | None, request_id: str | None,
                       priority: int, treatment: Treatment = Treatment()) -> AsyncIterator[RequestOutput]:

@@ -12,7 +12,6 @@ from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.step import SequenceUpdate
-from engine.tool_calls import parser_for
 
 
 class LLM:
@@ -44,8 +43,7 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         if not tools:
             return self._run([chat_prompt(self.tokenizer, m) for m in conversations], params)
-        parser = parser_for(tool_call_parser, self.tokenizer.chat_template, self.engine.source.config.architecture)
-        request = ToolRequest.of(tools, tool_choice, parser, parallel_tool_calls)
+        request = ToolRequest.for_model(self.engine.source, tools, tool_choice, parallel_tool_calls, tool_call_parser)
         params_list = [request.params(self.tokenizer, p) for p in _per_prompt(params, len(conversations))]
         outputs = self._run([request.prompt(self.tokenizer, m) for m in conversations], params_list)
         return [request.read(out) for out in outputs]

@@ -6,11 +6,12 @@ from dataclasses import dataclass
 from typing import Any, Sequence, Union
 
 from engine.config import EngineConfig
+from engine.model.loader import ModelSource
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from engine.tool_calls import (Tool, ToolChoice, ToolParser, marks_special_tokens, parse_tool_choice, parse_tools,
-                               template_renders_tools, tool_messages)
+                               parser_for, template_renders_tools, tool_messages)
 
 Prompt = Union[str, list[int]]
 Messages = list[dict[str, Any]]
@@ -52,6 +53,13 @@ class ToolRequest:
         """ToolError (a ValueError naming the field) for malformed tools or a choice naming no tool."""
         parsed = parse_tools(list(tools))
         return cls(parsed, parse_tool_choice(tool_choice, parsed), parser, parallel)
+
+    @classmethod
+    def for_model(cls, source: ModelSource, tools: Sequence[dict[str, Any]], tool_choice: Any, parallel: bool,
+                  tool_call_parser: str) -> ToolRequest:
+        """The embedded clients' `chat(tools=...)` arguments, with the parser named or chosen for `source`."""
+        parser = parser_for(tool_call_parser, source.tokenizer.chat_template, source.config.architecture)
+        return cls.of(tools, tool_choice, parser, parallel)
 
     def prompt(self, tokenizer: Tokenizer, messages: Messages) -> Prepared:
         rendered, extra = tool_messages(messages, self.tools, self.parser,

@@ -20,7 +20,8 @@ class CompletionOutput:
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
     delta_logprobs: list[TokenLogprobs] = field(default_factory=list)
-    # LLM.chat with tools: the calls read out of `text` (None: no tools offered), and the text before them.
+    # chat with tools (LLM, or AsyncLLM's last output): the calls read out of `text` (None: no tools offered),
+    # and the text before them.
     tool_calls: list[ToolCall] | None = None
     content: str | None = None
 

@@ -230,3 +230,33 @@ def test_llm_chat_with_a_named_tool_returns_parsed_calls(tiny_model_dir):
     with pytest.raises(ToolError):
         llm.chat([{"role": "user", "content": "Hi"}], tools=[WEATHER],
                  tool_choice={"type": "function", "function": {"name": "nope"}})
+
+
+@pytest.mark.engine
+def test_async_llm_chat_with_a_named_tool_ends_with_parsed_calls(tiny_model_dir):
+    """The stream carries the model's text; its last output holds the calls LLM.chat would return."""
+    import asyncio
+
+    from engine import LLM, AsyncLLM, SamplingParams
+
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    params = SamplingParams(max_tokens=200, temperature=1.0, seed=5)
+    ask = [{"role": "user", "content": "Weather in Oslo?"}]
+
+    async def stream() -> list:
+        llm = AsyncLLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=128, block_size=8)
+        try:
+            return [out async for out in llm.chat(ask, params, tools=[WEATHER, ADD], tool_choice=named)]
+        finally:
+            await llm.aclose()
+
+    outs = asyncio.run(stream())
+    last = outs[-1].outputs[0]
+    assert outs[-1].finished and last.finish_reason == "stop"
+    assert [c.name for c in last.tool_calls] == ["get_weather"]
+    check_weather_args(last.tool_calls[0].arguments)
+    assert all(o.outputs[0].tool_calls is None for o in outs[:-1])  # read once, from the whole text
+    assert "".join(o.outputs[0].delta_text for o in outs) == last.text
+    blocking = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=128, block_size=8)
+    same = blocking.chat(ask, params, tools=[WEATHER, ADD], tool_choice=named)[0].outputs[0]
+    assert same.text == last.text and [c.arguments for c in same.tool_calls] == [c.arguments for c in last.tool_calls]
