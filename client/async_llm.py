@@ -45,7 +45,7 @@ class AsyncLLM:
     that pile up before the consumer reads them are merged into one, whatever the interval. `trace_tokens`:
     each output's `trace` holds when its tokens left the step, were sent, received and detokenised.
     `capacity_timeout`: with actors, how long a request waits for a decode actor to come (back) up before it
-    fails with router.failover.NoCapacityError. `max_migrations`: how many times one stream may be resumed on
+    fails with engine.client_protocol.NoCapacityError. `max_migrations`: how many times one stream may be resumed on
     another decode actor before it fails. `ray`: place the actors on a Ray cluster (actors.ray_options).
     """
 

@@ -1,7 +1,8 @@
 """EngineClient: what `AsyncLLM` drives, whether the engine runs in this process (client.in_process) or in
 actor subprocesses behind the router (router.router.ActorRouter).
 
-The engine layer declares the interface and the layers above implement it, so nothing here imports them.
+The engine layer declares the interface and the errors a client may raise, and the layers above implement
+it, so nothing here imports them.
 """
 from __future__ import annotations
 
@@ -11,6 +12,14 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     from engine.engine_core import EngineRequest
     from engine.stats import EngineStats
+
+
+class RequestFailedError(RuntimeError):
+    """The request could not be completed (after retries, or after its stream could not be moved)."""
+
+
+class NoCapacityError(RequestFailedError):
+    """No decode actor came (back) up in time: worth retrying later (the server's 503 with Retry-After)."""
 
 
 class RequestPlacement(Protocol):

@@ -17,6 +17,7 @@ from typing import Callable
 
 from actors.spec import Role
 from actors.supervisor import ActorHandle, Supervisor
+from engine.client_protocol import NoCapacityError, RequestFailedError
 from router.handoff import HANDOFF_PHASES, Handoff, Phase, Routed
 from transport import messages as m
 
@@ -24,19 +25,11 @@ log = logging.getLogger("router")
 WATCH_SECONDS = 0.25
 
 
-class RequestFailedError(RuntimeError):
-    """The request could not be completed (after retries, or after its stream could not be moved)."""
-
-
 @dataclass
 class MigrationCounters:
     migrations: int = 0  # streams resumed on another decode actor
     migrated_tokens: int = 0  # tokens those streams had already emitted (recomputed, not re-sent)
     failed_migrations: int = 0  # streams that could not be moved (too many moves, or no decode actor in time)
-
-
-class NoCapacityError(RequestFailedError):
-    """No decode actor came (back) up within `park_timeout`: worth retrying later (the server's 503)."""
 
 
 class Failover:

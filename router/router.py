@@ -21,7 +21,7 @@ from actors.supervisor import ActorHandle, ActorState, Supervisor, SupervisorSet
 from engine.engine_core import EngineRequest
 from engine.stats import EngineStats
 from engine.step import SequenceUpdate
-from router.failover import Failover, RequestFailedError
+from router.failover import Failover
 from router.handoff import Handoff, Phase, Routed, attachable, export_for
 from router.placement import DISAGGREGATED, Placement, PlacementPolicy
 from router.placer import Placer
@@ -30,7 +30,7 @@ from transport import messages as m
 log = logging.getLogger("router")
 LEAVING_SETTLE_SECONDS = 0.5  # after an actor's Leaving, how long to wait for the server's own stop signal
 
-__all__ = ["ActorRouter", "RequestFailedError", "RouterSettings"]
+__all__ = ["ActorRouter", "RouterSettings"]
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,8 @@ from actors.spec import ActorSpec
 from actors.supervisor import ActorHandle
 from engine.engine_core import EngineRequest
 from engine.sampling_params import SamplingParams
-from router.failover import Failover, RequestFailedError
+from engine.client_protocol import RequestFailedError
+from router.failover import Failover
 from router.handoff import TRANSITIONS, Handoff, IllegalTransition, Phase, Routed
 from router.placement import DISAGGREGATED, Placement
 from transport import messages as m
