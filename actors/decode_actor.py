@@ -237,7 +237,7 @@ class DecodeActor(Actor):
             conn = self.owners.get(update.request_id)
             if conn is not None:
                 by_owner.setdefault(id(conn), (conn, []))[1].append(update_to_wire(update))
-            if update.finish_reason is not None and update.request_id not in self.engine.scheduler.by_request:
+            if update.request_finished:  # as the step saw it: the engine may be steps further on by now
                 done.add(update.request_id)  # every sample has finished: forgotten once this step's rows are out
         for request_id in done:
             self.owners.pop(request_id, None)

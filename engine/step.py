@@ -115,6 +115,9 @@ class SequenceUpdate:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     spec: SpecCounts | None = None  # on the update that finishes a speculating sequence: its drafts in total
+    # On the update that finishes the request's last unfinished sample, as the step saw it: whoever delivers
+    # the step's rows later (another thread) must not read the engine's state, which later steps have moved on.
+    request_finished: bool = False
 
 
 def build_chunk(seq_id: int, token_ids: Sequence[int], start: int, num_new: int, block_table: Sequence[int],

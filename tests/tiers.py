@@ -78,6 +78,7 @@ MODULE_TIERS: Mapping[str, Tier] = {
     "test_sampler.py": U,
     "test_sampling_controls.py": U,
     "test_sampling_controls_api.py": P,
+    "test_scheduler_updates.py": U,
     "test_structured_outputs.py": E,
     "test_structured_outputs_api.py": P,
     "test_sampling_controls_engine.py": E,

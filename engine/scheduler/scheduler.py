@@ -55,7 +55,7 @@ class Scheduler:
         for seq in list(self.by_request.get(request_id, [])):
             if not seq.is_finished and sample_index in (None, seq.sample_index):
                 self._finish(seq, FinishReason.ABORT)
-                updates.append(_update(seq, None))
+                updates.append(self._update(seq, None))
         return updates
 
     def has_unfinished(self) -> bool:
@@ -173,7 +173,7 @@ class Scheduler:
         reason = self._finish_reason(seq, token)
         if reason:
             self._finish(seq, reason)
-        return _update(seq, token, logprobs)
+        return self._update(seq, token, logprobs)
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         if token in seq.params.stop_token_ids or token in eos_for(seq.params, self.eos_token_ids):
@@ -186,14 +186,15 @@ class Scheduler:
         self.blocks.release(seq)
         self.queues.finish(seq, reason)
 
+    def _update(self, seq: Sequence, token: int | None, logprobs: TokenLogprobs | None = None) -> SequenceUpdate:
+        spec = seq.spec_counts if seq.is_finished and seq.spec is not None else None
+        reason = None if seq.finish_reason is None else seq.finish_reason.value
+        return SequenceUpdate(seq.request_id, seq.sample_index, token, reason, logprobs, seq.num_prompt_tokens,
+                              seq.num_cached_tokens, spec,
+                              request_finished=seq.is_finished and seq.request_id not in self.by_request)
+
 
 def _num_accepted(chunk: ScheduledChunk, result: RunnerOutput) -> int:
     tokens = result.verified_token_ids.get(chunk.seq_id)
     return 0 if tokens is None else len(tokens) - 1
 
-
-def _update(seq: Sequence, token: int | None, logprobs: TokenLogprobs | None = None) -> SequenceUpdate:
-    spec = seq.spec_counts if seq.is_finished and seq.spec is not None else None
-    reason = None if seq.finish_reason is None else seq.finish_reason.value
-    return SequenceUpdate(seq.request_id, seq.sample_index, token, reason, logprobs,
-                          seq.num_prompt_tokens, seq.num_cached_tokens, spec)
