@@ -184,8 +184,14 @@ def test_w4a8_matches_the_reference_arithmetic(rows, n, k, with_bias):
     x, packed, scales, bias = product_case(rows, n, k, with_bias)
     got = cpu_ext.linear_w4a8(x, packed, scales, bias)
     ref = reference_w4a8(x, packed, scales, bias)
-    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
-    scale = ref.abs() + (x.double().abs() @ dequantised(packed, scales, k).abs().T) * 2 ** -20
+    assert_rounded_once(got, ref, x, dequantised(packed, scales, k), (rows, n), sum_error=2 ** -20)
+
+
+def assert_rounded_once(got, ref, x, weights, shape, sum_error: float) -> None:
+    """got (bf16 `shape`) within one bf16 rounding of the float64 `ref`, plus `sum_error` of sum |x w| for the
+    kernel's own sums, and equal to ref rounded but near rounding boundaries."""
+    assert got.dtype == torch.bfloat16 and got.shape == shape
+    scale = ref.abs() + (x.double().abs() @ weights.abs().T) * sum_error
     assert ((got.double() - ref).abs() <= scale * 2 ** -8).all()
     assert (got == ref.to(torch.bfloat16)).double().mean() >= 0.98
 
@@ -230,10 +236,7 @@ def test_weight_only_int4_is_the_exact_product_rounded_once(rows, n, k, with_bia
     got = cpu_ext.linear_int4(x, packed, scales, bias)
     weights = dequantised(packed, scales, k)
     ref = x.double() @ weights.T + (0 if bias is None else bias.double())
-    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
-    scale = ref.abs() + (x.double().abs() @ weights.abs().T) * 2 ** -7  # fp32 sums: ~sqrt(K) 2^-24 of sum |x w|
-    assert ((got.double() - ref).abs() <= scale * 2 ** -8).all()
-    assert (got == ref.to(torch.bfloat16)).double().mean() >= 0.98
+    assert_rounded_once(got, ref, x, weights, (rows, n), sum_error=2 ** -7)  # fp32 sums: ~sqrt(K) 2^-24 of sum |x w|
 
 
 def test_weight_only_int4_rows_are_independent_and_fp32_rows_are_taken():
