@@ -46,4 +46,4 @@ clean:
 
 # docs/flags.md, generated from the CLI's parsers (tests/test_cli_flags.py checks that it is current).
 docs: $(STAMP)
-	$(PY) -c 'import cli; from engine.flag_reference import markdown; print(markdown(cli.build_parser()), end="")' > docs/flags.md
+	$(PY) -c 'import cli; from commands.flag_reference import markdown; print(markdown(cli.build_parser()), end="")' > docs/flags.md

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from engine.args import add_engine_args, add_sampling_args, engine_options, sampling_options
+from commands.args import add_engine_args, add_sampling_args, engine_options, sampling_options
 from engine.flags import ConfigFileError, HelpFormatter, add_group, config_file_argv, option, options
 
 PACKAGE = "phase-serve"
@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parse_args(parser, argv)
     if args.command == "completion":
-        from engine.completion import completion_script
+        from commands.completion import completion_script
 
         sys.stdout.write(completion_script(parser, args.shell))
         return 0
@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(stream=sys.stderr, level=logging.WARNING)
     from engine.config import ConfigError
     from engine.model.errors import ModelLoadError
-    from engine.sampling_params import SamplingParamsError
+    from engine.sampling.sampling_params import SamplingParamsError
 
     runners = {"generate": run_generate, "chat": run_chat}
     try:

@@ -16,8 +16,8 @@ from typing import Any, Callable
 
 from actors.spec import ActorSpec, Role, node_identity
 from actors.startup import Startup
-from engine.engine_thread import EngineThread, build_off_thread
-from engine.stats import EngineStats
+from engine.core.engine_thread import EngineThread, build_off_thread
+from engine.core.stats import EngineStats
 from transport import Connection, TransportError, connect_tcp, serve_unix
 from transport import messages as m
 

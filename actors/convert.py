@@ -3,10 +3,10 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from engine.sampler import TokenLogprobs
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampler import TokenLogprobs
+from engine.sampling.sampling_params import SamplingParams
 from engine.speculative.adaptive import SpecCounts
-from engine.step import SequenceUpdate
+from engine.core.step import SequenceUpdate
 from transport import messages as m
 
 

@@ -16,10 +16,10 @@ from actors.convert import logprobs_from_wire, params_from_wire, resume_from_wir
 from engine.kv.export import SharedPool, create_shared_pool
 from actors.remote_proposer import RemoteProposer
 from actors.spec import ActorSpec
-from engine.calibration import Calibration, calibrate_engine, log_calibration, warm_up
+from engine.core.calibration import Calibration, calibrate_engine, log_calibration, warm_up
 from engine.config import EngineConfig
-from engine.engine_core import EngineCore, EngineRequest, RequestError
-from engine.stats import EngineStats
+from engine.core.engine_core import EngineCore, EngineRequest, RequestError
+from engine.core.stats import EngineStats
 from transport import Connection
 from transport import messages as m
 from transport.kv_stream import KVStreamServer

@@ -24,11 +24,11 @@ from actors.actor import Actor, integrity_error, send_quietly
 from engine.config import MAX_SPECULATIVE_TOKENS, EngineConfig
 from engine.kv.cache import choose_num_blocks
 from engine.model.loader import resolve_dtype, resolve_model
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampling_params import SamplingParams
 from engine.speculative.build import draft_net, draft_spare_blocks
 from engine.speculative.draft_model import DraftModelProposer
 from engine.speculative.proposer import DraftRequest, Proposal
-from engine.stats import EngineStats
+from engine.core.stats import EngineStats
 from transport import Connection
 from transport import messages as m
 

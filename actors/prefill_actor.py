@@ -12,11 +12,11 @@ from typing import Callable
 from actors.actor import RESERVATION_SWEEP_SECONDS, Actor, to_monotonic
 from actors.convert import logprobs_to_wire, params_from_wire
 from engine.kv.export import open_shared_pool
-from engine.calibration import Calibration, calibrate_prefill_engine, log_calibration
+from engine.core.calibration import Calibration, calibrate_prefill_engine, log_calibration
 from engine.config import EngineConfig
 from engine.kv.cache import KVCache
-from engine.prefill_engine import PrefillEngine, PrefillJob, PrefillResult
-from engine.stats import EngineStats
+from engine.core.prefill_engine import PrefillEngine, PrefillJob, PrefillResult
+from engine.core.stats import EngineStats
 from transport import Connection, load_secret
 from transport import messages as m
 from transport.kv_stream import KVStreamSender

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 from engine.kv.export import reclaim_stale_pools
 from actors.ray_options import RayOptions
 from actors.spec import ROLES, ActorSpec, Role, socket_name
-from engine.stats import EngineStats
+from engine.core.stats import EngineStats
 from transport import Connection, TransportError, connect_unix, private_socket_dir, serve_tcp
 from transport.owned import owned_prefix, reclaim
 from transport import messages as m

@@ -21,7 +21,7 @@ from dataclasses import replace
 
 import torch
 
-from engine.attention import AttentionMetadata
+from engine.backends.attention import AttentionMetadata
 from engine.backends import CpuKernelBackend, CpuKernelConfig
 from engine.kv.cache import KVCache
 from engine.model.loader import load_model, resolve_model

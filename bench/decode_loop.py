@@ -30,7 +30,7 @@ def run(batch: int, input_len: int, seconds: float, threads: int) -> None:
     import torch
 
     from engine import LLM, SamplingParams
-    from engine.engine_core import EngineRequest
+    from engine.core.engine_core import EngineRequest
 
     torch.set_num_threads(threads)
     llm = LLM(max_num_seqs=batch, num_threads=threads)

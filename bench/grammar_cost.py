@@ -25,9 +25,9 @@ import argparse
 import statistics
 import time
 
-import engine.sampler as sampler
+import engine.sampling.sampler as sampler
 from engine import LLM, SamplingParams
-from engine.structured import Guide, GuideStates, source_compiler
+from engine.sampling.structured import Guide, GuideStates, source_compiler
 
 PROMPTS = ["Describe a person as JSON: ", "List three cities and why they matter: ", "Write a short story: ",
            "Give a recipe: "]

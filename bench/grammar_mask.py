@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 
 from engine.model.loader import resolve_model
-from engine.structured import token_bytes
+from engine.sampling.structured import token_bytes
 
 SCHEMA = {
     "type": "object",

@@ -34,7 +34,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenM
 import torch  # noqa: E402
 
 from bench.kv_accuracy import Scores, corpus_windows  # noqa: E402
-from engine.attention import AttentionMetadata  # noqa: E402
+from engine.backends.attention import AttentionMetadata  # noqa: E402
 from engine.backends.base import Backend  # noqa: E402
 from engine.backends.cpu_config import CpuKernelConfig  # noqa: E402
 from engine.backends.cpu_kernels import CpuKernelBackend  # noqa: E402

@@ -42,8 +42,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenM
 import torch  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
-from engine.attention import AttentionMetadata  # noqa: E402
-from engine.engine_core import EngineCore, EngineRequest  # noqa: E402
+from engine.backends.attention import AttentionMetadata  # noqa: E402
+from engine.core.engine_core import EngineCore, EngineRequest  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.kv.cache import KVCache, bytes_per_block, choose_num_blocks  # noqa: E402
 from engine.kv.compress import COLD_FORMAT, ColdRegion, split_kv_budget  # noqa: E402

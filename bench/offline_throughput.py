@@ -37,13 +37,13 @@ import torch
 
 from bench.provenance import provenance
 from engine import LLM, EngineConfig, ModelConfig, SamplingParams
-from engine.engine_core import EngineRequest
+from engine.core.engine_core import EngineRequest
 from engine.backends import CpuKernelBackend
 from engine.config import OFFLINE_MAX_NUM_BATCHED_TOKENS
 from engine.kv.cache import bytes_per_block
 from engine.model.loader import resolve_model
-from engine.output_processor import OutputProcessor
-from engine.tokenizer import Tokenizer
+from engine.core.output_processor import OutputProcessor
+from engine.model.tokenizer import Tokenizer
 
 # Prompt material: plain English, rotated per prompt. Written for this benchmark.
 TEXT = """\

@@ -24,7 +24,7 @@ HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64  # SmolLM2-135M
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: int, scale: float) -> torch.Tensor:
-    """What engine/attention.py runs without the kernel: one batched causal SDPA call."""
+    """What engine/backends/attention.py runs without the kernel: one batched causal SDPA call."""
     rows, heads, head_dim = q.shape
     qh, kh, vh = (x.view(count, rows // count, -1, head_dim).transpose(1, 2) for x in (q, k, v))
     out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)

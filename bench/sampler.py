@@ -25,8 +25,8 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.sampler import History, SamplingBatch, sample
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampler import History, SamplingBatch, sample
+from engine.sampling.sampling_params import SamplingParams
 
 PLAIN = dict(temperature=0.8, top_p=0.95)
 GREEDY = dict(temperature=0.0)

@@ -29,7 +29,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenM
 import torch  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
-from engine.stats import EngineStats  # noqa: E402
+from engine.core.stats import EngineStats  # noqa: E402
 
 CODE = [
     '''def merge_intervals(intervals):

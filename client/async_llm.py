@@ -11,18 +11,18 @@ from typing import AsyncIterator, Sequence
 from actors.ray_options import RayOptions
 from client.in_process import InProcessClient
 from client.prompts import Messages, Prepared, Prompt, ToolRequest, chat_prompt, engine_config, prepare
-from engine.client_protocol import EngineClient
+from engine.core.client_protocol import EngineClient
 from engine.config import ConfigError, EngineConfig
-from engine.engine_core import EngineCore, EngineRequest, RequestError
-from engine.engine_thread import build_off_thread
+from engine.core.engine_core import EngineCore, EngineRequest, RequestError
+from engine.core.engine_thread import build_off_thread
 from engine.model.loader import check_model, resolve_dtype, resolve_model
-from engine.output_processor import OutputProcessor
-from engine.stream_interval import StreamInterval
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
-from engine.step import SequenceUpdate
-from engine.stats import EngineStats
-from engine.treatment import Treatment
+from engine.core.output_processor import OutputProcessor
+from engine.core.stream_interval import StreamInterval
+from engine.core.outputs import RequestOutput
+from engine.sampling.sampling_params import SamplingParams
+from engine.core.step import SequenceUpdate
+from engine.core.stats import EngineStats
+from engine.core.treatment import Treatment
 from router.layout import ActorLayout, actor_specs
 from router.placement import PlacementMode, PlacementPolicy
 from router.router import ActorRouter, RouterSettings
@@ -45,8 +45,8 @@ class AsyncLLM:
     that pile up before the consumer reads them are merged into one, whatever the interval. `trace_tokens`:
     each output's `trace` holds when its tokens left the step, were sent, received and detokenised.
     `capacity_timeout`: with actors, how long a request waits for a decode actor to come (back) up before it
-    fails with engine.client_protocol.NoCapacityError. `max_migrations`: how many times one stream may be resumed on
-    another decode actor before it fails. `ray`: place the actors on a Ray cluster (actors.ray_options).
+    fails with engine.core.client_protocol.NoCapacityError. `max_migrations`: how many times one stream may
+    be resumed on another decode actor before it fails. `ray`: place the actors on a Ray cluster (actors.ray_options).
     """
 
     def __init__(self, model: str | None = None, dtype: str | None = None, *, decode_actors: int = 0,

@@ -4,9 +4,9 @@ from __future__ import annotations
 import asyncio
 import time
 
-from engine.engine_core import EngineCore, EngineRequest
-from engine.engine_thread import EngineThread
-from engine.stats import EngineStats
+from engine.core.engine_core import EngineCore, EngineRequest
+from engine.core.engine_thread import EngineThread
+from engine.core.stats import EngineStats
 
 
 class InProcessClient:

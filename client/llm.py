@@ -7,11 +7,11 @@ from typing import Sequence
 
 from client.prompts import Messages, Prepared, Prompt, ToolRequest, chat_prompt, engine_config, prepare
 from engine.config import OFFLINE_MAX_NUM_BATCHED_TOKENS
-from engine.engine_core import EngineCore, EngineRequest
-from engine.output_processor import OutputProcessor
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
-from engine.step import SequenceUpdate
+from engine.core.engine_core import EngineCore, EngineRequest
+from engine.core.output_processor import OutputProcessor
+from engine.core.outputs import RequestOutput
+from engine.sampling.sampling_params import SamplingParams
+from engine.core.step import SequenceUpdate
 
 
 class LLM:

@@ -7,9 +7,9 @@ from typing import Any, Sequence, Union
 
 from engine.config import EngineConfig
 from engine.model.loader import ModelSource
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer
+from engine.core.outputs import RequestOutput
+from engine.sampling.sampling_params import SamplingParams
+from engine.model.tokenizer import Tokenizer
 from engine.tool_calls import (Tool, ToolChoice, ToolParser, marks_special_tokens, parse_tool_choice, parse_tools,
                                parser_for, template_renders_tools, tool_messages)
 

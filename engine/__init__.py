@@ -7,9 +7,9 @@ its modules never imports the `client` package (a layer above the engine and the
 """
 from importlib import import_module
 
-_HOMES = {"LLM": "client.llm", "AsyncLLM": "client.async_llm", "SamplingParams": "engine.sampling_params",
-          "EngineConfig": "engine.config", "ModelConfig": "engine.config", "RequestOutput": "engine.outputs",
-          "CompletionOutput": "engine.outputs", "Treatment": "engine.treatment"}
+_HOMES = {"LLM": "client.llm", "AsyncLLM": "client.async_llm", "SamplingParams": "engine.sampling.sampling_params",
+          "EngineConfig": "engine.config", "ModelConfig": "engine.config", "RequestOutput": "engine.core.outputs",
+          "CompletionOutput": "engine.core.outputs", "Treatment": "engine.core.treatment"}
 
 __all__ = list(_HOMES)
 

@@ -120,7 +120,7 @@ WeightDtype = Literal["auto", "bfloat16", "int8", "int4"]  # engine/model/quant.
 KvCacheDtype = Literal["auto", "fp8", "fp4"]  # auto = the serving dtype; fp8 / fp4: engine/kv/formats.py
 KvCompressMode = Literal["none", "fp4"]  # adaptive compression of old pages (engine/kv/compress.py)
 SpeculativeMode = Literal["off", "ngram", "draft"]
-KvStreamOverlap = Literal["chunk", "layer", "none"]  # engine/prefill_engine.py
+KvStreamOverlap = Literal["chunk", "layer", "none"]  # engine/core/prefill_engine.py
 DTYPES = get_args(Dtype)
 WEIGHT_DTYPES = get_args(WeightDtype)
 KV_CACHE_DTYPES = get_args(KvCacheDtype)

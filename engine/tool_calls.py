@@ -32,7 +32,7 @@ import string
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from engine.structured import Guide
+from engine.sampling.structured import Guide
 
 PARSER_NAMES = ("hermes", "llama3", "mistral")
 TOOL_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")

@@ -4,7 +4,7 @@ Prefill seconds for n new tokens: a + b*n + c*n^2 (the quadratic term is attenti
 Decode step seconds for a batch of B sequences: d0 + d1*B.
 Hand-off seconds for a number of bytes: latency + bytes / bandwidth, per link learnt from the transfers on it.
 
-Both fits take only the points of a curve that never falls (engine.calibration.monotonic_points): a timing
+Both fits take only the points of a curve that never falls (engine.core.calibration.monotonic_points): a timing
 below an earlier, smaller one is noise, and fitted it would bend the curve down.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from engine.calibration import monotonic_points
+from engine.core.calibration import monotonic_points
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from typing import Callable
 
 from actors.spec import Role
 from actors.supervisor import ActorHandle, Supervisor
-from engine.client_protocol import NoCapacityError, RequestFailedError
+from engine.core.client_protocol import NoCapacityError, RequestFailedError
 from router.handoff import HANDOFF_PHASES, Handoff, Phase, Routed
 from transport import messages as m
 

@@ -18,7 +18,7 @@ from typing import Callable
 
 from actors.convert import params_to_wire, resume_to_wire
 from actors.supervisor import ActorHandle
-from engine.engine_core import EngineRequest
+from engine.core.engine_core import EngineRequest
 from router.placement import Placement
 from transport import messages as m
 

@@ -10,7 +10,7 @@ from typing import Mapping
 
 from actors.spec import Role
 from actors.supervisor import ActorHandle, Supervisor
-from engine.engine_core import EngineRequest
+from engine.core.engine_core import EngineRequest
 from router.cost_model import ArrivalRate, DecodeCost, LinkEstimate, PrefillCost, Smoothed, TransferCost
 from router.handoff import HANDOFF_PHASES, Phase, Routed, node_of, shares_memory
 from router.placement import DecodeActorView, Placement, PlacementPolicy, PrefillActorView, choose_decode_actor, place

@@ -1,4 +1,4 @@
-"""The router: the main process's engine client (engine.client_protocol.EngineClient) when the model runs in
+"""The router: the main process's engine client (engine.core.client_protocol.EngineClient) when the model runs in
 actor subprocesses.
 
 It wires the parts together: `placer` decides where each request runs, `handoff` drives a disaggregated
@@ -18,9 +18,9 @@ from actors.convert import update_from_wire
 from actors.ray_options import RayOptions
 from actors.spec import ActorSpec, Role
 from actors.supervisor import ActorHandle, ActorState, Supervisor, SupervisorSettings
-from engine.engine_core import EngineRequest
-from engine.stats import EngineStats
-from engine.step import SequenceUpdate
+from engine.core.engine_core import EngineRequest
+from engine.core.stats import EngineStats
+from engine.core.step import SequenceUpdate
 from router.failover import Failover
 from router.handoff import Handoff, Phase, Routed, attachable, export_for
 from router.placement import DISAGGREGATED, Placement, PlacementPolicy

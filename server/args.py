@@ -1,5 +1,5 @@
-"""The `serve` command's own flags (engine flags: engine.args), generated from ServerSettings, LogSettings and
-ActorOptions, and their mapping back onto those objects.
+"""The `serve` command's own flags (the engine's come from EngineConfig through engine.flags), generated from
+ServerSettings, LogSettings and ActorOptions, and their mapping back onto those objects.
 
 Kept light to import: cli.py builds every sub-command's parser up front.
 """

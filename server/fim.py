@@ -1,7 +1,7 @@
 """Fill-in-the-middle prompts (`suffix` on /v1/completions) for vocabularies that have FIM tokens."""
 from __future__ import annotations
 
-from engine.tokenizer import Tokenizer
+from engine.model.tokenizer import Tokenizer
 
 # (prefix, suffix, middle) token spellings: StarCoder / SantaCoder, Qwen2.5-Coder and DeepSeek-style, CodeLlama.
 FIM_TOKEN_SETS = (("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),

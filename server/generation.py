@@ -13,15 +13,15 @@ import jinja2
 from aiohttp import web
 
 from client.async_llm import RequestAbortedError
-from engine.client_protocol import NoCapacityError, RequestFailedError
-from engine.engine_core import RequestError
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams, SamplingParamsError
+from engine.core.client_protocol import NoCapacityError, RequestFailedError
+from engine.core.engine_core import RequestError
+from engine.core.outputs import RequestOutput
+from engine.sampling.sampling_params import SamplingParams, SamplingParamsError
 from engine.model.loader import ModelSource
-from engine.structured import Guide, GuideError, source_compiler
-from engine.tokenizer import Tokenizer
+from engine.sampling.structured import Guide, GuideError, source_compiler
+from engine.model.tokenizer import Tokenizer
 from engine.tool_calls import ToolParser, marks_special_tokens, template_renders_tools, tool_messages
-from engine.treatment import Treatment
+from engine.core.treatment import Treatment
 from server.context import REQUEST_ID, TRACKER, ServerContext
 from server.errors import ApiError, bad_request
 from server.fim import fim_prompt, fim_tokens

@@ -11,8 +11,8 @@ import structlog
 import uvloop
 from aiohttp import web
 
-from engine.args import engine_options
-from engine.config import ConfigError
+from engine.config import ConfigError, EngineConfig
+from engine.flags import options
 from client import AsyncLLM
 from engine.model.errors import ModelLoadError
 from server.app import active_defaults, create_app
@@ -30,7 +30,7 @@ def serve(args: argparse.Namespace) -> int:
     log = configure_logging(log_settings(args))
     try:
         settings = server_settings(args)
-        return uvloop.run(_serve(settings, engine_options(args) | actor_options(args), args, log))
+        return uvloop.run(_serve(settings, options(EngineConfig, args) | actor_options(args), args, log))
     except (ModelLoadError, ConfigError) as exc:
         log.error("cannot start", error=str(exc))
         return 2

@@ -16,7 +16,7 @@ from prometheus_client import (CollectorRegistry, Counter, GCCollector, Histogra
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from actors.supervisor import ActorState
-from engine.stats import EngineStats
+from engine.core.stats import EngineStats
 from engine.speculative.adaptive import SpecCounts
 from server.quadrant import Quadrant
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Literal, get_args
 
 from engine.config import ConfigError
-from engine.treatment import Treatment
+from engine.core.treatment import Treatment
 
 
 class Quadrant(str, enum.Enum):

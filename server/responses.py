@@ -5,9 +5,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from engine.outputs import CompletionOutput, RequestOutput
-from engine.sampler import TokenLogprobs
-from engine.tokenizer import Tokenizer
+from engine.core.outputs import CompletionOutput, RequestOutput
+from engine.sampling.sampler import TokenLogprobs
+from engine.model.tokenizer import Tokenizer
 from engine.tool_calls import ToolParser
 
 Json = dict[str, Any]

@@ -8,7 +8,7 @@ from typing import Literal
 from actors.ray_options import RayOptions, parse_resources
 from engine.config import ConfigError
 from engine.flags import option, parse_list
-from engine.stream_interval import AUTO_MAX_TOKENS, AUTO_OUTPUTS_PER_STEP, StreamInterval
+from engine.core.stream_interval import AUTO_MAX_TOKENS, AUTO_OUTPUTS_PER_STEP, StreamInterval
 from server.quadrant import QuadrantThresholds, SpeculateQuadrants, check_speculate_quadrants
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20

@@ -4,8 +4,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from engine.outputs import CompletionOutput, RequestOutput
-from engine.tokenizer import Tokenizer
+from engine.core.outputs import CompletionOutput, RequestOutput
+from engine.model.tokenizer import Tokenizer
 from engine.tool_calls import ToolCallStream
 from server.responses import (Json, ResponseMeta, ToolOutput, chat_chunk, chat_delta_choice, chat_logprobs,
                               chat_role_choice, completion_choice, completion_chunk, output_usage,

@@ -1,5 +1,5 @@
 """A plain-Python reference for the sampler's logit controls: loops over the vocabulary, one row at a time, in
-float64, written from vLLM's definitions rather than from engine/sampler.py. The batched sampler is tested
+float64, written from vLLM's definitions rather than from engine/sampling/sampler.py. The batched sampler is tested
 against it."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 from collections import Counter
 from typing import Sequence
 
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampling_params import SamplingParams
 
 NEG_INF = float("-inf")
 

@@ -8,7 +8,7 @@ import pytest
 import pytest_asyncio
 
 from engine import AsyncLLM, SamplingParams
-from engine.treatment import Treatment
+from engine.core.treatment import Treatment
 from engine.speculative.adaptive import SpecCounts
 from tests.test_actors import assert_clean, wait_for
 from tests.test_engine import make_prompts

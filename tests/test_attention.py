@@ -6,8 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import SamplingParams, attention
-from engine.attention import AttentionMetadata, PrefillSegment, paged_attention
+from engine import SamplingParams
+from engine.backends import attention
+from engine.backends.attention import AttentionMetadata, PrefillSegment, paged_attention
 from tests.test_engine import make_prompts, tiny_llm
 
 BLOCK, HEADS, KV_HEADS, HEAD_DIM = 4, 6, 2, 8

@@ -1,10 +1,10 @@
 """Start-up calibration measures real steps and leaves the engine as it found it."""
 from __future__ import annotations
 
-from engine.calibration import calibrate_engine, calibrate_prefill_engine
+from engine.core.calibration import calibrate_engine, calibrate_prefill_engine
 from engine.config import EngineConfig
-from engine.engine_core import EngineCore
-from engine.prefill_engine import PrefillEngine
+from engine.core.engine_core import EngineCore
+from engine.core.prefill_engine import PrefillEngine
 from router.cost_model import DecodeCost, PrefillCost
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import cli
-from engine.completion import commands
+from commands.completion import commands
 from engine.flags import ConfigFileError, config_file_argv
 from tests.server_utils import TINY_ENGINE_FLAGS, start_server
 
@@ -53,7 +53,7 @@ def test_command_line_flags_win_over_the_file(tmp_path):
 
 @pytest.mark.unit
 def test_file_and_flags_build_the_same_settings(tmp_path):
-    from engine.args import engine_options
+    from commands.args import engine_options
     from server.args import actor_options, server_settings
 
     from_file = _serve_args(tmp_path, "max-num-seqs: 5\nhost: 0.0.0.0\ndecode_actors: 2\napi_key: null\n")
@@ -204,7 +204,7 @@ def test_bash_leaves_other_python_command_lines_to_their_completion(bash_script)
 
 @pytest.mark.unit
 def test_every_flag_of_every_command_is_in_the_bash_script():
-    from engine.completion import completion_script
+    from commands.completion import completion_script
 
     parser = cli.build_parser()
     text = completion_script(parser, "bash")

@@ -18,9 +18,9 @@ from typing import Literal
 import pytest
 
 import cli
-from engine.args import SamplingOptions, add_engine_args, engine_options, sampling_options
+from commands.args import SamplingOptions, add_engine_args, engine_options, sampling_options
 from engine.config import OFFLINE, SERVING, ConfigError, EngineConfig
-from engine.flag_reference import REQUIRED, markdown
+from commands.flag_reference import REQUIRED, markdown
 from engine.flags import add_group, flag_fields, option, options, parse_bytes, shown_default
 from server.args import actor_options, log_settings, quadrant_thresholds, server_settings
 from server.logging import LogSettings

@@ -6,11 +6,11 @@ import torch
 import torch.nn.functional as F
 
 from engine import LLM, SamplingParams
-from engine import attention
-from engine.attention import AttentionMetadata
+from engine.backends import attention
+from engine.backends.attention import AttentionMetadata
 from engine.backends import CpuKernelBackend, CpuKernelConfig, TorchBackend
 from engine.config import EngineConfig, ModelConfig
-from engine.engine_core import EngineCore
+from engine.core.engine_core import EngineCore
 from engine.kernels import cpu_ext, packed_linear
 from engine.kv.cache import KVCache
 from engine.kv.formats import PageWrites, QuantizedPages, page_format

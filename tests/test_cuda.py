@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine import AsyncLLM, SamplingParams
-from engine.engine_core import EngineCore
+from engine.core.engine_core import EngineCore
 from engine.kernels import (build_cuda_kernels, cpu_kernels, dequantize_fp4, dequantize_fp8, quantize_fp4,
                             quantize_fp8)
 from tests.kv_quant_cudasim_check import cpu_map, gpu_map, make_pages, same_bits, scalar_cases

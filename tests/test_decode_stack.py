@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.attention import AttentionMetadata
+from engine.backends.attention import AttentionMetadata
 from engine.backends import TorchBackend
 from engine.kv.cache import KVCache
 from engine.model.llama import LlamaModel

@@ -8,9 +8,9 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
-from engine.engine_core import EngineRequest
-from engine.output_processor import OutputProcessor
-from engine.prefill_engine import PrefillEngine, PrefillJob
+from engine.core.engine_core import EngineRequest
+from engine.core.output_processor import OutputProcessor
+from engine.core.prefill_engine import PrefillEngine, PrefillJob
 from tests.test_engine import GREEDY, make_prompts
 
 OPTIONS = dict(dtype="float32", num_kv_blocks=128, block_size=8, max_num_batched_tokens=32)

@@ -1,11 +1,11 @@
-"""Both engine clients implement engine.client_protocol.EngineClient: the same methods, equally async, with the
+"""Both engine clients implement engine.core.client_protocol.EngineClient: the same methods, equally async, with the
 same parameters (a structural check: the Protocol is not runtime_checkable, so nothing else enforces it)."""
 import inspect
 
 import pytest
 
 from client.in_process import InProcessClient
-from engine.client_protocol import ENGINE_CLIENT_METHODS, EngineClient
+from engine.core.client_protocol import ENGINE_CLIENT_METHODS, EngineClient
 from router.router import ActorRouter
 
 CLIENTS = [InProcessClient, ActorRouter]

@@ -1,5 +1,5 @@
 """Which threads the engine is built and stepped on: the build runs on a thread that exits, so the only OpenMP
-team left in the process is the step thread's (see engine.engine_thread.build_off_thread)."""
+team left in the process is the step thread's (see engine.core.engine_thread.build_off_thread)."""
 from __future__ import annotations
 
 import asyncio
@@ -9,7 +9,7 @@ import pytest
 
 from actors.actor import Actor
 from actors.spec import ActorSpec
-from engine.engine_thread import build_off_thread
+from engine.core.engine_thread import build_off_thread
 
 
 def test_build_off_thread_runs_on_a_thread_that_has_exited():

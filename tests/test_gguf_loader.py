@@ -16,7 +16,7 @@ from engine.model.errors import ModelLoadError
 from engine.model.gguf_file import GGUFFile, TensorInfo, dequantize
 from engine.model.gguf_loader import default_model_path, read_gguf
 from engine.model.rope import inverse_frequencies
-from engine.tokenizer import Tokenizer
+from engine.model.tokenizer import Tokenizer
 from tests.tiny_tokenizer import CHATML_TEMPLATE, write_tiny_tokenizer
 
 Q = gguf.GGMLQuantizationType

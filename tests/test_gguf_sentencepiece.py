@@ -12,7 +12,7 @@ import torch
 from engine.model.errors import ModelLoadError
 from engine.model.gguf_file import GGUFFile
 from engine.model.gguf_loader import read_gguf
-from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from engine.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from tests.test_gguf_loader import write_gguf
 from tests.tiny_sentencepiece import (BOS, CHAT_TOKENS, CONTROL, EOS, LLAMA2_TEMPLATE, NORMAL, PAD, UNK, UNKNOWN,
                                       USER_TOKENS, SentencePieceVocab, add_sentencepiece_tokenizer,

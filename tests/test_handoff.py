@@ -3,9 +3,9 @@ import pytest
 
 from actors.spec import ActorSpec
 from actors.supervisor import ActorHandle
-from engine.engine_core import EngineRequest
-from engine.sampling_params import SamplingParams
-from engine.client_protocol import RequestFailedError
+from engine.core.engine_core import EngineRequest
+from engine.sampling.sampling_params import SamplingParams
+from engine.core.client_protocol import RequestFailedError
 from router.failover import Failover
 from router.handoff import TRANSITIONS, Handoff, IllegalTransition, Phase, Routed
 from router.placement import DISAGGREGATED, Placement

@@ -10,13 +10,13 @@ import torch
 
 from engine.kv.export import create_shared_pool, open_shared_pool
 from engine import LLM, SamplingParams
-from engine.attention import AttentionMetadata
+from engine.backends.attention import AttentionMetadata
 from engine.config import ConfigError, EngineConfig, ModelConfig
-from engine.engine_core import EngineCore
+from engine.core.engine_core import EngineCore
 from engine.kernels import dequantize_fp4, dequantize_fp8, quantize_fp4, quantize_fp8
 from engine.kv.cache import KVCache, bytes_per_block, choose_num_blocks
 from engine.kv.formats import PageWrites
-from engine.prefill_engine import PrefillEngine
+from engine.core.prefill_engine import PrefillEngine
 from tests.test_disagg_inprocess import run_disaggregated
 from tests.test_engine import GREEDY, assert_pool_clean, make_prompts
 from tests.test_kv_quant import ref_pow2_ceil
@@ -258,8 +258,8 @@ def test_disaggregated_into_a_quantised_pool_equals_colocated(tiny_model_dir, kv
 
 @pytest.mark.parametrize("kv_format", QUANTISED)
 def test_corrupted_quantised_hand_off_is_refused(tiny_model_dir, kv_format):
-    from engine.engine_core import EngineRequest
-    from engine.prefill_engine import PrefillJob
+    from engine.core.engine_core import EngineRequest
+    from engine.core.prefill_engine import PrefillJob
 
     decode, prefill, pool = exported_pair(tiny_model_dir, kv_format)
     try:

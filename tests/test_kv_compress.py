@@ -9,16 +9,16 @@ import pytest
 import torch
 
 from engine.kv.export import create_shared_pool, open_shared_pool
-from engine.args import add_engine_args, engine_options
-from engine.attention import AttentionMetadata
+from commands.args import add_engine_args, engine_options
+from engine.backends.attention import AttentionMetadata
 from engine.kv.block_pool import BlockState, BlockStateError, NoFreeBlocksError, TieredBlockPool
 from engine.config import ConfigError, EngineConfig, ModelConfig
-from engine.engine_core import EngineCore, EngineRequest
+from engine.core.engine_core import EngineCore, EngineRequest
 from engine.kernels import dequantize_fp4, quantize_fp4
 from engine.kv.cache import KVCache
 from engine.kv.compress import ColdRegion
 from engine.kv.formats import PageWrites
-from engine.prefill_engine import PrefillEngine
+from engine.core.prefill_engine import PrefillEngine
 from tests.test_disagg_inprocess import run_disaggregated
 from tests.test_engine import GREEDY, make_prompts
 

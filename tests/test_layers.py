@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Iterator, Mapping
 
 REPO = Path(__file__).resolve().parent.parent
-LAYERS = {"transport": 0, "engine": 1, "actors": 2, "router": 3, "server": 4, "client": 4, "cli": 5}
+LAYERS = {"transport": 0, "engine": 1, "actors": 2, "router": 3, "server": 4, "client": 4, "commands": 5, "cli": 5}
 TOOLS = ("bench",)  # may import every layer; no layer may import a tool
 FACADE = ("engine", "client", "__getattr__")  # (package whose __init__ re-exports, from package, in function)
 DYNAMIC = "<computed name>"  # the target of import_module(name) where name is not a literal

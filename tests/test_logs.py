@@ -16,7 +16,7 @@ import threading
 import pytest
 
 from actors import logs
-from engine.calibration import Calibration, log_calibration, monotonic_points
+from engine.core.calibration import Calibration, log_calibration, monotonic_points
 from engine.kernels import extension_build as build
 from router.cost_model import DecodeCost, PrefillCost
 from tests.server_utils import TINY_ENGINE_FLAGS, start_server, wait_until

@@ -15,7 +15,7 @@ from typing import Iterator
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.stats import EngineStats
+from engine.core.stats import EngineStats
 from server.metrics import RequestRecord, ServerMetrics, token_buckets
 from tests.server_utils import ServerProcess, TINY_ENGINE_FLAGS, openai_client, start_server, wait_until
 

@@ -14,7 +14,7 @@ import pytest
 import pytest_asyncio
 
 from engine import LLM, AsyncLLM, SamplingParams
-from engine.client_protocol import RequestFailedError
+from engine.core.client_protocol import RequestFailedError
 from tests.server_utils import TINY_ENGINE_FLAGS, openai_client, start_server, wait_until
 from tests.test_actors import OPTIONS, assert_clean, references, stream_tokens, wait_for
 from tests.test_engine import make_prompts

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import AttentionMetadata
+from engine.backends.attention import AttentionMetadata
 from engine.kv.cache import KVCache
 from engine.model.hf_loader import iter_hf_weights, read_hf_config
 from engine.model.llama import build_model

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.attention import AttentionMetadata
+from engine.backends.attention import AttentionMetadata
 from engine.backends import CpuKernelBackend, TorchBackend
 from engine.kernels import cpu_ext
 from engine.kv.cache import KVCache

@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from engine import LLM, SamplingParams
-from engine.attention import AttentionMetadata
+from engine.backends.attention import AttentionMetadata
 from engine.kv.cache import KVCache
 from engine.model.errors import ModelLoadError
 from engine.model.gguf_loader import read_gguf

@@ -9,10 +9,10 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
-from engine.engine_core import EngineRequest, RequestError
-from engine.prefill_engine import PrefillEngine, PrefillJob
-from engine.step import position_seed
-from engine.structured import Guide
+from engine.core.engine_core import EngineRequest, RequestError
+from engine.core.prefill_engine import PrefillEngine, PrefillJob
+from engine.core.step import position_seed
+from engine.sampling.structured import Guide
 from tests.test_engine import make_prompts
 
 OPTIONS = dict(dtype="float32", num_kv_blocks=256, block_size=8, max_num_batched_tokens=64)

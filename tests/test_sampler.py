@@ -3,9 +3,9 @@ import math
 import pytest
 import torch
 
-import engine.sampler as sampler_mod
-from engine.sampler import SamplingBatch, process_logits, row_argmax, sample
-from engine.sampling_params import SamplingParams
+import engine.sampling.sampler as sampler_mod
+from engine.sampling.sampler import SamplingBatch, process_logits, row_argmax, sample
+from engine.sampling.sampling_params import SamplingParams
 
 # Hand-made distribution, deliberately not sorted by id.
 PROBS = torch.tensor([0.10, 0.40, 0.05, 0.30, 0.15])

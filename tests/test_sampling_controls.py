@@ -8,12 +8,12 @@ import random
 import pytest
 import torch
 
-import engine.sampler as sampler_mod
+import engine.sampling.sampler as sampler_mod
 from actors.convert import params_from_wire, params_to_wire
-from engine.runner import _histories, _verify_histories
-from engine.sampler import History, SamplingBatch, process_logits, sample
-from engine.sampling_params import SamplingParams, SamplingParamsError
-from engine.step import ScheduledChunk, build_chunk
+from engine.core.runner import _histories, _verify_histories
+from engine.sampling.sampler import History, SamplingBatch, process_logits, sample
+from engine.sampling.sampling_params import SamplingParams, SamplingParamsError
+from engine.core.step import ScheduledChunk, build_chunk
 from server.errors import ApiError
 from server.protocol import ModelLimits, parse_chat, parse_completion, sampling_params
 from tests.sampling_reference import adjusted_logits, distribution

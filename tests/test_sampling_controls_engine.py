@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.attention import AttentionMetadata
+from engine.backends.attention import AttentionMetadata
 from engine.kv.cache import KVCache
 from engine.model.loader import load_model, resolve_model
 from tests.sampling_reference import adjusted_logits, distribution
@@ -166,7 +166,7 @@ def test_logit_bias_forces_and_bans_a_token(tiny_model_dir):
 
 
 def test_logit_bias_outside_the_vocabulary_is_refused(tiny_model_dir):
-    from engine.engine_core import EngineRequest, RequestError
+    from engine.core.engine_core import EngineRequest, RequestError
 
     llm = tiny_llm(tiny_model_dir)
     with pytest.raises(RequestError) as info:

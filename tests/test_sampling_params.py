@@ -2,7 +2,7 @@ import dataclasses
 
 import pytest
 
-from engine.sampling_params import SamplingParams, SamplingParamsError
+from engine.sampling.sampling_params import SamplingParams, SamplingParamsError
 
 
 def test_defaults_are_valid_and_not_greedy():

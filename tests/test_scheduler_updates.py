@@ -4,10 +4,10 @@ never from the engine's state, which later steps have already moved on."""
 from __future__ import annotations
 
 from engine.kv.block_pool import BlockPool
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerLimits
-from engine.sequence import Sequence
-from engine.step import runner_output
+from engine.core.sequence import Sequence
+from engine.core.step import runner_output
 
 EOS = 99
 

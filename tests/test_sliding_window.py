@@ -17,12 +17,12 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.attention import AttentionMetadata
+from engine.backends.attention import AttentionMetadata
 from engine.config import EngineConfig
 from engine.kv.cache import KVCache
 from engine.model.hf_loader import iter_hf_weights, read_hf_config
 from engine.model.llama import build_model
-from engine.prefill_engine import PrefillEngine
+from engine.core.prefill_engine import PrefillEngine
 from tests.kernel_helpers import kernel_model, require_kernels
 from tests.kernel_helpers import stack_calls  # noqa: F401 (fixture)
 from tests.test_disagg_inprocess import run_disaggregated

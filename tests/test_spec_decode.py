@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.engine_core import EngineRequest
+from engine.core.engine_core import EngineRequest
 from engine.model.loader import load_model, resolve_model
 from engine.speculative.draft_model import DraftModelProposer, LayerPrefixModel
 from engine.speculative.proposer import DraftRequest

@@ -8,14 +8,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine.args import add_engine_args, engine_options
+from commands.args import add_engine_args, engine_options
 from engine.config import ConfigError, EngineConfig
-from engine.runner import ModelRunner
-from engine.sampling_params import SamplingParams
+from engine.core.runner import ModelRunner
+from engine.sampling.sampling_params import SamplingParams
 from engine.speculative.acceptance import verify_drafts, verify_greedy
 from engine.speculative.adaptive import MAX_PAUSE, SpecState, adapt
 from engine.speculative.ngram import NgramProposer
-from engine.step import ScheduledChunk, SchedulerOutput
+from engine.core.step import ScheduledChunk, SchedulerOutput
 
 K, V = 3, 6
 CHI2_CRITICAL_DF5 = 20.52  # chi-square, 5 degrees of freedom, p = 0.001

@@ -3,8 +3,8 @@ codec, one helper that totals several engines; and EngineThread's explicit post 
 import asyncio
 from dataclasses import fields
 
-from engine.engine_thread import EngineThread
-from engine.stats import EngineStats
+from engine.core.engine_thread import EngineThread
+from engine.core.stats import EngineStats
 from transport import decode, encode
 from transport import messages as m
 

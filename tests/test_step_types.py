@@ -1,4 +1,4 @@
-"""The step records (engine/step.py) are immutable, the runner does not depend on the scheduler, and the one
+"""The step records (engine/core/step.py) are immutable, the runner does not depend on the scheduler, and the one
 stage that adds data between schedule and run (speculation) returns a new step instead of editing it."""
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.sampling_params import SamplingParams
-from engine.sequence import FinishReason
+from engine.sampling.sampling_params import SamplingParams
+from engine.core.sequence import FinishReason
 from engine.speculative.proposer import DraftRequest, Proposal
 from engine.speculative.speculator import Speculator
-from engine.step import RunnerOutput, ScheduledChunk, SchedulerOutput, SequenceUpdate, build_chunk, runner_output
+from engine.core.step import RunnerOutput, ScheduledChunk, SchedulerOutput, SequenceUpdate, build_chunk, runner_output
 
 ROOT = Path(__file__).resolve().parents[1]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
@@ -86,12 +86,13 @@ def import_closure(name: str) -> set[str]:
 
 
 def test_the_runner_does_not_import_the_scheduler():
-    assert "engine.step" in engine_imports(ROOT / "engine/runner.py")
-    assert "engine.scheduler" not in import_closure("engine.runner")
+    assert "engine.core.step" in engine_imports(ROOT / "engine/core/runner.py")
+    assert "engine.scheduler" not in import_closure("engine.core.runner")
 
 
 def test_the_step_module_depends_on_no_stage():
-    assert not import_closure("engine.step") & {"engine.scheduler", "engine.runner", "engine.engine_core"}
+    assert not import_closure("engine.core.step") & {"engine.scheduler", "engine.core.runner",
+                                                     "engine.core.engine_core"}
 
 
 class FixedProposer:

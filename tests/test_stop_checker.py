@@ -1,6 +1,6 @@
 from hypothesis import given, settings, strategies as st
 
-from engine.stop_checker import StopChecker, truncate_at_stop
+from engine.core.stop_checker import StopChecker, truncate_at_stop
 
 
 def run(chunks, stops, include=False):

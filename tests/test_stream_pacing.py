@@ -8,12 +8,12 @@ import pytest
 
 from client.async_llm import _OutputStream
 from engine import AsyncLLM, LLM, SamplingParams
-from engine.output_processor import OutputProcessor
-from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from engine.step import SequenceUpdate
-from engine.stream_interval import AUTO_MAX_TOKENS, AUTO_OUTPUTS_PER_STEP, StreamInterval
+from engine.core.output_processor import OutputProcessor
+from engine.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.core.step import SequenceUpdate
+from engine.core.stream_interval import AUTO_MAX_TOKENS, AUTO_OUTPUTS_PER_STEP, StreamInterval
 from tests.test_engine import make_prompts
-from engine.tokenizer import Tokenizer
+from engine.model.tokenizer import Tokenizer
 
 
 

@@ -12,8 +12,8 @@ import torch
 
 from actors.convert import params_from_wire, params_to_wire
 from engine import LLM, SamplingParams
-from engine.engine_core import EngineRequest, RequestError
-from engine.structured import Guide, GuideError, mask_logits, token_bytes
+from engine.core.engine_core import EngineRequest, RequestError
+from engine.sampling.structured import Guide, GuideError, mask_logits, token_bytes
 from transport import codec
 from transport import messages as m
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.attention import AttentionMetadata
+from engine.backends.attention import AttentionMetadata
 from engine.kernels import cpu_ext, packed_linear
 from engine.kv.cache import KVCache
 from engine.model.llama import Linear

@@ -9,7 +9,7 @@ import jinja2
 import pytest
 
 from engine.model.gguf_loader import default_model_path
-from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from engine.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from tests.tiny_tokenizer import write_tiny_tokenizer
 
 UNICODE_TEXTS = [

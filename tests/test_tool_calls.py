@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from engine.structured import Guide
+from engine.sampling.structured import Guide
 from engine.tool_calls import (HermesParser, Llama3Parser, MistralParser, ToolCallStream, ToolChoice, ToolError,
                                parse_tool_choice, parse_tools, parser_for, tool_messages)
 
@@ -172,8 +172,8 @@ def test_a_template_with_tools_gets_them_natively_with_arguments_as_objects():
 
 @pytest.fixture(scope="module")
 def compiler(tiny_model_dir):
-    from engine.structured import GrammarCompiler
-    from engine.tokenizer import Tokenizer
+    from engine.sampling.structured import GrammarCompiler
+    from engine.model.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_hf_folder(tiny_model_dir)
     return tokenizer, GrammarCompiler(tokenizer, 512, tokenizer.eos_token_ids)

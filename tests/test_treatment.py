@@ -14,11 +14,11 @@ from engine import LLM, AsyncLLM, SamplingParams
 from engine.kv.block_pool import TieredBlockPool
 from engine.kv.compaction import Compactor
 from engine.config import ConfigError
-from engine.engine_core import EngineRequest
-from engine.treatment import Treatment
-from engine.sequence import Sequence, SequenceStatus
+from engine.core.engine_core import EngineRequest
+from engine.core.treatment import Treatment
+from engine.core.sequence import Sequence, SequenceStatus
 from engine.speculative.adaptive import SpecCounts
-from engine.step import SequenceUpdate
+from engine.core.step import SequenceUpdate
 from server.app import create_app
 from server.args import add_actor_args, add_server_args, server_settings
 from server.quadrant import Quadrant, QuadrantThresholds, TreatmentOptions, treatment_for

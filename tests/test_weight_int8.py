@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import LLM, SamplingParams
-from engine.attention import AttentionMetadata
+from engine.backends.attention import AttentionMetadata
 from engine.backends import TorchBackend
 from engine.config import ConfigError, EngineConfig
 from engine.kernels import cpu_ext

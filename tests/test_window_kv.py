@@ -25,11 +25,11 @@ from engine.config import EngineConfig, ModelConfig
 from engine.kv.block_pool import BlockPool, block_hash
 from engine.kv.groups import NULL_BLOCK, KVGroups, blocks_in_use, first_needed_block
 from engine.model.hf_loader import read_hf_config
-from engine.prefill_engine import PrefillEngine
+from engine.core.prefill_engine import PrefillEngine
 from engine.scheduler import Scheduler, SchedulerLimits
-from engine.sequence import Sequence
+from engine.core.sequence import Sequence
 from engine.speculative.adaptive import SpecState
-from engine.step import runner_output
+from engine.core.step import runner_output
 from tests.kernel_helpers import require_kernels
 from tests.test_sliding_window import hf_generate, random_ids
 from tests.test_spec_decode import repetitive_prompts
@@ -285,7 +285,7 @@ def test_freeing_is_off_for_an_exported_pool(windowed_dir):
     def allocate(shape, dtype):
         return torch.zeros(shape, dtype=dtype)
 
-    from engine.engine_core import EngineCore
+    from engine.core.engine_core import EngineCore
     core = EngineCore(EngineConfig(model=str(windowed_dir), dtype="float32", num_kv_blocks=32, block_size=BLOCK),
                       kv_allocator=allocate)
     assert core.kv_cache.groups == KVGroups.single(core.source.config.num_layers)

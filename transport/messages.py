@@ -89,7 +89,7 @@ class SpecCount(Record):
 @dataclass(frozen=True, slots=True)
 class EngineStats(Record):
     """An engine's queues, KV pool and cumulative counters: the one record, under the same field names, from the
-    engine (`engine.stats` re-exports it) through the heartbeat to the router's totals, /status and /metrics."""
+    engine (`engine.core.stats` re-exports it) through the heartbeat to the router's totals, /status and /metrics."""
 
     running: int = 0
     waiting: int = 0
@@ -205,7 +205,7 @@ class AddRequest(Message):
     first_logprob: float | None = None
     first_top_logprobs: list[TopLogprob] | None = None
     checksum: int | None = None  # crc32 of the KV the prefill actor wrote; verified before decoding
-    speculate: bool | None = None  # per-request treatment (engine.engine_core.EngineRequest): None = default
+    speculate: bool | None = None  # per-request treatment (engine.core.engine_core.EngineRequest): None = default
     compress_first: bool = False
     # A stream resumed after its decode actor died or drained: [[sample index, [tokens it already emitted]], ...]
     resume: list[list[Any]] | None = None

@@ -1,6 +1,6 @@
 """The hardware operations the model asks for, behind one object chosen once per engine (engine/backends/select.py).
 
-The model (engine/model/llama.py) and paged attention (engine/attention.py) call these and nothing else that
+The model (engine/model/llama.py) and paged attention (engine/backends/attention.py) call these and nothing else that
 depends on the device or the CPU. The hooks that may decline (`decode_attention`, `fresh_attention`,
 `decode_layers`, `greedy_tokens`) return None where this backend has nothing better than the plain torch path
 their caller runs.
@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from engine.attention import AttentionMetadata
+    from engine.backends.attention import AttentionMetadata
     from engine.model.llama import LlamaModel
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, 1, head_dim / 2]
@@ -21,7 +21,7 @@ Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, 1, head_dim / 2]
 
 class Backend(ABC):
     name: str
-    attends_in_place = False  # decode attention reads the pages in place: no gather per row (engine/runner.py)
+    attends_in_place = False  # decode attention reads the pages in place: no gather per row (engine/core/runner.py)
 
     @abstractmethod
     def prepare(self, model: LlamaModel) -> None:

@@ -19,7 +19,7 @@ from engine.kv.formats import QuantizedPages
 from engine.model import quant
 
 if TYPE_CHECKING:
-    from engine.attention import AttentionMetadata
+    from engine.backends.attention import AttentionMetadata
     from engine.config import ModelConfig
     from engine.model.llama import LlamaModel
 

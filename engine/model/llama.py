@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionMetadata, paged_attention
+from engine.backends.attention import AttentionMetadata, paged_attention
 from engine.backends.base import Backend, Rope
 from engine.backends.torch_ops import TorchBackend
 from engine.config import ModelConfig

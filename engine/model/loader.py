@@ -17,7 +17,7 @@ from engine.model.gguf_loader import default_model_path, read_gguf_lazily
 from engine.model.hf_loader import hf_weight_shapes, iter_hf_weights, read_hf_config
 from engine.model.llama import LlamaModel, build_model
 from engine.model.quant import choose_weight_dtype
-from engine.tokenizer import Tokenizer
+from engine.model.tokenizer import Tokenizer
 
 DTYPE_NAMES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # what huggingface_hub accepts as "org/name"

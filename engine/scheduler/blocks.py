@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from engine.kv.block_pool import BlockPool, block_hash, prefix_block_hashes
 from engine.kv.groups import NULL_BLOCK, first_needed_block
-from engine.sequence import Sequence
+from engine.core.sequence import Sequence
 
 
 class SequenceBlocks:

@@ -9,7 +9,7 @@ from engine.kv.block_pool import BlockPool
 from engine.kv.compaction import Compactor, Move
 from engine.scheduler.blocks import SequenceBlocks
 from engine.scheduler.queues import SequenceQueues
-from engine.sequence import Sequence
+from engine.core.sequence import Sequence
 
 
 @dataclass(frozen=True)

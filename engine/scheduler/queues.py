@@ -2,7 +2,7 @@
 ids finished since the last step. Status changes go through here, so the lists and the statuses agree."""
 from __future__ import annotations
 
-from engine.sequence import FinishReason, Sequence, SequenceStatus
+from engine.core.sequence import FinishReason, Sequence, SequenceStatus
 
 
 class SequenceQueues:

@@ -6,14 +6,14 @@ import logging
 
 from engine.kv.block_pool import BlockPool
 from engine.kv.compaction import Compactor
-from engine.sampler import TokenLogprobs
+from engine.sampling.sampler import TokenLogprobs
 from engine.scheduler.blocks import SequenceBlocks
 from engine.scheduler.planning import Admission, RunningPlanner, SchedulerLimits, StepPlan
 from engine.scheduler.queues import SequenceQueues
 from engine.scheduler.remote import RemoteReservations
-from engine.sequence import FinishReason, Sequence
+from engine.core.sequence import FinishReason, Sequence
 from engine.speculative.adaptive import SpecCounters, adapt
-from engine.step import RunnerOutput, ScheduledChunk, SchedulerOutput, SequenceUpdate, build_chunk, eos_for
+from engine.core.step import RunnerOutput, ScheduledChunk, SchedulerOutput, SequenceUpdate, build_chunk, eos_for
 
 log = logging.getLogger(__name__)
 DEBUG_EVERY_STEPS = 100  # at --log-level debug, one step in this many logs its decisions (never one per token)

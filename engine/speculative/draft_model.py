@@ -13,15 +13,15 @@ from typing import Protocol, Sequence
 import torch
 from torch import nn
 
-from engine.attention import AttentionMetadata
+from engine.backends.attention import AttentionMetadata
 from engine.kv.block_pool import BlockPool
 from engine.config import ModelConfig
 from engine.kv.cache import KVCache
 from engine.model.llama import LlamaModel
-from engine.runner import prepare_input
-from engine.sampler import History, SamplingBatch, exponential_race, process_logits
+from engine.core.runner import prepare_input
+from engine.sampling.sampler import History, SamplingBatch, exponential_race, process_logits
 from engine.speculative.proposer import DraftRequest, Proposal
-from engine.step import ScheduledChunk
+from engine.core.step import ScheduledChunk
 
 DRAFT_SEED_SALT = 0x9E3779B97F4A7C15  # the draft's generator must not replay the target's stream
 

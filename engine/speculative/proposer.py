@@ -7,7 +7,7 @@ from typing import Protocol, Sequence
 
 import torch
 
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

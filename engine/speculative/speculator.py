@@ -8,7 +8,7 @@ from dataclasses import replace
 from typing import Callable, Iterable, Sequence
 
 from engine.speculative.proposer import DraftRequest, Proposal, Proposer
-from engine.step import RunnerOutput, ScheduledChunk, SchedulerOutput
+from engine.core.step import RunnerOutput, ScheduledChunk, SchedulerOutput
 
 log = logging.getLogger(__name__)
 

@@ -12,16 +12,16 @@ from typing import Callable, Iterable, Sequence
 import torch
 import torch.nn.functional as F
 
-from engine.attention import AttentionMetadata
+from engine.backends.attention import AttentionMetadata
 from engine.backends import Backend, TorchBackend
 from engine.kv.host_memory import keep_freed_memory
 from engine.kv.cache import KVCache
 from engine.kv.compress import ColdRegion, names_cold
 from engine.model.llama import LlamaModel
-from engine.sampler import History, SamplingBatch, greedy_tokens, process_logits, sample, token_logprobs
+from engine.sampling.sampler import History, SamplingBatch, greedy_tokens, process_logits, sample, token_logprobs
 from engine.speculative.acceptance import Verdict, verify_drafts, verify_greedy
-from engine.step import RunnerOutput, ScheduledChunk, SchedulerOutput, position_seed, runner_output
-from engine.structured import GrammarCompiler, GuideStates
+from engine.core.step import RunnerOutput, ScheduledChunk, SchedulerOutput, position_seed, runner_output
+from engine.sampling.structured import GrammarCompiler, GuideStates
 
 
 @dataclass(frozen=True)

@@ -20,17 +20,17 @@ from engine.kv.groups import KVGroups
 from engine.kv.compress import ColdRegion, split_kv_budget
 from engine.model.loader import ModelSource, load_model, resolve_dtype, resolve_model
 from engine.backends import select_backend
-from engine.runner import ModelRunner
-from engine.sampling_params import SamplingParams
+from engine.core.runner import ModelRunner
+from engine.sampling.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerLimits
-from engine.sequence import Sequence
+from engine.core.sequence import Sequence
 from engine.speculative.adaptive import SpecState
 from engine.speculative.build import build_proposer
 from engine.speculative.proposer import Proposer
 from engine.speculative.speculator import Speculator
-from engine.stats import EngineStats
-from engine.structured import GrammarCompiler, GuideError, source_compiler
-from engine.step import SequenceUpdate
+from engine.core.stats import EngineStats
+from engine.sampling.structured import GrammarCompiler, GuideError, source_compiler
+from engine.core.step import SequenceUpdate
 
 
 class RequestError(ValueError):

@@ -10,8 +10,8 @@ import asyncio
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from engine.engine_core import EngineRequest
-    from engine.stats import EngineStats
+    from engine.core.engine_core import EngineRequest
+    from engine.core.stats import EngineStats
 
 
 class RequestFailedError(RuntimeError):

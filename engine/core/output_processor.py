@@ -4,12 +4,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.sampling.sampling_params import SamplingParams
 from engine.speculative.adaptive import SpecCounts
-from engine.step import SequenceUpdate
-from engine.stop_checker import StopChecker
-from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from engine.core.step import SequenceUpdate
+from engine.core.stop_checker import StopChecker
+from engine.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 @dataclass

@@ -16,8 +16,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine.sampling_params import SamplingParams
-from engine.structured import mask_logits
+from engine.sampling.sampling_params import SamplingParams
+from engine.sampling.structured import mask_logits
 
 Argmax = Callable[[torch.Tensor], torch.Tensor]  # [B, V] -> [B] int64, the first maximal index of each row
 Index = tuple[torch.Tensor, torch.Tensor]  # (rows, token ids), flattened

@@ -4,7 +4,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampling_params import SamplingParams
 from engine.speculative.adaptive import SpecCounts, SpecState
 
 

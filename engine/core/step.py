@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Mapping, Sequence
 if TYPE_CHECKING:  # annotations only: this module depends on nothing at run time
     import torch
 
-    from engine.sampler import TokenLogprobs
-    from engine.sampling_params import SamplingParams
+    from engine.sampling.sampler import TokenLogprobs
+    from engine.sampling.sampling_params import SamplingParams
     from engine.speculative.adaptive import SpecCounts
 
 

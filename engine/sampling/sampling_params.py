@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from engine.structured import Guide, GuideError
+from engine.sampling.structured import Guide, GuideError
 
 MAX_N = 128
 MAX_LOGPROBS = 20

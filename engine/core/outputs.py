@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.sampler import TokenLogprobs
+from engine.sampling.sampler import TokenLogprobs
 from engine.speculative.adaptive import SpecCounts
 from engine.tool_calls import ToolCall
 

@@ -3,7 +3,7 @@
 A decode actor exports its KV pool once; the prefill actor maps it and runs each prompt with that pool as
 its cache and the reserved blocks as the block table, so every layer's keys and values land in place as the
 layer computes them. Only the first sampled token travels back (seeded sampling needs no RNG state: its
-draws are keyed by position, engine.step.position_seed).
+draws are keyed by position, engine.core.step.position_seed).
 
 A decode actor on another host cannot be mapped: its jobs are *streamed*. The prompt runs into a private
 pool sized to it (the destination's cached prefix is recomputed here, its KV is not on this host), and the
@@ -25,11 +25,11 @@ from engine.config import EngineConfig
 from engine.kv.cache import KVCache
 from engine.model.loader import ModelSource, load_model, resolve_dtype, resolve_model
 from engine.backends import select_backend
-from engine.runner import ModelRunner
-from engine.sampler import TokenLogprobs
-from engine.sampling_params import SamplingParams
-from engine.step import RunnerOutput, SchedulerOutput, build_chunk
-from engine.structured import source_compiler
+from engine.core.runner import ModelRunner
+from engine.sampling.sampler import TokenLogprobs
+from engine.sampling.sampling_params import SamplingParams
+from engine.core.step import RunnerOutput, SchedulerOutput, build_chunk
+from engine.sampling.structured import source_compiler
 
 
 class PageSink(Protocol):

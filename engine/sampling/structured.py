@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from engine.tokenizer import Tokenizer
+    from engine.model.tokenizer import Tokenizer
 
 GUIDE_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 CACHE_SIZE = 256  # compiled grammars kept per tokenizer
@@ -84,7 +84,7 @@ def token_bytes(tokenizer: Tokenizer) -> tuple[list[bytes], list[int]]:
     """(the bytes each token id stands for, the special token ids): byte-level BPE spellings are mapped back
     through GPT-2's table, SentencePiece spellings through their space mark and <0xXX> byte tokens. Special
     tokens get b"" (xgrammar never lets a grammar emit them, apart from the stop tokens)."""
-    from engine.tokenizer import SPM_SPACE, _byte_to_unicode  # noqa: PLC0415 - only when compiling
+    from engine.model.tokenizer import SPM_SPACE, _byte_to_unicode  # noqa: PLC0415 - only when compiling
 
     backend = tokenizer.backend
     vocab = backend.get_vocab(with_added_tokens=True)

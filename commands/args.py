@@ -29,7 +29,7 @@ class SamplingOptions:
 
     def params(self):
         """The SamplingParams these options describe."""
-        from engine.sampling_params import SamplingParams
+        from engine.sampling.sampling_params import SamplingParams
 
         return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
                               top_k=self.top_k, seed=self.seed, min_p=self.min_p,

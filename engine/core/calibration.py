@@ -12,10 +12,10 @@ import random
 import time
 from dataclasses import dataclass
 
-from engine.engine_core import EngineCore, EngineRequest
+from engine.core.engine_core import EngineCore, EngineRequest
 from engine.kv.cache import KVCache
-from engine.prefill_engine import PrefillEngine, PrefillJob
-from engine.sampling_params import SamplingParams
+from engine.core.prefill_engine import PrefillEngine, PrefillJob
+from engine.sampling.sampling_params import SamplingParams
 
 PREFILL_LENGTHS = (32, 128, 384)
 DECODE_BATCHES = (1, 4, 16)
