@@ -30,13 +30,14 @@ kernels: $(STAMP)
 serve: install
 	$(PY) cli.py serve
 
-# Every tier (unit, engine, process: see tests/tiers.py).
-test: install
-	$(PY) -m pytest -q
+# Every tier (unit, engine, process: see tests/tiers.py): the in-process tiers on every core, then the process
+# tier alone (its tests start servers and actors that want the cores to themselves).
+test: test-fast
+	$(PY) -m pytest -q -m process
 
-# No subprocess, server, socket or real model: the edit-and-check loop.
+# No subprocess, server, socket or real model: the edit-and-check loop, one pytest worker per core.
 test-fast: install
-	$(PY) -m pytest -q -m "unit or engine"
+	$(PY) -m pytest -q -n auto -m "unit or engine"
 
 bench: install
 	$(PY) -m bench.offline_throughput

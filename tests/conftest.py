@@ -12,6 +12,14 @@ from tests.tiers import TierError, tier_of
 from tests.tiny_models import tiny_llama_config, write_tiny_model
 
 
+def pytest_configure(config):
+    """Under pytest-xdist (`make test-fast` runs `-n auto`), each worker takes its share of the cores for torch's
+    threads, so that the workers do not oversubscribe the machine. Tests that need a thread count set their own."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by the markers given here
 def pytest_collection_modifyitems(config, items):
     """Give every test its tier marker (tests/tiers.py); a test without exactly one tier stops the run."""
