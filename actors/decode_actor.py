@@ -167,7 +167,7 @@ class DecodeActor(Actor):
             await conn.send(m.RequestFailed(msg.request_id, "actor is draining", True))
             return
         req = EngineRequest(msg.request_id, msg.prompt_token_ids, params_from_wire(msg.sampling), msg.priority,
-                            time.monotonic(), speculate=msg.speculate, compress_first=msg.compress_first,
+                            time.monotonic(), treatment=msg.treatment,
                             resume=resume_from_wire(msg.resume))
         self.owners[msg.request_id] = conn
         self._forget_stream(msg.request_id)  # its pages are all in: nothing more may be written

@@ -136,7 +136,7 @@ class AsyncLLM:
         finished = False
         try:
             placement = await client.add(EngineRequest(rid, prep.token_ids, params, priority, arrival,
-                                                       treatment.speculate, treatment.compress_first))
+                                                       treatment))
             while not finished:
                 item = await stream.next()
                 if isinstance(item, Exception):

@@ -1,6 +1,7 @@
 """Frozen configuration objects, validated at construction and never mutated after start-up."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -148,6 +149,28 @@ OFFLINE_MAX_NUM_BATCHED_TOKENS = OFFLINE.max_num_batched_tokens
 
 
 @dataclass(frozen=True)
+class PrefillShares:
+    """How a step's prefill budget is shared between a running long prompt and short ones arriving
+    (engine/scheduler/shares.py has the rule)."""
+
+    long_prefill_slowdown: float = 1.3  # a long prefill runs at least 1 / this of each step's prefill budget
+    max_partial_prefills: int = 4
+    max_long_partial_prefills: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.long_prefill_slowdown >= 1.0:
+            raise ConfigError(f"long_prefill_slowdown must be at least 1, got {self.long_prefill_slowdown}")
+        if self.max_partial_prefills < 1 or not 1 <= self.max_long_partial_prefills <= self.max_partial_prefills:
+            raise ConfigError(f"need 1 <= max_long_partial_prefills ({self.max_long_partial_prefills}) <= "
+                              f"max_partial_prefills ({self.max_partial_prefills})")
+
+    def reserve(self, budget: int, short_demand: int) -> int:
+        """Of a prefill budget, the tokens held for short prompts that are ready to run."""
+        floor = math.ceil(budget / self.long_prefill_slowdown)
+        return max(0, min(short_demand, budget - floor))
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Options of one engine (one actor): the engine flags of `cli.py` are generated from these fields
     (engine.flags), and ``LLM(**options)`` takes the same names."""
@@ -170,6 +193,12 @@ class EngineConfig:
                                          f"LLM uses the offline one, {OFFLINE.max_num_batched_tokens}")
     max_num_seqs: int = option(64, "most sequences running at once")
     enable_chunked_prefill: bool = option(True, "split long prompts across steps, interleaved with decodes")
+    long_prefill_slowdown: float = option(PrefillShares.long_prefill_slowdown,
+                                          "a long prompt's prefill yields each step's budget to short prompts that "
+                                          "arrive during it, down to 1 / this of it: short requests start within a "
+                                          "step, and the long prefill takes at most this factor longer")
+    max_partial_prefills: int = option(PrefillShares.max_partial_prefills,
+                                       "most prompts part-way through their prefill at once (one of them long)")
     enable_prefix_caching: bool = option(True, "reuse KV blocks of identical prompt prefixes")
     max_model_len: int | None = option(None, "cap on prompt + output tokens", shown="model context")
     num_threads: int | None = option(None, "torch threads of this engine", flags=("--threads", "--num-threads"),
@@ -218,10 +247,15 @@ class EngineConfig:
         if not self.enable_chunked_prefill and self.max_model_len and self.max_model_len > self.max_num_batched_tokens:
             raise ConfigError("without chunked prefill, max_num_batched_tokens must be at least max_model_len "
                               f"({self.max_num_batched_tokens} < {self.max_model_len})")
+        self.prefill_shares()  # ConfigError for a bad share
         self._check_speculative()
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         self._check_kv_compress()
+
+    def prefill_shares(self) -> PrefillShares:
+        return PrefillShares(self.long_prefill_slowdown, self.max_partial_prefills,
+                             min(PrefillShares.max_long_partial_prefills, self.max_partial_prefills))
 
     def _check_speculative(self) -> None:
         if self.speculative not in SPECULATIVE_MODES:

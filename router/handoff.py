@@ -119,8 +119,8 @@ class Handoff:
         routed.prefill = None
         req = routed.request
         self.send(routed.decode, m.AddRequest(req.request_id, req.prompt_token_ids, params_to_wire(req.params),
-                                               req.priority, req.arrival_time, speculate=req.speculate,
-                                               compress_first=req.compress_first, resume=resume_to_wire(req.resume)))
+                                               req.priority, req.arrival_time, treatment=req.treatment,
+                                               resume=resume_to_wire(req.resume)))
 
     def fall_back(self, routed: Routed) -> None:
         """The prefill side failed or went away: free the reservation and prefill on the decode actor."""
@@ -182,8 +182,8 @@ def _commit(req: EngineRequest, msg: m.KVReady) -> m.AddRequest:
     """Start decoding a prefilled request on the decode actor that holds its reserved blocks."""
     return m.AddRequest(req.request_id, req.prompt_token_ids, params_to_wire(req.params), req.priority,
                         req.arrival_time, prefilled=True, first_token=msg.first_token, first_logprob=msg.logprob,
-                        first_top_logprobs=msg.top_logprobs, checksum=msg.checksum, speculate=req.speculate,
-                        compress_first=req.compress_first, resume=resume_to_wire(req.resume))
+                        first_top_logprobs=msg.top_logprobs, checksum=msg.checksum, treatment=req.treatment,
+                        resume=resume_to_wire(req.resume))
 
 
 def mappable(decode: ActorHandle) -> bool:

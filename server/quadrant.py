@@ -73,4 +73,5 @@ def treatment_for(quadrant: Quadrant, options: TreatmentOptions) -> Treatment:
     speculate = None
     if options.speculation:
         speculate = quadrant is Quadrant.SILO or options.speculate_quadrants == "all"
-    return Treatment(speculate=speculate, compress_first=options.kv_compress and quadrant is Quadrant.LILO)
+    return Treatment(speculate=speculate, compress_first=options.kv_compress and quadrant is Quadrant.LILO,
+                     long_prompt=quadrant in (Quadrant.LISO, Quadrant.LILO))

@@ -10,6 +10,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.core.engine_core import EngineRequest
+from engine.core.treatment import Treatment
 from engine.model.loader import load_model, resolve_model
 from engine.speculative.draft_model import DraftModelProposer, LayerPrefixModel
 from engine.speculative.proposer import DraftRequest
@@ -43,7 +44,7 @@ def run(llm: LLM, prompts: list[list[int]], params: SamplingParams,
     speculate = speculate or [None] * len(prompts)
     ids = [f"s{next(_ids)}" for _ in prompts]
     for rid, prompt, flag in zip(ids, prompts, speculate):
-        llm.engine.add_request(EngineRequest(rid, prompt, params, speculate=flag))
+        llm.engine.add_request(EngineRequest(rid, prompt, params, treatment=Treatment(speculate=flag)))
     tokens: dict[str, list[int]] = {rid: [] for rid in ids}
     while llm.engine.has_unfinished_requests():
         for upd in llm.engine.step():

@@ -33,18 +33,19 @@ THRESHOLDS = QuadrantThresholds(long_prompt_tokens=512, long_output_tokens=32)
 # ---------------------------------------------------------------------------------------- treatment_for
 
 @pytest.mark.parametrize("quadrant, options, expected", [
-    (Quadrant.SILO, TreatmentOptions(speculation=True), Treatment(speculate=True)),
-    (Quadrant.SISO, TreatmentOptions(speculation=True), Treatment(speculate=False)),
-    (Quadrant.LISO, TreatmentOptions(speculation=True), Treatment(speculate=False)),
-    (Quadrant.LILO, TreatmentOptions(speculation=True), Treatment(speculate=False)),
-    (Quadrant.SISO, TreatmentOptions(speculation=True, speculate_quadrants="all"), Treatment(speculate=True)),
+    (Quadrant.SILO, TreatmentOptions(speculation=True), Treatment(speculate=True, long_prompt=False)),
+    (Quadrant.SISO, TreatmentOptions(speculation=True), Treatment(speculate=False, long_prompt=False)),
+    (Quadrant.LISO, TreatmentOptions(speculation=True), Treatment(speculate=False, long_prompt=True)),
+    (Quadrant.LILO, TreatmentOptions(speculation=True), Treatment(speculate=False, long_prompt=True)),
+    (Quadrant.SISO, TreatmentOptions(speculation=True, speculate_quadrants="all"),
+     Treatment(speculate=True, long_prompt=False)),
     (Quadrant.LILO, TreatmentOptions(speculation=True, speculate_quadrants="all", kv_compress=True),
-     Treatment(speculate=True, compress_first=True)),
-    (Quadrant.SILO, TreatmentOptions(), Treatment()),  # nothing configured: the engine's defaults
-    (Quadrant.LILO, TreatmentOptions(), Treatment()),
-    (Quadrant.LILO, TreatmentOptions(kv_compress=True), Treatment(compress_first=True)),
-    (Quadrant.SILO, TreatmentOptions(kv_compress=True), Treatment()),
-    (Quadrant.LISO, TreatmentOptions(kv_compress=True), Treatment()),
+     Treatment(speculate=True, compress_first=True, long_prompt=True)),
+    (Quadrant.SILO, TreatmentOptions(), Treatment(long_prompt=False)),  # nothing configured: the engine's defaults
+    (Quadrant.LILO, TreatmentOptions(), Treatment(long_prompt=True)),
+    (Quadrant.LILO, TreatmentOptions(kv_compress=True), Treatment(compress_first=True, long_prompt=True)),
+    (Quadrant.SILO, TreatmentOptions(kv_compress=True), Treatment(long_prompt=False)),
+    (Quadrant.LISO, TreatmentOptions(kv_compress=True), Treatment(long_prompt=True)),
 ])
 def test_treatment_for_each_quadrant(quadrant, options, expected):
     assert treatment_for(quadrant, options) == expected
@@ -102,7 +103,7 @@ def test_engine_compresses_a_compress_first_request_before_the_others(tiny_model
     engine = adaptive_engine(tiny_model_dir)
     prompts = make_prompts(16)
     for i, prompt in enumerate(prompts):
-        engine.add_request(EngineRequest(f"r{i}", prompt, GREEDY, compress_first=i == 0))
+        engine.add_request(EngineRequest(f"r{i}", prompt, GREEDY, treatment=Treatment(compress_first=i == 0)))
     first = engine.scheduler.by_request["r0"][0]
     compactor = engine.scheduler.compactor
     schedule, seen = engine.scheduler.schedule, []

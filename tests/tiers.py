@@ -68,6 +68,7 @@ MODULE_TIERS: Mapping[str, Tier] = {
     "test_placement.py": U,
     "test_report.py": U,  # synthetic bench results through bench/report.py, plots drawn with Agg
     "test_request_fields.py": U,
+    "test_prefill_shares.py": U,
     "test_prompt_attention.py": E,
     "test_ray.py": P,  # a Ray cluster on loopback and actors on it
     "test_ray_options.py": U,  # the no-Ray-import check runs in a subprocess: marked process

@@ -87,6 +87,20 @@ class SpecCount(Record):
 
 
 @dataclass(frozen=True, slots=True)
+class Treatment(Record):
+    """What the engine does for one request beyond its sampling parameters, chosen per quadrant by the server
+    (server.quadrant.treatment_for) and carried by EngineRequest and AddRequest; `engine.core.treatment`
+    re-exports it. `speculate`: speculative decoding on/off, None = the engine's default (on when a proposer
+    is configured). `compress_first`: with --kv-compress, this request's old pages are compressed before
+    other requests'. `long_prompt`: its quadrant is long-in, so its prefill shares each step with short prompts
+    (engine/scheduler/shares.py); None = judged by the prompt's length."""
+
+    speculate: bool | None = None
+    compress_first: bool = False
+    long_prompt: bool | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class EngineStats(Record):
     """An engine's queues, KV pool and cumulative counters: the one record, under the same field names, from the
     engine (`engine.core.stats` re-exports it) through the heartbeat to the router's totals, /status and /metrics."""
@@ -205,8 +219,7 @@ class AddRequest(Message):
     first_logprob: float | None = None
     first_top_logprobs: list[TopLogprob] | None = None
     checksum: int | None = None  # crc32 of the KV the prefill actor wrote; verified before decoding
-    speculate: bool | None = None  # per-request treatment (engine.core.engine_core.EngineRequest): None = default
-    compress_first: bool = False
+    treatment: Treatment = Treatment()
     # A stream resumed after its decode actor died or drained: [[sample index, [tokens it already emitted]], ...]
     resume: list[list[Any]] | None = None
 

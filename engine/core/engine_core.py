@@ -31,6 +31,7 @@ from engine.speculative.speculator import Speculator
 from engine.core.stats import EngineStats
 from engine.sampling.structured import GrammarCompiler, GuideError, source_compiler
 from engine.core.step import SequenceUpdate
+from engine.core.treatment import Treatment
 
 
 class RequestError(ValueError):
@@ -48,8 +49,7 @@ class EngineRequest:
     params: SamplingParams
     priority: int = 0
     arrival_time: float = 0.0
-    speculate: bool | None = None  # Treatment.speculate
-    compress_first: bool = False  # Treatment.compress_first
+    treatment: Treatment = Treatment()
     # A stream resumed on this engine after its first one died or drained (router.failover): sample index ->
     # the tokens it already emitted. Only those samples run; each recomputes prompt + its tokens, then goes on.
     resume: dict[int, list[int]] | None = None
@@ -94,7 +94,8 @@ class EngineCore:
                                 groups)
         self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching, groups.num_groups) \
             if not num_cold else TieredBlockPool(num_blocks, num_cold, config.block_size, config.enable_prefix_caching)
-        limits = SchedulerLimits(config.max_num_batched_tokens, config.max_num_seqs, config.enable_chunked_prefill)
+        limits = SchedulerLimits(config.max_num_batched_tokens, config.max_num_seqs, config.enable_chunked_prefill,
+                                 config.prefill_shares())
         eos = self.source.tokenizer.eos_token_ids or model_cfg.eos_token_ids
         self.scheduler = Scheduler(self.pool, limits, tuple(eos), self._compactor(), groups.windows)
         self.runner = ModelRunner(model, self.kv_cache, device, select_backend(device, self.dtype, config.enforce_eager),
@@ -157,12 +158,12 @@ class EngineCore:
         return [Sequence(next(self._seq_ids), req.request_id, i, req.prompt_token_ids + list(emitted[i]),
                          len(req.prompt_token_ids), req.params, max_total, req.priority,
                          req.arrival_time or time.monotonic(), spec=self._spec_state(req),
-                         compress_first=req.compress_first)
+                         compress_first=req.treatment.compress_first, long_prompt=req.treatment.long_prompt)
                 for i in sorted(emitted)]
 
     def _spec_state(self, req: EngineRequest) -> SpecState | None:
         """Requests speculate by the engine's default unless they say otherwise; never without a proposer."""
-        if self.speculator is None or req.speculate is False:
+        if self.speculator is None or req.treatment.speculate is False:
             return None
         return SpecState.start(self.config.num_speculative_tokens)
 

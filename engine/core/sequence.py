@@ -47,6 +47,7 @@ class Sequence:
     spec: SpecState | None = None  # None: this sequence never speculates
     spec_counts: SpecCounts = SpecCounts()  # its drafts so far
     compress_first: bool = False  # adaptive KV compression takes this sequence's old pages before others'
+    long_prompt: bool | None = None  # its quadrant is long-in (engine/scheduler/shares.py); None: judged by length
 
     @property
     def block_ids(self) -> list[int]:

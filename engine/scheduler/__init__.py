@@ -1,7 +1,8 @@
 """Iteration-level scheduling: which tokens of which sequences run in the next forward pass.
 
 Every step spends a token budget: running sequences first (decode tokens before prefill chunks), then new
-or preempted sequences from the waiting queue. When the KV pool runs dry the lowest-priority running
+or preempted sequences from the waiting queue. A running long prefill leaves a share of each step to short
+prompts that are ready to start, and takes back what they leave (shares.py: stall-free batching). When the KV pool runs dry the lowest-priority running
 sequence is preempted by recompute: its blocks are freed and it re-enters the waiting queue keeping its
 sampled tokens, so it later resumes exactly where it stopped (often from the prefix cache).
 
@@ -30,6 +31,7 @@ The parts, each with one concern, behind Scheduler's schedule() / update():
 - scheduler.py: `Scheduler`, the step's plan turned into chunks, and the runner's results applied (tokens,
   finishing, speculative verification).
 - planning.py: `RunningPlanner` (running sequences, compaction, preemption) and `Admission` (the waiting queue).
+- shares.py: which prompts are long, and the rule that shares a step's prefill budget between long and short.
 - blocks.py: `SequenceBlocks`, each sequence's block tables in the pool: growth, trimming, the window's
   release, the prefix cache (registering full blocks, attaching a cached prefix).
 - queues.py: `SequenceQueues`, waiting / running / per request, and the status changes between them.

@@ -5,10 +5,12 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from engine.config import PrefillShares
 from engine.kv.block_pool import BlockPool
 from engine.kv.compaction import Compactor, Move
 from engine.scheduler.blocks import SequenceBlocks
 from engine.scheduler.queues import SequenceQueues
+from engine.scheduler.shares import is_long
 from engine.core.sequence import Sequence
 
 
@@ -17,6 +19,10 @@ class SchedulerLimits:
     max_num_batched_tokens: int
     max_num_seqs: int
     enable_chunked_prefill: bool = True
+    shares: PrefillShares = PrefillShares()
+
+    def is_long(self, seq: Sequence) -> bool:
+        return is_long(seq, self.max_num_batched_tokens)
 
 
 @dataclass
@@ -28,6 +34,11 @@ class StepPlan:
     runs: list[tuple[Sequence, int, int]] = field(default_factory=list)  # (sequence, tokens, draft slots)
     preempted_seq_ids: list[int] = field(default_factory=list)
     compressions: list[Move] = field(default_factory=list)
+    held_back: list[int] = field(default_factory=list)  # indexes into runs: long prefills cut by the reserve
+
+    def partial_prefills(self) -> list[Sequence]:
+        """The planned prefills that this step leaves unfinished."""
+        return [seq for seq, n, _ in self.runs if not seq.prefill_done and n < seq.num_uncomputed]
 
 
 def tokens_to_run(seq: Sequence, budget: int, limits: SchedulerLimits) -> int:
@@ -52,21 +63,43 @@ class RunningPlanner:
         self.compactor = compactor
         self.num_preemptions = 0
 
-    def plan(self, plan: StepPlan, budget: int) -> int:
-        """Adds the running sequences' runs to `plan`; returns the budget left."""
+    def plan(self, plan: StepPlan, budget: int, short_demand: int) -> int:
+        """Adds the running sequences' runs to `plan`; returns the budget left. A long prefill leaves the share
+        of the budget that `short_demand` (tokens of short prompts ready to start) is due (shares.py)."""
         # Decodes first (one token each), then continuing prefills; the queue's tail is the preemption victim.
         queue = deque(sorted(self.queues.running, key=lambda s: (s.num_uncomputed > 1, s.sort_key)))
+        short = {s for s in queue if not s.in_decode and not self.limits.is_long(s)}
+        reserve = None  # held for short prompts, running or waiting; set at the first prefill, after the decodes
         while queue and budget > 0:
             seq = queue.popleft()
-            num_new = tokens_to_run(seq, budget, self.limits)
+            if reserve is None and not seq.in_decode:
+                reserve = self.limits.shares.reserve(budget, short_demand + sum(s.num_uncomputed for s in short))
+            held = (reserve or 0) if self.limits.is_long(seq) else 0
+            num_new = tokens_to_run(seq, budget - held, self.limits)
             if num_new == 0:
                 continue
             slots = self._spec_slots(seq, budget - num_new)
             if not self._grow_or_preempt(seq, num_new + slots, queue, plan):
                 continue
+            if held and num_new < seq.num_uncomputed:
+                plan.held_back.append(len(plan.runs))
+            if reserve and seq in short:
+                reserve = max(0, reserve - num_new)  # a short prefill spends the share held for it
             plan.runs.append((seq, num_new, slots))
             budget -= num_new + slots
         return budget
+
+    def extend(self, plan: StepPlan, budget: int) -> None:
+        """Give the long prefills held back for short prompts what those left of the budget (never preempting)."""
+        for index in plan.held_back:
+            seq, num_new, slots = plan.runs[index]
+            extra = min(seq.num_uncomputed - num_new, budget)
+            needed = self.blocks.needed(seq, num_new + extra)  # beyond the blocks `plan` already gave it
+            if extra <= 0 or not self.pool.can_allocate(needed):
+                continue
+            self.blocks.grow(seq, needed)
+            plan.runs[index] = (seq, num_new + extra, slots)
+            budget -= extra
 
     def _spec_slots(self, seq: Sequence, budget: int) -> int:
         """Draft tokens to verify after a decode token: the sequence's K, within the budget, the free blocks and
@@ -118,17 +151,40 @@ class Admission:
         self.queues = queues
         self.limits = limits
 
-    def plan(self, plan: StepPlan, budget: int) -> None:
-        for seq in sorted(self.queues.waiting, key=lambda s: s.sort_key):
+    def short_demand(self) -> int:
+        """Prompt tokens of the short sequences that would start now, for the share held back for them."""
+        seats = self.limits.max_num_seqs - len(self.queues.running)
+        ready = [seq for seq in self._in_order() if not self.limits.is_long(seq)][:max(seats, 0)]
+        return sum(seq.num_uncomputed for seq in ready)
+
+    def plan(self, plan: StepPlan, budget: int) -> int:
+        """Adds the admitted sequences' runs to `plan`; returns the budget left."""
+        partial = plan.partial_prefills()
+        for seq in self._in_order():
             if budget <= 0 or len(self.queues.running) >= self.limits.max_num_seqs:
-                return
-            if not seq.ready_to_admit():
-                continue
+                break
+            if not self._may_start_partial(seq, budget, partial):
+                continue  # waits for a partial prefill to finish; a short one behind it may start
             if not self._admit(seq, budget):
-                return  # head-of-line: later arrivals do not overtake one that does not fit
+                break  # head-of-line: later arrivals do not overtake one that does not fit
             num_new = tokens_to_run(seq, budget, self.limits)
             plan.runs.append((seq, num_new, 0))
             budget -= num_new
+            if num_new < seq.num_uncomputed:
+                partial.append(seq)
+        return budget
+
+    def _in_order(self) -> list[Sequence]:
+        return [seq for seq in sorted(self.queues.waiting, key=lambda s: s.sort_key) if seq.ready_to_admit()]
+
+    def _may_start_partial(self, seq: Sequence, budget: int, partial: list[Sequence]) -> bool:
+        """Whether `seq` may start now: it finishes in this step, or the caps on unfinished prefills allow it."""
+        if seq.num_uncomputed <= budget:
+            return True
+        shares = self.limits.shares
+        longs = sum(1 for s in partial if self.limits.is_long(s))
+        return len(partial) < shares.max_partial_prefills and \
+            (not self.limits.is_long(seq) or longs < shares.max_long_partial_prefills)
 
     def _admit(self, seq: Sequence, budget: int) -> bool:
         self.blocks.attach_cached_prefix(seq)

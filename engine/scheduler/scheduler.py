@@ -93,9 +93,10 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         plan = StepPlan()
-        budget = self.running_planner.plan(plan, self.limits.max_num_batched_tokens)
+        budget = self.running_planner.plan(plan, self.limits.max_num_batched_tokens, self.admission.short_demand())
         if not plan.preempted_seq_ids:
-            self.admission.plan(plan, budget)
+            budget = self.admission.plan(plan, budget)
+        self.running_planner.extend(plan, budget)
         finished = self.queues.take_finished()
         self.num_steps += 1
         if self.num_steps % DEBUG_EVERY_STEPS == 1 and log.isEnabledFor(logging.DEBUG):
