@@ -228,7 +228,7 @@ class DecodeActor(Actor):
     def integrity_report(self, engine: EngineCore) -> m.IntegrityReport:
         pool = engine.pool
         return m.IntegrityReport(self.spec.actor_id, integrity_error(pool), pool.num_used, pool.num_cached,
-                                 len(pool.reserved_owners()), len(engine.scheduler.running))
+                                 len(pool.reservations.owners()), len(engine.scheduler.running))
 
     def deliver(self, outputs: list) -> None:
         by_owner: dict[int, tuple[Connection, list]] = {}

@@ -11,7 +11,8 @@ import torch
 from engine.kv.export import create_shared_pool, open_shared_pool
 from commands.args import add_engine_args, engine_options
 from engine.backends.attention import AttentionMetadata
-from engine.kv.block_pool import BlockState, BlockStateError, NoFreeBlocksError, TieredBlockPool
+from engine.kv.block_pool import TieredBlockPool
+from engine.kv.block_states import BlockState, BlockStateError, NoFreeBlocksError
 from engine.config import ConfigError, EngineConfig, ModelConfig
 from engine.core.engine_core import EngineCore, EngineRequest
 from engine.kernels import dequantize_fp4, quantize_fp4
@@ -278,7 +279,7 @@ def test_tiered_pool_routes_cold_ids_and_checks_both_regions():
     assert cold == [4, 5] and all(pool.is_cold(b) for b in cold) and not any(pool.is_cold(b) for b in hot)
     assert pool.num_used == 2 and pool.num_compressed == 2 and pool.num_available == 2
     assert pool.block_state(5) is BlockState.USED and pool.refcount(4) == 1 and pool.block_state(6) is BlockState.FREE
-    assert pool.register(4, 123) is False and pool.find_cached_prefix([123]) == []
+    assert pool.register(4, 123) is False and pool.prefix.find_cached_prefix([123]) == []
     with pytest.raises(NoFreeBlocksError):
         pool.allocate_cold(2)
     with pytest.raises(BlockStateError):
@@ -288,7 +289,7 @@ def test_tiered_pool_routes_cold_ids_and_checks_both_regions():
     pool.free(reversed(hot + cold))
     assert pool.num_used == 0 and pool.num_compressed == 0
     pool.check_integrity()
-    pool.cold._free.pop(0)  # corrupt the cold region: the tiered check must see it
+    pool.cold.states._free.pop(0)  # corrupt the cold region: the tiered check must see it
     with pytest.raises(AssertionError):
         pool.check_integrity()
 

@@ -22,7 +22,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig, ModelConfig
-from engine.kv.block_pool import BlockPool, block_hash
+from engine.kv.block_pool import BlockPool
+from engine.kv.prefix_index import block_hash
 from engine.kv.groups import NULL_BLOCK, KVGroups, blocks_in_use, first_needed_block
 from engine.model.hf_loader import read_hf_config
 from engine.core.prefill_engine import PrefillEngine
@@ -380,7 +381,7 @@ class WindowedSchedulerMachine(RuleBasedStateMachine):
                 nulls = [i for i, b in enumerate(table) if b == NULL_BLOCK]
                 assert nulls == (list(range(seq.released_blocks)) if window is not None else [])
                 live = [b for b in table if b != NULL_BLOCK]
-                assert all(self.pool.group_of(b) == group for b in live)
+                assert all(self.pool.states.group_of(b) == group for b in live)
                 refs.update(live)
         assert all(self.pool.refcount(b) == refs[b] for b in range(self.num_blocks))
 

@@ -257,7 +257,7 @@ class EngineCore:
         spec = sched.spec_counters
         return EngineStats(running=len(sched.running), waiting=len(sched.waiting), kv_blocks_total=pool.num_blocks,
                            kv_blocks_used=pool.num_used, kv_blocks_cached=pool.num_cached,
-                           prefix_queries=pool.stats.prefix_queries, prefix_hits=pool.stats.prefix_hits,
+                           prefix_queries=pool.prefix.stats.prefix_queries, prefix_hits=pool.prefix.stats.prefix_hits,
                            num_preemptions=sched.num_preemptions, spec_proposed=spec.proposed,
                            spec_accepted=spec.accepted, spec_steps=spec.steps,
                            kv_bytes_per_token=self.kv_cache.bytes_per_token, **self._compression_stats())
