@@ -124,8 +124,8 @@ def test_disaggregated_actors_on_cuda_hand_pages_over_by_cuda_ipc(tiny_model_dir
             outs = await asyncio.gather(*(collect(llm, p) for p in prompts))
             while router.routed:  # finished requests are forgotten a moment after their last output
                 await asyncio.sleep(0.02)
-            report = await router.check_integrity(router.supervisor.ready("decode")[0].actor_id)
-            return kinds, outs, router.kv_transfers, report
+            report = await router.integrity.check(router.supervisor.ready("decode")[0].actor_id)
+            return kinds, outs, router.handoff.counters.kv_transfers, report
         finally:
             await llm.aclose()
 

@@ -297,7 +297,8 @@ async def test_prefill_actor_writes_a_quantised_decode_actor_pool(tiny_model_dir
         router = llm._client
         decode = router.supervisor.ready("decode")[0].ready
         assert decode.kv_export["kv_format"] == "fp8" and decode.kv_export["dtype"] == "uint8"
-        assert router.kv_transfers >= len(prompts)  # every prompt was handed over (and its checksum verified)
+        # every prompt was handed over (and its checksum verified)
+        assert router.handoff.counters.kv_transfers >= len(prompts)
         assert outs == colocated
         assert llm.stats().kv_bytes_per_token == 132.0
     finally:
