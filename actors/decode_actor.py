@@ -13,6 +13,7 @@ import torch
 
 from actors.actor import RESERVATION_SWEEP_SECONDS, Actor, integrity_error, send_quietly, to_monotonic
 from actors.convert import logprobs_from_wire, params_from_wire, resume_from_wire, update_to_wire
+from engine.core.builder import build_engine_core
 from engine.kv.export import SharedPool, create_shared_pool
 from actors.remote_proposer import RemoteProposer
 from actors.spec import ActorSpec
@@ -58,6 +59,11 @@ class DecodeActor(Actor):
         self.kv_endpoint: KVStreamServer | None = None
 
     def build_engine(self) -> EngineCore:
+        # A pool that takes hand-offs (shared, or streamed to a worker on another host) keeps the plain layout
+        options = dict(self.spec.engine, free_window_kv=False) if self.spec.share_kv or self.spec.remote \
+            else self.spec.engine
+        config = EngineConfig(**options)
+
         def allocate(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
             self.pool = create_shared_pool(shape, dtype, self.spec.local_device, tag=self.spec.actor_id)
             if self.spec.pool_socket:
@@ -67,12 +73,9 @@ class DecodeActor(Actor):
         # Only prefill actors write into the pool; peers on another host cannot map our memory, but on a Ray
         # node the actors placed beside this one can.
         shared = self.spec.share_kv and (self.spec.ray or not self.spec.remote)
-        # A pool that takes hand-offs (shared, or streamed to a worker on another host) keeps the plain layout
-        options = dict(self.spec.engine, free_window_kv=False) if self.spec.share_kv or self.spec.remote \
-            else self.spec.engine
         with self.startup.stage("engine"):
-            self.engine = EngineCore(EngineConfig(**options), device=self.spec.local_device,
-                                     kv_allocator=allocate if shared else None, proposer=self._draft_client())
+            self.engine = build_engine_core(config, device=self.spec.local_device,
+                                            kv_allocator=allocate if shared else None, proposer=self._draft_client())
         with self.startup.stage("calibration"):
             if self.spec.calibration is None:
                 self.calibration = calibrate_engine(self.engine)

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
+from engine.core.builder import build_engine_core
 from engine import AsyncLLM, SamplingParams
-from engine.core.engine_core import EngineCore
 from engine.kernels import (build_cuda_kernels, cpu_kernels, dequantize_fp4, dequantize_fp8, quantize_fp4,
                             quantize_fp8)
 from tests.kv_quant_cudasim_check import cpu_map, gpu_map, make_pages, same_bits, scalar_cases
@@ -51,7 +51,7 @@ def test_kv_quantisers_on_cuda_tensors_match_the_cpu_bit_for_bit(dtype):
 
 def cuda_llm(model_dir, **options):
     llm = tiny_llm(model_dir, **options)
-    llm.engine = EngineCore(llm.config, device="cuda")  # LLM builds its in-process engine on the CPU
+    llm.engine = build_engine_core(llm.config, device="cuda")  # LLM builds its in-process engine on the CPU
     return llm
 
 
