@@ -65,7 +65,8 @@ class DecodeActor(Actor):
         config = EngineConfig(**options)
 
         def allocate(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-            self.pool = create_shared_pool(shape, dtype, self.spec.local_device, tag=self.spec.actor_id)
+            self.pool = create_shared_pool(shape, dtype, self.spec.local_device, tag=self.spec.actor_id,
+                                           assume_free=config.shm_free_bytes)
             if self.spec.pool_socket:
                 self.pool.serve(self.spec.pool_socket)
             return self.pool.tensor

@@ -86,6 +86,7 @@ MODULE_TIERS: Mapping[str, Tier] = {
     "test_server.py": P,  # request parsing is marked unit, the drain and error tests engine
     "test_server_actors.py": P,
     "test_server_lifecycle.py": P,
+    "test_shared_pool.py": U,
     "test_sliding_window.py": E,
     "test_source_hygiene.py": U,
     "test_startup.py": U,  # the process-age test starts an interpreter: marked process
