@@ -30,7 +30,6 @@ class BlockPool:
             raise ValueError(f"num_blocks, block_size and num_groups must be positive, got {num_blocks}, "
                              f"{block_size}, {num_groups}")
         self.block_size = block_size
-        self.num_groups = num_groups
         self.states = BlockStates(num_blocks, num_groups)
         self.prefix = PrefixIndex(num_groups, enable_prefix_caching)
         self.reservations = Reservations()
@@ -40,6 +39,10 @@ class BlockPool:
     @property
     def num_blocks(self) -> int:
         return self.states.num_blocks
+
+    @property
+    def num_groups(self) -> int:
+        return self.states.num_groups
 
     @property
     def num_free(self) -> int:
