@@ -13,6 +13,7 @@ import torch
 
 from actors.actor import RESERVATION_SWEEP_SECONDS, Actor, integrity_error, send_quietly, to_monotonic
 from actors.convert import logprobs_from_wire, params_from_wire, resume_from_wire, update_to_wire
+from engine.core.builder import build_engine_core
 from engine.kv.export import SharedPool, create_shared_pool
 from actors.remote_proposer import RemoteProposer
 from actors.spec import ActorSpec
@@ -58,8 +59,14 @@ class DecodeActor(Actor):
         self.kv_endpoint: KVStreamServer | None = None
 
     def build_engine(self) -> EngineCore:
+        # A pool that takes hand-offs (shared, or streamed to a worker on another host) keeps the plain layout
+        options = dict(self.spec.engine, free_window_kv=False) if self.spec.share_kv or self.spec.remote \
+            else self.spec.engine
+        config = EngineConfig(**options)
+
         def allocate(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-            self.pool = create_shared_pool(shape, dtype, self.spec.local_device, tag=self.spec.actor_id)
+            self.pool = create_shared_pool(shape, dtype, self.spec.local_device, tag=self.spec.actor_id,
+                                           assume_free=config.shm_free_bytes)
             if self.spec.pool_socket:
                 self.pool.serve(self.spec.pool_socket)
             return self.pool.tensor
@@ -67,12 +74,9 @@ class DecodeActor(Actor):
         # Only prefill actors write into the pool; peers on another host cannot map our memory, but on a Ray
         # node the actors placed beside this one can.
         shared = self.spec.share_kv and (self.spec.ray or not self.spec.remote)
-        # A pool that takes hand-offs (shared, or streamed to a worker on another host) keeps the plain layout
-        options = dict(self.spec.engine, free_window_kv=False) if self.spec.share_kv or self.spec.remote \
-            else self.spec.engine
         with self.startup.stage("engine"):
-            self.engine = EngineCore(EngineConfig(**options), device=self.spec.local_device,
-                                     kv_allocator=allocate if shared else None, proposer=self._draft_client())
+            self.engine = build_engine_core(config, device=self.spec.local_device,
+                                            kv_allocator=allocate if shared else None, proposer=self._draft_client())
         with self.startup.stage("calibration"):
             if self.spec.calibration is None:
                 self.calibration = calibrate_engine(self.engine)
@@ -228,7 +232,7 @@ class DecodeActor(Actor):
     def integrity_report(self, engine: EngineCore) -> m.IntegrityReport:
         pool = engine.pool
         return m.IntegrityReport(self.spec.actor_id, integrity_error(pool), pool.num_used, pool.num_cached,
-                                 len(pool.reserved_owners()), len(engine.scheduler.running))
+                                 len(pool.reservations.owners()), len(engine.scheduler.running))
 
     def deliver(self, outputs: list) -> None:
         by_owner: dict[int, tuple[Connection, list]] = {}

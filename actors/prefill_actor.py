@@ -11,6 +11,7 @@ from typing import Callable
 
 from actors.actor import RESERVATION_SWEEP_SECONDS, Actor, to_monotonic
 from actors.convert import logprobs_to_wire, params_from_wire
+from engine.core.builder import build_prefill_engine
 from engine.kv.export import open_shared_pool
 from engine.core.calibration import Calibration, calibrate_prefill_engine, log_calibration
 from engine.config import EngineConfig
@@ -31,7 +32,7 @@ class PrefillActor(Actor):
 
     def build_engine(self) -> PrefillEngine:
         with self.startup.stage("engine"):
-            self.engine = PrefillEngine(EngineConfig(**self.spec.engine), device=self.spec.local_device)
+            self.engine = build_prefill_engine(EngineConfig(**self.spec.engine), device=self.spec.local_device)
         with self.startup.stage("calibration"):
             if self.spec.calibration is None:
                 self.calibration = calibrate_prefill_engine(self.engine)

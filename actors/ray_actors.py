@@ -183,8 +183,7 @@ def _search_path() -> dict[str, str]:
     return {"PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)}
 
 
-FORWARDED = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "PHASE_SERVE_LOG_FORMAT", "PHASE_SERVE_LOG_LEVEL",
-             "PHASE_SERVE_SHM_FREE_BYTES")
+FORWARDED = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "PHASE_SERVE_LOG_FORMAT", "PHASE_SERVE_LOG_LEVEL")
 
 
 def _actor_environment(spec: ActorSpec) -> dict[str, str]:

@@ -44,13 +44,13 @@ async def ttfts(model_dir: str, address: str, prompts: list[list[int]], decode_n
     router, samples = llm._client, []
     try:
         nodes = {h.spec.role: h.hello.node_id for h in router.supervisor.handles}
-        before = router.kv_bytes_transferred
+        before = router.handoff.counters.kv_bytes_transferred
         for prompt in prompts:
             start = time.perf_counter()
             async for _ in llm.generate(prompt, SamplingParams(max_tokens=1, temperature=0.0)):
                 break
             samples.append((time.perf_counter() - start) * 1e3)
-        per_handoff = (router.kv_bytes_transferred - before) // len(prompts)
+        per_handoff = (router.handoff.counters.kv_bytes_transferred - before) // len(prompts)
     finally:
         await llm.aclose()
     return samples, per_handoff, nodes["prefill"] != nodes["decode"]

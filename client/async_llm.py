@@ -11,9 +11,10 @@ from typing import AsyncIterator, Sequence
 from actors.ray_options import RayOptions
 from client.in_process import InProcessClient
 from client.prompts import Messages, Prepared, Prompt, ToolRequest, chat_prompt, engine_config, prepare
+from engine.core.builder import build_engine_core
 from engine.core.client_protocol import EngineClient
 from engine.config import ConfigError, EngineConfig
-from engine.core.engine_core import EngineCore, EngineRequest, RequestError
+from engine.core.engine_core import EngineRequest, RequestError
 from engine.core.engine_thread import build_off_thread
 from engine.model.loader import check_model, resolve_dtype, resolve_model
 from engine.core.output_processor import OutputProcessor
@@ -62,7 +63,7 @@ class AsyncLLM:
                                   trace_tokens, ray)
         if draft_actors and self.config.speculative != "draft":
             raise ConfigError("draft_actors needs speculative='draft' (and a draft_model)")
-        self.engine = None if self.layout.uses_actors else build_off_thread(lambda: EngineCore(self.config))
+        self.engine = None if self.layout.uses_actors else build_off_thread(lambda: build_engine_core(self.config))
         self.source = self.engine.source if self.engine else _checked_source(self.config)
         self.tokenizer = self.source.tokenizer
         self.processor = OutputProcessor(self.tokenizer)

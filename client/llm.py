@@ -6,8 +6,9 @@ import time
 from typing import Sequence
 
 from client.prompts import Messages, Prepared, Prompt, ToolRequest, chat_prompt, engine_config, prepare
+from engine.core.builder import build_engine_core
 from engine.config import OFFLINE_MAX_NUM_BATCHED_TOKENS
-from engine.core.engine_core import EngineCore, EngineRequest
+from engine.core.engine_core import EngineRequest
 from engine.core.output_processor import OutputProcessor
 from engine.core.outputs import RequestOutput
 from engine.sampling.sampling_params import SamplingParams
@@ -22,7 +23,7 @@ class LLM:
         (engine.config.OFFLINE) here."""
         engine_options.setdefault("max_num_batched_tokens", OFFLINE_MAX_NUM_BATCHED_TOKENS)
         self.config = engine_config(model, dtype, engine_options)
-        self.engine = EngineCore(self.config)
+        self.engine = build_engine_core(self.config)
         self.tokenizer = self.engine.source.tokenizer
         self._ids = itertools.count()
 

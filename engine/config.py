@@ -228,6 +228,10 @@ class EngineConfig:
     kv_stream_overlap: KvStreamOverlap = option("chunk", "a prefill actor streaming pages to another host sends "
                                                 "them after each layer of each chunk (chunk), of the last chunk "
                                                 "only (layer), or after the whole prefill (none)")
+    shm_free_bytes: int | None = option(None, "bytes the shared-memory file system (/dev/shm) is taken to have "
+                                        "free when a decode actor exports its KV pool, instead of what it "
+                                        "reports: the start-up size check", parse=parse_bytes, metavar="SIZE",
+                                        shown="what it reports")
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -236,7 +240,7 @@ class EngineConfig:
             raise ConfigError(f"weight_dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {self.weight_dtype!r}")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a positive power of two, got {self.block_size}")
-        for name in ("num_kv_blocks", "kv_cache_memory", "max_model_len", "num_threads"):
+        for name in ("num_kv_blocks", "kv_cache_memory", "max_model_len", "num_threads", "shm_free_bytes"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ConfigError(f"{name} must be positive, got {value}")

@@ -3,8 +3,9 @@ actor subprocesses.
 
 It wires the parts together: `placer` decides where each request runs, `handoff` drives a disaggregated
 request through reservation, prefill and commit, `failover` retries, parks and fails requests as actors come
-and go. This module owns the request table, routes the actors' messages to those parts and forwards token
-updates. Every reservation carries a deadline, so a lost message never pins blocks for longer than that.
+and go, `delivery` forwards token updates, `drains` moves requests off an actor before it stops and
+`integrity` asks an actor to check its block pool. This module owns the request table and routes the actors'
+messages to those parts. Every reservation carries a deadline, so a lost message never pins blocks for longer than that.
 """
 from __future__ import annotations
 
@@ -14,21 +15,22 @@ import time
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from actors.convert import update_from_wire
 from actors.ray_options import RayOptions
 from actors.spec import ActorSpec, Role
 from actors.supervisor import ActorHandle, ActorState, Supervisor, SupervisorSettings
 from engine.core.engine_core import EngineRequest
 from engine.core.stats import EngineStats
 from engine.core.step import SequenceUpdate
+from router.delivery import TokenDelivery
+from router.drains import Drains
 from router.failover import Failover
 from router.handoff import Handoff, Phase, Routed, attachable, export_for
+from router.integrity import IntegrityChecks
 from router.placement import DISAGGREGATED, Placement, PlacementPolicy
 from router.placer import Placer
 from transport import messages as m
 
 log = logging.getLogger("router")
-LEAVING_SETTLE_SECONDS = 0.5  # after an actor's Leaving, how long to wait for the server's own stop signal
 
 __all__ = ["ActorRouter", "RouterSettings"]
 
@@ -47,7 +49,6 @@ class ActorRouter:
                  on_error: Callable[[str, Exception], None], settings: RouterSettings = RouterSettings(),
                  supervisor_settings: SupervisorSettings = SupervisorSettings(), ray: RayOptions | None = None) -> None:
         self.settings = settings
-        self._on_updates = on_updates
         self.supervisor = Supervisor(specs, self._on_message, self._on_up, self._on_down, supervisor_settings, ray)
         self.routed: dict[str, Routed] = {}
         self.placer = Placer(self.supervisor, self.routed, settings.policy)
@@ -55,16 +56,15 @@ class ActorRouter:
                                self._handle_or_none, self.placer.record_transfer)
         self.failover = Failover(self.supervisor, self.routed, self.handoff, self._dispatch, on_error,
                                  settings.max_attempts, settings.park_timeout, settings.max_migrations)
+        self.delivery = TokenDelivery(self.routed, self.placer, self.failover, on_updates)
+        self.drains = Drains(self.supervisor, self.failover)
+        self.integrity = IntegrityChecks(self.supervisor)
         self._watchdog: asyncio.Task | None = None
-        self._trace: tuple[float, ...] = ()  # the stamps of the token frame being delivered
-        self._integrity_waiters: dict[str, asyncio.Future] = {}
-        self._stopping = False  # the server is shutting down: actors that leave are neither drained nor replaced
-        self._drains: set[asyncio.Task] = set()  # drains started by an actor's Leaving (held until done)
-        self._handlers = {m.TokenUpdates: self._on_tokens, m.BlocksReserved: self.handoff.on_reserved,
+        self._handlers = {m.TokenUpdates: self.delivery.on_tokens, m.BlocksReserved: self.handoff.on_reserved,
                           m.ReservationFailed: self.handoff.on_reservation_failed,
                           m.KVReady: self.handoff.on_kv_ready, m.KVPages: self.handoff.on_kv_pages,
                           m.RequestFailed: self.failover.on_request_failed, m.Error: self._on_actor_error,
-                          m.IntegrityReport: self._on_integrity_report, m.Leaving: self._on_leaving}
+                          m.IntegrityReport: self.integrity.on_report, m.Leaving: self.drains.on_leaving}
 
     # ---------------------------------------------------------------- EngineClient
 
@@ -135,78 +135,23 @@ class ActorRouter:
                 "failed_migrations": moved.failed_migrations}
 
     async def drain(self, actor_id: str) -> int:
-        """Move every request off a prefill or decode actor while it still runs, then stop it; the supervisor
-        starts a fresh one at once (a rolling restart). Returns the number of requests moved. KeyError for an
-        unknown actor, ValueError for one that cannot be drained."""
-        handle = self.supervisor.by_id(actor_id)
-        if handle.spec.role is Role.DRAFT or handle.spec.remote:
-            raise ValueError(f"actor {actor_id} is a {'remote' if handle.spec.remote else 'draft'} actor; only "
-                             "local prefill and decode actors can be drained")
-        if handle.state is not ActorState.READY or handle.draining:
-            raise ValueError(f"actor {actor_id} is {'draining' if handle.draining else handle.state.value}")
-        handle.draining = True  # placement skips it from now on
-        moved = self.failover.move_off(handle)
-        log.info("draining actor %s: %d requests moved", actor_id, moved, extra={"actor_id": actor_id})
-        await handle.send(m.Shutdown())
-        return moved
-
-    def _on_leaving(self, handle: ActorHandle, msg: m.Leaving) -> None:
-        """An actor got SIGTERM. When the whole server is stopping (a signal to the process group reaches every
-        process at once) let it be; otherwise drain it, after a moment in which the server's own signal would
-        have arrived."""
-        async def drain_unless_stopping() -> None:
-            await asyncio.sleep(LEAVING_SETTLE_SECONDS)
-            if not self._stopping and handle.state is ActorState.READY and not handle.draining:
-                await self.drain(handle.actor_id)
-
-        log.info("actor %s was asked to stop", handle.actor_id, extra={"actor_id": handle.actor_id})
-        task = asyncio.ensure_future(drain_unless_stopping())
-        self._drains.add(task)
-        task.add_done_callback(self._drains.discard)
+        """Move every request off a prefill or decode actor, then stop it (router.drains)."""
+        return await self.drains.drain(actor_id)
 
     def begin_shutdown(self) -> None:
         """The server drains: actors that exit now (a signal to the whole process group) stay down, and
         actors that ask to leave are not drained."""
-        self._stopping = True
+        self.drains.stop()
         self.supervisor.begin_shutdown()
 
     async def close(self) -> None:
         """Fail every request in flight and stop the actors."""
-        self._stopping = True
+        self.drains.stop()
         if self._watchdog is not None:
             self._watchdog.cancel()
         for routed in list(self.routed.values()):
             self.failover.fail(routed, "the server is shutting down")
         await self.supervisor.stop()
-
-    # ---------------------------------------------------------------- counters and integrity
-
-    @property
-    def kv_bytes_transferred(self) -> int:
-        return self.handoff.counters.kv_bytes_transferred
-
-    @property
-    def kv_transfers(self) -> int:
-        return self.handoff.counters.kv_transfers
-
-    @property
-    def kv_bytes_streamed(self) -> int:
-        return self.handoff.counters.kv_bytes_streamed
-
-    async def check_integrity(self, actor_id: str, timeout: float = 10.0) -> m.IntegrityReport:
-        """Ask one actor to verify its block pool; raises TimeoutError if it does not answer."""
-        future = self._integrity_waiters[actor_id] = asyncio.get_running_loop().create_future()
-        if not await self.supervisor.by_id(actor_id).send(m.CheckIntegrity()):
-            raise ConnectionError(f"actor {actor_id} is not reachable")
-        try:
-            return await asyncio.wait_for(future, timeout)
-        finally:
-            self._integrity_waiters.pop(actor_id, None)
-
-    def _on_integrity_report(self, handle: ActorHandle, msg: m.IntegrityReport) -> None:
-        future = self._integrity_waiters.get(handle.actor_id)
-        if future is not None and not future.done():
-            future.set_result(msg)
 
     # ---------------------------------------------------------------- dispatch and messages
 
@@ -236,37 +181,8 @@ class ActorRouter:
         handler(handle, msg)
 
     def trace(self) -> tuple[float, ...]:
-        return self._trace
-
-    def _on_tokens(self, handle: ActorHandle, msg: m.TokenUpdates) -> None:
-        self._trace = (*msg.trace, time.monotonic()) if msg.trace else ()
-        updates = []
-        for row in msg.updates:
-            routed = self.routed.get(row.request_id)
-            if routed is None or routed.decode != handle.actor_id:
-                continue  # a request this actor no longer owns (aborted, or failed over)
-            self._observe_token(handle, routed, row)
-            update = update_from_wire(row)
-            if routed.migrations:  # what the first admission found cached, not what the resumed prefill found
-                update = replace(update, num_cached_tokens=routed.cached_tokens)
-            updates.append(update)
-        if updates:
-            self._on_updates(updates)
-
-    def _observe_token(self, handle: ActorHandle, routed: Routed, row: m.TokenUpdate) -> None:
-        """A colocated request's first token checks its estimate; a last sample's finish forgets it."""
-        if not routed.streamed and routed.prefill is None and routed.placement is not None:
-            self.placer.record_estimate(handle, routed.placement.estimated_ttft,
-                                        time.monotonic() - routed.dispatched_at, routed.placement.uncached_tokens)
-        if row.token_id is not None:
-            if not routed.streamed:
-                routed.cached_tokens = row.num_cached_tokens
-            routed.streamed = True
-            routed.emitted.setdefault(row.sample_index, []).append(row.token_id)
-        if row.finish_reason is not None:
-            routed.finished_samples.add(row.sample_index)
-            if len(routed.finished_samples) >= routed.request.params.n:
-                self.failover.forget(routed)
+        """The stamps of the token frame being delivered."""
+        return self.delivery.trace
 
     def _on_actor_error(self, handle: ActorHandle, msg: m.Error) -> None:
         log.error("actor %s reports: %s", handle.actor_id, msg.message)

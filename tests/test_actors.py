@@ -49,7 +49,7 @@ async def assert_clean(llm: AsyncLLM) -> None:
     router = llm._client
     await wait_for(lambda: not router.routed, 10, "the router to forget finished requests")
     for handle in router.supervisor.ready("decode"):
-        report = await router.check_integrity(handle.actor_id)
+        report = await router.integrity.check(handle.actor_id)
         assert report.error is None, report.error
         assert (report.used_blocks, report.reservations, report.running) == (0, 0, 0), report
 
@@ -58,7 +58,7 @@ async def test_disaggregated_outputs_equal_colocated(cluster, reference):
     prompts = make_prompts(8, seed=41)
     outs = await asyncio.gather(*(generate(cluster, p) for p in prompts))
     assert outs == [o.token_ids for o in reference.generate(prompts, GREEDY)]
-    assert cluster._client.kv_transfers >= 8
+    assert cluster._client.handoff.counters.kv_transfers >= 8
     await assert_clean(cluster)
 
 
@@ -84,11 +84,11 @@ async def test_only_missing_blocks_move_on_a_prefix_hit(cluster, reference):
     shared = make_prompts(1, seed=42)[0] * 2
     first, second = shared + [7, 8, 9], shared + [11, 12, 13, 14, 15]
     assert await generate(cluster, first) == reference.generate([first], GREEDY)[0].token_ids
-    before = router.kv_bytes_transferred
+    before = router.handoff.counters.kv_bytes_transferred
     assert await generate(cluster, second) == reference.generate([second], GREEDY)[0].token_ids
     total_blocks = -(-len(second) // 8)
     cached_blocks = len(shared) // 8
-    assert router.kv_bytes_transferred - before == (total_blocks - cached_blocks) * bytes_per_block
+    assert router.handoff.counters.kv_bytes_transferred - before == (total_blocks - cached_blocks) * bytes_per_block
     await assert_clean(cluster)
 
 
@@ -206,15 +206,16 @@ async def test_pages_stream_over_tcp_to_a_decode_actor_on_another_host(tiny_mode
         prompts = make_prompts(3, seed=48)
         outs = await asyncio.gather(*(asyncio.wait_for(generate(llm, p), guarded(60)) for p in prompts))
         assert outs == [o.token_ids for o in reference.generate(prompts, GREEDY)]
-        assert router.kv_transfers == 3
-        assert router.kv_bytes_streamed == sum(-(-len(p) // 8) for p in prompts) * bytes_per_block
+        assert router.handoff.counters.kv_transfers == 3
+        assert router.handoff.counters.kv_bytes_streamed == sum(-(-len(p) // 8) for p in prompts) * bytes_per_block
 
         shared = make_prompts(1, seed=49)[0] * 2
         first, second = shared + [7, 8, 9], shared + [11, 12, 13, 14, 15]
         assert await generate(llm, first) == reference.generate([first], GREEDY)[0].token_ids
-        before = router.kv_bytes_streamed
+        before = router.handoff.counters.kv_bytes_streamed
         assert await generate(llm, second) == reference.generate([second], GREEDY)[0].token_ids
-        assert router.kv_bytes_streamed - before == (-(-len(second) // 8) - len(shared) // 8) * bytes_per_block
+        streamed = router.handoff.counters.kv_bytes_streamed - before
+        assert streamed == (-(-len(second) // 8) - len(shared) // 8) * bytes_per_block
         await assert_clean(llm)
     finally:
         await llm.aclose()

@@ -92,12 +92,12 @@ async def test_invalid_request_raises_to_the_caller(async_llm):
 
 async def test_parallel_samples_share_the_prompt_blocks(async_llm):
     prompt = make_prompts(1, seed=25)[0] * 3  # several full blocks
-    hits_before = async_llm.engine.pool.stats.prefix_hits
+    hits_before = async_llm.engine.pool.prefix.stats.prefix_hits
     params = SamplingParams(n=4, max_tokens=8, temperature=1.0, seed=5, ignore_eos=True)
     _, _, outs = await collect(async_llm.generate(prompt, params))
     assert len(outs[-1].outputs) == 4 and all(o.finished for o in outs[-1].outputs)
     full_blocks = (len(prompt) - 1) // 8
-    assert async_llm.engine.pool.stats.prefix_hits - hits_before >= 3 * full_blocks
+    assert async_llm.engine.pool.prefix.stats.prefix_hits - hits_before >= 3 * full_blocks
 
 
 def test_an_in_process_engine_names_its_backend(async_llm):

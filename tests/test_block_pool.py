@@ -12,14 +12,9 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from engine.kv.block_pool import (
-    BlockPool,
-    BlockState,
-    BlockStateError,
-    NoFreeBlocksError,
-    block_hash,
-    prefix_block_hashes,
-)
+from engine.kv.block_pool import BlockPool
+from engine.kv.block_states import BlockState, BlockStateError, NoFreeBlocksError
+from engine.kv.prefix_index import block_hash, prefix_block_hashes
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -124,8 +119,8 @@ def test_allocate_too_many_raises_without_side_effects() -> None:
     with pytest.raises(NoFreeBlocksError):
         pool.allocate(4)
     assert (pool.num_free, pool.num_cached, pool.num_used) == (0, 3, 1)
-    assert len(pool.find_cached_prefix(hashes[1:])) == 3
-    assert pool.stats.evictions == 1
+    assert len(pool.prefix.find_cached_prefix(hashes[1:])) == 3
+    assert pool.prefix.stats.evictions == 1
     assert not pool.can_allocate(4) and pool.can_allocate(3)
 
 
@@ -143,17 +138,17 @@ def test_allocate_prefers_free_over_cached() -> None:
         pool.register(block_id, h)
     pool.free(cached)
     assert set(pool.allocate(2)).isdisjoint(cached)
-    assert pool.num_cached == 2 and pool.stats.evictions == 0
+    assert pool.num_cached == 2 and pool.prefix.stats.evictions == 0
 
 
 def test_eviction_follows_free_order_and_drops_hash() -> None:
     pool, ids, hashes = _filled_cached_pool(4)
     assert pool.num_cached == 4 and pool.num_free == 0
     assert pool.allocate(1) == [ids[0]]
-    assert pool.hash_of(ids[0]) is None
-    assert pool.find_cached_prefix(hashes) == []
-    assert pool.find_cached_prefix(hashes[1:]) == ids[1:]
-    assert pool.stats.evictions == 1
+    assert pool.prefix.hash_of(ids[0]) is None
+    assert pool.prefix.find_cached_prefix(hashes) == []
+    assert pool.prefix.find_cached_prefix(hashes[1:]) == ids[1:]
+    assert pool.prefix.stats.evictions == 1
     pool.check_integrity()
 
 
@@ -218,26 +213,26 @@ def test_find_returns_longest_leading_run_and_counts_stats() -> None:
     ids = pool.allocate(4)
     for block_id, h in zip([ids[0], ids[1], ids[3]], [hashes[0], hashes[1], hashes[3]]):
         pool.register(block_id, h)
-    assert pool.find_cached_prefix(hashes) == ids[:2]
-    assert pool.find_cached_prefix(hashes[2:]) == []
-    stats = pool.stats
+    assert pool.prefix.find_cached_prefix(hashes) == ids[:2]
+    assert pool.prefix.find_cached_prefix(hashes[2:]) == []
+    stats = pool.prefix.stats
     assert (stats.prefix_queries, stats.prefix_hits) == (6, 2)
     assert stats.hit_rate == pytest.approx(2 / 6)
 
 
 def test_find_does_not_change_state() -> None:
     pool, ids, hashes = _filled_cached_pool(3)
-    assert pool.find_cached_prefix(hashes) == ids
+    assert pool.prefix.find_cached_prefix(hashes) == ids
     assert pool.num_cached == 3 and all(pool.refcount(b) == 0 for b in ids)
     assert pool.allocate(1) == [ids[0]]
 
 
 def test_acquire_revives_cached_and_shares_used() -> None:
     pool, ids, hashes = _filled_cached_pool(3)
-    pool.acquire(pool.find_cached_prefix(hashes[:2]))
+    pool.acquire(pool.prefix.find_cached_prefix(hashes[:2]))
     assert [pool.refcount(b) for b in ids] == [1, 1, 0]
     assert pool.num_cached == 1 and pool.num_used == 2
-    pool.acquire(pool.find_cached_prefix(hashes[:1]))
+    pool.acquire(pool.prefix.find_cached_prefix(hashes[:1]))
     assert pool.refcount(ids[0]) == 2
     pool.free(ids[:2])
     assert pool.refcount(ids[0]) == 1 and pool.block_state(ids[1]) is BlockState.CACHED
@@ -257,8 +252,8 @@ def test_register_keeps_existing_mapping_on_duplicate_hash() -> None:
     h = block_hash(None, [1, 2, 3, 4])
     assert pool.register(first, h)
     assert not pool.register(second, h)
-    assert pool.hash_of(second) is None
-    assert pool.find_cached_prefix([h]) == [first]
+    assert pool.prefix.hash_of(second) is None
+    assert pool.prefix.find_cached_prefix([h]) == [first]
     pool.free([second])
     assert pool.block_state(second) is BlockState.FREE
 
@@ -270,7 +265,7 @@ def test_register_same_hash_twice_is_noop_but_different_hash_raises() -> None:
     assert not pool.register(a, 11)
     with pytest.raises(BlockStateError):
         pool.register(a, 12)
-    assert pool.find_cached_prefix([11]) == [a]
+    assert pool.prefix.find_cached_prefix([11]) == [a]
 
 
 def test_register_requires_used_block() -> None:
@@ -281,17 +276,17 @@ def test_register_requires_used_block() -> None:
 
 def test_stats_snapshot_is_detached() -> None:
     pool = BlockPool(2, 4)
-    pool.stats.evictions = 99
-    assert pool.stats.evictions == 0
+    pool.prefix.stats.evictions = 99
+    assert pool.prefix.stats.evictions == 0
 
 
 def test_disabled_prefix_caching() -> None:
     pool = BlockPool(2, 4, enable_prefix_caching=False)
     ids = pool.allocate(2)
     assert not pool.register(ids[0], 42)
-    assert pool.find_cached_prefix([42]) == []
+    assert pool.prefix.find_cached_prefix([42]) == []
     pool.free(ids)
-    assert (pool.num_free, pool.num_cached, pool.stats.prefix_queries) == (2, 0, 0)
+    assert (pool.num_free, pool.num_cached, pool.prefix.stats.prefix_queries) == (2, 0, 0)
     pool.check_integrity()
 
 
@@ -301,10 +296,10 @@ def test_reserve_commit_flow() -> None:
     pool = BlockPool(6, 4)
     ids = pool.reserve("req-1", 3, deadline=10.0)
     assert all(pool.block_state(b) is BlockState.RESERVED for b in ids)
-    assert (pool.num_used, pool.num_available, pool.reserved_owners()) == (3, 3, ["req-1"])
+    assert (pool.num_used, pool.num_available, pool.reservations.owners()) == (3, 3, ["req-1"])
     assert pool.commit_reservation("req-1") == ids
     assert all(pool.refcount(b) == 1 for b in ids)
-    assert pool.reserved_owners() == [] and pool.num_used == 3
+    assert pool.reservations.owners() == [] and pool.num_used == 3
     pool.check_integrity()
 
 
@@ -320,7 +315,7 @@ def test_reserve_beyond_capacity_raises_without_side_effects() -> None:
     pool = BlockPool(2, 4)
     with pytest.raises(NoFreeBlocksError):
         pool.reserve("a", 3, 1.0)
-    assert pool.reserved_owners() == [] and pool.num_free == 2
+    assert pool.reservations.owners() == [] and pool.num_free == 2
 
 
 def test_cancel_is_idempotent_and_frees_blocks() -> None:
@@ -350,7 +345,7 @@ def test_expire_cancels_only_reservations_past_deadline() -> None:
     pool.reserve("late", 2, 20.0)
     assert pool.expire_reservations(4.9) == []
     assert pool.expire_reservations(5.0) == ["early"]
-    assert pool.reserved_owners() == ["late"] and pool.num_free == 4
+    assert pool.reservations.owners() == ["late"] and pool.num_free == 4
     pool.check_integrity()
 
 
@@ -359,14 +354,14 @@ def test_expire_cancels_only_reservations_past_deadline() -> None:
 def test_integrity_detects_corruption() -> None:
     pool = BlockPool(4, 4)
     (a,) = pool.allocate(1)
-    pool._free[a] = None
+    pool.states._free[a] = None
     with pytest.raises(AssertionError, match="free list"):
         pool.check_integrity()
 
 
 def test_integrity_detects_cached_block_without_hash() -> None:
     pool, ids, _ = _filled_cached_pool(2)
-    del pool._hash_to_block[(0, pool._block_to_hash.pop(ids[0]))]
+    del pool.prefix._hash_to_block[pool.prefix._block_to_key.pop(ids[0])]
     with pytest.raises(AssertionError, match="no hash"):
         pool.check_integrity()
 
@@ -490,9 +485,9 @@ class BlockPoolMachine(RuleBasedStateMachine):
             if h not in block_by_hash:
                 break
             expected.append(block_by_hash[h])
-        found = self.pool.find_cached_prefix(hashes, group)
+        found = self.pool.prefix.find_cached_prefix(hashes, group)
         assert found == (expected if self.enable_prefix_caching else [])
-        assert self.pool.lookup(hashes, group) == [block_by_hash.get(h) if self.enable_prefix_caching else None
+        assert self.pool.prefix.lookup(hashes, group) == [block_by_hash.get(h) if self.enable_prefix_caching else None
                                                    for h in hashes]
         if self.enable_prefix_caching and group == 0:
             self.queries += len(hashes)
@@ -559,12 +554,12 @@ class BlockPoolMachine(RuleBasedStateMachine):
         assert pool.num_cached == len(self.cached_lru)
         assert pool.num_free == self._model_free_count()
         assert all(pool.refcount(b) == self.held[b] for b in range(self.num_blocks))
-        assert all(pool.hash_of(b) == h for b, h in self.hash_of.items())
-        assert set(pool.reserved_owners()) == set(self.reservations)
-        assert all(pool.group_of(b) == self.group_of.get(b) for b in range(self.num_blocks))
-        assert [pool.num_used_in(g) for g in range(self.num_groups)] == \
+        assert all(pool.prefix.hash_of(b) == h for b, h in self.hash_of.items())
+        assert set(pool.reservations.owners()) == set(self.reservations)
+        assert all(pool.states.group_of(b) == self.group_of.get(b) for b in range(self.num_blocks))
+        assert [pool.states.num_used_in(g) for g in range(self.num_groups)] == \
             [sum(1 for b in +self.held if self.group_of[b] == g) for g in range(self.num_groups)]
-        stats = pool.stats
+        stats = pool.prefix.stats
         assert (stats.prefix_queries, stats.prefix_hits, stats.evictions) == (self.queries, self.hits, self.evictions)
 
 

@@ -1,15 +1,15 @@
 """Start-up calibration measures real steps and leaves the engine as it found it."""
 from __future__ import annotations
 
+from engine.core.builder import build_engine_core, build_prefill_engine
 from engine.core.calibration import calibrate_engine, calibrate_prefill_engine
 from engine.config import EngineConfig
-from engine.core.engine_core import EngineCore
-from engine.core.prefill_engine import PrefillEngine
 from router.cost_model import DecodeCost, PrefillCost
 
 
 def test_decode_engine_calibration(tiny_model_dir):
-    engine = EngineCore(EngineConfig(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=256, block_size=8))
+    engine = build_engine_core(EngineConfig(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=256,
+                                            block_size=8))
     calib = calibrate_engine(engine)
     assert [n for n, _ in calib.prefill] == [32, 128, 384]
     assert [b for b, _ in calib.decode] == [1, 4, 16]
@@ -21,7 +21,7 @@ def test_decode_engine_calibration(tiny_model_dir):
 
 
 def test_prefill_engine_calibration_detaches_its_scratch_pool(tiny_model_dir):
-    engine = PrefillEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", block_size=8))
+    engine = build_prefill_engine(EngineConfig(model=str(tiny_model_dir), dtype="float32", block_size=8))
     calib = calibrate_prefill_engine(engine)
     assert [n for n, _ in calib.prefill] == [32, 128, 384] and calib.decode == []
     assert engine.pools == {} and engine.jobs == {}

@@ -5,12 +5,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine.core.builder import build_engine_core
 from engine import LLM, SamplingParams
 from engine.backends import attention
 from engine.backends.attention import AttentionMetadata
 from engine.backends import CpuKernelBackend, CpuKernelConfig, TorchBackend
 from engine.config import EngineConfig, ModelConfig
-from engine.core.engine_core import EngineCore
 from engine.kernels import cpu_ext, packed_linear
 from engine.kv.cache import KVCache
 from engine.kv.formats import PageWrites, QuantizedPages, page_format
@@ -315,9 +315,9 @@ def test_fp32_model_is_untouched_by_the_kernel_switch(tiny_model_dir):
 
 def test_enforce_eager_switches_the_kernels_off(tiny_model_dir):
     require_kernels(vectors=True)  # these paths run only where the kernels have AVX-512
-    on = EngineCore(EngineConfig(model=str(tiny_model_dir), dtype="bfloat16", num_kv_blocks=16))
-    off = EngineCore(EngineConfig(model=str(tiny_model_dir), dtype="bfloat16", num_kv_blocks=16,
-                                  enforce_eager=True))
+    on = build_engine_core(EngineConfig(model=str(tiny_model_dir), dtype="bfloat16", num_kv_blocks=16))
+    off = build_engine_core(EngineConfig(model=str(tiny_model_dir), dtype="bfloat16", num_kv_blocks=16,
+                                         enforce_eager=True))
     assert type(on.runner.backend) is CpuKernelBackend and on.runner.model.backend is on.runner.backend
     assert on.runner.model.lm_packed is not None
     assert type(off.runner.backend) is TorchBackend and off.runner.model.backend is off.runner.backend

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
+from engine.core.builder import build_engine_core
 from engine import AsyncLLM, SamplingParams
-from engine.core.engine_core import EngineCore
 from engine.kernels import (build_cuda_kernels, cpu_kernels, dequantize_fp4, dequantize_fp8, quantize_fp4,
                             quantize_fp8)
 from tests.kv_quant_cudasim_check import cpu_map, gpu_map, make_pages, same_bits, scalar_cases
@@ -51,7 +51,7 @@ def test_kv_quantisers_on_cuda_tensors_match_the_cpu_bit_for_bit(dtype):
 
 def cuda_llm(model_dir, **options):
     llm = tiny_llm(model_dir, **options)
-    llm.engine = EngineCore(llm.config, device="cuda")  # LLM builds its in-process engine on the CPU
+    llm.engine = build_engine_core(llm.config, device="cuda")  # LLM builds its in-process engine on the CPU
     return llm
 
 
@@ -124,8 +124,8 @@ def test_disaggregated_actors_on_cuda_hand_pages_over_by_cuda_ipc(tiny_model_dir
             outs = await asyncio.gather(*(collect(llm, p) for p in prompts))
             while router.routed:  # finished requests are forgotten a moment after their last output
                 await asyncio.sleep(0.02)
-            report = await router.check_integrity(router.supervisor.ready("decode")[0].actor_id)
-            return kinds, outs, router.kv_transfers, report
+            report = await router.integrity.check(router.supervisor.ready("decode")[0].actor_id)
+            return kinds, outs, router.handoff.counters.kv_transfers, report
         finally:
             await llm.aclose()
 

@@ -6,6 +6,7 @@ import time
 import pytest
 import torch
 
+from engine.core.builder import build_prefill_engine
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.core.engine_core import EngineRequest
@@ -19,7 +20,7 @@ OPTIONS = dict(dtype="float32", num_kv_blocks=128, block_size=8, max_num_batched
 @pytest.fixture()
 def pair(tiny_model_dir):
     decode = LLM(str(tiny_model_dir), **OPTIONS)
-    prefill = PrefillEngine(EngineConfig(model=str(tiny_model_dir), **OPTIONS), source=decode.engine.source)
+    prefill = build_prefill_engine(EngineConfig(model=str(tiny_model_dir), **OPTIONS), source=decode.engine.source)
     prefill.attach_pool("decode-0", decode.engine.kv_cache)
     return decode, prefill
 

@@ -114,7 +114,7 @@ async def assert_clean(llm: AsyncLLM) -> None:
     router = llm._client
     await wait_for(lambda: not router.routed, 10, "the router to forget finished requests")
     for handle in router.supervisor.ready("decode") + router.supervisor.ready("draft"):
-        report = await router.check_integrity(handle.actor_id)
+        report = await router.integrity.check(handle.actor_id)
         assert report.error is None, report.error
         assert (report.used_blocks, report.running) == (0, 0), report
 
@@ -165,7 +165,7 @@ async def test_self_draft_actor_with_disaggregated_prefill(tiny_model_dir, promp
     try:
         outs = await asyncio.gather(*(generate(llm, p) for p in prompts[:6]))
         assert outs == await plain(prompts[:6])
-        assert llm._client.kv_transfers >= 6
+        assert llm._client.handoff.counters.kv_transfers >= 6
         assert await drafts_within(llm, prompts[6], plain, 30)
         await assert_clean(llm)
     finally:

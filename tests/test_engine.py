@@ -63,9 +63,9 @@ def test_prefix_cache_hits_give_identical_outputs(tiny_model_dir):
     cold = tiny_llm(tiny_model_dir, enable_prefix_caching=False).generate(prompts, GREEDY)
     llm = tiny_llm(tiny_model_dir)
     llm.generate(prompts[:1], GREEDY)
-    hits_before = llm.engine.pool.stats.prefix_hits
+    hits_before = llm.engine.pool.prefix.stats.prefix_hits
     warm = llm.generate(prompts, GREEDY)
-    assert llm.engine.pool.stats.prefix_hits - hits_before >= 6 * (len(shared) // 8)
+    assert llm.engine.pool.prefix.stats.prefix_hits - hits_before >= 6 * (len(shared) // 8)
     assert warm[1].num_cached_tokens >= len(shared) // 8 * 8
     assert [o.token_ids for o in warm] == [o.token_ids for o in cold]
     assert_pool_clean(llm)

@@ -8,15 +8,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from engine.core.builder import build_engine_core, build_prefill_engine
 from engine.kv.export import create_shared_pool, open_shared_pool
 from engine import LLM, SamplingParams
 from engine.backends.attention import AttentionMetadata
 from engine.config import ConfigError, EngineConfig, ModelConfig
-from engine.core.engine_core import EngineCore
 from engine.kernels import dequantize_fp4, dequantize_fp8, quantize_fp4, quantize_fp8
 from engine.kv.cache import KVCache, bytes_per_block, choose_num_blocks
 from engine.kv.formats import PageWrites
-from engine.core.prefill_engine import PrefillEngine
 from tests.test_disagg_inprocess import run_disaggregated
 from tests.test_engine import GREEDY, assert_pool_clean, make_prompts
 from tests.test_kv_quant import ref_pow2_ceil
@@ -230,11 +229,11 @@ def exported_pair(tiny_model_dir, kv_format: str):
         return pools[0].tensor
 
     config = EngineConfig(model=str(tiny_model_dir), kv_cache_dtype=kv_format, **OPTIONS)
-    engine = EngineCore(config, kv_allocator=allocate)
+    engine = build_engine_core(config, kv_allocator=allocate)
     decode = SimpleNamespace(engine=engine, tokenizer=engine.source.tokenizer)  # what run_disaggregated uses
     kv = engine.kv_cache
     export = dict(pools[0].export, bytes_per_token=kv.bytes_per_token, kv_format=kv.kv_format)
-    prefill = PrefillEngine(config, source=decode.engine.source)
+    prefill = build_prefill_engine(config, source=decode.engine.source)
     mapped = KVCache.from_export(decode.engine.source.config, kv.num_blocks, kv.block_size,
                                  open_shared_pool(export), export, prefill.dtype)
     prefill.attach_pool("decode-0", mapped)
@@ -297,7 +296,8 @@ async def test_prefill_actor_writes_a_quantised_decode_actor_pool(tiny_model_dir
         router = llm._client
         decode = router.supervisor.ready("decode")[0].ready
         assert decode.kv_export["kv_format"] == "fp8" and decode.kv_export["dtype"] == "uint8"
-        assert router.kv_transfers >= len(prompts)  # every prompt was handed over (and its checksum verified)
+        # every prompt was handed over (and its checksum verified)
+        assert router.handoff.counters.kv_transfers >= len(prompts)
         assert outs == colocated
         assert llm.stats().kv_bytes_per_token == 132.0
     finally:

@@ -8,17 +8,18 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from engine.core.builder import build_engine_core, build_prefill_engine
 from engine.kv.export import create_shared_pool, open_shared_pool
 from commands.args import add_engine_args, engine_options
 from engine.backends.attention import AttentionMetadata
-from engine.kv.block_pool import BlockState, BlockStateError, NoFreeBlocksError, TieredBlockPool
+from engine.kv.block_pool import TieredBlockPool
+from engine.kv.block_states import BlockState, BlockStateError, NoFreeBlocksError
 from engine.config import ConfigError, EngineConfig, ModelConfig
 from engine.core.engine_core import EngineCore, EngineRequest
 from engine.kernels import dequantize_fp4, quantize_fp4
 from engine.kv.cache import KVCache
 from engine.kv.compress import ColdRegion
 from engine.kv.formats import PageWrites
-from engine.core.prefill_engine import PrefillEngine
 from tests.test_disagg_inprocess import run_disaggregated
 from tests.test_engine import GREEDY, make_prompts
 
@@ -39,7 +40,7 @@ def one_thread():
 
 
 def make_engine(model_dir, **options) -> EngineCore:
-    return EngineCore(EngineConfig(model=str(model_dir), **{**OPTIONS, "num_kv_blocks": BLOCKS, **options}))
+    return build_engine_core(EngineConfig(model=str(model_dir), **{**OPTIONS, "num_kv_blocks": BLOCKS, **options}))
 
 
 def adaptive_engine(model_dir, **options) -> EngineCore:
@@ -182,11 +183,11 @@ def test_hand_off_into_an_adaptive_decode_engine(tiny_model_dir):
 
     config = EngineConfig(model=str(tiny_model_dir), kv_compress="fp4", kv_compress_after=KEEP,
                           **{**OPTIONS, "num_kv_blocks": 2 * hot, "max_num_batched_tokens": 512})
-    engine = EngineCore(config, kv_allocator=allocate)
+    engine = build_engine_core(config, kv_allocator=allocate)
     try:
         assert engine.kv_cache.num_blocks == hot and tuple(pools[0].tensor.shape)[2] == hot
         export = dict(pools[0].export, bytes_per_token=engine.kv_cache.bytes_per_token, kv_format="auto")
-        prefill = PrefillEngine(config, source=engine.source)
+        prefill = build_prefill_engine(config, source=engine.source)
         prefill.attach_pool("decode-0", KVCache.from_export(engine.source.config, hot, BS, open_shared_pool(export),
                                                             export, prefill.dtype))
         decode = SimpleNamespace(engine=engine, tokenizer=engine.source.tokenizer)
@@ -278,7 +279,7 @@ def test_tiered_pool_routes_cold_ids_and_checks_both_regions():
     assert cold == [4, 5] and all(pool.is_cold(b) for b in cold) and not any(pool.is_cold(b) for b in hot)
     assert pool.num_used == 2 and pool.num_compressed == 2 and pool.num_available == 2
     assert pool.block_state(5) is BlockState.USED and pool.refcount(4) == 1 and pool.block_state(6) is BlockState.FREE
-    assert pool.register(4, 123) is False and pool.find_cached_prefix([123]) == []
+    assert pool.register(4, 123) is False and pool.prefix.find_cached_prefix([123]) == []
     with pytest.raises(NoFreeBlocksError):
         pool.allocate_cold(2)
     with pytest.raises(BlockStateError):
@@ -288,7 +289,7 @@ def test_tiered_pool_routes_cold_ids_and_checks_both_regions():
     pool.free(reversed(hot + cold))
     assert pool.num_used == 0 and pool.num_compressed == 0
     pool.check_integrity()
-    pool.cold._free.pop(0)  # corrupt the cold region: the tiered check must see it
+    pool.cold.states._free.pop(0)  # corrupt the cold region: the tiered check must see it
     with pytest.raises(AssertionError):
         pool.check_integrity()
 

@@ -92,10 +92,10 @@ async def test_roles_land_on_their_nodes_and_match_the_colocated_outputs(placed,
     assert ray_actor_nodes() == {prefill.hello.node_id, decode.hello.node_id}
     assert "endpoint" in decode.ready.kv_export  # another node's prefill streams to it
     prompts = make_prompts(6, seed=71)
-    before = placed._client.kv_bytes_streamed
+    before = placed._client.handoff.counters.kv_bytes_streamed
     outs = await asyncio.gather(*(_generate(placed, p) for p in prompts))
     assert outs == [o.token_ids for o in reference.generate(prompts, GREEDY)]
-    assert placed._client.kv_bytes_streamed > before  # over TCP, node to node
+    assert placed._client.handoff.counters.kv_bytes_streamed > before  # over TCP, node to node
     await assert_clean(placed)
 
 
@@ -128,10 +128,10 @@ async def test_a_killed_ray_actor_is_replaced_by_a_new_one(placed, reference):
     assert prefill.pid != old_pid and prefill.hello.node_id in nodes_with("prefill_node")
     assert ray_actor_nodes() == {prefill.hello.node_id, handle(placed, "decode").hello.node_id}
     prompts = make_prompts(3, seed=74)
-    before = router.kv_transfers
+    before = router.handoff.counters.kv_transfers
     assert await asyncio.gather(*(_generate(placed, p) for p in prompts)) == \
         [o.token_ids for o in reference.generate(prompts, GREEDY)]
-    assert router.kv_transfers == before + 3  # handed off by the new actor
+    assert router.handoff.counters.kv_transfers == before + 3  # handed off by the new actor
     await assert_clean(placed)
 
 
@@ -192,9 +192,9 @@ async def _generate(llm: AsyncLLM, prompt) -> list[int]:
 
 async def _streamed(llm: AsyncLLM, prompt) -> int:
     """The page bytes one hand-off of `prompt` streamed between nodes."""
-    before = llm._client.kv_bytes_streamed
+    before = llm._client.handoff.counters.kv_bytes_streamed
     await _generate(llm, prompt)
-    return llm._client.kv_bytes_streamed - before
+    return llm._client.handoff.counters.kv_bytes_streamed - before
 
 
 @pytest.fixture(scope="module")

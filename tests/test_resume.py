@@ -7,10 +7,11 @@ import time
 
 import pytest
 
+from engine.core.builder import build_prefill_engine
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.core.engine_core import EngineRequest, RequestError
-from engine.core.prefill_engine import PrefillEngine, PrefillJob
+from engine.core.prefill_engine import PrefillJob
 from engine.core.step import position_seed
 from engine.sampling.structured import Guide
 from tests.test_engine import make_prompts
@@ -101,7 +102,7 @@ def test_grammar_resume_keeps_the_constraint(llm):
 def test_resume_through_a_prefill_engine_hand_off(llm, tiny_model_dir):
     """Disaggregated resume: the prefill engine computes prompt + emitted tokens into the decode engine's
     reserved blocks (penalties count the emitted ones as output), and decoding goes on from there."""
-    prefill = PrefillEngine(EngineConfig(model=str(tiny_model_dir), **OPTIONS), source=llm.engine.source)
+    prefill = build_prefill_engine(EngineConfig(model=str(tiny_model_dir), **OPTIONS), source=llm.engine.source)
     prefill.attach_pool("decode-0", llm.engine.kv_cache)
     engine = llm.engine
     for name in ("greedy", "penalised"):

@@ -21,7 +21,7 @@ from transport.owned import owned_prefix
 SHM = Path("/dev/shm")
 TMP = Path(tempfile.gettempdir())
 DISAGG = ("--prefill-actors", "1", "--decode-actors", "1", "--disagg", "always")
-SMALL_SHM = {"PHASE_SERVE_SHM_FREE_BYTES": str(64 << 20)}  # what Docker gives a container by default
+SMALL_SHM = ("--shm-free-bytes", str(64 << 20))  # what Docker gives a container by default
 TINY_POOL = ("--num-kv-blocks", "32768")  # 128 MiB of fp32 KV on the tiny model: more than SMALL_SHM has
 
 
@@ -121,7 +121,7 @@ def test_what_sigkill_leaves_is_reclaimed_at_the_next_start(tiny_model_dir, tmp_
     (tmp_path / "second").mkdir()
     second = None
     try:
-        second = _serve(tmp_path / "second", tiny_model_dir, env=SMALL_SHM)  # a default serve needs no segment
+        second = _serve(tmp_path / "second", tiny_model_dir, *SMALL_SHM)  # a default serve needs no segment
         assert not left[0].exists() and not stale.exists()
         assert live.exists() and foreign.exists()
     finally:
@@ -133,9 +133,8 @@ def test_what_sigkill_leaves_is_reclaimed_at_the_next_start(tiny_model_dir, tmp_
 
 def test_a_small_dev_shm_refuses_to_start_with_one_sentence(tiny_model_dir, tmp_path):
     cmd = [sys.executable, "cli.py", "serve", "--port", "0", "--log-format", "json", "--model", str(tiny_model_dir),
-           *TINY_ENGINE_FLAGS, *TINY_POOL, *DISAGG]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, **SMALL_SHM})
+           *TINY_ENGINE_FLAGS, *TINY_POOL, *SMALL_SHM, *DISAGG]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     output, _ = proc.communicate(timeout=180)
     assert proc.returncode == 2, output
     refusal = [json.loads(line) for line in output.splitlines() if '"cannot start"' in line]

@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.core.builder import build_prefill_engine
 from engine import LLM, SamplingParams
 from engine.backends.attention import AttentionMetadata
 from engine.config import EngineConfig
 from engine.kv.cache import KVCache
 from engine.model.hf_loader import iter_hf_weights, read_hf_config
 from engine.model.llama import build_model
-from engine.core.prefill_engine import PrefillEngine
 from tests.kernel_helpers import kernel_model, require_kernels
 from tests.kernel_helpers import stack_calls  # noqa: F401 (fixture)
 from tests.test_disagg_inprocess import run_disaggregated
@@ -165,7 +165,7 @@ def test_disaggregated_greedy_equals_transformers(windowed_dir, expected_tokens,
     actors build their engines so)."""
     options = dict(dtype="float32", num_kv_blocks=96, block_size=BLOCK, max_num_batched_tokens=6)
     decode = LLM(str(windowed_dir), free_window_kv=False, **options)
-    prefill = PrefillEngine(EngineConfig(model=str(windowed_dir), **options), source=decode.engine.source)
+    prefill = build_prefill_engine(EngineConfig(model=str(windowed_dir), **options), source=decode.engine.source)
     prefill.attach_pool("decode-0", decode.engine.kv_cache)
     outs, _ = run_disaggregated(decode, prefill, PROMPTS, GREEDY, streamed)
     assert [o.token_ids for o in outs] == expected_tokens

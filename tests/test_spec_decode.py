@@ -150,9 +150,9 @@ def test_prefix_cache_after_speculation_holds_only_final_tokens(tiny_model_dir, 
     first = run(llm, prompts[:8], GREEDY)
     assert llm.engine.stats().spec_proposed > llm.engine.stats().spec_accepted  # rejections happened
     continued = [p + out for p, out in zip(prompts[:8], first)]
-    hits = llm.engine.pool.stats.prefix_hits
+    hits = llm.engine.pool.prefix.stats.prefix_hits
     warm = run(llm, continued, GREEDY, [False] * 8)
-    assert llm.engine.pool.stats.prefix_hits - hits >= 8 * (len(min(continued, key=len)) // 4 - 1)
+    assert llm.engine.pool.prefix.stats.prefix_hits - hits >= 8 * (len(min(continued, key=len)) // 4 - 1)
     assert warm == run(tiny_llm(tiny_model_dir, enable_prefix_caching=False), continued, GREEDY)
     assert_clean(llm)
 

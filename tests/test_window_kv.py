@@ -20,12 +20,13 @@ import torch
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from engine.core.builder import build_engine_core, build_prefill_engine
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig, ModelConfig
-from engine.kv.block_pool import BlockPool, block_hash
+from engine.kv.block_pool import BlockPool
+from engine.kv.prefix_index import block_hash
 from engine.kv.groups import NULL_BLOCK, KVGroups, blocks_in_use, first_needed_block
 from engine.model.hf_loader import read_hf_config
-from engine.core.prefill_engine import PrefillEngine
 from engine.scheduler import Scheduler, SchedulerLimits
 from engine.core.sequence import Sequence
 from engine.speculative.adaptive import SpecState
@@ -275,8 +276,8 @@ def test_a_pool_that_frees_takes_no_hand_off(windowed_dir):
         with pytest.raises(ValueError, match="plain KV layout"):
             freeing.engine.scheduler.reserve_remote("r", list(range(20)), deadline=1e9)
         return
-    prefill = PrefillEngine(EngineConfig(model=str(windowed_dir), dtype="float32", num_kv_blocks=96,
-                                         block_size=BLOCK), source=freeing.engine.source)
+    prefill = build_prefill_engine(EngineConfig(model=str(windowed_dir), dtype="float32", num_kv_blocks=96,
+                                                block_size=BLOCK), source=freeing.engine.source)
     with pytest.raises(ValueError, match="plain layout"):
         prefill.attach_pool("decode-0", freeing.engine.kv_cache)
 
@@ -286,8 +287,8 @@ def test_freeing_is_off_for_an_exported_pool(windowed_dir):
         return torch.zeros(shape, dtype=dtype)
 
     from engine.core.engine_core import EngineCore
-    core = EngineCore(EngineConfig(model=str(windowed_dir), dtype="float32", num_kv_blocks=32, block_size=BLOCK),
-                      kv_allocator=allocate)
+    config = EngineConfig(model=str(windowed_dir), dtype="float32", num_kv_blocks=32, block_size=BLOCK)
+    core = build_engine_core(config, kv_allocator=allocate)
     assert core.kv_cache.groups == KVGroups.single(core.source.config.num_layers)
     assert core.scheduler.windows == (None,)
 
@@ -380,7 +381,7 @@ class WindowedSchedulerMachine(RuleBasedStateMachine):
                 nulls = [i for i, b in enumerate(table) if b == NULL_BLOCK]
                 assert nulls == (list(range(seq.released_blocks)) if window is not None else [])
                 live = [b for b in table if b != NULL_BLOCK]
-                assert all(self.pool.group_of(b) == group for b in live)
+                assert all(self.pool.states.group_of(b) == group for b in live)
                 refs.update(live)
         assert all(self.pool.refcount(b) == refs[b] for b in range(self.num_blocks))
 

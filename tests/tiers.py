@@ -33,6 +33,7 @@ MODULE_TIERS: Mapping[str, Tier] = {
     "test_attention.py": E,
     "test_block_pool.py": U,  # one test hashes in subprocesses: marked process
     "test_calibration.py": E,
+    "test_class_size.py": U,
     "test_chat_session.py": U,  # the command driven through its stdin is marked process
     "test_cli_config.py": P,  # the config-file parsing tests are marked unit, the shells run as subprocesses
     "test_cli_flags.py": P,  # most of its tests read `cli.py --help` from a subprocess
@@ -87,6 +88,7 @@ MODULE_TIERS: Mapping[str, Tier] = {
     "test_server.py": P,  # request parsing is marked unit, the drain and error tests engine
     "test_server_actors.py": P,
     "test_server_lifecycle.py": P,
+    "test_shared_pool.py": U,
     "test_sliding_window.py": E,
     "test_source_hygiene.py": U,
     "test_startup.py": U,  # the process-age test starts an interpreter: marked process

@@ -1,32 +1,25 @@
 """One engine: model, KV pool, scheduler and runner. Token ids in, sampled token ids out.
 
-This is what an actor runs. Text (tokenisation, detokenisation, stop strings) lives in the front end.
+This is what an actor runs. Text (tokenisation, detokenisation, stop strings) lives in the front end. Build one
+with engine.core.builder.build_engine_core (config in, engine out).
 """
 from __future__ import annotations
 
 import itertools
 import time
 from dataclasses import dataclass
-from typing import Callable
 
-import psutil
 import torch
 
-from engine.kv.block_pool import BlockPool, TieredBlockPool
-from engine.kv.compaction import MIN_BATCH_SHARE, Compactor
+from engine.kv.block_pool import BlockPool
 from engine.config import EngineConfig
-from engine.kv.cache import KVCache, choose_num_blocks, grouped_num_blocks
-from engine.kv.groups import KVGroups
-from engine.kv.compress import ColdRegion, split_kv_budget
-from engine.model.loader import ModelSource, load_model, resolve_dtype, resolve_model
-from engine.backends import select_backend
+from engine.kv.cache import KVCache
+from engine.model.loader import ModelSource
 from engine.core.runner import ModelRunner
 from engine.sampling.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerLimits
+from engine.scheduler import Scheduler
 from engine.core.sequence import Sequence
 from engine.speculative.adaptive import SpecState
-from engine.speculative.build import build_proposer
-from engine.speculative.proposer import Proposer
 from engine.speculative.speculator import Speculator
 from engine.core.stats import EngineStats
 from engine.sampling.structured import GrammarCompiler, GuideError, source_compiler
@@ -67,45 +60,20 @@ class EngineRequest:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, source: ModelSource | None = None, device: str = "cpu",
-                 kv_allocator: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None,
-                 proposer: Proposer | None = None) -> None:
-        """`kv_allocator(shape, dtype)` provides the KV pool's memory (an actor passes shared memory).
-        `proposer` replaces the one `config.speculative` would build here (a decode actor's draft actor client)."""
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
-        torch.manual_seed(config.seed)
+    """Steps the scheduler, the runner and the speculator it is given (engine/core/builder.py assembles them)."""
+
+    def __init__(self, config: EngineConfig, source: ModelSource, *, dtype: torch.dtype, max_model_len: int,
+                 kv_cache: KVCache, pool: BlockPool, scheduler: Scheduler, runner: ModelRunner,
+                 speculator: Speculator | None) -> None:
         self.config = config
-        self.source = source or resolve_model(config.model)
-        self.dtype = resolve_dtype(config.dtype, device)
-        model_cfg = self.source.config
-        self.max_model_len = min(config.max_model_len or model_cfg.max_position_embeddings,
-                                 model_cfg.max_position_embeddings)
-        model = load_model(self.source, self.dtype, device, config.weight_dtype)
-        kv_format = config.kv_cache_dtype
-        plain_blocks, num_cold = self._kv_block_counts()
-        # An exported pool (an actor's: a peer writes its pages) and a compressed one keep the plain layout
-        groups = KVGroups.for_model(model_cfg, config.free_window_kv and kv_allocator is None and not num_cold)
-        num_blocks = grouped_num_blocks(model_cfg, plain_blocks, groups)
-        storage = None if kv_allocator is None else kv_allocator(
-            KVCache.shape_for(model_cfg, num_blocks, config.block_size, kv_format),
-            KVCache.storage_dtype(self.dtype, kv_format))
-        self.kv_cache = KVCache(model_cfg, num_blocks, config.block_size, self.dtype, device, storage, kv_format,
-                                groups)
-        self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching, groups.num_groups) \
-            if not num_cold else TieredBlockPool(num_blocks, num_cold, config.block_size, config.enable_prefix_caching)
-        limits = SchedulerLimits(config.max_num_batched_tokens, config.max_num_seqs, config.enable_chunked_prefill,
-                                 config.prefill_shares())
-        eos = self.source.tokenizer.eos_token_ids or model_cfg.eos_token_ids
-        self.scheduler = Scheduler(self.pool, limits, tuple(eos), self._compactor(), groups.windows)
-        self.runner = ModelRunner(model, self.kv_cache, device, select_backend(device, self.dtype, config.enforce_eager),
-                                  grammar_compiler=self.grammar_compiler)
-        if num_cold:
-            self.runner.attach_cold_region(ColdRegion(model_cfg, num_cold, num_blocks, config.block_size,
-                                                      self.dtype, device))
-        if proposer is None:
-            proposer = build_proposer(config, model, self.source, plain_blocks, self.dtype, device)
-        self.speculator = None if proposer is None else Speculator(proposer, model_cfg.vocab_size)
+        self.source = source
+        self.dtype = dtype
+        self.max_model_len = max_model_len
+        self.kv_cache = kv_cache
+        self.pool = pool
+        self.scheduler = scheduler
+        self.runner = runner
+        self.speculator = speculator
         self._seq_ids = itertools.count()
 
     def grammar_compiler(self) -> GrammarCompiler:
@@ -120,21 +88,6 @@ class EngineCore:
                 self.grammar_compiler().compile(req.params.guide)
             except GuideError as exc:
                 raise RequestError(str(exc), "guide") from None
-
-    def _kv_block_counts(self) -> tuple[int, int]:
-        """(hot blocks, FP4 blocks): adaptive compression splits the KV budget, otherwise all of it is hot."""
-        c, model_cfg = self.config, self.source.config
-        available = psutil.virtual_memory().available
-        if c.kv_compress == "none":
-            return choose_num_blocks(model_cfg, c.block_size, self.dtype, c.num_kv_blocks, c.kv_cache_memory,
-                                     available, c.kv_cache_dtype), 0
-        return split_kv_budget(model_cfg, c.block_size, self.dtype, c.kv_cache_dtype, c.num_kv_blocks,
-                               c.kv_cache_memory, available, c.kv_compress_share)
-
-    def _compactor(self) -> Compactor | None:
-        if not isinstance(self.pool, TieredBlockPool):
-            return None
-        return Compactor(self.pool, self.config.kv_compress_after, int(self.pool.num_blocks * MIN_BATCH_SHARE))
 
     def _compression_stats(self) -> dict[str, int]:
         compactor = self.scheduler.compactor
@@ -258,7 +211,7 @@ class EngineCore:
         spec = sched.spec_counters
         return EngineStats(running=len(sched.running), waiting=len(sched.waiting), kv_blocks_total=pool.num_blocks,
                            kv_blocks_used=pool.num_used, kv_blocks_cached=pool.num_cached,
-                           prefix_queries=pool.stats.prefix_queries, prefix_hits=pool.stats.prefix_hits,
+                           prefix_queries=pool.prefix.stats.prefix_queries, prefix_hits=pool.prefix.stats.prefix_hits,
                            num_preemptions=sched.num_preemptions, spec_proposed=spec.proposed,
                            spec_accepted=spec.accepted, spec_steps=spec.steps,
                            kv_bytes_per_token=self.kv_cache.bytes_per_token, **self._compression_stats())

@@ -23,13 +23,11 @@ import torch
 
 from engine.config import EngineConfig
 from engine.kv.cache import KVCache
-from engine.model.loader import ModelSource, load_model, resolve_dtype, resolve_model
-from engine.backends import select_backend
+from engine.model.loader import ModelSource
 from engine.core.runner import ModelRunner
 from engine.sampling.sampler import TokenLogprobs
 from engine.sampling.sampling_params import SamplingParams
 from engine.core.step import RunnerOutput, SchedulerOutput, build_chunk
-from engine.sampling.structured import source_compiler
 
 
 class PageSink(Protocol):
@@ -76,17 +74,16 @@ class PrefillResult:
 
 
 class PrefillEngine:
-    def __init__(self, config: EngineConfig, source: ModelSource | None = None, device: str = "cpu") -> None:
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+    """Runs prefill jobs into attached pools with the runner it is given (engine/core/builder.py assembles it)."""
+
+    def __init__(self, config: EngineConfig, source: ModelSource, *, dtype: torch.dtype, device: str,
+                 runner: ModelRunner) -> None:
         self.config = config
-        self.source = source or resolve_model(config.model)
-        self.dtype = resolve_dtype(config.dtype, device)
+        self.source = source
+        self.dtype = dtype
         self.device = device
-        self.runner = ModelRunner(load_model(self.source, self.dtype, device, config.weight_dtype), None, device,
-                                  select_backend(device, self.dtype, config.enforce_eager),
-                                  grammar_compiler=lambda: source_compiler(self.source))
-        self.eos_token_ids = frozenset(self.source.tokenizer.eos_token_ids or self.source.config.eos_token_ids)
+        self.runner = runner
+        self.eos_token_ids = frozenset(source.tokenizer.eos_token_ids or source.config.eos_token_ids)
         self.pools: dict[str, KVCache] = {}
         self.jobs: dict[str, PrefillJob] = {}
         self._seq_ids = itertools.count()

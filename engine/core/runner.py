@@ -113,9 +113,10 @@ class ModelRunner:
 
     def __init__(self, model: LlamaModel, kv_cache: KVCache | None, device: torch.device | str = "cpu",
                  backend: Backend | None = None,
-                 grammar_compiler: Callable[[], GrammarCompiler] | None = None) -> None:
+                 grammar_compiler: Callable[[], GrammarCompiler] | None = None, cold: ColdRegion | None = None) -> None:
         """`backend`: the hardware operations (engine/backends.select_backend); None = plain torch ops.
-        `grammar_compiler`: the engine's (built on first use); None refuses constrained requests."""
+        `grammar_compiler`: the engine's (built on first use); None refuses constrained requests.
+        `cold`: adaptive compression: old pages of this runner's own pool may live there (engine/kv/compress.py)."""
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
@@ -124,7 +125,8 @@ class ModelRunner:
         # matcher per constrained sequence.
         self.grammar_compiler = grammar_compiler
         self._guides: GuideStates | None = None
-        self.cold: ColdRegion | None = None
+        self.cold = cold
+        self._tiered_layers = None if cold is None else cold.layers_over(kv_cache)
         if torch.device(device).type == "cpu":
             keep_freed_memory()
         self.backend: Backend = TorchBackend(device)  # what a model runs on until it is given a backend
@@ -189,11 +191,6 @@ class ModelRunner:
         if tokens is None:
             return None
         return runner_output(dict(zip((c.seq_id for c in inp.sampled_chunks), tokens.tolist())))
-
-    def attach_cold_region(self, cold: ColdRegion) -> None:
-        """Adaptive compression: old pages of this runner's own pool may live in `cold` (engine/kv/compress.py)."""
-        self.cold = cold
-        self._tiered_layers = cold.layers_over(self.kv_cache)
 
     def _verify_as_rows(self, sched: SchedulerOutput, layers: list) -> bool:
         """A step that only verifies one sequence's drafts, on plain pages: the decode-attention kernel then

@@ -1,7 +1,9 @@
 """The paged KV cache, one concept per module.
 
-- `block_pool`: pure-Python block bookkeeping (free list, reference counts, the prefix cache's chained hashes,
-  reservations) with an integrity check; no torch.
+- `block_pool`: pure-Python block bookkeeping with an integrity check, built from the parts below; no torch.
+- `block_states`: every block's state, the free list, the LRU of cached blocks, refcounts and groups.
+- `prefix_index`: the prefix cache's chained hashes, which block holds each, and the hit counters.
+- `reservations`: blocks held for KV another process writes, per owner with a deadline.
 - `groups`: KV-cache groups, the layers that share one block table, and which blocks a windowed group still
   reads (no torch).
 - `cache`: the pool's tensor, every layer's key and value pages, and page reads/writes for hand-offs.

@@ -25,7 +25,6 @@ from transport.fd_passing import FdServer, receive_fd
 from transport.owned import owned_prefix, reclaim
 
 SHM_DIR = Path("/dev/shm")
-SHM_FREE_ENV = "PHASE_SERVE_SHM_FREE_BYTES"  # overrides what /dev/shm reports as free (tests of the check)
 POOL_KIND = "kv"  # the owned-name kind of pool files (transport.owned)
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "uint8": torch.uint8}
 MIB = 1 << 20
@@ -65,19 +64,21 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def create_shared_pool(shape: tuple[int, ...], dtype: torch.dtype, device: str = "cpu",
-                       tag: str = "kv") -> SharedPool:
+                       tag: str = "kv", assume_free: int | None = None) -> SharedPool:
+    """`assume_free`: bytes the shared-memory file system is taken to have free instead of what it reports
+    (EngineConfig.shm_free_bytes)."""
     if device.startswith("cuda"):
         return _create_cuda_pool(shape, dtype, device)
     size = math.prod(shape) * dtype.itemsize
     directory = _shm_dir()
-    free = shm_free_bytes(directory)
+    free = shm_free_bytes(directory) if assume_free is None else assume_free
     if free < size:
         raise SharedMemoryError(_too_small(directory, free, size))
     path = directory / f"{owned_prefix(POOL_KIND)}{tag}-{uuid.uuid4().hex[:8]}"
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
         path.unlink()
-        _allocate(fd, size, directory)
+        _allocate(fd, size, directory, assume_free)
         tensor = _map(fd, shape, dtype)
     except BaseException:
         os.close(fd)
@@ -103,10 +104,7 @@ def open_shared_pool(export: dict[str, Any]) -> torch.Tensor:
 
 
 def shm_free_bytes(directory: Path = SHM_DIR) -> int:
-    """Bytes that `directory` can still allocate (or $PHASE_SERVE_SHM_FREE_BYTES, where set)."""
-    override = os.environ.get(SHM_FREE_ENV)
-    if override:
-        return int(override)
+    """Bytes that `directory` can still allocate."""
     info = os.statvfs(directory)
     return info.f_bavail * info.f_frsize
 
@@ -123,13 +121,14 @@ def _too_small(directory: Path, free: int, size: int) -> str:
             f"with --kv-cache-memory or --num-kv-blocks")
 
 
-def _allocate(fd: int, size: int, directory: Path) -> None:
+def _allocate(fd: int, size: int, directory: Path, assume_free: int | None) -> None:
     """Reserve every page now: a file system that runs out later would raise SIGBUS on a write to the pool."""
     try:
         os.posix_fallocate(fd, 0, size)
     except OSError as exc:
         if exc.errno == errno.ENOSPC:
-            raise SharedMemoryError(_too_small(directory, shm_free_bytes(directory), size)) from None
+            free = shm_free_bytes(directory) if assume_free is None else assume_free
+            raise SharedMemoryError(_too_small(directory, free, size)) from None
         if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
             raise
         os.ftruncate(fd, size)  # a file system without fallocate: sized, pages come on first touch

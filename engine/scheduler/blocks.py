@@ -3,7 +3,8 @@ registered in the prefix cache; a windowed group gives back the blocks no later 
 from the longest cached prefix that every group can serve."""
 from __future__ import annotations
 
-from engine.kv.block_pool import BlockPool, block_hash, prefix_block_hashes
+from engine.kv.block_pool import BlockPool
+from engine.kv.prefix_index import block_hash, prefix_block_hashes
 from engine.kv.groups import NULL_BLOCK, first_needed_block
 from engine.core.sequence import Sequence
 
@@ -70,9 +71,9 @@ class SequenceBlocks:
         # At least one token must run to produce logits, so the last token is never taken from the cache.
         bs = self.pool.block_size
         hashes = prefix_block_hashes(seq.token_ids[: seq.num_tokens - 1], bs)
-        found = [self.pool.lookup(hashes, group) for group in range(len(self.windows))]
+        found = [self.pool.prefix.lookup(hashes, group) for group in range(len(self.windows))]
         hit = self._cached_prefix_length(found, len(hashes))
-        self.pool.record_prefix_query(len(hashes), hit)
+        self.pool.prefix.record_prefix_query(len(hashes), hit)
         seq.released_blocks = 0 if self.window is None else first_needed_block(hit * bs, self.window, bs)
         seq.block_tables = [self._attach_group(seq, group, blocks[:hit]) for group, blocks in enumerate(found)]
         seq.block_hashes = hashes[:hit]

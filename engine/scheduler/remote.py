@@ -3,7 +3,8 @@ referenced at once, then fresh blocks reserved in the pool under a deadline. Com
 released when it will not (the peer died, the deadline passed, the request was aborted)."""
 from __future__ import annotations
 
-from engine.kv.block_pool import BlockPool, prefix_block_hashes
+from engine.kv.block_pool import BlockPool
+from engine.kv.prefix_index import prefix_block_hashes
 
 
 class RemoteReservations:
@@ -22,7 +23,7 @@ class RemoteReservations:
                              "(free_window_kv)")
         bs = self.pool.block_size
         hashes = prefix_block_hashes(token_ids[: len(token_ids) - 1], bs)
-        cached = self.pool.find_cached_prefix(hashes)
+        cached = self.pool.prefix.find_cached_prefix(hashes)
         self.pool.acquire(cached)
         try:
             fresh = self.pool.reserve(request_id, -(-len(token_ids) // bs) - len(cached), deadline)
@@ -34,7 +35,7 @@ class RemoteReservations:
 
     def fresh_blocks(self, request_id: str) -> list[int]:
         """The reserved (not cached) blocks a peer writes for this request."""
-        return self.pool.reserved_blocks(request_id) if request_id in self._held else []
+        return self.pool.reservations.blocks(request_id) if request_id in self._held else []
 
     def cancel(self, request_id: str) -> bool:
         cached, _ = self._held.pop(request_id, ([], []))

@@ -1,0 +1,107 @@
+"""The one place that assembles an engine from its parts: config in, engine out.
+
+`build_engine_core` loads the model, sizes and allocates the KV pool (its memory from `kv_allocator` where an
+actor exports it), builds the block pool, scheduler, runner and speculator, and hands them to EngineCore;
+`build_prefill_engine` does the same for the prefill side of disaggregation, whose pools are attached later.
+Each part is complete when it is built: nothing is attached to a built part afterwards.
+"""
+from __future__ import annotations
+
+from functools import partial
+from typing import Callable
+
+import psutil
+import torch
+
+from engine.backends import select_backend
+from engine.config import EngineConfig, ModelConfig
+from engine.core.engine_core import EngineCore
+from engine.core.prefill_engine import PrefillEngine
+from engine.core.runner import ModelRunner
+from engine.kv.block_pool import BlockPool, TieredBlockPool
+from engine.kv.cache import KVCache, choose_num_blocks, grouped_num_blocks
+from engine.kv.compaction import MIN_BATCH_SHARE, Compactor
+from engine.kv.compress import ColdRegion, split_kv_budget
+from engine.kv.groups import KVGroups
+from engine.model.loader import ModelSource, load_model, resolve_dtype, resolve_model
+from engine.sampling.structured import source_compiler
+from engine.scheduler import Scheduler, SchedulerLimits
+from engine.speculative.build import build_proposer
+from engine.speculative.proposer import Proposer
+from engine.speculative.speculator import Speculator
+
+KVAllocator = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
+
+
+def build_engine_core(config: EngineConfig, source: ModelSource | None = None, device: str = "cpu",
+                      kv_allocator: KVAllocator | None = None, proposer: Proposer | None = None) -> EngineCore:
+    """`kv_allocator(shape, dtype)` provides the KV pool's memory (an actor passes shared memory). `proposer`
+    replaces the one `config.speculative` would build here (a decode actor's draft actor client)."""
+    _set_torch_threads(config)
+    torch.manual_seed(config.seed)
+    source = source or resolve_model(config.model)
+    dtype = resolve_dtype(config.dtype, device)
+    model_cfg = source.config
+    model = load_model(source, dtype, device, config.weight_dtype)
+    plain_blocks, num_cold = _kv_block_counts(config, model_cfg, dtype)
+    # An exported pool (an actor's: a peer writes its pages) and a compressed one keep the plain layout
+    groups = KVGroups.for_model(model_cfg, config.free_window_kv and kv_allocator is None and not num_cold)
+    num_blocks = grouped_num_blocks(model_cfg, plain_blocks, groups)
+    kv_cache = _kv_cache(config, model_cfg, num_blocks, dtype, device, kv_allocator, groups)
+    pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching, groups.num_groups) \
+        if not num_cold else TieredBlockPool(num_blocks, num_cold, config.block_size, config.enable_prefix_caching)
+    limits = SchedulerLimits(config.max_num_batched_tokens, config.max_num_seqs, config.enable_chunked_prefill,
+                             config.prefill_shares())
+    eos = source.tokenizer.eos_token_ids or model_cfg.eos_token_ids
+    scheduler = Scheduler(pool, limits, tuple(eos), _compactor(config, pool), groups.windows)
+    cold = ColdRegion(model_cfg, num_cold, num_blocks, config.block_size, dtype, device) if num_cold else None
+    runner = ModelRunner(model, kv_cache, device, select_backend(device, dtype, config.enforce_eager),
+                         grammar_compiler=partial(source_compiler, source), cold=cold)
+    if proposer is None:
+        proposer = build_proposer(config, model, source, plain_blocks, dtype, device)
+    speculator = None if proposer is None else Speculator(proposer, model_cfg.vocab_size)
+    max_model_len = min(config.max_model_len or model_cfg.max_position_embeddings, model_cfg.max_position_embeddings)
+    return EngineCore(config, source, dtype=dtype, max_model_len=max_model_len, kv_cache=kv_cache, pool=pool,
+                      scheduler=scheduler, runner=runner, speculator=speculator)
+
+
+def build_prefill_engine(config: EngineConfig, source: ModelSource | None = None,
+                         device: str = "cpu") -> PrefillEngine:
+    _set_torch_threads(config)
+    source = source or resolve_model(config.model)
+    dtype = resolve_dtype(config.dtype, device)
+    runner = ModelRunner(load_model(source, dtype, device, config.weight_dtype), None, device,
+                         select_backend(device, dtype, config.enforce_eager),
+                         grammar_compiler=partial(source_compiler, source))
+    return PrefillEngine(config, source, dtype=dtype, device=device, runner=runner)
+
+
+def _set_torch_threads(config: EngineConfig) -> None:
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+
+
+def _kv_block_counts(config: EngineConfig, model_cfg: ModelConfig, dtype: torch.dtype) -> tuple[int, int]:
+    """(hot blocks, FP4 blocks): adaptive compression splits the KV budget, otherwise all of it is hot."""
+    c = config
+    available = psutil.virtual_memory().available
+    if c.kv_compress == "none":
+        return choose_num_blocks(model_cfg, c.block_size, dtype, c.num_kv_blocks, c.kv_cache_memory,
+                                 available, c.kv_cache_dtype), 0
+    return split_kv_budget(model_cfg, c.block_size, dtype, c.kv_cache_dtype, c.num_kv_blocks,
+                           c.kv_cache_memory, available, c.kv_compress_share)
+
+
+def _kv_cache(config: EngineConfig, model_cfg: ModelConfig, num_blocks: int, dtype: torch.dtype, device: str,
+              kv_allocator: KVAllocator | None, groups: KVGroups) -> KVCache:
+    kv_format = config.kv_cache_dtype
+    storage = None if kv_allocator is None else kv_allocator(
+        KVCache.shape_for(model_cfg, num_blocks, config.block_size, kv_format),
+        KVCache.storage_dtype(dtype, kv_format))
+    return KVCache(model_cfg, num_blocks, config.block_size, dtype, device, storage, kv_format, groups)
+
+
+def _compactor(config: EngineConfig, pool: BlockPool) -> Compactor | None:
+    if not isinstance(pool, TieredBlockPool):
+        return None
+    return Compactor(pool, config.kv_compress_after, int(pool.num_blocks * MIN_BATCH_SHARE))
