@@ -389,7 +389,7 @@ def test_parsing_builds_sampling_params():
     assert (params.max_tokens, params.temperature, params.stop, params.seed, params.logprobs) == (5, 0, ("x",), 3, 2)
     assert (req.chat, req.stream, req.include_usage, req.priority) == (True, True, True, -1)
     completion = parse_completion({"prompt": [[1, 2, 3]]}, MODEL)
-    assert completion.prompt == (1, 2, 3) and completion.sampling.max_tokens == 16
+    assert completion.prompt == (1, 2, 3) and completion.sampling.params.max_tokens == 16
 
 
 @pytest.mark.unit
@@ -402,8 +402,10 @@ def test_parsing_names_the_parameter():
                                         MODEL)) == "messages[0].content"
     fields = parse_completion({"prompt": "x", "max_tokens": 95}, MODEL).sampling
     assert _param_of(lambda: sampling_params(fields, 10, LIMITS)) == "max_tokens"
-    fields = parse_completion({"prompt": "x", "min_tokens": 20, "max_tokens": 5}, MODEL).sampling
-    assert _param_of(lambda: sampling_params(fields, 10, LIMITS)) == "min_tokens"
+    assert _param_of(lambda: parse_completion({"prompt": "x", "min_tokens": 20, "max_tokens": 5}, MODEL)) == \
+        "min_tokens"
+    fields = parse_completion({"prompt": "x", "min_tokens": 12}, MODEL).sampling  # max_tokens: 16 by default
+    assert _param_of(lambda: sampling_params(fields, 95, LIMITS)) == "min_tokens"  # capped at the 5 left
 
 
 @pytest.mark.unit
