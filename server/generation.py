@@ -170,7 +170,7 @@ async def prepare(req: GenerationRequest, tokenizer: Tokenizer, limits: ModelLim
     """`source`: the model whose vocabulary compiles a structured-output constraint (None: left to the engine).
     `tool_parser`: the served model's tool-call format (None: hermes)."""
     parser = (tool_parser or ToolParser.default()) if req.tools else None
-    token_ids = await _encode(req, tokenizer, parser)
+    token_ids = req.sampling.params.truncated_prompt(await _encode(req, tokenizer, parser), limits.max_model_len)
     check_prompt_tokens(token_ids, limits, req.prompt_param)
     params = _best_of(req, sampling_params(req.sampling, len(token_ids), limits))
     guide_param, tools = req.sampling.guide_param, None

@@ -117,7 +117,6 @@ REQUEST_FIELDS: dict[str, Fate] = _joined(_sampling_rows(), {
     "samplers": _refuse("the sampler order is fixed", example=["top_k"]),
     "n_probs": _refuse("llama.cpp server's probabilities; send logprobs instead", _other_than(0), 5),
     "logits_processors": _refuse("custom logits processors are not loaded", example=["x"]),
-    "truncate_prompt_tokens": _refuse("prompts are never truncated; a long prompt is a 400", example=16),
     "guided_whitespace_pattern": _refuse("the whitespace of JSON constraints is fixed", example=r"[ ]?"),
     "return_tokens_as_token_ids": _refuse("tokens are returned as text", _other_than(False)),
     "spaces_between_special_tokens": _refuse("special tokens are detokenised without added spaces",

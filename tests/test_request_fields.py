@@ -80,13 +80,22 @@ def test_every_declared_field_is_read_from_its_request_name(route):
     body = {"n": 2, "max_tokens": 9, "min_tokens": 1, "temperature": 0.5, "top_p": 0.9, "top_k": 4, "seed": 7,
             "min_p": 0.1, "stop": "x", "stop_token_ids": [3], "ignore_eos": True, "skip_special_tokens": False,
             "include_stop_str_in_output": True, "presence_penalty": 0.5, "frequency_penalty": -0.5,
-            "repetition_penalty": 1.2, "logit_bias": {"5": 1.5}}
+            "repetition_penalty": 1.2, "logit_bias": {"5": 1.5}, "truncate_prompt_tokens": 8}
     params = parse(route, body).sampling.params
     assert params == SamplingParams(n=2, max_tokens=9, min_tokens=1, temperature=0.5, top_p=0.9, top_k=4, seed=7,
                                     min_p=0.1, stop=("x",), stop_token_ids=(3,), ignore_eos=True,
                                     skip_special_tokens=False, include_stop_str_in_output=True,
                                     presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.2,
-                                    logit_bias={5: 1.5})
+                                    logit_bias={5: 1.5}, truncate_prompt_tokens=8)
+
+
+@pytest.mark.parametrize("route", [COMPLETIONS, CHAT])
+@pytest.mark.parametrize("value,code", [(0, "invalid_value"), (-2, "invalid_value"), (1.5, "invalid_type"),
+                                        ("8", "invalid_type")])
+def test_a_bad_truncate_prompt_tokens_is_a_400_naming_it(route, value, code):
+    with pytest.raises(ApiError) as err:
+        parse(route, {"truncate_prompt_tokens": value})
+    assert (err.value.status, err.value.param, err.value.code) == (400, "truncate_prompt_tokens", code)
 
 
 def test_chat_names_max_completion_tokens_first():

@@ -459,6 +459,27 @@ async def test_a_bug_is_a_500_logged_with_the_request_id(tiny_llm, caplog):
     assert "RuntimeError: boom" in caplog.text
 
 
+@pytest.mark.engine
+async def test_truncate_prompt_tokens_runs_the_last_k_tokens(tiny_llm):
+    prompt = [3 + i % 500 for i in range(CONTEXT_LEN + 50)]  # past the context: a 400 unless truncated
+    greedy = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    async with TestServer(create_app(tiny_llm, ServerSettings())) as test_server, aiohttp.ClientSession() as session:
+        async def post(path: str, body: dict) -> tuple[int, dict]:
+            async with session.post(test_server.make_url(path), json=greedy | body) as resp:
+                return resp.status, await resp.json()
+
+        whole = await post("/v1/completions", {"prompt": prompt})
+        truncated = await post("/v1/completions", {"prompt": prompt, "truncate_prompt_tokens": 12})
+        direct = await post("/v1/completions", {"prompt": prompt[-12:]})
+        chat = await post("/v1/chat/completions", {"messages": HI, "truncate_prompt_tokens": 5})
+        bad = await post("/v1/chat/completions", {"messages": HI, "truncate_prompt_tokens": 0})
+    assert whole[0] == 400 and whole[1]["error"]["code"] == "context_length_exceeded"
+    assert truncated[0] == direct[0] == 200 and truncated[1]["usage"]["prompt_tokens"] == 12
+    assert truncated[1]["choices"][0]["text"] == direct[1]["choices"][0]["text"]
+    assert chat[0] == 200 and chat[1]["usage"]["prompt_tokens"] == 5
+    assert bad[0] == 400 and bad[1]["error"]["param"] == "truncate_prompt_tokens"
+
+
 def test_a_busy_port_fails_before_the_model_loads(tiny_model_dir):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

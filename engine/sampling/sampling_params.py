@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 from engine.sampling.fields import ApiName, Endpoint, Flag, Shape, sampling_field
 
@@ -145,6 +145,12 @@ class SamplingParams:
                   "1 is off"), generation_config=True)
     logit_bias: tuple[tuple[int, float], ...] = sampling_field(  # (token id, bias) sorted by id; a dict is accepted
         (), Shape.TOKEN_BIAS, ApiName("logit_bias", "token id -> bias in [-100, 100]"))
+    # Keep only the prompt's last k tokens (-1: the last max_model_len, which leaves no room for output as in
+    # vLLM); applied where the prompt is tokenised (LLM, AsyncLLM, the server), so that the engine, the usage
+    # and the length checks all see the kept tokens.
+    truncate_prompt_tokens: int | None = sampling_field(
+        None, Shape.INTEGER, ApiName("truncate_prompt_tokens", "keep only the prompt's last k tokens (-1: the "
+                                                               "model's context length)"))
     # A grammar the output must follow (structured outputs); a wire dict is accepted (Guide.to_wire). Requests
     # spell it in several ways of their own (server/protocol.py).
     guide: Guide | None = sampling_field(None)
@@ -156,6 +162,7 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", _as_tuple(self.stop_token_ids))
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
         self._check_counts()
+        self._check_truncation()
         self._check_distribution()
         self._check_penalties()
         self._check_stops()
@@ -179,6 +186,15 @@ class SamplingParams:
             if not 0 <= self.logprobs <= MAX_LOGPROBS:
                 raise SamplingParamsError(
                     "logprobs", f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}.")
+
+    def _check_truncation(self) -> None:
+        keep = self.truncate_prompt_tokens
+        if keep is None:
+            return
+        _require_int("truncate_prompt_tokens", keep)
+        if keep < 1 and keep != -1:
+            raise SamplingParamsError("truncate_prompt_tokens", "truncate_prompt_tokens must be -1 (the model's "
+                                                                f"context length) or at least 1, got {keep}.")
 
     def _check_distribution(self) -> None:
         _require_number("temperature", self.temperature)
@@ -229,6 +245,14 @@ class SamplingParams:
     def adjusts_logits(self) -> bool:
         """Penalties or biases move the logits, so even a greedy pick is not the raw argmax."""
         return self.penalised or bool(self.logit_bias)
+
+    def truncated_prompt(self, token_ids: Sequence[int], max_model_len: int) -> list[int]:
+        """The prompt's tokens that run: the last truncate_prompt_tokens of them (-1: the last max_model_len),
+        all of them when it is unset."""
+        if self.truncate_prompt_tokens is None:
+            return list(token_ids)
+        keep = max_model_len if self.truncate_prompt_tokens == -1 else self.truncate_prompt_tokens
+        return list(token_ids[-keep:])
 
     def with_seed(self, seed: int | None) -> SamplingParams:
         return dataclasses.replace(self, seed=seed)
