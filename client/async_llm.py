@@ -130,14 +130,14 @@ class AsyncLLM:
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self._streams:
             raise ValueError(f"request id {rid!r} is already in use")
-        self._check_length(prep.token_ids)
+        token_ids = params.truncated_prompt(prep.token_ids, self.max_model_len)
+        self._check_length(token_ids)
         stream = self._streams[rid] = _OutputStream()
         arrival = time.monotonic()
-        self.processor.add(rid, prep.prompt, prep.token_ids, params, arrival)
+        self.processor.add(rid, prep.prompt, token_ids, params, arrival)
         finished = False
         try:
-            placement = await client.add(EngineRequest(rid, prep.token_ids, params, priority, arrival,
-                                                       treatment))
+            placement = await client.add(EngineRequest(rid, token_ids, params, priority, arrival, treatment))
             while not finished:
                 item = await stream.next()
                 if isinstance(item, Exception):

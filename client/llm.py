@@ -54,8 +54,9 @@ class LLM:
         processor = OutputProcessor(self.tokenizer)
         ids = [f"llm-{next(self._ids)}" for _ in prepared]
         for rid, prep, p in zip(ids, prepared, params_list):
-            processor.add(rid, prep.prompt, prep.token_ids, p)
-            self.engine.add_request(EngineRequest(rid, prep.token_ids, p, arrival_time=time.monotonic()))
+            token_ids = p.truncated_prompt(prep.token_ids, self.engine.max_model_len)
+            processor.add(rid, prep.prompt, token_ids, p)
+            self.engine.add_request(EngineRequest(rid, token_ids, p, arrival_time=time.monotonic()))
         final: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished_requests():
             self._collect(processor, self.engine.step(), final)

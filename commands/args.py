@@ -1,40 +1,38 @@
 """The engine flags of `cli.py generate|chat|serve|worker` (generated from EngineConfig) and the sampling flags of
-`generate` and `chat` (generated from SamplingOptions)."""
+`generate` and `chat` (generated from SamplingParams' field declarations)."""
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+import dataclasses
 
 from engine.config import EngineConfig
 from engine.flags import add_group, option, options, parse_bytes
+from engine.sampling.fields import declared, flag_default
+from engine.sampling.sampling_params import SamplingParams
 
 __all__ = ["SamplingOptions", "add_engine_args", "add_sampling_args", "engine_options", "parse_bytes",
            "sampling_options"]
 
 
-@dataclass(frozen=True)
-class SamplingOptions:
-    """What `generate` and `chat` ask of each reply; SamplingParams validates the values."""
+_OPTIONS_DOC = """What `generate` and `chat` ask of each reply: the flags (help, and the command line's default where
+it differs from the library's) are declared beside the SamplingParams fields; SamplingParams validates the values."""
 
-    max_tokens: int = option(128, "most tokens to generate")
-    temperature: float = option(0.0, "sampling temperature; 0 is greedy")
-    top_p: float = option(1.0, "nucleus sampling: smallest set of tokens whose probabilities reach this sum")
-    top_k: int = option(-1, "sample among the k likeliest tokens; -1 is all")
-    seed: int | None = option(None, "sampling seed", shown="random")
-    min_p: float = option(0.0, "drop tokens less likely than this times the likeliest one; 0 is off")
-    presence_penalty: float = option(0.0, "subtract this from the logits of tokens already generated (-2 to 2)")
-    frequency_penalty: float = option(0.0, "subtract this per earlier occurrence in the output (-2 to 2)")
-    repetition_penalty: float = option(1.0, "divide positive logits (multiply negative ones) of tokens in the "
-                                            "prompt or output by this; 1 is off")
 
-    def params(self):
-        """The SamplingParams these options describe."""
-        from engine.sampling.sampling_params import SamplingParams
+def _sampling_options_class() -> type:
+    """SamplingOptions, a field per SamplingParams field declared with a flag."""
+    fields = [(f.name, f.type, option(flag_default(f, spec), spec.flag.help, shown=spec.flag.shown))
+              for f, spec in declared(SamplingParams) if spec.flag is not None]
+    return dataclasses.make_dataclass("SamplingOptions", fields, frozen=True,
+                                      namespace={"__module__": __name__, "__doc__": _OPTIONS_DOC,
+                                                 "params": _params})
 
-        return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
-                              top_k=self.top_k, seed=self.seed, min_p=self.min_p,
-                              presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-                              repetition_penalty=self.repetition_penalty)
+
+def _params(self) -> SamplingParams:
+    """The SamplingParams these options describe."""
+    return SamplingParams(**dataclasses.asdict(self))
+
+
+SamplingOptions = _sampling_options_class()
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

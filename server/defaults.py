@@ -1,5 +1,5 @@
 """Request defaults from the served model: a Hugging Face folder's generation_config.json, as vLLM's
-`--generation-config auto` reads it (temperature, top_p, top_k, min_p, repetition_penalty), plus the
+`--generation-config auto` reads it (the SamplingParams fields declared `generation_config=True`), plus the
 `--default-max-tokens` cap."""
 from __future__ import annotations
 
@@ -7,14 +7,18 @@ import json
 from pathlib import Path
 from typing import Any
 
+from engine.sampling.fields import generation_config_names
+from engine.sampling.sampling_params import SamplingParams
 from server.protocol import RequestDefaults
 
-GENERATION_FIELDS = {"temperature": float, "top_p": float, "top_k": int, "min_p": float,
-                     "repetition_penalty": float}
+
+def generation_fields() -> dict[str, type]:
+    """The fields generation_config.json may set, each with the type of its default."""
+    return {name: type(getattr(SamplingParams(), name)) for name in generation_config_names(SamplingParams)}
 
 
 def generation_config(path: Path | None) -> dict[str, Any]:
-    """The sampling defaults a model folder's generation_config.json names (those of GENERATION_FIELDS with a
+    """The sampling defaults a model folder's generation_config.json names (those of generation_fields() with a
     usable value); {} for a GGUF file, a folder without one, or a file that is not JSON."""
     if path is None or not Path(path).is_dir():
         return {}
@@ -25,7 +29,7 @@ def generation_config(path: Path | None) -> dict[str, Any]:
     if not isinstance(raw, dict):
         return {}
     found = {}
-    for name, kind in GENERATION_FIELDS.items():
+    for name, kind in generation_fields().items():
         value = raw.get(name)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             found[name] = kind(value)

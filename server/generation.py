@@ -170,7 +170,7 @@ async def prepare(req: GenerationRequest, tokenizer: Tokenizer, limits: ModelLim
     """`source`: the model whose vocabulary compiles a structured-output constraint (None: left to the engine).
     `tool_parser`: the served model's tool-call format (None: hermes)."""
     parser = (tool_parser or ToolParser.default()) if req.tools else None
-    token_ids = await _encode(req, tokenizer, parser)
+    token_ids = req.sampling.params.truncated_prompt(await _encode(req, tokenizer, parser), limits.max_model_len)
     check_prompt_tokens(token_ids, limits, req.prompt_param)
     params = _best_of(req, sampling_params(req.sampling, len(token_ids), limits))
     guide_param, tools = req.sampling.guide_param, None
@@ -298,7 +298,7 @@ async def whole_response(ctx: ServerContext, parts: list[Prepared], group: Track
 def _offset(choices: list[dict], prompt_index: int, parts: list[Prepared]) -> list[dict]:
     """A prompt's choices renumbered for the whole list: prompt i, sample j -> index i * n + j (OpenAI's and
     vLLM's order)."""
-    n = parts[prompt_index].request.sampling.n
+    n = parts[prompt_index].request.sampling.params.n
     for choice in choices:
         choice["index"] += prompt_index * n
     return choices
@@ -350,7 +350,7 @@ def response_body(prepared: Prepared, meta: ResponseMeta, final: RequestOutput, 
         return chat_body(meta, final, tokenizer, prepared.tools)
     if req.best_of is None:
         return completion_body(meta, final, tokenizer, req.echo_text(tokenizer))
-    best = best_of_outputs(final, req.sampling.n, keep_logprobs=req.sampling.logprobs is not None)
+    best = best_of_outputs(final, req.sampling.params.n, keep_logprobs=req.sampling.params.logprobs is not None)
     body = completion_body(meta, best, tokenizer, req.echo_text(tokenizer))
     body["usage"] = output_usage(final)  # every sample generated counts
     return body
@@ -369,7 +369,7 @@ def batch_headers(parts: list[Prepared], outs: list[RequestOutput | None]) -> di
 
 def chunk_builder(ctx: ServerContext, prepared: Prepared, meta: ResponseMeta) -> ChunkBuilder:
     req = prepared.request
-    return ChunkBuilder(meta, ctx.llm.tokenizer, chat=req.chat, wants_logprobs=req.sampling.logprobs is not None,
+    return ChunkBuilder(meta, ctx.llm.tokenizer, chat=req.chat, wants_logprobs=req.sampling.params.logprobs is not None,
                         include_usage=req.include_usage, tools=prepared.tools,
                         echo=None if req.chat else req.echo_text(ctx.llm.tokenizer))
 

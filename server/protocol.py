@@ -1,15 +1,18 @@
 """OpenAI request bodies -> typed, validated requests and SamplingParams. Nothing invalid gets past here.
 
-Parsing happens in two steps: `parse_completion` / `parse_chat` check the body's shape and types; once the
-prompt is tokenised, `sampling_params` checks it against the model's context and builds SamplingParams.
+Parsing happens in two steps: `parse_completion` / `parse_chat` check the body's shape and types and build
+its SamplingParams (the request fields that set each SamplingParams field come from that field's declaration);
+once the prompt is tokenised, `sampling_params` checks them against the model's context.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
+from engine.sampling.fields import ApiName, Endpoint, Shape, declared
 from engine.sampling.sampling_params import SamplingParams, SamplingParamsError
 from engine.sampling.structured import Guide, GuideError
 from engine.tool_calls import Tool, ToolChoice, ToolError, parse_tool_choice, parse_tools
@@ -38,47 +41,35 @@ class Message:
     name: str | None = None
 
 
-@dataclass(frozen=True)
-class RequestDefaults:
-    """What a request that leaves a field out gets: the model's generation_config.json where it says, else
-    OpenAI's defaults; max_tokens from --default-max-tokens (completions: else OpenAI's 16; chat: else the
-    rest of the context)."""
+def _request_defaults_class() -> type:
+    """RequestDefaults: a field per SamplingParams field that generation_config.json may set, plus max_tokens."""
+    fields = [(f.name, f.type, field(default=f.default)) for f, spec in declared(SamplingParams)
+              if spec.generation_config]
+    return dataclasses.make_dataclass("RequestDefaults", [*fields, ("max_tokens", "int | None", field(default=None))],
+                                      frozen=True, namespace={"__module__": __name__, "__doc__": _DEFAULTS_DOC})
 
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    max_tokens: int | None = None
+
+_DEFAULTS_DOC = """What a request that leaves a field out gets: the model's generation_config.json where it says, else
+SamplingParams' defaults; max_tokens from --default-max-tokens (completions: else OpenAI's 16; chat: else the rest
+of the context)."""
+RequestDefaults = _request_defaults_class()
 
 
 @dataclass(frozen=True)
 class SamplingFields:
-    """The sampling fields of a request, type-checked; ranges are checked by SamplingParams."""
+    """A request's SamplingParams (validated), and which request field set each of its fields."""
 
-    max_tokens: int | None = None
-    max_tokens_param: str = "max_tokens"  # which field set it, for error messages
+    params: SamplingParams = SamplingParams()
+    names: tuple[tuple[str, str], ...] = ()  # (SamplingParams field, the request field that set it), for errors
     max_tokens_defaulted: bool = False  # not in the request: capped at the room the prompt leaves
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    logprobs: int | None = None  # top alternatives per token; None = no logprobs
-    logprobs_param: str = "logprobs"
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_p: float = 0.0
-    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
-    guide: Guide | None = None  # structured outputs
-    guide_param: str = "response_format"  # the field that set it, for error messages
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
+
+    def param(self, name: str) -> str:
+        """The request field that set the SamplingParams field `name` (`name` itself when none did)."""
+        return dict(self.names).get(name, name)
+
+    @property
+    def guide_param(self) -> str:
+        return self.param("guide")
 
 
 @dataclass(frozen=True)
@@ -157,8 +148,9 @@ def _int(body: dict[str, Any], name: str, default: int | None = None) -> int | N
     return _typed(body, name, _is_int, "an integer", default)
 
 
-def _number(body: dict[str, Any], name: str, default: float) -> float:
-    return float(_typed(body, name, _is_number, "a number", default))
+def _number(body: dict[str, Any], name: str, default: float | None = None) -> float | None:
+    value = _typed(body, name, _is_number, "a number", default)
+    return None if value is None else float(value)
 
 
 def _bool(body: dict[str, Any], name: str, default: bool = False) -> bool:
@@ -171,80 +163,103 @@ def _object(body: dict[str, Any], name: str) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------------------- sampling fields
 
-def _stop(body: dict[str, Any]) -> tuple[str, ...]:
-    stop = body.get("stop")
-    if stop is None:
-        return ()
+def _stop(body: dict[str, Any], name: str) -> tuple[str, ...]:
+    stop = body[name]
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-        raise invalid_type("stop", "a string or an array of strings", stop)
+        raise invalid_type(name, "a string or an array of strings", stop)
     if len(stops) > MAX_STOP_SEQUENCES:
-        raise bad_request(f"'stop' may hold at most {MAX_STOP_SEQUENCES} sequences, got {len(stops)}.", "stop")
+        raise bad_request(f"'{name}' may hold at most {MAX_STOP_SEQUENCES} sequences, got {len(stops)}.", name)
     return tuple(stops)
 
 
 def _token_ids(body: dict[str, Any], name: str) -> tuple[int, ...]:
-    ids = body.get(name)
-    if ids is None:
-        return ()
+    ids = body[name]
     if not isinstance(ids, list) or not all(_is_int(t) for t in ids):
         raise invalid_type(name, "an array of integers", ids)
     return tuple(ids)
 
 
-def _logit_bias(body: dict[str, Any]) -> tuple[tuple[int, float], ...]:
+def _logit_bias(body: dict[str, Any], name: str) -> tuple[tuple[int, float], ...]:
     """OpenAI's `{"token id": bias}` map (JSON keys are strings); ranges are checked by SamplingParams."""
-    bias = _object(body, "logit_bias")
+    bias = _object(body, name)
     pairs = []
     for key, value in bias.items():
         if not re.fullmatch(r"\s*-?[0-9]+\s*", key):
-            raise bad_request(f"'logit_bias' keys must be token ids, got {key!r}.", "logit_bias")
+            raise bad_request(f"'{name}' keys must be token ids, got {key!r}.", name)
         if not _is_number(value):
-            raise invalid_type("logit_bias", "an object of token ids to numbers", value)
+            raise invalid_type(name, "an object of token ids to numbers", value)
         pairs.append((int(key), float(value)))
     return tuple(pairs)
 
 
-def _seed(body: dict[str, Any]) -> int | None:
-    seed = _int(body, "seed")
-    if seed is not None and not INT64_MIN <= seed <= UINT64_MAX:
-        raise bad_request(f"'seed' must fit in 64 bits, got {seed}.", "seed")
+def _seed(body: dict[str, Any], name: str) -> int:
+    seed = _int(body, name)
+    if not INT64_MIN <= seed <= UINT64_MAX:
+        raise bad_request(f"'{name}' must fit in 64 bits, got {seed}.", name)
     return seed
 
 
-def _max_tokens(body: dict[str, Any], names: tuple[str, ...]) -> tuple[int | None, str]:
-    for name in names:
-        value = _int(body, name)
-        if value is not None:
-            return value, name
-    return None, names[0]
+_READERS: dict[Shape, Callable[[dict[str, Any], str], Any]] = {
+    Shape.INTEGER: _int, Shape.NUMBER: _number, Shape.BOOLEAN: _bool, Shape.STRINGS: _stop,
+    Shape.TOKEN_IDS: _token_ids, Shape.TOKEN_BIAS: _logit_bias, Shape.SEED: _seed,
+}
 
 
-def _repetition_penalty(body: dict[str, Any], default: float) -> float:
-    """vLLM's repetition_penalty, or llama.cpp server's repeat_penalty (the same operation)."""
-    if body.get("repetition_penalty") is not None and body.get("repeat_penalty") is not None:
-        raise bad_request("'repetition_penalty' and 'repeat_penalty' are the same control; give one.",
-                          "repeat_penalty")
-    name = "repeat_penalty" if body.get("repeat_penalty") is not None else "repetition_penalty"
-    return _number(body, name, default)
+def _logprobs(body: dict[str, Any], names: tuple[ApiName, ...]) -> tuple[int | None, str]:
+    """Completions: one integer. Chat: a boolean, and the integer in a second field that needs it true."""
+    if len(names) == 1:
+        return _int(body, names[0].name), names[0].name
+    flag, top_name = names[0].name, names[1].name
+    wanted = _bool(body, flag)
+    top = _int(body, top_name)
+    if top is not None and not wanted:
+        raise bad_request(f"'{top_name}' requires '{flag}' to be true.", top_name)
+    return ((top or 0) if wanted else None), top_name
 
 
-def _sampling_fields(body: dict[str, Any], max_token_names: tuple[str, ...], logprobs: tuple[int | None, str],
-                     default_max_tokens: int | None, defaults: RequestDefaults) -> SamplingFields:
-    max_tokens, max_param = _max_tokens(body, max_token_names + ("n_predict",))
-    return SamplingFields(
-        max_tokens=default_max_tokens if max_tokens is None else max_tokens, max_tokens_param=max_param,
-        max_tokens_defaulted=max_tokens is None and default_max_tokens is not None,
-        logprobs=logprobs[0], logprobs_param=logprobs[1],
-        n=_int(body, "n", 1), temperature=_number(body, "temperature", defaults.temperature),
-        top_p=_number(body, "top_p", defaults.top_p), top_k=_int(body, "top_k", defaults.top_k), seed=_seed(body),
-        stop=_stop(body), stop_token_ids=_token_ids(body, "stop_token_ids"), ignore_eos=_bool(body, "ignore_eos"),
-        min_tokens=_int(body, "min_tokens", 0), presence_penalty=_number(body, "presence_penalty", 0.0),
-        frequency_penalty=_number(body, "frequency_penalty", 0.0),
-        repetition_penalty=_repetition_penalty(body, defaults.repetition_penalty),
-        min_p=_number(body, "min_p", defaults.min_p), logit_bias=_logit_bias(body),
-        include_stop_str_in_output=_bool(body, "include_stop_str_in_output"),
-        skip_special_tokens=_bool(body, "skip_special_tokens", True), **_guide_fields(body))
+def _given(body: dict[str, Any], names: tuple[ApiName, ...], shape: Shape) -> tuple[Any, str] | None:
+    """(the value, the request field that gave it), None when the request gives none of `names`: the first
+    one given wins, and one declared exclusive may not come with another."""
+    if shape is Shape.LOGPROBS:
+        return _logprobs(body, names)
+    given = [n for n in names if body.get(n.name) is not None]
+    if len(given) > 1 and any(n.exclusive for n in given):
+        raise bad_request(f"'{given[0].name}' and '{given[1].name}' are the same control; give one.",
+                          given[1].name)
+    if not given:
+        return None
+    return _READERS[shape](body, given[0].name), given[0].name
+
+
+def _sampling_fields(body: dict[str, Any], endpoint: Endpoint, default_max_tokens: int | None,
+                     defaults: RequestDefaults) -> SamplingFields:
+    """Each SamplingParams field a request field on `endpoint` sets, else its default (`defaults`, then
+    SamplingParams'); max_tokens left out is `default_max_tokens`."""
+    values: dict[str, Any] = {"max_tokens": default_max_tokens}
+    set_by: dict[str, str] = {}
+    for f, spec in declared(SamplingParams):
+        names = spec.names_on(endpoint)
+        found = _given(body, names, spec.shape) if names else None
+        if found is not None:
+            values[f.name], set_by[f.name] = found
+        elif spec.generation_config:
+            values[f.name] = getattr(defaults, f.name)
+    guide = _guide_fields(body)
+    if guide is not None:
+        values["guide"], set_by["guide"] = guide
+    fields = SamplingFields(names=tuple(set_by.items()),
+                            max_tokens_defaulted="max_tokens" not in set_by and default_max_tokens is not None)
+    return replace(fields, params=_checked(fields, lambda: SamplingParams(**values)))
+
+
+def _checked(fields: SamplingFields, build: Callable[[], SamplingParams]) -> SamplingParams:
+    """build(), its SamplingParamsError as a 400 naming the request field that set the bad value."""
+    try:
+        return build()
+    except SamplingParamsError as exc:
+        param = fields.param(exc.param)
+        raise ApiError(400, str(exc).replace(exc.param, param, 1), param, "invalid_value") from None
 
 
 # ---------------------------------------------------------------------------------------- structured outputs
@@ -255,14 +270,15 @@ _GUIDE_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choic
                  "structured_outputs", "json_schema", "grammar")
 
 
-def _guide_fields(body: dict[str, Any]) -> dict[str, Any]:
+def _guide_fields(body: dict[str, Any]) -> tuple[Guide, str] | None:
+    """(the constraint, the request field that gave it), None when there is none."""
     given = [(name, body[name]) for name in _GUIDE_FIELDS if body.get(name) is not None]
     guides = [(name, _guide(name, value)) for name, value in given]
     guides = [(name, g) for name, g in guides if g is not None]
     if len(guides) > 1:
         raise bad_request(f"'{guides[0][0]}' and '{guides[1][0]}' both constrain the output; give one.",
                           guides[1][0])
-    return dict(guide=guides[0][1], guide_param=guides[0][0]) if guides else {}
+    return (guides[0][1], guides[0][0]) if guides else None
 
 
 def _guide(name: str, value: Any) -> Guide | None:
@@ -368,11 +384,9 @@ def _envelope(body: dict[str, Any], served: str, route: str) -> dict[str, Any]:
 def parse_completion(body: dict[str, Any], served_model: str,
                      defaults: RequestDefaults = RequestDefaults()) -> GenerationRequest:
     envelope = _envelope(body, served_model, COMPLETIONS)
-    logprobs = (_int(body, "logprobs"), "logprobs")
-    fields = _sampling_fields(body, ("max_tokens",), logprobs, defaults.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS,
-                              defaults)
+    fields = _sampling_fields(body, COMPLETIONS, defaults.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS, defaults)
     echo = _bool(body, "echo")
-    if echo and fields.logprobs is not None:
+    if echo and fields.params.logprobs is not None:
         raise bad_request("'echo' with 'logprobs' would need the prompt's logprobs, which this server does not "
                           "compute; drop one of them.", "echo", "unsupported_parameter")
     suffix = _typed(body, "suffix", lambda v: isinstance(v, str), "a string", None) or None
@@ -384,10 +398,11 @@ def parse_completion(body: dict[str, Any], served_model: str,
 
 def _best_of(body: dict[str, Any], fields: SamplingFields, stream: bool) -> int | None:
     best_of = _int(body, "best_of")
-    if best_of is None or best_of == fields.n:
+    n = fields.params.n
+    if best_of is None or best_of == n:
         return None
-    if best_of < fields.n:
-        raise bad_request(f"'best_of' ({best_of}) must be at least 'n' ({fields.n}).", "best_of")
+    if best_of < n:
+        raise bad_request(f"'best_of' ({best_of}) must be at least 'n' ({n}).", "best_of")
     if stream:
         raise bad_request("'best_of' cannot be streamed: the best samples are known only once all have finished.",
                           "best_of")
@@ -421,10 +436,9 @@ def _one_prompt(prompt: Any, where: str) -> str | tuple[int, ...]:
 def parse_chat(body: dict[str, Any], served_model: str,
                defaults: RequestDefaults = RequestDefaults()) -> GenerationRequest:
     envelope = _envelope(body, served_model, CHAT)
-    fields = _sampling_fields(body, ("max_completion_tokens", "max_tokens"), _chat_logprobs(body),
-                              defaults.max_tokens, defaults)
+    fields = _sampling_fields(body, CHAT, defaults.max_tokens, defaults)
     tools, choice = parse_tool_fields(body)
-    if choice.forced and fields.guide is not None:
+    if choice.forced and fields.params.guide is not None:
         raise bad_request(f"'tool_choice' {choice.mode} and '{fields.guide_param}' both constrain the output; "
                           f"give one.", "tool_choice")
     return GenerationRequest(parse_messages(body.get("messages")), fields, chat=True, tools=tools,
@@ -439,14 +453,6 @@ def parse_tool_fields(body: dict[str, Any]) -> tuple[tuple[Tool, ...], ToolChoic
         return tools, parse_tool_choice(body.get("tool_choice"), tools)
     except ToolError as exc:
         raise bad_request(str(exc), exc.param) from None
-
-
-def _chat_logprobs(body: dict[str, Any]) -> tuple[int | None, str]:
-    wanted = _bool(body, "logprobs")
-    top = _int(body, "top_logprobs")
-    if top is not None and not wanted:
-        raise bad_request("'top_logprobs' requires 'logprobs' to be true.", "top_logprobs")
-    return ((top or 0) if wanted else None), "top_logprobs"
 
 
 def parse_messages(messages: Any) -> tuple[Message, ...]:
@@ -552,35 +558,20 @@ def _check_vocab(token_ids: Sequence[int], limits: ModelLimits, param: str) -> N
 
 def effective_max_tokens(fields: SamplingFields, prompt_tokens: int, limits: ModelLimits) -> int:
     room = limits.max_model_len - prompt_tokens
-    return room if fields.max_tokens is None else fields.max_tokens
+    return room if fields.params.max_tokens is None else fields.params.max_tokens
 
 
 def sampling_params(fields: SamplingFields, prompt_tokens: int, limits: ModelLimits) -> SamplingParams:
     """SamplingParams for a prompt of `prompt_tokens` tokens; 400 naming the field when anything is off."""
-    if fields.max_tokens_defaulted and fields.max_tokens is not None:
-        fields = replace(fields, max_tokens=max(1, min(fields.max_tokens, limits.max_model_len - prompt_tokens)))
-    params = _build_params(fields)
-    _check_vocab(fields.stop_token_ids, limits, "stop_token_ids")
+    params = fields.params
+    if fields.max_tokens_defaulted and params.max_tokens is not None:
+        room = limits.max_model_len - prompt_tokens
+        params = _checked(fields, lambda: replace(params, max_tokens=max(1, min(params.max_tokens, room))))
+    _check_vocab(params.stop_token_ids, limits, "stop_token_ids")
     _check_vocab([t for t, _ in params.logit_bias], limits, "logit_bias")
-    if fields.max_tokens is not None and prompt_tokens + fields.max_tokens > limits.max_model_len:
+    if params.max_tokens is not None and prompt_tokens + params.max_tokens > limits.max_model_len:
+        param = fields.param("max_tokens")
         raise bad_request(f"this model's maximum context length is {limits.max_model_len} tokens; you asked for "
-                          f"{prompt_tokens + fields.max_tokens} ({prompt_tokens} in the prompt, {fields.max_tokens} "
-                          f"in '{fields.max_tokens_param}').", fields.max_tokens_param, "context_length_exceeded")
+                          f"{prompt_tokens + params.max_tokens} ({prompt_tokens} in the prompt, {params.max_tokens} "
+                          f"in '{param}').", param, "context_length_exceeded")
     return params
-
-
-def _build_params(fields: SamplingFields) -> SamplingParams:
-    try:
-        return SamplingParams(n=fields.n, max_tokens=fields.max_tokens, min_tokens=fields.min_tokens,
-                              temperature=fields.temperature, top_p=fields.top_p, top_k=fields.top_k,
-                              seed=fields.seed, stop=fields.stop, stop_token_ids=fields.stop_token_ids,
-                              ignore_eos=fields.ignore_eos, logprobs=fields.logprobs,
-                              presence_penalty=fields.presence_penalty, frequency_penalty=fields.frequency_penalty,
-                              repetition_penalty=fields.repetition_penalty, min_p=fields.min_p,
-                              logit_bias=fields.logit_bias, guide=fields.guide,
-                              include_stop_str_in_output=fields.include_stop_str_in_output,
-                              skip_special_tokens=fields.skip_special_tokens)
-    except SamplingParamsError as exc:
-        renamed = {"max_tokens": fields.max_tokens_param, "logprobs": fields.logprobs_param}
-        param = renamed.get(exc.param, exc.param)
-        raise ApiError(400, str(exc).replace(exc.param, param, 1), param, "invalid_value") from None

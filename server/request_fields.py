@@ -1,6 +1,7 @@
 """Every request field this server knows, with its fate: implemented, refused (400 naming it) or ignored
 (it cannot change the output). A field that would change the output is never silently ignored; fields in
-no table here are ignored, as OpenAI-compatible servers do.
+no table here are ignored, as OpenAI-compatible servers do. The rows of the fields that set SamplingParams
+fields come from those fields' declarations (engine/sampling/fields.py).
 
 `tests/test_request_fields.py` walks REQUEST_FIELDS: each refused field, sent with its `example`, gets a 400
 whose `param` names it.
@@ -10,10 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from engine.sampling.fields import BOTH, Endpoint, declared
+from engine.sampling.sampling_params import SamplingParams
 from server.errors import bad_request
 
-COMPLETIONS, CHAT = "completions", "chat"
-BOTH = (COMPLETIONS, CHAT)
+COMPLETIONS, CHAT = Endpoint.COMPLETIONS, Endpoint.CHAT
 IMPLEMENTED, REFUSED, IGNORED = "implemented", "refused", "ignored"
 
 
@@ -29,25 +31,42 @@ def _other_than(*defaults: Any) -> Callable[[Any], bool]:
 class Fate:
     fate: str  # IMPLEMENTED, REFUSED or IGNORED
     why: str  # what it does, or why it is refused or ignored
-    routes: tuple[str, ...] = BOTH
+    routes: tuple[Endpoint, ...] = BOTH
     refused_if: Callable[[Any], bool] = _given  # REFUSED: the values refused (the defaults pass)
     example: Any = True  # REFUSED: a value that is refused
 
 
-def _impl(why: str, routes: tuple[str, ...] = BOTH) -> Fate:
+def _impl(why: str, routes: tuple[Endpoint, ...] = BOTH) -> Fate:
     return Fate(IMPLEMENTED, why, routes)
 
 
 def _refuse(why: str, refused_if: Callable[[Any], bool] = _given, example: Any = True,
-            routes: tuple[str, ...] = BOTH) -> Fate:
+            routes: tuple[Endpoint, ...] = BOTH) -> Fate:
     return Fate(REFUSED, why, routes, refused_if, example)
 
 
-def _ignore(why: str, routes: tuple[str, ...] = BOTH) -> Fate:
+def _ignore(why: str, routes: tuple[Endpoint, ...] = BOTH) -> Fate:
     return Fate(IGNORED, why, routes)
 
 
-REQUEST_FIELDS: dict[str, Fate] = {
+def _joined(*tables: dict[str, Fate]) -> dict[str, Fate]:
+    """The tables as one; a field in two of them is a ValueError (each field has one fate, declared once)."""
+    joined: dict[str, Fate] = {}
+    for table in tables:
+        repeated = sorted(joined.keys() & table.keys())
+        if repeated:
+            raise ValueError(f"request fields declared twice: {', '.join(repeated)}")
+        joined |= table
+    return joined
+
+
+def _sampling_rows() -> dict[str, Fate]:
+    """The request fields that set SamplingParams fields, from those fields' declarations."""
+    return _joined(*({name.name: _impl(name.why, name.endpoints)} for _, spec in declared(SamplingParams)
+                     for name in spec.names))
+
+
+REQUEST_FIELDS: dict[str, Fate] = _joined(_sampling_rows(), {
     # envelope
     "model": _impl("must name the served model"),
     "prompt": _impl("text, token ids, or a batch of one", (COMPLETIONS,)),
@@ -55,32 +74,9 @@ REQUEST_FIELDS: dict[str, Fate] = {
     "stream": _impl("server-sent events ending in [DONE]"),
     "stream_options": _impl("include_usage"),
     "priority": _impl("scheduling priority (lower runs first)"),
-    # lengths and stops
-    "max_tokens": _impl("output cap; chat defaults to the rest of the context or --default-max-tokens"),
-    "max_completion_tokens": _impl("chat's name for max_tokens", (CHAT,)),
-    "n_predict": _impl("llama.cpp server's name for max_tokens"),
-    "min_tokens": _impl("no stop before this many tokens"),
-    "stop": _impl("up to 16 stop strings"),
-    "stop_token_ids": _impl("stop token ids"),
-    "ignore_eos": _impl("keep going past end-of-sequence tokens"),
-    "include_stop_str_in_output": _impl("keep the matched stop string in the text"),
-    "skip_special_tokens": _impl("leave special tokens out of the text (default true)"),
-    # sampling
-    "n": _impl("samples per prompt"),
+    # the sampling fields come first, from _sampling_rows()
     "best_of": _impl("samples generated, of which the n with the highest cumulative logprob are returned; "
                      "not with stream", (COMPLETIONS,)),
-    "temperature": _impl("sampling temperature; 0 is greedy"),
-    "top_p": _impl("nucleus sampling"),
-    "top_k": _impl("the k likeliest tokens only"),
-    "min_p": _impl("drop tokens less likely than min_p times the likeliest"),
-    "seed": _impl("per-request seed"),
-    "presence_penalty": _impl("OpenAI's presence penalty"),
-    "frequency_penalty": _impl("OpenAI's frequency penalty"),
-    "repetition_penalty": _impl("vLLM's repetition penalty"),
-    "repeat_penalty": _impl("llama.cpp server's name for repetition_penalty"),
-    "logit_bias": _impl("token id -> bias in [-100, 100]"),
-    "logprobs": _impl("completions: top alternatives per token; chat: a boolean"),
-    "top_logprobs": _impl("chat: top alternatives per token", (CHAT,)),
     # structured outputs and tools
     "response_format": _impl("text, json_object or json_schema"),
     "guided_json": _impl("vLLM: a JSON schema"),
@@ -121,7 +117,6 @@ REQUEST_FIELDS: dict[str, Fate] = {
     "samplers": _refuse("the sampler order is fixed", example=["top_k"]),
     "n_probs": _refuse("llama.cpp server's probabilities; send logprobs instead", _other_than(0), 5),
     "logits_processors": _refuse("custom logits processors are not loaded", example=["x"]),
-    "truncate_prompt_tokens": _refuse("prompts are never truncated; a long prompt is a 400", example=16),
     "guided_whitespace_pattern": _refuse("the whitespace of JSON constraints is fixed", example=r"[ ]?"),
     "return_tokens_as_token_ids": _refuse("tokens are returned as text", _other_than(False)),
     "spaces_between_special_tokens": _refuse("special tokens are detokenised without added spaces",
@@ -155,7 +150,7 @@ REQUEST_FIELDS: dict[str, Fate] = {
     "prediction": _ignore("predicted outputs only speed a response up"),
     "mirostat_tau": _ignore("only acts with mirostat, which is refused"),
     "mirostat_eta": _ignore("only acts with mirostat, which is refused"),
-}
+})
 
 
 def field_name(key: str) -> str:

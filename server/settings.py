@@ -9,6 +9,8 @@ from actors.ray_options import RayOptions, parse_resources
 from engine.config import ConfigError
 from engine.flags import option, parse_list
 from engine.core.stream_interval import AUTO_MAX_TOKENS, AUTO_OUTPUTS_PER_STEP, StreamInterval
+from engine.sampling.fields import generation_config_names
+from engine.sampling.sampling_params import SamplingParams
 from server.quadrant import QuadrantThresholds, SpeculateQuadrants, check_speculate_quadrants
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
@@ -17,6 +19,12 @@ API_KEY_ENV = "PHASE_SERVE_API_KEY"
 DisaggMode = Literal["auto", "always", "never"]
 ToolCallParserName = Literal["auto", "hermes", "llama3", "mistral"]
 GenerationConfigMode = Literal["auto", "none"]
+
+
+def _generation_config_help() -> str:
+    *names, last = generation_config_names(SamplingParams)
+    return (f"auto: a Hugging Face folder's generation_config.json sets the defaults of {', '.join(names)} and "
+            f"{last} for requests that leave them out; none: OpenAI's defaults")
 
 
 @dataclass(frozen=True)
@@ -51,9 +59,7 @@ class ServerSettings:
     default_max_tokens: int | None = option(
         None, "max_tokens of a request that sends none (chat: else the rest of the context; completions: else 16)",
         shown="none")
-    generation_config: GenerationConfigMode = option(
-        "auto", "auto: a Hugging Face folder's generation_config.json sets the defaults of temperature, top_p, "
-        "top_k, min_p and repetition_penalty for requests that leave them out; none: OpenAI's defaults")
+    generation_config: GenerationConfigMode = option("auto", _generation_config_help())
 
     def __post_init__(self) -> None:
         if self.default_max_tokens is not None and self.default_max_tokens < 1:

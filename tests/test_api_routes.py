@@ -266,4 +266,4 @@ def test_the_four_prompt_shapes_parse_into_one_request_per_prompt():
     for name, prompt in bodies.items():
         parts = parse_completion({"prompt": prompt, "n": 2}, MODEL).per_prompt()
         assert tuple(p.prompt for p in parts) == shapes[name], name
-        assert all(p.prompts == () and p.sampling.n == 2 for p in parts)
+        assert all(p.prompts == () and p.sampling.params.n == 2 for p in parts)

@@ -1,12 +1,14 @@
 """The batched engine against one-at-a-time generation, under chunking, preemption and prefix caching."""
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
+from engine.core.engine_core import RequestError
 from client.llm import OFFLINE_MAX_NUM_BATCHED_TOKENS
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -128,6 +130,19 @@ def test_eos_ends_a_sequence_unless_ignored(tiny_model_dir):
     out = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0, stop_token_ids=[stop_id]))[0]
     assert out.token_ids == free[: free.index(stop_id) + 1]
     assert out.finish_reason == "stop"
+
+
+def test_truncate_prompt_tokens_runs_the_last_k_tokens(tiny_model_dir):
+    llm = tiny_llm(tiny_model_dir)
+    prompt = [t for p in make_prompts(3, seed=16) for t in p]
+    keep_8 = dataclasses.replace(GREEDY, truncate_prompt_tokens=8)
+    truncated, direct = llm.generate([prompt, prompt[-8:]], [keep_8, GREEDY])
+    assert len(prompt) > 8 and truncated.prompt_token_ids == prompt[-8:] == direct.prompt_token_ids
+    assert truncated.token_ids == direct.token_ids
+    past_the_context = prompt * (llm.engine.max_model_len // len(prompt) + 1)
+    assert llm.generate([past_the_context], keep_8)[0].token_ids == direct.token_ids
+    with pytest.raises(RequestError):  # -1 keeps the whole context, which leaves no room for output (as vLLM)
+        llm.generate([past_the_context], dataclasses.replace(GREEDY, truncate_prompt_tokens=-1))
 
 
 def test_llm_takes_larger_steps_than_the_server_unless_told(tiny_model_dir):

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import pytest
 
+from engine.sampling.fields import declared
+from engine.sampling.sampling_params import SamplingParams
 from server.errors import ApiError
 from server.protocol import RequestDefaults, parse_chat, parse_completion
-from server.request_fields import CHAT, COMPLETIONS, IGNORED, IMPLEMENTED, REFUSED, REQUEST_FIELDS, field_name
+from server.request_fields import CHAT, COMPLETIONS, IGNORED, IMPLEMENTED, REFUSED, REQUEST_FIELDS, _joined, field_name
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 REFUSED_ROUTES = [(key, route) for key, fate in REQUEST_FIELDS.items() if fate.fate == REFUSED
@@ -53,25 +55,68 @@ def test_defaults_of_refused_fields_pass():
 
 
 def test_llama_cpp_aliases_set_the_same_fields():
-    assert parse(COMPLETIONS, {"repeat_penalty": 1.3}).sampling.repetition_penalty == 1.3
-    assert parse(COMPLETIONS, {"n_predict": 7}).sampling.max_tokens == 7
+    assert parse(COMPLETIONS, {"repeat_penalty": 1.3}).sampling.params.repetition_penalty == 1.3
+    assert parse(COMPLETIONS, {"n_predict": 7}).sampling.params.max_tokens == 7
     with pytest.raises(ApiError) as err:
         parse(COMPLETIONS, {"repeat_penalty": 1.3, "repetition_penalty": 1.1})
     assert err.value.param == "repeat_penalty"
 
 
+def test_each_declared_request_name_is_an_implemented_row_on_its_endpoints():
+    names = [name for _, spec in declared(SamplingParams) for name in spec.names]
+    assert len({n.name for n in names}) == len(names) > 20
+    for name in names:
+        fate = REQUEST_FIELDS[name.name]
+        assert (fate.fate, fate.why, fate.routes) == (IMPLEMENTED, name.why, name.endpoints), name.name
+
+
+def test_a_field_in_two_tables_is_refused():
+    with pytest.raises(ValueError, match="declared twice: top_k"):
+        _joined(dict(REQUEST_FIELDS), {"top_k": REQUEST_FIELDS["top_k"]})
+
+
+@pytest.mark.parametrize("route", [COMPLETIONS, CHAT])
+def test_every_declared_field_is_read_from_its_request_name(route):
+    body = {"n": 2, "max_tokens": 9, "min_tokens": 1, "temperature": 0.5, "top_p": 0.9, "top_k": 4, "seed": 7,
+            "min_p": 0.1, "stop": "x", "stop_token_ids": [3], "ignore_eos": True, "skip_special_tokens": False,
+            "include_stop_str_in_output": True, "presence_penalty": 0.5, "frequency_penalty": -0.5,
+            "repetition_penalty": 1.2, "logit_bias": {"5": 1.5}, "truncate_prompt_tokens": 8}
+    params = parse(route, body).sampling.params
+    assert params == SamplingParams(n=2, max_tokens=9, min_tokens=1, temperature=0.5, top_p=0.9, top_k=4, seed=7,
+                                    min_p=0.1, stop=("x",), stop_token_ids=(3,), ignore_eos=True,
+                                    skip_special_tokens=False, include_stop_str_in_output=True,
+                                    presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.2,
+                                    logit_bias={5: 1.5}, truncate_prompt_tokens=8)
+
+
+@pytest.mark.parametrize("route", [COMPLETIONS, CHAT])
+@pytest.mark.parametrize("value,code", [(0, "invalid_value"), (-2, "invalid_value"), (1.5, "invalid_type"),
+                                        ("8", "invalid_type")])
+def test_a_bad_truncate_prompt_tokens_is_a_400_naming_it(route, value, code):
+    with pytest.raises(ApiError) as err:
+        parse(route, {"truncate_prompt_tokens": value})
+    assert (err.value.status, err.value.param, err.value.code) == (400, "truncate_prompt_tokens", code)
+
+
+def test_chat_names_max_completion_tokens_first():
+    fields = parse(CHAT, {"max_completion_tokens": 3, "max_tokens": 5}).sampling
+    assert fields.params.max_tokens == 3 and fields.param("max_tokens") == "max_completion_tokens"
+    assert parse(COMPLETIONS, {"max_completion_tokens": 3}).sampling.params.max_tokens == 16  # chat's name only
+
+
 def test_unknown_fields_are_ignored():
-    assert parse(COMPLETIONS, {"some_future_field": 3}).sampling.max_tokens == 16
+    assert parse(COMPLETIONS, {"some_future_field": 3}).sampling.params.max_tokens == 16
 
 
 def test_defaults_fill_only_what_the_request_leaves_out():
     defaults = RequestDefaults(temperature=0.3, top_k=20, repetition_penalty=1.1, max_tokens=50)
     left_out = parse_chat({"messages": MESSAGES}, "m", defaults).sampling
-    assert (left_out.temperature, left_out.top_k, left_out.repetition_penalty) == (0.3, 20, 1.1)
-    assert left_out.max_tokens == 50 and left_out.max_tokens_defaulted
+    params = left_out.params
+    assert (params.temperature, params.top_k, params.repetition_penalty) == (0.3, 20, 1.1)
+    assert params.max_tokens == 50 and left_out.max_tokens_defaulted
     given = parse_chat({"messages": MESSAGES, "temperature": 0.9, "max_tokens": 5}, "m", defaults).sampling
-    assert given.temperature == 0.9 and given.max_tokens == 5 and not given.max_tokens_defaulted
-    assert parse_completion({"prompt": "x"}, "m", defaults).sampling.max_tokens == 50
+    assert given.params.temperature == 0.9 and given.params.max_tokens == 5 and not given.max_tokens_defaulted
+    assert parse_completion({"prompt": "x"}, "m", defaults).sampling.params.max_tokens == 50
 
 
 @pytest.mark.parametrize("body,param", [

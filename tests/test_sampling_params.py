@@ -36,6 +36,9 @@ def test_defaults_are_valid_and_not_greedy():
     ({"stop_token_ids": [-1]}, "stop_token_ids"),
     ({"logprobs": -1}, "logprobs"),
     ({"logprobs": 21}, "logprobs"),
+    ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
+    ({"truncate_prompt_tokens": 1.5}, "truncate_prompt_tokens"),
 ])
 def test_invalid_values_name_the_param(kwargs, param):
     with pytest.raises(SamplingParamsError) as info:
@@ -48,7 +51,7 @@ def test_invalid_values_name_the_param(kwargs, param):
 @pytest.mark.parametrize("kwargs", [
     {"n": 128}, {"max_tokens": None, "min_tokens": 1000}, {"min_tokens": 16}, {"temperature": 0.0},
     {"temperature": 2.0}, {"top_p": 1e-6}, {"top_k": 0}, {"top_k": 1}, {"logprobs": 0}, {"logprobs": 20},
-    {"seed": 0},
+    {"seed": 0}, {"truncate_prompt_tokens": 1}, {"truncate_prompt_tokens": -1},
 ])
 def test_boundary_values_accepted(kwargs):
     params = SamplingParams(**kwargs)
@@ -77,3 +80,12 @@ def test_frozen_and_with_seed_copies():
     assert dataclasses.replace(q, seed=None) == p
     with pytest.raises(dataclasses.FrozenInstanceError):
         p.seed = 3  # type: ignore[misc]
+
+
+def test_truncated_prompt_keeps_the_last_tokens():
+    ids = list(range(10))
+    assert SamplingParams().truncated_prompt(ids, 4) == ids
+    assert SamplingParams(truncate_prompt_tokens=3).truncated_prompt(ids, 100) == [7, 8, 9]
+    assert SamplingParams(truncate_prompt_tokens=1).truncated_prompt(tuple(ids), 100) == [9]
+    assert SamplingParams(truncate_prompt_tokens=30).truncated_prompt(ids, 100) == ids
+    assert SamplingParams(truncate_prompt_tokens=-1).truncated_prompt(ids, 4) == [6, 7, 8, 9]

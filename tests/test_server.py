@@ -389,7 +389,7 @@ def test_parsing_builds_sampling_params():
     assert (params.max_tokens, params.temperature, params.stop, params.seed, params.logprobs) == (5, 0, ("x",), 3, 2)
     assert (req.chat, req.stream, req.include_usage, req.priority) == (True, True, True, -1)
     completion = parse_completion({"prompt": [[1, 2, 3]]}, MODEL)
-    assert completion.prompt == (1, 2, 3) and completion.sampling.max_tokens == 16
+    assert completion.prompt == (1, 2, 3) and completion.sampling.params.max_tokens == 16
 
 
 @pytest.mark.unit
@@ -402,8 +402,10 @@ def test_parsing_names_the_parameter():
                                         MODEL)) == "messages[0].content"
     fields = parse_completion({"prompt": "x", "max_tokens": 95}, MODEL).sampling
     assert _param_of(lambda: sampling_params(fields, 10, LIMITS)) == "max_tokens"
-    fields = parse_completion({"prompt": "x", "min_tokens": 20, "max_tokens": 5}, MODEL).sampling
-    assert _param_of(lambda: sampling_params(fields, 10, LIMITS)) == "min_tokens"
+    assert _param_of(lambda: parse_completion({"prompt": "x", "min_tokens": 20, "max_tokens": 5}, MODEL)) == \
+        "min_tokens"
+    fields = parse_completion({"prompt": "x", "min_tokens": 12}, MODEL).sampling  # max_tokens: 16 by default
+    assert _param_of(lambda: sampling_params(fields, 95, LIMITS)) == "min_tokens"  # capped at the 5 left
 
 
 @pytest.mark.unit
@@ -455,6 +457,27 @@ async def test_a_bug_is_a_500_logged_with_the_request_id(tiny_llm, caplog):
     logged = [r.msg for r in caplog.records if isinstance(r.msg, dict) and r.msg.get("event") == "unhandled error"]
     assert [entry["request_id"] for entry in logged] == [request_id]
     assert "RuntimeError: boom" in caplog.text
+
+
+@pytest.mark.engine
+async def test_truncate_prompt_tokens_runs_the_last_k_tokens(tiny_llm):
+    prompt = [3 + i % 500 for i in range(CONTEXT_LEN + 50)]  # past the context: a 400 unless truncated
+    greedy = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    async with TestServer(create_app(tiny_llm, ServerSettings())) as test_server, aiohttp.ClientSession() as session:
+        async def post(path: str, body: dict) -> tuple[int, dict]:
+            async with session.post(test_server.make_url(path), json=greedy | body) as resp:
+                return resp.status, await resp.json()
+
+        whole = await post("/v1/completions", {"prompt": prompt})
+        truncated = await post("/v1/completions", {"prompt": prompt, "truncate_prompt_tokens": 12})
+        direct = await post("/v1/completions", {"prompt": prompt[-12:]})
+        chat = await post("/v1/chat/completions", {"messages": HI, "truncate_prompt_tokens": 5})
+        bad = await post("/v1/chat/completions", {"messages": HI, "truncate_prompt_tokens": 0})
+    assert whole[0] == 400 and whole[1]["error"]["code"] == "context_length_exceeded"
+    assert truncated[0] == direct[0] == 200 and truncated[1]["usage"]["prompt_tokens"] == 12
+    assert truncated[1]["choices"][0]["text"] == direct[1]["choices"][0]["text"]
+    assert chat[0] == 200 and chat[1]["usage"]["prompt_tokens"] == 5
+    assert bad[0] == 400 and bad[1]["error"]["param"] == "truncate_prompt_tokens"
 
 
 def test_a_busy_port_fails_before_the_model_loads(tiny_model_dir):

@@ -42,11 +42,12 @@ from dataclasses import dataclass, fields, is_dataclass
 from types import MappingProxyType
 from typing import Any, ClassVar
 
+# 10: `sampling` carries truncate_prompt_tokens
 # 9: Hello.node_id, node_address (where an actor runs); KVReady.stream_seconds (each link's measured cost)
 # 8: KVReady.streamed_bytes; KVPageFrame, KVStreamEnd, KVStreamAck (direct KV streams, out-of-band pages)
 # 7: AddRequest.resume, PrefillRequest.num_prompt_tokens (migrated streams), Leaving; no generator_state
 # 6: `guide.kind` may be structural_tag (tool calls); 5: `sampling` carries `guide`
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 
 KV_EXPORT_KINDS = ("shm", "cuda_ipc", "tcp", "none")
 """`Ready.kv_export["kind"]`: how peers map the actor's KV pool, or (`tcp`, with `host` and `port`) where

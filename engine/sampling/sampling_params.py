@@ -4,9 +4,12 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Sequence
 
-from engine.sampling.structured import Guide, GuideError
+from engine.sampling.fields import ApiName, Endpoint, Flag, Shape, sampling_field
+
+if TYPE_CHECKING:
+    from engine.sampling.structured import Guide
 
 MAX_N = 128
 MAX_LOGPROBS = 20
@@ -63,6 +66,21 @@ def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
     return tuple(sorted((token, float(bias)) for token, bias in pairs))
 
 
+def _guide(value: Any) -> Guide:
+    """A Guide, or its wire dict (Guide.to_wire) as one. Imported here: the command line reads the field
+    declarations above without loading the grammar engine (and torch)."""
+    from engine.sampling.structured import Guide, GuideError
+
+    if isinstance(value, dict):
+        try:
+            return Guide.from_wire(value)
+        except (GuideError, KeyError, TypeError) as e:
+            raise SamplingParamsError("guide", f"guide is not a valid constraint: {e}") from None
+    if not isinstance(value, Guide):
+        raise SamplingParamsError("guide", f"guide must be a Guide, got {value!r}.")
+    return value
+
+
 def _as_tuple(value: Any) -> tuple:
     if isinstance(value, str):
         return (value,)
@@ -71,45 +89,80 @@ def _as_tuple(value: Any) -> tuple:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to turn next-token logits into tokens, and when to stop."""
+    """How to turn next-token logits into tokens, and when to stop.
 
-    n: int = 1
-    max_tokens: int | None = 16
-    min_tokens: int = 0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    logprobs: int | None = None
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
-    # Logit controls, with vLLM's meanings: presence and frequency penalties subtract from the logits of tokens
-    # already generated (once, and once per occurrence); repetition_penalty divides the positive logits and
-    # multiplies the negative ones of tokens in the prompt or the output; logit_bias adds to given tokens'
-    # logits before anything else; min_p drops tokens less likely than min_p times the likeliest one.
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs sorted by id; a dict is accepted
-    min_p: float = 0.0
-    # A grammar the output must follow (structured outputs); a wire dict is accepted (Guide.to_wire).
-    guide: Guide | None = None
+    Each field is declared once, here (engine/sampling/fields.py): the request fields that set it, its command
+    line flag, whether a model's generation_config.json gives its default. The logit controls have vLLM's
+    meanings: logit_bias adds to given tokens' logits before anything else; presence and frequency penalties
+    subtract from the logits of tokens already generated (once, and once per occurrence); repetition_penalty
+    divides the positive logits and multiplies the negative ones of tokens in the prompt or the output; min_p
+    drops tokens less likely than min_p times the likeliest one.
+    """
+
+    n: int = sampling_field(1, Shape.INTEGER, ApiName("n", "samples per prompt"))
+    max_tokens: int | None = sampling_field(
+        16, Shape.INTEGER, ApiName("max_completion_tokens", "chat's name for max_tokens", (Endpoint.CHAT,)),
+        ApiName("max_tokens", "output cap; chat defaults to the rest of the context or --default-max-tokens"),
+        ApiName("n_predict", "llama.cpp server's name for max_tokens"),
+        flag=Flag("most tokens to generate", 128))
+    min_tokens: int = sampling_field(0, Shape.INTEGER, ApiName("min_tokens", "no stop before this many tokens"))
+    temperature: float = sampling_field(
+        1.0, Shape.NUMBER, ApiName("temperature", "sampling temperature; 0 is greedy"),
+        flag=Flag("sampling temperature; 0 is greedy", 0.0), generation_config=True)
+    top_p: float = sampling_field(
+        1.0, Shape.NUMBER, ApiName("top_p", "nucleus sampling"),
+        flag=Flag("nucleus sampling: smallest set of tokens whose probabilities reach this sum"),
+        generation_config=True)
+    top_k: int = sampling_field(
+        -1, Shape.INTEGER, ApiName("top_k", "the k likeliest tokens only"),
+        flag=Flag("sample among the k likeliest tokens; -1 is all"), generation_config=True)
+    seed: int | None = sampling_field(None, Shape.SEED, ApiName("seed", "per-request seed"),
+                                      flag=Flag("sampling seed", shown="random"))
+    min_p: float = sampling_field(
+        0.0, Shape.NUMBER, ApiName("min_p", "drop tokens less likely than min_p times the likeliest"),
+        flag=Flag("drop tokens less likely than this times the likeliest one; 0 is off"), generation_config=True)
+    stop: tuple[str, ...] = sampling_field((), Shape.STRINGS, ApiName("stop", "up to 16 stop strings"))
+    stop_token_ids: tuple[int, ...] = sampling_field((), Shape.TOKEN_IDS, ApiName("stop_token_ids", "stop token ids"))
+    ignore_eos: bool = sampling_field(False, Shape.BOOLEAN,
+                                      ApiName("ignore_eos", "keep going past end-of-sequence tokens"))
+    logprobs: int | None = sampling_field(  # top alternatives per token; None: no logprobs
+        None, Shape.LOGPROBS, ApiName("logprobs", "completions: top alternatives per token; chat: a boolean"),
+        ApiName("top_logprobs", "chat: top alternatives per token", (Endpoint.CHAT,)))
+    skip_special_tokens: bool = sampling_field(
+        True, Shape.BOOLEAN, ApiName("skip_special_tokens", "leave special tokens out of the text (default true)"))
+    include_stop_str_in_output: bool = sampling_field(
+        False, Shape.BOOLEAN, ApiName("include_stop_str_in_output", "keep the matched stop string in the text"))
+    presence_penalty: float = sampling_field(
+        0.0, Shape.NUMBER, ApiName("presence_penalty", "OpenAI's presence penalty"),
+        flag=Flag("subtract this from the logits of tokens already generated (-2 to 2)"))
+    frequency_penalty: float = sampling_field(
+        0.0, Shape.NUMBER, ApiName("frequency_penalty", "OpenAI's frequency penalty"),
+        flag=Flag("subtract this per earlier occurrence in the output (-2 to 2)"))
+    repetition_penalty: float = sampling_field(
+        1.0, Shape.NUMBER, ApiName("repetition_penalty", "vLLM's repetition penalty"),
+        ApiName("repeat_penalty", "llama.cpp server's name for repetition_penalty", exclusive=True),
+        flag=Flag("divide positive logits (multiply negative ones) of tokens in the prompt or output by this; "
+                  "1 is off"), generation_config=True)
+    logit_bias: tuple[tuple[int, float], ...] = sampling_field(  # (token id, bias) sorted by id; a dict is accepted
+        (), Shape.TOKEN_BIAS, ApiName("logit_bias", "token id -> bias in [-100, 100]"))
+    # Keep only the prompt's last k tokens (-1: the last max_model_len, which leaves no room for output as in
+    # vLLM); applied where the prompt is tokenised (LLM, AsyncLLM, the server), so that the engine, the usage
+    # and the length checks all see the kept tokens.
+    truncate_prompt_tokens: int | None = sampling_field(
+        None, Shape.INTEGER, ApiName("truncate_prompt_tokens", "keep only the prompt's last k tokens (-1: the "
+                                                               "model's context length)"))
+    # A grammar the output must follow (structured outputs); a wire dict is accepted (Guide.to_wire). Requests
+    # spell it in several ways of their own (server/protocol.py).
+    guide: Guide | None = sampling_field(None)
 
     def __post_init__(self) -> None:
-        if isinstance(self.guide, dict):
-            try:
-                object.__setattr__(self, "guide", Guide.from_wire(self.guide))
-            except (GuideError, KeyError, TypeError) as e:
-                raise SamplingParamsError("guide", f"guide is not a valid constraint: {e}") from None
-        if self.guide is not None and not isinstance(self.guide, Guide):
-            raise SamplingParamsError("guide", f"guide must be a Guide, got {self.guide!r}.")
+        if self.guide is not None:
+            object.__setattr__(self, "guide", _guide(self.guide))
         object.__setattr__(self, "stop", _as_tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", _as_tuple(self.stop_token_ids))
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
         self._check_counts()
+        self._check_truncation()
         self._check_distribution()
         self._check_penalties()
         self._check_stops()
@@ -133,6 +186,15 @@ class SamplingParams:
             if not 0 <= self.logprobs <= MAX_LOGPROBS:
                 raise SamplingParamsError(
                     "logprobs", f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}.")
+
+    def _check_truncation(self) -> None:
+        keep = self.truncate_prompt_tokens
+        if keep is None:
+            return
+        _require_int("truncate_prompt_tokens", keep)
+        if keep < 1 and keep != -1:
+            raise SamplingParamsError("truncate_prompt_tokens", "truncate_prompt_tokens must be -1 (the model's "
+                                                                f"context length) or at least 1, got {keep}.")
 
     def _check_distribution(self) -> None:
         _require_number("temperature", self.temperature)
@@ -183,6 +245,14 @@ class SamplingParams:
     def adjusts_logits(self) -> bool:
         """Penalties or biases move the logits, so even a greedy pick is not the raw argmax."""
         return self.penalised or bool(self.logit_bias)
+
+    def truncated_prompt(self, token_ids: Sequence[int], max_model_len: int) -> list[int]:
+        """The prompt's tokens that run: the last truncate_prompt_tokens of them (-1: the last max_model_len),
+        all of them when it is unset."""
+        if self.truncate_prompt_tokens is None:
+            return list(token_ids)
+        keep = max_model_len if self.truncate_prompt_tokens == -1 else self.truncate_prompt_tokens
+        return list(token_ids[-keep:])
 
     def with_seed(self, seed: int | None) -> SamplingParams:
         return dataclasses.replace(self, seed=seed)
