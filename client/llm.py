@@ -57,6 +57,7 @@ class LLM:
         for rid, given in zip(ids, inputs):
             processor.add(rid, given.prompt, given.token_ids, given.params)
             request = EngineRequest(rid, given.token_ids, given.params, arrival_time=time.monotonic())
+            self.engine.prepare_request(request)
             self.engine.add_request(request)
         final: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished_requests():

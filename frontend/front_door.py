@@ -1,7 +1,8 @@
 """One model's front door: a request (text, token ids, or a chat with tools) -> what the engine runs.
 
 The HTTP handlers, `LLM` and `AsyncLLM` all come through here, so a request is rendered, tokenised and
-constrained one way whichever of them sent it. The constraint of a forced tool call is built here as text.
+constrained one way whichever of them sent it. The constraint of a forced tool call is built, not compiled:
+the engine compiles it where it runs and refuses it there (engine.core.constraints).
 """
 from __future__ import annotations
 

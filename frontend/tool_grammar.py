@@ -1,6 +1,6 @@
 """The constraint of a forced tool call (tool_choice "required" or a named function): an xgrammar structural
 tag that spells the format around the JSON schema of each function's parameters, so the arguments always
-satisfy the schema."""
+satisfy the schema. Built here as text; the engine compiles it where it runs."""
 from __future__ import annotations
 
 import json

@@ -13,11 +13,9 @@ from aiohttp import web
 
 from client.async_llm import RequestAbortedError
 from engine.core.client_protocol import NoCapacityError, RequestFailedError
-from engine.core.engine_core import RequestError
+from engine.core.errors import GUIDE_PARAM, RequestError
 from engine.core.outputs import RequestOutput
 from engine.sampling.sampling_params import SamplingParams, SamplingParamsError
-from engine.model.loader import ModelSource
-from engine.sampling.structured import Guide, GuideError, source_compiler
 from engine.model.tokenizer import Tokenizer
 from engine.core.treatment import Treatment
 from frontend.chat import ChatTemplateError
@@ -46,6 +44,7 @@ class Prepared:
     quadrant: Quadrant
     treatment: Treatment
     tools: ToolCallOutput | None = None  # how to read tool calls out of the output; None: plain text
+    guide_param: str = "response_format"  # the request field that set params.guide, for the engine's refusal
 
 
 @dataclass
@@ -164,20 +163,18 @@ async def read_body(request: web.Request, limit: int) -> bytes:
 
 
 async def prepare(req: GenerationRequest, door: FrontDoor, limits: ModelLimits, thresholds: QuadrantThresholds,
-                  treatments: TreatmentOptions = TreatmentOptions(), source: ModelSource | None = None) -> Prepared:
+                  treatments: TreatmentOptions = TreatmentOptions()) -> Prepared:
     """The request through the model's front door: its prompt rendered and tokenised, its SamplingParams with
-    the constraint of a forced tool call, and the reader of its tool calls. `source`: the model whose
-    vocabulary compiles a structured-output constraint (None: left to the engine)."""
+    the constraint of a forced tool call, and the reader of its tool calls. A constraint is not compiled here:
+    the engine compiles it where it runs, and its refusal becomes a 400 in engine_outputs."""
     tools = ChatTools(req.tools, req.tool_choice, req.parallel_tool_calls)
     token_ids = await _encode(req, door, tools)
     check_prompt_tokens(token_ids, limits, req.prompt_param)
     params = _best_of(req, sampling_params(req.sampling, len(token_ids), limits))
     params, reader = door.with_tools(params, tools)
     guide_param = "tools" if reader is not None and tools.choice.forced else req.sampling.guide_param
-    if params.guide is not None and source is not None:
-        await compile_guide(params.guide, guide_param, source)
     quadrant = classify(len(token_ids), effective_max_tokens(req.sampling, len(token_ids), limits), thresholds)
-    return Prepared(req, token_ids, params, quadrant, treatment_for(quadrant, treatments), reader)
+    return Prepared(req, token_ids, params, quadrant, treatment_for(quadrant, treatments), reader, guide_param)
 
 
 def _best_of(req: GenerationRequest, params: SamplingParams) -> SamplingParams:
@@ -188,16 +185,6 @@ def _best_of(req: GenerationRequest, params: SamplingParams) -> SamplingParams:
         return dataclasses.replace(params, n=req.best_of, logprobs=params.logprobs or 0)
     except SamplingParamsError as exc:
         raise bad_request(str(exc).replace("n must", "best_of must", 1), "best_of") from None
-
-
-async def compile_guide(guide: Guide, param: str, source: ModelSource) -> None:
-    """Compile a constraint on a worker thread (a new schema can take a while, and neither the loop nor the
-    engine's step thread should wait for it); the compiled grammar stays in the process's cache for the
-    engine. 400 naming `param` when the grammar engine refuses it."""
-    try:
-        await asyncio.to_thread(lambda: source_compiler(source).compile(guide))
-    except GuideError as exc:
-        raise bad_request(f"'{param}': {exc}", param) from None
 
 
 async def _encode(req: GenerationRequest, door: FrontDoor, tools: ChatTools) -> list[int]:
@@ -247,7 +234,7 @@ async def engine_outputs(ctx: ServerContext, prepared: Prepared, tracker: Reques
                     raise ApiError(503, SHUTTING_DOWN, None, "shutting_down")
                 yield out
         except RequestError as exc:
-            raise bad_request(str(exc), exc.param) from None
+            raise refusal(exc, prepared.guide_param) from None
         except RequestAbortedError:
             raise ApiError(503, SHUTTING_DOWN, None, "shutting_down") from None
         except NoCapacityError as exc:
@@ -255,6 +242,13 @@ async def engine_outputs(ctx: ServerContext, prepared: Prepared, tracker: Reques
                            {"Retry-After": str(NO_CAPACITY_RETRY_AFTER)}) from None
         except RequestFailedError as exc:
             raise ApiError(503, f"the request could not be completed: {exc}", None, "engine_failure") from None
+
+
+def refusal(exc: RequestError, guide_param: str) -> ApiError:
+    """The engine's refusal as a 400; a constraint it cannot compile names the field that set it."""
+    if exc.param == GUIDE_PARAM:
+        return bad_request(f"'{guide_param}': {exc}", guide_param)
+    return bad_request(str(exc), exc.param)
 
 
 async def whole_response(ctx: ServerContext, parts: list[Prepared], group: TrackerGroup,
@@ -465,7 +459,7 @@ async def handle_generation(request: web.Request, ctx: ServerContext, chat: bool
     if len(requests) > ctx.settings.max_queue:
         raise bad_request(f"'prompt' holds {len(requests)} prompts; this server runs at most {ctx.settings.max_queue} "
                           "requests at once (--max-queue), so send them in smaller lists.", "prompt")
-    parts = [await prepare(r, ctx.front_door, ctx.limits, ctx.settings.quadrants, ctx.treatment, ctx.llm.source)
+    parts = [await prepare(r, ctx.front_door, ctx.limits, ctx.settings.quadrants, ctx.treatment)
              for r in requests]  # every prompt is checked before any one runs
     ids = [request[REQUEST_ID]] if len(parts) == 1 else [f"{request[REQUEST_ID]}-{i}" for i in range(len(parts))]
     group = TrackerGroup([RequestTracker(rid, arrival, len(p.token_ids), p.quadrant) for rid, p in zip(ids, parts)])

@@ -29,16 +29,10 @@ from engine.speculative.build import build_proposer
 from engine.speculative.proposer import Proposer
 from engine.speculative.speculator import Speculator
 from engine.core.stats import EngineStats
-from engine.sampling.structured import GrammarCompiler, GuideError, source_compiler
+from engine.sampling.structured import GrammarCompiler, source_compiler
+from engine.core.constraints import compile_constraint, is_compiled
+from engine.core.errors import RequestError
 from engine.core.step import SequenceUpdate
-
-
-class RequestError(ValueError):
-    """A request the engine cannot serve as asked (too long, duplicate id); `param` names the culprit."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass
@@ -112,13 +106,10 @@ class EngineCore:
         return source_compiler(self.source)
 
     def prepare_request(self, req: EngineRequest) -> None:
-        """Work to do before add_request, on any thread but the step thread: compile the request's constraint
-        (cached), so that adding it costs the running streams nothing. RequestError if it cannot compile."""
+        """Work to do before add_request, on any thread but the step thread: compile the request's constraint,
+        so that adding it costs the running streams nothing. RequestError if it cannot compile."""
         if req.params.guide is not None:
-            try:
-                self.grammar_compiler().compile(req.params.guide)
-            except GuideError as exc:
-                raise RequestError(str(exc), "guide") from None
+            compile_constraint(self.source, req.params.guide)
 
     def _kv_block_counts(self) -> tuple[int, int]:
         """(hot blocks, FP4 blocks): adaptive compression splits the KV budget, otherwise all of it is hot."""
@@ -193,8 +184,8 @@ class EngineCore:
         if outside:
             raise RequestError(f"logit_bias names token id {outside[0]}, outside this model's vocabulary of "
                                f"{vocab}", "logit_bias")
-        if req.params.guide is not None:
-            self.prepare_request(req)  # a cache hit when the front end prepared it, as it should
+        if req.params.guide is not None and not is_compiled(self.source, req.params.guide):
+            self.prepare_request(req)  # its caller did not: compiled here, on the step's thread
         if req.request_id in self.scheduler.by_request:
             raise RequestError(f"request id {req.request_id!r} is already in use", "request_id")
 
