@@ -32,6 +32,11 @@ def _retryable(exc: Exception) -> bool:
     return not isinstance(exc, RequestError) or exc.param == "kv"
 
 
+def _refused(exc: Exception) -> str | None:
+    """The field an invalid request's refusal names; None for a failure that is not the request's fault."""
+    return exc.param if isinstance(exc, RequestError) and not _retryable(exc) else None
+
+
 STREAM_WRITE_MARGIN = 1.0  # seconds before a reservation's deadline after which its pages are refused
 
 
@@ -181,7 +186,7 @@ class DecodeActor(Actor):
             await self.thread.submit(lambda engine: self.thread.emit(self._admit(engine, req, msg)))
         except Exception as exc:  # an invalid request is final; a failed hand-off may run elsewhere
             self.owners.pop(msg.request_id, None)
-            await conn.send(m.RequestFailed(msg.request_id, str(exc), _retryable(exc)))
+            await conn.send(m.RequestFailed(msg.request_id, str(exc), _retryable(exc), _refused(exc)))
 
     @staticmethod
     def _admit(engine: EngineCore, req: EngineRequest, msg: m.AddRequest) -> list:

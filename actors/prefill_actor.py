@@ -13,6 +13,7 @@ from actors.actor import RESERVATION_SWEEP_SECONDS, Actor, to_monotonic
 from actors.convert import logprobs_to_wire, params_from_wire
 from engine.core.builder import build_prefill_engine
 from engine.kv.export import open_shared_pool
+from engine.core.constraints import compile_constraint
 from engine.core.calibration import Calibration, calibrate_prefill_engine, log_calibration
 from engine.config import EngineConfig
 from engine.kv.cache import KVCache
@@ -95,6 +96,8 @@ class PrefillActor(Actor):
                          to_monotonic(msg.deadline), num_prompt_tokens=msg.num_prompt_tokens)
         self.owners[msg.request_id] = conn
         try:
+            if job.params.guide is not None:  # compiled off both the loop and the step thread
+                await asyncio.to_thread(compile_constraint, self.engine.source, job.params.guide)
             if msg.stream:
                 sink = self.links.get(msg.dest_actor_id)
                 await self.thread.submit(lambda engine: engine.add_streamed(job, msg.kv_format, sink))

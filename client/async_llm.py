@@ -10,7 +10,7 @@ from typing import AsyncIterator, Sequence
 
 from actors.ray_options import RayOptions
 from client.in_process import InProcessClient
-from client.prompts import Messages, Prepared, Prompt, ToolRequest, chat_prompt, engine_config, prepare
+from client.prompts import engine_config
 from engine.core.builder import build_engine_core
 from engine.core.client_protocol import EngineClient
 from engine.config import ConfigError, EngineConfig
@@ -24,6 +24,7 @@ from engine.sampling.sampling_params import SamplingParams
 from engine.core.step import SequenceUpdate
 from engine.core.stats import EngineStats
 from engine.core.treatment import Treatment
+from frontend.front_door import ChatTools, EngineInput, FrontDoor, Messages, Prompt
 from router.layout import ActorLayout, actor_specs
 from router.placement import PlacementMode, PlacementPolicy
 from router.router import ActorRouter, RouterSettings
@@ -66,6 +67,7 @@ class AsyncLLM:
         self.engine = None if self.layout.uses_actors else build_off_thread(lambda: build_engine_core(self.config))
         self.source = self.engine.source if self.engine else _checked_source(self.config)
         self.tokenizer = self.source.tokenizer
+        self.front_door = FrontDoor.for_source(self.source)
         self.processor = OutputProcessor(self.tokenizer)
         self._streams: dict[str, _OutputStream] = {}
         self._client: EngineClient | None = None
@@ -105,7 +107,7 @@ class AsyncLLM:
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
                        priority: int = 0, treatment: Treatment = Treatment()) -> AsyncIterator[RequestOutput]:
         """`treatment`: per-request speculation and KV compression (the server sets it from the quadrant)."""
-        async for out in self._stream(prepare(self.tokenizer, prompt), params, request_id, priority, treatment):
+        async for out in self._stream(self.front_door.prompt(prompt, params), request_id, priority, treatment):
             yield out
 
     async def chat(self, messages: Messages, params: SamplingParams | None = None, request_id: str | None = None,
@@ -113,31 +115,26 @@ class AsyncLLM:
                    parallel_tool_calls: bool = True, tool_call_parser: str = "auto") -> AsyncIterator[RequestOutput]:
         """`tools` as LLM.chat takes them: the outputs stream the model's text, and the last one's samples hold
         the `tool_calls` and `content` read out of it. ToolError (a ValueError naming the field) for bad tools."""
-        if not tools:
-            async for out in self._stream(chat_prompt(self.tokenizer, messages), params, request_id, 0):
-                yield out
-            return
-        request = ToolRequest.for_model(self.source, tools, tool_choice, parallel_tool_calls, tool_call_parser)
-        async for out in self._stream(request.prompt(self.tokenizer, messages),
-                                      request.params(self.tokenizer, params or SamplingParams()), request_id, 0):
-            yield request.read(out) if out.finished else out
+        door = self.front_door if tool_call_parser == "auto" else FrontDoor.for_source(self.source, tool_call_parser)
+        given = door.chat(messages, params, ChatTools.parse(tools, tool_choice, parallel_tool_calls))
+        async for out in self._stream(given, request_id, 0):
+            yield given.tools.read_output(out) if given.tools and out.finished else out
 
-    async def _stream(self, prep: Prepared, params: SamplingParams | None, request_id: str | None,
-                      priority: int, treatment: Treatment = Treatment()) -> AsyncIterator[RequestOutput]:
+    async def _stream(self, given: EngineInput, request_id: str | None, priority: int,
+                      treatment: Treatment = Treatment()) -> AsyncIterator[RequestOutput]:
         await self.start()
         client = self._client
-        params = params or SamplingParams()
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self._streams:
             raise ValueError(f"request id {rid!r} is already in use")
-        token_ids = params.truncated_prompt(prep.token_ids, self.max_model_len)
+        token_ids = given.params.truncated_prompt(given.token_ids, self.max_model_len)
         self._check_length(token_ids)
         stream = self._streams[rid] = _OutputStream()
         arrival = time.monotonic()
-        self.processor.add(rid, prep.prompt, token_ids, params, arrival)
+        self.processor.add(rid, given.prompt, token_ids, given.params, arrival)
         finished = False
         try:
-            placement = await client.add(EngineRequest(rid, token_ids, params, priority, arrival, treatment))
+            placement = await client.add(EngineRequest(rid, token_ids, given.params, priority, arrival, treatment))
             while not finished:
                 item = await stream.next()
                 if isinstance(item, Exception):

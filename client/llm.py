@@ -5,7 +5,7 @@ import itertools
 import time
 from typing import Sequence
 
-from client.prompts import Messages, Prepared, Prompt, ToolRequest, chat_prompt, engine_config, prepare
+from client.prompts import engine_config
 from engine.core.builder import build_engine_core
 from engine.config import OFFLINE_MAX_NUM_BATCHED_TOKENS
 from engine.core.engine_core import EngineRequest
@@ -13,6 +13,7 @@ from engine.core.output_processor import OutputProcessor
 from engine.core.outputs import RequestOutput
 from engine.sampling.sampling_params import SamplingParams
 from engine.core.step import SequenceUpdate
+from frontend.front_door import ChatTools, EngineInput, FrontDoor, Messages, Prompt
 
 
 class LLM:
@@ -25,6 +26,7 @@ class LLM:
         self.config = engine_config(model, dtype, engine_options)
         self.engine = build_engine_core(self.config)
         self.tokenizer = self.engine.source.tokenizer
+        self.front_door = FrontDoor.for_source(self.engine.source)
         self._ids = itertools.count()
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
@@ -32,7 +34,7 @@ class LLM:
         """One output per prompt, in order. A list of ints is one tokenised prompt."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        return self._run([prepare(self.tokenizer, p) for p in prompts], params)
+        return self._run([self.front_door.prompt(p, sp) for p, sp in zip(prompts, _per_prompt(params, len(prompts)))])
 
     def chat(self, messages: Messages | Sequence[Messages],
              params: SamplingParams | Sequence[SamplingParams] | None = None, *,
@@ -42,21 +44,23 @@ class LLM:
         and said; tool_choice "required" or `{"type": "function", "function": {"name": ...}}` forces a call
         whose arguments follow the function's schema. tool_call_parser: auto, hermes, llama3 or mistral."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        if not tools:
-            return self._run([chat_prompt(self.tokenizer, m) for m in conversations], params)
-        request = ToolRequest.for_model(self.engine.source, tools, tool_choice, parallel_tool_calls, tool_call_parser)
-        params_list = [request.params(self.tokenizer, p) for p in _per_prompt(params, len(conversations))]
-        outputs = self._run([request.prompt(self.tokenizer, m) for m in conversations], params_list)
-        return [request.read(out) for out in outputs]
+        chat_tools = ChatTools.parse(tools, tool_choice, parallel_tool_calls)
+        door = self.front_door if tool_call_parser == "auto" else FrontDoor.for_source(self.engine.source,
+                                                                                       tool_call_parser)
+        params_list = _per_prompt(params, len(conversations))
+        inputs = [door.chat(m, p, chat_tools) for m, p in zip(conversations, params_list)]
+        outputs = self._run(inputs)
+        return [i.tools.read_output(out) if i.tools else out for i, out in zip(inputs, outputs)]
 
-    def _run(self, prepared: list[Prepared], params) -> list[RequestOutput]:
-        params_list = _per_prompt(params, len(prepared))
+    def _run(self, inputs: list[EngineInput]) -> list[RequestOutput]:
         processor = OutputProcessor(self.tokenizer)
-        ids = [f"llm-{next(self._ids)}" for _ in prepared]
-        for rid, prep, p in zip(ids, prepared, params_list):
-            token_ids = p.truncated_prompt(prep.token_ids, self.engine.max_model_len)
-            processor.add(rid, prep.prompt, token_ids, p)
-            self.engine.add_request(EngineRequest(rid, token_ids, p, arrival_time=time.monotonic()))
+        ids = [f"llm-{next(self._ids)}" for _ in inputs]
+        for rid, given in zip(ids, inputs):
+            token_ids = given.params.truncated_prompt(given.token_ids, self.engine.max_model_len)
+            processor.add(rid, given.prompt, token_ids, given.params)
+            request = EngineRequest(rid, token_ids, given.params, arrival_time=time.monotonic())
+            self.engine.prepare_request(request)
+            self.engine.add_request(request)
         final: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished_requests():
             self._collect(processor, self.engine.step(), final)

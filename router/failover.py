@@ -18,6 +18,7 @@ from typing import Callable
 from actors.spec import Role
 from actors.supervisor import ActorHandle, Supervisor
 from engine.core.client_protocol import NoCapacityError, RequestFailedError
+from engine.core.errors import RequestError
 from router.handoff import HANDOFF_PHASES, Handoff, Phase, Routed
 from transport import messages as m
 
@@ -49,6 +50,9 @@ class Failover:
                     extra={"request_id": msg.request_id})
         if routed.awaits(Phase.PREFILLING, handle.actor_id):
             self.handoff.fall_back(routed)
+        elif msg.param is not None:
+            self.forget(routed)
+            self._on_error(routed.request_id, RequestError(msg.reason, msg.param))
         elif not msg.retryable:
             self.fail(routed, msg.reason)
         elif routed.streamed:

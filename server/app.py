@@ -153,7 +153,7 @@ def active_defaults(ctx: ServerContext) -> dict:
     """The defaults of fields a request leaves out: the model's generation_config.json ones, the max_tokens
     cap, and the tool-call format."""
     return {"generation_config": ctx.generation_defaults, "max_tokens": ctx.defaults.max_tokens,
-            "tool_call_parser": ctx.tool_parser.name}
+            "tool_call_parser": ctx.front_door.tool_format.value}
 
 
 async def _health(request: web.Request) -> web.Response:

@@ -9,7 +9,7 @@ import structlog
 from aiohttp import web
 
 from client import AsyncLLM
-from engine.tool_calls import ToolParser, parser_for
+from frontend.front_door import FrontDoor
 from server.admission import Admission
 from server.defaults import request_defaults
 from server.metrics import ServerMetrics
@@ -42,7 +42,7 @@ class ServerContext:
     treatment: TreatmentOptions  # what treatment_for() may give each quadrant
     defaults: RequestDefaults  # what a request that leaves fields out gets
     generation_defaults: dict[str, Any]  # the model's own defaults among them (generation_config.json)
-    tool_parser: ToolParser  # the served model's tool-call format
+    front_door: FrontDoor  # requests -> what the engine runs, in the served model's tool-call format
 
     @classmethod
     def build(cls, llm: AsyncLLM, settings: ServerSettings, log: structlog.stdlib.BoundLogger) -> ServerContext:
@@ -52,10 +52,9 @@ class ServerContext:
         metrics = ServerMetrics(llm.stats, limits.name, limits.max_model_len, llm.actors, llm.counters)
         defaults, from_model = request_defaults(llm.source.path, settings.generation_config,
                                                 settings.default_max_tokens)
-        parser = parser_for(settings.tool_call_parser, llm.tokenizer.chat_template,
-                            getattr(llm.source.config, "architecture", None))
+        door = FrontDoor.for_source(llm.source, settings.tool_call_parser)
         return cls(llm, settings, limits, dtype, metrics, Admission(settings.max_queue), log, int(time.time()),
-                   treatment_options(llm, settings), defaults, from_model, parser)
+                   treatment_options(llm, settings), defaults, from_model, door)
 
 
 CONTEXT = web.AppKey("phase_serve_context", ServerContext)

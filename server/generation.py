@@ -9,31 +9,29 @@ from contextlib import ExitStack, aclosing, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-import jinja2
 from aiohttp import web
 
 from client.async_llm import RequestAbortedError
 from engine.core.client_protocol import NoCapacityError, RequestFailedError
-from engine.core.engine_core import RequestError
+from engine.core.errors import GUIDE_PARAM, RequestError
 from engine.core.outputs import RequestOutput
 from engine.sampling.sampling_params import SamplingParams, SamplingParamsError
-from engine.model.loader import ModelSource
-from engine.sampling.structured import Guide, GuideError, source_compiler
 from engine.model.tokenizer import Tokenizer
-from engine.tool_calls import ToolParser, marks_special_tokens, template_renders_tools, tool_messages
 from engine.core.treatment import Treatment
+from frontend.chat import ChatTemplateError
+from frontend.front_door import ChatTools, FrontDoor
+from frontend.output import ToolCallOutput
 from server.context import REQUEST_ID, TRACKER, ServerContext
 from server.errors import ApiError, bad_request
 from server.fim import fim_prompt, fim_tokens
 from server.metrics import RequestRecord
-from server.protocol import (GenerationRequest, ModelLimits, check_prompt_tokens, effective_max_tokens,
+from server.protocol import (GenerationRequest, Message, ModelLimits, check_prompt_tokens, effective_max_tokens,
                              messages_as_dicts, parse_chat, parse_completion, parse_json_body, sampling_params)
 from server.quadrant import Quadrant, QuadrantThresholds, TreatmentOptions, classify, treatment_for
-from server.responses import (ResponseMeta, ToolOutput, best_of_outputs, chat_body, completion_body, output_usage,
+from server.responses import (ResponseMeta, best_of_outputs, chat_body, completion_body, output_usage,
                               summed_usage, usage_chunk)
 from server.streaming import DONE, SSE_HEADERS, ChunkBuilder, encode_events, sse_event
 
-OFFLOAD_CHARS = 16_384  # longer texts are tokenised on a worker thread so the loop stays responsive
 NO_CAPACITY_RETRY_AFTER = 5  # seconds: about what an actor restart takes
 SHUTTING_DOWN = "server shutting down"
 
@@ -45,8 +43,8 @@ class Prepared:
     params: SamplingParams
     quadrant: Quadrant
     treatment: Treatment
-    tools: ToolOutput | None = None  # how to read tool calls out of the output; None: plain text
-
+    tools: ToolCallOutput | None = None  # how to read tool calls out of the output; None: plain text
+    guide_param: str = "response_format"  # the request field that set params.guide, for the engine's refusal
 
 
 @dataclass
@@ -164,28 +162,19 @@ async def read_body(request: web.Request, limit: int) -> bytes:
                        "body_too_large") from None
 
 
-async def prepare(req: GenerationRequest, tokenizer: Tokenizer, limits: ModelLimits,
-                  thresholds: QuadrantThresholds, treatments: TreatmentOptions = TreatmentOptions(),
-                  source: ModelSource | None = None, tool_parser: ToolParser | None = None) -> Prepared:
-    """`source`: the model whose vocabulary compiles a structured-output constraint (None: left to the engine).
-    `tool_parser`: the served model's tool-call format (None: hermes)."""
-    parser = (tool_parser or ToolParser.default()) if req.tools else None
-    token_ids = req.sampling.params.truncated_prompt(await _encode(req, tokenizer, parser), limits.max_model_len)
+async def prepare(req: GenerationRequest, door: FrontDoor, limits: ModelLimits, thresholds: QuadrantThresholds,
+                  treatments: TreatmentOptions = TreatmentOptions()) -> Prepared:
+    """The request through the model's front door: its prompt rendered and tokenised, its SamplingParams with
+    the constraint of a forced tool call, and the reader of its tool calls. A constraint is not compiled here:
+    the engine compiles it where it runs, and its refusal becomes a 400 in engine_outputs."""
+    tools = ChatTools(req.tools, req.tool_choice, req.parallel_tool_calls)
+    token_ids = req.sampling.params.truncated_prompt(await _encode(req, door, tools), limits.max_model_len)
     check_prompt_tokens(token_ids, limits, req.prompt_param)
     params = _best_of(req, sampling_params(req.sampling, len(token_ids), limits))
-    guide_param, tools = req.sampling.guide_param, None
-    if parser is not None and req.tool_choice.mode != "none":
-        tools = ToolOutput(parser, req.parallel_tool_calls)
-        if req.tool_choice.forced:
-            params = dataclasses.replace(params, guide=parser.forced_guide(req.tools, req.tool_choice,
-                                                                           req.parallel_tool_calls))
-            guide_param = "tools"
-        if marks_special_tokens(parser, tokenizer):
-            params = dataclasses.replace(params, skip_special_tokens=False)
-    if params.guide is not None and source is not None:
-        await compile_guide(params.guide, guide_param, source)
+    params, reader = door.with_tools(params, tools)
+    guide_param = "tools" if reader is not None and tools.choice.forced else req.sampling.guide_param
     quadrant = classify(len(token_ids), effective_max_tokens(req.sampling, len(token_ids), limits), thresholds)
-    return Prepared(req, token_ids, params, quadrant, treatment_for(quadrant, treatments), tools)
+    return Prepared(req, token_ids, params, quadrant, treatment_for(quadrant, treatments), reader, guide_param)
 
 
 def _best_of(req: GenerationRequest, params: SamplingParams) -> SamplingParams:
@@ -198,25 +187,15 @@ def _best_of(req: GenerationRequest, params: SamplingParams) -> SamplingParams:
         raise bad_request(str(exc).replace("n must", "best_of must", 1), "best_of") from None
 
 
-
-async def compile_guide(guide: Guide, param: str, source: ModelSource) -> None:
-    """Compile a constraint on a worker thread (a new schema can take a while, and neither the loop nor the
-    engine's step thread should wait for it); the compiled grammar stays in the process's cache for the
-    engine. 400 naming `param` when the grammar engine refuses it."""
-    try:
-        await asyncio.to_thread(lambda: source_compiler(source).compile(guide))
-    except GuideError as exc:
-        raise bad_request(f"'{param}': {exc}", param) from None
-
-
-async def _encode(req: GenerationRequest, tokenizer: Tokenizer, parser: ToolParser | None) -> list[int]:
+async def _encode(req: GenerationRequest, door: FrontDoor, tools: ChatTools) -> list[int]:
     if req.suffix is not None:
-        return await encode_text(tokenizer, _fill_in_the_middle(tokenizer, req), add_special_tokens=True)
+        return await door.encode_async(_fill_in_the_middle(door.tokenizer, req), add_special_tokens=True)
     if isinstance(req.prompt, str):
-        return await encode_text(tokenizer, req.prompt, add_special_tokens=True)
+        return await door.encode_async(req.prompt, add_special_tokens=True)
     if not req.chat:
         return list(req.prompt)
-    return await encode_text(tokenizer, render_chat(tokenizer, req, parser), add_special_tokens=False)
+    text = render_chat(door, req.prompt, tools, req.add_generation_prompt)
+    return await door.encode_async(text, add_special_tokens=False)
 
 
 def _fill_in_the_middle(tokenizer: Tokenizer, req: GenerationRequest) -> str:
@@ -229,22 +208,13 @@ def _fill_in_the_middle(tokenizer: Tokenizer, req: GenerationRequest) -> str:
     return fim_prompt(tokens, prompt, req.suffix or "")
 
 
-async def encode_text(tokenizer: Tokenizer, text: str, add_special_tokens: bool) -> list[int]:
-    if len(text) > OFFLOAD_CHARS:
-        return await asyncio.to_thread(tokenizer.encode, text, add_special_tokens)
-    return tokenizer.encode(text, add_special_tokens)
-
-
-def render_chat(tokenizer: Tokenizer, req: GenerationRequest, parser: ToolParser | None) -> str:
-    messages, extra = messages_as_dicts(req.prompt), {}
-    if parser is not None or any(m["role"] == "tool" or m.get("tool_calls") for m in messages):
-        messages, extra = tool_messages(messages, req.tools, parser or ToolParser.default(),
-                                        template_renders_tools(tokenizer.chat_template))
+def render_chat(door: FrontDoor, messages: tuple[Message, ...], tools: ChatTools,
+                add_generation_prompt: bool) -> str:
+    """The chat's prompt text; 400 naming `messages` when the model's chat template refuses them."""
     try:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt, **extra)
-    except (jinja2.TemplateError, ValueError) as exc:
-        raise bad_request(f"the messages cannot be rendered with this model's chat template: {exc}",
-                          "messages") from None
+        return door.render_chat(messages_as_dicts(messages), tools, add_generation_prompt)
+    except ChatTemplateError as exc:
+        raise bad_request(str(exc), "messages") from None
 
 
 # ---------------------------------------------------------------------------------------- running
@@ -264,7 +234,7 @@ async def engine_outputs(ctx: ServerContext, prepared: Prepared, tracker: Reques
                     raise ApiError(503, SHUTTING_DOWN, None, "shutting_down")
                 yield out
         except RequestError as exc:
-            raise bad_request(str(exc), exc.param) from None
+            raise refusal(exc, prepared.guide_param) from None
         except RequestAbortedError:
             raise ApiError(503, SHUTTING_DOWN, None, "shutting_down") from None
         except NoCapacityError as exc:
@@ -272,6 +242,13 @@ async def engine_outputs(ctx: ServerContext, prepared: Prepared, tracker: Reques
                            {"Retry-After": str(NO_CAPACITY_RETRY_AFTER)}) from None
         except RequestFailedError as exc:
             raise ApiError(503, f"the request could not be completed: {exc}", None, "engine_failure") from None
+
+
+def refusal(exc: RequestError, guide_param: str) -> ApiError:
+    """The engine's refusal as a 400; a constraint it cannot compile names the field that set it."""
+    if exc.param == GUIDE_PARAM:
+        return bad_request(f"'{guide_param}': {exc}", guide_param)
+    return bad_request(str(exc), exc.param)
 
 
 async def whole_response(ctx: ServerContext, parts: list[Prepared], group: TrackerGroup,
@@ -482,8 +459,8 @@ async def handle_generation(request: web.Request, ctx: ServerContext, chat: bool
     if len(requests) > ctx.settings.max_queue:
         raise bad_request(f"'prompt' holds {len(requests)} prompts; this server runs at most {ctx.settings.max_queue} "
                           "requests at once (--max-queue), so send them in smaller lists.", "prompt")
-    parts = [await prepare(r, ctx.llm.tokenizer, ctx.limits, ctx.settings.quadrants, ctx.treatment, ctx.llm.source,
-                           ctx.tool_parser) for r in requests]  # every prompt is checked before any one runs
+    parts = [await prepare(r, ctx.front_door, ctx.limits, ctx.settings.quadrants, ctx.treatment)
+             for r in requests]  # every prompt is checked before any one runs
     ids = [request[REQUEST_ID]] if len(parts) == 1 else [f"{request[REQUEST_ID]}-{i}" for i in range(len(parts))]
     group = TrackerGroup([RequestTracker(rid, arrival, len(p.token_ids), p.quadrant) for rid, p in zip(ids, parts)])
     request[TRACKER] = group

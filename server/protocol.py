@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 from engine.sampling.fields import ApiName, Endpoint, Shape, declared
 from engine.sampling.sampling_params import SamplingParams, SamplingParamsError
 from engine.sampling.structured import Guide, GuideError
-from engine.tool_calls import Tool, ToolChoice, ToolError, parse_tool_choice, parse_tools
+from frontend.tools import Tool, ToolChoice, ToolError, parse_tool_choice, parse_tools
 from server.errors import ApiError, bad_request, invalid_type, json_type
 from server.request_fields import CHAT, COMPLETIONS, refuse_unsupported
 

@@ -5,10 +5,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from engine.core.outputs import CompletionOutput, RequestOutput
+from engine.core.outputs import CompletionOutput, RequestOutput, ToolCall
 from engine.sampling.sampler import TokenLogprobs
 from engine.model.tokenizer import Tokenizer
-from engine.tool_calls import ToolParser
+from frontend.output import ToolCallOutput
 
 Json = dict[str, Any]
 LOGPROB_FLOOR = -9999.0  # stands in for -inf / NaN, which JSON cannot carry
@@ -21,14 +21,6 @@ class ResponseMeta:
     id: str
     created: int
     model: str
-
-
-@dataclass(frozen=True)
-class ToolOutput:
-    """A request whose output is read for tool calls: the format, and whether several calls may be kept."""
-
-    parser: ToolParser
-    parallel: bool = True
 
 
 def usage(prompt_tokens: int, outputs: Sequence[CompletionOutput], cached_tokens: int = 0) -> Json:
@@ -142,19 +134,24 @@ def best_of_outputs(final: RequestOutput, n: int, keep_logprobs: bool) -> Reques
     return dataclasses.replace(final, outputs=best)
 
 
-def chat_choice(tokenizer: Tokenizer, out: CompletionOutput, tools: ToolOutput | None = None) -> Json:
+def tool_call_json(call: ToolCall) -> Json:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def chat_choice(tokenizer: Tokenizer, out: CompletionOutput, tools: ToolCallOutput | None = None) -> Json:
     logprobs = None if out.logprobs is None else chat_logprobs(tokenizer, out.logprobs)
     message: Json = {"role": "assistant", "content": out.text}
     reason = out.finish_reason
     if tools is not None:
-        content, calls = tools.parser.parse(out.text, parallel=tools.parallel)
+        content, calls = tools.read(out.text)
         if calls:
-            message = {"role": "assistant", "content": content, "tool_calls": [c.as_dict() for c in calls]}
+            message = {"role": "assistant", "content": content, "tool_calls": [tool_call_json(c) for c in calls]}
             reason = "tool_calls" if reason == "stop" else reason
     return {"index": out.index, "message": message, "logprobs": logprobs, "finish_reason": reason}
 
 
-def chat_body(meta: ResponseMeta, final: RequestOutput, tokenizer: Tokenizer, tools: ToolOutput | None = None) -> Json:
+def chat_body(meta: ResponseMeta, final: RequestOutput, tokenizer: Tokenizer,
+              tools: ToolCallOutput | None = None) -> Json:
     return {"id": meta.id, "object": "chat.completion", "created": meta.created, "model": meta.model,
             "choices": [chat_choice(tokenizer, o, tools) for o in final.outputs],
             "usage": output_usage(final), "system_fingerprint": None}

@@ -6,13 +6,29 @@ from typing import Any
 
 from engine.core.outputs import CompletionOutput, RequestOutput
 from engine.model.tokenizer import Tokenizer
-from engine.tool_calls import ToolCallStream
-from server.responses import (Json, ResponseMeta, ToolOutput, chat_chunk, chat_delta_choice, chat_logprobs,
+from frontend.output import ToolCallOutput
+from frontend.tool_stream import CallOpened, ContentText, ToolCallReader, ToolEvent
+from server.responses import (Json, ResponseMeta, chat_chunk, chat_delta_choice, chat_logprobs,
                               chat_role_choice, completion_choice, completion_chunk, output_usage,
                               usage_chunk)
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 DONE = b"data: [DONE]\n\n"
+
+
+def tool_delta(event: ToolEvent) -> Json:
+    """A tool-call reader's event as OpenAI's `delta`: content, a call's opening with its id, type and name,
+    or a fragment of its arguments."""
+    if isinstance(event, ContentText):
+        return {"content": event.text}
+    if isinstance(event, CallOpened):
+        return {"tool_calls": [{"index": event.index, "id": event.id, "type": "function",
+                                "function": {"name": event.name, "arguments": ""}}]}
+    return {"tool_calls": [{"index": event.index, "function": {"arguments": event.text}}]}  # ArgumentsText
+
+
+def tool_deltas(events: list[ToolEvent]) -> list[Json]:
+    return [tool_delta(e) for e in events]
 
 
 def sse_event(payload: Any) -> bytes:
@@ -22,11 +38,11 @@ def sse_event(payload: Any) -> bytes:
 class ChunkBuilder:
     """Turns one request's outputs into chunks: a choice appears when it has new text (or new logprobs, when
     asked for), and its finish_reason is sent exactly once. With tools, a sample's text goes through a
-    ToolCallStream: content and tool-call deltas, each in a chunk of its own. With echo, a completion's first
+    ToolCallReader: content and tool-call deltas, each in a chunk of its own. With echo, a completion's first
     chunk starts with the prompt."""
 
     def __init__(self, meta: ResponseMeta, tokenizer: Tokenizer, *, chat: bool, wants_logprobs: bool,
-                 include_usage: bool, tools: ToolOutput | None = None, echo: str | None = None) -> None:
+                 include_usage: bool, tools: ToolCallOutput | None = None, echo: str | None = None) -> None:
         self._meta = meta
         self._tokenizer = tokenizer
         self._chat = chat
@@ -35,7 +51,7 @@ class ChunkBuilder:
         self._finished: set[int] = set()
         self._text_offsets: dict[int, int] = {}
         self._tools = tools
-        self._tool_streams: dict[int, ToolCallStream] = {}
+        self._tool_streams: dict[int, ToolCallReader] = {}
         self._echo = echo
         self._echoed: set[int] = set()
 
@@ -59,8 +75,8 @@ class ChunkBuilder:
     def _tool_choices(self, o: CompletionOutput) -> list[Json]:
         stream = self._tool_streams.get(o.index)
         if stream is None:
-            stream = self._tool_streams[o.index] = ToolCallStream(self._tools.parser, self._tools.parallel)
-        deltas = stream.feed(o.delta_text, o.finished)
+            stream = self._tool_streams[o.index] = self._tools.reader()
+        deltas = tool_deltas(stream.feed(o.delta_text, o.finished))
         logprobs = chat_logprobs(self._tokenizer, o.delta_logprobs) if self._wants_logprobs else None
         if not deltas and (o.finished or logprobs is not None):
             deltas = [{}]

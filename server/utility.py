@@ -6,11 +6,11 @@ from typing import Any
 
 from aiohttp import web
 
+from frontend.front_door import ChatTools
 from server.context import CONTEXT, ServerContext
 from server.errors import ApiError, bad_request, invalid_type
-from server.generation import encode_text, read_body, render_chat
-from server.protocol import (GenerationRequest, SamplingFields, check_model_name, parse_json_body, parse_messages,
-                             parse_tool_fields)
+from server.generation import read_body, render_chat
+from server.protocol import check_model_name, parse_json_body, parse_messages, parse_tool_fields
 
 # A generation server: its actors run decoders that sample, and nothing in them pools hidden states.
 EMBEDDINGS_REFUSAL = ("this server generates text and computes no embeddings: its actors have no pooling path, "
@@ -84,17 +84,15 @@ async def _tokens(ctx: ServerContext, body: dict[str, Any]) -> list[int]:
     if not has_prompt and not has_messages:
         raise bad_request("'prompt' (text) or 'messages' (a chat) is required.", "prompt",
                           "missing_required_parameter")
-    tokenizer = ctx.llm.tokenizer
     if has_prompt:
         prompt = body["prompt"]
         if not isinstance(prompt, str):
             raise invalid_type("prompt", "a string", prompt)
-        return await encode_text(tokenizer, prompt, _flag(body, "add_special_tokens", True))
+        return await ctx.front_door.encode_async(prompt, _flag(body, "add_special_tokens", True))
     for name in UNSUPPORTED_CHAT_OPTIONS:
         if body.get(name) not in (None, False, {}):
             raise bad_request(f"'{name}' is not supported by this server's /tokenize.", name, "unsupported_parameter")
     tools, _ = parse_tool_fields(body)
-    req = GenerationRequest(parse_messages(body["messages"]), SamplingFields(), chat=True, tools=tools,
-                            add_generation_prompt=_flag(body, "add_generation_prompt", True))
-    text = render_chat(tokenizer, req, ctx.tool_parser if tools else None)
-    return await encode_text(tokenizer, text, _flag(body, "add_special_tokens", False))
+    text = render_chat(ctx.front_door, parse_messages(body["messages"]), ChatTools(tools),
+                       _flag(body, "add_generation_prompt", True))
+    return await ctx.front_door.encode_async(text, _flag(body, "add_special_tokens", False))

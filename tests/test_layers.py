@@ -1,6 +1,6 @@
 """The project's import graph. Every import (module level, in a function, or under `if TYPE_CHECKING:`)
-goes down the layer order transport < engine < actors < router < {server, client} < cli; server and client
-share a layer (the server may drive the client). No modules import each other in a cycle, even through
+goes down the layer order transport < engine < actors < router < frontend < {server, client} < cli; server and
+client share a layer (the server may drive the client). No modules import each other in a cycle, even through
 others; type-only imports never run, so they close no cycle. bench/ is a tool on top: it may import
 anything, and nothing imports it. tests/ is not walked.
 
@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Iterator, Mapping
 
 REPO = Path(__file__).resolve().parent.parent
-LAYERS = {"transport": 0, "engine": 1, "actors": 2, "router": 3, "server": 4, "client": 4, "commands": 5, "cli": 5}
+LAYERS = {"transport": 0, "engine": 1, "actors": 2, "router": 3, "frontend": 4, "server": 5, "client": 5, "commands": 6,
+          "cli": 6}
 TOOLS = ("bench",)  # may import every layer; no layer may import a tool
 FACADE = ("engine", "client", "__getattr__")  # (package whose __init__ re-exports, from package, in function)
 DYNAMIC = "<computed name>"  # the target of import_module(name) where name is not a literal

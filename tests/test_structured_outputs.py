@@ -144,6 +144,29 @@ def test_a_constraint_that_cannot_compile_is_refused(llm):
         Guide.json_schema("{not json")
 
 
+def test_the_http_front_end_builds_a_constraint_without_compiling_it(llm, monkeypatch):
+    """The server's preparation leaves compiling to the engine (in this process or an actor's)."""
+    import asyncio
+
+    from engine.sampling.structured import GrammarCompiler
+    from frontend.front_door import FrontDoor
+    from server.generation import prepare
+    from server.protocol import ModelLimits, parse_chat
+    from server.quadrant import QuadrantThresholds
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the front end compiled a constraint")
+
+    monkeypatch.setattr(GrammarCompiler, "compile", refuse)
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}
+    req = parse_chat({"model": "m", "messages": [{"role": "user", "content": "Hi"}], "response_format": fmt,
+                      "max_tokens": 4}, "m")
+    door = FrontDoor.for_source(llm.engine.source)
+    prepared = asyncio.run(prepare(req, door, ModelLimits("m", 1024, 512), QuadrantThresholds()))
+    assert prepared.params.guide == Guide.json_schema({"type": "nonsense"})
+    assert prepared.guide_param == "response_format"
+
+
 def test_the_constraint_travels_in_the_wire_params():
     for guide in (JSON_GUIDE, Guide("choice", choices=CHOICES), Guide("regex", REGEX), None):
         params = guided(guide, n=2)

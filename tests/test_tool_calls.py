@@ -1,5 +1,6 @@
-"""Tool calling without a server: the three output parsers (whole and streamed in fragments), tools and
-tool_choice validation, the forced-call grammars, prompt rendering, and LLM.chat(..., tools=...)."""
+"""Tool calling without a server (frontend/): the three output parsers (whole, and streamed in fragments as
+the server spells them), tools and tool_choice validation, the forced-call grammars, prompt rendering, and
+LLM.chat(..., tools=...)."""
 from __future__ import annotations
 
 import json
@@ -7,8 +8,13 @@ import json
 import pytest
 
 from engine.sampling.structured import Guide
-from engine.tool_calls import (HermesParser, Llama3Parser, MistralParser, ToolCallStream, ToolChoice, ToolError,
-                               parse_tool_choice, parse_tools, parser_for, tool_messages)
+from frontend.tool_format import ToolFormat
+from frontend.tool_grammar import forced_guide
+from frontend.tool_parsers import HermesParser, Llama3Parser, MistralParser, parser_for
+from frontend.tool_prompts import format_calls, tool_messages
+from frontend.tool_stream import ToolCallReader
+from frontend.tools import ToolChoice, ToolError, parse_tool_choice, parse_tools
+from server.streaming import tool_deltas
 
 
 WEATHER = {"type": "function", "function": {
@@ -42,10 +48,10 @@ def test_each_format_parses_into_calls(parser, text, content, first, second):
 
 def _streamed(parser, text: str, step: int):
     """Feeds `text` in `step`-character fragments: (content, [(id, name, arguments)]) as a client adds them up."""
-    stream, content, calls = ToolCallStream(parser), "", {}
+    stream, content, calls = ToolCallReader(parser), "", {}
     chunks = [text[i:i + step] for i in range(0, len(text), step)]
     for i, chunk in enumerate(chunks):
-        for delta in stream.feed(chunk, finished=i == len(chunks) - 1):
+        for delta in tool_deltas(stream.feed(chunk, finished=i == len(chunks) - 1)):
             content += delta.get("content", "")
             for call in delta.get("tool_calls", []):
                 if "id" in call:
@@ -77,9 +83,9 @@ def test_text_without_calls_is_content_streamed_or_not(parser, text):
 
 
 def test_a_possible_marker_is_held_back_until_it_is_known():
-    stream = ToolCallStream(HermesParser())
-    assert stream.feed("Hi <tool_", finished=False) == [{"content": "Hi "}]
-    assert stream.feed("x>", finished=True) == [{"content": "<tool_x>"}]
+    stream = ToolCallReader(HermesParser())
+    assert tool_deltas(stream.feed("Hi <tool_", finished=False)) == [{"content": "Hi "}]
+    assert tool_deltas(stream.feed("x>", finished=True)) == [{"content": "<tool_x>"}]
 
 
 @pytest.mark.parametrize("parser,text", [
@@ -152,7 +158,7 @@ def test_a_template_without_tools_gets_them_as_a_system_message():
                    {"id": "call_1", "type": "function",
                     "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "days": 1}'}}]},
                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
-    messages, extra = tool_messages(history, TOOLS, HermesParser(), native=False)
+    messages, extra = tool_messages(history, TOOLS, ToolFormat.HERMES, native=False)
     assert extra == {}
     assert messages[0]["role"] == "system" and messages[0]["content"].startswith("Be brief.\n\n# Tools")
     assert '"name": "get_weather"' in messages[0]["content"] and "<tool_call>" in messages[0]["content"]
@@ -163,7 +169,7 @@ def test_a_template_without_tools_gets_them_as_a_system_message():
 def test_a_template_with_tools_gets_them_natively_with_arguments_as_objects():
     history = [{"role": "assistant", "content": "", "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}]}]
-    messages, extra = tool_messages(history, TOOLS, HermesParser(), native=True)
+    messages, extra = tool_messages(history, TOOLS, ToolFormat.HERMES, native=True)
     assert extra["tools"][1]["function"]["name"] == "add"
     assert messages[0]["tool_calls"][0]["function"]["arguments"] == {"a": 1, "b": 2}
 
@@ -189,15 +195,16 @@ def _accepts(compiler, guide: Guide, text: str) -> bool:
 @pytest.mark.engine
 @pytest.mark.parametrize("parser", [HermesParser(), Llama3Parser(), MistralParser()], ids=lambda p: p.name)
 def test_forced_grammars_take_exactly_the_parsers_format(compiler, parser):
-    named = parser.forced_guide(TOOLS, ToolChoice("named", "add"), parallel=True)
-    one_add = parser.format_calls([{"function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}])
+    named = forced_guide(parser.format, TOOLS, ToolChoice("named", "add"), parallel=True)
+    one_add = format_calls(parser.format, [{"function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}])
     assert _accepts(compiler, named, one_add)
     assert parser.parse(one_add)[1][0].name == "add"
-    bad_args = parser.format_calls([{"function": {"name": "add", "arguments": '{"a": "x", "b": 2}'}}])
+    bad_args = format_calls(parser.format, [{"function": {"name": "add", "arguments": '{"a": "x", "b": 2}'}}])
     assert not _accepts(compiler, named, bad_args)
-    weather = parser.format_calls([{"function": {"name": "get_weather", "arguments": '{"city": "Oslo", "days": 2}'}}])
+    weather = format_calls(parser.format,
+                           [{"function": {"name": "get_weather", "arguments": '{"city": "Oslo", "days": 2}'}}])
     assert not _accepts(compiler, named, weather)  # another function than the named one
-    required = parser.forced_guide(TOOLS, ToolChoice("required"), parallel=False)
+    required = forced_guide(parser.format, TOOLS, ToolChoice("required"), parallel=False)
     assert _accepts(compiler, required, weather) and not _accepts(compiler, required, "Hello")
 
 

@@ -246,12 +246,15 @@ class TokenUpdates(Message):
 
 @dataclass(frozen=True, slots=True)
 class RequestFailed(Message):
-    """The actor cannot finish this request. `retryable` means no token was streamed and it may run elsewhere."""
+    """The actor cannot finish this request. `retryable` means no token was streamed and it may run elsewhere.
+    `param`: the engine refused the request itself (engine.core.errors.RequestError), naming this field; the
+    client gets that refusal, not a failure."""
 
     TAG: ClassVar[str] = "request_failed"
     request_id: str
     reason: str
     retryable: bool
+    param: str | None = None
 
 
 # ---- KV hand-off ----------------------------------------------------------------------------------------

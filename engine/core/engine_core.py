@@ -22,17 +22,11 @@ from engine.core.sequence import Sequence
 from engine.speculative.adaptive import SpecState
 from engine.speculative.speculator import Speculator
 from engine.core.stats import EngineStats
-from engine.sampling.structured import GrammarCompiler, GuideError, source_compiler
+from engine.sampling.structured import GrammarCompiler, source_compiler
+from engine.core.constraints import compile_constraint, is_compiled
+from engine.core.errors import RequestError
 from engine.core.step import SequenceUpdate
 from engine.core.treatment import Treatment
-
-
-class RequestError(ValueError):
-    """A request the engine cannot serve as asked (too long, duplicate id); `param` names the culprit."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass
@@ -81,13 +75,10 @@ class EngineCore:
         return source_compiler(self.source)
 
     def prepare_request(self, req: EngineRequest) -> None:
-        """Work to do before add_request, on any thread but the step thread: compile the request's constraint
-        (cached), so that adding it costs the running streams nothing. RequestError if it cannot compile."""
+        """Work to do before add_request, on any thread but the step thread: compile the request's constraint,
+        so that adding it costs the running streams nothing. RequestError if it cannot compile."""
         if req.params.guide is not None:
-            try:
-                self.grammar_compiler().compile(req.params.guide)
-            except GuideError as exc:
-                raise RequestError(str(exc), "guide") from None
+            compile_constraint(self.source, req.params.guide)
 
     def _compression_stats(self) -> dict[str, int]:
         compactor = self.scheduler.compactor
@@ -147,8 +138,8 @@ class EngineCore:
         if outside:
             raise RequestError(f"logit_bias names token id {outside[0]}, outside this model's vocabulary of "
                                f"{vocab}", "logit_bias")
-        if req.params.guide is not None:
-            self.prepare_request(req)  # a cache hit when the front end prepared it, as it should
+        if req.params.guide is not None and not is_compiled(self.source, req.params.guide):
+            self.prepare_request(req)  # its caller did not: compiled here, on the step's thread
         if req.request_id in self.scheduler.by_request:
             raise RequestError(f"request id {req.request_id!r} is already in use", "request_id")
 

@@ -5,7 +5,15 @@ from dataclasses import dataclass, field
 
 from engine.sampling.sampler import TokenLogprobs
 from engine.speculative.adaptive import SpecCounts
-from engine.tool_calls import ToolCall
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A function call read out of a sample's text (chat with tools)."""
+
+    id: str
+    name: str
+    arguments: str  # JSON text
 
 
 @dataclass

@@ -3,8 +3,8 @@
 A `Guide` is the constraint as the user wrote it (a JSON schema, any JSON, a regex, a list of choices or an
 EBNF grammar): plain strings, so it travels in SamplingParams, over msgpack and into cache keys. A
 `GrammarCompiler` turns a Guide into xgrammar's compiled grammar for one tokenizer, once per Guide (a bounded
-LRU cache, thread-safe: the front ends compile on a worker thread before a request reaches the engine, so
-the step thread normally only finds cache hits). `GuideStates` holds one matcher per sequence and fills the
+LRU cache, thread-safe: the engine's callers compile on a worker thread before a request reaches the step
+thread, engine.core.constraints, so the step thread normally only finds cache hits). `GuideStates` holds one matcher per sequence and fills the
 bitmask rows of a sampling batch; it follows each sequence's output tokens, so preemption, recompute, n > 1
 and a first token sampled by another actor need no extra bookkeeping.
 
@@ -281,7 +281,7 @@ _COMPILERS_LOCK = threading.Lock()
 
 def compiler_for(tokenizer: Tokenizer, vocab_size: int, stop_token_ids: Sequence[int]) -> GrammarCompiler:
     """The process's one GrammarCompiler (and so one cache) for a tokenizer, vocabulary width and stop ids:
-    the front end that validates a constraint and the engine that applies it share compiled grammars."""
+    the thread that compiles a request's constraint and the engine step that applies it share grammars."""
     key = (id(tokenizer), vocab_size, tuple(stop_token_ids))
     with _COMPILERS_LOCK:
         entry = _COMPILERS.get(key)

@@ -1,0 +1,124 @@
+"""One model's front door: a request (text, token ids, or a chat with tools) -> what the engine runs.
+
+The HTTP handlers, `LLM` and `AsyncLLM` all come through here, so a request is rendered, tokenised and
+constrained one way whichever of them sent it. The constraint of a forced tool call is built, not compiled:
+the engine compiles it where it runs and refuses it there (engine.core.constraints).
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Sequence, Union
+
+from engine.model.loader import ModelSource
+from engine.model.tokenizer import Tokenizer
+from engine.sampling.sampling_params import SamplingParams
+from frontend.chat import render_chat
+from frontend.output import ToolCallOutput
+from frontend.tool_format import ToolFormat, choose_format
+from frontend.tool_grammar import forced_guide
+from frontend.tool_parsers import PARSERS, ToolParser, marks_special_tokens
+from frontend.tools import Tool, ToolChoice, parse_tool_choice, parse_tools
+
+OFFLOAD_CHARS = 16_384  # longer texts are tokenised on a worker thread so the event loop stays responsive
+Prompt = Union[str, list[int]]
+Messages = list[dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class ChatTools:
+    """A chat's tools, tool_choice and parallel_tool_calls, validated."""
+
+    tools: tuple[Tool, ...] = ()
+    choice: ToolChoice = ToolChoice("none")
+    parallel: bool = True
+
+    @classmethod
+    def parse(cls, tools: Sequence[dict[str, Any]] | None, tool_choice: Any, parallel: bool = True) -> ChatTools:
+        """OpenAI's shapes; ToolError (a ValueError naming the field) for malformed tools or a choice naming no
+        tool."""
+        parsed = parse_tools(None if tools is None else list(tools))
+        return cls(parsed, parse_tool_choice(tool_choice, parsed), parallel)
+
+    @property
+    def reads_calls(self) -> bool:
+        """Whether the output is read for calls: tools are offered and tool_choice is not none."""
+        return bool(self.tools) and self.choice.mode != "none"
+
+
+NO_TOOLS = ChatTools()
+
+
+@dataclass(frozen=True)
+class EngineInput:
+    """What the engine runs for one prompt, and how its output is read."""
+
+    prompt: str | None  # the text the tokens came from; None for token ids given as such
+    token_ids: list[int]
+    params: SamplingParams
+    tools: ToolCallOutput | None = None  # None: plain text, no tool calls read
+
+
+class FrontDoor:
+    """Rendering, tokenising and constraining for one model and tool-call format."""
+
+    def __init__(self, tokenizer: Tokenizer, tool_format: ToolFormat) -> None:
+        self.tokenizer = tokenizer
+        self.tool_format = tool_format
+
+    @classmethod
+    def for_source(cls, source: ModelSource, tool_call_parser: str = "auto") -> FrontDoor:
+        """`tool_call_parser`: auto (from the chat template, then the architecture), hermes, llama3 or mistral."""
+        fmt = choose_format(tool_call_parser, source.tokenizer.chat_template,
+                            getattr(source.config, "architecture", None))
+        return cls(source.tokenizer, fmt)
+
+    @property
+    def parser(self) -> ToolParser:
+        return PARSERS[self.tool_format]()
+
+    # ------------------------------------------------------------------------------------ prompts
+
+    def render_chat(self, messages: Messages, tools: ChatTools = NO_TOOLS, add_generation_prompt: bool = True) -> str:
+        """ChatTemplateError (a ValueError) when the model's template refuses the messages."""
+        return render_chat(self.tokenizer, messages, tools.tools, self.tool_format, add_generation_prompt)
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens)
+
+    async def encode_async(self, text: str, add_special_tokens: bool) -> list[int]:
+        """`encode`, on a worker thread for a long text."""
+        if len(text) > OFFLOAD_CHARS:
+            return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
+        return self.tokenizer.encode(text, add_special_tokens)
+
+    # ------------------------------------------------------------------------------------ params
+
+    def with_tools(self, params: SamplingParams, tools: ChatTools) -> tuple[SamplingParams, ToolCallOutput | None]:
+        """`params` with the constraint of a forced call and special tokens kept where the format's marker is
+        one, and the reader of the calls; `params` and None when the output is not read for calls."""
+        if not tools.reads_calls:
+            return params, None
+        parser = self.parser
+        if tools.choice.forced:
+            params = dataclasses.replace(params, guide=forced_guide(self.tool_format, tools.tools, tools.choice,
+                                                                    tools.parallel))
+        if marks_special_tokens(parser, self.tokenizer):
+            params = dataclasses.replace(params, skip_special_tokens=False)
+        return params, ToolCallOutput(parser, tools.parallel)
+
+    # ------------------------------------------------------------------------------------ whole requests
+
+    def prompt(self, prompt: Prompt, params: SamplingParams | None = None) -> EngineInput:
+        """A text (tokenised with the model's special tokens) or token ids."""
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            return EngineInput(prompt, self.encode(prompt, True), params)
+        return EngineInput(None, list(prompt), params)
+
+    def chat(self, messages: Messages, params: SamplingParams | None = None, tools: ChatTools = NO_TOOLS,
+             add_generation_prompt: bool = True) -> EngineInput:
+        text = self.render_chat(messages, tools, add_generation_prompt)
+        params, reader = self.with_tools(params or SamplingParams(), tools)
+        return EngineInput(text, self.encode(text, False), params, reader)
