@@ -108,7 +108,7 @@ class DecodeActor(Actor):
             if self.pool is None:
                 export.update(kind="tcp", host=host, port=port)
         return m.Ready(self.spec.actor_id, kv.num_blocks, kv.block_size, export, self.calibration.to_wire(),
-                       self.engine.runner.backend.describe())
+                       self.engine.runner.backend.describe(), self.engine.config.max_num_batched_tokens)
 
     def release(self) -> None:
         if self.kv_endpoint is not None:

@@ -25,6 +25,7 @@ class DecodeActorView:
     decode: DecodeCost
     queued_prefill_tokens: int = 0  # colocated prompt tokens it has not run yet
     arrival_rate: float = 0.0  # requests/s reaching this actor: streams that start during a colocated prefill
+    step_tokens: int = 0  # its engine's token budget per step (0: unknown)
 
 
 @dataclass(frozen=True)
@@ -80,16 +81,28 @@ def choose_decode_actor(actors: list[DecodeActorView], prompt_tokens: int,
 
 
 def colocated_cost(actor: DecodeActorView, prompt_tokens: int, weight: float,
-                   itl_slack: float = 0.0) -> tuple[float, float]:
-    """(cost, ttft): the prompt's uncached part prefilled on the decode actor (after the prompts already
-    queued there), stalling each running stream by the prefill compute beyond `itl_slack`, and the streams
+                   itl_slack: float = 0.0, short: bool = False) -> tuple[float, float]:
+    """(cost, ttft): the prompt's uncached part prefilled on the decode actor (after the prompts queued there,
+    colocated_ttft), stalling each running stream by the prefill compute beyond `itl_slack`, and the streams
     that arrive meanwhile by half of it on average."""
     uncached = prompt_tokens - actor.cached_prompt_tokens
     prefill = actor.prefill.seconds(uncached)
-    ttft = actor.prefill.seconds(actor.queued_prefill_tokens + uncached)
+    ttft = colocated_ttft(actor, uncached, short)
     stall = actor.running * max(0.0, prefill - itl_slack)
     stall += actor.arrival_rate * prefill * max(0.0, prefill / 2 - itl_slack)
     return ttft + weight * stall, ttft
+
+
+def colocated_ttft(actor: DecodeActorView, uncached: int, short: bool) -> float:
+    """A long prompt waits for every prompt queued before it. A short one (its quadrant's, or one step's worth)
+    starts beside a running long prefill (the engine's stall-free shares, engine/scheduler/shares.py): it waits
+    for the step in progress, then runs in a step that the queued prefill fills up to the budget."""
+    queued = actor.queued_prefill_tokens
+    if not short or actor.step_tokens <= 0 or not queued:
+        return actor.prefill.seconds(queued + uncached)
+    in_progress = min(queued, actor.step_tokens)
+    return actor.prefill.seconds(in_progress) + actor.prefill.seconds(max(uncached, min(queued + uncached,
+                                                                                        actor.step_tokens)))
 
 
 def disaggregated_cost(decode: DecodeActorView, prefill: PrefillActorView, prompt_tokens: int,
@@ -101,12 +114,13 @@ def disaggregated_cost(decode: DecodeActorView, prefill: PrefillActorView, promp
 
 
 def place(policy: PlacementPolicy, prompt_tokens: int, block_size: int, decode_actors: list[DecodeActorView],
-          prefill_actors: list[PrefillActorView], kv_bytes_per_token: int) -> Placement | None:
-    """None when no decode actor can hold the request (the caller answers 429)."""
+          prefill_actors: list[PrefillActorView], kv_bytes_per_token: int, short: bool = False) -> Placement | None:
+    """None when no decode actor can hold the request (the caller answers 429). `short`: the prompt starts
+    beside a running long prefill (colocated_ttft)."""
     decode = choose_decode_actor(decode_actors, prompt_tokens, block_size)
     if decode is None:
         return None
-    coloc, ttft = colocated_cost(decode, prompt_tokens, policy.interference_weight, policy.itl_slack)
+    coloc, ttft = colocated_cost(decode, prompt_tokens, policy.interference_weight, policy.itl_slack, short)
     uncached = prompt_tokens - decode.cached_prompt_tokens
     best = _best_prefill(decode, prefill_actors, prompt_tokens, kv_bytes_per_token)
     if best is None or policy.mode == "never":

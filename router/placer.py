@@ -55,7 +55,8 @@ class Placer:
                                      self.transfer_cost(h, handle)) for h in self.supervisor.ready(Role.PREFILL)]
         policy = self.policy if prefills else NEVER
         bytes_per_token = int(handle.ready.kv_export.get("bytes_per_token", 0))
-        return place(policy, prompt, block_size, [chosen], prefills, bytes_per_token) \
+        short = _is_short(request, prompt, chosen.step_tokens)
+        return place(policy, prompt, block_size, [chosen], prefills, bytes_per_token, short) \
             or place(NEVER, 0, block_size, [chosen], [], bytes_per_token)
 
     def _decode_view(self, handle: ActorHandle, arrival_rate: float) -> DecodeActorView:
@@ -65,7 +66,8 @@ class Placer:
         free = handle.ready.num_kv_blocks - (load.kv_blocks_used if load else 0)
         streams, queued = self._decode_load(handle.actor_id)
         return DecodeActorView(handle.actor_id, self._expected_streams(handle.actor_id, streams), free, 0,
-                               self.prefill_cost(handle), decode_cost(handle), queued, arrival_rate)
+                               self.prefill_cost(handle), decode_cost(handle), queued, arrival_rate,
+                               handle.ready.step_tokens or 0)
 
     def _expected_streams(self, actor_id: str, now: int) -> float:
         """Streams a colocated prefill would stall: those running now, or as many as usually run. Sampled at
@@ -152,3 +154,11 @@ def link_key(prefill: ActorHandle, decode: ActorHandle) -> tuple[str, str]:
 def decode_cost(handle: ActorHandle) -> DecodeCost:
     calib = handle.ready.calibration or {}
     return DecodeCost.fit(calib["decode"]) if calib.get("decode") else DEFAULT_DECODE
+
+
+def _is_short(request: EngineRequest, prompt_tokens: int, step_tokens: int) -> bool:
+    """As the engine's scheduler judges it (engine/scheduler/shares.is_long): the request's quadrant, else
+    whether the prompt fits one step."""
+    if request.treatment.long_prompt is not None:
+        return not request.treatment.long_prompt
+    return 0 < prompt_tokens <= step_tokens

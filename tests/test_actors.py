@@ -25,6 +25,7 @@ async def cluster(tiny_model_dir):
     yield llm
     decodes = [h for h in llm._client.supervisor.handles if h.spec.role == "decode"]
     assert all(h.ready.kv_export["kind"] == "shm" and h.ready.kv_export["socket"] for h in decodes)
+    assert [h.ready.step_tokens for h in decodes] == [OPTIONS["max_num_batched_tokens"]]  # for placement
     pids = [h.pid for h in decodes]
     await llm.aclose()
     left = [p for pid in pids for p in Path("/dev/shm").glob(f"{owned_prefix('kv', pid)}*")]

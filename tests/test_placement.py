@@ -194,3 +194,42 @@ def test_placer_keeps_one_estimate_per_node_pair_and_shared_pools_cost_nothing()
     assert placer.transfer_cost(prefill, far_too) == placer.transfer_cost(prefill, far)  # the same two nodes
     assert placer.transfer_cost(prefill, near) is SHM_TRANSFER
     assert list(placer.link_costs()) == ["a->b"]
+
+
+def test_a_short_prompt_behind_a_long_prefill_waits_one_step_not_the_whole_prefill():
+    """With stall-free shares the engine starts a short prompt beside a running long prefill: the colocated TTFT
+    counts the step in progress and its own step, not the 8000 queued tokens."""
+    backlog = DecodeActorView("d0", 0, 1000, 0, PREFILL, DECODE, queued_prefill_tokens=8000, step_tokens=512)
+    short = place(AUTO, 64, 16, [backlog], [], KV_BYTES, short=True)
+    assert short.path == COLOCATED
+    assert short.estimated_ttft == pytest.approx(PREFILL.seconds(512) + PREFILL.seconds(512))
+    as_long = place(AUTO, 64, 16, [backlog], [], KV_BYTES, short=False)
+    assert as_long.estimated_ttft == pytest.approx(PREFILL.seconds(8064))
+    unknown_budget = DecodeActorView("d0", 0, 1000, 0, PREFILL, DECODE, queued_prefill_tokens=8000)
+    assert place(AUTO, 64, 16, [unknown_budget], [], KV_BYTES, short=True).estimated_ttft == as_long.estimated_ttft
+
+
+def test_a_short_prompt_goes_to_an_idle_prefill_actor_when_that_is_sooner_than_the_busy_decode_actor():
+    backlog = DecodeActorView("d0", 0, 1000, 0, PREFILL, DECODE, queued_prefill_tokens=8000, step_tokens=512)
+    p = place(AUTO, 64, 16, [backlog], [prefill_actor()], KV_BYTES, short=True)
+    assert p.path == DISAGGREGATED and p.estimated_ttft < PREFILL.seconds(512)
+
+
+def test_a_short_prompt_on_an_idle_actor_costs_its_own_prefill():
+    idle = DecodeActorView("d0", 0, 1000, 0, PREFILL, DECODE, step_tokens=512)
+    p = place(AUTO, 64, 16, [idle], [prefill_actor()], KV_BYTES, short=True)
+    assert p.estimated_ttft == pytest.approx(PREFILL.seconds(64))
+
+
+@pytest.mark.parametrize("long_prompt, prompt, step, short", [
+    (None, 100, 512, True), (None, 600, 512, False), (None, 100, 0, False),  # by length, as the engine judges
+    (True, 100, 512, False), (False, 6000, 512, True),  # the request's quadrant wins
+])
+def test_the_router_judges_short_as_the_engine_does(long_prompt, prompt, step, short):
+    from engine.core.engine_core import EngineRequest
+    from engine.core.treatment import Treatment
+    from engine.sampling.sampling_params import SamplingParams
+    from router.placer import _is_short
+
+    request = EngineRequest("r", [1] * prompt, SamplingParams(), treatment=Treatment(long_prompt=long_prompt))
+    assert _is_short(request, prompt, step) is short

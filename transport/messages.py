@@ -47,7 +47,7 @@ from typing import Any, ClassVar
 # 8: KVReady.streamed_bytes; KVPageFrame, KVStreamEnd, KVStreamAck (direct KV streams, out-of-band pages)
 # 7: AddRequest.resume, PrefillRequest.num_prompt_tokens (migrated streams), Leaving; no generator_state
 # 6: `guide.kind` may be structural_tag (tool calls); 5: `sampling` carries `guide`
-PROTOCOL_VERSION = 10
+PROTOCOL_VERSION = 11
 
 KV_EXPORT_KINDS = ("shm", "cuda_ipc", "tcp", "none")
 """`Ready.kv_export["kind"]`: how peers map the actor's KV pool, or (`tcp`, with `host` and `port`) where
@@ -182,6 +182,7 @@ class Ready(Message):
     kv_export: dict[str, Any]
     calibration: dict[str, Any] | None = None  # {"prefill": [[tokens, seconds], ...], "decode": [[batch, s], ...]}
     backend: dict[str, Any] | None = None  # the engine's Backend.describe(): which backend and kernels run
+    step_tokens: int | None = None  # the engine's token budget per step, for the router's TTFT estimate
 
 
 @dataclass(frozen=True, slots=True)
