@@ -41,10 +41,6 @@ class Weight:
     packed: torch.Tensor | None = None  # the backend's copy: of a bf16 weight (blocks or oneDNN's), or int8's W8A8
     silu_fused: torch.Tensor | None = None  # a gate|up weight's interleaved blocks, for silu(gate) * up as one product
 
-    @property
-    def is_int4(self) -> bool:
-        return self.scale is not None and is_int4(self.data)
-
 
 def pack_w8a8(codes: torch.Tensor) -> torch.Tensor:
     """codes [N, K] int8 -> the W8A8 kernel's copy, uint8 [ceil(N / 16), ceil(K / 32) * 8, 16, 4]:
@@ -112,13 +108,15 @@ def embed_int8(codes: torch.Tensor, scale: torch.Tensor, ids: torch.Tensor, dtyp
 
 
 def int4_shapes(n: int, k: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The shapes of an int4 weight [N, K]: its codes (pack_int4's layout, uint8) and its scales (fp16)."""
+    """The shapes of an int4 weight [N, K]: its codes, uint8 [ceil(N / 16), G, 4, 16, 4] whose byte [b, g, t, c, j]
+    holds output channel 16 b + c's codes of k = 32 g + 4 t + j (low nibble) and 32 g + 16 + 4 t + j (high nibble),
+    as engine/model/quant.py's store_int4 writes them; and its scales and offsets, fp16 [2, G, N]."""
     groups = -(-k // INT4_GROUP)
     return (-(-n // INT4_CHANNELS), groups, 4, INT4_CHANNELS, 4), (2, groups, n)
 
 
 def unpack_int4(packed: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """The codes [len(rows), G * 32] uint8 of output channels `rows` (int64) of a weight in pack_int4's layout."""
+    """The codes [len(rows), G * 32] uint8 of output channels `rows` (int64) of a weight in int4_shapes' layout."""
     picked = packed[rows // INT4_CHANNELS, :, :, rows % INT4_CHANNELS, :]  # [R, G, 4, 4]
     return torch.stack([picked & 0x0F, picked >> 4], dim=2).view(len(rows), -1)
 
@@ -151,5 +149,5 @@ def embed_int4(packed: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor, k:
 
 
 def is_int4(weight: torch.Tensor) -> bool:
-    """Whether a quantised weight (one with a weight_scale) is int4 (pack_int4's uint8 layout) rather than int8."""
+    """Whether a quantised weight (one with scales) is int4 (int4_shapes' uint8 layout) rather than int8."""
     return weight.dtype == torch.uint8
