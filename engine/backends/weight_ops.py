@@ -12,9 +12,6 @@ Larger row counts (and every other backend) dequantise Q * s to the activations'
 int4: W ~ s * q + z per group of 32 consecutive k, the codes in `int4_shapes`' layout (engine/kernels/
 int4_linear.cpp). Decode-sized products run W4A8 on VNNI, larger ones and every other backend dequantise at most
 DEQUANT_CHUNK_ROWS rows at a time to the activations' dtype for F.linear (`linear_int4`).
-
-A `Weight` is one product's weight as a backend takes it: those tensors, and the copies the backend made of them
-once (Backend.prepare_linear).
 """
 from __future__ import annotations
 
@@ -108,9 +105,8 @@ def embed_int8(codes: torch.Tensor, scale: torch.Tensor, ids: torch.Tensor, dtyp
 
 
 def int4_shapes(n: int, k: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The shapes of an int4 weight [N, K]: its codes, uint8 [ceil(N / 16), G, 4, 16, 4] whose byte [b, g, t, c, j]
-    holds output channel 16 b + c's codes of k = 32 g + 4 t + j (low nibble) and 32 g + 16 + 4 t + j (high nibble),
-    as engine/model/quant.py's store_int4 writes them; and its scales and offsets, fp16 [2, G, N]."""
+    """The shapes of an int4 weight [N, K]: codes uint8 [ceil(N / 16), G, 4, 16, 4], byte [b, g, t, c, j] holding
+    channel 16 b + c's k = 32 g + 4 t + j (low nibble) and k + 16 (high); scales and offsets fp16 [2, G, N]."""
     groups = -(-k // INT4_GROUP)
     return (-(-n // INT4_CHANNELS), groups, 4, INT4_CHANNELS, 4), (2, groups, n)
 
