@@ -34,15 +34,16 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenM
 import torch  # noqa: E402
 
 from bench.kv_accuracy import Scores, corpus_windows  # noqa: E402
+from engine.backends import weight_ops  # noqa: E402
 from engine.backends.attention import AttentionMetadata  # noqa: E402
 from engine.backends.base import Backend  # noqa: E402
 from engine.backends.cpu_config import CpuKernelConfig  # noqa: E402
 from engine.backends.cpu_kernels import CpuKernelBackend  # noqa: E402
 from engine.backends.torch_ops import TorchBackend  # noqa: E402
+from engine.backends.weight_ops import Weight  # noqa: E402
 from engine.kv.cache import KVCache  # noqa: E402
 from engine.model.gguf_loader import default_model_path  # noqa: E402
 from engine.model.llama import LlamaModel  # noqa: E402
-from engine.model import quant  # noqa: E402
 from engine.model.loader import ModelSource, load_model, resolve_model  # noqa: E402
 
 BLOCK_SIZE = 16
@@ -112,22 +113,21 @@ class MemoisedReference(TorchBackend):
             return self.chunks[key]
         return rows
 
-    def linear_int8(self, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
-                    bias: torch.Tensor | None) -> torch.Tensor:
-        def dequantize_rows(begin: int, end: int) -> torch.Tensor:
-            return quant.dequantize(codes[begin:end], scale[begin:end], x.dtype)
-        return quant.linear_int8(x, codes, scale, bias, self.kept(codes, x, dequantize_rows))
+    def linear_int8(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
+        codes, scale = w.data, w.scale
 
-    def linear_int4(self, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
-                    bias: torch.Tensor | None) -> torch.Tensor:
         def dequantize_rows(begin: int, end: int) -> torch.Tensor:
-            return quant.int4_rows(packed, scales, torch.arange(begin, end), x.shape[-1], x.dtype)
-        return quant.linear_int4(x, packed, scales, bias, self.kept(packed, x, dequantize_rows))
+            return weight_ops.dequantize(codes[begin:end], scale[begin:end], x.dtype)
+        return weight_ops.linear_int8(x, codes, scale, w.bias, self.kept(codes, x, dequantize_rows))
 
-    def lm_head(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
-                packed: torch.Tensor | None = None) -> torch.Tensor:
-        rows = quant.weight_rows_fp32(weight, scale, x.shape[-1])
-        return quant.linear_fp32(x, weight, scale, self.kept(weight, x.float(), rows))
+    def linear_int4(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
+        def dequantize_rows(begin: int, end: int) -> torch.Tensor:
+            return weight_ops.int4_rows(w.data, w.scale, torch.arange(begin, end), x.shape[-1], x.dtype)
+        return weight_ops.linear_int4(x, w.data, w.scale, w.bias, self.kept(w.data, x, dequantize_rows))
+
+    def lm_head(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
+        rows = weight_ops.weight_rows_fp32(w.data, w.scale, x.shape[-1])
+        return weight_ops.linear_fp32(x, w.data, w.scale, self.kept(w.data, x.float(), rows))
 
 
 def load(source: ModelSource, weight_dtype: str) -> LlamaModel:

@@ -43,6 +43,9 @@ import torch  # noqa: E402
 from bench.kv_accuracy import Scores, corpus_windows, decode_rate, forced_steps  # noqa: E402
 from engine import LLM  # noqa: E402
 from engine.backends import CpuKernelBackend  # noqa: E402
+from engine.backends import weight_ops  # noqa: E402
+from engine.backends.cpu_config import CpuKernelConfig  # noqa: E402
+from engine.backends.weight_ops import Weight  # noqa: E402
 from engine.model import quant  # noqa: E402
 from engine.model.llama import LlamaModel  # noqa: E402
 
@@ -66,23 +69,26 @@ class TorchInt4Backend(CpuKernelBackend):
     copy of the codes in its format: its scales and zeros are bf16 [G, N, 2] with w = (q - 8) s + zero, so zero =
     z + 8 s. K must be a multiple of 32 (SmolLM2's are)."""
 
-    def prepare(self, model: LlamaModel) -> None:
-        super().prepare(model)
-        self.torch_int4 = {id(m.weight): (m.weight, *torch_int4pack(m.weight, m.weight_scale))
-                           for m in quant.quantized_modules(model)}
+    def __init__(self, config: CpuKernelConfig) -> None:
+        super().__init__(config)
+        self.torch_int4: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # id(codes) -> its copies
 
-    def linear_int4(self, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
-                    bias: torch.Tensor | None) -> torch.Tensor:
-        entry = self.torch_int4.get(id(packed))
-        if entry is None or entry[0] is not packed or x.shape[0] > self.config.max_int4_rows:
-            return super().linear_int4(x, packed, scales, bias)
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, entry[1], quant.INT4_GROUP, entry[2])
-        return out if bias is None else out + bias
+    def prepare_linear(self, data: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor | None) -> Weight:
+        if scale is not None and weight_ops.is_int4(data):
+            self.torch_int4[id(data)] = (data, *torch_int4pack(data, scale))
+        return super().prepare_linear(data, bias, scale)
+
+    def linear_int4(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
+        entry = self.torch_int4.get(id(w.data))
+        if entry is None or entry[0] is not w.data or x.shape[0] > self.config.max_int4_rows:
+            return super().linear_int4(x, w)
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, entry[1], weight_ops.INT4_GROUP, entry[2])
+        return out if w.bias is None else out + w.bias
 
 
 def torch_int4pack(packed: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     n, groups = scales.shape[2], scales.shape[1]
-    codes = quant.unpack_int4(packed, torch.arange(n))[:, :groups * quant.INT4_GROUP].to(torch.int32)
+    codes = weight_ops.unpack_int4(packed, torch.arange(n))[:, :groups * weight_ops.INT4_GROUP].to(torch.int32)
     s, z = scales[0].float(), scales[1].float()
     zeros = torch.stack([s, z + 8 * s], dim=-1).to(torch.bfloat16).contiguous()  # [G, N, 2]
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1), zeros

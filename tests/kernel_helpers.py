@@ -92,8 +92,8 @@ def stack_calls(monkeypatch) -> list[int]:
     calls: list[int] = []
     run = CpuKernelBackend.decode_layers
 
-    def spy(self, model, x, *args):
-        out = run(self, model, x, *args)
+    def spy(self, stack, x, *args):
+        out = run(self, stack, x, *args)
         if out is not None:
             calls.append(x.shape[0])
         return out

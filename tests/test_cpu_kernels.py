@@ -10,13 +10,16 @@ from engine import LLM, SamplingParams
 from engine.backends import attention
 from engine.backends.attention import AttentionMetadata
 from engine.backends import CpuKernelBackend, CpuKernelConfig, TorchBackend
+from engine.backends.torch_ops import apply_rotary
+from engine.backends.weight_ops import Weight
 from engine.config import EngineConfig, ModelConfig
 from engine.kernels import cpu_ext, packed_linear
 from engine.kv.cache import KVCache
 from engine.kv.formats import PageWrites, QuantizedPages, page_format
 from engine.model.hf_loader import iter_hf_weights, read_hf_config
-from engine.model.llama import Linear, build_model
-from engine.model.rope import RotaryEmbedding, apply_rotary
+from engine.model.layers import Linear
+from engine.model.llama import build_model
+from engine.model.rope import RotaryEmbedding
 from tests.kernel_helpers import ONEDNN, kernel_backend, kernel_calls, require_kernels  # noqa: F401 (fixtures)
 
 
@@ -53,10 +56,11 @@ def test_linear_takes_the_gemv_up_to_its_row_limit_and_bf16_models_only(tiny_mod
     limit = backend.config.max_gemv_rows
     for rows in range(1, limit + 2):
         x = bf16(rows, 16)
-        assert torch.equal(backend.linear(x, w, None), cpu_ext.linear_bf16(x, w) if rows <= limit else F.linear(x, w))
+        assert torch.equal(backend.linear(x, Weight(w)),
+                           cpu_ext.linear_bf16(x, w) if rows <= limit else F.linear(x, w))
     assert kernel_calls.rows("linear_bf16") == [r for r in range(1, limit + 1) for _ in range(2)]  # limit + 1: F.linear
     kernel_calls.clear()
-    kernel_backend(max_gemv_rows=0).linear(bf16(1, 16), w, None)
+    kernel_backend(max_gemv_rows=0).linear(bf16(1, 16), Weight(w))
     assert kernel_calls == []
     with pytest.raises(ValueError, match="bf16"):
         _model(tiny_model_dir, torch.float32)[1].set_backend(backend)  # decided once: no fp32 model on the kernels
@@ -254,7 +258,7 @@ def test_bf16_model_with_kernels_matches_torch_ops(tiny_model_dir, kernel_calls)
     # the packed blocks run here (AMX or AVX-512 BF16): that one and SiLU * up are then one fused call; the
     # attention kernel every decode step, one sequence or two; the elementwise kernels every forward.
     layers = cfg.num_layers
-    fused = int(fast.layers[0].mlp.gate_up_silu is not None)
+    fused = int(fast.prepared.linears[fast.layers[0].mlp.gate_up_proj].silu_fused is not None)
     assert fused == bool(cpu_ext.matrix_engines())
     assert backend.attends_in_place and packed_linear.onednn_available()
     names = {"linear_bf16": "linear_bf16", "decode_attention_bf16": "decode_attention_bf16",
@@ -293,8 +297,8 @@ def test_kernel_choices_follow_the_config(kernel_calls):
     assert torch.equal(off.add_rms_norm(x, residual, weight, 1e-5)[0],
                        torch_ops.add_rms_norm(x, residual, weight, 1e-5)[0])
     gate_up_weight = bf16(32, 64)
-    gate, up = off.linear(x, gate_up_weight, None).chunk(2, dim=-1)
-    assert torch.equal(off.gate_up_silu(x, gate_up_weight, None, None), F.silu(gate) * up)  # torch's SiLU * up
+    gate, up = off.linear(x, Weight(gate_up_weight)).chunk(2, dim=-1)
+    assert torch.equal(off.gate_up_silu(x, off.prepare_gate_up(gate_up_weight, None)), F.silu(gate) * up)  # torch's
     assert "rms_norm_bf16" not in kernel_calls.names() and "silu_mul_bf16" not in kernel_calls.names()
     with pytest.raises(ValueError, match="max_gemv_rows"):
         CpuKernelConfig(max_gemv_rows=-1)
@@ -319,9 +323,9 @@ def test_enforce_eager_switches_the_kernels_off(tiny_model_dir):
     off = build_engine_core(EngineConfig(model=str(tiny_model_dir), dtype="bfloat16", num_kv_blocks=16,
                                          enforce_eager=True))
     assert type(on.runner.backend) is CpuKernelBackend and on.runner.model.backend is on.runner.backend
-    assert on.runner.model.lm_packed is not None
+    assert on.runner.model.prepared.head.packed is not None
     assert type(off.runner.backend) is TorchBackend and off.runner.model.backend is off.runner.backend
-    assert off.runner.model.lm_packed is None and off.runner.model.stack is None
+    assert off.runner.model.prepared.head.packed is None and off.runner.model.prepared.stack is None
 
 
 def test_verification_rows_through_the_kernel_match_the_causal_segment(tiny_model_dir, kernel_calls):
@@ -361,14 +365,14 @@ def test_packed_weights_give_f_linear_bit_for_bit(rows, backend, kernel_calls):
     x = torch.randn(rows, 96, generator=gen).to(torch.bfloat16)
     packed = backend.pack(weight)  # 200 rows: not whole 16-row blocks, so oneDNN's packing
     assert packed is not None and packed.dim() == 2 and 2 <= rows <= backend.max_packed_rows(packed)
-    assert torch.equal(backend.linear(x, weight, bias, packed), F.linear(x, weight, bias))
-    assert torch.equal(backend.linear(x, weight, None, packed), F.linear(x, weight))
+    assert torch.equal(backend.linear(x, Weight(weight, bias=bias, packed=packed)), F.linear(x, weight, bias))
+    assert torch.equal(backend.linear(x, Weight(weight, packed=packed)), F.linear(x, weight))
     assert kernel_calls.rows(ONEDNN) == [rows, rows]  # both products on the packed copy
     assert backend.pack(weight.float()) is None  # bf16 only
     too_many = backend.max_packed_rows(packed) + 1
     kernel_calls.clear()
-    backend.linear(x[:1], weight, bias, packed)
-    backend.linear(x[:1].expand(too_many, 96), weight, bias, packed)
+    backend.linear(x[:1], Weight(weight, bias=bias, packed=packed))
+    backend.linear(x[:1].expand(too_many, 96), Weight(weight, bias=bias, packed=packed))
     assert kernel_calls.names() == ["linear_bf16"]  # one row: the GEMV; too many: F.linear
 
 
@@ -377,7 +381,7 @@ def test_model_products_use_the_packed_weights_between_two_and_max_rows(tiny_mod
     _, model = _model(tiny_model_dir, torch.bfloat16)
     backend = CpuKernelBackend()
     model.set_backend(backend)
-    for rows in (1, 3, backend.max_packed_rows(model.lm_packed) + 1):
+    for rows in (1, 3, backend.max_packed_rows(model.prepared.head.packed) + 1):
         prompts = [min(512, rows - first) for first in range(0, rows, 512)]  # within the model's positions
         tables = [list(range(i * 129, i * 129 + n // 4 + 1)) for i, n in enumerate(prompts)]
         meta = AttentionMetadata.build(4, [], [(t, 0, n) for t, n in zip(tables, prompts)], True)
@@ -385,12 +389,14 @@ def test_model_products_use_the_packed_weights_between_two_and_max_rows(tiny_mod
         model.compute_logits(model(torch.arange(rows) % 40 + 3, positions, meta,
                                    KVCache(model.cfg, 129 * len(prompts), 4, torch.bfloat16).layers))
     # every projection and the logits, at 3 rows only (with AMX, the MLP's gate|up product is a fused call)
-    projections = 4 - int(model.layers[0].mlp.gate_up_silu is not None)
+    projections = 4 - int(model.prepared.linears[model.layers[0].mlp.gate_up_proj].silu_fused is not None)
     rows_seen = [rows for name, rows in kernel_calls if name in ("tiled_linear_bf16", ONEDNN)]
     assert rows_seen == [3] * (projections * model.cfg.num_layers + 1)
     model.set_backend(TorchBackend())
-    assert all(m.packed is None for m in model.modules() if isinstance(m, Linear)) and model.lm_packed is None
-    assert all(layer.mlp.gate_up_silu is None for layer in model.layers)
+    prepared = model.prepared
+    assert all(m in prepared.linears for m in model.modules() if isinstance(m, Linear))
+    assert all(w.packed is None and w.silu_fused is None for w in prepared.linears.values())
+    assert prepared.head.packed is None and prepared.stack is None
 
 
 # ---- decode attention over fp8 pages ----------------------------------------------------------------------

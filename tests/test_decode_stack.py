@@ -147,7 +147,7 @@ def test_stack_is_not_taken_outside_decode_only_bf16_steps(tiny_model_dir, stack
         model(ids[:1], positions[:1], decode_meta(kernels=False), kv.layers)  # attention by gather + SDPA
         model.set_backend(TorchBackend())
         model(ids[:1], positions[:1], decode_meta(), kv.layers)  # kernels off: plain torch ops
-    assert stack_calls == [] and model.stack is None
+    assert stack_calls == [] and model.prepared.stack is None
 
 
 def test_engine_decode_steps_take_the_stack_and_generate_the_same_tokens(tiny_model_dir, stack_calls):

@@ -1,8 +1,9 @@
 """The project's import graph. Every import (module level, in a function, or under `if TYPE_CHECKING:`)
 goes down the layer order transport < engine < actors < router < frontend < {server, client} < cli; server and
 client share a layer (the server may drive the client). No modules import each other in a cycle, even through
-others; type-only imports never run, so they close no cycle. bench/ is a tool on top: it may import
-anything, and nothing imports it. tests/ is not walked.
+others, type-only imports included: they never run, but a circle of them still ties the modules into one unit
+that can be read, changed or split only together. bench/ is a tool on top: it may import anything, and nothing
+imports it. tests/ is not walked.
 
 One declared exception: engine/__init__.py re-exports LLM and AsyncLLM from client/ lazily, in a module
 `__getattr__`, so that `from engine import LLM` keeps working. Only that function may import client/ from
@@ -165,9 +166,9 @@ def layer_violations(imports: list[Import], layers: Mapping[str, int], tools: tu
 
 
 def cycles(imports: list[Import], facade: tuple[str, str, str] | None) -> list[list[Import]]:
-    """Each strongly connected set of modules (more than one), as the imports that run between its members.
-    Imports under `if TYPE_CHECKING:` never run, so they cannot close a cycle (they still obey the layers)."""
-    imports = [i for i in imports if not is_facade(i, facade) and i.target != DYNAMIC and not i.type_only]
+    """Each strongly connected set of modules (more than one), as the imports between its members. Imports under
+    `if TYPE_CHECKING:` count: they never run, but they tie the modules together all the same."""
+    imports = [i for i in imports if not is_facade(i, facade) and i.target != DYNAMIC]
     graph: dict[str, set[str]] = {}
     for imp in imports:
         graph.setdefault(imp.source, set()).add(imp.target)
@@ -312,15 +313,21 @@ def test_checker_lets_the_declared_facade_through_only_inside_its_function(tmp_p
         "mid/__init__.py:1: mid -> high.d (mid -> high: upward)"
 
 
-def test_checker_lets_a_type_only_import_close_no_cycle_but_obey_the_layers(tmp_path):
+def test_checker_counts_a_type_only_import_in_cycles_and_in_the_layers(tmp_path):
     guarded = "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from {} import f\nelse:\n    import os\n"
-    tree = write_tree(tmp_path, {**LEGAL, "low/a.py": guarded.format("low.b")})
-    assert report(tree, SMALL_LAYERS, ("tool",), None) == []
-    write_tree(tmp_path, {"low/a.py": guarded.format("high.d").replace("import os", "import low.b")})
-    assert report(tree, SMALL_LAYERS, ("tool",), None) == ["low/a.py:4: low.a -> high.d (low -> high: upward)",
-                                                         "import cycle between ['low.a', 'low.b']: "
-                                                         "low.a -> low.b (low/a.py:6), low.b -> low.a (low/b.py:1), "
+    tree = write_tree(tmp_path, {**LEGAL, "low/a.py": guarded.format("low")})
+    assert report(tree, SMALL_LAYERS, ("tool",), None) == []  # a type-only import that closes no circle
+    write_tree(tmp_path, {"low/a.py": guarded.format("low.b")})
+    assert report(tree, SMALL_LAYERS, ("tool",), None) == ["import cycle between ['low.a', 'low.b']: "
+                                                         "low.a -> low.b (low/a.py:4), low.b -> low.a (low/b.py:1), "
                                                          "low.b -> low.a (low/b.py:2)"]
+    write_tree(tmp_path, {"low/a.py": guarded.format("high.d").replace("import os", "import low.b")})
+    assert report(tree, SMALL_LAYERS, ("tool",), None) == [  # upward, and round through high.d's own imports
+        "low/a.py:4: low.a -> high.d (low -> high: upward)",
+        "import cycle between ['high.d', 'low.a', 'low.b', 'mid', 'mid.c']: high.d -> mid (high/d.py:2), "
+        "high.d -> low.a (high/d.py:3), low.a -> high.d (low/a.py:4), low.a -> low.b (low/a.py:6), "
+        "low.b -> low.a (low/b.py:1), low.b -> low.a (low/b.py:2), mid -> mid.c (mid/__init__.py:1), "
+        "mid.c -> low.b (mid/c.py:1)"]
 
 
 def test_checker_reads_a_facade_that_imports_by_computed_name(tmp_path):

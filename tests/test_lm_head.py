@@ -9,6 +9,8 @@ import torch.nn.functional as F
 
 from engine import LLM, SamplingParams
 from engine.backends import CpuKernelBackend, TorchBackend
+from engine.backends import weight_ops
+from engine.backends.weight_ops import Weight
 from engine.kernels import cpu_ext
 from engine.model import quant
 from tests.kernel_helpers import kernel_backend, kernel_calls, require_kernels  # noqa: F401 (fixtures)
@@ -33,7 +35,7 @@ def weight_args(kernel: str, weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return (weight,)
     if kernel in ("linear_int8", "linear_w8a8"):
         codes, scale = quant.quantize_rows(weight)
-        return (codes if kernel == "linear_int8" else quant.pack_w8a8(codes), scale)
+        return (codes if kernel == "linear_int8" else weight_ops.pack_w8a8(codes), scale)
     return int4_weight(weight.float())
 
 
@@ -63,13 +65,15 @@ def test_packed_blocks_keep_the_fp32_sums(engine):
     assert not torch.equal(sums, sums.to(torch.bfloat16).float())
 
 
-def head(fmt: str, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(weight, scale) as a model holds an LM head of this format."""
+def head(fmt: str, weight: torch.Tensor) -> Weight:
+    """An LM head of this format as a backend takes it."""
     if fmt == "bf16":
-        return weight, None
+        return Weight(weight)
     if fmt == "int8":
-        return quant.quantize_rows(weight)
-    return int4_weight(weight.float())
+        codes, scale = quant.quantize_rows(weight)
+        return Weight(codes, scale=scale)
+    codes, scale = int4_weight(weight.float())
+    return Weight(codes, scale=scale)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 70])  # the GEMV, the int kernels' passes, past every kernel's limit
@@ -77,9 +81,9 @@ def head(fmt: str, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | N
 def test_kernel_backend_head_is_the_fp32_product(fmt, rows):
     """The kernels' sums and torch's fp32 product of the same operands: equal up to the order of fp32 sums."""
     x, weight = operands(rows, n=300, k=576, seed=rows)
-    weight, scale = head(fmt, weight)
-    got = kernel_backend().lm_head(x, weight, scale)
-    want = TorchBackend("cpu").lm_head(x, weight, scale)
+    w = head(fmt, weight)
+    got = kernel_backend().lm_head(x, w)
+    want = TorchBackend("cpu").lm_head(x, w)
     assert got.dtype == want.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
 
@@ -106,7 +110,7 @@ def test_logits_that_bf16_would_tie_are_told_apart(backend, rows):
             pytest.skip("neither AMX tiles nor AVX-512 BF16 on this CPU")
         packed = cpu_ext.tile_pack(weight)
     chosen = TorchBackend("cpu") if backend == "torch" else kernel_backend()
-    logits = chosen.lm_head(x, weight, None, packed)
+    logits = chosen.lm_head(x, Weight(weight, packed=packed))
     assert (logits.max(dim=-1).indices == 2).all()
     assert (logits[:, 2] - logits[:, 1] == 0.03125).all()
     if packed is not None and rows > 1:
@@ -127,8 +131,8 @@ def test_greedy_engine_picks_from_fp32_logits(tiny_model_dir, monkeypatch, kerne
 
     off_the_head = CpuKernelBackend.greedy_tokens
 
-    def fused_greedy(self, model, x):
-        out = off_the_head(self, model, x)
+    def fused_greedy(self, x, head):
+        out = off_the_head(self, x, head)
         if out is not None:
             seen.append("fused")
         return out
@@ -153,9 +157,9 @@ def test_the_gates_memoised_reference_head_is_the_reference_to_the_bit(fmt):
     from bench.kernel_accuracy import MemoisedReference
 
     x, weight = operands(5, n=300, k=96)
-    weight, scale = head(fmt, weight)
+    w = head(fmt, weight)
     memoised = MemoisedReference()
-    want = TorchBackend("cpu").lm_head(x, weight, scale)
+    want = TorchBackend("cpu").lm_head(x, w)
     for _ in range(2):  # the second call reads the kept chunks
-        assert torch.equal(memoised.lm_head(x, weight, scale), want)
+        assert torch.equal(memoised.lm_head(x, w), want)
     assert memoised.chunks

@@ -175,7 +175,7 @@ def test_cpu_kernels_decode_qwen3_within_bf16_rounding(qwen3_dir, stack_calls):
     within bf16 rounding of the fp32 reference."""
     require_kernels(vectors=True)
     model = kernel_model(qwen3_dir)
-    assert model.stack is not None
+    assert model.prepared.stack is not None
     cfg = model.cfg
     ids = PROMPTS[2][:13]
     block = 4

@@ -228,7 +228,7 @@ def test_cpu_kernels_decode_past_the_window_within_bf16_rounding(windowed_dir, s
     model = kernel_model(windowed_dir)
     cfg = model.cfg
     gemma = cfg.sandwich_norms
-    assert (model.stack is None) == gemma
+    assert (model.prepared.stack is None) == gemma
     ids = random_ids(21, 11)
     kv = KVCache(cfg, 8, BLOCK, torch.bfloat16)
     table = list(range(8))

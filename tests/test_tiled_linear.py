@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from engine.backends.attention import AttentionMetadata
 from engine.kernels import cpu_ext, packed_linear
 from engine.kv.cache import KVCache
-from engine.model.llama import Linear
+from engine.model.layers import Linear
 from tests.kernel_helpers import kernel_backend, kernel_calls, kernel_model, reconfigure, require_kernels  # noqa: F401
 from tests.test_decode_stack import assert_stack_matches_layers, qwen2_dir, stack_calls  # noqa: F401 (fixtures)
 
@@ -102,8 +102,10 @@ def test_rows_are_independent_across_row_slices(n, k, engine):
 
 def test_model_prefill_chunks_take_the_packed_blocks_up_to_the_row_limit(tiny_model_dir, kernel_calls):
     model = kernel_model(tiny_model_dir, max_tiled_rows=300)
-    assert all(layer.mlp.gate_up_silu.dim() == 4 and layer.mlp.gate_up_proj.packed is None for layer in model.layers)
-    assert all(m.packed.dim() == 4 for m in model.modules() if isinstance(m, Linear) and m.packed is not None)
+    weights = model.prepared.linears
+    assert all(weights[layer.mlp.gate_up_proj].silu_fused.dim() == 4 and weights[layer.mlp.gate_up_proj].packed is None
+               for layer in model.layers)
+    assert all(w.packed.dim() == 4 for w in weights.values() if w.packed is not None)
     kernel_calls.clear()  # packing runs no product
     for rows in (200, 300, 301):
         meta = AttentionMetadata.build(4, [], [(list(range(80)), 0, rows)], True)
@@ -146,22 +148,26 @@ def gate_up_projections(model) -> list[Linear]:
 
 def test_model_products_and_decode_stack_run_on_the_packed_blocks(tiny_model_dir, stack_calls):
     model = kernel_model(tiny_model_dir)
-    packs = [m.packed for m in model.modules() if isinstance(m, Linear) and m not in gate_up_projections(model)]
-    packs += [layer.mlp.gate_up_silu for layer in model.layers] + [model.lm_packed]
+    weights = model.prepared.linears
+    gate_ups = gate_up_projections(model)
+    packs = [weights[m].packed for m in model.modules() if isinstance(m, Linear) and m not in gate_ups]
+    packs += [weights[layer.mlp.gate_up_proj].silu_fused for layer in model.layers] + [model.prepared.head.packed]
     assert packs and all(p is not None and p.dim() == 4 for p in packs)
     assert_stack_matches_layers(model, [0, 1, 2], stack_calls)  # stack and Python layers: same kernel, same bits
 
 
 def test_decode_stack_still_matches_the_layers_on_onednn_packing(tiny_model_dir, stack_calls):
     model = kernel_model(tiny_model_dir, tiled_packing=False)
-    assert all(m.packed.dim() == 2 for m in model.modules() if isinstance(m, Linear))
-    assert all(layer.mlp.gate_up_silu is None for layer in model.layers)  # the fused product needs the blocks
+    assert all(model.prepared.linears[m].packed.dim() == 2 for m in model.modules() if isinstance(m, Linear))
+    # the fused product needs the blocks
+    assert all(model.prepared.linears[layer.mlp.gate_up_proj].silu_fused is None for layer in model.layers)
     assert_stack_matches_layers(model, [0, 1, 2], stack_calls)
 
 
 def test_decode_stack_with_biases_on_the_packed_blocks(qwen2_dir, stack_calls):
     model = kernel_model(qwen2_dir)
-    assert model.layers[0].self_attn.qkv_proj.bias is not None and model.layers[0].self_attn.qkv_proj.packed.dim() == 4
+    qkv = model.prepared.linears[model.layers[0].self_attn.qkv_proj]
+    assert qkv.bias is not None and qkv.packed.dim() == 4
     assert_stack_matches_layers(model, [0, 1, 2], stack_calls)
 
 
@@ -262,26 +268,27 @@ def test_model_mlp_takes_the_fused_product_from_two_rows(tiny_model_dir, kernel_
     """One row: the GEMV on the plain weight, then silu_mul; two or more: the fused product. The MLP's output is
     the same either way as the unfused ops give it (tiled_linear then silu_mul)."""
     model = kernel_model(tiny_model_dir)
-    mlp, backend = model.layers[0].mlp, model.backend
+    mlp, prepared = model.layers[0].mlp, model.prepared
     x = torch.randn(9, model.cfg.hidden_size).to(torch.bfloat16)
-    out = mlp(x, backend)
+    out = mlp(x, prepared)
     plain = cpu_ext.silu_mul(cpu_ext.tiled_linear(x, cpu_ext.tile_pack(mlp.gate_up_proj.weight)))
-    assert torch.equal(out, mlp.down_proj(plain, backend))
+    assert torch.equal(out, mlp.down_proj(plain, prepared))
     one_row = cpu_ext.silu_mul(cpu_ext.linear_bf16(x[:1], mlp.gate_up_proj.weight))
-    assert torch.equal(mlp(x[:1], backend), mlp.down_proj(one_row, backend))
+    assert torch.equal(mlp(x[:1], prepared), mlp.down_proj(one_row, prepared))
     assert kernel_calls.rows("tiled_linear_silu_mul_bf16") == [9]
     reconfigure(model, fused_elementwise=False)  # torch's ops after the plain product
-    backend = model.backend
-    gate, up = backend.linear(x, mlp.gate_up_proj.weight, None, mlp.gate_up_proj.packed).chunk(2, dim=-1)
-    expected = mlp.down_proj(F.silu(gate) * up, backend)
+    prepared = model.prepared
+    gate, up = prepared.backend.linear(x, prepared.linears[mlp.gate_up_proj]).chunk(2, dim=-1)
+    expected = mlp.down_proj(F.silu(gate) * up, prepared)
     kernel_calls.clear()
-    assert torch.equal(mlp(x, backend), expected)
+    assert torch.equal(mlp(x, prepared), expected)
     assert kernel_calls.names() == ["tiled_linear_bf16"] * 2  # gate|up and down: no SiLU kernel, no fused product
 
 
 def test_decode_stack_matches_the_layers_without_the_fused_gate_up(tiny_model_dir, stack_calls):
     model = kernel_model(tiny_model_dir, fused_gate_up=False)
-    assert all(layer.mlp.gate_up_silu is None and layer.mlp.gate_up_proj.packed.dim() == 4 for layer in model.layers)
+    assert all(model.prepared.linears[layer.mlp.gate_up_proj].silu_fused is None
+               and model.prepared.linears[layer.mlp.gate_up_proj].packed.dim() == 4 for layer in model.layers)
     assert_stack_matches_layers(model, [0, 1, 2], stack_calls)
 
 

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from engine import LLM, SamplingParams
 from engine.backends import TorchBackend
+from engine.backends import weight_ops
 from engine.config import ConfigError, EngineConfig
 from engine.kernels import cpu_ext
 from engine.model import quant
@@ -27,7 +28,7 @@ from tests.test_weight_int8 import IDS, decode_logits, forward_logits
 from tests.tiny_models import tiny_llama_config, write_tiny_model
 
 Q = gguf.GGMLQuantizationType
-G = quant.INT4_GROUP
+G = weight_ops.INT4_GROUP
 
 
 def require_w4a8() -> None:
@@ -38,14 +39,14 @@ def require_w4a8() -> None:
 
 def int4_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w [N, K] -> (packed, scales), as the model stores it."""
-    codes_shape, scales_shape = quant.int4_shapes(*w.shape)
+    codes_shape, scales_shape = weight_ops.int4_shapes(*w.shape)
     packed, scales = torch.zeros(codes_shape, dtype=torch.uint8), torch.zeros(scales_shape, dtype=torch.float16)
     quant.store_int4(packed, scales, 0, w)
     return packed, scales
 
 
 def dequantised(packed: torch.Tensor, scales: torch.Tensor, k: int) -> torch.Tensor:
-    return quant.int4_rows(packed, scales, torch.arange(scales.shape[2]), k, torch.float64)
+    return weight_ops.int4_rows(packed, scales, torch.arange(scales.shape[2]), k, torch.float64)
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,7 +69,7 @@ def reference_w4a8(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
     m, k = x.shape
     n = scales.shape[2]
     xq, a = quantize_activations(x)
-    codes = quant.unpack_int4(packed, torch.arange(n)).double()  # [N, G * 32]
+    codes = weight_ops.unpack_int4(packed, torch.arange(n)).double()  # [N, G * 32]
     groups = a.shape[1]
     dots = torch.einsum("mgi,ngi->mng", xq.view(m, groups, G), codes.view(n, groups, G) - 7.5)
     xf = torch.zeros(m, groups * G, dtype=torch.float64)
@@ -135,7 +136,7 @@ def test_pack_int4_layout():
         assert byte & 15 == codes[n, 32 * g + 4 * t + j] and byte >> 4 == codes[n, 32 * g + 16 + 4 * t + j]
     assert (packed[2, :, :, 5:] == 0).all()  # channels past 37
     assert torch.equal(scales[0].T, scale) and torch.equal(scales[1].T, offset)
-    assert torch.equal(quant.unpack_int4(packed, torch.arange(37)), codes)
+    assert torch.equal(weight_ops.unpack_int4(packed, torch.arange(37)), codes)
 
 
 def test_store_int4_row_chunks_equal_one_store():
@@ -157,7 +158,7 @@ def test_dequantize_kernel_is_torch_bit_for_bit(n, k):
     require_kernels()
     torch.manual_seed(n + k)
     packed, scales = int4_weight(torch.randn(n, k) * 0.05)
-    ref = quant.int4_rows(packed, scales, torch.arange(n), k, torch.bfloat16)
+    ref = weight_ops.int4_rows(packed, scales, torch.arange(n), k, torch.bfloat16)
     assert torch.equal(cpu_ext.dequantize_int4(packed, scales, k, 0, n), ref)
     assert torch.equal(cpu_ext.dequantize_int4(packed, scales, k, n // 3, n), ref[n // 3:])
 
@@ -292,7 +293,7 @@ def test_int4_model_holds_only_the_int4_layout(tiny_model_dir, untied_dir):
         for module in quant.quantized_modules(int4):
             n, k = (module.out_features, module.in_features) if hasattr(module, "out_features") else (
                 module.num_embeddings, module.embedding_dim)
-            codes, scales = quant.int4_shapes(n, k)
+            codes, scales = weight_ops.int4_shapes(n, k)
             assert module.weight.dtype == torch.uint8 and module.weight.shape == codes
             assert module.weight_scale.dtype == torch.float16 and module.weight_scale.shape == scales
         sizes = {d: model_bytes(m) for d, m in models.items()}
@@ -313,9 +314,9 @@ def test_int4_codes_come_from_the_checkpoint_rows(tiny_model_dir):
     k_proj = dict(iter_hf_weights(tiny_model_dir))["model.layers.1.self_attn.k_proj.weight"]
     qkv = int4.layers[1].self_attn.qkv_proj
     rows = torch.arange(cfg.q_size, cfg.q_size + cfg.kv_size)
-    got = quant.int4_rows(qkv.weight, qkv.weight_scale, rows, cfg.hidden_size, torch.float32)
+    got = weight_ops.int4_rows(qkv.weight, qkv.weight_scale, rows, cfg.hidden_size, torch.float32)
     packed, scales = int4_weight(k_proj)
-    assert torch.equal(got, quant.int4_rows(packed, scales, torch.arange(cfg.kv_size), cfg.hidden_size,
+    assert torch.equal(got, weight_ops.int4_rows(packed, scales, torch.arange(cfg.kv_size), cfg.hidden_size,
                                             torch.float32))
 
 
@@ -323,7 +324,7 @@ def test_int4_embedding_rows_are_the_lm_head_rows(tiny_model_dir):
     int4 = load(tiny_model_dir, "int4")
     ids = torch.tensor([0, 5, 17, 511])
     table = int4.embed_tokens
-    assert torch.equal(int4.embed(ids), quant.int4_rows(table.weight, table.weight_scale, ids, 64, torch.bfloat16))
+    assert torch.equal(int4.embed(ids), weight_ops.int4_rows(table.weight, table.weight_scale, ids, 64, torch.bfloat16))
 
 
 # (max |diff|, mean |diff|) of the kernel paths' logits against the same int4 weights on plain torch ops (bf16
@@ -347,7 +348,7 @@ def test_int4_logits_match_the_torch_int4_reference(tiny_model_dir, untied_dir, 
         ref = forward_logits(model, IDS)
         for stack in (True, False):
             model.set_backend(kernel_backend(decode_stack=stack, **limits))
-            assert (model.stack is not None) == stack
+            assert (model.prepared.stack is not None) == stack
             for got in (forward_logits(model, IDS), decode_logits(model, IDS)):
                 diff = (got - ref).abs()
                 assert diff.max() <= max_diff and diff.mean() <= mean_diff, (diff.max(), diff.mean())
@@ -448,7 +449,7 @@ def test_auto_on_tiny_gguf_files(tmp_path, caplog, qtype, expected):
     with caplog.at_level(logging.INFO, logger="engine.model.quant"):
         model = load_model(resolve_model(path), torch.bfloat16, weight_dtype="auto")
     assert model.weight_dtype == expected
-    head = quant.head_module(model).weight.dtype
+    head = model.head_module().weight.dtype
     assert head == (torch.uint8 if expected == "int4" else torch.bfloat16)  # 5-8-bit heads stay bf16
     lines = auto_lines(caplog)
     assert len(lines) == 1 and f"layers {expected}" in lines[0] and qtype.name in lines[0]
@@ -487,7 +488,8 @@ def test_int4_layers_with_an_int8_head(tiny_model_dir):
     ref = forward_logits(model, IDS)
     backend = kernel_backend()
     model.set_backend(backend)
-    assert list(backend.w8a8_packed) == ([id(model.embed_tokens.weight)] if backend.max_w8a8_rows else [])
+    assert all(w.packed is None for w in model.prepared.linears.values())  # the int4 layers: no copy
+    assert (model.prepared.head.packed is not None) == bool(backend.max_w8a8_rows)  # the int8 head's W8A8 copy
     diff = (decode_logits(model, IDS) - ref).abs()
     assert diff.max() <= INT4_PATHS[0][1] and diff.mean() <= INT4_PATHS[0][2]
 
@@ -504,7 +506,7 @@ def test_int4_holds_gguf_q4_values_exactly(tmp_path, qtype, exact):
     lazy = read_gguf_lazily(path)
     w = dict(lazy.weights())["model.layers.0.mlp.gate_proj.weight"].float()
     packed, scales = int4_weight(w)
-    got = quant.int4_rows(packed, scales, torch.arange(w.shape[0]), w.shape[1], torch.float32)
+    got = weight_ops.int4_rows(packed, scales, torch.arange(w.shape[0]), w.shape[1], torch.float32)
     assert (got == w).double().mean() >= exact
     step = scales[0].float().abs().T.repeat_interleave(G, dim=1)
     assert ((got - w).abs() <= step / 2 + 1e-6).all()

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import LLM, SamplingParams
+from engine.backends import weight_ops
 from engine.backends.attention import AttentionMetadata
 from engine.backends import TorchBackend
 from engine.config import ConfigError, EngineConfig
@@ -14,7 +15,8 @@ from engine.kernels import cpu_ext
 from engine.kv.cache import KVCache
 from engine.model import quant
 from engine.model.hf_loader import iter_hf_weights, read_hf_config
-from engine.model.llama import Linear, build_model
+from engine.model.layers import Linear
+from engine.model.llama import build_model
 from tests.kernel_helpers import kernel_backend, require_kernels
 from tests.tiny_models import tiny_llama_config, write_tiny_model
 
@@ -44,7 +46,7 @@ def test_quantize_rows_is_symmetric_absmax_per_row():
 def test_dequantize_rounds_once_to_the_dtype():
     codes = torch.randint(-127, 128, (8, 40), dtype=torch.int8)
     scale = torch.rand(8) * 0.1 + 1e-3
-    got = quant.dequantize(codes, scale, torch.bfloat16)
+    got = weight_ops.dequantize(codes, scale, torch.bfloat16)
     assert got.dtype == torch.bfloat16
     assert torch.equal(got, (codes.float() * scale.unsqueeze(1)).to(torch.bfloat16))
 
@@ -99,7 +101,7 @@ def require_w8a8() -> None:
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's activation format: x [M, K] -> codes [M, G, 32] (zero-padded past K) and scales [M, G],
     a = max |group| / 127 (1 for a group of zeros), q = round(x / a) to nearest even."""
-    g = quant.W8A8_GROUP
+    g = weight_ops.W8A8_GROUP
     m, k = x.shape
     padded = torch.zeros(m, -(-k // g) * g)
     padded[:, :k] = x.float()
@@ -127,7 +129,7 @@ def reference_w8a8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
 
 def test_pack_w8a8_layout():
     codes = torch.randint(-127, 128, (37, 70), dtype=torch.int8)
-    packed = quant.pack_w8a8(codes)
+    packed = weight_ops.pack_w8a8(codes)
     assert packed.dtype == torch.uint8 and packed.shape == (3, 24, 16, 4)  # ceil(37/16), ceil(70/32) * 32 / 4
     for b, j, c, t in [(0, 0, 0, 0), (1, 5, 7, 3), (2, 17, 4, 1), (0, 12, 15, 2)]:
         assert int(packed[b, j, c, t]) == int(codes[16 * b + c, 4 * j + t]) + 128
@@ -142,7 +144,7 @@ def test_w8a8_int32_sums_are_exact(rows, n, k):
     unsigned weights, group boundary, padding or channel tail shows as an inequality."""
     require_w8a8()
     gen = torch.Generator().manual_seed(rows * 1000 + n + k)
-    g = quant.W8A8_GROUP
+    g = weight_ops.W8A8_GROUP
     x = torch.randint(-1, 2, (rows, k), generator=gen).float()
     pos = [i * g + int(torch.randint(0, min(g, k - i * g), (1,), generator=gen)) for i in range(-(-k // g))]
     x[:, pos] = 127 * (torch.randint(0, 2, (rows, len(pos)), generator=gen) * 2 - 1).float()
@@ -155,7 +157,7 @@ def test_w8a8_int32_sums_are_exact(rows, n, k):
     assert (a == 1).all()
     exact = group_sums(q, codes).sum(-1)
     assert exact.abs().max() < 256
-    got = cpu_ext.linear_w8a8(x.to(torch.bfloat16), quant.pack_w8a8(codes), torch.ones(n))
+    got = cpu_ext.linear_w8a8(x.to(torch.bfloat16), weight_ops.pack_w8a8(codes), torch.ones(n))
     assert torch.equal(got.float(), exact.float())
 
 
@@ -172,7 +174,7 @@ def test_w8a8_matches_the_reference_arithmetic(rows, n, k, with_bias):
     x[0, : min(k, 8)] *= 50  # an outlier group: its own scale, the others unaffected
     codes, scale = quant.quantize_rows(torch.randn(n, k) * 0.05)
     bias = torch.randn(n).to(torch.bfloat16) if with_bias else None
-    got = cpu_ext.linear_w8a8(x, quant.pack_w8a8(codes), scale, bias)
+    got = cpu_ext.linear_w8a8(x, weight_ops.pack_w8a8(codes), scale, bias)
     ref = reference_w8a8(x, codes, scale, bias)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
     assert ((got.double() - ref).abs() <= ref.abs() * 2 ** -8 + 1e-30).all()
@@ -185,7 +187,7 @@ def test_w8a8_is_close_to_the_unquantised_product():
     torch.manual_seed(2)
     x = torch.randn(4, 576).to(torch.bfloat16)
     codes, scale = quant.quantize_rows(torch.randn(300, 576) * 0.05)
-    got = cpu_ext.linear_w8a8(x, quant.pack_w8a8(codes), scale).float()
+    got = cpu_ext.linear_w8a8(x, weight_ops.pack_w8a8(codes), scale).float()
     ref = reference_int8(x, codes, scale, None)
     assert ((got - ref).norm() / ref.norm()) < 0.01
 
@@ -195,7 +197,7 @@ def test_w8a8_each_row_depends_on_that_row_only():
     torch.manual_seed(1)
     x = torch.randn(13, 300).to(torch.bfloat16)
     codes, scale = quant.quantize_rows(torch.randn(70, 300))
-    packed = quant.pack_w8a8(codes)
+    packed = weight_ops.pack_w8a8(codes)
     batched = cpu_ext.linear_w8a8(x, packed, scale)
     for r in (0, 7, 8, 12):
         assert torch.equal(cpu_ext.linear_w8a8(x[r:r + 1], packed, scale), batched[r:r + 1])
@@ -206,7 +208,7 @@ def test_w8a8_refuses_a_packing_of_other_shapes():
     x = torch.randn(2, 64).to(torch.bfloat16)
     codes, scale = quant.quantize_rows(torch.randn(16, 64))
     with pytest.raises(RuntimeError, match="packed"):
-        cpu_ext.linear_w8a8(x, quant.pack_w8a8(codes[:, :32]), scale)
+        cpu_ext.linear_w8a8(x, weight_ops.pack_w8a8(codes[:, :32]), scale)
     with pytest.raises(RuntimeError, match="packed"):
         cpu_ext.linear_w8a8(x, codes, scale)
 
@@ -297,7 +299,7 @@ def test_int8_logits_match_the_torch_int8_reference(tiny_model_dir, untied_dir, 
         ref = forward_logits(model, IDS)
         for stack in (True, False):
             model.set_backend(kernel_backend(max_int8_rows=int8_rows, max_w8a8_rows=w8a8_rows, decode_stack=stack))
-            assert (model.stack is not None) == stack
+            assert (model.prepared.stack is not None) == stack
             for got in (forward_logits(model, IDS), decode_logits(model, IDS)):
                 diff = (got - ref).abs()
                 assert diff.max() <= max_diff and diff.mean() <= mean_diff, (diff.max(), diff.mean())
@@ -321,12 +323,13 @@ def test_int8_decode_takes_the_w8a8_kernel_only_where_asked_for(tiny_model_dir):
     model = load(tiny_model_dir, "int8")
     on, off = kernel_backend(max_w8a8_rows=64), kernel_backend()
     assert "linear_w8a8" in on.kernels() and "linear_w8a8" not in off.kernels() and "linear_int8" in off.kernels()
-    got = {}
+    got, copies = {}, {}
     for name, backend in (("on", on), ("off", off)):
         model.set_backend(backend)
+        copies[name] = [w.packed for w in model.prepared.linears.values()] + [model.prepared.head.packed]
         got[name] = decode_logits(model, IDS[:12])
     assert not torch.equal(got["on"], got["off"])
-    assert on.w8a8_packed and not off.w8a8_packed
+    assert all(p is not None for p in copies["on"]) and all(p is None for p in copies["off"])
 
 
 # measured with the fp32-activation kernel: top-1 0.95 / 0.975 and KL 0.00046 / 0.00026 on the tied / untied tiny

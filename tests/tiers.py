@@ -65,6 +65,7 @@ MODULE_TIERS: Mapping[str, Tier] = {
     "test_migration.py": P,
     "test_model_errors.py": P,  # the resolve and check tests in this process are marked unit
     "test_model_parity.py": E,
+    "test_olmo2.py": E,
     "test_packaging.py": P,  # runs setuptools' editable build in a subprocess
     "test_placement.py": U,
     "test_report.py": U,  # synthetic bench results through bench/report.py, plots drawn with Agg

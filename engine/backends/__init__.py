@@ -1,8 +1,9 @@
-"""The hardware-specific operations of the model, behind one Backend object per engine.
+"""The hardware-specific operations on tensors, behind one Backend object per engine; nothing here knows a model.
 
 base.Backend is the interface; torch_ops.TorchBackend runs plain torch ops (--enforce-eager, fp32/fp16, CUDA);
 cpu_kernels.CpuKernelBackend the compiled CPU kernels, with every limit and switch in cpu_config.CpuKernelConfig;
-select.select_backend picks one, once.
+select.select_backend picks one, once. weight_ops holds the weight formats a product takes (weight_ops.Weight) and
+their plain-torch products; attention the paged attention.
 """
 from engine.backends.base import Backend
 from engine.backends.cpu_config import CpuKernelConfig

@@ -26,16 +26,13 @@ window, and never written. A context that long is cut by the window, so no kerne
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
 from engine.kv.compress import TieredPages
 from engine.kv.formats import PageWrites, QuantizedPages
-
-if TYPE_CHECKING:
-    from engine.backends.base import Backend
 
 KVPages = torch.Tensor | QuantizedPages  # one layer's keys or values
 
@@ -154,9 +151,20 @@ def _prefill_segment(table: list[int], start: int, context_start: int, length: i
     return PrefillSegment(start, length, context_start, table_tensor, mask)
 
 
+class AttentionKernels(Protocol):
+    """The backend's in-place attention kernels (engine/backends/base.py Backend): each returns None where it
+    declines, and the gather path below serves."""
+
+    def decode_attention(self, q: torch.Tensor, k_cache: object, v_cache: object, meta: AttentionMetadata,
+                         scale: float) -> torch.Tensor | None: ...
+
+    def fresh_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: int,
+                        scale: float) -> torch.Tensor | None: ...
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: KVPages,
                     v_cache: KVPages, meta: AttentionMetadata, scale: float,
-                    backend: Backend | None = None, window: int | None = None,
+                    backend: AttentionKernels | None = None, window: int | None = None,
                     softcap: float | None = None) -> torch.Tensor:
     """q [T, Hq, D], k/v [T, Hkv, D] for the new tokens; caches [num_blocks, block_size, Hkv, D] (or
     quantised pages). Returns [T, Hq, D]. `backend`: whose kernels may take the decode group and fresh prompts
@@ -181,14 +189,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
 
 
 def _decode(q: torch.Tensor, k_cache: KVPages, v_cache: KVPages, meta: AttentionMetadata, scale: float,
-            backend: Backend | None, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+            backend: AttentionKernels | None, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     cut = window is not None and meta.max_decode_context > window  # the window hides part of some context
     out = backend.decode_attention(q, k_cache, v_cache, meta, scale) if backend is not None and not cut else None
     return _decode_attention(q, k_cache, v_cache, meta, scale, window, softcap) if out is None else out
 
 
 def _fresh(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: int, scale: float,
-           backend: Backend | None, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+           backend: AttentionKernels | None, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     length = len(q) // count
     window = window if window is not None and window < length else None  # a window wider than the prompt
     out = backend.fresh_attention(q, k, v, count, scale) if backend is not None and window is None else None

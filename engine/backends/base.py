@@ -1,36 +1,110 @@
-"""The hardware operations the model asks for, behind one object chosen once per engine (engine/backends/select.py).
+"""The hardware operations a model asks for, behind one object chosen once per engine (engine/backends/select.py).
 
-The model (engine/model/llama.py) and paged attention (engine/backends/attention.py) call these and nothing else that
-depends on the device or the CPU. The hooks that may decline (`decode_attention`, `fresh_attention`,
-`decode_layers`, `greedy_tokens`) return None where this backend has nothing better than the plain torch path
-their caller runs.
+A backend knows tensors and weight formats (engine/backends/weight_ops.py), never a model: a model's weights reach it
+one product at a time (`prepare_linear`, `prepare_gate_up`, once, giving back the `Weight` it runs on) and, for
+the fused decode step, as a list of per-layer weights (`decode_stack`). The preparation step that walks a model
+(engine/model/layers.py `prepare_weights`) and paged attention (engine/backends/attention.py) call these and
+nothing else that depends on the device or the CPU. The hooks that may decline (`decode_attention`,
+`fresh_attention`, `decode_stack`, `decode_layers`, `greedy_tokens`) return None where this backend has nothing
+better than the plain torch path their caller runs.
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
+from engine.backends import weight_ops
+from engine.backends.weight_ops import Weight
+
 if TYPE_CHECKING:
     from engine.backends.attention import AttentionMetadata
-    from engine.model.llama import LlamaModel
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, 1, head_dim / 2]
+
+
+@dataclass(frozen=True, eq=False)
+class StackLayer:
+    """One decoder layer's weights for the fused decode step, which computes Llama's layer: RMSNorm, q|k|v (with
+    q_norm / k_norm: one RMSNorm over head_dim shared by every q head, and one by every k head), RoPE, paged
+    attention, o, the residual add in RMSNorm, silu(gate) * up, down."""
+
+    input_norm: torch.Tensor
+    qkv: Weight
+    o: Weight
+    post_attention_norm: torch.Tensor
+    gate_up: Weight
+    down: Weight
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class StackShape:
+    """What every layer of a fused decode step shares."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    eps: float  # the RMSNorms'
+    scale: float  # the attention scores'
 
 
 class Backend(ABC):
     name: str
     attends_in_place = False  # decode attention reads the pages in place: no gather per row (engine/core/runner.py)
 
-    @abstractmethod
-    def prepare(self, model: LlamaModel) -> None:
-        """Make what this backend needs of the loaded weights (packed copies, the decode stack), once."""
+    # ---- preparation: once per model, the weights in this backend's layout -----------------------------------
+
+    def check_dtype(self, dtype: torch.dtype) -> None:
+        """Raises ValueError where this backend cannot run a model whose activations are `dtype`."""
+
+    def prepare_linear(self, data: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor | None) -> Weight:
+        """A product's weight (float, or int8 / int4 codes with `scale`) -> the Weight `linear` and `lm_head` take,
+        with whatever copies of it this backend runs faster on (none here)."""
+        return Weight(data, bias=bias, scale=scale)
+
+    def prepare_gate_up(self, data: torch.Tensor, scale: torch.Tensor | None) -> Weight:
+        """An MLP's gate|up weight (gate rows, then up rows) whose product `gate_up_silu` takes."""
+        return self.prepare_linear(data, None, scale)
+
+    def decode_stack(self, layers: Sequence[StackLayer], shape: StackShape) -> object | None:
+        """The decoder layers as one call for `decode_layers`, or None where this backend has none."""
+        return None
+
+    # ---- the operations -------------------------------------------------------------------------------------
+
+    def linear(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
+        """x W^T + bias in x's dtype, for a weight in any format."""
+        if w.scale is None:
+            return self.linear_float(x, w)
+        return self.linear_int4(x, w) if weight_ops.is_int4(w.data) else self.linear_int8(x, w)
 
     @abstractmethod
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-               packed: torch.Tensor | None = None) -> torch.Tensor:
-        """F.linear(x, weight, bias), on `packed` (the weight's copy made by `prepare`) where that is faster."""
+    def linear_float(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
+        """F.linear(x, w.data, w.bias), on the backend's copy where that is faster."""
+
+    def linear_int8(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
+        """x (codes * scale)^T + bias for an int8 weight with per-output-channel scales; here by F.linear on the
+        weight dequantised to x's dtype."""
+        return weight_ops.linear_int8(x, w.data, w.scale, w.bias)
+
+    def linear_int4(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
+        """x W^T + bias for an int4 weight (codes in int4_shapes' layout, fp16 scales and offsets [2, G, N]); here by
+        F.linear on chunks of the weight dequantised to x's dtype."""
+        return weight_ops.linear_int4(x, w.data, w.scale, w.bias)
+
+    def lm_head(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
+        """The LM head's product x W^T [B, V] in fp32 (a float, int8 or int4 weight). Rounded to bf16, close logits
+        tie (the steps are 0.125 between 16 and 32) and the argmax picks the lower id. Here by F.linear in fp32 on
+        chunks of the weight widened to fp32."""
+        return weight_ops.linear_fp32(x, w.data, w.scale)
+
+    @abstractmethod
+    def gate_up_silu(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
+        """silu(gate) * up [T, I] of the MLP's gate|up product x W^T [T, 2I] (a Weight from `prepare_gate_up`)."""
 
     @abstractmethod
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
@@ -46,41 +120,6 @@ class Backend(ABC):
         """The fused q|k|v output [T, *] -> q [T, Hq, D], k [T, Hkv, D] rotated, v [T, Hkv, D]."""
 
     @abstractmethod
-    def gate_up_silu(self, x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
-                     fused: torch.Tensor | None) -> torch.Tensor:
-        """silu(gate) * up of the MLP's gate|up product x W^T; `fused`: the interleaved copy made by `prepare`."""
-
-    def linear_int8(self, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
-                    bias: torch.Tensor | None) -> torch.Tensor:
-        """x (codes * scale)^T + bias for an int8 weight with per-output-channel scales (engine/model/quant.py);
-        here by F.linear on the weight dequantised to x's dtype."""
-        from engine.model.quant import linear_int8
-
-        return linear_int8(x, codes, scale, bias)
-
-    def linear_int4(self, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
-                    bias: torch.Tensor | None) -> torch.Tensor:
-        """x W^T + bias for an int4 weight (engine/model/quant.py: pack_int4's codes, fp16 scales and offsets
-        [2, G, N]); here by F.linear on chunks of the weight dequantised to x's dtype."""
-        from engine.model.quant import linear_int4
-
-        return linear_int4(x, packed, scales, bias)
-
-    def lm_head(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
-                packed: torch.Tensor | None = None) -> torch.Tensor:
-        """The LM head's product x W^T [B, V] in fp32 (a float weight, or int8 / int4 with `scale`; `packed`: its
-        copy made by `prepare`). Rounded to bf16, close logits tie (the steps are 0.125 between 16 and 32) and the
-        argmax picks the lower id. Here by F.linear in fp32 on chunks of the weight widened to fp32."""
-        from engine.model.quant import linear_fp32
-
-        return linear_fp32(x, weight, scale)
-
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """gate_up [T, 2I] (gate | up) -> silu(gate) * up [T, I]."""
-        gate, up = gate_up.chunk(2, dim=-1)
-        return torch.nn.functional.silu(gate) * up
-
-    @abstractmethod
     def row_argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """[B, V] -> [B] int64, logits.max(dim=-1).indices."""
 
@@ -92,12 +131,13 @@ class Backend(ABC):
                         scale: float) -> torch.Tensor | None:
         return None
 
-    def decode_layers(self, model: LlamaModel, x: torch.Tensor, rope: Rope, meta: AttentionMetadata,
-                      kv_caches: list) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """A decode-only step's layers in one call -> (last layer's output, residual stream)."""
+    def decode_layers(self, stack: object | None, x: torch.Tensor, rope: Rope, meta: AttentionMetadata,
+                      kv_caches: list, window: int | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A decode-only step's layers on `stack` (from `decode_stack`; None: declined) in one call -> (last layer's
+        output, residual stream). `window`: the layers' sliding window, where they have one."""
         return None
 
-    def greedy_tokens(self, model: LlamaModel, hidden: torch.Tensor) -> torch.Tensor | None:
+    def greedy_tokens(self, hidden: torch.Tensor, head: Weight) -> torch.Tensor | None:
         """Each row's argmax of the LM head's product, without the [B, V] logits."""
         return None
 

@@ -6,22 +6,21 @@ the format of a layer's pages) choose among the paths, in `linear`, `decode_atte
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from engine.backends.base import Rope
+from engine.backends import weight_ops
+from engine.backends.base import Rope, StackLayer, StackShape
 from engine.backends.cpu_config import CpuKernelConfig
 from engine.backends.torch_ops import TorchBackend, split_heads
+from engine.backends.weight_ops import Weight
 from engine.kernels import cpu_ext, packed_linear
 from engine.kv.formats import QuantizedPages
-from engine.model import quant
 
 if TYPE_CHECKING:
     from engine.backends.attention import AttentionMetadata
-    from engine.config import ModelConfig
-    from engine.model.llama import LlamaModel
 
 
 class CpuKernelBackend(TorchBackend):
@@ -41,7 +40,6 @@ class CpuKernelBackend(TorchBackend):
         self.max_tiled_rows = config.engine_max_tiled_rows(self.engine)
         # the W8A8 kernel only where VNNI was built in (its scalar loop is slower than the int8 kernel's)
         self.max_w8a8_rows = min(config.max_w8a8_rows, config.max_int8_rows) if cpu_ext.w8a8_vnni() else 0
-        self.w8a8_packed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(codes) -> (codes, pack_w8a8)
         self.max_w4a8_rows = config.max_w4a8_rows if cpu_ext.w4a8_vnni() else 0  # its scalar loop is for tests
         self.max_int4_rows = config.max_int4_rows if cpu_ext.int4_vectorized() else 0  # likewise
         # the C++ stack runs the packed products on the first engine ("auto"), as the Python layers do by default
@@ -50,24 +48,23 @@ class CpuKernelBackend(TorchBackend):
 
     # ---- prepare: the packed copies and the decode stack, once per model ----------------------------------
 
-    def prepare(self, model: LlamaModel) -> None:
-        if model.dtype != torch.bfloat16:
-            raise ValueError(f"the CPU kernels take bf16 models, not {model.dtype}")
-        model.clear_prepared()
-        for layer in model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            mlp.gate_up_silu = self.pack_gate_up(mlp.gate_up_proj.weight) if mlp.act == "silu" else None
-            # a gate|up product with the fused copy packs none of its own: 2+ rows take that copy, one row the GEMV
-            unfused = (mlp.gate_up_proj,) if mlp.gate_up_silu is None else ()
-            for proj in (attn.qkv_proj, attn.o_proj, mlp.down_proj) + unfused:
-                proj.packed = self.pack(proj.weight)
-        model.lm_packed = self.pack(model.lm_weight())
-        self.w8a8_packed = {}
-        if self.max_w8a8_rows:
-            for module in quant.quantized_modules(model):
-                if module.weight.dtype == torch.int8:
-                    self.w8a8_packed[id(module.weight)] = (module.weight, quant.pack_w8a8(module.weight))
-        model.stack = self._build_stack(model) if self.stacks and stack_takes(model.cfg) else None
+    def check_dtype(self, dtype: torch.dtype) -> None:
+        if dtype != torch.bfloat16:
+            raise ValueError(f"the CPU kernels take bf16 models, not {dtype}")
+
+    def prepare_linear(self, data: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor | None) -> Weight:
+        """A bf16 weight with its packed copy; int8 codes with their W8A8 copy where that kernel runs (an int4
+        weight is the kernel's layout itself)."""
+        if scale is None:
+            return Weight(data, bias=bias, packed=self.pack(data))
+        w8a8 = data.dtype == torch.int8 and self.max_w8a8_rows > 0
+        return Weight(data, bias=bias, scale=scale, packed=weight_ops.pack_w8a8(data) if w8a8 else None)
+
+    def prepare_gate_up(self, data: torch.Tensor, scale: torch.Tensor | None) -> Weight:
+        """The interleaved copy for the fused product where it packs, and then no packed copy of its own: 2+ rows
+        take the fused copy, one row the GEMV."""
+        fused = self.pack_gate_up(data) if scale is None else None
+        return self.prepare_linear(data, None, scale) if fused is None else Weight(data, silu_fused=fused)
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor | None:
         """weight [N, K] bf16 -> its packed copy (16x16-pair blocks: 4-D; oneDNN's: 2-D), or None."""
@@ -81,26 +78,15 @@ class CpuKernelBackend(TorchBackend):
         """The MLP's gate|up weight -> its interleaved blocks for the fused product, or None (not fused here)."""
         return packed_linear.pack_gate_up(weight) if self.fused_gate_up else None
 
-    def _build_stack(self, model: LlamaModel) -> object:
-        c = model.cfg
-        stack = cpu_ext.decode_stack(c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps,
-                                     model.layers[0].self_attn.scale)
-        for layer in model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            stack.add_layer(layer.input_layernorm.weight, self._projection(attn.qkv_proj),
-                            self._projection(attn.o_proj), layer.post_attention_layernorm.weight,
-                            self._projection(mlp.gate_up_proj), self._projection(mlp.down_proj), mlp.gate_up_silu, _norm_weight(attn.q_norm),
-                            _norm_weight(attn.k_norm))
+    def decode_stack(self, layers: Sequence[StackLayer], shape: StackShape) -> object | None:
+        if not self.stacks:
+            return None
+        stack = cpu_ext.decode_stack(shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.eps, shape.scale)
+        for layer in layers:
+            stack.add_layer(layer.input_norm, _projection(layer.qkv), _projection(layer.o), layer.post_attention_norm,
+                            _projection(layer.gate_up), _projection(layer.down), layer.gate_up.silu_fused,
+                            layer.q_norm, layer.k_norm)
         return stack
-
-    def _projection(self, linear: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None,
-                                                            torch.Tensor | None]:
-        """A Linear's tensors as decode_stack.cpp takes them; an int8 weight's packed copy is its W8A8 copy (an int4
-        weight is the kernel's layout itself)."""
-        packed = linear.packed
-        if linear.weight_scale is not None:
-            packed = self.w8a8_packed.get(id(linear.weight), (None, None))[1]
-        return linear.weight, linear.bias, packed, linear.weight_scale
 
     # ---- the operations -------------------------------------------------------------------------------------
 
@@ -108,12 +94,11 @@ class CpuKernelBackend(TorchBackend):
         """The most rows a product on this packed copy takes (from 2; one row is the GEMV's)."""
         return self.max_tiled_rows if packed.dim() == 4 else self.config.max_onednn_rows
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-               packed: torch.Tensor | None = None) -> torch.Tensor:
+    def linear_float(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
         """The packed copy for 2..max_packed_rows rows, the streaming GEMV for up to max_gemv_rows (one row where
         a packed copy serves the rest), else F.linear. decode_stack.cpp's project() makes the same choice."""
-        out = self._bf16_kernel(x, weight, bias, packed, fp32_out=False)
-        return F.linear(x, weight, bias) if out is None else out
+        out = self._bf16_kernel(x, w.data, w.bias, w.packed, fp32_out=False)
+        return F.linear(x, w.data, w.bias) if out is None else out
 
     def _bf16_kernel(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                      packed: torch.Tensor | None, fp32_out: bool) -> torch.Tensor | None:
@@ -128,23 +113,21 @@ class CpuKernelBackend(TorchBackend):
             return cpu_ext.linear_bf16(x, weight, bias, fp32_out)
         return None
 
-    def linear_int8(self, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
-                    bias: torch.Tensor | None) -> torch.Tensor:
+    def linear_int8(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
         """The W8A8 kernel (x quantised to int8 per row, int32 sums on VNNI) for up to max_w8a8_rows rows, the
         int8 kernel (weights widened to fp32 in registers) for up to max_int8_rows, else F.linear on the weight
         dequantised to bf16. decode_stack.cpp's project() makes the same choice."""
-        out = self._int8_kernel(x, codes, scale, bias, fp32_out=False)
-        return super().linear_int8(x, codes, scale, bias) if out is None else out
+        out = self._int8_kernel(x, w, w.bias, fp32_out=False)
+        return super().linear_int8(x, w) if out is None else out
 
-    def _int8_kernel(self, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+    def _int8_kernel(self, x: torch.Tensor, w: Weight, bias: torch.Tensor | None,
                      fp32_out: bool) -> torch.Tensor | None:
         rows = x.shape[0]
         if rows > self.config.max_int8_rows or x.dtype != torch.bfloat16:
             return None
-        packed = self.w8a8_packed.get(id(codes))
-        if packed is not None and packed[0] is codes and rows <= self.max_w8a8_rows:
-            return cpu_ext.linear_w8a8(x, packed[1], scale, bias, fp32_out)
-        return cpu_ext.linear_int8(x, codes, scale, bias, fp32_out)
+        if w.packed is not None and rows <= self.max_w8a8_rows:
+            return cpu_ext.linear_w8a8(x, w.packed, w.scale, bias, fp32_out)
+        return cpu_ext.linear_int8(x, w.data, w.scale, bias, fp32_out)
 
     def _int4_kernel(self, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
                      fp32_out: bool) -> torch.Tensor | None:
@@ -156,34 +139,29 @@ class CpuKernelBackend(TorchBackend):
             return cpu_ext.linear_int4(x, packed, scales, bias, fp32_out)
         return None
 
-    def lm_head(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
-                packed: torch.Tensor | None = None) -> torch.Tensor:
-        """The kernel that linear / linear_int8 / linear_int4 would choose, keeping its fp32 sums; else the base's
-        fp32 F.linear."""
-        if scale is None:
-            out = self._bf16_kernel(x, weight, None, packed, fp32_out=True) if x.dtype == torch.bfloat16 else None
-        elif quant.is_int4(weight):
-            out = self._int4_kernel(x, weight, scale, None, fp32_out=True)
+    def lm_head(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
+        """The kernel that linear_float / linear_int8 / linear_int4 would choose, keeping its fp32 sums; else the
+        base's fp32 F.linear."""
+        if w.scale is None:
+            out = self._bf16_kernel(x, w.data, None, w.packed, fp32_out=True) if x.dtype == torch.bfloat16 else None
+        elif weight_ops.is_int4(w.data):
+            out = self._int4_kernel(x, w.data, w.scale, None, fp32_out=True)
         else:
-            out = self._int8_kernel(x, weight, scale, None, fp32_out=True)
-        return super().lm_head(x, weight, scale, packed) if out is None else out
+            out = self._int8_kernel(x, w, None, fp32_out=True)
+        return super().lm_head(x, w) if out is None else out
 
-    def linear_int4(self, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
-                    bias: torch.Tensor | None) -> torch.Tensor:
+    def linear_int4(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
         """The W4A8 kernel for up to max_w4a8_rows rows, the weight-only kernel for up to max_int4_rows, else
         F.linear on chunks of the weight dequantised to bf16 by the kernel's dequantize_int4. decode_stack.cpp's
         project() makes the same choice."""
         if x.dtype != torch.bfloat16:
-            return super().linear_int4(x, packed, scales, bias)
-        out = self._int4_kernel(x, packed, scales, bias, fp32_out=False)
+            return super().linear_int4(x, w)
+        out = self._int4_kernel(x, w.data, w.scale, w.bias, fp32_out=False)
         if out is not None:
             return out
         k = x.shape[-1]
-        return quant.linear_int4(x, packed, scales, bias,
-                                 lambda begin, end: cpu_ext.dequantize_int4(packed, scales, k, begin, end))
-
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        return cpu_ext.silu_mul(gate_up) if self.elementwise else super().silu_mul(gate_up)
+        return weight_ops.linear_int4(x, w.data, w.scale, w.bias,
+                                      lambda begin, end: cpu_ext.dequantize_int4(w.data, w.scale, k, begin, end))
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return cpu_ext.rms_norm(x, weight, eps)[0] if self.elementwise else super().rms_norm(x, weight, eps)
@@ -201,11 +179,10 @@ class CpuKernelBackend(TorchBackend):
         cpu_ext.rotary_(qkv, *rope, num_heads + num_kv_heads, head_dim)  # the q and k heads, in place
         return split_heads(qkv, num_heads, num_kv_heads, head_dim)
 
-    def gate_up_silu(self, x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
-                     fused: torch.Tensor | None) -> torch.Tensor:
-        if fused is not None and x.shape[0] >= 2:  # one row: the GEMV on the plain weight
-            return cpu_ext.tiled_linear_silu_mul(x, fused, self.engine)
-        gate_up = self.linear(x, weight, None, packed)
+    def gate_up_silu(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
+        if w.silu_fused is not None and x.shape[0] >= 2:  # one row: the GEMV on the plain weight
+            return cpu_ext.tiled_linear_silu_mul(x, w.silu_fused, self.engine)
+        gate_up = self.linear(x, w)
         if self.elementwise:
             return cpu_ext.silu_mul(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
@@ -240,28 +217,28 @@ class CpuKernelBackend(TorchBackend):
             return None
         return cpu_ext.prompt_attention(q, k, v, count, scale, self.engine)
 
-    def decode_layers(self, model: LlamaModel, x: torch.Tensor, rope: Rope, meta: AttentionMetadata,
-                      kv_caches: list) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def decode_layers(self, stack: object | None, x: torch.Tensor, rope: Rope, meta: AttentionMetadata,
+                      kv_caches: list, window: int | None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The C++ stack where it computes exactly what the layers would: a decode-only step (one token a row, all
-        in the attention kernel's group) on plain bf16 pages (no quantised or tiered caches) in every layer."""
-        window = model.cfg.sliding_window if model.cfg.windowed else None
-        if (model.stack is None or not kv_caches or not meta.use_kernels or meta.prefills
+        in the attention kernel's group) on plain bf16 pages (no quantised or tiered caches) in every layer, every
+        context within the window."""
+        if (stack is None or not kv_caches or not meta.use_kernels or meta.prefills
                 or not 0 < meta.num_decode == x.shape[0] or meta.num_decode_seqs > self.config.max_attention_seqs
                 or (window is not None and meta.max_decode_context > window)
                 or not all(_plain_bf16_pages(k) and _plain_bf16_pages(v) for k, v in kv_caches)):
             return None
-        x, residual = model.stack.forward(x, *rope, meta.slot_mapping, meta.decode_block_tables,
-                                          meta.decode_context_lens, kv_caches, self.config.max_gemv_rows,
-                                          self.config.max_onednn_rows, self.max_tiled_rows,
-                                          self.config.max_int8_rows, self.max_w8a8_rows, self.max_w4a8_rows,
-                                          self.max_int4_rows)
+        x, residual = stack.forward(x, *rope, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens,
+                                    kv_caches, self.config.max_gemv_rows, self.config.max_onednn_rows,
+                                    self.max_tiled_rows, self.config.max_int8_rows, self.max_w8a8_rows,
+                                    self.max_w4a8_rows, self.max_int4_rows)
         return x, residual
 
-    def greedy_tokens(self, model: LlamaModel, hidden: torch.Tensor) -> torch.Tensor | None:
-        """The argmax as the packed LM head's results come out, where the head is packed in blocks and the row
+    def greedy_tokens(self, hidden: torch.Tensor, head: Weight) -> torch.Tensor | None:
+        """The argmax as the packed LM head's results come out, where the head is bf16 packed in blocks and the row
         count within their limit."""
-        packed = model.lm_packed
-        if packed is None or packed.dim() != 4 or not 2 <= hidden.shape[0] <= self.max_tiled_rows:
+        packed = head.packed
+        if (head.scale is not None or packed is None or packed.dim() != 4
+                or not 2 <= hidden.shape[0] <= self.max_tiled_rows):
             return None
         return cpu_ext.tiled_linear_argmax(hidden, packed, self.engine)
 
@@ -283,13 +260,6 @@ class CpuKernelBackend(TorchBackend):
         return [name for name, used in on.items() if used]
 
 
-def stack_takes(cfg: ModelConfig) -> bool:
-    """Whether the C++ decode stack computes this model's layers: Llama's layer (SiLU MLP, one RoPE, uncapped
-    scores). A sliding window it takes only while every context lies within it (decode_layers checks)."""
-    return (not cfg.sandwich_norms and cfg.hidden_act == "silu" and cfg.attn_logit_softcap is None
-            and cfg.rope_local_theta is None)
-
-
 def _matrix_engine(asked: str, engines: tuple[str, ...]) -> str | None:
     """The engine of the products on packed blocks: the one asked for, or the fastest here for "auto"."""
     if asked == "auto":
@@ -299,8 +269,9 @@ def _matrix_engine(asked: str, engines: tuple[str, ...]) -> str | None:
     return asked
 
 
-def _norm_weight(norm: torch.nn.Module | None) -> torch.Tensor | None:
-    return None if norm is None else norm.weight
+def _projection(w: Weight) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """A Weight's tensors as decode_stack.cpp takes them: an int8 weight's packed copy is its W8A8 copy."""
+    return w.data, w.bias, w.packed, w.scale
 
 
 def _plain_bf16_pages(cache: object) -> bool:

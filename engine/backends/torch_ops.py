@@ -1,16 +1,13 @@
 """Plain torch ops: --enforce-eager, dtypes without kernels (fp32, fp16) and devices other than the CPU."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from engine.backends.base import Backend, Rope
-from engine.model.rope import apply_rotary
-
-if TYPE_CHECKING:
-    from engine.model.llama import LlamaModel
+from engine.backends.weight_ops import Weight
 
 
 class TorchBackend(Backend):
@@ -19,12 +16,8 @@ class TorchBackend(Backend):
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
 
-    def prepare(self, model: LlamaModel) -> None:
-        model.clear_prepared()
-
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-               packed: torch.Tensor | None = None) -> torch.Tensor:
-        return F.linear(x, weight, bias)
+    def linear_float(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
+        return F.linear(x, w.data, w.bias)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         x32 = x.float()
@@ -41,9 +34,8 @@ class TorchBackend(Backend):
         q, k, v = split_heads(qkv, num_heads, num_kv_heads, head_dim)
         return apply_rotary(q, *rope), apply_rotary(k, *rope), v
 
-    def gate_up_silu(self, x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
-                     fused: torch.Tensor | None) -> torch.Tensor:
-        gate, up = self.linear(x, weight, None, packed).chunk(2, dim=-1)
+    def gate_up_silu(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
+        gate, up = self.linear(x, w).chunk(2, dim=-1)
         return F.silu(gate) * up
 
     def row_argmax(self, logits: torch.Tensor) -> torch.Tensor:
@@ -59,3 +51,9 @@ def split_heads(qkv: torch.Tensor, num_heads: int, num_kv_heads: int,
     """The fused q|k|v output [T, *] -> views q [T, Hq, D], k and v [T, Hkv, D]."""
     q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
     return q.view(-1, num_heads, head_dim), k.view(-1, num_kv_heads, head_dim), v.view(-1, num_kv_heads, head_dim)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] rotated pairwise in the half-split layout (x[..., :D/2] pairs with x[..., D/2:])."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -111,7 +111,7 @@ torch::Tensor project(const Projection& p, const torch::Tensor& x, const RowLimi
 struct Layer {
   torch::Tensor input_norm, post_norm;  // RMSNorm weights [hidden]
   Projection qkv, o, gate_up, down;
-  std::optional<torch::Tensor> gate_up_silu;  // MLP.gate_up_silu: gate|up interleaved in packed blocks, or None
+  std::optional<torch::Tensor> gate_up_silu;  // Weight.silu_fused: gate|up interleaved in packed blocks, or None
   std::optional<torch::Tensor> q_norm, k_norm;  // Attention.q_norm / k_norm weights [head_dim] (Qwen3), or None
 };
 
@@ -191,7 +191,7 @@ class DecodeStack {
     return project(layer.o, out.view({-1, q_size}), step.limits);
   }
 
-  // Attention._norm_heads: RMSNorm over head_dim of each head in qkv's columns [start, start + size), in place,
+  // Attention._norm_qk (llama.py): RMSNorm over head_dim of each head in qkv's columns [start, start + size), in place,
   // through a contiguous [T * H, D] copy as Python makes it.
   void norm_heads(torch::Tensor& qkv, int64_t start, int64_t size, const torch::Tensor& weight) const {
     torch::Tensor part = qkv.narrow(1, start, size);

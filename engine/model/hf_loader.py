@@ -12,7 +12,7 @@ from engine.config import ModelConfig, RopeScaling
 from engine.model.errors import ModelLoadError
 
 SUPPORTED_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
-                           "gemma2": "gemma2", "gemma3_text": "gemma3"}
+                           "gemma2": "gemma2", "gemma3_text": "gemma3", "olmo2": "olmo2"}
 GEMMA = ("gemma2", "gemma3_text")
 GEMMA_ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 # Gemma's configs give the layer pattern as a period when they list no layer_types: layer i is windowed unless

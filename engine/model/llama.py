@@ -11,58 +11,21 @@ logits; windowed layers with their own RoPE base (Gemma 3).
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.backends import weight_ops
 from engine.backends.attention import AttentionMetadata, paged_attention
-from engine.backends.base import Backend, Rope
+from engine.backends.base import Backend, Rope, StackLayer, StackShape
 from engine.backends.torch_ops import TorchBackend
+from engine.backends.weight_ops import Weight
 from engine.config import ModelConfig
 from engine.model import quant
+from engine.model.layers import Linear, PreparedWeights, RMSNorm, SiluGateUp, prepare_weights
 from engine.model.rope import RotaryEmbedding
-
-
-class Linear(nn.Linear):
-    """nn.Linear whose product the backend runs, on the weight's packed copy where the backend made one; with
-    `weight_scale` the weight is int8 codes with per-output-channel scales, or int4 codes with group scales
-    (engine/model/quant.py)."""
-
-    packed: torch.Tensor | None = None  # the backend's packed copy of the weight (Backend.prepare)
-    # [out_features] fp32 where the weight is int8; [2, groups, out_features] fp16 where it is int4
-    weight_scale: torch.Tensor | None = None
-
-    def forward(self, x: torch.Tensor, backend: Backend) -> torch.Tensor:
-        if self.weight_scale is not None:
-            return quantized_linear(backend, x, self.weight, self.weight_scale, self.bias)
-        return backend.linear(x, self.weight, self.bias, self.packed)
-
-
-def quantized_linear(backend: Backend, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-                     bias: torch.Tensor | None) -> torch.Tensor:
-    """The backend's product on an int8 or int4 weight (quant.is_int4 tells them apart)."""
-    if quant.is_int4(weight):
-        return backend.linear_int4(x, weight, scale, bias)
-    return backend.linear_int8(x, weight, scale, bias)
-
-
-class RMSNorm(nn.Module):
-    """Root-mean-square norm computed in float32, as the reference implementation does."""
-
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor, backend: Backend) -> torch.Tensor:
-        return backend.rms_norm(x, self.weight, self.eps)
-
-    def add_forward(self, x: torch.Tensor, residual: torch.Tensor,
-                    backend: Backend) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(residual + x), residual + x): the residual add, fused into the norm where the backend can."""
-        return backend.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -79,51 +42,45 @@ class Attention(nn.Module):
         self.scale = cfg.attention_scale
 
     def forward(self, x: torch.Tensor, rope: Rope, meta: AttentionMetadata, kv: tuple[torch.Tensor, torch.Tensor],
-                backend: Backend, keep_rows: torch.Tensor | None = None) -> torch.Tensor:
+                prepared: PreparedWeights, keep_rows: torch.Tensor | None = None) -> torch.Tensor:
         """-> [T, hidden], or [len(keep_rows), hidden]: the output projection of those rows only (every row's
         keys and values are written all the same)."""
         c = self.cfg
-        qkv = self.qkv_proj(x, backend)  # [T, q_size + 2 * kv_size]
+        qkv = self.qkv_proj(x, prepared)  # [T, q_size + 2 * kv_size]
         if self.q_norm is not None:
-            self._norm_heads(qkv, backend)
-        q, k, v = backend.rotary(qkv, rope, c.num_heads, c.num_kv_heads, c.head_dim)  # [T, H, hd]
-        out = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale, backend, self.window,
+            self._norm_qk(qkv, prepared)
+        q, k, v = prepared.backend.rotary(qkv, rope, c.num_heads, c.num_kv_heads, c.head_dim)  # [T, H, hd]
+        out = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale, prepared.backend, self.window,
                               self.softcap)  # [T, Hq, hd]
         if keep_rows is not None:
             out = out[keep_rows]  # [K, Hq, hd]
-        return self.o_proj(out.reshape(len(out), c.q_size), backend)
+        return self.o_proj(out.reshape(len(out), c.q_size), prepared)
 
-    def _norm_heads(self, qkv: torch.Tensor, backend: Backend) -> None:
+    def _norm_qk(self, qkv: torch.Tensor, prepared: PreparedWeights) -> None:
         """Normalises each q head and each k head of qkv [T, q_size + 2 * kv_size] over head_dim, in place, so
         that rotary and attention keep reading the fused layout they take."""
         c = self.cfg
         for norm, start, size in ((self.q_norm, 0, c.q_size), (self.k_norm, c.q_size, c.kv_size)):
             part = qkv[:, start:start + size]  # [T, H * hd], rows strided by the fused width
             heads = part.reshape(-1, c.head_dim)  # [T * H, hd], a contiguous copy
-            part.copy_(norm(heads, backend).view(part.shape))
+            part.copy_(norm(heads, prepared).view(part.shape))
 
 
 class MLP(nn.Module):
-    # gate|up packed with its blocks interleaved for the fused product (Backend.prepare); gate_up_proj then
-    # keeps no packed copy of its own
-    gate_up_silu: torch.Tensor | None = None
-
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        gate_up = SiluGateUp if cfg.hidden_act == "silu" else Linear  # SiluGateUp: silu(gate) * up [T, I]
+        self.gate_up_proj = gate_up(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.act = cfg.hidden_act
 
-    def forward(self, x: torch.Tensor, backend: Backend) -> torch.Tensor:
-        gate_up = self.gate_up_proj
+    def forward(self, x: torch.Tensor, prepared: PreparedWeights) -> torch.Tensor:
         if self.act == "gelu_tanh":  # GeGLU: gelu_tanh(gate) * up [T, I]
-            gate, up = gate_up(x, backend).chunk(2, dim=-1)
+            gate, up = self.gate_up_proj(x, prepared).chunk(2, dim=-1)
             h = F.gelu(gate, approximate="tanh") * up
-        elif gate_up.weight_scale is not None:  # int8 or int4: no packed or fused copy
-            h = backend.silu_mul(gate_up(x, backend))
         else:
-            h = backend.gate_up_silu(x, gate_up.weight, gate_up.packed, self.gate_up_silu)  # silu(gate) * up [T, I]
-        return self.down_proj(h, backend)
+            h = self.gate_up_proj(x, prepared)
+        return self.down_proj(h, prepared)
 
 
 class DecoderLayer(nn.Module):
@@ -135,20 +92,20 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope, meta: AttentionMetadata,
-                kv: tuple[torch.Tensor, torch.Tensor], backend: Backend,
+                kv: tuple[torch.Tensor, torch.Tensor], prepared: PreparedWeights,
                 keep_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's output, not yet added to the residual stream (None before the first layer)
         -> this layer's output and the stream: each add happens inside the norm that follows it. With
         `keep_rows`, everything after attention runs on those rows only (they are all a last layer must give)."""
         if residual is None:
-            h, residual = self.input_layernorm(x, backend), x
+            h, residual = self.input_layernorm(x, prepared), x
         else:
-            h, residual = self.input_layernorm.add_forward(x, residual, backend)
-        h = self.self_attn(h, rope, meta, kv, backend, keep_rows)
+            h, residual = self.input_layernorm.add_forward(x, residual, prepared)
+        h = self.self_attn(h, rope, meta, kv, prepared, keep_rows)
         if keep_rows is not None:
             residual = residual[keep_rows]
-        h, residual = self.post_attention_layernorm.add_forward(h, residual, backend)
-        return self.mlp(h, backend), residual
+        h, residual = self.post_attention_layernorm.add_forward(h, residual, prepared)
+        return self.mlp(h, prepared), residual
 
 
 class GemmaDecoderLayer(nn.Module):
@@ -165,18 +122,18 @@ class GemmaDecoderLayer(nn.Module):
         self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope, meta: AttentionMetadata,
-                kv: tuple[torch.Tensor, torch.Tensor], backend: Backend,
+                kv: tuple[torch.Tensor, torch.Tensor], prepared: PreparedWeights,
                 keep_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """As DecoderLayer.forward: x is the previous layer's normalised MLP output, not yet added."""
         if residual is None:
-            h, residual = self.input_layernorm(x, backend), x
+            h, residual = self.input_layernorm(x, prepared), x
         else:
-            h, residual = self.input_layernorm.add_forward(x, residual, backend)
-        h = self.post_attention_layernorm(self.self_attn(h, rope, meta, kv, backend, keep_rows), backend)
+            h, residual = self.input_layernorm.add_forward(x, residual, prepared)
+        h = self.post_attention_layernorm(self.self_attn(h, rope, meta, kv, prepared, keep_rows), prepared)
         if keep_rows is not None:
             residual = residual[keep_rows]
-        h, residual = self.pre_feedforward_layernorm.add_forward(h, residual, backend)
-        return self.post_feedforward_layernorm(self.mlp(h, backend), backend), residual
+        h, residual = self.pre_feedforward_layernorm.add_forward(h, residual, prepared)
+        return self.post_feedforward_layernorm(self.mlp(h, prepared), prepared), residual
 
 
 class LlamaModel(nn.Module):
@@ -194,16 +151,17 @@ class LlamaModel(nn.Module):
         # (about 1.5 s of every actor start).
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
-        layer_class = GemmaDecoderLayer if cfg.sandwich_norms else DecoderLayer
-        self.layers = nn.ModuleList(layer_class(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(self.decoder_layer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.backend: Backend = TorchBackend(device)  # see set_backend
-        self.lm_packed: torch.Tensor | None = None  # the backend's packed copy of the LM head
-        self.stack: object | None = None  # the backend's decode stack: the layers as one call (decode-only steps)
+        self.prepared: PreparedWeights | None = None  # the weights in the backend's layout (set_backend)
         # Called with a layer's index once its KV is in the cache, in the layer-by-layer path only (a prefill
         # actor streams that layer's pages to another host while the next one computes).
         self.layer_hook: Callable[[int], None] | None = None
+
+    def decoder_layer(self, cfg: ModelConfig, layer: int) -> nn.Module:
+        """Layer `layer` of the stack; an architecture whose layers differ overrides this (engine/model/olmo2.py)."""
+        return GemmaDecoderLayer(cfg, layer) if cfg.sandwich_norms else DecoderLayer(cfg, layer)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], num_layers: int | None = None,
@@ -217,13 +175,15 @@ class LlamaModel(nn.Module):
         (Backend.decode_layers), to the same bits. `layer_metas`: per layer, its own metadata (KV-cache groups,
         engine/kv/groups.py: each group's block tables differ), instead of `meta` for every layer; the layers
         then run one by one."""
+        prepared = self.prepared
         x = self.embed(input_ids)
         if self.cfg.scale_embeddings:  # the scale rounded to the weights' dtype first, as transformers does
             x = x * torch.tensor(self.cfg.hidden_size ** 0.5, dtype=x.dtype)
         rope = self.rope.lookup(positions, x.dtype)
         local = rope if self.local_rope is None else self.local_rope.lookup(positions, x.dtype)
         kv_caches = kv_caches[:len(self.layers) if num_layers is None else num_layers]
-        stacked = None if layer_metas is not None else self.backend.decode_layers(self, x, rope, meta, kv_caches)
+        window = self.cfg.sliding_window if self.cfg.windowed else None
+        stacked = None if layer_metas is not None else prepared.decode_layers(x, rope, meta, kv_caches, window)
         if stacked is not None:
             x, residual = stacked
             if keep_rows is not None:
@@ -234,15 +194,15 @@ class LlamaModel(nn.Module):
             for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
                 layer_rope = rope if layer.self_attn.window is None else local
                 layer_meta = meta if layer_metas is None else layer_metas[i]
-                x, residual = layer(x, residual, layer_rope, layer_meta, kv, self.backend,
+                x, residual = layer(x, residual, layer_rope, layer_meta, kv, prepared,
                                     keep_rows if i == last else None)
                 if self.layer_hook is not None:
                     self.layer_hook(i)
-        return self.norm.add_forward(x, residual, self.backend)[0]
+        return self.norm.add_forward(x, residual, prepared)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [B, hidden] -> logits [B, vocab] in float32 (Backend.lm_head), soft-capped where the model is."""
-        logits = self.backend.lm_head(hidden, self.lm_weight(), self.lm_scale(), self.lm_packed)
+        logits = self.prepared.lm_head(hidden)
         cap = self.cfg.final_logit_softcap
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
@@ -254,23 +214,24 @@ class LlamaModel(nn.Module):
         logits (tanh may tie what the raw logits order)."""
         if self.cfg.final_logit_softcap is not None:
             return None
-        return self.backend.greedy_tokens(self, hidden)
+        return self.prepared.greedy_tokens(hidden)
 
-    def lm_weight(self) -> torch.Tensor:
-        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+    def head_module(self) -> nn.Module:
+        """The LM head's module: the embedding table where they are tied."""
+        return self.embed_tokens if self.lm_head is None else self.lm_head
 
     def lm_scale(self) -> torch.Tensor | None:
         """The LM head's scales where its weight is int8 or int4, else None."""
-        return getattr(self.embed_tokens if self.lm_head is None else self.lm_head, "weight_scale", None)
+        return getattr(self.head_module(), "weight_scale", None)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [T] -> embeddings [T, hidden] in the model's dtype (dequantised rows of a quantised table)."""
         scale = getattr(self.embed_tokens, "weight_scale", None)
         if scale is None:
             return self.embed_tokens(input_ids)
-        if quant.is_int4(self.embed_tokens.weight):
-            return quant.embed_int4(self.embed_tokens.weight, scale, input_ids, self.cfg.hidden_size, self.dtype)
-        return quant.embed_int8(self.embed_tokens.weight, scale, input_ids, self.dtype)
+        if weight_ops.is_int4(self.embed_tokens.weight):
+            return weight_ops.embed_int4(self.embed_tokens.weight, scale, input_ids, self.cfg.hidden_size, self.dtype)
+        return weight_ops.embed_int8(self.embed_tokens.weight, scale, input_ids, self.dtype)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -283,24 +244,35 @@ class LlamaModel(nn.Module):
         name."""
         proj = self.layers[0].self_attn.qkv_proj if len(self.layers) else None
         if proj is not None and proj.weight_scale is not None:
-            return "int4" if quant.is_int4(proj.weight) else "int8"
+            return "int4" if weight_ops.is_int4(proj.weight) else "int8"
         return str(self.dtype).removeprefix("torch.")
+
+    @property
+    def backend(self) -> Backend:
+        return self.prepared.backend
 
     def set_backend(self, backend: Backend) -> None:
         """Run on `backend` from now on; it prepares what it needs of the weights now (packed copies, the decode
-        stack), so call this after the weights are loaded."""
-        backend.prepare(self)
-        self.backend = backend
+        stack; engine/model/layers.py prepare_weights), so call this after the weights are loaded. The copies an
+        earlier backend made are dropped first."""
+        self.prepared = None
+        self.prepared = prepare_weights(self, backend)
 
-    def clear_prepared(self) -> None:
-        """Drop every copy a backend made of the weights."""
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.packed = None
-            if isinstance(module, MLP):
-                module.gate_up_silu = None
-        self.lm_packed = None
-        self.stack = None
+    def decode_stack_spec(self, linears: Mapping[nn.Module, Weight]) -> tuple[list[StackLayer], StackShape] | None:
+        """The layers as a fused decode step computes them: Llama's layer (SiLU MLP, one RoPE, uncapped scores); a
+        sliding window only while every context lies within it (Backend.decode_layers checks)."""
+        c = self.cfg
+        if (c.sandwich_norms or c.hidden_act != "silu" or c.attn_logit_softcap is not None
+                or c.rope_local_theta is not None):
+            return None
+        layers = []
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            layers.append(StackLayer(layer.input_layernorm.weight, linears[attn.qkv_proj], linears[attn.o_proj],
+                                     layer.post_attention_layernorm.weight, linears[mlp.gate_up_proj],
+                                     linears[mlp.down_proj], _norm_weight(attn.q_norm), _norm_weight(attn.k_norm)))
+        shape = StackShape(c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps, c.attention_scale)
+        return layers, shape
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -318,7 +290,7 @@ class LlamaModel(nn.Module):
             if self.cfg.norm_weight_offset and target.endswith("norm.weight"):  # Gemma's (1 + w), in float32
                 # in place on the float copy: out of place, a meta tensor (check_model) imports torch._dynamo
                 tensor = tensor.to(torch.float32, copy=True).add_(self.cfg.norm_weight_offset)
-            if target in scales and quant.is_int4(params[target]):
+            if target in scales and weight_ops.is_int4(params[target]):
                 quant.store_int4(params[target], scales[target], offset, tensor)
             elif target in scales:
                 codes, scale = quant.quantize_rows(tensor)
@@ -350,20 +322,28 @@ class LlamaModel(nn.Module):
 
 
 def build_model(cfg: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype,
-                device: torch.device | str = "cpu", weight_dtype: str | quant.WeightChoice = "bfloat16") -> LlamaModel:
+                device: torch.device | str = "cpu", weight_dtype: str | quant.WeightChoice = "bfloat16",
+                model_class: type[LlamaModel] | None = None) -> LlamaModel:
     """Allocate the model uninitialised (meta device), then fill it from the checkpoint in `dtype`; with
     weight_dtype "int8" or "int4" the projections and LM head are quantised as they load (engine/model/quant.py),
     or as a WeightChoice names for each ("auto" here is bfloat16: the loader resolves it from the file first,
-    quant.choose_weight_dtype)."""
+    quant.choose_weight_dtype). `model_class`: the architecture's (engine/model/loader.py model_class), LlamaModel
+    where None."""
     with torch.device("meta"):
-        model = LlamaModel(cfg, device)
+        model = (model_class or LlamaModel)(cfg, device)
     if isinstance(weight_dtype, str):
         chosen = quant.resolve_weight_dtype(weight_dtype)
         weight_dtype = quant.WeightChoice(chosen, chosen)
     quant.apply_layout(model, weight_dtype, device)
     _materialise(model, dtype, device)
     model.load_weights(weights)
-    return model.eval().requires_grad_(False)
+    model.eval().requires_grad_(False)
+    model.set_backend(TorchBackend(device))
+    return model
+
+
+def _norm_weight(norm: RMSNorm | None) -> torch.Tensor | None:
+    return None if norm is None else norm.weight
 
 
 def _materialise(model: nn.Module, dtype: torch.dtype, device: torch.device | str) -> None:

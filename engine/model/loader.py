@@ -16,11 +16,18 @@ from engine.model.errors import ModelLoadError
 from engine.model.gguf_loader import default_model_path, read_gguf_lazily
 from engine.model.hf_loader import hf_weight_shapes, iter_hf_weights, read_hf_config
 from engine.model.llama import LlamaModel, build_model
+from engine.model.olmo2 import Olmo2Model
 from engine.model.quant import choose_weight_dtype
 from engine.model.tokenizer import Tokenizer
 
 DTYPE_NAMES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # what huggingface_hub accepts as "org/name"
+# ModelConfig.architecture -> its model class, where that is not LlamaModel (the Llama family and Gemma 2/3)
+MODEL_CLASSES: Mapping[str, type[LlamaModel]] = {"olmo2": Olmo2Model}
+
+
+def model_class(config: ModelConfig) -> type[LlamaModel]:
+    return MODEL_CLASSES.get(config.architecture, LlamaModel)
 
 
 @dataclass(frozen=True)
@@ -105,7 +112,7 @@ def check_model(source: ModelSource) -> None:
     """Fits the checkpoint's tensor names and shapes into the model its config describes, on the meta device:
     the same checks as loading, without reading or allocating any weights. ModelLoadError when they do not fit."""
     with torch.device("meta"):
-        model = LlamaModel(source.config, "meta")
+        model = model_class(source.config)(source.config, "meta")
         tensors = [(name, torch.empty(shape)) for name, shape in source.shapes().items()]
     try:
         model.load_weights(tensors)
@@ -131,4 +138,4 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device | s
     check_model(source)  # before any memory is allocated: a mismatch fails with one sentence
     choice = choose_weight_dtype(weight_dtype, source.types, source.shapes() if source.types else {}, dtype,
                                  source.config.tie_word_embeddings)
-    return build_model(source.config, source.weights(), dtype, device, choice)
+    return build_model(source.config, source.weights(), dtype, device, choice, model_class(source.config))

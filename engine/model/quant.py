@@ -1,48 +1,37 @@
-"""Quantised weights: int8 with one scale per output channel (`--weight-dtype int8`), int4 with a scale and an
-offset per group of 32 along K (`--weight-dtype int4`), and `auto`'s choice between them for a GGUF file.
+"""Quantising a model's weights as they load: int8 with one scale per output channel (`--weight-dtype int8`), int4
+with a scale and an offset per group of 32 along K (`--weight-dtype int4`), and `auto`'s choice between them for a
+GGUF file. The formats themselves, and the products on them, are the backend's (engine/backends/weight_ops.py).
 
-int8:
-
-A weight W [N, K] is kept as codes Q [N, K] int8 and scales s [N] fp32 with s[n] = max_k |W[n, k]| / 127 and
+int8: a weight W [N, K] is kept as codes Q [N, K] int8 and scales s [N] fp32 with s[n] = max_k |W[n, k]| / 127 and
 Q = round(W / s) (symmetric, codes in -127..127), computed at load from the checkpoint's own tensors (the GGUF
 loader's fp32 dequantisation, or a folder's bf16/fp32) row by row, so no bf16 copy of the weight is ever made.
-What is quantised: each decoder layer's fused q|k|v, o, fused gate|up and down projections, and the LM head; with
-tied embeddings the embedding table is the LM head's tensor, so its lookups dequantise the rows they read.
-
-A product reads Q and applies s to its fp32 sums: x W^T ~ (x Q^T) * s. The CPU kernels (engine/kernels/
-int8_linear.cpp) do that for decode-sized row counts: on AVX-512 VNNI against x quantised to int8 in groups of
-32 (`W8A8_GROUP`), on the copy of Q `pack_w8a8` makes once per model; elsewhere on Q widened to fp32. Larger row
-counts (and every other backend) dequantise Q * s to the activations' dtype and run F.linear (`dequantize`,
-`linear_int8`).
+What is quantised: each decoder layer's projections (every `Linear`, engine/model/layers.py) and the LM head;
+with tied embeddings the embedding table is the LM head's tensor, so its lookups dequantise the rows they read.
 
 int4: a weight W [N, K] is kept as codes q in 0..15, two per byte, and per group of 32 consecutive k an fp16 scale
 s and offset z, W ~ s * q + z (asymmetric: z one end of the group's range, s its range / 15 or a little more;
 `quantize_int4`). Groups of 32 with fp16 scales are GGUF's own Q4_0 / Q4_1 blocks (d, m fp16), so their values
 come through exactly (nearly all of Q4_0's), and Q4_K's 32-value sub-blocks nearly so (d * sub-scale rounded to
-fp16): `auto` on such a file adds no second rounding of note. 5 bits a weight (0.625 bytes, Q4_1's size) against int8's 8 and bf16's 16. The codes are stored in the
-decode kernel's layout only (`pack_int4`, engine/kernels/int4_linear.cpp), written row-chunk by row-chunk as
-the checkpoint's tensors arrive; decode-sized products run W4A8 on VNNI (`linear_w4a8`), larger ones and every
-other backend dequantise at most DEQUANT_CHUNK_ROWS rows at a time to bf16 for F.linear (`linear_int4`).
+fp16): `auto` on such a file adds no second rounding of note. 5 bits a weight (0.625 bytes, Q4_1's size) against
+int8's 8 and bf16's 16. The codes are stored in the decode kernel's layout only (`pack_int4`, engine/kernels/
+int4_linear.cpp), written row-chunk by row-chunk as the checkpoint's tensors arrive.
 """
 from __future__ import annotations
 
 import logging
 import math
-from typing import TYPE_CHECKING, Literal, Mapping, NamedTuple
+from typing import Iterator, Literal, Mapping, NamedTuple, Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from engine.backends.weight_ops import INT4_CHANNELS, INT4_GROUP, int4_shapes
 from engine.config import WEIGHT_DTYPES
-
-if TYPE_CHECKING:
-    from engine.model.llama import LlamaModel
+from engine.model.layers import Linear
 
 log = logging.getLogger(__name__)
 
 INT8_MAX = 127
-DEQUANT_CHUNK_ROWS = 8192  # F.linear on at most this many dequantised output channels at once (the LM head's 49k)
 
 
 WeightFormat = Literal["bfloat16", "int8", "int4"]
@@ -125,85 +114,8 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes, scale
 
 
-W8A8_GROUP = 32  # activation codes per scale in the W8A8 kernel (its packed copy pads K to a multiple)
-W8A8_CHANNELS = 16  # output channels per packed block: one int32 lane each
-
-
-def pack_w8a8(codes: torch.Tensor) -> torch.Tensor:
-    """codes [N, K] int8 -> the W8A8 kernel's copy, uint8 [ceil(N / 16), ceil(K / 32) * 8, 16, 4]:
-    packed[b, j, c, t] = codes[16 b + c, 4 j + t] + 128 (0 + 128 past N and K). One 64-byte vector holds 4
-    consecutive k of 16 channels, unsigned as vpdpbusd's first operand must be."""
-    n, k = codes.shape
-    blocks, kp = -(-n // W8A8_CHANNELS), -(-k // W8A8_GROUP) * W8A8_GROUP
-    padded = torch.zeros(blocks * W8A8_CHANNELS, kp, dtype=torch.int16)
-    padded[:n, :k] = codes
-    shifted = (padded + 128).to(torch.uint8)
-    return shifted.view(blocks, W8A8_CHANNELS, kp // 4, 4).permute(0, 2, 1, 3).contiguous()
-
-
-def dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """codes [N, K] int8, scale [N] fp32 -> codes * scale [N, K] in `dtype`, one rounding per element (the
-    codes are exact in bf16). decode_stack.cpp's prefill path computes the same."""
-    return codes.to(dtype).mul_(scale.unsqueeze(1))
-
-
-def linear_int8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-                dequantize_rows=None) -> torch.Tensor:
-    """x [M, K] -> x (codes * scale)^T + bias [M, N] by F.linear on the weight dequantised to x's dtype, at most
-    DEQUANT_CHUNK_ROWS output channels at a time (so that the transient copy stays small). `dequantize_rows(begin,
-    end)` makes a chunk (default: `dequantize` of those rows)."""
-    if dequantize_rows is None:
-        def dequantize_rows(begin: int, end: int) -> torch.Tensor:
-            return dequantize(codes[begin:end], scale[begin:end], x.dtype)
-    return _chunked_linear(x, codes.shape[0], bias, dequantize_rows)
-
-
-def _chunked_linear(x: torch.Tensor, n: int, bias: torch.Tensor | None, dequantize_rows) -> torch.Tensor:
-    """x W^T + bias [M, n] by F.linear on DEQUANT_CHUNK_ROWS output channels of W at a time."""
-    parts = [F.linear(x, dequantize_rows(i, min(n, i + DEQUANT_CHUNK_ROWS)),
-                      None if bias is None else bias[i:i + DEQUANT_CHUNK_ROWS])
-             for i in range(0, n, DEQUANT_CHUNK_ROWS)]
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
-
-
-def linear_fp32(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
-                rows_fp32=None) -> torch.Tensor:
-    """x W^T [M, N] in fp32 for a float weight, or an int8 (scale [N]) or int4 one (scales [2, G, N]): F.linear in
-    fp32 on at most DEQUANT_CHUNK_ROWS output channels widened or dequantised to fp32 at a time, each made by
-    `rows_fp32(begin, end)` (default: weight_rows_fp32's)."""
-    x = x.float()
-    if rows_fp32 is None:
-        rows_fp32 = weight_rows_fp32(weight, scale, x.shape[-1])
-    n = scale.shape[2] if scale is not None and is_int4(weight) else weight.shape[0]
-    return _chunked_linear(x, n, None, rows_fp32)
-
-
-def weight_rows_fp32(weight: torch.Tensor, scale: torch.Tensor | None, k: int):
-    """(begin, end) -> output channels [begin, end) of a float, int8 or int4 weight of K columns in fp32 (the
-    quantised ones dequantised: exact for int8, one rounding of s * q + z for int4)."""
-    if scale is None:
-        return lambda begin, end: weight[begin:end].float()
-    if is_int4(weight):
-        return lambda begin, end: int4_rows(weight, scale, torch.arange(begin, end, device=weight.device), k,
-                                            torch.float32)
-    return lambda begin, end: dequantize(weight[begin:end], scale[begin:end], torch.float32)
-
-
-def embed_int8(codes: torch.Tensor, scale: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The embedding rows of `ids` from an int8 table: codes[ids] * scale[ids] in `dtype`."""
-    return codes[ids].to(dtype).mul_(scale[ids].unsqueeze(1))
-
-
-INT4_GROUP = 32  # weights per scale and offset along K (GGUF's Q4 block), and activations per scale in W4A8
-INT4_CHANNELS = 16  # output channels per packed block: one int32 lane each
 INT4_LEVELS = 15  # codes 0..15
 QUANTIZE_CHUNK_ROWS = 2048  # rows quantised at once at load: their few fp32 copies stay a few MiB
-
-
-def int4_shapes(n: int, k: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The shapes of an int4 weight [N, K]: its codes (pack_int4's layout, uint8) and its scales (fp16)."""
-    groups = -(-k // INT4_GROUP)
-    return (-(-n // INT4_CHANNELS), groups, 4, INT4_CHANNELS, 4), (2, groups, n)
 
 
 INT4_SPANS = (15, 14, 13, 12)  # the code spans quantize_int4 tries for a group's range, from each end
@@ -269,12 +181,6 @@ def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     return halves[:, :, 0] | (halves[:, :, 1] << 4)
 
 
-def unpack_int4(packed: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """The codes [len(rows), G * 32] uint8 of output channels `rows` (int64) of a weight in pack_int4's layout."""
-    picked = packed[rows // INT4_CHANNELS, :, :, rows % INT4_CHANNELS, :]  # [R, G, 4, 4]
-    return torch.stack([picked & 0x0F, picked >> 4], dim=2).view(len(rows), -1)
-
-
 def store_int4(packed: torch.Tensor, scales: torch.Tensor, first: int, weight: torch.Tensor) -> None:
     """Quantises weight [R, K] (rows first..first+R of the weight) into its place in packed and scales."""
     rows = torch.arange(first, first + weight.shape[0])
@@ -284,38 +190,6 @@ def store_int4(packed: torch.Tensor, scales: torch.Tensor, first: int, weight: t
         packed[chunk // INT4_CHANNELS, :, :, chunk % INT4_CHANNELS, :] = pack_int4(codes)
         scales[0, :, chunk] = scale.T
         scales[1, :, chunk] = offset.T
-
-
-def int4_rows(packed: torch.Tensor, scales: torch.Tensor, rows: torch.Tensor, k: int,
-              dtype: torch.dtype) -> torch.Tensor:
-    """Output channels `rows` of an int4 weight of K columns, dequantised: (s * q + z) [len(rows), K] in `dtype`,
-    one rounding of s * q + z in fp32 (s * q is exact) and one to `dtype`, as int4_linear.cpp's dequantize_int4."""
-    codes = unpack_int4(packed, rows).view(len(rows), -1, INT4_GROUP).float()
-    s, z = scales[0, :, rows].T.float().unsqueeze(2), scales[1, :, rows].T.float().unsqueeze(2)
-    return (codes * s + z).view(len(rows), -1)[:, :k].to(dtype)
-
-
-def linear_int4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
-                dequantize_rows=None) -> torch.Tensor:
-    """x [M, K] -> x W^T + bias [M, N] for an int4 weight, by F.linear on at most DEQUANT_CHUNK_ROWS output
-    channels dequantised at a time (to x's dtype). `dequantize_rows(begin, end)` makes a chunk (default: torch's
-    int4_rows; the CPU backend passes its kernel's, the same bits)."""
-    n, k = scales.shape[2], x.shape[-1]
-    if dequantize_rows is None:
-        def dequantize_rows(begin: int, end: int) -> torch.Tensor:
-            return int4_rows(packed, scales, torch.arange(begin, end, device=packed.device), k, x.dtype)
-    return _chunked_linear(x, n, bias, dequantize_rows)
-
-
-def embed_int4(packed: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor, k: int,
-               dtype: torch.dtype) -> torch.Tensor:
-    """The embedding rows of `ids` from an int4 table, dequantised to `dtype`."""
-    return int4_rows(packed, scales, ids.reshape(-1), k, dtype).view(*ids.shape, k)
-
-
-def is_int4(weight: torch.Tensor) -> bool:
-    """Whether a quantised weight (one with a weight_scale) is int4 (pack_int4's uint8 layout) rather than int8."""
-    return weight.dtype == torch.uint8
 
 
 def int4_layout(modules: list[nn.Module], device: torch.device | str) -> None:
@@ -338,28 +212,26 @@ def int8_layout(modules: list[nn.Module], device: torch.device | str) -> None:
         module.weight_scale = torch.empty(rows, dtype=torch.float32, device=device)
 
 
-def quantized_modules(model: LlamaModel) -> list[nn.Module]:
-    """The modules whose weight --weight-dtype int8 (or int4) quantises: the layers' four projections and the LM
-    head (the embedding table where it is tied)."""
-    return layer_projections(model) + [head_module(model)]
+class QuantizableModel(Protocol):
+    def modules(self) -> Iterator[nn.Module]: ...
+
+    def head_module(self) -> nn.Module: ...
 
 
-def layer_projections(model: LlamaModel) -> list[nn.Module]:
-    modules: list[nn.Module] = []
-    for layer in model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        modules += [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
-    return modules
+def quantized_modules(model: QuantizableModel) -> list[nn.Module]:
+    """The modules whose weight --weight-dtype int8 (or int4) quantises: the layers' projections and the LM head
+    (the embedding table where it is tied)."""
+    return layer_projections(model) + [model.head_module()]
 
 
-def head_module(model: LlamaModel) -> nn.Module:
-    return model.embed_tokens if model.lm_head is None else model.lm_head
+def layer_projections(model: QuantizableModel) -> list[nn.Module]:
+    return [module for module in model.modules() if isinstance(module, Linear)]
 
 
-def apply_layout(model: LlamaModel, choice: WeightChoice, device: torch.device | str) -> None:
+def apply_layout(model: QuantizableModel, choice: WeightChoice, device: torch.device | str) -> None:
     """The quantised layouts of `choice` on a model still on the meta device (bfloat16: the plain weights)."""
     layouts = {"int8": int8_layout, "int4": int4_layout}
-    for modules, chosen in ((layer_projections(model), choice.layers), ([head_module(model)], choice.head)):
+    for modules, chosen in ((layer_projections(model), choice.layers), ([model.head_module()], choice.head)):
         if chosen in layouts:
             layouts[chosen](modules, device)
 

@@ -31,7 +31,7 @@ def _llama3_scaled(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
 
 
 class RotaryEmbedding:
-    """Caches cos/sin for every position up to max_positions and rotates q/k in the half-split layout.
+    """Caches cos/sin for every position up to max_positions, for the backend's rotation in the half-split layout.
 
     Plain tensors rather than module buffers, created on `device` explicitly, so that a model built on the
     meta device (to skip weight initialisation) still gets real tables.
@@ -47,9 +47,3 @@ class RotaryEmbedding:
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, 1, D/2] for the given positions; computed once per step and shared by every layer."""
         return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D] rotated pairwise in the half-split layout (x[..., :D/2] pairs with x[..., D/2:])."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

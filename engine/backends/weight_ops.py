@@ -1,0 +1,149 @@
+"""The weight formats a backend runs products on, and the plain-torch products on them: a float weight, int8 codes
+with one fp32 scale per output channel, and int4 codes (two per byte, in the decode kernel's layout) with an fp16
+scale and offset per group of 32 along K. How a model's weights are quantised into these formats is model-layout
+code (engine/model/quant.py); this module only reads them.
+
+int8: W ~ Q * s[n]. A product reads Q and applies s to its fp32 sums: x W^T ~ (x Q^T) * s. The CPU kernels
+(engine/kernels/int8_linear.cpp) do that for decode-sized row counts: on AVX-512 VNNI against x quantised to int8
+in groups of 32 (`W8A8_GROUP`), on the copy of Q `pack_w8a8` makes once per model; elsewhere on Q widened to fp32.
+Larger row counts (and every other backend) dequantise Q * s to the activations' dtype and run F.linear
+(`dequantize`, `linear_int8`).
+
+int4: W ~ s * q + z per group of 32 consecutive k, the codes in `int4_shapes`' layout (engine/kernels/
+int4_linear.cpp). Decode-sized products run W4A8 on VNNI, larger ones and every other backend dequantise at most
+DEQUANT_CHUNK_ROWS rows at a time to the activations' dtype for F.linear (`linear_int4`).
+"""
+from __future__ import annotations
+
+from dataclasses import KW_ONLY, dataclass
+
+import torch
+import torch.nn.functional as F
+
+DEQUANT_CHUNK_ROWS = 8192  # F.linear on at most this many dequantised output channels at once (the LM head's 49k)
+W8A8_GROUP = 32  # activation codes per scale in the W8A8 kernel (its packed copy pads K to a multiple)
+W8A8_CHANNELS = 16  # output channels per packed block: one int32 lane each
+INT4_GROUP = 32  # weights per scale and offset along K (GGUF's Q4 block), and activations per scale in W4A8
+INT4_CHANNELS = 16  # output channels per packed block: one int32 lane each
+
+
+@dataclass(frozen=True, eq=False)
+class Weight:
+    """One product's weight as a backend runs it: the model's tensors and the backend's copies of them."""
+
+    data: torch.Tensor  # [N, K] float; int8 codes [N, K]; int4 codes in int4_shapes' layout (uint8)
+    _: KW_ONLY
+    bias: torch.Tensor | None = None
+    scale: torch.Tensor | None = None  # int8: [N] fp32; int4: [2, G, N] fp16 (scales, offsets); float: None
+    packed: torch.Tensor | None = None  # the backend's copy: of a bf16 weight (blocks or oneDNN's), or int8's W8A8
+    silu_fused: torch.Tensor | None = None  # a gate|up weight's interleaved blocks, for silu(gate) * up as one product
+
+
+def pack_w8a8(codes: torch.Tensor) -> torch.Tensor:
+    """codes [N, K] int8 -> the W8A8 kernel's copy, uint8 [ceil(N / 16), ceil(K / 32) * 8, 16, 4]:
+    packed[b, j, c, t] = codes[16 b + c, 4 j + t] + 128 (0 + 128 past N and K). One 64-byte vector holds 4
+    consecutive k of 16 channels, unsigned as vpdpbusd's first operand must be."""
+    n, k = codes.shape
+    blocks, kp = -(-n // W8A8_CHANNELS), -(-k // W8A8_GROUP) * W8A8_GROUP
+    padded = torch.zeros(blocks * W8A8_CHANNELS, kp, dtype=torch.int16)
+    padded[:n, :k] = codes
+    shifted = (padded + 128).to(torch.uint8)
+    return shifted.view(blocks, W8A8_CHANNELS, kp // 4, 4).permute(0, 2, 1, 3).contiguous()
+
+
+def dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """codes [N, K] int8, scale [N] fp32 -> codes * scale [N, K] in `dtype`, one rounding per element (the
+    codes are exact in bf16). decode_stack.cpp's prefill path computes the same."""
+    return codes.to(dtype).mul_(scale.unsqueeze(1))
+
+
+def linear_int8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                dequantize_rows=None) -> torch.Tensor:
+    """x [M, K] -> x (codes * scale)^T + bias [M, N] by F.linear on the weight dequantised to x's dtype, at most
+    DEQUANT_CHUNK_ROWS output channels at a time (so that the transient copy stays small). `dequantize_rows(begin,
+    end)` makes a chunk (default: `dequantize` of those rows)."""
+    if dequantize_rows is None:
+        def dequantize_rows(begin: int, end: int) -> torch.Tensor:
+            return dequantize(codes[begin:end], scale[begin:end], x.dtype)
+    return _chunked_linear(x, codes.shape[0], bias, dequantize_rows)
+
+
+def _chunked_linear(x: torch.Tensor, n: int, bias: torch.Tensor | None, dequantize_rows) -> torch.Tensor:
+    """x W^T + bias [M, n] by F.linear on DEQUANT_CHUNK_ROWS output channels of W at a time."""
+    parts = [F.linear(x, dequantize_rows(i, min(n, i + DEQUANT_CHUNK_ROWS)),
+                      None if bias is None else bias[i:i + DEQUANT_CHUNK_ROWS])
+             for i in range(0, n, DEQUANT_CHUNK_ROWS)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+
+
+def linear_fp32(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
+                rows_fp32=None) -> torch.Tensor:
+    """x W^T [M, N] in fp32 for a float weight, or an int8 (scale [N]) or int4 one (scales [2, G, N]): F.linear in
+    fp32 on at most DEQUANT_CHUNK_ROWS output channels widened or dequantised to fp32 at a time, each made by
+    `rows_fp32(begin, end)` (default: weight_rows_fp32's)."""
+    x = x.float()
+    if rows_fp32 is None:
+        rows_fp32 = weight_rows_fp32(weight, scale, x.shape[-1])
+    n = scale.shape[2] if scale is not None and is_int4(weight) else weight.shape[0]
+    return _chunked_linear(x, n, None, rows_fp32)
+
+
+def weight_rows_fp32(weight: torch.Tensor, scale: torch.Tensor | None, k: int):
+    """(begin, end) -> output channels [begin, end) of a float, int8 or int4 weight of K columns in fp32 (the
+    quantised ones dequantised: exact for int8, one rounding of s * q + z for int4)."""
+    if scale is None:
+        return lambda begin, end: weight[begin:end].float()
+    if is_int4(weight):
+        return lambda begin, end: int4_rows(weight, scale, torch.arange(begin, end, device=weight.device), k,
+                                            torch.float32)
+    return lambda begin, end: dequantize(weight[begin:end], scale[begin:end], torch.float32)
+
+
+def embed_int8(codes: torch.Tensor, scale: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The embedding rows of `ids` from an int8 table: codes[ids] * scale[ids] in `dtype`."""
+    return codes[ids].to(dtype).mul_(scale[ids].unsqueeze(1))
+
+
+def int4_shapes(n: int, k: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The shapes of an int4 weight [N, K]: codes uint8 [ceil(N / 16), G, 4, 16, 4], byte [b, g, t, c, j] holding
+    channel 16 b + c's k = 32 g + 4 t + j (low nibble) and k + 16 (high); scales and offsets fp16 [2, G, N]."""
+    groups = -(-k // INT4_GROUP)
+    return (-(-n // INT4_CHANNELS), groups, 4, INT4_CHANNELS, 4), (2, groups, n)
+
+
+def unpack_int4(packed: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """The codes [len(rows), G * 32] uint8 of output channels `rows` (int64) of a weight in int4_shapes' layout."""
+    picked = packed[rows // INT4_CHANNELS, :, :, rows % INT4_CHANNELS, :]  # [R, G, 4, 4]
+    return torch.stack([picked & 0x0F, picked >> 4], dim=2).view(len(rows), -1)
+
+
+def int4_rows(packed: torch.Tensor, scales: torch.Tensor, rows: torch.Tensor, k: int,
+              dtype: torch.dtype) -> torch.Tensor:
+    """Output channels `rows` of an int4 weight of K columns, dequantised: (s * q + z) [len(rows), K] in `dtype`,
+    one rounding of s * q + z in fp32 (s * q is exact) and one to `dtype`, as int4_linear.cpp's dequantize_int4."""
+    codes = unpack_int4(packed, rows).view(len(rows), -1, INT4_GROUP).float()
+    s, z = scales[0, :, rows].T.float().unsqueeze(2), scales[1, :, rows].T.float().unsqueeze(2)
+    return (codes * s + z).view(len(rows), -1)[:, :k].to(dtype)
+
+
+def linear_int4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+                dequantize_rows=None) -> torch.Tensor:
+    """x [M, K] -> x W^T + bias [M, N] for an int4 weight, by F.linear on at most DEQUANT_CHUNK_ROWS output
+    channels dequantised at a time (to x's dtype). `dequantize_rows(begin, end)` makes a chunk (default: torch's
+    int4_rows; the CPU backend passes its kernel's, the same bits)."""
+    n, k = scales.shape[2], x.shape[-1]
+    if dequantize_rows is None:
+        def dequantize_rows(begin: int, end: int) -> torch.Tensor:
+            return int4_rows(packed, scales, torch.arange(begin, end, device=packed.device), k, x.dtype)
+    return _chunked_linear(x, n, bias, dequantize_rows)
+
+
+def embed_int4(packed: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor, k: int,
+               dtype: torch.dtype) -> torch.Tensor:
+    """The embedding rows of `ids` from an int4 table, dequantised to `dtype`."""
+    return int4_rows(packed, scales, ids.reshape(-1), k, dtype).view(*ids.shape, k)
+
+
+def is_int4(weight: torch.Tensor) -> bool:
+    """Whether a quantised weight (one with scales) is int4 (int4_shapes' uint8 layout) rather than int8."""
+    return weight.dtype == torch.uint8
