@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> None:
             results.append(asyncio.run(measure(url, label, args)))
     print_table(results)
     if args.json:
-        Path(args.json).write_text(json.dumps({"provenance": provenance(), "args": vars(args),
+        Path(args.json).write_text(json.dumps({"provenance": provenance("stall_free", argv), "args": vars(args),
                                                "results": [asdict(r) for r in results]}, indent=2))
 
 
