@@ -74,20 +74,16 @@ def test_changing_a_token_changes_its_block_and_all_later_ones(tokens: list[int]
 @pytest.mark.process
 def test_hashes_are_stable_across_processes_with_different_hash_seeds() -> None:
     token_lists = [list(range(40)), [5] * 17, [2**31 - 1, 0, 123456, 7] * 3]
-    # Load the module file directly: importing the `engine` package would pull in torch (seconds).
     script = (
-        "import importlib.util, json, sys\n"
-        "spec = importlib.util.spec_from_file_location('block_pool', sys.argv[1])\n"
-        "module = sys.modules['block_pool'] = importlib.util.module_from_spec(spec)\n"
-        "spec.loader.exec_module(module)\n"
-        "print(json.dumps([module.prefix_block_hashes(t, 4) for t in json.loads(sys.argv[2])]))\n"
+        "import json, sys\n"
+        "from engine.kv.prefix_index import prefix_block_hashes\n"
+        "print(json.dumps([prefix_block_hashes(t, 4) for t in json.loads(sys.argv[1])]))\n"
     )
-    module_path = str(REPO_ROOT / "engine" / "kv" / "block_pool.py")
     outputs = []
     for seed in ("1", "987654"):
         env = {**os.environ, "PYTHONHASHSEED": seed}
-        result = subprocess.run([sys.executable, "-c", script, module_path, json.dumps(token_lists)],
-                                env=env, capture_output=True, text=True)
+        result = subprocess.run([sys.executable, "-c", script, json.dumps(token_lists)],
+                                env=env, capture_output=True, text=True, cwd=REPO_ROOT)
         assert result.returncode == 0, result.stderr
         outputs.append(json.loads(result.stdout))
     local = [prefix_block_hashes(t, 4) for t in token_lists]
