@@ -491,7 +491,8 @@ def test_int4_layers_with_an_int8_head(tiny_model_dir):
     assert all(w.packed is None for w in model.prepared.linears.values())  # the int4 layers: no copy
     assert (model.prepared.head.packed is not None) == bool(backend.max_w8a8_rows)  # the int8 head's W8A8 copy
     diff = (decode_logits(model, IDS) - ref).abs()
-    assert diff.max() <= INT4_PATHS[0][1] and diff.mean() <= INT4_PATHS[0][2]
+    _, max_diff, mean_diff = INT4_PATHS["w4a8"]  # the loosest of the int4 paths
+    assert diff.max() <= max_diff and diff.mean() <= mean_diff
 
 
 # measured on the tiny model's gate weight: 100% / 97.0% of the values exact (Q4_0's misses: blocks whose far end
