@@ -19,7 +19,8 @@ Conventions:
   which the receiving actor compiles itself).
 
 Flows (router = main process):
-- start-up:   actor -> Hello, actor -> Ready (model loaded, KV pool exported).
+- start-up:   actor -> Hello, actor -> StartupProgress ... while it loads, actor -> Ready (model loaded, KV pool
+              exported). The supervisor gives up on an actor that sends nothing for a while, not after a total time.
 - liveness:   router -> Heartbeat, actor -> HeartbeatAck (with the actor's EngineStats).
 - colocated:  router -> AddRequest, actor -> TokenUpdates ..., router -> AbortRequest when a client leaves.
 - hand-off:   router -> ReserveBlocks (decode) -> BlocksReserved | ReservationFailed;
@@ -42,12 +43,13 @@ from dataclasses import dataclass, fields, is_dataclass
 from types import MappingProxyType
 from typing import Any, ClassVar
 
-# 10: `sampling` carries truncate_prompt_tokens
+# 12: StartupProgress (an actor greets as it starts and reports each stage until Ready)
+# 11: Ready.step_tokens; 10: `sampling` carries truncate_prompt_tokens
 # 9: Hello.node_id, node_address (where an actor runs); KVReady.stream_seconds (each link's measured cost)
 # 8: KVReady.streamed_bytes; KVPageFrame, KVStreamEnd, KVStreamAck (direct KV streams, out-of-band pages)
 # 7: AddRequest.resume, PrefillRequest.num_prompt_tokens (migrated streams), Leaving; no generator_state
 # 6: `guide.kind` may be structural_tag (tool calls); 5: `sampling` carries `guide`
-PROTOCOL_VERSION = 11
+PROTOCOL_VERSION = 12
 
 KV_EXPORT_KINDS = ("shm", "cuda_ipc", "tcp", "none")
 """`Ready.kv_export["kind"]`: how peers map the actor's KV pool, or (`tcp`, with `host` and `port`) where
@@ -183,6 +185,26 @@ class Ready(Message):
     calibration: dict[str, Any] | None = None  # {"prefill": [[tokens, seconds], ...], "decode": [[batch, s], ...]}
     backend: dict[str, Any] | None = None  # the engine's Backend.describe(): which backend and kernels run
     step_tokens: int | None = None  # the engine's token budget per step, for the router's TTFT estimate
+
+
+@dataclass(frozen=True, slots=True)
+class StartupProgress(Message):
+    """Between Hello and Ready: how far the actor's start has come. `stage` names what it does now ("loading
+    weights", "calibrating"); `done` of `total` units (`unit`: "tensors", "runs") where the stage counts them,
+    total 0 where it does not. Every message counts as a sign of life: the supervisor gives up on silence."""
+
+    TAG: ClassVar[str] = "startup_progress"
+    actor_id: str
+    stage: str
+    done: int = 0
+    total: int = 0
+    unit: str = ""
+
+    def describe(self) -> str:
+        """'loading weights 120/291 tensors', or the stage alone where it has no count."""
+        if not self.total:
+            return self.stage
+        return f"{self.stage} {self.done}/{self.total}" + (f" {self.unit}" if self.unit else "")
 
 
 @dataclass(frozen=True, slots=True)
