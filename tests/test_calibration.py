@@ -10,7 +10,9 @@ from router.cost_model import DecodeCost, PrefillCost
 def test_decode_engine_calibration(tiny_model_dir):
     engine = build_engine_core(EngineConfig(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=256,
                                             block_size=8))
-    calib = calibrate_engine(engine)
+    heard = []
+    calib = calibrate_engine(engine, progress=lambda stage, done, total: heard.append((stage, done, total)))
+    assert heard == [("calibrating", n, 6) for n in range(7)]  # one report per timing, after it
     assert [n for n, _ in calib.prefill] == [32, 128, 384]
     assert [b for b, _ in calib.decode] == [1, 4, 16]
     assert all(seconds > 0 for _, seconds in calib.prefill + calib.decode)
@@ -22,6 +24,8 @@ def test_decode_engine_calibration(tiny_model_dir):
 
 def test_prefill_engine_calibration_detaches_its_scratch_pool(tiny_model_dir):
     engine = build_prefill_engine(EngineConfig(model=str(tiny_model_dir), dtype="float32", block_size=8))
-    calib = calibrate_prefill_engine(engine)
+    heard = []
+    calib = calibrate_prefill_engine(engine, progress=lambda stage, done, total: heard.append((stage, done, total)))
+    assert heard == [("calibrating", n, 3) for n in range(4)]
     assert [n for n, _ in calib.prefill] == [32, 128, 384] and calib.decode == []
     assert engine.pools == {} and engine.jobs == {}

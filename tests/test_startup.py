@@ -35,3 +35,20 @@ def test_process_age_is_that_of_this_process():
     child = float(subprocess.run([sys.executable, "-c", "from actors.startup import process_age; "
                                   "print(process_age())"], capture_output=True, text=True, check=True).stdout)
     assert 0.0 <= child < own  # the child was created after this test process
+
+
+@pytest.mark.engine
+def test_the_builder_reports_each_stage_and_every_tensor_it_loads(tiny_model_dir):
+    from engine.config import EngineConfig
+    from engine.core.builder import build_engine_core
+    from engine.model.loader import resolve_model
+
+    heard: list[tuple[str, int, int]] = []
+    tensors = len(resolve_model(tiny_model_dir).shapes())
+    build_engine_core(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=16, dtype="float32"),
+                      progress=lambda stage, done, total: heard.append((stage, done, total)))
+    loads = [(done, total) for stage, done, total in heard if stage == "loading weights"]
+    assert loads == [(n, tensors) for n in range(tensors + 1)]  # 0 of N first, then one report per tensor
+    stages = list(dict.fromkeys(stage for stage, _, _ in heard))
+    assert stages == ["reading the checkpoint", "loading weights", "allocating the KV pool", "building kernels",
+                      "preparing weights"]

@@ -14,6 +14,7 @@ import psutil
 import torch
 
 from engine.backends import select_backend
+from engine.backends.base import Backend
 from engine.config import EngineConfig, ModelConfig
 from engine.core.engine_core import EngineCore
 from engine.core.prefill_engine import PrefillEngine
@@ -24,6 +25,8 @@ from engine.kv.compaction import MIN_BATCH_SHARE, Compactor
 from engine.kv.compress import ColdRegion, split_kv_budget
 from engine.kv.groups import KVGroups
 from engine.model.loader import ModelSource, load_model, resolve_dtype, resolve_model
+from engine.model.progress import (ALLOCATING_KV, BUILDING_KERNELS, LOADING_DRAFT, PREPARING_WEIGHTS,
+                                   READING_CHECKPOINT, Progress, report)
 from engine.sampling.structured import source_compiler
 from engine.scheduler import Scheduler, SchedulerLimits
 from engine.speculative.build import build_proposer
@@ -34,15 +37,19 @@ KVAllocator = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
 
 
 def build_engine_core(config: EngineConfig, source: ModelSource | None = None, device: str = "cpu",
-                      kv_allocator: KVAllocator | None = None, proposer: Proposer | None = None) -> EngineCore:
+                      kv_allocator: KVAllocator | None = None, proposer: Proposer | None = None,
+                      progress: Progress | None = None) -> EngineCore:
     """`kv_allocator(shape, dtype)` provides the KV pool's memory (an actor passes shared memory). `proposer`
-    replaces the one `config.speculative` would build here (a decode actor's draft actor client)."""
+    replaces the one `config.speculative` would build here (a decode actor's draft actor client). `progress`
+    hears each stage (engine/model/progress.py)."""
     _set_torch_threads(config)
     torch.manual_seed(config.seed)
+    report(progress, READING_CHECKPOINT)
     source = source or resolve_model(config.model)
     dtype = resolve_dtype(config.dtype, device)
     model_cfg = source.config
-    model = load_model(source, dtype, device, config.weight_dtype)
+    model = load_model(source, dtype, device, config.weight_dtype, progress)
+    report(progress, ALLOCATING_KV)
     plain_blocks, num_cold = _kv_block_counts(config, model_cfg, dtype)
     # An exported pool (an actor's: a peer writes its pages) and a compressed one keep the plain layout
     groups = KVGroups.for_model(model_cfg, config.free_window_kv and kv_allocator is None and not num_cold)
@@ -55,9 +62,11 @@ def build_engine_core(config: EngineConfig, source: ModelSource | None = None, d
     eos = source.tokenizer.eos_token_ids or model_cfg.eos_token_ids
     scheduler = Scheduler(pool, limits, tuple(eos), _compactor(config, pool), groups.windows)
     cold = ColdRegion(model_cfg, num_cold, num_blocks, config.block_size, dtype, device) if num_cold else None
-    runner = ModelRunner(model, kv_cache, device, select_backend(device, dtype, config.enforce_eager),
+    runner = ModelRunner(model, kv_cache, device, _backend(config, dtype, device, progress),
                          grammar_compiler=partial(source_compiler, source), cold=cold)
     if proposer is None:
+        if config.speculative == "draft":
+            report(progress, LOADING_DRAFT)
         proposer = build_proposer(config, model, source, plain_blocks, dtype, device)
     speculator = None if proposer is None else Speculator(proposer, model_cfg.vocab_size)
     max_model_len = min(config.max_model_len or model_cfg.max_position_embeddings, model_cfg.max_position_embeddings)
@@ -65,15 +74,26 @@ def build_engine_core(config: EngineConfig, source: ModelSource | None = None, d
                       scheduler=scheduler, runner=runner, speculator=speculator)
 
 
-def build_prefill_engine(config: EngineConfig, source: ModelSource | None = None,
-                         device: str = "cpu") -> PrefillEngine:
+def build_prefill_engine(config: EngineConfig, source: ModelSource | None = None, device: str = "cpu",
+                         progress: Progress | None = None) -> PrefillEngine:
+    """`progress` as build_engine_core's."""
     _set_torch_threads(config)
+    report(progress, READING_CHECKPOINT)
     source = source or resolve_model(config.model)
     dtype = resolve_dtype(config.dtype, device)
-    runner = ModelRunner(load_model(source, dtype, device, config.weight_dtype), None, device,
-                         select_backend(device, dtype, config.enforce_eager),
+    model = load_model(source, dtype, device, config.weight_dtype, progress)
+    runner = ModelRunner(model, None, device, _backend(config, dtype, device, progress),
                          grammar_compiler=partial(source_compiler, source))
     return PrefillEngine(config, source, dtype=dtype, device=device, runner=runner)
+
+
+def _backend(config: EngineConfig, dtype: torch.dtype, device: str, progress: Progress | None) -> Backend:
+    """The backend (its kernels built on first use), reported before the weights are prepared for it: the
+    ModelRunner packs them into its layout."""
+    report(progress, BUILDING_KERNELS)
+    backend = select_backend(device, dtype, config.enforce_eager)
+    report(progress, PREPARING_WEIGHTS)
+    return backend
 
 
 def _set_torch_threads(config: EngineConfig) -> None:

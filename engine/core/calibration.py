@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from engine.core.engine_core import EngineCore, EngineRequest
 from engine.kv.cache import KVCache
 from engine.core.prefill_engine import PrefillEngine, PrefillJob
+from engine.model.progress import CALIBRATING, WARMING_UP, Progress, counted, report
 from engine.sampling.sampling_params import SamplingParams
 
 PREFILL_LENGTHS = (32, 128, 384)
@@ -81,21 +82,27 @@ def _usable_lengths(max_len: int, budget_tokens: int) -> list[int]:
     return [n for n in PREFILL_LENGTHS if n < max_len and n <= budget_tokens]
 
 
-def calibrate_engine(engine: EngineCore, seed: int = 0) -> Calibration:
-    """Times whole requests through the public engine API; leaves the pool as it found it (blocks end CACHED)."""
+def calibrate_engine(engine: EngineCore, seed: int = 0, progress: Progress | None = None) -> Calibration:
+    """Times whole requests through the public engine API; leaves the pool as it found it (blocks end CACHED).
+    `progress` hears "calibrating" after each timing."""
     rng = random.Random(seed)
     vocab = engine.source.config.vocab_size
     budget = engine.pool.num_blocks * engine.pool.block_size // 2
-    engine_prefill = [(n, _time_prefill(engine, _random_prompt(rng, n, vocab)))
-                      for n in _usable_lengths(engine.max_model_len, budget)]
-    decode = [(b, _time_decode(engine, b, rng, vocab)) for b in DECODE_BATCHES
-              if b <= engine.config.max_num_seqs and b * 16 < budget]
-    return Calibration(engine_prefill, decode)
+    lengths = _usable_lengths(engine.max_model_len, budget)
+    batches = [b for b in DECODE_BATCHES if b <= engine.config.max_num_seqs and b * 16 < budget]
+    plan = [("prefill", n) for n in lengths] + [("decode", b) for b in batches]
+    measured: dict[str, list[tuple[int, float]]] = {"prefill": [], "decode": []}
+    for kind, size in counted(plan, progress, CALIBRATING, len(plan)):
+        seconds = _time_prefill(engine, _random_prompt(rng, size, vocab)) if kind == "prefill" \
+            else _time_decode(engine, size, rng, vocab)
+        measured[kind].append((size, seconds))
+    return Calibration(measured["prefill"], measured["decode"])
 
 
-def warm_up(engine: EngineCore) -> None:
+def warm_up(engine: EngineCore, progress: Progress | None = None) -> None:
     """One short prefill and a few decode steps, paid at start-up rather than by the first request (what an
     engine that reuses an earlier calibration runs instead of calibrating)."""
+    report(progress, WARMING_UP)
     params = SamplingParams(max_tokens=DECODE_STEPS, temperature=0.0, ignore_eos=True)
     engine.add_request(EngineRequest(f"warm-up-{time.perf_counter_ns()}",
                                      _random_prompt(random.Random(0), PREFILL_LENGTHS[0], engine.source.config.vocab_size),
@@ -133,17 +140,18 @@ def _time_decode(engine: EngineCore, batch: int, rng: random.Random, vocab: int)
     return elapsed
 
 
-def calibrate_prefill_engine(engine: PrefillEngine, seed: int = 0) -> Calibration:
-    """Prefill timings against a scratch pool attached just for this."""
+def calibrate_prefill_engine(engine: PrefillEngine, seed: int = 0, progress: Progress | None = None) -> Calibration:
+    """Prefill timings against a scratch pool attached just for this; `progress` as calibrate_engine's."""
     rng = random.Random(seed)
     cfg, bs = engine.source.config, engine.config.block_size
     max_len = max(PREFILL_LENGTHS)
     scratch = KVCache(cfg, -(-max_len // bs) + 1, bs, engine.dtype, engine.device,
                       kv_format=engine.config.kv_cache_dtype)
     engine.attach_pool("calibration", scratch)
+    lengths = _usable_lengths(cfg.max_position_embeddings, max_len)
     try:
         samples = [(n, _time_job(engine, _random_prompt(rng, n, cfg.vocab_size), bs))
-                   for n in _usable_lengths(cfg.max_position_embeddings, max_len)]
+                   for n in counted(lengths, progress, CALIBRATING, len(lengths))]
     finally:
         engine.detach_pool("calibration")
     return Calibration(samples, [])

@@ -43,6 +43,35 @@ def build_off_thread(build: Callable[[], T], name: str = "engine-build") -> T:
     return box["result"]
 
 
+async def build_in_thread(build: Callable[[], T], name: str = "engine-build") -> T:
+    """build_off_thread for a caller on an event loop, which stays free meanwhile (an actor answers its
+    supervisor with start-up progress while its model loads): build() runs on a thread of its own, which has
+    exited by the time this returns its result (or raises its error)."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if not done.done():
+            done.set_exception(error) if error is not None else done.set_result(result)
+
+    def run() -> None:
+        result, error = None, None
+        try:
+            result = build()
+        except BaseException as exc:  # noqa: BLE001 - raised on the loop
+            error = exc
+        try:
+            loop.call_soon_threadsafe(settle, result, error)
+        except RuntimeError:  # the loop closed while this built: nobody waits for it any more
+            pass
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    result = await done  # cancelled (the actor stops while it loads): the daemon thread is left to finish
+    thread.join()  # it is past its last statement: its OpenMP team goes with it, before any step
+    return result
+
+
 class Steppable(Protocol):
     def has_work(self) -> bool: ...
 

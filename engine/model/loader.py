@@ -17,6 +17,7 @@ from engine.model.gguf_loader import default_model_path, read_gguf_lazily
 from engine.model.hf_loader import hf_weight_shapes, iter_hf_weights, read_hf_config
 from engine.model.llama import LlamaModel, build_model
 from engine.model.olmo2 import Olmo2Model
+from engine.model.progress import LOADING_WEIGHTS, Progress, counted
 from engine.model.quant import choose_weight_dtype
 from engine.model.tokenizer import Tokenizer
 
@@ -132,10 +133,12 @@ def resolve_dtype(name: str, device: torch.device | str) -> torch.dtype:
 
 
 def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device | str = "cpu",
-               weight_dtype: str = "auto") -> LlamaModel:
+               weight_dtype: str = "auto", progress: Progress | None = None) -> LlamaModel:
     """`weight_dtype` (EngineConfig.weight_dtype): "int8" / "int4" quantise the projections and LM head as they
-    load; "auto" picks by the GGUF file's tensor types (quant.choose_weight_dtype), bfloat16 for a folder."""
+    load; "auto" picks by the GGUF file's tensor types (quant.choose_weight_dtype), bfloat16 for a folder.
+    `progress` hears "loading weights" with each checkpoint tensor loaded."""
     check_model(source)  # before any memory is allocated: a mismatch fails with one sentence
     choice = choose_weight_dtype(weight_dtype, source.types, source.shapes() if source.types else {}, dtype,
                                  source.config.tie_word_embeddings)
-    return build_model(source.config, source.weights(), dtype, device, choice, model_class(source.config))
+    weights = counted(source.weights(), progress, LOADING_WEIGHTS, len(source.shapes()))
+    return build_model(source.config, weights, dtype, device, choice, model_class(source.config))
