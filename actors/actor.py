@@ -1,7 +1,8 @@
 """The actor base class: connections, message dispatch, heartbeats and lifecycle shared by every role.
 
-An actor listens on its spec's Unix socket (or joins a server over TCP), greets every connection with Hello +
-Ready, then serves messages until Shutdown. The model step runs on an EngineThread so this loop stays
+An actor listens on its spec's Unix socket (or joins a server over TCP) before it loads its engine, greets every
+connection with Hello, then StartupProgress each time its start moves on (actors/startup.py) until Ready, then
+serves messages until Shutdown. The model step runs on an EngineThread so this loop stays
 responsive (heartbeats, aborts) during long steps. Outputs go back on the connection that submitted the
 request. The roles (decode_actor, prefill_actor, draft_actor) override the hooks marked below.
 """
@@ -15,8 +16,8 @@ import time
 from typing import Any, Callable
 
 from actors.spec import ActorSpec, Role, node_identity
-from actors.startup import Startup
-from engine.core.engine_thread import EngineThread, build_off_thread
+from actors.startup import Startup, StartupRelay
+from engine.core.engine_thread import EngineThread
 from engine.core.stats import EngineStats
 from transport import Connection, TransportError, connect_tcp, serve_unix
 from transport import messages as m
@@ -46,6 +47,7 @@ class Actor:
         self._parent = os.getppid()
         self._leaving = False
         self.startup = Startup()  # the worker replaces it with one that starts at the process's creation
+        self.relay = StartupRelay(spec.actor_id)  # build_engine passes relay.report down as its progress
 
     # ---------------------------------------------------------------- overridden per role
     def build_engine(self) -> Any:
@@ -69,24 +71,24 @@ class Actor:
 
     # ---------------------------------------------------------------- lifecycle
     async def run(self) -> None:
-        """Serve on the spec's Unix socket (spawned by a local supervisor)."""
+        """Serve on the spec's Unix socket (spawned by a local supervisor), listening from before the engine
+        loads: the supervisor hears how the start goes (StartupProgress) and gives up only on silence."""
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, self._on_sigterm)
-        self._start_engine()
         server = await serve_unix(self.spec.socket_path, self.serve_connection)
         self.startup.mark("listen")
-        log.info("actor %s (%s) ready on %s in %.2fs (%s)", self.spec.actor_id, self.spec.role, self.spec.socket_path,
-                 self.startup.total, self.startup.summary(), extra={"startup": self.startup.rounded()})
         try:
-            await self.stopped.wait()
+            if await self._start_engine():
+                await self.stopped.wait()
         finally:
             await server.close()
             self._stop_engine()
 
     async def run_connected(self, host: str, port: int, secret: bytes) -> None:
-        """Join a server on another host over authenticated TCP, reconnecting until told to shut down."""
-        self._start_engine()
+        """Join a server on another host over authenticated TCP, reconnecting until told to shut down; it joins
+        while the engine loads, and reports its progress there as on a Unix socket."""
+        starting = asyncio.ensure_future(self._start_engine())
         try:
-            while not self.stopped.is_set():
+            while not self.stopped.is_set() and self.relay.ready is not False:
                 try:
                     conn = await connect_tcp(host, port, secret)
                 except (TransportError, OSError, TimeoutError) as exc:
@@ -96,7 +98,9 @@ class Actor:
                 log.info("actor %s joined %s:%s", self.spec.actor_id, host, port)
                 await self.on_joined(conn, secret)
                 await self.serve_connection(conn)
+            await starting  # its error, when the engine failed to build
         finally:
+            starting.cancel()
             self._stop_engine()
 
     def _on_sigterm(self) -> None:
@@ -114,14 +118,25 @@ class Actor:
             asyncio.ensure_future(send_quietly(conn, leaving))
         asyncio.get_running_loop().call_later(LEAVE_SECONDS, self.stopped.set)
 
-    def _start_engine(self) -> None:
+    async def _start_engine(self) -> bool:
+        """Build the engine off the loop, then start stepping and let waiting connections have Ready; False when
+        the actor was stopped first. The build's error is raised here."""
         self.loop = asyncio.get_running_loop()
-        engine = build_off_thread(self.build_engine, name=f"{self.spec.actor_id}-build")
+        engine = await self.relay.build(self.build_engine, self.stopped, f"{self.spec.actor_id}-build")
+        if engine is None:
+            return False
         self.thread = EngineThread(engine, self.loop, self.deliver, self._on_step_error, name=self.spec.actor_id)
         self.start_tasks()
+        self.startup.mark("other")
+        log.info("actor %s (%s) ready on %s in %.2fs (%s)", self.spec.actor_id, self.spec.role,
+                 self.spec.socket_path or "its TCP connection", self.startup.total, self.startup.summary(),
+                 extra={"startup": self.startup.rounded()})
+        self.relay.finish(True)
+        return True
 
     def _stop_engine(self) -> None:
-        self.thread.shutdown()
+        if self.thread is not None:
+            self.thread.shutdown()
         self.release()
 
     def release(self) -> None:
@@ -129,11 +144,13 @@ class Actor:
 
     async def serve_connection(self, conn: Connection) -> None:
         node_id, node_address = node_identity()
-        await conn.send(m.Hello(self.spec.role.value, self.spec.device, os.getpid(), self.spec.actor_id,
-                                node_id=node_id, node_address=node_address))
-        await conn.send(self.ready_message())
-        self.connections.add(conn)
         try:
+            await conn.send(m.Hello(self.spec.role.value, self.spec.device, os.getpid(), self.spec.actor_id,
+                                    node_id=node_id, node_address=node_address))
+            if not await self.relay.until_ready(conn):
+                return  # the engine will not serve (its build failed, or the actor stops)
+            await conn.send(self.ready_message())
+            self.connections.add(conn)
             await self._dispatch_messages(conn)
         except (TransportError, ConnectionError, OSError):
             pass  # the peer left or sent garbage: this connection ends, the actor goes on

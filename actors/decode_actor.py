@@ -81,14 +81,15 @@ class DecodeActor(Actor):
         shared = self.spec.share_kv and (self.spec.ray or not self.spec.remote)
         with self.startup.stage("engine"):
             self.engine = build_engine_core(config, device=self.spec.local_device,
-                                            kv_allocator=allocate if shared else None, proposer=self._draft_client())
+                                            kv_allocator=allocate if shared else None, proposer=self._draft_client(),
+                                            progress=self.relay.report)
         with self.startup.stage("calibration"):
             if self.spec.calibration is None:
-                self.calibration = calibrate_engine(self.engine)
+                self.calibration = calibrate_engine(self.engine, progress=self.relay.report)
                 log_calibration(self.calibration, log)
             else:
                 self.calibration = Calibration.from_wire(self.spec.calibration)
-                warm_up(self.engine)
+                warm_up(self.engine, self.relay.report)
         return self.engine
 
     def start_tasks(self) -> None:

@@ -24,6 +24,7 @@ from actors.actor import Actor, integrity_error, send_quietly
 from engine.config import MAX_SPECULATIVE_TOKENS, EngineConfig
 from engine.kv.cache import choose_num_blocks
 from engine.model.loader import resolve_dtype, resolve_model
+from engine.model.progress import READING_CHECKPOINT, WARMING_UP, Progress, report
 from engine.sampling.sampling_params import SamplingParams
 from engine.speculative.build import draft_net, draft_spare_blocks
 from engine.speculative.draft_model import DraftModelProposer
@@ -126,12 +127,13 @@ def _row(seq_id: int, proposal: Proposal, budget: int) -> tuple[m.DraftProposal,
     return m.DraftProposal(seq_id, list(proposal.token_ids), data), budget - len(data)
 
 
-def build_draft_server(config: EngineConfig, device: str) -> DraftServer:
+def build_draft_server(config: EngineConfig, device: str, progress: Progress | None = None) -> DraftServer:
     """The draft model and a KV pool of its own: the engine's block count (or a share of free memory), plus
-    room for every sequence's K draft positions."""
+    room for every sequence's K draft positions. `progress` hears each stage (engine/model/progress.py)."""
+    report(progress, READING_CHECKPOINT)
     source = resolve_model(config.model)
     dtype = resolve_dtype(config.dtype, device)
-    net = draft_net(config.draft_model, source, dtype, device)
+    net = draft_net(config.draft_model, source, dtype, device, progress=progress)
     num_blocks = choose_num_blocks(net.cfg, config.block_size, dtype, config.num_kv_blocks, config.kv_cache_memory,
                                    psutil.virtual_memory().available) + draft_spare_blocks(config)
     proposer = DraftModelProposer(net, num_blocks, config.block_size, dtype, device)
@@ -146,7 +148,8 @@ class DraftActor(Actor):
         self._sessions: dict[Connection, int] = {}
 
     def build_engine(self) -> DraftServer:
-        self.engine = build_draft_server(EngineConfig(**self.spec.engine), self.spec.local_device)
+        self.engine = build_draft_server(EngineConfig(**self.spec.engine), self.spec.local_device, self.relay.report)
+        self.relay.report(WARMING_UP)
         self.engine.warm_up()
         log.info("draft model %s loaded (%d KV blocks)", self.spec.engine.get("draft_model"),
                  self.engine.proposer.pool.num_blocks)
@@ -173,7 +176,8 @@ class DraftActor(Actor):
             await super().serve_connection(conn)
         finally:
             del self._sessions[conn]
-            self.thread.post(lambda engine: engine.drop_session(session))
+            if self.thread is not None:  # None: the connection ended while the model loaded, with no session state
+                self.thread.post(lambda engine: engine.drop_session(session))
 
     async def on_propose(self, conn: Connection, msg: m.ProposeDrafts) -> None:
         session = self._sessions[conn]

@@ -33,10 +33,11 @@ class PrefillActor(Actor):
 
     def build_engine(self) -> PrefillEngine:
         with self.startup.stage("engine"):
-            self.engine = build_prefill_engine(EngineConfig(**self.spec.engine), device=self.spec.local_device)
+            self.engine = build_prefill_engine(EngineConfig(**self.spec.engine), device=self.spec.local_device,
+                                               progress=self.relay.report)
         with self.startup.stage("calibration"):
             if self.spec.calibration is None:
-                self.calibration = calibrate_prefill_engine(self.engine)
+                self.calibration = calibrate_prefill_engine(self.engine, progress=self.relay.report)
                 log_calibration(self.calibration, log)
             else:
                 self.calibration = Calibration.from_wire(self.spec.calibration)

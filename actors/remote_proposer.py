@@ -152,11 +152,15 @@ class RemoteProposer:
             self._fail(exc)
             raise DraftUnavailable(f"cannot connect to the draft actor at {self.socket_path}: {exc!r}") from exc
         try:
-            _check_greeting(conn.recv(deadline), conn.recv(deadline))
+            ready = _check_greeting(conn.recv(deadline), conn.recv(deadline))
         except (OSError, TransportError) as exc:
             conn.close()
             self._fail(exc)
             raise DraftUnavailable(f"the draft actor at {self.socket_path} did not greet: {exc!r}") from exc
+        if not ready:  # still loading its model: as if it did not listen yet
+            conn.close()
+            self._back_off()
+            return False
         self._conn = conn
         log.info("connected to the draft actor at %s", self.socket_path)
         return True
@@ -184,12 +188,14 @@ class RemoteProposer:
         self._sent.clear()
 
 
-def _check_greeting(hello: m.Message, ready: m.Message) -> None:
-    if not isinstance(hello, m.Hello) or not isinstance(ready, m.Ready):
+def _check_greeting(hello: m.Message, ready: m.Message) -> bool:
+    """True for Hello and Ready; False for Hello and StartupProgress (the actor is still loading)."""
+    if not isinstance(hello, m.Hello) or not isinstance(ready, (m.Ready, m.StartupProgress)):
         raise ProtocolError(f"expected Hello and Ready, got {type(hello).__name__}, {type(ready).__name__}")
     if hello.role != Role.DRAFT or hello.protocol_version != m.PROTOCOL_VERSION:
         raise ProtocolError(f"expected a draft actor speaking protocol {m.PROTOCOL_VERSION}, got a {hello.role} "
                             f"actor speaking {hello.protocol_version}")
+    return isinstance(ready, m.Ready)
 
 
 def _common_prefix(a: list[int], b: Sequence[int]) -> int:

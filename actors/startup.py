@@ -1,15 +1,25 @@
-"""An actor process's start-up, stage by stage: the one line that says where a (re)start's seconds went."""
+"""An actor process's start-up, stage by stage: the one line that says where a (re)start's seconds went
+(`Startup`), and what its connections hear while it loads (`StartupRelay`)."""
 from __future__ import annotations
 
+import asyncio
 import os
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator, TypeVar
 
 import psutil
 
+from engine.core.engine_thread import build_in_thread
+from engine.model.progress import STAGE_UNITS
+from transport import Connection
+from transport import messages as m
+
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+STARTING = "starting"  # the stage an actor reports before its build reports one
+T = TypeVar("T")
 
 
 @dataclass
@@ -65,3 +75,73 @@ def process_age() -> float:
         return max(0.0, uptime - start_ticks / CLOCK_TICKS)
     except (OSError, ValueError, IndexError):
         return max(0.0, time.time() - psutil.Process().create_time())
+
+
+class StartupRelay:
+    """An actor's start as its connections see it: the engine built on a thread of its own while the loop serves,
+    and the progress the build reports (`report`, from any thread), sent to every connection that waits for
+    Ready each time it moves (`until_ready`). Its supervisor gives up on an actor that falls silent, not on one
+    that takes long."""
+
+    def __init__(self, actor_id: str) -> None:
+        self.actor_id = actor_id
+        self.latest = m.StartupProgress(actor_id, STARTING)
+        self.version = 1  # bumps with each report
+        self.ready: bool | None = None  # True once the engine serves; False when it never will
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._lock = threading.Lock()
+        self._waiters: list[asyncio.Future] = []
+        self._wake_pending = False
+
+    def report(self, stage: str, done: int = 0, total: int = 0) -> None:
+        """From any thread: the start reached `stage`, `done` of `total` units (engine/model/progress.py)."""
+        with self._lock:
+            self.latest = m.StartupProgress(self.actor_id, stage, done, total, STAGE_UNITS.get(stage, ""))
+            self.version += 1
+            if self._wake_pending or self._loop is None:
+                return  # a wake-up is on its way, and will find this report
+            self._wake_pending = True
+        self._loop.call_soon_threadsafe(self._wake)
+
+    async def build(self, build: Callable[[], T], stopped: asyncio.Event, name: str) -> T | None:
+        """build() on a thread of its own (engine_thread.build_in_thread); None when `stopped` is set first. Its
+        error is raised here, and the connections waiting for Ready are let go. Call `finish` once it serves."""
+        self._loop = asyncio.get_running_loop()
+        building = asyncio.ensure_future(build_in_thread(build, name))
+        stopping = asyncio.ensure_future(stopped.wait())
+        await asyncio.wait((building, stopping), return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        if not building.done():
+            building.cancel()
+            self.finish(False)
+            return None
+        if building.exception() is not None:
+            self.finish(False)
+        return building.result()
+
+    def finish(self, ready: bool) -> None:
+        """On the loop: the start is over; `ready`: the engine serves (Ready may go out)."""
+        self.ready = ready
+        self._wake()
+
+    async def until_ready(self, conn: Connection) -> bool:
+        """Send `conn` the progress each time it moves until the start is over: True when the engine serves (Ready
+        goes next), False when it never will. An engine built already sends nothing."""
+        seen = 0
+        while self.ready is None:
+            if self.version != seen:
+                seen = self.version
+                await conn.send(self.latest)
+                continue
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
+            await waiter
+        return self.ready
+
+    def _wake(self) -> None:
+        with self._lock:
+            self._wake_pending = False
+        waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)

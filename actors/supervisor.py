@@ -1,8 +1,9 @@
 """Start, watch and restart actor processes from the main process.
 
 Each actor is a fresh interpreter (`python -m actors.worker`, never a fork of this torch-importing process)
-listening on a socket in a private directory. The supervisor connects, waits for Hello + Ready, then
-heartbeats it. An actor that exits, closes its connection or misses heartbeats is killed, reported down
+listening on a socket in a private directory. The supervisor connects, reads Hello, then the actor's progress
+(StartupProgress) until Ready, then heartbeats it. A start fails on silence, not on a total time: an actor that
+sends nothing for `start_silence` seconds (actors/start_watch.py), or whose process exits. An actor that exits, closes its connection or misses heartbeats is killed, reported down
 (the router fails over its requests) and restarted with exponential back-off; too many restarts in a short
 window is a crash loop, reported and not retried.
 
@@ -29,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 from engine.kv.export import reclaim_stale_pools
 from actors.ray_options import RayOptions
 from actors.spec import ROLES, ActorSpec, Role, socket_name
+from actors.start_watch import DEFAULT_START_SILENCE, StartSilence, StartWatch, await_ready, until_joined
 from engine.core.stats import EngineStats
 from transport import Connection, TransportError, connect_unix, private_socket_dir, serve_tcp
 from transport.owned import owned_prefix, reclaim
@@ -42,7 +44,8 @@ log = logging.getLogger("supervisor")
 
 @dataclass(frozen=True)
 class SupervisorSettings:
-    start_timeout: float = 120.0  # model load included
+    # A starting actor that sends nothing (no progress) for this long is given up; a start has no total limit
+    start_silence: float = DEFAULT_START_SILENCE
     heartbeat_interval: float = 0.5
     heartbeat_timeout: float = 5.0
     # Delay before restart k within the crash-loop window: the first replacement starts at once (its streams
@@ -82,6 +85,7 @@ class ActorHandle:
     draining: bool = False  # being drained (router.drain): no new work, and its exit is a planned restart
     last_exit: int | None = None  # the exit status of its previous process (negative: killed by that signal)
     down_at: float | None = None  # monotonic time it went down, until its replacement is ready
+    watch: StartWatch | None = None  # its latest start: what it reported, and when it last did
 
     @property
     def actor_id(self) -> str:
@@ -159,13 +163,15 @@ class Supervisor:
         return self._tcp.address
 
     async def _accept_remote(self, conn: Connection) -> None:
-        hello = await conn.recv(timeout=self.settings.start_timeout)
-        ready = await conn.recv(timeout=self.settings.start_timeout)
-        if not isinstance(hello, m.Hello) or not isinstance(ready, m.Ready) or hello.role not in ROLES:
-            raise TransportError("a remote worker must open with Hello and Ready")
-        if hello.protocol_version != m.PROTOCOL_VERSION:
-            raise TransportError(f"protocol version {hello.protocol_version} != {m.PROTOCOL_VERSION}")
+        hello = await conn.recv(timeout=self.settings.start_silence)
+        if not isinstance(hello, m.Hello) or hello.role not in ROLES:
+            raise TransportError("a remote worker must open with Hello")
+        _check_version(hello)
         handle = self._remote_handle(hello)
+        if handle.watch is None or not handle.spec.ray:  # a Ray actor's watch began when it was launched
+            handle.watch = StartWatch(handle.actor_id, self.settings.start_silence)
+        handle.watch.heard()
+        ready = await await_ready(lambda timeout: conn.recv(timeout=timeout), handle.watch)
         if not handle.spec.ray:  # a Ray actor's incarnation began when it was launched
             handle.incarnation += 1
         handle.conn, handle.ready, handle.hello = conn, ready, hello
@@ -223,10 +229,11 @@ class Supervisor:
         handle.process = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "actors.worker", "--spec", handle.spec.to_json(),
             env=handle.spec.child_environment(), cwd=_project_root(), stdin=asyncio.subprocess.DEVNULL)
+        handle.watch = StartWatch(handle.actor_id, self.settings.start_silence)
         try:
-            await asyncio.wait_for(self._handshake(handle), self.settings.start_timeout)
+            await self._handshake(handle)
         except (asyncio.TimeoutError, TransportError, ConnectionError, OSError) as exc:
-            handle.start_error = str(exc) or type(exc).__name__
+            handle.start_error = await self._start_failure(handle, exc)
             log.error("actor %s failed to start: %s", handle.actor_id, handle.start_error)
             await self._mark_down(handle, handle.incarnation)
             return
@@ -249,14 +256,32 @@ class Supervisor:
         await _maybe_await(self._on_up(handle))
 
     async def _handshake(self, handle: ActorHandle) -> None:
+        """Hello, then the actor's progress until Ready, each within the silence window of the one before."""
         conn = await self._connect(handle)
-        hello = await conn.recv()
-        ready = await conn.recv()
-        if not isinstance(hello, m.Hello) or not isinstance(ready, m.Ready):
-            raise TransportError(f"expected Hello and Ready, got {type(hello).__name__}, {type(ready).__name__}")
-        if hello.protocol_version != m.PROTOCOL_VERSION:
-            raise TransportError(f"protocol version {hello.protocol_version} != {m.PROTOCOL_VERSION}")
+        try:
+            hello = await conn.recv(timeout=max(handle.watch.remaining(), 0.0))
+            if not isinstance(hello, m.Hello):
+                raise TransportError(f"expected Hello, got {type(hello).__name__}")
+            _check_version(hello)
+            handle.watch.heard()
+            ready = await await_ready(lambda timeout: conn.recv(timeout=timeout), handle.watch)
+        except TimeoutError as exc:
+            conn.close(abort=True)
+            raise exc if isinstance(exc, StartSilence) else handle.watch.silent() from None
+        except BaseException:
+            conn.close(abort=True)
+            raise
         handle.conn, handle.ready, handle.hello = conn, ready, hello
+
+    async def _start_failure(self, handle: ActorHandle, exc: BaseException) -> str:
+        """Why a start failed: the actor's own words when its process ended (it writes them on the way out),
+        with how far it had come."""
+        if handle.process is not None and not isinstance(exc, StartSilence) \
+                and await _exits_within(handle.process, EXIT_NOTICE_SECONDS):
+            reason = _read_start_error(handle.spec)
+            return (f"pid {handle.pid} {describe_exit(handle.process.returncode)} while starting, at "
+                    f"{handle.watch.where()}" + (f": {reason}" if reason else ""))
+        return str(exc) or type(exc).__name__
 
     async def _start_on_ray(self, handle: ActorHandle) -> None:
         """Launch the actor on Ray and wait until it joins; Ray's report of its end counts as its exit."""
@@ -265,11 +290,12 @@ class Supervisor:
         handle.state, handle.hello = ActorState.STARTING, None
         handle.joined = asyncio.get_running_loop().create_future()
         handle.ray = self.cluster.launch(handle.spec, *self._join)
+        handle.watch = StartWatch(handle.actor_id, self.settings.start_silence)
         handle.tasks = [asyncio.create_task(self._watch_ray(handle, incarnation, handle.ray))]
         try:
-            await asyncio.wait_for(asyncio.shield(handle.joined), self.settings.start_timeout)
+            await until_joined(handle.joined, handle.watch)
         except (asyncio.TimeoutError, TransportError) as exc:
-            handle.start_error = str(exc) or "did not join within the start timeout"
+            handle.start_error = str(exc) or type(exc).__name__
             log.error("actor %s failed to start on Ray: %s", handle.actor_id, handle.start_error)
             await self._mark_down(handle, incarnation)
             return
@@ -292,12 +318,13 @@ class Supervisor:
             await self._mark_down(handle, incarnation)
 
     async def _connect(self, handle: ActorHandle) -> Connection:
-        """The actor listens only once its model is loaded: poll for the socket while the process lives."""
+        """The actor listens once its imports are done, before it loads its model: poll for the socket while the
+        process lives and the silence window lasts."""
         while True:
             if handle.process.returncode is not None:
-                reason = _read_start_error(handle.spec)
-                raise TransportError(f"pid {handle.pid} {describe_exit(handle.process.returncode)} while starting"
-                                     + (f": {reason}" if reason else ""))
+                raise TransportError(f"pid {handle.pid} {describe_exit(handle.process.returncode)} while starting")
+            if handle.watch.remaining() <= 0:
+                raise handle.watch.silent()
             if Path(handle.spec.socket_path).exists():
                 try:
                     return await connect_unix(handle.spec.socket_path, timeout=5.0)
@@ -440,6 +467,11 @@ def describe_exit(returncode: int | None) -> str:
         except ValueError:
             return f"killed by signal {-returncode}"
     return f"exited with status {returncode}"
+
+
+def _check_version(hello: m.Hello) -> None:
+    if hello.protocol_version != m.PROTOCOL_VERSION:
+        raise TransportError(f"protocol version {hello.protocol_version} != {m.PROTOCOL_VERSION}")
 
 
 def _read_start_error(spec: ActorSpec) -> str | None:

@@ -9,7 +9,7 @@ import pytest
 
 from actors.actor import Actor
 from actors.spec import ActorSpec
-from engine.core.engine_thread import build_off_thread
+from engine.core.engine_thread import build_in_thread, build_off_thread
 
 
 def test_build_off_thread_runs_on_a_thread_that_has_exited():
@@ -30,6 +30,32 @@ def test_build_off_thread_raises_the_builds_error_on_the_caller():
 
     with pytest.raises(ValueError, match="no such model"):
         build_off_thread(build)
+
+
+async def test_build_in_thread_leaves_the_loop_free_and_its_thread_gone():
+    started, release = threading.Event(), threading.Event()
+    seen: list[threading.Thread] = []
+
+    def build() -> str:
+        seen.append(threading.current_thread())
+        started.set()
+        release.wait()
+        return "engine"
+
+    building = asyncio.ensure_future(build_in_thread(build))
+    await asyncio.to_thread(started.wait)  # the loop runs this while the build waits (a blocked one never would)
+    assert not building.done()
+    asyncio.get_running_loop().call_soon(release.set)  # from the loop itself: it must be free to run this
+    assert await building == "engine"
+    assert seen[0] is not threading.current_thread() and not seen[0].is_alive()
+
+
+async def test_build_in_thread_raises_the_builds_error_on_the_loop():
+    def build() -> None:
+        raise ValueError("no such model")
+
+    with pytest.raises(ValueError, match="no such model"):
+        await build_in_thread(build)
 
 
 class _Idle:
@@ -58,7 +84,7 @@ def test_an_actor_builds_its_engine_off_the_loop_and_starts_its_tasks_on_it():
     actor = _RecordingActor()
 
     async def start() -> threading.Thread:
-        actor._start_engine()
+        assert await actor._start_engine()
         actor._stop_engine()
         return threading.current_thread()
 

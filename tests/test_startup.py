@@ -1,8 +1,11 @@
-"""The actor start-up timeline: stages add up to the total, and the process age comes from /proc."""
+"""The actor start-up timeline: stages add up to the total, and the process age comes from /proc; what the build
+reports, and what a connection waiting for Ready hears of it."""
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -52,3 +55,70 @@ def test_the_builder_reports_each_stage_and_every_tensor_it_loads(tiny_model_dir
     stages = list(dict.fromkeys(stage for stage, _, _ in heard))
     assert stages == ["reading the checkpoint", "loading weights", "allocating the KV pool", "building kernels",
                       "preparing weights"]
+
+
+class _Conn:
+    """Records what an actor sends on a connection."""
+
+    def __init__(self) -> None:
+        self.sent: list = []
+
+    async def send(self, msg) -> None:
+        self.sent.append(msg)
+
+
+async def test_a_connection_hears_the_progress_until_the_engine_serves():
+    from actors.startup import StartupRelay
+
+    relay = StartupRelay("decode-0")
+    step, proceed = threading.Event(), threading.Event()
+
+    def build() -> str:
+        for done in range(1, 4):
+            relay.report("loading weights", done, 3)  # from the build thread
+            step.set()
+            proceed.wait()
+            proceed.clear()
+        return "engine"
+
+    conn = _Conn()
+    greeting = asyncio.ensure_future(relay.until_ready(conn))
+    building = asyncio.ensure_future(relay.build(build, asyncio.Event(), "build"))
+    for done in range(1, 4):
+        await asyncio.to_thread(step.wait)
+        step.clear()
+        while not conn.sent or conn.sent[-1].done != done:  # counted: each report reaches the connection
+            await asyncio.sleep(0)
+        proceed.set()
+    assert await building == "engine" and not greeting.done()  # no Ready before the actor says it serves
+    relay.finish(True)
+    assert await greeting is True
+    assert [m.stage for m in conn.sent] == ["starting"] + ["loading weights"] * 3
+    assert [(m.done, m.total, m.unit) for m in conn.sent[1:]] == [(1, 3, "tensors"), (2, 3, "tensors"),
+                                                                  (3, 3, "tensors")]
+    assert await relay.until_ready(_Conn()) is True  # a later connection: straight to Ready
+
+
+async def test_a_failed_build_lets_the_waiting_connections_go_and_raises():
+    from actors.startup import StartupRelay
+
+    relay = StartupRelay("decode-0")
+
+    def build() -> None:
+        raise OSError("no such file")
+
+    greeting = asyncio.ensure_future(relay.until_ready(_Conn()))
+    with pytest.raises(OSError, match="no such file"):
+        await relay.build(build, asyncio.Event(), "build")
+    assert await greeting is False
+
+
+async def test_an_actor_stopped_while_it_loads_stops_waiting_for_its_build():
+    from actors.startup import StartupRelay
+
+    relay, stopped, release = StartupRelay("decode-0"), asyncio.Event(), threading.Event()
+    building = asyncio.ensure_future(relay.build(lambda: release.wait(), stopped, "build"))
+    await asyncio.sleep(0)
+    stopped.set()
+    assert await building is None and relay.ready is False
+    release.set()

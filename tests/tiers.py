@@ -92,6 +92,7 @@ MODULE_TIERS: Mapping[str, Tier] = {
     "test_shared_pool.py": U,
     "test_sliding_window.py": E,
     "test_source_hygiene.py": U,
+    "test_start_watch.py": U,  # the supervisor with a silent actor process is marked process
     "test_startup.py": U,  # the process-age test starts an interpreter: marked process
     "test_spec_decode.py": E,
     "test_spec_decode_units.py": U,
