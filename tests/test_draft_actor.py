@@ -188,11 +188,23 @@ def draft_process(tiny_model_dir):
         while not Path(spec.socket_path).exists():
             assert proc.poll() is None and time.monotonic() < deadline, "the draft actor did not start"
             time.sleep(0.05)
+        _wait_ready(spec.socket_path, deadline)  # it listens while it loads: serving is its Ready
         yield spec
     finally:
         proc.terminate()
         proc.wait(20)
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def _wait_ready(socket_path: str, deadline: float) -> None:
+    conn = BlockingConnection.open_unix(socket_path, deadline)
+    try:
+        assert isinstance(conn.recv(deadline), m.Hello)
+        while isinstance(msg := conn.recv(deadline), m.StartupProgress):
+            pass
+        assert isinstance(msg, m.Ready), msg
+    finally:
+        conn.close()
 
 
 def integrity(socket_path: str) -> m.IntegrityReport:
@@ -329,6 +341,28 @@ def test_a_draft_actor_that_never_answers_costs_one_deadline_then_backs_off():
         assert proposer.backing_off  # the second failure in a row backs off twice as long (4 s, not 2)
         clock.advance(1.6)
         assert not proposer.backing_off
+    finally:
+        proposer.close()
+        fake.close()
+
+
+def test_a_draft_actor_still_loading_is_left_alone_like_one_not_listening_yet():
+    def loading(conn: BlockingConnection) -> None:
+        deadline = time.monotonic() + 5
+        conn.send(m.Hello("draft", "cpu", os.getpid(), "fake"), deadline)
+        conn.send(m.StartupProgress("fake", "loading weights", 1, 10, "tensors"), deadline)
+
+    fake = FakeDraftActor(loading)
+    clock = FakeClock()
+    proposer = RemoteProposer(fake.path, settings=RemoteDraftSettings(deadline=5.0, backoff=2.0), clock=clock)
+    try:
+        assert proposer.propose(requests_for([3, 4, 5]))[0].token_ids == []  # no drafts, and no error
+        assert proposer.num_failures == 0 and proposer.backing_off and len(fake.connections) == 1
+        assert proposer.propose(requests_for([3, 4, 5]))[0].token_ids == []
+        assert len(fake.connections) == 1  # not asked again before the back-off ends
+        clock.advance(2.1)
+        proposer.propose(requests_for([3, 4, 5]))
+        assert len(fake.connections) == 2 and proposer.num_failures == 0
     finally:
         proposer.close()
         fake.close()
