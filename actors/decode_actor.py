@@ -80,9 +80,10 @@ class DecodeActor(Actor):
         # node the actors placed beside this one can.
         shared = self.spec.share_kv and (self.spec.ray or not self.spec.remote)
         with self.startup.stage("engine"):
+            # The server checked that its actors fit in this host's memory; a worker on another host checks itself
             self.engine = build_engine_core(config, device=self.spec.local_device,
                                             kv_allocator=allocate if shared else None, proposer=self._draft_client(),
-                                            progress=self.relay.report)
+                                            progress=self.relay.report, check_memory=self.spec.remote)
         with self.startup.stage("calibration"):
             if self.spec.calibration is None:
                 self.calibration = calibrate_engine(self.engine, progress=self.relay.report)

@@ -34,7 +34,7 @@ class PrefillActor(Actor):
     def build_engine(self) -> PrefillEngine:
         with self.startup.stage("engine"):
             self.engine = build_prefill_engine(EngineConfig(**self.spec.engine), device=self.spec.local_device,
-                                               progress=self.relay.report)
+                                               progress=self.relay.report, check_memory=self.spec.remote)
         with self.startup.stage("calibration"):
             if self.spec.calibration is None:
                 self.calibration = calibrate_prefill_engine(self.engine, progress=self.relay.report)

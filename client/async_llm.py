@@ -25,7 +25,7 @@ from engine.core.step import SequenceUpdate
 from engine.core.stats import EngineStats
 from engine.core.treatment import Treatment
 from frontend.front_door import ChatTools, EngineInput, FrontDoor, Messages, Prompt
-from router.layout import ActorLayout, actor_specs
+from router.layout import ActorLayout, actor_specs, check_local_memory
 from router.placement import PlacementMode, PlacementPolicy
 from router.router import ActorRouter, RouterSettings
 
@@ -49,6 +49,8 @@ class AsyncLLM:
     `capacity_timeout`: with actors, how long a request waits for a decode actor to come (back) up before it
     fails with engine.core.client_protocol.NoCapacityError. `max_migrations`: how many times one stream may
     be resumed on another decode actor before it fails. `ray`: place the actors on a Ray cluster (actors.ray_options).
+    With actors, what they will hold is checked against this host's memory before any starts
+    (InsufficientMemoryError, a ConfigError); in process, before the weights load.
     """
 
     def __init__(self, model: str | None = None, dtype: str | None = None, *, decode_actors: int = 0,
@@ -66,6 +68,8 @@ class AsyncLLM:
             raise ConfigError("draft_actors needs speculative='draft' (and a draft_model)")
         self.engine = None if self.layout.uses_actors else build_off_thread(lambda: build_engine_core(self.config))
         self.source = self.engine.source if self.engine else _checked_source(self.config)
+        if self.engine is None:  # before any actor starts; an engine in this process checked itself
+            check_local_memory(actor_specs(self.layout, _config_options(self.config)), self.source)
         self.tokenizer = self.source.tokenizer
         self.front_door = FrontDoor.for_source(self.source)
         self.processor = OutputProcessor(self.tokenizer)

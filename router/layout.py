@@ -1,12 +1,21 @@
-"""Which actors to run: how many of each role, on which devices, and the spec each one starts from."""
+"""Which actors to run: how many of each role, on which devices, and the spec each one starts from; and whether
+what they will hold fits in this host's memory, said before any of them starts."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+
+import torch
 
 from actors.ray_options import RayOptions
 from actors.spec import ActorSpec, Role, split_cores
+from engine.config import EngineConfig
+from engine.model.footprint import Footprint, available_memory, check_resident, engine_footprint, total
+from engine.model.loader import ModelSource, resolve_dtype
 from router.placement import PlacementMode
 from transport import load_secret
+
+log = logging.getLogger("router")
 
 
 @dataclass(frozen=True)
@@ -90,3 +99,26 @@ def _draft_options(options: dict, num_decodes: int, num_drafts: int, index: int)
     if options.get("num_kv_blocks") and served > 1:
         return dict(options, num_kv_blocks=options["num_kv_blocks"] * served)
     return options
+
+
+def local_footprint(specs: list[ActorSpec], source: ModelSource, available: int) -> tuple[Footprint, int]:
+    """What the actors that hold their model in this host's memory (on its CPU, not remote nor on Ray) will hold
+    once loaded, and how many they are: each prefill and decode actor its copy of the weights, each decode actor
+    its KV pool (a prefill actor writes into theirs). Draft actors are not counted (engine/model/footprint.py)."""
+    local = [s for s in specs if s.role in (Role.PREFILL, Role.DECODE) and not s.remote
+             and torch.device(s.device).type == "cpu"]
+    parts = []
+    for spec in local:
+        config = EngineConfig(**spec.engine)
+        dtype = resolve_dtype(config.dtype, spec.device)
+        parts.append(engine_footprint(source, config, dtype, available, kv_pool=spec.role is Role.DECODE))
+    return total(parts), len(local)
+
+
+def check_local_memory(specs: list[ActorSpec], source: ModelSource) -> None:
+    """Log what the local actors will hold, and refuse (engine.model.footprint.InsufficientMemoryError, one
+    sentence with the numbers) before any of them starts when it exceeds the memory available."""
+    available = available_memory()
+    footprint, count = local_footprint(specs, source, available)
+    if count:
+        check_resident(footprint, available, log, f"by {count} actor{'s' if count > 1 else ''} on this host")

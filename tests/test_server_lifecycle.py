@@ -1,10 +1,11 @@
 """The server's life as a service manager sees it: what a stop leaves behind (SIGTERM to the process group, SIGKILL
-then the next start), a start refused for a small /dev/shm, the last event of a stream aborted at shutdown, and
-a request that finds no decode actor up."""
+then the next start), a start refused for a small /dev/shm or for memory that does not fit, the last event of a
+stream aborted at shutdown, and a request that finds no decode actor up."""
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -15,7 +16,8 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.server_utils import REPO, TINY_ENGINE_FLAGS, ServerProcess, openai_client, start_server, wait_until
+from tests.server_utils import (REPO, TINY_ENGINE_FLAGS, ServerProcess, guarded, openai_client, start_server,
+                                wait_until)
 from transport.owned import owned_prefix
 
 SHM = Path("/dev/shm")
@@ -143,6 +145,28 @@ def test_a_small_dev_shm_refuses_to_start_with_one_sentence(tiny_model_dir, tmp_
     assert "/dev/shm has 64 MiB free" in error and "needs 128 MiB" in error
     assert "--shm-size=" in error and "--ipc=host" in error
     assert _named_by(TMP, "actors", {proc.pid}) == []  # a failed start leaves no directory
+
+
+def test_a_start_that_would_not_fit_in_memory_is_refused_before_any_actor_spawns(tiny_model_dir, tmp_path):
+    private_tmp = tmp_path / "tmp"  # where the supervisor would make its socket directory
+    private_tmp.mkdir()
+    cmd = [sys.executable, "cli.py", "serve", "--port", "0", "--log-format", "json", "--model", str(tiny_model_dir),
+           "--kv-cache-memory", "100000GiB"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=guarded(60),
+                          env=os.environ | {"TMPDIR": str(private_tmp)})
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 2, output
+    events = [json.loads(line) for line in output.splitlines() if line.startswith("{")]
+    refusal = [e["error"] for e in events if e["event"] == "cannot start"]
+    assert len(refusal) == 1, output
+    assert re.fullmatch(r"model weights [\d.]+ MiB \(bfloat16\) \+ KV pool 100000\.0 GiB \+ activations [\d.]+ MiB = "
+                        r"100000\.\d GiB, but only [\d.]+ GiB is available; lower --kv-cache-memory \(or "
+                        r"--num-kv-blocks\), or free some memory", refusal[0]), refusal[0]
+    resident = [e["event"] for e in events if e["event"].startswith("resident once loaded")]
+    assert len(resident) == 1 and resident[0].startswith("resident once loaded by 1 actor on this host: "
+                                                         + refusal[0].split(", but")[0]), output
+    assert {e["role"] for e in events} == {"server"}, output  # no actor logged a line: none started
+    assert list(private_tmp.iterdir()) == []  # nor did the supervisor make its socket directory
 
 
 def test_a_stream_aborted_at_the_end_of_the_grace_period_gets_a_last_error_event(tiny_model_dir, tmp_path):

@@ -46,6 +46,7 @@ MODULE_TIERS: Mapping[str, Tier] = {
     "test_engine.py": E,
     "test_engine_client.py": U,
     "test_engine_thread.py": U,
+    "test_footprint.py": U,  # the embedded engine's refusal is marked engine
     "test_gemma.py": E,
     "test_gguf_loader.py": U,  # the default model's tests are slow
     "test_gguf_quants.py": U,

@@ -7,6 +7,7 @@ Each part is complete when it is built: nothing is attached to a built part afte
 """
 from __future__ import annotations
 
+import logging
 from functools import partial
 from typing import Callable
 
@@ -24,6 +25,7 @@ from engine.kv.cache import KVCache, choose_num_blocks, grouped_num_blocks
 from engine.kv.compaction import MIN_BATCH_SHARE, Compactor
 from engine.kv.compress import ColdRegion, split_kv_budget
 from engine.kv.groups import KVGroups
+from engine.model.footprint import available_memory, check_resident, engine_footprint
 from engine.model.loader import ModelSource, load_model, resolve_dtype, resolve_model
 from engine.model.progress import (ALLOCATING_KV, BUILDING_KERNELS, LOADING_DRAFT, PREPARING_WEIGHTS,
                                    READING_CHECKPOINT, Progress, report)
@@ -33,21 +35,26 @@ from engine.speculative.build import build_proposer
 from engine.speculative.proposer import Proposer
 from engine.speculative.speculator import Speculator
 
+log = logging.getLogger(__name__)
 KVAllocator = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
 
 
 def build_engine_core(config: EngineConfig, source: ModelSource | None = None, device: str = "cpu",
                       kv_allocator: KVAllocator | None = None, proposer: Proposer | None = None,
-                      progress: Progress | None = None) -> EngineCore:
+                      progress: Progress | None = None, check_memory: bool = True) -> EngineCore:
     """`kv_allocator(shape, dtype)` provides the KV pool's memory (an actor passes shared memory). `proposer`
     replaces the one `config.speculative` would build here (a decode actor's draft actor client). `progress`
-    hears each stage (engine/model/progress.py)."""
+    hears each stage (engine/model/progress.py). `check_memory`: refuse before the weights load when what the
+    engine would hold does not fit in the memory available (engine/model/footprint.py); off where the caller
+    checked a whole layout of engines already (the server, for its actors)."""
     _set_torch_threads(config)
     torch.manual_seed(config.seed)
     report(progress, READING_CHECKPOINT)
     source = source or resolve_model(config.model)
     dtype = resolve_dtype(config.dtype, device)
     model_cfg = source.config
+    if check_memory and torch.device(device).type == "cpu":
+        _check_memory(source, config, dtype, kv_pool=True)
     model = load_model(source, dtype, device, config.weight_dtype, progress)
     report(progress, ALLOCATING_KV)
     plain_blocks, num_cold = _kv_block_counts(config, model_cfg, dtype)
@@ -75,16 +82,24 @@ def build_engine_core(config: EngineConfig, source: ModelSource | None = None, d
 
 
 def build_prefill_engine(config: EngineConfig, source: ModelSource | None = None, device: str = "cpu",
-                         progress: Progress | None = None) -> PrefillEngine:
-    """`progress` as build_engine_core's."""
+                         progress: Progress | None = None, check_memory: bool = True) -> PrefillEngine:
+    """`progress` and `check_memory` as build_engine_core's (a prefill engine keeps no KV pool of its own)."""
     _set_torch_threads(config)
     report(progress, READING_CHECKPOINT)
     source = source or resolve_model(config.model)
     dtype = resolve_dtype(config.dtype, device)
+    if check_memory and torch.device(device).type == "cpu":
+        _check_memory(source, config, dtype, kv_pool=False)
     model = load_model(source, dtype, device, config.weight_dtype, progress)
     runner = ModelRunner(model, None, device, _backend(config, dtype, device, progress),
                          grammar_compiler=partial(source_compiler, source))
     return PrefillEngine(config, source, dtype=dtype, device=device, runner=runner)
+
+
+def _check_memory(source: ModelSource, config: EngineConfig, dtype: torch.dtype, kv_pool: bool) -> None:
+    """InsufficientMemoryError before anything loads when this engine would not fit in the memory available."""
+    available = available_memory()
+    check_resident(engine_footprint(source, config, dtype, available, kv_pool), available, log)
 
 
 def _backend(config: EngineConfig, dtype: torch.dtype, device: str, progress: Progress | None) -> Backend:

@@ -89,18 +89,20 @@ def auto_weight_dtype(types: Mapping[str, str], shapes: Mapping[str, tuple[int, 
 
 
 def choose_weight_dtype(name: str, types: Mapping[str, str], shapes: Mapping[str, tuple[int, ...]],
-                        dtype: torch.dtype = torch.bfloat16, tied: bool = True) -> WeightChoice:
-    """The formats `--weight-dtype name` loads this checkpoint with; `auto` logs its choice and the reason. With
-    a serving dtype other than bfloat16 (float32 asks for exactness, and the CPU kernels of the quantised
-    formats take bf16 activations) `auto` keeps every weight in that dtype."""
+                        dtype: torch.dtype = torch.bfloat16, tied: bool = True, quiet: bool = False) -> WeightChoice:
+    """The formats `--weight-dtype name` loads this checkpoint with; `auto` logs its choice and the reason (unless
+    `quiet`: an estimate ahead of the load). With a serving dtype other than bfloat16 (float32 asks for
+    exactness, and the CPU kernels of the quantised formats take bf16 activations) `auto` keeps every weight in
+    that dtype."""
     if name != "auto":
         chosen = resolve_weight_dtype(name)
         return WeightChoice(chosen, chosen)
+    level = logging.DEBUG if quiet else logging.INFO
     if dtype != torch.bfloat16:
-        log.info("weight dtype auto: %s weights (the serving dtype)", str(dtype).removeprefix("torch."))
+        log.log(level, "weight dtype auto: %s weights (the serving dtype)", str(dtype).removeprefix("torch."))
         return WeightChoice("bfloat16", "bfloat16")
     choice, why = auto_weight_dtype(types, shapes, tied)
-    log.info("weight dtype auto: layers %s, LM head %s (%s)", choice.layers, choice.head, why)
+    log.log(level, "weight dtype auto: layers %s, LM head %s (%s)", choice.layers, choice.head, why)
     return choice
 
 
