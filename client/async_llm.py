@@ -9,6 +9,8 @@ from dataclasses import fields
 from typing import AsyncIterator, Sequence
 
 from actors.ray_options import RayOptions
+from actors.start_watch import DEFAULT_START_SILENCE
+from actors.supervisor import SupervisorSettings
 from client.in_process import InProcessClient
 from client.prompts import engine_config
 from engine.core.builder import build_engine_core
@@ -49,18 +51,21 @@ class AsyncLLM:
     `capacity_timeout`: with actors, how long a request waits for a decode actor to come (back) up before it
     fails with engine.core.client_protocol.NoCapacityError. `max_migrations`: how many times one stream may
     be resumed on another decode actor before it fails. `ray`: place the actors on a Ray cluster (actors.ray_options).
-    With actors, what they will hold is checked against this host's memory before any starts
-    (InsufficientMemoryError, a ConfigError); in process, before the weights load.
+    `start_silence`: seconds a starting actor may go without reporting progress before it is given up (its start
+    has no limit on the total: actors/start_watch.py). With actors, what they will hold is checked against this
+    host's memory before any starts (InsufficientMemoryError, a ConfigError); in process, before the weights load.
     """
 
     def __init__(self, model: str | None = None, dtype: str | None = None, *, decode_actors: int = 0,
                  prefill_actors: int = 0, devices: Sequence[str] = (), disagg: PlacementMode = "auto",
                  listen_workers: str | None = None, draft_actors: int = 0, stream_interval: int | str = 1,
                  trace_tokens: bool = False, capacity_timeout: float = 30.0, max_migrations: int = 3,
-                 ray: RayOptions | None = None, **engine_options) -> None:
+                 ray: RayOptions | None = None, start_silence: float = DEFAULT_START_SILENCE,
+                 **engine_options) -> None:
         self.stream_interval = StreamInterval.parse(stream_interval)
         self.trace_tokens = trace_tokens
         self.capacity_timeout, self.max_migrations = capacity_timeout, max_migrations
+        self.supervisor_settings = SupervisorSettings(start_silence=start_silence)
         self.config = engine_config(model, dtype, engine_options)
         self.layout = ActorLayout(prefill_actors, decode_actors, tuple(devices), disagg, listen_workers, draft_actors,
                                   trace_tokens, ray)
@@ -100,7 +105,8 @@ class AsyncLLM:
         specs = actor_specs(self.layout, _config_options(self.config))
         settings = RouterSettings(PlacementPolicy(self.layout.disagg), park_timeout=self.capacity_timeout,
                                   max_migrations=self.max_migrations)
-        router = ActorRouter(specs, self._on_updates, self._on_error, settings, ray=self.layout.ray)
+        router = ActorRouter(specs, self._on_updates, self._on_error, settings, self.supervisor_settings,
+                             ray=self.layout.ray)
         try:
             await router.start(self.layout.listen_address())
         except BaseException:

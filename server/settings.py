@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from actors.ray_options import RayOptions, parse_resources
+from actors.start_watch import DEFAULT_START_SILENCE
 from engine.config import ConfigError
 from engine.flags import option, parse_list
 from engine.core.stream_interval import AUTO_MAX_TOKENS, AUTO_OUTPUTS_PER_STEP, StreamInterval
@@ -101,6 +102,9 @@ class ActorOptions:
                                      "during a restart, before it gets 503 with Retry-After")
     max_migrations: int = option(3, "times one stream may move to another decode actor (its own died or "
                                  "drained) before it ends with an error; 0: a stream on a dead actor ends at once")
+    actor_start_silence: float = option(DEFAULT_START_SILENCE, "seconds a starting actor may go without reporting "
+                                        "progress (loading weights, building kernels, calibrating) before it is "
+                                        "given up; its start as a whole has no time limit")
     ray: str | None = option(None, "place the actors on a Ray cluster: auto (the running one), local (a private "
                              "one on this host, on 127.0.0.1) or HOST:PORT of its head", metavar="auto|local|HOST:PORT",
                              shown="none: actor subprocesses on this host")
@@ -127,6 +131,8 @@ class ActorOptions:
             raise ConfigError(f"capacity_timeout must be positive, got {self.capacity_timeout}")
         if self.max_migrations < 0:
             raise ConfigError(f"max_migrations must not be negative, got {self.max_migrations}")
+        if not self.actor_start_silence > 0:
+            raise ConfigError(f"actor_start_silence must be positive, got {self.actor_start_silence}")
         self.ray_options()  # ConfigError for a bad --ray value or resource JSON
 
     def ray_options(self) -> RayOptions | None:
@@ -142,7 +148,8 @@ class ActorOptions:
             return {}
         return dict(decode_actors=self.decode_actors, prefill_actors=self.prefill_actors, devices=self.devices,
                     disagg=self.disagg, listen_workers=self.listen_workers, draft_actors=self.draft_actors,
-                    capacity_timeout=self.capacity_timeout, max_migrations=self.max_migrations, ray=self.ray_options())
+                    capacity_timeout=self.capacity_timeout, max_migrations=self.max_migrations, ray=self.ray_options(),
+                    start_silence=self.actor_start_silence)
 
     def thresholds(self, context: int) -> QuadrantThresholds:
         """Thresholds as given, else scaled to the served model's context (8192 -> 512 in, 256 out)."""

@@ -18,6 +18,7 @@ from typing import Literal
 import pytest
 
 import cli
+from actors.start_watch import DEFAULT_START_SILENCE
 from commands.args import SamplingOptions, add_engine_args, engine_options, sampling_options
 from engine.config import OFFLINE, SERVING, ConfigError, EngineConfig
 from commands.flag_reference import REQUIRED, markdown
@@ -159,7 +160,7 @@ def test_the_cli_defaults_build_the_default_configs(monkeypatch):
     assert server_settings(serve) == ServerSettings()
     assert actor_options(serve) == dict(decode_actors=1, prefill_actors=0, devices=(), disagg="auto",
                                         listen_workers=None, draft_actors=0, capacity_timeout=30.0,
-                                        max_migrations=3, ray=None)
+                                        max_migrations=3, ray=None, start_silence=DEFAULT_START_SILENCE)
     assert sampling_options(parser.parse_args(["generate", "hi"])) == SamplingOptions()
 
 
@@ -178,7 +179,7 @@ def test_parsed_flags_round_trip_into_the_configs(monkeypatch):
         "--kv-cache-dtype", "fp8", "--kv-compress", "fp4", "--kv-compress-after", "64", "--kv-compress-share",
         "0.25", "--port", "0", "--max-queue", "9", "--grace-period", "1.5", "--speculate-quadrants", "all",
         "--log-format", "json", "--log-level", "debug", "--decode-actors", "2", "--devices", "cuda:0, cuda:1",
-        "--disagg", "never", "--long-prompt-threshold", "100", "--max-migrations", "1"])
+        "--disagg", "never", "--long-prompt-threshold", "100", "--max-migrations", "1", "--actor-start-silence", "300"])
     assert EngineConfig(**engine_options(args)) == EngineConfig(
         dtype="float32", num_threads=3, kv_cache_memory=2 << 30, enable_prefix_caching=False, speculative="draft",
         draft_model="self:2", num_speculative_tokens=6, kv_cache_dtype="fp8", kv_compress="fp4",
@@ -187,7 +188,7 @@ def test_parsed_flags_round_trip_into_the_configs(monkeypatch):
     assert log_settings(args) == LogSettings(format="json", level="debug")
     assert actor_options(args) == dict(decode_actors=2, prefill_actors=0, devices=("cuda:0", "cuda:1"),
                                        disagg="never", listen_workers=None, draft_actors=0,
-                                       capacity_timeout=30.0, max_migrations=1, ray=None)
+                                       capacity_timeout=30.0, max_migrations=1, ray=None, start_silence=300.0)
     assert quadrant_thresholds(args, 8192) == type(quadrant_thresholds(args, 8192))(100, 256)
 
 
