@@ -51,7 +51,8 @@ class Actor:
 
     # ---------------------------------------------------------------- overridden per role
     def build_engine(self) -> Any:
-        """Load (and calibrate) the engine. Runs on a thread of its own (build_off_thread), not the loop's."""
+        """Load (and calibrate) the engine, reporting its stages through `self.relay.report`. Runs on a thread of
+        its own (build_in_thread), not the loop's."""
 
     def start_tasks(self) -> None:
         """Start the role's background tasks on the loop, once the engine is built."""

@@ -2,10 +2,11 @@
 
 Each actor is a fresh interpreter (`python -m actors.worker`, never a fork of this torch-importing process)
 listening on a socket in a private directory. The supervisor connects, reads Hello, then the actor's progress
-(StartupProgress) until Ready, then heartbeats it. A start fails on silence, not on a total time: an actor that
-sends nothing for `start_silence` seconds (actors/start_watch.py), or whose process exits. An actor that exits, closes its connection or misses heartbeats is killed, reported down
-(the router fails over its requests) and restarted with exponential back-off; too many restarts in a short
-window is a crash loop, reported and not retried.
+(StartupProgress) until Ready, then heartbeats it. A start fails on silence, not on a total time: when the actor
+sends nothing for `start_silence` seconds (actors/start_watch.py), or its process exits. An actor that exits,
+closes its connection or misses heartbeats is killed, reported down (the router fails over its requests) and
+restarted with exponential back-off; too many restarts in a short window is a crash loop, reported and not
+retried.
 
 With Ray options (`serve --ray`) the actors are Ray actors instead (actors.ray_actors): each joins over TCP
 like a remote worker, Ray's report of its death counts like a process exit, and its restart is a new Ray

@@ -149,7 +149,8 @@ def test_the_refusal_names_only_the_changes_that_would_matter():
 def test_local_actors_each_hold_a_copy_and_only_decode_actors_a_pool():
     engine = {"num_kv_blocks": 100, "dtype": "bfloat16"}
     specs = [ActorSpec("prefill-0", "prefill", engine=engine), ActorSpec("decode-0", "decode", engine=engine),
-             ActorSpec("decode-1", "decode", engine=engine), ActorSpec("decode-2", "decode", engine=engine, remote=True),
+             ActorSpec("decode-1", "decode", engine=engine),
+             ActorSpec("decode-2", "decode", engine=engine, remote=True),
              ActorSpec("decode-3", "decode", "cuda:0", engine=engine)]
     footprint, count = local_footprint(specs, _source(), GiB)
     one = engine_footprint(_source(), EngineConfig(**engine), torch.bfloat16, GiB)

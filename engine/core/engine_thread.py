@@ -4,7 +4,8 @@ Every call that touches the engine is a closure queued to that thread and run be
 engine never sees two threads. Results and step outputs come back on the loop. Both the in-process
 `AsyncLLM` and the actor subprocesses use this, which keeps their loops responsive during long steps.
 
-Build the engine with `build_off_thread`, never on the loop's thread: see its docstring.
+Build the engine with `build_off_thread` (or, from a coroutine, `build_in_thread`), never on the loop's thread:
+see its docstring.
 """
 from __future__ import annotations
 
