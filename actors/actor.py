@@ -2,9 +2,9 @@
 
 An actor listens on its spec's Unix socket (or joins a server over TCP) before it loads its engine, greets every
 connection with Hello, then StartupProgress each time its start moves on (actors/startup.py) until Ready, then
-serves messages until Shutdown. The model step runs on an EngineThread so this loop stays
-responsive (heartbeats, aborts) during long steps. Outputs go back on the connection that submitted the
-request. The roles (decode_actor, prefill_actor, draft_actor) override the hooks marked below.
+serves messages until Shutdown. The model step runs on an EngineThread so this loop stays responsive
+(heartbeats, aborts) during long steps. Outputs go back on the connection that submitted the request. The roles
+(decode_actor, prefill_actor, draft_actor) override the hooks marked below.
 """
 from __future__ import annotations
 
