@@ -42,6 +42,7 @@ MODULE_TIERS: Mapping[str, Tier] = {
     "test_decode_stack.py": E,
     "test_default_model.py": P,
     "test_disagg_inprocess.py": E,
+    "test_disk_cache.py": U,  # the two-writer test runs in subprocesses: marked process
     "test_draft_actor.py": P,  # the layout and flag tests are marked unit
     "test_engine.py": E,
     "test_engine_client.py": U,
