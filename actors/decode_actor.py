@@ -17,7 +17,8 @@ from engine.core.builder import build_engine_core
 from engine.kv.export import SharedPool, create_shared_pool
 from actors.remote_proposer import RemoteProposer
 from actors.spec import ActorSpec
-from engine.core.calibration import Calibration, calibrate_engine, log_calibration, warm_up
+from engine.core.calibration import calibrate_engine, warm_up
+from engine.core.calibration_store import start_calibration
 from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore, EngineRequest, RequestError
 from engine.core.stats import EngineStats
@@ -83,12 +84,7 @@ class DecodeActor(Actor):
             self.engine = build_engine_core(config, device=self.spec.local_device,
                                             kv_allocator=allocate if shared else None, proposer=self._draft_client())
         with self.startup.stage("calibration"):
-            if self.spec.calibration is None:
-                self.calibration = calibrate_engine(self.engine)
-                log_calibration(self.calibration, log)
-            else:
-                self.calibration = Calibration.from_wire(self.spec.calibration)
-                warm_up(self.engine)
+            self.calibration = start_calibration(self.engine, self.spec.calibration, calibrate_engine, warm_up, log)
         return self.engine
 
     def start_tasks(self) -> None:

@@ -14,7 +14,8 @@ from actors.convert import logprobs_to_wire, params_from_wire
 from engine.core.builder import build_prefill_engine
 from engine.kv.export import open_shared_pool
 from engine.core.constraints import compile_constraint
-from engine.core.calibration import Calibration, calibrate_prefill_engine, log_calibration
+from engine.core.calibration import calibrate_prefill_engine, warm_up_prefill
+from engine.core.calibration_store import start_calibration
 from engine.config import EngineConfig
 from engine.kv.cache import KVCache
 from engine.core.prefill_engine import PrefillEngine, PrefillJob, PrefillResult
@@ -35,11 +36,8 @@ class PrefillActor(Actor):
         with self.startup.stage("engine"):
             self.engine = build_prefill_engine(EngineConfig(**self.spec.engine), device=self.spec.local_device)
         with self.startup.stage("calibration"):
-            if self.spec.calibration is None:
-                self.calibration = calibrate_prefill_engine(self.engine)
-                log_calibration(self.calibration, log)
-            else:
-                self.calibration = Calibration.from_wire(self.spec.calibration)
+            self.calibration = start_calibration(self.engine, self.spec.calibration, calibrate_prefill_engine,
+                                                 warm_up_prefill, log)
         return self.engine
 
     def start_tasks(self) -> None:
