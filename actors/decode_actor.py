@@ -8,6 +8,7 @@ import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
+from functools import partial
 
 import torch
 
@@ -17,7 +18,8 @@ from engine.core.builder import build_engine_core
 from engine.kv.export import SharedPool, create_shared_pool
 from actors.remote_proposer import RemoteProposer
 from actors.spec import ActorSpec
-from engine.core.calibration import Calibration, calibrate_engine, log_calibration, warm_up
+from engine.core.calibration import calibrate_engine, warm_up
+from engine.core.calibration_store import start_calibration
 from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore, EngineRequest, RequestError
 from engine.core.stats import EngineStats
@@ -85,12 +87,9 @@ class DecodeActor(Actor):
                                             kv_allocator=allocate if shared else None, proposer=self._draft_client(),
                                             progress=self.relay.report, check_memory=self.spec.remote)
         with self.startup.stage("calibration"):
-            if self.spec.calibration is None:
-                self.calibration = calibrate_engine(self.engine, progress=self.relay.report)
-                log_calibration(self.calibration, log)
-            else:
-                self.calibration = Calibration.from_wire(self.spec.calibration)
-                warm_up(self.engine, self.relay.report)
+            self.calibration = start_calibration(self.engine, self.spec.calibration,
+                                                 partial(calibrate_engine, progress=self.relay.report),
+                                                 partial(warm_up, progress=self.relay.report), log)
         return self.engine
 
     def start_tasks(self) -> None:

@@ -8,13 +8,15 @@ from __future__ import annotations
 import asyncio
 import logging
 from typing import Callable
+from functools import partial
 
 from actors.actor import RESERVATION_SWEEP_SECONDS, Actor, to_monotonic
 from actors.convert import logprobs_to_wire, params_from_wire
 from engine.core.builder import build_prefill_engine
 from engine.kv.export import open_shared_pool
 from engine.core.constraints import compile_constraint
-from engine.core.calibration import Calibration, calibrate_prefill_engine, log_calibration
+from engine.core.calibration import calibrate_prefill_engine, warm_up_prefill
+from engine.core.calibration_store import start_calibration
 from engine.config import EngineConfig
 from engine.kv.cache import KVCache
 from engine.core.prefill_engine import PrefillEngine, PrefillJob, PrefillResult
@@ -36,11 +38,9 @@ class PrefillActor(Actor):
             self.engine = build_prefill_engine(EngineConfig(**self.spec.engine), device=self.spec.local_device,
                                                progress=self.relay.report, check_memory=self.spec.remote)
         with self.startup.stage("calibration"):
-            if self.spec.calibration is None:
-                self.calibration = calibrate_prefill_engine(self.engine, progress=self.relay.report)
-                log_calibration(self.calibration, log)
-            else:
-                self.calibration = Calibration.from_wire(self.spec.calibration)
+            self.calibration = start_calibration(self.engine, self.spec.calibration,
+                                                 partial(calibrate_prefill_engine, progress=self.relay.report),
+                                                 warm_up_prefill, log)
         return self.engine
 
     def start_tasks(self) -> None:

@@ -24,6 +24,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.ray_options import RayOptions, shortfall, unfitting
 from actors.spec import NODE_ADDRESS_ENV, NODE_ID_ENV, ActorSpec, socket_name
+from engine.disk_cache import ROOT_ENV
 from transport.auth import SECRET_ENV
 from transport.owned import owned_entries, owned_prefix, reclaim
 
@@ -183,12 +184,12 @@ def _search_path() -> dict[str, str]:
     return {"PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)}
 
 
-FORWARDED = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "PHASE_SERVE_LOG_FORMAT", "PHASE_SERVE_LOG_LEVEL")
+FORWARDED = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "PHASE_SERVE_LOG_FORMAT", "PHASE_SERVE_LOG_LEVEL", ROOT_ENV)
 
 
 def _actor_environment(spec: ActorSpec) -> dict[str, str]:
     """What a local actor would inherit and the Ray actor must be given: its torch thread counts, the server's
-    log settings and actor knobs, and the search path. Ray narrows CUDA_VISIBLE_DEVICES to the GPU it
+    log settings, actor knobs and cache root, and the search path. Ray narrows CUDA_VISIBLE_DEVICES to the GPU it
     reserved itself; the secret goes as an argument of run(), not into the job's visible environment."""
     env = spec.child_environment()
     return {k: env[k] for k in FORWARDED if k in env} | _search_path()

@@ -232,6 +232,13 @@ class EngineConfig:
                                         "free when a decode actor exports its KV pool, instead of what it "
                                         "reports: the start-up size check", parse=parse_bytes, metavar="SIZE",
                                         shown="what it reports")
+    cache_dir: str | None = option(None, "where what an engine derives from a model on this machine is kept "
+                                   "between runs (an actor's start-up calibration)", metavar="DIR",
+                                   shown="$PHASE_SERVE_CACHE_DIR, else $XDG_CACHE_HOME/phase-serve, else "
+                                   "~/.cache/phase-serve")
+    recalibrate: bool = option(False, "an actor measures its prefill and decode costs at start even when the "
+                               "cache holds them for this model, machine and configuration, and stores the new "
+                               "ones")
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -256,6 +263,8 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         self._check_kv_compress()
+        if self.cache_dir is not None and not str(self.cache_dir).strip():
+            raise ConfigError(f"cache_dir must name a directory, got {self.cache_dir!r}")
 
     def prefill_shares(self) -> PrefillShares:
         return PrefillShares(self.long_prefill_slowdown, self.max_partial_prefills,

@@ -6,6 +6,7 @@ import shutil
 import pytest
 import torch
 
+from engine.disk_cache import ROOT_ENV
 from tests import leaks
 from tests.server_utils import wait_until
 from tests.tiers import TierError, tier_of
@@ -33,6 +34,24 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(getattr(pytest.mark, tier.value))
     if problems:
         raise pytest.UsageError("\n".join(["tests without exactly one tier:"] + problems))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def session_cache_root(tmp_path_factory):
+    """What engines cache on disk (engine/disk_cache.py) goes under the test run's own directory, never the user's
+    ~/.cache: PHASE_SERVE_CACHE_DIR sets the default root, and every process the tests start inherits it."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(ROOT_ENV, str(tmp_path_factory.mktemp("cache-session")))
+        yield
+
+
+@pytest.fixture(scope="module", autouse=True)
+def module_cache_root(session_cache_root, tmp_path_factory, request):
+    """A fresh cache root per test module (set before the module's own fixtures start servers), so that the first
+    actor a module starts calibrates whatever other modules ran before it."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(ROOT_ENV, str(tmp_path_factory.mktemp(f"cache-{request.path.stem}")))
+        yield
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -33,6 +33,8 @@ MODULE_TIERS: Mapping[str, Tier] = {
     "test_attention.py": E,
     "test_block_pool.py": U,  # one test hashes in subprocesses: marked process
     "test_calibration.py": E,
+    "test_calibration_store.py": E,  # the actors' calibration path, in this process
+    "test_checkpoint_identity.py": U,
     "test_class_size.py": U,
     "test_chat_session.py": U,  # the command driven through its stdin is marked process
     "test_cli_config.py": P,  # the config-file parsing tests are marked unit, the shells run as subprocesses
@@ -42,6 +44,7 @@ MODULE_TIERS: Mapping[str, Tier] = {
     "test_decode_stack.py": E,
     "test_default_model.py": P,
     "test_disagg_inprocess.py": E,
+    "test_disk_cache.py": U,  # the two-writer test runs in subprocesses: marked process
     "test_draft_actor.py": P,  # the layout and flag tests are marked unit
     "test_engine.py": E,
     "test_engine_client.py": U,

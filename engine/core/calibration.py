@@ -4,13 +4,19 @@ sequences, measured on the real model so that placement decisions rest on number
 Each curve must not fall as it grows (more tokens, or more sequences, never take less time). A timing that
 does (a noisy core, a first call that paid for something) is a bad point: `monotonic_points` drops every point
 that falls below an earlier one, the actor logs a warning naming them, and the router's cost model fits only
-the points that remain."""
+the points that remain.
+
+An actor measures only when neither its predecessor (a restarted actor's spec) nor the on-disk cache holds the
+curves for its model, machine and options (engine/core/calibration_store.py); otherwise it runs `warm_up`
+(`warm_up_prefill`) instead."""
 from __future__ import annotations
 
 import logging
 import random
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Iterator
 
 from engine.core.engine_core import EngineCore, EngineRequest
 from engine.kv.cache import KVCache
@@ -21,6 +27,7 @@ from engine.sampling.sampling_params import SamplingParams
 PREFILL_LENGTHS = (32, 128, 384)
 DECODE_BATCHES = (1, 4, 16)
 DECODE_STEPS = 4
+PROCEDURE = 1  # raise it when the way a point is measured changes: calibrations stored on disk then miss
 ONE_TOKEN = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
 
@@ -62,10 +69,11 @@ def monotonic_points(points: list[tuple[int, float]]) -> tuple[list[tuple[int, f
     return kept, dropped
 
 
-def log_calibration(calibration: Calibration, log: logging.Logger) -> None:
-    """One line with the rounded curves, and a warning for each curve that falls where it should rise."""
+def log_calibration(calibration: Calibration, log: logging.Logger, how: str = "calibrated") -> None:
+    """One line with the rounded curves after `how` (where they came from), and a warning for each curve that
+    falls where it should rise."""
     curves = calibration.rounded()
-    log.info("calibrated: prefill (tokens, s) %s, decode step (sequences, s) %s", curves["prefill"],
+    log.info("%s: prefill (tokens, s) %s, decode step (sequences, s) %s", how, curves["prefill"],
              curves["decode"], extra={"calibration": curves})
     for name, dropped in calibration.falling_points().items():
         if dropped:
@@ -87,9 +95,7 @@ def calibrate_engine(engine: EngineCore, seed: int = 0, progress: Progress | Non
     `progress` hears "calibrating" after each timing."""
     rng = random.Random(seed)
     vocab = engine.source.config.vocab_size
-    budget = engine.pool.num_blocks * engine.pool.block_size // 2
-    lengths = _usable_lengths(engine.max_model_len, budget)
-    batches = [b for b in DECODE_BATCHES if b <= engine.config.max_num_seqs and b * 16 < budget]
+    lengths, batches = decode_engine_plan(engine)
     plan = [("prefill", n) for n in lengths] + [("decode", b) for b in batches]
     measured: dict[str, list[tuple[int, float]]] = {"prefill": [], "decode": []}
     for kind, size in counted(plan, progress, CALIBRATING, len(plan)):
@@ -97,6 +103,19 @@ def calibrate_engine(engine: EngineCore, seed: int = 0, progress: Progress | Non
             else _time_decode(engine, size, rng, vocab)
         measured[kind].append((size, seconds))
     return Calibration(measured["prefill"], measured["decode"])
+
+
+def decode_engine_plan(engine: EngineCore) -> tuple[list[int], list[int]]:
+    """(prompt lengths, decode batch sizes) that calibrate_engine measures: those this engine's context, pool
+    (half of it, so that a measurement never preempts) and sequence limit allow."""
+    budget = engine.pool.num_blocks * engine.pool.block_size // 2
+    return (_usable_lengths(engine.max_model_len, budget),
+            [b for b in DECODE_BATCHES if b <= engine.config.max_num_seqs and b * 16 < budget])
+
+
+def prefill_engine_plan(engine: PrefillEngine) -> list[int]:
+    """The prompt lengths calibrate_prefill_engine measures."""
+    return _usable_lengths(engine.source.config.max_position_embeddings, max(PREFILL_LENGTHS))
 
 
 def warm_up(engine: EngineCore, progress: Progress | None = None) -> None:
@@ -143,29 +162,44 @@ def _time_decode(engine: EngineCore, batch: int, rng: random.Random, vocab: int)
 def calibrate_prefill_engine(engine: PrefillEngine, seed: int = 0, progress: Progress | None = None) -> Calibration:
     """Prefill timings against a scratch pool attached just for this; `progress` as calibrate_engine's."""
     rng = random.Random(seed)
-    cfg, bs = engine.source.config, engine.config.block_size
-    max_len = max(PREFILL_LENGTHS)
-    scratch = KVCache(cfg, -(-max_len // bs) + 1, bs, engine.dtype, engine.device,
-                      kv_format=engine.config.kv_cache_dtype)
-    engine.attach_pool("calibration", scratch)
-    lengths = _usable_lengths(cfg.max_position_embeddings, max_len)
-    try:
-        samples = [(n, _time_job(engine, _random_prompt(rng, n, cfg.vocab_size), bs))
+    vocab = engine.source.config.vocab_size
+    lengths = prefill_engine_plan(engine)
+    with _scratch_pool(engine, max(PREFILL_LENGTHS)):
+        samples = [(n, _time_job(engine, _random_prompt(rng, n, vocab)))
                    for n in counted(lengths, progress, CALIBRATING, len(lengths))]
-    finally:
-        engine.detach_pool("calibration")
     return Calibration(samples, [])
 
 
-def _time_job(engine: PrefillEngine, prompt: list[int], block_size: int) -> float:
-    def run() -> None:
-        table = list(range(-(-len(prompt) // block_size)))
-        engine.add(PrefillJob(f"calibrate-{time.perf_counter_ns()}", prompt, ONE_TOKEN, table, 0, "calibration",
-                              time.monotonic() + 600))
-        while engine.has_work():
-            engine.step()
+def warm_up_prefill(engine: PrefillEngine) -> None:
+    """One short prefill into a scratch pool: what a prefill engine that reuses an earlier calibration runs
+    instead of calibrating, so that its first request does not pay for the first calls' allocations."""
+    with _scratch_pool(engine, PREFILL_LENGTHS[0]):
+        _run_job(engine, _random_prompt(random.Random(0), PREFILL_LENGTHS[0], engine.source.config.vocab_size))
 
-    run()
+
+@contextmanager
+def _scratch_pool(engine: PrefillEngine, tokens: int) -> Iterator[None]:
+    """A pool of room for `tokens`, attached as "calibration" for the block and detached after it."""
+    bs = engine.config.block_size
+    scratch = KVCache(engine.source.config, -(-tokens // bs) + 1, bs, engine.dtype, engine.device,
+                      kv_format=engine.config.kv_cache_dtype)
+    engine.attach_pool("calibration", scratch)
+    try:
+        yield
+    finally:
+        engine.detach_pool("calibration")
+
+
+def _time_job(engine: PrefillEngine, prompt: list[int]) -> float:
+    _run_job(engine, prompt)
     start = time.perf_counter()
-    run()
+    _run_job(engine, prompt)
     return time.perf_counter() - start
+
+
+def _run_job(engine: PrefillEngine, prompt: list[int]) -> None:
+    table = list(range(-(-len(prompt) // engine.config.block_size)))
+    engine.add(PrefillJob(f"calibrate-{time.perf_counter_ns()}", prompt, ONE_TOKEN, table, 0, "calibration",
+                          time.monotonic() + 600))
+    while engine.has_work():
+        engine.step()
