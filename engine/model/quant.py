@@ -242,10 +242,21 @@ def store_int4(packed: torch.Tensor, scales: torch.Tensor, first: int, weight: t
 
 
 def _place_int4(packed: torch.Tensor, scales: torch.Tensor, first: int, rows: Int4Rows) -> None:
-    index = torch.arange(first, first + rows.codes.shape[0])
-    packed[index // INT4_CHANNELS, :, :, index % INT4_CHANNELS, :] = rows.codes.to(packed.device)
-    scales[0, :, index] = rows.scale.T.to(scales.device)
-    scales[1, :, index] = rows.offset.T.to(scales.device)
+    """Rows first.. of the weight: whole 16-channel blocks by one strided copy, the rows around them by index."""
+    n = rows.codes.shape[0]
+    scales[0, :, first:first + n] = rows.scale.T.to(scales.device)
+    scales[1, :, first:first + n] = rows.offset.T.to(scales.device)
+    codes = rows.codes.to(packed.device).contiguous()
+    start = min(n, -first % INT4_CHANNELS)  # the rows before the first whole block
+    blocks = (n - start) // INT4_CHANNELS
+    stop = start + blocks * INT4_CHANNELS
+    if blocks:  # [blocks, 16, G, 4, 4] -> [blocks, G, 4, 16, 4], moving 4 bytes (one int32) at a time
+        block = (first + start) // INT4_CHANNELS
+        whole = codes[start:stop].view(torch.int32).view(blocks, INT4_CHANNELS, *codes.shape[1:3], 1)
+        packed.view(torch.int32)[block:block + blocks] = whole.permute(0, 2, 3, 1, 4)
+    for part, offset in ((codes[:start], first), (codes[stop:], first + stop)):
+        index = torch.arange(offset, offset + part.shape[0])
+        packed[index // INT4_CHANNELS, :, :, index % INT4_CHANNELS, :] = part
 
 
 def int4_layout(modules: list[nn.Module], device: torch.device | str) -> None:
