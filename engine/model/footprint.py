@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Iterable, Mapping
+from typing import Callable, Iterable, Mapping
 
 import psutil
 import torch
@@ -22,7 +22,7 @@ import torch
 from engine.backends.weight_ops import int4_shapes
 from engine.config import ConfigError, EngineConfig, ModelConfig
 from engine.kv.cache import bytes_per_block, choose_num_blocks
-from engine.model.loader import ModelSource
+from engine.model.loader import ModelSource, model_class
 from engine.model.quant import HEAD_NAMES, PROJECTIONS, WeightChoice, WeightFormat, choose_weight_dtype
 
 GiB, MiB = float(1 << 30), float(1 << 20)
@@ -86,26 +86,30 @@ def _gib(size: float) -> str:
 # ---------------------------------------------------------------- the parts
 
 def weight_footprint(shapes: Mapping[str, tuple[int, ...]], choice: WeightChoice, dtype: torch.dtype,
-                     tied: bool) -> Footprint:
+                     tied: bool, parameter_name: Callable[[str], str] = str) -> Footprint:
     """One copy of a checkpoint's weights (Hugging Face names -> shapes, from the header) as the model keeps them:
-    the layers' projections in `choice.layers`, the LM head's tensor (tied: the embedding table) in
-    `choice.head`, the rest (embeddings, norms, biases) in the serving dtype."""
+    the layers' projections in their own format (`choice.modules`, by the parameter `parameter_name` says each
+    fills) or else `choice.layers`, the LM head's tensor (tied: the embedding table) in `choice.head`, the rest
+    (embeddings, norms, biases) in the serving dtype."""
     head = HEAD_NAMES[1] if tied else HEAD_NAMES[0]
     size = 0
     for name, shape in shapes.items():
         if (tied and name == HEAD_NAMES[0]) or name.endswith("rotary_emb.inv_freq"):
             continue  # not loaded: a tied head is the embedding table
-        size += tensor_bytes(shape, _format_of(name, head, choice), dtype)
-    layers, lm_head = (str(dtype).removeprefix("torch.") if f == "bfloat16" else f for f in choice)  # plain: dtype
+        size += tensor_bytes(shape, _format_of(name, head, choice, parameter_name), dtype)
+    plain = str(dtype).removeprefix("torch.")
+    layer_formats = sorted(set(choice.modules.values()) or {choice.layers})
+    layers = "+".join(plain if f == "bfloat16" else f for f in layer_formats)
+    lm_head = plain if choice.head == "bfloat16" else choice.head
     label = layers if lm_head == layers else f"{layers}, LM head {lm_head}"
     return Footprint(weights=size, weight_format=label, copies=1)
 
 
-def _format_of(name: str, head: str, choice: WeightChoice) -> WeightFormat:
+def _format_of(name: str, head: str, choice: WeightChoice, parameter_name: Callable[[str], str]) -> WeightFormat:
     if name == head:
         return choice.head
     if name.endswith(".weight") and name.rpartition(".")[0].rpartition(".")[2] in PROJECTIONS:
-        return choice.layers
+        return choice.modules.get(parameter_name(name), choice.layers)
     return "bfloat16"  # what quant calls the plain format: the serving dtype
 
 
@@ -146,9 +150,10 @@ def engine_footprint(source: ModelSource, config: EngineConfig, dtype: torch.dty
     """One engine of `config` on `source` with `available` bytes free; `kv_pool` False for an engine that keeps
     no pool of its own (a prefill actor writes into its decode actors')."""
     cfg = source.config
-    choice = choose_weight_dtype(config.weight_dtype, source.types, source.shapes() if source.types else {}, dtype,
-                                 cfg.tie_word_embeddings, quiet=True)
-    weights = weight_footprint(source.shapes(), choice, dtype, cfg.tie_word_embeddings)
+    parameter_name = model_class(cfg).parameter_name
+    choice = choose_weight_dtype(config.weight_dtype, source.types, dtype, cfg.tie_word_embeddings, parameter_name,
+                                 quiet=True)
+    weights = weight_footprint(source.shapes(), choice, dtype, cfg.tie_word_embeddings, parameter_name)
     kv = kv_footprint(cfg, config, dtype, available) if kv_pool else Footprint()
     return weights + kv + activation_footprint(cfg, config)
 

@@ -355,7 +355,7 @@ def _words(packed: np.ndarray, start: int) -> np.ndarray:
     return packed[:, start:start + 4].view("<u4")
 
 
-def _k_scales_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def k_scales_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Q4_K/Q5_K's 12 bytes as eight 6-bit scales and eight 6-bit minimums (uint8). Bytes 0-3 hold scales 0-3
     in their low 6 bits, bytes 4-7 minimums 0-3; bytes 8-11 hold the low 4 bits of scale 4+i (low nibble) and
     minimum 4+i (high nibble), whose top 2 bits are the top 2 bits of bytes i and 4+i."""
@@ -446,7 +446,7 @@ def _q4_k(blocks: np.ndarray, values: np.ndarray) -> None:
 
 def _scale_and_shift_k(blocks: np.ndarray, values: np.ndarray) -> None:
     """Q4_K and Q5_K: value = (d * scale) * q - dmin * min, with d and dmin the block's first two f16s."""
-    scales, minimums = _k_scales_mins(blocks[:, 4:16])
+    scales, minimums = k_scales_mins(blocks[:, 4:16])
     values *= _spread(_block_scale(blocks, 0) * scales, values)
     values -= _spread(_block_scale(blocks, 2) * minimums, values)
 

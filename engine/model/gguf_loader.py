@@ -1,4 +1,6 @@
-"""GGUF checkpoints (llama.cpp's format): hyper-parameters, dequantised weights and the tokenizer."""
+"""GGUF checkpoints (llama.cpp's format): hyper-parameters, weights and the tokenizer. A weight comes dequantised to
+float32, or, where its blocks are ones the int4 format holds as stored (Q4_0, Q4_1, Q4_K), as quant.Int4Blocks:
+repacked into int4 where the model keeps it int4 (engine/model/gguf_repack.py), dequantised where not."""
 from __future__ import annotations
 
 import importlib.util
@@ -12,6 +14,8 @@ import torch
 from engine.config import ConfigError, ModelConfig, RopeScaling
 from engine.model.errors import ModelLoadError
 from engine.model.gguf_file import FAST_DEQUANTIZERS, GGUFFile, TensorInfo, dequantize
+from engine.model.gguf_repack import REPACKERS, repack_int4
+from engine.model.quant import Int4Blocks, Int4Rows, float_values
 from engine.model.rope import inverse_frequencies
 from engine.model.tokenizer import Tokenizer
 
@@ -38,12 +42,13 @@ GEMMA3_LOCAL_ROPE_BASE = 10000.0  # llama.cpp's value for Gemma 3's windowed lay
 # the 27B models scale queries by (hidden / heads) ** -0.5 rather than head_dim ** -0.5, which llama.cpp
 # recognises by their layer count (GGUF has no key for transformers' query_pre_attn_scalar)
 GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+REPACK_CHUNK_ROWS = 4096  # rows repacked at once: a few MiB of codes and scales
 
 
 @dataclass(frozen=True)
 class GGUFModel:
     config: ModelConfig
-    weights: dict[str, torch.Tensor]  # float32, Hugging Face Llama names
+    weights: dict[str, torch.Tensor]  # float32 (every tensor dequantised), Hugging Face Llama names
     tokenizer: Tokenizer
 
 
@@ -60,14 +65,15 @@ def default_model_path() -> Path:
 class LazyGGUF(NamedTuple):
     config: ModelConfig
     tokenizer: Tokenizer
-    weights: Callable[[], Iterator[tuple[str, torch.Tensor]]]  # dequantised one tensor at a time
+    # one tensor at a time: dequantised to float32, or Int4Blocks for 4-bit blocks int4 holds as stored
+    weights: Callable[[], Iterator[tuple[str, torch.Tensor | Int4Blocks]]]
     shapes: dict[str, tuple[int, ...]]  # each weight's Hugging Face name and shape, from the header alone
     types: dict[str, str]  # each weight's Hugging Face name and its GGUF tensor type's name (Q4_1, F32, ...)
 
 
 def read_gguf(path: str | Path) -> GGUFModel:
     lazy = read_gguf_lazily(path)
-    return GGUFModel(lazy.config, dict(lazy.weights()), lazy.tokenizer)
+    return GGUFModel(lazy.config, {name: float_values(t) for name, t in lazy.weights()}, lazy.tokenizer)
 
 
 def read_gguf_lazily(path: str | Path) -> LazyGGUF:
@@ -80,9 +86,11 @@ def read_gguf_lazily(path: str | Path) -> LazyGGUF:
     names = {t.name: _hf_name(t.name, arch) for t in file.tensors if t.name != ROPE_FACTORS_TENSOR}
     config = _model_config(file, meta, arch)
 
-    def weights() -> Iterator[tuple[str, torch.Tensor]]:
+    def weights() -> Iterator[tuple[str, torch.Tensor | Int4Blocks]]:
         for t in file.tensors:
-            if t.name in names:
+            if t.name in names and t.ggml_type in REPACKERS and len(t.shape) == 2:
+                yield names[t.name], _int4_blocks(file, t, config)
+            elif t.name in names:
                 name = names[t.name]
                 tensor = _load_tensor(file, t, config)
                 # llama.cpp stores Gemma's norm weights as 1 + w; the model loads transformers' w
@@ -203,6 +211,33 @@ def _load_tensor(file: GGUFFile, tensor: TensorInfo, config: ModelConfig) -> tor
     if heads:
         array = _unpermute_rows(array, heads)
     return torch.from_numpy(np.ascontiguousarray(array))
+
+
+def _int4_blocks(file: GGUFFile, tensor: TensorInfo, config: ModelConfig) -> Int4Blocks:
+    """A 2-D Q4_0 / Q4_1 / Q4_K tensor, dequantised or repacked (REPACK_CHUNK_ROWS rows at a time; a tensor whose
+    rows llama.cpp permuted in one piece) only when asked."""
+    heads = _permuted_heads(tensor.name, config)
+    data = file.tensor_data(tensor)
+    step = data.shape[0] if heads else REPACK_CHUNK_ROWS
+
+    def rows() -> Iterator[tuple[int, Int4Rows]]:
+        for first in range(0, data.shape[0], step):
+            yield first, _repacked(data[first:first + step], tensor, heads)
+
+    return Int4Blocks(tensor.shape, lambda: _load_tensor(file, tensor, config), rows)
+
+
+def _repacked(data: np.ndarray, tensor: TensorInfo, heads: int) -> Int4Rows:
+    """Rows of a tensor's blocks in the int4 format."""
+    repack = repack_int4(data, tensor.ggml_type)
+    if repack.overflowed:
+        raise ModelLoadError(f"GGUF tensor {tensor.name} ({tensor.ggml_type.name}) has {repack.overflowed} blocks "
+                             "whose scale or offset exceeds fp16's range, which the int4 format keeps them in; "
+                             "expected weights of a real model's size (or load it with --weight-dtype bfloat16)")
+    arrays = (repack.codes.reshape(*repack.scale.shape, 4, 4), repack.scale, repack.offset)
+    if heads:
+        arrays = tuple(_unpermute_rows(a, heads) for a in arrays)
+    return Int4Rows(*(torch.from_numpy(np.ascontiguousarray(a)) for a in arrays))
 
 
 def _permuted_heads(name: str, config: ModelConfig) -> int:

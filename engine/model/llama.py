@@ -28,6 +28,12 @@ from engine.model.layers import Linear, PreparedWeights, RMSNorm, SiluGateUp, pr
 from engine.model.rope import RotaryEmbedding
 
 
+# checkpoint projections -> the fused projection they fill (q|k|v, gate|up): one product each
+FUSED_PARTS = {"self_attn.q_proj": "self_attn.qkv_proj", "self_attn.k_proj": "self_attn.qkv_proj",
+               "self_attn.v_proj": "self_attn.qkv_proj", "mlp.gate_proj": "mlp.gate_up_proj",
+               "mlp.up_proj": "mlp.gate_up_proj"}
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
@@ -241,10 +247,14 @@ class LlamaModel(nn.Module):
     @property
     def weight_dtype(self) -> str:
         """"int8" / "int4" where the layers' projections hold such codes (engine/model/quant.py), else the dtype's
-        name."""
-        proj = self.layers[0].self_attn.qkv_proj if len(self.layers) else None
-        if proj is not None and proj.weight_scale is not None:
-            return "int4" if weight_ops.is_int4(proj.weight) else "int8"
+        name; the formats joined by "+" (in layer order) where the projections' differ (`auto` on a GGUF file of
+        mixed tensor types)."""
+        formats = dict.fromkeys(self._format(module) for module in self.modules() if isinstance(module, Linear))
+        return "+".join(formats) or str(self.dtype).removeprefix("torch.")
+
+    def _format(self, module: Linear) -> str:
+        if module.weight_scale is not None:
+            return "int4" if weight_ops.is_int4(module.weight) else "int8"
         return str(self.dtype).removeprefix("torch.")
 
     @property
@@ -275,7 +285,7 @@ class LlamaModel(nn.Module):
         return layers, shape
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | quant.Int4Blocks]]) -> None:
         """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up; every parameter must be filled."""
         params = dict(self.named_parameters())
         scales = quant.weight_scales(self)  # quantised weights: each tensor's rows quantised as they arrive
@@ -287,38 +297,48 @@ class LlamaModel(nn.Module):
                 continue
             if target not in params:
                 raise KeyError(f"checkpoint tensor {name!r} has no place in the model")
-            if self.cfg.norm_weight_offset and target.endswith("norm.weight"):  # Gemma's (1 + w), in float32
-                # in place on the float copy: out of place, a meta tensor (check_model) imports torch._dynamo
-                tensor = tensor.to(torch.float32, copy=True).add_(self.cfg.norm_weight_offset)
-            if target in scales and weight_ops.is_int4(params[target]):
-                quant.store_int4(params[target], scales[target], offset, tensor)
-            elif target in scales:
-                codes, scale = quant.quantize_rows(tensor)
-                params[target].narrow(0, offset, tensor.shape[0]).copy_(codes)
-                scales[target].narrow(0, offset, tensor.shape[0]).copy_(scale)
-            else:
-                params[target].narrow(0, offset, tensor.shape[0]).copy_(tensor)
+            self._store(params[target], scales.get(target), offset, target, tensor)
             rows_filled[target] += tensor.shape[0]
         missing = sorted(n for n, rows in rows_filled.items() if rows != rows_needed[n])
         if missing:
             raise KeyError(f"checkpoint lacks or mis-sizes {len(missing)} tensors, e.g. {missing[:3]}")
 
+    def _store(self, param: torch.Tensor, scale: torch.Tensor | None, offset: int, target: str,
+               tensor: torch.Tensor | quant.Int4Blocks) -> None:
+        """One checkpoint tensor into its rows of a parameter: int4 takes Int4Blocks as they are (and quantises a
+        float tensor), int8 quantises the float values, a plain parameter copies them."""
+        if scale is not None and weight_ops.is_int4(param):
+            quant.store_int4(param, scale, offset, tensor)
+            return
+        tensor = quant.float_values(tensor)
+        if self.cfg.norm_weight_offset and target.endswith("norm.weight"):  # Gemma's (1 + w), in float32
+            # in place on the float copy: out of place, a meta tensor (check_model) imports torch._dynamo
+            tensor = tensor.to(torch.float32, copy=True).add_(self.cfg.norm_weight_offset)
+        if scale is not None:
+            codes, row_scales = quant.quantize_rows(tensor)
+            param.narrow(0, offset, tensor.shape[0]).copy_(codes)
+            scale.narrow(0, offset, tensor.shape[0]).copy_(row_scales)
+        else:
+            param.narrow(0, offset, tensor.shape[0]).copy_(tensor)
+
+    @staticmethod
+    def parameter_name(name: str) -> str:
+        """The parameter a Hugging Face-named checkpoint tensor fills: q/k/v go into qkv_proj and gate/up into
+        gate_up_proj (without the "model." prefix)."""
+        name = name.removeprefix("model.")
+        for part, fused_part in FUSED_PARTS.items():
+            if f".{part}." in name:
+                return name.replace(part, fused_part)
+        return name
+
     def _fused_target(self, name: str) -> tuple[str | None, int]:
+        """(the parameter a checkpoint tensor fills, its first row there), or (None, 0) for a tensor left out."""
         c = self.cfg
         if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and self.lm_head is None):
             return None, 0
-        name = name.removeprefix("model.")
-        fused = {
-            "self_attn.q_proj": ("self_attn.qkv_proj", 0),
-            "self_attn.k_proj": ("self_attn.qkv_proj", c.q_size),
-            "self_attn.v_proj": ("self_attn.qkv_proj", c.q_size + c.kv_size),
-            "mlp.gate_proj": ("mlp.gate_up_proj", 0),
-            "mlp.up_proj": ("mlp.gate_up_proj", c.intermediate_size),
-        }
-        for part, (fused_part, offset) in fused.items():
-            if f".{part}." in name:
-                return name.replace(part, fused_part), offset
-        return name, 0
+        offsets = {"self_attn.k_proj": c.q_size, "self_attn.v_proj": c.q_size + c.kv_size,
+                   "mlp.up_proj": c.intermediate_size}
+        return self.parameter_name(name), next((o for part, o in offsets.items() if f".{part}." in name), 0)
 
 
 def build_model(cfg: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype,

@@ -18,7 +18,7 @@ from engine.model.hf_loader import hf_weight_shapes, iter_hf_weights, read_hf_co
 from engine.model.llama import LlamaModel, build_model
 from engine.model.olmo2 import Olmo2Model
 from engine.model.progress import LOADING_WEIGHTS, Progress, counted
-from engine.model.quant import choose_weight_dtype
+from engine.model.quant import Int4Blocks, choose_weight_dtype
 from engine.model.tokenizer import Tokenizer
 
 DTYPE_NAMES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -39,7 +39,7 @@ class ModelSource:
     name: str
     config: ModelConfig
     tokenizer: Tokenizer
-    weights: Callable[[], Iterable[tuple[str, torch.Tensor]]]
+    weights: Callable[[], Iterable[tuple[str, torch.Tensor | Int4Blocks]]]  # Int4Blocks: GGUF's 4-bit blocks
     shapes: Callable[[], Mapping[str, tuple[int, ...]]]  # weight name -> shape, from the file headers alone
     types: Mapping[str, str] = field(default_factory=dict)  # GGUF: weight name -> its tensor type's name
 
@@ -135,10 +135,11 @@ def resolve_dtype(name: str, device: torch.device | str) -> torch.dtype:
 def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device | str = "cpu",
                weight_dtype: str = "auto", progress: Progress | None = None) -> LlamaModel:
     """`weight_dtype` (EngineConfig.weight_dtype): "int8" / "int4" quantise the projections and LM head as they
-    load; "auto" picks by the GGUF file's tensor types (quant.choose_weight_dtype), bfloat16 for a folder.
-    `progress` hears "loading weights" with each checkpoint tensor loaded."""
+    load (a GGUF's Q4_0 / Q4_1 / Q4_K tensors go into int4 as stored); "auto" picks per projection by the GGUF
+    file's tensor types (quant.choose_weight_dtype), bfloat16 for a folder. `progress` hears "loading weights"
+    with each checkpoint tensor loaded."""
     check_model(source)  # before any memory is allocated: a mismatch fails with one sentence
-    choice = choose_weight_dtype(weight_dtype, source.types, source.shapes() if source.types else {}, dtype,
-                                 source.config.tie_word_embeddings)
+    choice = choose_weight_dtype(weight_dtype, source.types, dtype, source.config.tie_word_embeddings,
+                                 model_class(source.config).parameter_name)
     weights = counted(source.weights(), progress, LOADING_WEIGHTS, len(source.shapes()))
     return build_model(source.config, weights, dtype, device, choice, model_class(source.config))

@@ -1,5 +1,5 @@
 """Quantising a model's weights as they load: int8 with one scale per output channel (`--weight-dtype int8`), int4
-with a scale and an offset per group of 32 along K (`--weight-dtype int4`), and `auto`'s choice between them for a
+with a scale and an offset per group of 32 along K (`--weight-dtype int4`), and `auto`'s choice per projection for a
 GGUF file. The formats themselves, and the products on them, are the backend's (engine/backends/weight_ops.py).
 
 int8: a weight W [N, K] is kept as codes Q [N, K] int8 and scales s [N] fp32 with s[n] = max_k |W[n, k]| / 127 and
@@ -10,17 +10,24 @@ with tied embeddings the embedding table is the LM head's tensor, so its lookups
 
 int4: a weight W [N, K] is kept as codes q in 0..15, two per byte, and per group of 32 consecutive k an fp16 scale
 s and offset z, W ~ s * q + z (asymmetric: z one end of the group's range, s its range / 15 or a little more;
-`quantize_int4`). Groups of 32 with fp16 scales are GGUF's own Q4_0 / Q4_1 blocks (d, m fp16), so their values
-come through exactly (nearly all of Q4_0's), and Q4_K's 32-value sub-blocks nearly so (d * sub-scale rounded to
-fp16): `auto` on such a file adds no second rounding of note. 5 bits a weight (0.625 bytes, Q4_1's size) against
-int8's 8 and bf16's 16. The codes are stored in the decode kernel's layout only (`pack_int4`, engine/kernels/
-int4_linear.cpp), written row-chunk by row-chunk as the checkpoint's tensors arrive.
+`quantize_int4`). 5 bits a weight (0.625 bytes, Q4_1's size) against int8's 8 and bf16's 16. The codes are stored
+in the decode kernel's layout only (`pack_int4`, engine/kernels/int4_linear.cpp), written row-chunk by row-chunk
+as the checkpoint's tensors arrive. GGUF's Q4_0, Q4_1 and Q4_K blocks are groups of 32 with fp16 scales already:
+the loader hands them over as `Int4Blocks`, whose codes and scales go into the int4 layout as they are
+(engine/model/gguf_repack.py: Q4_0 and Q4_1 exactly, Q4_K with its sub-block scales d * sc and offsets dmin * m
+rounded once to fp16), never dequantised and searched again.
+
+`auto` on a GGUF file chooses per projection: int4 where every tensor the projection fuses (q|k|v, gate|up) is one
+of those types, else the serving dtype (bfloat16), which keeps the file's other blocks (Q5_*, Q6_K, Q8_0, Q2_K,
+Q3_K) to within bf16's rounding of each value; int8's one scale per row would round them again, coarsely. The LM
+head likewise by its own tensor's type. One log line says which types went where.
 """
 from __future__ import annotations
 
 import logging
-import math
-from typing import Iterator, Literal, Mapping, NamedTuple, Protocol
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Callable, Iterator, Literal, Mapping, NamedTuple, Protocol
 
 import torch
 from torch import nn
@@ -44,56 +51,69 @@ def resolve_weight_dtype(name: str) -> WeightFormat:
     return "bfloat16" if name == "auto" else name
 
 
-# GGUF tensor types -> the format that keeps their values with the fewest bytes: the 4-bit (and fewer) blocks
-# fit int4's groups of 32, 5- to 8-bit ones need int8's 255 levels (int4 would round them again, coarsely)
-GGUF_WEIGHT_FORMATS: Mapping[str, WeightFormat] = {
-    "Q8_0": "int8", "Q6_K": "int8", "Q5_0": "int8", "Q5_1": "int8", "Q5_K": "int8",
-    "Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4", "Q3_K": "int4", "Q2_K": "int4",
-}
-# The LM head's tensor type -> its format: it decides every token, so a 5- to 8-bit head stays bf16 (within 2^-9 of
-# the file's values; int8's per-row steps are several times coarser than Q8_0's per-32 ones), a 4-bit one int4
-GGUF_HEAD_FORMATS: Mapping[str, WeightFormat] = {"Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4", "Q3_K": "int4",
-                                                 "Q2_K": "int4"}
+EXACT_INT4_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K"})  # GGUF types the int4 format holds as stored (gguf_repack)
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
 HEAD_NAMES = ("lm_head.weight", "model.embed_tokens.weight")  # the LM head's tensor (tied: the embedding table)
 
 
 class WeightChoice(NamedTuple):
-    """What a checkpoint loads as: the layers' projections' format and the LM head's (tied: the embedding's)."""
+    """What a checkpoint loads as: each projection's format (`modules`: its parameter name, as the model's
+    `parameter_name` gives it, -> format; `layers` for those it does not name) and the LM head's (tied: the
+    embedding's)."""
 
     layers: WeightFormat
     head: WeightFormat
+    modules: Mapping[str, WeightFormat] = MappingProxyType({})
 
 
-def auto_weight_dtype(types: Mapping[str, str], shapes: Mapping[str, tuple[int, ...]],
-                      tied: bool = True) -> tuple[WeightChoice, str]:
+def _same_name(name: str) -> str:
+    return name
+
+
+def auto_weight_dtype(types: Mapping[str, str], tied: bool = True,
+                      parameter_name: Callable[[str], str] = _same_name) -> tuple[WeightChoice, str]:
     """`--weight-dtype auto` for a checkpoint whose tensors (Hugging Face names) have these GGUF types (empty for a
-    Hugging Face folder) -> (choice, why): the layers take the format of the type holding most of their
-    projection weights (GGUF_WEIGHT_FORMATS; float types and folders stay bfloat16), the LM head that of its own
-    tensor's type (GGUF_HEAD_FORMATS: files often keep it at more bits than the layers, as SmolLM2's Q4_1 file
-    keeps a Q8_0 head)."""
-    elements: dict[str, int] = {}
-    for name, kind in types.items():
-        if name.rpartition(".")[0].rpartition(".")[2] in PROJECTIONS:
-            elements[kind] = elements.get(kind, 0) + math.prod(shapes.get(name, ()))
-    if not elements:
+    Hugging Face folder) -> (choice, why): a projection is int4 where every checkpoint tensor it fuses
+    (`parameter_name`: checkpoint name -> the model parameter it fills) is of EXACT_INT4_TYPES, else bfloat16;
+    the LM head int4 where its own tensor is (files often keep it at more bits than the layers, as SmolLM2's Q4_1
+    file keeps a Q8_0 head)."""
+    projections = {name: kind for name, kind in types.items()
+                   if name.rpartition(".")[0].rpartition(".")[2] in PROJECTIONS}
+    if not projections:
         return WeightChoice("bfloat16", "bfloat16"), "no GGUF-quantised projections (a Hugging Face folder or floats)"
-    dominant = max(elements, key=elements.__getitem__)
-    share = elements[dominant] / sum(elements.values())
+    fused: dict[str, set[str]] = {}
+    for name, kind in projections.items():
+        fused.setdefault(parameter_name(name), set()).add(kind)
+    modules = {param: "int4" if kinds <= EXACT_INT4_TYPES else "bfloat16" for param, kinds in fused.items()}
     head_type = types.get(HEAD_NAMES[1] if tied else HEAD_NAMES[0], "F32")
-    choice = WeightChoice(GGUF_WEIGHT_FORMATS.get(dominant, "bfloat16"), GGUF_HEAD_FORMATS.get(head_type, "bfloat16"))
-    return choice, (f"{share:.0%} of the layers' projection weights are GGUF {dominant}; the LM head is "
-                    f"{head_type}")
+    head: WeightFormat = "int4" if head_type in EXACT_INT4_TYPES else "bfloat16"
+    choice = WeightChoice("bfloat16", head, MappingProxyType(modules))
+    return choice, _auto_reasons(projections, {n: modules[parameter_name(n)] for n in projections}, head_type, head)
 
 
-def choose_weight_dtype(name: str, types: Mapping[str, str], shapes: Mapping[str, tuple[int, ...]],
-                        dtype: torch.dtype = torch.bfloat16, tied: bool = True, quiet: bool = False) -> WeightChoice:
-    """The formats `--weight-dtype name` loads this checkpoint with; `auto` logs its choice and the reason (unless
-    `quiet`: an estimate ahead of the load). With a serving dtype other than bfloat16 (float32 asks for
-    exactness, and the CPU kernels of the quantised formats take bf16 activations) `auto` keeps every weight in
-    that dtype."""
+def _auto_reasons(types: Mapping[str, str], formats: Mapping[str, WeightFormat], head_type: str,
+                  head: WeightFormat) -> str:
+    """One line: each projection type's tensors counted by format and reason, then the LM head's."""
+    groups: dict[str, dict[str, int]] = {
+        "int4 (the file's codes and scales repacked, not re-quantised)": {},
+        "bfloat16 (no int4 kernel holds these blocks exactly)": {},
+        "bfloat16 (fused with such a tensor)": {}}
+    reasons = list(groups)
+    for name, kind in types.items():
+        reason = reasons[0] if formats[name] == "int4" else reasons[1 if kind not in EXACT_INT4_TYPES else 2]
+        groups[reason][kind] = groups[reason].get(kind, 0) + 1
+    parts = [f"{reason}: {', '.join(f'{count} {kind}' for kind, count in counts.items())}"
+             for reason, counts in groups.items() if counts]
+    return f"projections {'; '.join(parts)}; LM head {head_type} -> {head}"
+
+
+def choose_weight_dtype(name: str, types: Mapping[str, str], dtype: torch.dtype = torch.bfloat16,
+                        tied: bool = True, parameter_name: Callable[[str], str] = _same_name,
+                        quiet: bool = False) -> WeightChoice:
+    """The formats `--weight-dtype name` loads this checkpoint with; `auto` logs its choice and the reasons (unless
+    `quiet`: an estimate ahead of the load). With
+    a serving dtype other than bfloat16 (float32 asks for exactness, and the CPU kernels of the quantised
+    formats take bf16 activations) `auto` keeps every weight in that dtype."""
     if name != "auto":
         chosen = resolve_weight_dtype(name)
         return WeightChoice(chosen, chosen)
@@ -101,8 +121,8 @@ def choose_weight_dtype(name: str, types: Mapping[str, str], shapes: Mapping[str
     if dtype != torch.bfloat16:
         log.log(level, "weight dtype auto: %s weights (the serving dtype)", str(dtype).removeprefix("torch."))
         return WeightChoice("bfloat16", "bfloat16")
-    choice, why = auto_weight_dtype(types, shapes, tied)
-    log.log(level, "weight dtype auto: layers %s, LM head %s (%s)", choice.layers, choice.head, why)
+    choice, why = auto_weight_dtype(types, tied, parameter_name)
+    log.log(level, "weight dtype auto: %s", why)
     return choice
 
 
@@ -183,15 +203,63 @@ def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     return halves[:, :, 0] | (halves[:, :, 1] << 4)
 
 
-def store_int4(packed: torch.Tensor, scales: torch.Tensor, first: int, weight: torch.Tensor) -> None:
-    """Quantises weight [R, K] (rows first..first+R of the weight) into its place in packed and scales."""
-    rows = torch.arange(first, first + weight.shape[0])
-    for start in range(0, weight.shape[0], QUANTIZE_CHUNK_ROWS):  # a chunk's fp32 copies at a time
-        chunk = rows[start:start + QUANTIZE_CHUNK_ROWS]
-        codes, scale, offset = quantize_int4(weight[start:start + QUANTIZE_CHUNK_ROWS])
-        packed[chunk // INT4_CHANNELS, :, :, chunk % INT4_CHANNELS, :] = pack_int4(codes)
-        scales[0, :, chunk] = scale.T
-        scales[1, :, chunk] = offset.T
+class Int4Rows(NamedTuple):
+    """Rows of an int4 weight before they take their place in its layout."""
+
+    codes: torch.Tensor  # uint8 [R, G, 4, 4]: pack_int4's layout
+    scale: torch.Tensor  # fp16 [R, G]
+    offset: torch.Tensor  # fp16 [R, G]
+
+
+@dataclass(frozen=True, eq=False)
+class Int4Blocks:
+    """A checkpoint tensor [N, K] in blocks the int4 format holds as stored (GGUF's Q4_0, Q4_1, Q4_K; the loader
+    makes them): an int4 weight takes its rows from `rows`, any other format its float32 `values`."""
+
+    shape: tuple[int, ...]
+    values: Callable[[], torch.Tensor]  # float32 [N, K]
+    rows: Callable[[], Iterator[tuple[int, Int4Rows]]]  # (first row, its rows), pieces covering rows 0..N-1
+
+
+def float_values(tensor: torch.Tensor | Int4Blocks) -> torch.Tensor:
+    """A checkpoint tensor's values as a float tensor (Int4Blocks dequantised; a tensor as it is)."""
+    return tensor.values() if isinstance(tensor, Int4Blocks) else tensor
+
+
+def quantized_int4_rows(weight: torch.Tensor) -> Int4Rows:
+    """weight [R, K] (any float dtype) quantised (quantize_int4) and packed (pack_int4)."""
+    codes, scale, offset = quantize_int4(weight)
+    return Int4Rows(pack_int4(codes), scale, offset)
+
+
+def store_int4(packed: torch.Tensor, scales: torch.Tensor, first: int, weight: torch.Tensor | Int4Blocks) -> None:
+    """Puts weight [R, K] (rows first..first+R of the weight) in its place in packed and scales: Int4Blocks' rows
+    as they are, a float weight quantised a chunk of rows at a time (their few fp32 copies stay small)."""
+    if isinstance(weight, Int4Blocks):
+        pieces = weight.rows()
+    else:
+        pieces = ((start, quantized_int4_rows(weight[start:start + QUANTIZE_CHUNK_ROWS]))
+                  for start in range(0, weight.shape[0], QUANTIZE_CHUNK_ROWS))
+    for start, rows in pieces:
+        _place_int4(packed, scales, first + start, rows)
+
+
+def _place_int4(packed: torch.Tensor, scales: torch.Tensor, first: int, rows: Int4Rows) -> None:
+    """Rows first.. of the weight: whole 16-channel blocks by one strided copy, the rows around them by index."""
+    n = rows.codes.shape[0]
+    scales[0, :, first:first + n] = rows.scale.T.to(scales.device)
+    scales[1, :, first:first + n] = rows.offset.T.to(scales.device)
+    codes = rows.codes.to(packed.device).contiguous()
+    start = min(n, -first % INT4_CHANNELS)  # the rows before the first whole block
+    blocks = (n - start) // INT4_CHANNELS
+    stop = start + blocks * INT4_CHANNELS
+    if blocks:  # [blocks, 16, G, 4, 4] -> [blocks, G, 4, 16, 4], moving 4 bytes (one int32) at a time
+        block = (first + start) // INT4_CHANNELS
+        whole = codes[start:stop].view(torch.int32).view(blocks, INT4_CHANNELS, *codes.shape[1:3], 1)
+        packed.view(torch.int32)[block:block + blocks] = whole.permute(0, 2, 3, 1, 4)
+    for part, offset in ((codes[:start], first), (codes[stop:], first + stop)):
+        index = torch.arange(offset, offset + part.shape[0])
+        packed[index // INT4_CHANNELS, :, :, index % INT4_CHANNELS, :] = part
 
 
 def int4_layout(modules: list[nn.Module], device: torch.device | str) -> None:
@@ -217,6 +285,8 @@ def int8_layout(modules: list[nn.Module], device: torch.device | str) -> None:
 class QuantizableModel(Protocol):
     def modules(self) -> Iterator[nn.Module]: ...
 
+    def named_modules(self) -> Iterator[tuple[str, nn.Module]]: ...
+
     def head_module(self) -> nn.Module: ...
 
 
@@ -233,9 +303,15 @@ def layer_projections(model: QuantizableModel) -> list[nn.Module]:
 def apply_layout(model: QuantizableModel, choice: WeightChoice, device: torch.device | str) -> None:
     """The quantised layouts of `choice` on a model still on the meta device (bfloat16: the plain weights)."""
     layouts = {"int8": int8_layout, "int4": int4_layout}
-    for modules, chosen in ((layer_projections(model), choice.layers), ([model.head_module()], choice.head)):
-        if chosen in layouts:
-            layouts[chosen](modules, device)
+    projections = {f"{name}.weight": module for name, module in model.named_modules() if isinstance(module, Linear)}
+    unknown = sorted(set(choice.modules) - set(projections))
+    if unknown:
+        raise ValueError(f"weight formats chosen for {unknown[:3]}, which are not the model's projections; "
+                         f"expected names such as {next(iter(projections), None)!r}")
+    chosen = [(module, choice.modules.get(name, choice.layers)) for name, module in projections.items()]
+    for module, chosen_format in [*chosen, (model.head_module(), choice.head)]:
+        if chosen_format in layouts:
+            layouts[chosen_format]([module], device)
 
 
 def weight_scales(model: nn.Module) -> dict[str, torch.Tensor]:
