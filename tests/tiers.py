@@ -80,6 +80,7 @@ MODULE_TIERS: Mapping[str, Tier] = {
     "test_ray.py": P,  # a Ray cluster on loopback and actors on it
     "test_ray_options.py": U,  # the no-Ray-import check runs in a subprocess: marked process
     "test_readme.py": P,  # slow: the default model, a real server and fresh interpreters
+    "test_real_shapes.py": E,  # the quantiser, type-rule and CLI tests are marked unit
     "test_qwen3.py": E,
     "test_real_gemma3.py": P,  # slow: a real Gemma 3 GGUF from a registry package
     "test_resume.py": E,
