@@ -77,8 +77,8 @@ def auto_weight_dtype(types: Mapping[str, str], tied: bool = True,
     (`parameter_name`: checkpoint name -> the model parameter it fills) is of EXACT_INT4_TYPES, else bfloat16;
     the LM head int4 where its own tensor is (files often keep it at more bits than the layers, as SmolLM2's Q4_1
     file keeps a Q8_0 head)."""
-    projections = {name: kind for name, kind in types.items()
-                   if name.rpartition(".")[0].rpartition(".")[2] in PROJECTIONS}
+    projections = {name: kind for name, kind in types.items()  # weights only: a bias stays in the serving dtype
+                   if name.endswith(".weight") and name.rpartition(".")[0].rpartition(".")[2] in PROJECTIONS}
     if not projections:
         return WeightChoice("bfloat16", "bfloat16"), "no GGUF-quantised projections (a Hugging Face folder or floats)"
     fused: dict[str, set[str]] = {}
