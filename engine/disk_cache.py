@@ -10,7 +10,8 @@ Writes go to a temporary file in the entry's own directory, which then replaces 
 atomic within one file system): a reader sees the old entry, the new one or none, never part of one, and two
 processes that fill the same entry at once leave one of their complete entries. Reads check the header
 against the key and the payload against its length and digest: a corrupt, truncated, foreign or
-older-format entry is logged and read as a miss, and the caller's next `put` replaces it.
+older-format entry is logged and read as a miss, and the caller's next `put` replaces it. A temporary file a
+killed writer left is deleted by a later write into its directory once untouched for STALE_TEMP_SECONDS.
 
 The root: `--cache-dir`, else $PHASE_SERVE_CACHE_DIR, else $XDG_CACHE_HOME/phase-serve, else
 ~/.cache/phase-serve. Standard library only.
@@ -24,6 +25,7 @@ import logging
 import os
 import re
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -35,6 +37,8 @@ APP_DIR = "phase-serve"
 KIND = re.compile(r"[a-z0-9][a-z0-9_-]{0,63}")
 SUFFIX = ".entry"
 TEMP_PREFIX = ".tmp-"
+# A temporary file untouched this long is a killed writer's (a live one writes to it, refreshing its mtime)
+STALE_TEMP_SECONDS = 3600.0
 MAX_HEADER_BYTES = 1 << 20  # a key is a few fields; a longer first line is no header of ours
 
 
@@ -147,6 +151,7 @@ def _parse(data: bytes, kind: str, key: dict[str, Any]) -> tuple[bytes | None, s
 def _write_atomically(path: Path, data: bytes) -> None:
     """The whole of `data` at `path`, or nothing new there: written beside it, synced, then renamed over it."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(path.parent)
     fd, temp = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=SUFFIX, dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as out:
@@ -158,3 +163,16 @@ def _write_atomically(path: Path, data: bytes) -> None:
         with contextlib.suppress(OSError):
             os.unlink(temp)
         raise
+
+
+def remove_stale_temps(directory: Path, now: float | None = None) -> int:
+    """Deletes the temporary files in `directory` that no writer has touched for STALE_TEMP_SECONDS (left by a
+    process killed mid-write); returns how many. Another process removing one first is no error."""
+    now = time.time() if now is None else now
+    removed = 0
+    for temp in directory.glob(f"{TEMP_PREFIX}*{SUFFIX}"):
+        with contextlib.suppress(FileNotFoundError):
+            if now - temp.stat().st_mtime > STALE_TEMP_SECONDS:
+                temp.unlink()
+                removed += 1
+    return removed

@@ -209,3 +209,19 @@ def test_two_processes_filling_one_entry_leave_one_whole_entry_and_no_reader_see
     final = DiskCache(root).get_bytes("weights", {"shared": True})
     assert final in (b"a" * 262144, b"b" * 262144)
     assert os.listdir(root / "weights") == [DiskCache(root).path("weights", {"shared": True}).name]
+
+
+def test_a_killed_writers_temporary_file_is_removed_by_the_next_write(tmp_path):
+    """A temp file untouched for longer than STALE_TEMP_SECONDS goes at the next write into its directory; one a
+    live writer is filling (recently touched) stays."""
+    cache = DiskCache(tmp_path)
+    entry = cache.put_json("calibration", {"a": 1}, [1])
+    stale = entry.parent / f"{disk_cache.TEMP_PREFIX}killed{disk_cache.SUFFIX}"
+    live = entry.parent / f"{disk_cache.TEMP_PREFIX}live{disk_cache.SUFFIX}"
+    stale.write_bytes(b"half an entry")
+    live.write_bytes(b"being written")
+    old = live.stat().st_mtime - disk_cache.STALE_TEMP_SECONDS - 1
+    os.utime(stale, (old, old))
+    cache.put_json("calibration", {"a": 2}, [2])
+    assert not stale.exists() and live.exists()
+    assert cache.get_json("calibration", {"a": 1}) == [1] and cache.get_json("calibration", {"a": 2}) == [2]
