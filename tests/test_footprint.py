@@ -89,7 +89,7 @@ def test_auto_reads_the_gguf_types_from_the_header():
     auto = engine_footprint(_source(types=q4), EngineConfig(num_kv_blocks=1), torch.bfloat16, 64 * GiB)
     forced = engine_footprint(_source(types=q4), EngineConfig(num_kv_blocks=1, weight_dtype="int4"), torch.bfloat16,
                               64 * GiB)
-    assert auto.weight_format == "int4, LM head bfloat16"  # a Q8_0 head stays bf16 (quant.GGUF_HEAD_FORMATS)
+    assert auto.weight_format == "int4, LM head bfloat16"  # a Q8_0 head stays bf16 (not in quant.EXACT_INT4_TYPES)
     assert forced.weight_format == "int4" and forced.weights < auto.weights
 
 
