@@ -82,6 +82,17 @@ def test_held_text_adds_up_to_the_unheld_text_with_a_stop_string_held_back(token
     assert texts[1] == texts[2] == texts[4] and texts[1].startswith("one two three four")
 
 
+@pytest.mark.parametrize("stop,reason", [(["five six"], "five six"), (["nowhere"], None)])
+def test_the_output_names_the_stop_string_that_ended_it(tokenizer, stop, reason):
+    ids = tokenizer.encode("one two three four five six seven")
+    processor = OutputProcessor(tokenizer)
+    processor.add("r", None, [1], SamplingParams(max_tokens=len(ids), stop=stop))
+    outs = [o for step in _feed(processor, ids, hold=1) for o in step]
+    last = outs[-1].outputs[0]
+    assert (last.finish_reason, last.stop_reason) == ("stop" if reason else "length", reason)
+    assert last.after(outs[-2].outputs[0]).stop_reason == reason  # merged outputs keep it
+
+
 def test_a_sample_that_finishes_is_not_held_behind_its_sibling(tokenizer):
     processor = OutputProcessor(tokenizer)
     processor.add("r", None, [1], SamplingParams(n=2, max_tokens=8))

@@ -102,7 +102,7 @@ class OutputProcessor:
         safe, hit = sample.stops.feed(sample.detok.push(upd.token_id))
         self._append_text(out, safe)
         if hit:
-            out.finish_reason = "stop"
+            out.finish_reason, out.stop_reason = "stop", sample.stops.stop_reason
 
     def _stop_ids(self, params: SamplingParams) -> set[int]:
         return set(params.stop_token_ids) | set(self.tokenizer.eos_token_ids)
@@ -112,6 +112,7 @@ class OutputProcessor:
             safe, hit = sample.stops.feed(sample.detok.flush())
             self._append_text(sample.out, safe + ("" if hit else sample.stops.flush()))
             reason = "stop" if hit else reason
+            sample.out.stop_reason = sample.stops.stop_reason
         sample.out.finish_reason = reason
 
     @staticmethod
@@ -132,7 +133,7 @@ class OutputProcessor:
     def _snapshot(out: CompletionOutput) -> CompletionOutput:
         snap = CompletionOutput(out.index, out.text, list(out.token_ids), out.finish_reason,
                                 None if out.logprobs is None else list(out.logprobs), out.delta_text,
-                                out.delta_token_ids, out.delta_logprobs)
+                                out.delta_token_ids, out.delta_logprobs, stop_reason=out.stop_reason)
         out.delta_text, out.delta_token_ids, out.delta_logprobs = "", [], []
         return snap
 

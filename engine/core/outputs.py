@@ -32,6 +32,7 @@ class CompletionOutput:
     # and the text before them.
     tool_calls: list[ToolCall] | None = None
     content: str | None = None
+    stop_reason: str | None = None  # the stop string that ended the sample (finish_reason "stop"); None otherwise
 
     @property
     def finished(self) -> bool:
@@ -41,7 +42,7 @@ class CompletionOutput:
         """This output with `earlier`'s deltas in front of its own: the two successive outputs as one."""
         return CompletionOutput(self.index, self.text, self.token_ids, self.finish_reason, self.logprobs,
                                 earlier.delta_text + self.delta_text, earlier.delta_token_ids + self.delta_token_ids,
-                                earlier.delta_logprobs + self.delta_logprobs)
+                                earlier.delta_logprobs + self.delta_logprobs, stop_reason=self.stop_reason)
 
 
 @dataclass
