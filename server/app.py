@@ -17,6 +17,7 @@ from server.context import API_ERROR, CONTEXT, REQUEST_ID, TRACKER, ServerContex
 from server.errors import ApiError, error_response, from_http_exception
 from server.generation import handle_generation
 from server.logging import make_logger
+from server.messages_api import anthropic_errors, count_tokens, messages
 from server.metrics import UNMATCHED_ROUTE, spec_summary
 from server.protocol import model_not_found
 from server.responses import model_card, model_list
@@ -30,13 +31,15 @@ ID_PREFIXES = {"/v1/completions": "cmpl-", "/v1/chat/completions": "chatcmpl-"}
 
 def create_app(llm: AsyncLLM, settings: ServerSettings,
                log: structlog.stdlib.BoundLogger | None = None) -> web.Application:
-    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[_request_scope, _require_api_key])
+    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[_request_scope, anthropic_errors,
+                                                                               _require_api_key])
     app[CONTEXT] = ServerContext.build(llm, settings, log or make_logger())
     app.on_response_prepare.append(_add_request_id_header)
     app.add_routes([web.post("/v1/completions", _completions), web.post("/v1/chat/completions", _chat),
                     web.get("/v1/models", _models), web.get("/v1/models/{model:.+}", _model_card),
                     web.post("/tokenize", tokenize), web.post("/detokenize", detokenize),
                     web.post("/v1/embeddings", embeddings),
+                    web.post("/v1/messages", messages), web.post("/v1/messages/count_tokens", count_tokens),
                     web.get("/health", _health), web.get("/metrics", _metrics),
                     web.get("/status", _status), web.post("/admin/drain", _drain)])
     return app
@@ -111,10 +114,11 @@ async def _require_api_key(request: web.Request, handler: Handler) -> web.Stream
     key = request.app[CONTEXT].settings.api_key
     if key is None or not request.path.startswith(("/v1/", "/admin/")):
         return await handler(request)
-    given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
-    if not hmac.compare_digest(given.encode(), key.encode()):
-        raise ApiError(401, "missing or incorrect API key; send 'Authorization: Bearer <key>'", None,
-                       "invalid_api_key", {"WWW-Authenticate": "Bearer"})
+    bearer = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
+    given = [k for k in (bearer, request.headers.get("x-api-key", "").strip()) if k]  # OpenAI's, Anthropic's
+    if not any(hmac.compare_digest(k.encode(), key.encode()) for k in given):
+        raise ApiError(401, "missing or incorrect API key; send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
+                       None, "invalid_api_key", {"WWW-Authenticate": "Bearer"})
     return await handler(request)
 
 

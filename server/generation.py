@@ -168,7 +168,7 @@ async def prepare(req: GenerationRequest, door: FrontDoor, limits: ModelLimits, 
     the constraint of a forced tool call, and the reader of its tool calls. A constraint is not compiled here:
     the engine compiles it where it runs, and its refusal becomes a 400 in engine_outputs."""
     tools = ChatTools(req.tools, req.tool_choice, req.parallel_tool_calls)
-    token_ids = req.sampling.params.truncated_prompt(await _encode(req, door, tools), limits.max_model_len)
+    token_ids = req.sampling.params.truncated_prompt(await encode_prompt(req, door, tools), limits.max_model_len)
     check_prompt_tokens(token_ids, limits, req.prompt_param)
     params = _best_of(req, sampling_params(req.sampling, len(token_ids), limits))
     params, reader = door.with_tools(params, tools)
@@ -187,7 +187,8 @@ def _best_of(req: GenerationRequest, params: SamplingParams) -> SamplingParams:
         raise bad_request(str(exc).replace("n must", "best_of must", 1), "best_of") from None
 
 
-async def _encode(req: GenerationRequest, door: FrontDoor, tools: ChatTools) -> list[int]:
+async def encode_prompt(req: GenerationRequest, door: FrontDoor, tools: ChatTools) -> list[int]:
+    """The request's prompt as the token ids it runs (before any truncate_prompt_tokens)."""
     if req.suffix is not None:
         return await door.encode_async(_fill_in_the_middle(door.tokenizer, req), add_special_tokens=True)
     if isinstance(req.prompt, str):

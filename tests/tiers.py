@@ -28,6 +28,7 @@ MODULE_TIERS: Mapping[str, Tier] = {
     "test_actor_stats.py": P,
     "test_actors.py": P,
     "test_api_routes.py": P,
+    "test_anthropic_messages.py": U,
     "test_api_smollm2.py": P,  # slow: the real model
     "test_async_llm.py": E,
     "test_attention.py": E,
@@ -67,6 +68,7 @@ MODULE_TIERS: Mapping[str, Tier] = {
     "test_lm_head.py": E,
     "test_logs.py": P,  # the logging, calibration and kernel-key units are marked unit
     "test_metrics.py": P,  # the ServerMetrics and PromQL tests are marked unit
+    "test_messages_api.py": P,  # slow: the real model
     "test_migration.py": P,
     "test_model_errors.py": P,  # the resolve and check tests in this process are marked unit
     "test_model_parity.py": E,
