@@ -35,7 +35,7 @@ class ServerSettings:
 
     host: str = option("127.0.0.1", "address to listen on")
     port: int = option(8000, "port to listen on (0: any free port; the start-up line says which)")
-    api_key: str | None = option(None, "require 'Authorization: Bearer KEY' on /v1/*",
+    api_key: str | None = option(None, "require the key on /v1/* ('Authorization: Bearer KEY' or 'x-api-key: KEY')",
                                  shown=f"${API_KEY_ENV}, else none")
     max_queue: int = option(256, "requests in flight (waiting + running) before new ones get 429")
     served_model_name: str | None = option(None, "the model name clients send", shown="the model's name")

@@ -12,6 +12,7 @@ import sys
 import time
 
 import aiohttp
+import anthropic
 import openai
 import pytest
 from aiohttp.test_utils import TestServer
@@ -347,6 +348,19 @@ def test_api_key(keyed_server):
     assert keyed_server.get("/health").status == 200  # only /v1 needs the key
     client = openai.OpenAI(base_url=keyed_server.url + "/v1", api_key=KEY, max_retries=0)
     assert client.completions.create(model=client.models.list().data[0].id, prompt="Hi", max_tokens=2).choices
+
+
+def test_the_key_is_accepted_as_x_api_key_and_refused_in_anthropics_shape_on_messages(keyed_server):
+    model = keyed_server.get("/v1/models", headers={"x-api-key": KEY}).json()["data"][0]["id"]
+    client = anthropic.Anthropic(base_url=keyed_server.url, api_key=KEY, max_retries=0, timeout=60)
+    reply = client.messages.create(model=model, max_tokens=2, messages=HI)
+    assert reply.type == "message" and 1 <= reply.usage.output_tokens <= 2  # the random model may end at once
+    body = {"max_tokens": 2, "messages": HI}
+    wrong = keyed_server.post("/v1/messages", body, headers={"x-api-key": "nope"})
+    assert wrong.status == 401 and wrong.json()["error"]["type"] == "authentication_error"
+    assert "x-api-key" in wrong.json()["error"]["message"]
+    completion = keyed_server.post("/v1/completions", {"prompt": "Hi", "max_tokens": 2}, headers={"x-api-key": KEY})
+    assert completion.status == 200 and completion.json()["object"] == "text_completion"
 
 
 def test_queue_full_then_sigterm_drains_in_flight_stream(keyed_server):
