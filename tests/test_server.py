@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tokenizers import Tokenizer as HfTokenizer
 
 from engine import AsyncLLM
+from engine.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from server.app import create_app
 from server.context import CONTEXT
 from server.errors import ApiError
@@ -471,6 +472,32 @@ async def test_a_bug_is_a_500_logged_with_the_request_id(tiny_llm, caplog):
     logged = [r.msg for r in caplog.records if isinstance(r.msg, dict) and r.msg.get("event") == "unhandled error"]
     assert [entry["request_id"] for entry in logged] == [request_id]
     assert "RuntimeError: boom" in caplog.text
+
+
+@pytest.mark.engine
+async def test_a_bug_on_messages_is_a_500_or_an_error_event_in_anthropics_shape(tiny_llm, caplog):
+    async def fails_after_one_output(token_ids, params, **kwargs):
+        sample = CompletionOutput(0, "Hi", [5], None, None, "Hi", [5])
+        yield RequestOutput(kwargs["request_id"], None, list(token_ids), [sample], RequestMetrics(time.monotonic()))
+        raise RuntimeError("boom")
+
+    async def fails_at_once(*args, **kwargs):
+        raise RuntimeError("boom")
+        yield  # an async generator, like AsyncLLM.generate
+
+    body = {"max_tokens": 4, "messages": HI}
+    async with TestServer(create_app(tiny_llm, ServerSettings())) as test_server, aiohttp.ClientSession() as session:
+        tiny_llm.generate = fails_at_once
+        async with session.post(test_server.make_url("/v1/messages"), json=body) as resp:
+            whole, request_id = (resp.status, await resp.json()), resp.headers["X-Request-Id"]
+        tiny_llm.generate = fails_after_one_output
+        async with session.post(test_server.make_url("/v1/messages"), json=body | {"stream": True}) as resp:
+            streamed = (resp.status, (await resp.read()).decode())
+    assert whole[0] == 500 and whole[1]["type"] == "error" and whole[1]["error"]["type"] == "api_error"
+    assert request_id in whole[1]["error"]["message"] and "RuntimeError: boom" in caplog.text
+    assert streamed[0] == 200 and streamed[1].startswith("event: message_start")
+    last = streamed[1].strip().split("\n\n")[-1]
+    assert last.startswith("event: error\ndata: ") and json.loads(last.split("data: ", 1)[1])["error"]["type"] == "api_error"
 
 
 @pytest.mark.engine
