@@ -237,7 +237,8 @@ def _user(blocks: list[Any], where: str) -> list[Json]:
             texts = []
         else:
             raise _unreadable(kind, f"{at}.type", USER_BLOCKS)
-    return out + _flush(texts) if out or texts else [{"role": "user", "content": ""}]
+    out += _flush(texts)
+    return out or [{"role": "user", "content": ""}]  # a turn of empty text is still a turn
 
 
 def _flush(texts: list[str]) -> list[Json]:

@@ -74,6 +74,12 @@ def test_a_tool_round_trip_becomes_tool_calls_and_tool_messages():
     assert [m.role for m in parsed.prompt] == ["user", "assistant", "tool", "tool", "user"]
 
 
+@pytest.mark.parametrize("content", ["", [], [{"type": "text", "text": ""}]])
+def test_a_user_turn_of_no_text_is_still_a_turn(content):
+    assert chat_body(BASE | {"messages": [{"role": "user", "content": content}]})["messages"] == [
+        {"role": "user", "content": ""}]
+
+
 def test_consecutive_turns_of_one_role_are_merged():
     messages = [{"role": "user", "content": "a"}, {"role": "user", "content": [{"type": "text", "text": "b"}]},
                 {"role": "assistant", "content": "c"}, {"role": "assistant", "content": "d"},
