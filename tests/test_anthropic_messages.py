@@ -66,7 +66,8 @@ def test_a_tool_round_trip_becomes_tool_calls_and_tool_messages():
     messages = chat_body(BASE | {"messages": history, "tools": [WEATHER]})["messages"]
     assert messages[1:] == [
         {"role": "assistant", "content": "Let me look.", "tool_calls": [
-            {"id": "toolu_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+            {"id": "toolu_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
         {"role": "tool", "tool_call_id": "toolu_1", "content": "sunny"},
         {"role": "tool", "tool_call_id": "toolu_2", "content": ERROR_PREFIX + "timeout"},
         {"role": "user", "content": "And tomorrow?"}]

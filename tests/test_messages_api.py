@@ -224,7 +224,8 @@ def _fuzzed(field: str, value) -> dict:
     return body
 
 
-@settings(max_examples=100, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=100, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.sampled_from(["/v1/messages", "/v1/messages/count_tokens"]), st.sampled_from(FUZZED), SMALL_JSON)
 def test_fuzzed_requests_are_answered_or_refused_with_a_4xx_in_anthropics_shape(server, path, field, value):
     result = server.post(path, _fuzzed(field, value))

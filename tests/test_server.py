@@ -497,7 +497,8 @@ async def test_a_bug_on_messages_is_a_500_or_an_error_event_in_anthropics_shape(
     assert request_id in whole[1]["error"]["message"] and "RuntimeError: boom" in caplog.text
     assert streamed[0] == 200 and streamed[1].startswith("event: message_start")
     last = streamed[1].strip().split("\n\n")[-1]
-    assert last.startswith("event: error\ndata: ") and json.loads(last.split("data: ", 1)[1])["error"]["type"] == "api_error"
+    assert last.startswith("event: error\ndata: ")
+    assert json.loads(last.split("data: ", 1)[1])["error"]["type"] == "api_error"
 
 
 @pytest.mark.engine
