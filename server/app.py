@@ -21,6 +21,7 @@ from server.messages_api import anthropic_errors, count_tokens, messages
 from server.metrics import UNMATCHED_ROUTE, spec_summary
 from server.protocol import model_not_found
 from server.responses import model_card, model_list
+from server.responses_api import add_responses_routes
 from server.settings import ServerSettings
 from server.utility import detokenize, embeddings, tokenize
 
@@ -42,6 +43,7 @@ def create_app(llm: AsyncLLM, settings: ServerSettings,
                     web.post("/v1/messages", messages), web.post("/v1/messages/count_tokens", count_tokens),
                     web.get("/health", _health), web.get("/metrics", _metrics),
                     web.get("/status", _status), web.post("/admin/drain", _drain)])
+    add_responses_routes(app, settings)
     return app
 
 

@@ -8,11 +8,12 @@ from typing import Literal
 from actors.ray_options import RayOptions, parse_resources
 from actors.start_watch import DEFAULT_START_SILENCE
 from engine.config import ConfigError
-from engine.flags import option, parse_list
+from engine.flags import option, parse_bytes, parse_list
 from engine.core.stream_interval import AUTO_MAX_TOKENS, AUTO_OUTPUTS_PER_STEP, StreamInterval
 from engine.sampling.fields import generation_config_names
 from engine.sampling.sampling_params import SamplingParams
 from server.quadrant import QuadrantThresholds, SpeculateQuadrants, check_speculate_quadrants
+from server.responses_store import StoreLimits
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 API_KEY_ENV = "PHASE_SERVE_API_KEY"
@@ -61,6 +62,11 @@ class ServerSettings:
         None, "max_tokens of a request that sends none (chat: else the rest of the context; completions: else 16)",
         shown="none")
     generation_config: GenerationConfigMode = option("auto", _generation_config_help())
+    responses_store_entries: int = option(StoreLimits.entries, "responses /v1/responses keeps for GET and "
+                                          "previous_response_id (store: true); the oldest are dropped first")
+    responses_store_bytes: int = option(StoreLimits.bytes, "the JSON those stored responses may hold in all, e.g. "
+                                        "64MiB", parse=parse_bytes, metavar="SIZE", shown="64MiB")
+    responses_store_seconds: float = option(StoreLimits.seconds, "how long a stored response is kept")
 
     def __post_init__(self) -> None:
         if self.default_max_tokens is not None and self.default_max_tokens < 1:
@@ -82,6 +88,15 @@ class ServerSettings:
             raise ConfigError(str(exc)) from None
         if self.served_model_name is not None and not self.served_model_name.strip():
             raise ConfigError("served_model_name must not be blank")
+        for name in ("responses_store_entries", "responses_store_bytes"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if not self.responses_store_seconds > 0:
+            raise ConfigError(f"responses_store_seconds must be positive, got {self.responses_store_seconds}")
+
+    def store_limits(self) -> StoreLimits:
+        """The bounds of the responses /v1/responses keeps."""
+        return StoreLimits(self.responses_store_entries, self.responses_store_bytes, self.responses_store_seconds)
 
 
 @dataclass(frozen=True)

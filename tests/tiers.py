@@ -85,6 +85,9 @@ MODULE_TIERS: Mapping[str, Tier] = {
     "test_real_shapes.py": E,  # the quantiser, type-rule and CLI tests are marked unit
     "test_qwen3.py": E,
     "test_real_gemma3.py": P,  # slow: a real Gemma 3 GGUF from a registry package
+    "test_responses_api.py": P,  # a server on the tiny model: the route's errors, store, disconnects and streams
+    "test_responses_smollm2.py": P,  # slow: the real model through the official client
+    "test_responses_units.py": U,
     "test_resume.py": E,
     "test_sampler.py": U,
     "test_sampling_controls.py": U,
