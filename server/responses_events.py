@@ -200,9 +200,11 @@ def response_object(head: ResponseHead, status: str, output: list[Item], usage: 
 
 
 def response_usage(out: RequestOutput) -> dict[str, Any]:
-    """Tokens in and out of the response's engine request (its prefix-cache hits as cached_tokens)."""
+    """Tokens in and out of the response's engine request: its prefix-cache hits as cached_tokens, and no
+    cache_write_tokens (the prefix cache keeps blocks by itself, never as an explicit write a client asks for)."""
     prompt, completion = len(out.prompt_token_ids), sum(len(o.token_ids) for o in out.outputs)
-    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": out.num_cached_tokens},
+    details = {"cached_tokens": out.num_cached_tokens, "cache_write_tokens": 0}
+    return {"input_tokens": prompt, "input_tokens_details": details,
             "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": prompt + completion}
 

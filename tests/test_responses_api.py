@@ -10,7 +10,9 @@ import json
 import random
 
 import openai
+import pydantic
 import pytest
+from openai.types.responses import Response, ResponseStreamEvent
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.server_utils import TINY_ENGINE_FLAGS, ServerProcess, openai_client, start_server, wait_until
@@ -200,6 +202,28 @@ def test_a_json_schema_format_is_followed(client):
                                                    "strict": True}})
     parsed = json.loads(out.output_text)
     assert set(parsed) == {"city"} and len(parsed["city"]) <= 10 and out.text.format.type == "json_schema"
+
+
+def _raw_events(server: ServerProcess, body: dict) -> list[dict]:
+    result = _post(server, body | {"stream": True})
+    assert result.status == 200 and result.headers["Content-Type"].startswith("text/event-stream")
+    blocks = [b for b in result.body.decode().split("\n\n") if b.strip()]
+    events = []
+    for block in blocks:
+        name, data = block.split("\n")
+        assert name.startswith("event: ") and data.startswith("data: ")
+        events.append(json.loads(data.removeprefix("data: ")))
+        assert events[-1]["type"] == name.removeprefix("event: ")
+    return events
+
+
+@pytest.mark.parametrize("extra", [{}, {"tools": [WEATHER], "tool_choice": "required"}], ids=["text", "call"])
+def test_every_event_and_response_validates_against_the_clients_types(server, extra):
+    body = {"input": "Weather in Oslo?", "max_output_tokens": 60, "temperature": 0, "store": False, **extra}
+    adapter = pydantic.TypeAdapter(ResponseStreamEvent)
+    for event in _raw_events(server, body):
+        adapter.validate_python(event)  # strict: every required field present, every literal known
+    Response.model_validate(_post(server, body).json())
 
 
 # ---------------------------------------------------------------------------------------- the store

@@ -389,3 +389,24 @@ def test_a_streamed_tool_call_is_read_into_call_events_like_the_whole_reply():
     assert whole[0]["content"][0]["text"] == "Let me check."
     deltas = "".join(e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta")
     assert json.loads(deltas) == {"city": "Oslo"}
+
+
+# ---------------------------------------------------------------------------------------- the bench's share
+
+def test_the_load_tests_share_goes_to_responses_evenly_and_reads_its_events():
+    from bench import load_test
+
+    cfg = load_test.LoadConfig("http://x", requests=8, max_tokens=5, responses_share=0.5)
+    paths = [load_test.request_body(cfg, i)[0] for i in range(8)]
+    assert paths == ["/v1/chat/completions", "/v1/responses"] * 4
+    assert [load_test.via_responses(load_test.LoadConfig("http://x", responses_share=s), i)
+            for s in (0.0, 1.0) for i in range(3)] == [False] * 3 + [True] * 3
+    body = load_test.request_body(cfg, 1)[1]
+    assert body["max_output_tokens"] == 5 and body["ignore_eos"] and body["stream"] and body["input"]
+    builder = OutputBuilder(_ids())
+    events = builder.text("ab") + builder.finish("completed")
+    assert load_test.chunk_text(events[2]) == "ab" and load_test.chunk_output_tokens(events[2]) is None
+    assert load_test.chunk_output_tokens({"type": "response.completed", "response": {"usage": {"output_tokens": 5}}}) == 5
+    assert load_test.chunk_error({"type": "error", "message": "boom"}) == "boom"
+    with pytest.raises(ValueError):
+        load_test.LoadConfig("http://x", responses_share=1.5)
