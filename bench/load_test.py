@@ -1,7 +1,7 @@
 """Online load test: N concurrent streaming clients against a running server.
 
     python -m bench.load_test --url http://127.0.0.1:8000 --concurrency 64 --requests 128 --max-tokens 64
-        [--endpoint chat|completions] [--prompt TEXT] [--api-key KEY] [--json OUT]
+        [--endpoint chat|completions] [--responses-share F] [--prompt TEXT] [--api-key KEY] [--json OUT]
 
 Each client sends streaming requests one after another (greedy, EOS ignored, so every request produces exactly
 --max-tokens tokens) until --requests have been sent in total. TTFT is measured from sending the request to the
@@ -9,6 +9,11 @@ first chunk with text; ITL is the gap between consecutive chunks with text (a ch
 token when the detokeniser holds back an incomplete character, so ITL is per chunk). Output tokens come from
 the server's usage chunk. --json OUT writes the report, every request's TTFT and chunk gaps, the command line and
 the start time (what `python -m bench.report` reads).
+
+--responses-share F sends that share of the requests (spread evenly through the run) to /v1/responses instead,
+streamed as typed events, with the same prompt, length and sampling: the cost of the Responses translation and
+its events against chat, e.g. `--concurrency 32 --requests 256 --responses-share 0.5` against the same run with
+0. A Responses stream's text is its response.output_text.delta events, its tokens the final response's usage.
 """
 from __future__ import annotations
 
@@ -38,10 +43,13 @@ class LoadConfig:
     prompt: str | None = None
     api_key: str | None = None
     timeout: float = 600.0
+    responses_share: float = 0.0  # the share of requests sent to /v1/responses instead
 
     def __post_init__(self) -> None:
         if self.concurrency < 1 or self.requests < 1 or self.max_tokens < 1:
             raise ValueError("concurrency, requests and max_tokens must be at least 1")
+        if not 0.0 <= self.responses_share <= 1.0:
+            raise ValueError(f"responses_share must be between 0 and 1, got {self.responses_share}")
         if self.endpoint not in ("chat", "completions"):
             raise ValueError(f"endpoint must be chat or completions, got {self.endpoint!r}")
 
@@ -54,6 +62,7 @@ class RequestResult:
     itls: list[float] = field(default_factory=list)
     output_tokens: int = 0
     error: str | None = None
+    path: str = ""  # the route the request went to
 
 
 @dataclass(frozen=True)
@@ -80,8 +89,16 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[rank - 1]
 
 
+def via_responses(cfg: LoadConfig, index: int) -> bool:
+    """Whether request `index` goes to /v1/responses: the share spread evenly (0.5: every second request)."""
+    return int((index + 1) * cfg.responses_share) > int(index * cfg.responses_share)
+
+
 def request_body(cfg: LoadConfig, index: int) -> tuple[str, dict]:
     prompt = cfg.prompt or PROMPTS[index % len(PROMPTS)]
+    if via_responses(cfg, index):
+        return "/v1/responses", {"input": prompt, "max_output_tokens": cfg.max_tokens, "temperature": 0,
+                                 "ignore_eos": True, "stream": True, "store": False}
     common = {"max_tokens": cfg.max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
               "stream_options": {"include_usage": True}}
     if cfg.endpoint == "chat":
@@ -90,11 +107,30 @@ def request_body(cfg: LoadConfig, index: int) -> tuple[str, dict]:
 
 
 def chunk_text(chunk: dict) -> str:
+    if chunk.get("type") == "response.output_text.delta":
+        return chunk["delta"]
     choices = chunk.get("choices") or []
     if not choices:
         return ""
     choice = choices[0]
     return choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+
+
+def chunk_output_tokens(chunk: dict) -> int | None:
+    """The output tokens a chunk reports: a chat or completions usage chunk, or a Responses stream's final
+    response; None for the others."""
+    if chunk.get("usage"):
+        return chunk["usage"]["completion_tokens"]
+    usage = (chunk.get("response") or {}).get("usage")
+    return usage["output_tokens"] if usage else None
+
+
+def chunk_error(chunk: dict) -> str | None:
+    if "error" in chunk and isinstance(chunk["error"], dict):
+        return chunk["error"].get("message")
+    if chunk.get("type") == "error":
+        return chunk.get("message")
+    return None
 
 
 async def _read_stream(response: aiohttp.ClientResponse, result: RequestResult, sent: float) -> None:
@@ -104,10 +140,12 @@ async def _read_stream(response: aiohttp.ClientResponse, result: RequestResult, 
         if not line.startswith(b"data:") or line == b"data: [DONE]":
             continue
         chunk = json.loads(line[5:])
-        if "error" in chunk:
-            raise RuntimeError(f"stream error: {chunk['error'].get('message')}")
-        if chunk.get("usage"):
-            result.output_tokens = chunk["usage"]["completion_tokens"]
+        error = chunk_error(chunk)
+        if error is not None:
+            raise RuntimeError(f"stream error: {error}")
+        tokens = chunk_output_tokens(chunk)
+        if tokens is not None:
+            result.output_tokens = tokens
         if chunk_text(chunk):
             now = time.perf_counter()
             result.ttft = now - sent if result.ttft is None else result.ttft
@@ -118,7 +156,7 @@ async def _read_stream(response: aiohttp.ClientResponse, result: RequestResult, 
 
 async def one_request(session: aiohttp.ClientSession, cfg: LoadConfig, index: int) -> RequestResult:
     path, body = request_body(cfg, index)
-    result = RequestResult(ok=False)
+    result = RequestResult(ok=False, path=path)
     sent = time.perf_counter()
     try:
         async with session.post(cfg.url.rstrip("/") + path, json=body) as response:
@@ -169,7 +207,8 @@ def summarise(results: list[RequestResult], wall: float) -> Report:
 
 
 def format_report(cfg: LoadConfig, report: Report) -> str:
-    lines = [f"{cfg.requests} requests ({cfg.endpoint}, {cfg.max_tokens} tokens each) at concurrency "
+    routes = cfg.endpoint if not cfg.responses_share else f"{cfg.endpoint}, {cfg.responses_share:g} on responses"
+    lines = [f"{cfg.requests} requests ({routes}, {cfg.max_tokens} tokens each) at concurrency "
              f"{cfg.concurrency} against {cfg.url}",
              f"  wall time        {report.wall_seconds:8.2f} s",
              f"  requests/s       {report.requests_per_second:8.2f}",
@@ -188,12 +227,14 @@ def parse_args(argv: list[str] | None) -> tuple[LoadConfig, str | None]:
     p.add_argument("--requests", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--endpoint", choices=("chat", "completions"), default="chat")
+    p.add_argument("--responses-share", type=float, default=0.0,
+                   help="the share of requests sent to /v1/responses instead (0..1, spread evenly)")
     p.add_argument("--prompt", default=None, help="one prompt for every request (default: a rotating set)")
     p.add_argument("--api-key", default=None)
     p.add_argument("--json", default=None, help="also write the report as JSON to this file")
     args = p.parse_args(argv)
     cfg = LoadConfig(args.url, args.concurrency, args.requests, args.max_tokens, args.endpoint, args.prompt,
-                     args.api_key)
+                     args.api_key, responses_share=args.responses_share)
     return cfg, args.json
 
 
