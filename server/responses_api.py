@@ -18,6 +18,7 @@ from typing import AsyncIterator, Callable
 from aiohttp import web
 
 from engine.core.outputs import RequestOutput
+from frontend.responses_items import input_items
 from server.context import CONTEXT, REQUEST_ID, TRACKER, ServerContext
 from server.errors import ApiError, bad_request
 from server.generation import (Prepared, RequestTracker, engine_outputs, placement_headers, prepare,
@@ -79,9 +80,13 @@ async def create_response(request: web.Request) -> web.StreamResponse:
 
 def _keep(store: ResponseStore, owner: str, parsed: ResponsesRequest, body: dict, output: list[dict]) -> None:
     """Stores a finished response when the request asked to; its `store` says whether it was kept (one larger
-    than the store's byte limit alone is not)."""
-    body["store"] = parsed.store and store.put(body["id"], owner, body | {"store": True},
-                                               [*parsed.conversation, *output])
+    than the store's byte limit alone is not). The conversation a later turn continues holds the output as
+    input items, without a call that max_output_tokens cut (its arguments are no JSON, and no one can answer it)."""
+    if not parsed.store:
+        body["store"] = False
+        return
+    said = [item for item in output if not (item["type"] == "function_call" and item["status"] == "incomplete")]
+    body["store"] = store.put(body["id"], owner, body | {"store": True}, [*parsed.conversation, *input_items(said)])
 
 
 class ResponseRun:

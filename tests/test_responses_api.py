@@ -158,7 +158,7 @@ def test_a_stream_is_the_whole_reply_in_typed_events(client):
 
 def _stream_call(client, **kwargs) -> list:
     return list(client.responses.create(model=MODEL, input="Weather in Oslo?", tools=[WEATHER], stream=True,
-                                        max_output_tokens=120, temperature=0, **kwargs))
+                                        **{"max_output_tokens": 120, "temperature": 0, **kwargs}))
 
 
 def test_a_forced_call_streams_as_a_function_call_item_and_its_output_goes_back(client):
@@ -192,6 +192,15 @@ def test_required_is_a_call_of_an_offered_tool_whole_and_streamed_alike(client):
     assert [(o.type, o.name, o.arguments) for o in whole.output] == \
         [(o.type, o.name, o.arguments) for o in streamed.output]
     check_arguments(whole.output[0].name, whole.output[0].arguments)
+
+
+def test_a_call_cut_by_max_output_tokens_is_incomplete_and_the_conversation_goes_on(client):
+    events = _stream_call(client, tool_choice="required", max_output_tokens=40)
+    cut = events[-1].response
+    assert events[-1].type == "response.incomplete" and cut.output[-1].status == "incomplete"
+    assert cut.output[-1].type == "function_call" and cut.store
+    after = client.responses.create(model=MODEL, previous_response_id=cut.id, input="Never mind.", max_output_tokens=2)
+    assert after.status in ("completed", "incomplete")
 
 
 def test_a_json_schema_format_is_followed(client):
