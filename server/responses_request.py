@@ -133,7 +133,8 @@ def _typed(body: dict[str, Any], name: str, kind: type, expected: str, default: 
 
 def renamed(err: ApiError) -> ApiError:
     """The chat parser's error with the fields spelled as /v1/responses spells them."""
-    param, message = err.param, err.message.replace(_CHAT_CHOICE, '{"type": "function", "name": ...}')
+    message = err.message.replace(_CHAT_CHOICE, '{"type": "function", "name": ...}')
+    param, message = err.param, message.replace("the messages hold", "the input holds")
     message = re.sub(r"(tools\[\d+\])\.function\.", r"\1.", message)
     for chat_name, name in _RENAMES:
         if param is not None and re.match(rf"{chat_name}(?![A-Za-z_])", param):

@@ -210,7 +210,7 @@ def test_renamed_keeps_status_code_and_headers():
     err = renamed(ApiError(400, "'max_tokens' must be at most 5; the messages hold 9 tokens", "max_tokens", "x",
                            {"A": "b"}))
     assert (err.status, err.param, err.code, err.headers) == (400, "max_output_tokens", "x", {"A": "b"})
-    assert err.message == "'max_output_tokens' must be at most 5; the input hold 9 tokens"
+    assert err.message == "'max_output_tokens' must be at most 5; the input holds 9 tokens"
     assert renamed(ApiError(400, "'messages[2].content' bad", "messages[2].content")).param == "input[2].content"
 
 
