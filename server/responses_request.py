@@ -68,9 +68,9 @@ def _history(previous_id: str | None, lookup: Lookup) -> list[Item]:
         return []
     stored = lookup(previous_id)
     if stored is None:
-        raise ApiError(404, f"'previous_response_id': there is no stored response '{previous_id}': it was never stored here (store: false), "
-                       "was deleted, has expired, or belongs to another API key.", "previous_response_id",
-                       "previous_response_not_found")
+        raise ApiError(404, f"'previous_response_id': there is no stored response '{previous_id}': it was never "
+                       "stored here (store: false), was deleted, has expired, or belongs to another API key.",
+                       "previous_response_id", "previous_response_not_found")
     return stored.conversation()
 
 

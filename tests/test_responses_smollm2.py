@@ -92,7 +92,8 @@ def test_previous_response_id_continues_the_conversation(server, client):
                                      temperature=0, max_output_tokens=24)
     print(f"\nSmolLM2 turn 1: {first.output_text!r}\nSmolLM2 turn 2: {second.output_text!r}")
     conversation = [{"role": "user", "content": "My name is Alice and I live in Paris."},
-                    {"role": "assistant", "content": first.output_text}, {"role": "user", "content": "What is my name?"}]
+                    {"role": "assistant", "content": first.output_text},
+                    {"role": "user", "content": "What is my name?"}]
     counted = server.post("/tokenize", {"model": MODEL, "messages": conversation}).json()["count"]
     assert second.usage.input_tokens == counted  # both turns, without the first turn's instructions
     chat = client.chat.completions.create(model=MODEL, messages=conversation, temperature=0, max_tokens=24)

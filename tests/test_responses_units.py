@@ -57,7 +57,8 @@ def test_calls_join_the_assistant_message_and_outputs_become_tool_messages():
         {"role": "user", "content": "weather in Oslo and Rome?"},
         {"role": "assistant", "content": "Looking."},
         {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Oslo"}'},
-        {"type": "function_call", "call_id": "c2", "name": "get_weather", "arguments": '{"city": "Rome"}', "id": "fc_2"},
+        {"type": "function_call", "call_id": "c2", "name": "get_weather", "arguments": '{"city": "Rome"}',
+         "id": "fc_2"},
         {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "hmm"}]},
         {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
         {"type": "function_call_output", "call_id": "c2", "output": [{"type": "input_text", "text": "rain"}]}])
@@ -107,7 +108,8 @@ def test_function_tools_and_a_named_choice_take_chat_spelling():
                                   {"type": "mcp", "server_label": "x"}, {"type": "custom", "name": "x"}])
 def test_other_tool_types_are_refused_naming_them(tool):
     err = refusal({"tools": [WEATHER, tool]})
-    assert err.status == 400 and err.param == "tools" and repr(tool["type"]) in err.message and "tools[1]" in err.message
+    assert err.status == 400 and err.param == "tools"
+    assert repr(tool["type"]) in err.message and "tools[1]" in err.message
 
 
 def test_text_format_takes_response_format_spelling():
@@ -130,7 +132,8 @@ def test_a_responses_request_is_the_chat_request_it_translates_to():
                  "parallel_tool_calls": False, "max_output_tokens": 40, "temperature": 0.5, "top_p": 0.9,
                  "top_k": 7, "seed": 3, "stop": ["\n\n"], "stream": True})
     chat = parse_chat({"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "weather?"}],
-                       "tools": [CHAT_WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+                       "tools": [CHAT_WEATHER],
+                       "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
                        "parallel_tool_calls": False, "max_tokens": 40, "temperature": 0.5, "top_p": 0.9,
                        "top_k": 7, "seed": 3, "stop": ["\n\n"], "stream": True}, MODEL)
     assert got.chat == chat and got.stream
@@ -331,8 +334,9 @@ def test_a_text_reply_streams_its_events_in_order():
 
 def test_calls_close_the_message_and_each_other():
     builder = OutputBuilder(_ids())
-    events = (builder.text("Sure.") + builder.call("call_a", "f") + builder.arguments('{"x"') + builder.arguments(": 1}")
-              + builder.call("call_b", "g") + builder.arguments("{}") + builder.finish("completed"))
+    events = (builder.text("Sure.") + builder.call("call_a", "f") + builder.arguments('{"x"')
+              + builder.arguments(": 1}") + builder.call("call_b", "g") + builder.arguments("{}")
+              + builder.finish("completed"))
     assert _types(events) == [
         "response.output_item.added", "response.content_part.added", "response.output_text.delta",
         "response.output_text.done", "response.content_part.done", "response.output_item.done",
@@ -406,7 +410,8 @@ def test_the_load_tests_share_goes_to_responses_evenly_and_reads_its_events():
     builder = OutputBuilder(_ids())
     events = builder.text("ab") + builder.finish("completed")
     assert load_test.chunk_text(events[2]) == "ab" and load_test.chunk_output_tokens(events[2]) is None
-    assert load_test.chunk_output_tokens({"type": "response.completed", "response": {"usage": {"output_tokens": 5}}}) == 5
+    completed = {"type": "response.completed", "response": {"usage": {"output_tokens": 5}}}
+    assert load_test.chunk_output_tokens(completed) == 5
     assert load_test.chunk_error({"type": "error", "message": "boom"}) == "boom"
     with pytest.raises(ValueError):
         load_test.LoadConfig("http://x", responses_share=1.5)
