@@ -1,6 +1,6 @@
 """Paged attention: one batched gather of the needed KV blocks, then scaled-dot-product attention; where the
-backend has an in-place kernel for the decode group (engine/backends/, no gather) or for whole fresh prompts, that
-kernel instead.
+backend has an in-place kernel for the decode group (engine/backends/, no gather), for whole fresh prompts or for
+every prefill segment of the step, that kernel instead.
 
 The flat batch holds decode rows first (one new token per sequence, attended as one group), then each
 prefill chunk as a contiguous segment. New keys/values are written into their cache slots before
@@ -16,8 +16,9 @@ chunk of a prompt sees unquantised keys and every later chunk or decode step see
 
 A windowed layer (sliding_window W) lets the query at position p see keys p - W < j <= p only, through the
 same gathers with a narrower mask; a soft-capped layer (Gemma 2) caps the scores as cap * tanh(s / cap) before
-the mask. The backend's kernels take neither, so they serve a windowed layer only where the window cuts no
-row's context (every context within W tokens: the same result), and never a soft-capped one.
+the mask. Each backend hook is given both and declines what its kernel does not compute: the CPU kernels serve
+a windowed layer only where the window cuts no row's context (every context within W tokens: the same result),
+and never a soft-capped one; the Triton kernels (engine/backends/triton_attention.py) mask both themselves.
 
 A windowed layer's table may name NULL_BLOCK (engine/kv/groups.py: a block given back, wholly before the
 window of every query of the step): it is gathered as block 0 and masked out like everything else before the
@@ -77,6 +78,9 @@ class AttentionMetadata:
     use_kernels: bool = False
     prefills: list[PrefillSegment] = field(default_factory=list)
     page_writes: PageWrites | None = None  # built on first use by a quantised cache, shared by its layers
+    # what a backend's kernels derive from this metadata (their segment tables, a planned launch), built by the
+    # first layer that needs it and shared by the others: keyed by the backend
+    kernel_inputs: dict = field(default_factory=dict)
 
     @staticmethod
     def build(block_size: int, decode_rows: list[tuple[list[int], int]],
@@ -152,14 +156,21 @@ def _prefill_segment(table: list[int], start: int, context_start: int, length: i
 
 
 class AttentionKernels(Protocol):
-    """The backend's in-place attention kernels (engine/backends/base.py Backend): each returns None where it
-    declines, and the gather path below serves."""
+    """The backend's in-place attention kernels (engine/backends/base.py Backend): each returns None (or False)
+    where it declines, and the gather path below serves."""
+
+    def write_kv(self, cache: object, x: torch.Tensor, slot_mapping: torch.Tensor) -> bool: ...
 
     def decode_attention(self, q: torch.Tensor, k_cache: object, v_cache: object, meta: AttentionMetadata,
-                         scale: float) -> torch.Tensor | None: ...
+                         scale: float, window: int | None = None,
+                         softcap: float | None = None) -> torch.Tensor | None: ...
 
-    def fresh_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: int,
-                        scale: float) -> torch.Tensor | None: ...
+    def fresh_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: int, scale: float,
+                        window: int | None = None, softcap: float | None = None) -> torch.Tensor | None: ...
+
+    def prefill_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: object,
+                          v_cache: object, meta: AttentionMetadata, scale: float, out: torch.Tensor,
+                          window: int | None = None, softcap: float | None = None) -> bool: ...
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: KVPages,
@@ -170,15 +181,18 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     quantised pages). Returns [T, Hq, D]. `backend`: whose kernels may take the decode group and fresh prompts
     (None, or a step without meta.use_kernels: SDPA throughout). `window`: the layer's sliding window (None:
     whole contexts); `softcap`: the layer's attention-score cap (None: uncapped)."""
-    backend = backend if meta.use_kernels and softcap is None else None
-    _write(k_cache, k, meta)
-    _write(v_cache, v, meta)
+    backend = backend if meta.use_kernels else None
+    _write(k_cache, k, meta, backend)
+    _write(v_cache, v, meta, backend)
     if meta.num_decode and not meta.prefills:  # decode only: no copy into a shared output
         return _decode(q, k_cache, v_cache, meta, scale, backend, window, softcap)
     out = torch.empty_like(q)
     if meta.num_decode:
         out[: meta.num_decode] = _decode(q[: meta.num_decode], k_cache, v_cache, meta, scale, backend, window,
                                          softcap)
+    if backend is not None and backend.prefill_attention(q, k, v, k_cache, v_cache, meta, scale, out, window,
+                                                         softcap):
+        return out
     for run in _prefill_runs(meta.prefills):
         rows = slice(run[0].start, run[-1].start + run[-1].length)
         if run[0].context_start == 0:
@@ -190,8 +204,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
 
 def _decode(q: torch.Tensor, k_cache: KVPages, v_cache: KVPages, meta: AttentionMetadata, scale: float,
             backend: AttentionKernels | None, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
-    cut = window is not None and meta.max_decode_context > window  # the window hides part of some context
-    out = backend.decode_attention(q, k_cache, v_cache, meta, scale) if backend is not None and not cut else None
+    out = None if backend is None else backend.decode_attention(q, k_cache, v_cache, meta, scale, window, softcap)
     return _decode_attention(q, k_cache, v_cache, meta, scale, window, softcap) if out is None else out
 
 
@@ -199,7 +212,7 @@ def _fresh(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: int, scale:
            backend: AttentionKernels | None, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     length = len(q) // count
     window = window if window is not None and window < length else None  # a window wider than the prompt
-    out = backend.fresh_attention(q, k, v, count, scale) if backend is not None and window is None else None
+    out = None if backend is None else backend.fresh_attention(q, k, v, count, scale, window, softcap)
     return _fresh_attention(q, k, v, count, scale, window, softcap) if out is None else out
 
 
@@ -252,9 +265,11 @@ def _fresh_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: i
     return out.transpose(1, 2).reshape(rows, num_heads, head_dim)
 
 
-def _write(cache: KVPages, x: torch.Tensor, meta: AttentionMetadata) -> None:
+def _write(cache: KVPages, x: torch.Tensor, meta: AttentionMetadata, backend: AttentionKernels | None) -> None:
     if isinstance(cache, TieredPages):
         cache = cache.hot  # new tokens always land in hot blocks; TieredPages.gather reads both regions
+    if backend is not None and backend.write_kv(cache, x, meta.slot_mapping):
+        return
     if isinstance(cache, torch.Tensor):
         cache.view(-1, *x.shape[1:]).index_copy_(0, meta.slot_mapping, x)
         return

@@ -4,9 +4,9 @@ A backend knows tensors and weight formats (engine/backends/weight_ops.py), neve
 one product at a time (`prepare_linear`, `prepare_gate_up`, once, giving back the `Weight` it runs on) and, for
 the fused decode step, as a list of per-layer weights (`decode_stack`). The preparation step that walks a model
 (engine/model/layers.py `prepare_weights`) and paged attention (engine/backends/attention.py) call these and
-nothing else that depends on the device or the CPU. The hooks that may decline (`decode_attention`,
-`fresh_attention`, `decode_stack`, `decode_layers`, `greedy_tokens`) return None where this backend has nothing
-better than the plain torch path their caller runs.
+nothing else that depends on the device or the CPU. The hooks that may decline (`write_kv`, `decode_attention`,
+`fresh_attention`, `prefill_attention`, `decode_stack`, `decode_layers`, `greedy_tokens`) return None (or False)
+where this backend has nothing better than the plain torch path their caller runs.
 """
 from __future__ import annotations
 
@@ -55,6 +55,9 @@ class StackShape:
 class Backend(ABC):
     name: str
     attends_in_place = False  # decode attention reads the pages in place: no gather per row (engine/core/runner.py)
+    # a decode-only step on plain pages runs without a host sync and with launch shapes fixed by its row count,
+    # so it can be captured as a CUDA graph and replayed (engine/core/cuda_graphs.py)
+    captures_decode = False
 
     # ---- preparation: once per model, the weights in this backend's layout -----------------------------------
 
@@ -123,13 +126,28 @@ class Backend(ABC):
     def row_argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """[B, V] -> [B] int64, logits.max(dim=-1).indices."""
 
+    def write_kv(self, cache: object, x: torch.Tensor, slot_mapping: torch.Tensor) -> bool:
+        """New tokens' keys or values x [T, Hkv, D] into their slots of one layer's pages; False: declined (the
+        caller's index_copy_ or page write serves)."""
+        return False
+
     def decode_attention(self, q: torch.Tensor, k_cache: object, v_cache: object, meta: AttentionMetadata,
-                         scale: float) -> torch.Tensor | None:
+                         scale: float, window: int | None = None, softcap: float | None = None) -> torch.Tensor | None:
+        """The decode group's attention [D, Hq, hd], read from the pages in place; `window` and `softcap` as
+        engine/backends/attention.py paged_attention takes them."""
         return None
 
-    def fresh_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: int,
-                        scale: float) -> torch.Tensor | None:
+    def fresh_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: int, scale: float,
+                        window: int | None = None, softcap: float | None = None) -> torch.Tensor | None:
+        """`count` whole prompts of one length attending causally to themselves."""
         return None
+
+    def prefill_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: object,
+                          v_cache: object, meta: AttentionMetadata, scale: float, out: torch.Tensor,
+                          window: int | None = None, softcap: float | None = None) -> bool:
+        """Every prefill segment of the step (rows meta.num_decode onwards, their keys already written) into the
+        same rows of `out`, each attending to its cached prefix and itself; False: declined."""
+        return False
 
     def decode_layers(self, stack: object | None, x: torch.Tensor, rope: Rope, meta: AttentionMetadata,
                       kv_caches: list, window: int | None) -> tuple[torch.Tensor, torch.Tensor] | None:

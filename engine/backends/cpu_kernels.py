@@ -189,8 +189,10 @@ class CpuKernelBackend(TorchBackend):
         return F.silu(gate) * up
 
     def decode_attention(self, q: torch.Tensor, k_cache: object, v_cache: object, meta: AttentionMetadata,
-                         scale: float) -> torch.Tensor | None:
-        if not self.attends_in_place or meta.num_decode_seqs > self.config.max_attention_seqs:
+                         scale: float, window: int | None = None, softcap: float | None = None) -> torch.Tensor | None:
+        """The C++ kernels compute neither a window nor a soft-cap: they serve where the window cuts no context."""
+        if (not self.attends_in_place or meta.num_decode_seqs > self.config.max_attention_seqs or softcap is not None
+                or (window is not None and meta.max_decode_context > window)):
             return None
         if _plain_bf16_pages(k_cache):
             return cpu_ext.decode_attention_bf16(q, k_cache, v_cache, meta.decode_block_tables,
@@ -211,9 +213,9 @@ class CpuKernelBackend(TorchBackend):
                 and all(x.dtype == q.dtype and x.stride(2) == 1 and x.stride(1) == head_dim and x.stride(0) % 2 == 0
                         for x in (q, k, v)))
 
-    def fresh_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: int,
-                        scale: float) -> torch.Tensor | None:
-        if not self.takes_prompts(q, k, v, count):
+    def fresh_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: int, scale: float,
+                        window: int | None = None, softcap: float | None = None) -> torch.Tensor | None:
+        if window is not None or softcap is not None or not self.takes_prompts(q, k, v, count):
             return None
         return cpu_ext.prompt_attention(q, k, v, count, scale, self.engine)
 
