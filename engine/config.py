@@ -122,12 +122,16 @@ KvCacheDtype = Literal["auto", "fp8", "fp4"]  # auto = the serving dtype; fp8 / 
 KvCompressMode = Literal["none", "fp4"]  # adaptive compression of old pages (engine/kv/compress.py)
 SpeculativeMode = Literal["off", "ngram", "draft"]
 KvStreamOverlap = Literal["chunk", "layer", "none"]  # engine/core/prefill_engine.py
+GpuAttention = Literal["auto", "triton", "flashinfer"]  # engine/backends/gpu_config.py
+CudaGraphs = Literal["auto", "off"]  # engine/core/cuda_graphs.py
 DTYPES = get_args(Dtype)
 WEIGHT_DTYPES = get_args(WeightDtype)
 KV_CACHE_DTYPES = get_args(KvCacheDtype)
 KV_COMPRESS_MODES = get_args(KvCompressMode)
 SPECULATIVE_MODES = get_args(SpeculativeMode)
 KV_STREAM_OVERLAPS = get_args(KvStreamOverlap)
+GPU_ATTENTIONS = get_args(GpuAttention)
+CUDA_GRAPHS = get_args(CudaGraphs)
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -207,7 +211,15 @@ class EngineConfig:
                                      shown="all cores")
     seed: int = 0  # torch's global seed at engine start (not a flag: requests carry their own seeds)
     enforce_eager: bool = option(False, "plain torch ops only: no compiled CPU kernels (small-batch bf16 GEMV, "
-                                 "in-place paged decode attention, fused norms, packed products)")
+                                 "in-place paged decode attention, fused norms, packed products; on a GPU: no "
+                                 "Triton attention, compiled elementwise kernels or CUDA graphs)")
+    gpu_attention: GpuAttention = option("auto", "paged attention on a CUDA device: triton (kernels that read the "
+                                         "pages in place), flashinfer (its decode kernel, where the package is "
+                                         "installed; decode steps then run without CUDA graphs) or auto (triton "
+                                         "where it imports, else gathered pages and SDPA)")
+    cuda_graphs: CudaGraphs = option("auto", "decode steps on a CUDA device replayed as CUDA graphs, one captured "
+                                     "per batch-size bucket at start-up: auto (where the attention allows it: "
+                                     "triton on unquantised pages) or off; nothing changes on the CPU")
     speculative: SpeculativeMode = option("off", "speculative decoding: ngram (prompt lookup) or draft "
                                           "(needs --draft-model)")
     draft_model: str | None = option(None, "for --speculative draft: a model path with the target's vocabulary, "
@@ -262,6 +274,10 @@ class EngineConfig:
                               f"({self.max_num_batched_tokens} < {self.max_model_len})")
         self.prefill_shares()  # ConfigError for a bad share
         self._check_speculative()
+        if self.gpu_attention not in GPU_ATTENTIONS:
+            raise ConfigError(f"gpu_attention must be one of {', '.join(GPU_ATTENTIONS)}, got {self.gpu_attention!r}")
+        if self.cuda_graphs not in CUDA_GRAPHS:
+            raise ConfigError(f"cuda_graphs must be one of {', '.join(CUDA_GRAPHS)}, got {self.cuda_graphs!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         self._check_kv_compress()
