@@ -1,7 +1,9 @@
 """The GPU paths on a real CUDA device: the KV quantisers' CUDA kernels against their njit twins, the engine core
-with its model, KV pages and sampling on the GPU against the CPU engine, and a prefill and a decode actor on the
-GPU handing pages over by CUDA IPC. Skipped without CUDA (CI has none); the simulator check in test_kv_quant.py
-covers the kernels' logic there."""
+with its model, KV pages and sampling on the GPU (the CUDA backend: Triton paged attention, decode steps replayed
+as CUDA graphs) against the CPU engine, graphs against eager steps, and a prefill and a decode actor on the GPU
+handing pages over by CUDA IPC. Skipped without CUDA (CI has none); the simulator check in test_kv_quant.py covers
+the quantisers' logic there, tests/test_triton_attention.py the Triton kernels (interpreted) and
+tests/test_cuda_graphs.py the graphs' bookkeeping."""
 from __future__ import annotations
 
 import asyncio
@@ -10,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from engine.backends import CudaBackend, TorchBackend
 from engine.core.builder import build_engine_core
 from engine import AsyncLLM, SamplingParams
 from engine.kernels import (build_cuda_kernels, cpu_kernels, dequantize_fp4, dequantize_fp8, quantize_fp4,
@@ -85,6 +88,33 @@ def test_bf16_engine_on_cuda_is_deterministic_and_frees_every_block(tiny_model_d
     assert all(len(o.token_ids) == 16 and o.finish_reason == "length" for o in first)
     assert [o.token_ids for o in again] == [o.token_ids for o in first]  # same steps, same shapes, same bits
     assert_pool_clean(gpu)
+
+
+def test_decode_steps_replayed_as_cuda_graphs_give_the_eager_steps_tokens(tiny_model_dir):
+    """fp32, the same engine options but --cuda-graphs: the Triton backend in both, graphs captured for every
+    bucket up to max_num_seqs and replayed, the same greedy tokens (padding rows write no page: pools clean)."""
+    options = dict(max_num_batched_tokens=64, max_num_seqs=8)
+    graphed, eager = cuda_llm(tiny_model_dir, **options), cuda_llm(tiny_model_dir, cuda_graphs="off", **options)
+    runner = graphed.engine.runner
+    assert isinstance(runner.backend, CudaBackend) and runner.backend.captures_decode
+    assert runner.graphs is not None and runner.graphs.plan.sizes == (1, 2, 4, 8)
+    assert eager.engine.runner.graphs is None
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    prompts = make_prompts(7)  # 7 rows: bucket 8 pads one
+    want = [o.token_ids for o in eager.generate(prompts, params)]
+    assert [o.token_ids for o in graphed.generate(prompts, params)] == want
+    assert runner.graphs.replays[8] > 0
+    assert_pool_clean(graphed)
+    assert_pool_clean(eager)
+
+
+def test_enforce_eager_on_cuda_runs_plain_torch_to_the_cpu_tokens(tiny_model_dir):
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    prompts = make_prompts(4)
+    gpu = cuda_llm(tiny_model_dir, enforce_eager=True)
+    assert type(gpu.engine.runner.backend) is TorchBackend and gpu.engine.runner.graphs is None
+    want = [o.token_ids for o in tiny_llm(tiny_model_dir).generate(prompts, params)]
+    assert [o.token_ids for o in gpu.generate(prompts, params)] == want
 
 
 def test_seeded_samples_on_cuda_repeat_and_do_not_depend_on_the_batch(tiny_model_dir):

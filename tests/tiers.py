@@ -42,6 +42,7 @@ MODULE_TIERS: Mapping[str, Tier] = {
     "test_cli_flags.py": P,  # most of its tests read `cli.py --help` from a subprocess
     "test_cpu_kernels.py": E,
     "test_cuda.py": E,  # one test starts actors on the GPU: marked process
+    "test_cuda_graphs.py": E,  # graph bookkeeping; the runner on a tiny model with interpreted Triton kernels
     "test_decode_stack.py": E,
     "test_default_model.py": P,
     "test_disagg_inprocess.py": E,
@@ -56,6 +57,8 @@ MODULE_TIERS: Mapping[str, Tier] = {
     "test_gguf_quants.py": U,
     "test_gguf_repack.py": E,  # the C++ kernels and tiny models
     "test_gguf_sentencepiece.py": U,  # the chat tests run the engine: marked engine
+    "test_gpu_backend.py": U,  # the GPU backend's selection with the device faked
+    "test_gpu_check.py": P,  # bench/gpu_check.py's dry run in a subprocess
     "test_handoff.py": U,
     "test_host_memory.py": U,  # the allocator test runs in subprocesses: marked process
     "test_kernel_accuracy.py": P,  # slow: the real models
@@ -118,6 +121,7 @@ MODULE_TIERS: Mapping[str, Tier] = {
     "test_tool_calls.py": U,  # the grammar and LLM.chat tests are marked engine
     "test_tool_calls_api.py": P,
     "test_transport.py": U,  # the tests over real sockets are marked process
+    "test_triton_attention.py": E,  # the Triton kernels, interpreted on the CPU
     "test_treatment.py": E,
     "test_weight_int8.py": E,
     "test_weight_int4.py": E,

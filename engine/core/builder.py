@@ -14,9 +14,10 @@ from typing import Callable
 import psutil
 import torch
 
-from engine.backends import select_backend
+from engine.backends import GpuConfig, select_backend
 from engine.backends.base import Backend
 from engine.config import EngineConfig, ModelConfig
+from engine.core.cuda_graphs import graph_plan
 from engine.core.engine_core import EngineCore
 from engine.core.prefill_engine import PrefillEngine
 from engine.core.runner import ModelRunner
@@ -69,14 +70,16 @@ def build_engine_core(config: EngineConfig, source: ModelSource | None = None, d
     eos = source.tokenizer.eos_token_ids or model_cfg.eos_token_ids
     scheduler = Scheduler(pool, limits, tuple(eos), _compactor(config, pool), groups.windows)
     cold = ColdRegion(model_cfg, num_cold, num_blocks, config.block_size, dtype, device) if num_cold else None
-    runner = ModelRunner(model, kv_cache, device, _backend(config, dtype, device, progress),
-                         grammar_compiler=partial(source_compiler, source), cold=cold)
+    max_model_len = min(config.max_model_len or model_cfg.max_position_embeddings, model_cfg.max_position_embeddings)
+    backend = _backend(config, dtype, device, progress)
+    graphs = graph_plan(config.cuda_graphs, device, backend, kv_cache, config.max_num_seqs, max_model_len)
+    runner = ModelRunner(model, kv_cache, device, backend, grammar_compiler=partial(source_compiler, source),
+                         cold=cold, graphs=graphs, progress=progress)
     if proposer is None:
         if config.speculative == "draft":
             report(progress, LOADING_DRAFT)
         proposer = build_proposer(config, model, source, plain_blocks, dtype, device)
     speculator = None if proposer is None else Speculator(proposer, model_cfg.vocab_size)
-    max_model_len = min(config.max_model_len or model_cfg.max_position_embeddings, model_cfg.max_position_embeddings)
     return EngineCore(config, source, dtype=dtype, max_model_len=max_model_len, kv_cache=kv_cache, pool=pool,
                       scheduler=scheduler, runner=runner, speculator=speculator)
 
@@ -106,7 +109,7 @@ def _backend(config: EngineConfig, dtype: torch.dtype, device: str, progress: Pr
     """The backend (its kernels built on first use), reported before the weights are prepared for it: the
     ModelRunner packs them into its layout."""
     report(progress, BUILDING_KERNELS)
-    backend = select_backend(device, dtype, config.enforce_eager)
+    backend = select_backend(device, dtype, config.enforce_eager, gpu=GpuConfig(attention=config.gpu_attention))
     report(progress, PREPARING_WEIGHTS)
     return backend
 

@@ -14,8 +14,10 @@ import torch.nn.functional as F
 
 from engine.backends.attention import AttentionMetadata
 from engine.backends import Backend, TorchBackend
+from engine.core.cuda_graphs import DecodeGraphs, GraphPlan
 from engine.kv.host_memory import keep_freed_memory
 from engine.kv.cache import KVCache
+from engine.model.progress import Progress
 from engine.kv.compress import ColdRegion, names_cold
 from engine.model.llama import LlamaModel
 from engine.sampling.sampler import History, SamplingBatch, greedy_tokens, process_logits, sample, token_logprobs
@@ -113,10 +115,13 @@ class ModelRunner:
 
     def __init__(self, model: LlamaModel, kv_cache: KVCache | None, device: torch.device | str = "cpu",
                  backend: Backend | None = None,
-                 grammar_compiler: Callable[[], GrammarCompiler] | None = None, cold: ColdRegion | None = None) -> None:
+                 grammar_compiler: Callable[[], GrammarCompiler] | None = None, cold: ColdRegion | None = None,
+                 graphs: GraphPlan | None = None, progress: Progress | None = None) -> None:
         """`backend`: the hardware operations (engine/backends.select_backend); None = plain torch ops.
         `grammar_compiler`: the engine's (built on first use); None refuses constrained requests.
-        `cold`: adaptive compression: old pages of this runner's own pool may live there (engine/kv/compress.py)."""
+        `cold`: adaptive compression: old pages of this runner's own pool may live there (engine/kv/compress.py).
+        `graphs`: decode steps on this runner's pages to capture now and replay (engine/core/cuda_graphs.py), each
+        capture reported to `progress`."""
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
@@ -132,6 +137,12 @@ class ModelRunner:
         self.backend: Backend = TorchBackend(device)  # what a model runs on until it is given a backend
         if backend is not None:
             self.set_backend(backend)
+        self.graphs = None if graphs is None else self._capture(graphs, progress)
+
+    @torch.inference_mode()
+    def _capture(self, plan: GraphPlan, progress: Progress | None) -> DecodeGraphs | None:
+        forward = lambda ids, positions, meta, layers: self.model(ids, positions, meta, layers)  # noqa: E731
+        return DecodeGraphs.capture_or_none(plan, forward, self.kv_cache.layers, self.device, progress)
 
     def set_backend(self, backend: Backend) -> None:
         """Run the model on `backend` (which prepares its weights now)."""
@@ -153,8 +164,11 @@ class ModelRunner:
                             self._verify_as_rows(sched, layers))
         read = torch.cat([inp.sample_rows, inp.verify_rows])  # [B + R]: the rows whose logits are needed
         every_row = len(read) == len(inp.input_ids)  # a decode step: no row to leave out
-        hidden = self.model(inp.input_ids, inp.positions, inp.meta, layers, keep_rows=None if every_row else read,
-                            layer_metas=self._layer_metas(kv_cache, inp))  # [T or B + R, hidden]
+        hidden = self.graphs.run(inp, layers) if self.graphs is not None and every_row else None
+        if hidden is None:
+            hidden = self.model(inp.input_ids, inp.positions, inp.meta, layers,
+                                keep_rows=None if every_row else read,
+                                layer_metas=self._layer_metas(kv_cache, inp))  # [T or B + R, hidden]
         if not inp.sampled_chunks and not inp.verified_chunks:
             return RunnerOutput()
         rows = hidden[read] if every_row else hidden

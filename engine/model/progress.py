@@ -18,7 +18,8 @@ PREPARING_WEIGHTS = "preparing weights"
 LOADING_DRAFT = "loading the draft model"
 CALIBRATING = "calibrating"
 WARMING_UP = "warming up"
-STAGE_UNITS: Mapping[str, str] = {LOADING_WEIGHTS: "tensors", CALIBRATING: "runs"}
+CAPTURING_GRAPHS = "capturing CUDA graphs"
+STAGE_UNITS: Mapping[str, str] = {LOADING_WEIGHTS: "tensors", CALIBRATING: "runs", CAPTURING_GRAPHS: "batch sizes"}
 
 T = TypeVar("T")
 
