@@ -33,7 +33,8 @@ def random_tables(lengths: list[int], gen: torch.Generator) -> list[list[int]]:
 
 def pages(kv_heads: int, dtype: torch.dtype, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     shape = (NUM_BLOCKS, BLOCK, kv_heads, HEAD_DIM)
-    return (torch.randn(shape, generator=gen).to(dtype).to(DEVICE), torch.randn(shape, generator=gen).to(dtype).to(DEVICE))
+    k, v = (torch.randn(shape, generator=gen).to(dtype).to(DEVICE) for _ in range(2))
+    return k, v
 
 
 def fp8_pages(kv_heads: int, dtype: torch.dtype, gen: torch.Generator) -> tuple[QuantizedPages, QuantizedPages]:
@@ -44,15 +45,17 @@ def fp8_pages(kv_heads: int, dtype: torch.dtype, gen: torch.Generator) -> tuple[
     caches = []
     for i in range(2):
         cache = QuantizedPages(raw[i], fmt, dtype)
-        values = torch.randn(NUM_BLOCKS * BLOCK, kv_heads, HEAD_DIM, generator=gen) * torch.rand(NUM_BLOCKS * BLOCK, 1, 1, generator=gen) * 8
+        magnitudes = torch.rand(NUM_BLOCKS * BLOCK, 1, 1, generator=gen) * 8
+        values = torch.randn(NUM_BLOCKS * BLOCK, kv_heads, HEAD_DIM, generator=gen) * magnitudes
         cache.write(plan, values.to(dtype).to(DEVICE))
         caches.append(cache)
     return caches[0], caches[1]
 
 
 def close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    """Within a few of the dtype's steps, relative to the values' size (fp8 pages' values reach about 10)."""
     assert got.dtype == want.dtype and got.shape == want.shape
-    err = (got.float() - want.float()).abs().max().item()
+    err = ((got.float() - want.float()).abs() / (1 + want.float().abs())).max().item()
     assert err <= TOLERANCE[dtype], err
 
 
@@ -148,7 +151,7 @@ def test_fp8_codes_decode_as_the_quantiser_decodes_them():
                                            ta.page_source(QuantizedPages(raw[1].to(DEVICE), fmt, torch.float32)),
                                            torch.zeros(1, 1, dtype=torch.long, device=DEVICE),
                                            torch.tensor([n + 1], device=DEVICE), 1.0, window=1)[0, 0]
-                       for n in range(0, 256, 51)])  # the window keeps the last key alone: output = that value
+                       for n in range(0, 256, 51)]).cpu()  # the window keeps the last key alone: its value
     picked = want[0:256:51]
     assert torch.equal(torch.isnan(got), torch.isnan(picked))
     assert torch.equal(got.nan_to_num(), picked.nan_to_num())
