@@ -14,11 +14,12 @@ READING_CHECKPOINT = "reading the checkpoint"
 LOADING_WEIGHTS = "loading weights"
 ALLOCATING_KV = "allocating the KV pool"
 BUILDING_KERNELS = "building kernels"
+MEASURING_KERNELS = "measuring kernels"  # this machine's dispatch table (engine/backends/dispatch_store.py)
 PREPARING_WEIGHTS = "preparing weights"
 LOADING_DRAFT = "loading the draft model"
 CALIBRATING = "calibrating"
 WARMING_UP = "warming up"
-STAGE_UNITS: Mapping[str, str] = {LOADING_WEIGHTS: "tensors", CALIBRATING: "runs"}
+STAGE_UNITS: Mapping[str, str] = {LOADING_WEIGHTS: "tensors", CALIBRATING: "runs", MEASURING_KERNELS: "row counts"}
 
 T = TypeVar("T")
 
