@@ -106,7 +106,7 @@ def test_stack_follows_a_dispatch_table(tiny_model_dir, points, stack_calls):
     takes at 1, 2, 3 and 5 rows the kernels the Python layers take."""
     packing = CpuKernelBackend().packing
     route = Route.from_points([(first, packing if kernel == "packed" else kernel) for first, kernel in points])
-    table = dataclasses.replace(CpuKernelBackend().dispatch, bf16=route, source="measured")
+    table = dataclasses.replace(CpuKernelBackend().dispatch, bf16=route, measured=("bf16",))
     model = kernel_model(tiny_model_dir, dispatch=table)
     for seqs in ([0], [0, 1], [0, 1, 2], [4, 2, 0, 3, 1]):
         stack_calls.clear()

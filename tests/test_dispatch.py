@@ -138,6 +138,7 @@ def test_the_measurement_keeps_the_fastest_kernel_of_each_bucket():
     assert table.bf16 == Route.from_points([(1, "gemv"), (5, "onednn"), (65, "linear")])
     assert table.bf16.kernel(4) == "gemv" and table.bf16.kernel(5) == "onednn" and table.bf16.kernel(10_000) == "linear"
     assert table.int8 == shipped().int8 and table.int4 == shipped().int4  # formats not measured keep the base's
+    assert table.measured == ("bf16",) and table.describe()["int8"] == "1-64: int8, 65+: linear (shipped)"
     # the GEMV fell more than twice behind at 16 rows: no larger bucket timed it; no packed copy at one row
     assert [rows for _, kernel, rows in calls if kernel == "gemv"] == [1, 2, 4, 8, 16]
     assert ("bf16", "onednn", 1) not in calls
@@ -207,8 +208,8 @@ def test_a_table_names_only_its_formats_kernels_and_one_packing():
         dataclasses.replace(table, bf16=Route((), ("tiles",)))
     with pytest.raises(ValueError, match="two packings"):
         dataclasses.replace(table, bf16=Route.from_points([(1, "gemv"), (2, "tiles"), (9, "onednn")]))
-    with pytest.raises(ValueError, match="source"):
-        dataclasses.replace(table, source="guessed")
+    with pytest.raises(ValueError, match="measured formats"):
+        dataclasses.replace(table, measured=("fp8",))
 
 
 # ---- the backend on a table ---------------------------------------------------------------------------------
@@ -233,7 +234,7 @@ def test_the_decode_stack_limits_make_the_tables_choice_at_every_row_count():
         pytest.skip("no packed copy runs here")
     table = DispatchTable(bf16=Route.from_points([(1, "linear"), (2, packing), (3, "gemv"), (5, "linear")]),
                           int8=Route.from_points([(1, "w8a8"), (3, "int8"), (9, "linear")]),
-                          int4=Route.from_points([(1, "int4"), (2, "w4a8"), (4, "linear")]), source="measured")
+                          int4=Route.from_points([(1, "int4"), (2, "w4a8"), (4, "linear")]), measured=FORMATS)
     backend = CpuKernelBackend(CpuKernelConfig(dispatch=table))
     for rows in range(1, 40):
         limits = backend.stack_limits(rows)
@@ -249,7 +250,7 @@ def test_the_decode_stack_limits_make_the_tables_choice_at_every_row_count():
 def test_the_backend_runs_the_tables_kernels(kernel_calls):
     require_kernels()
     table = dataclasses.replace(CpuKernelBackend().dispatch, bf16=Route.from_points([(1, "gemv"), (3, "linear")]),
-                                source="measured")
+                                measured=("bf16",))
     backend = CpuKernelBackend(CpuKernelConfig(dispatch=table))
     assert backend.packing is None and not backend.tiled and backend.kernels()[0] == "gemv"
     w = backend.prepare_linear((torch.randn(32, 64) * 0.1).to(torch.bfloat16), None, None)
@@ -359,7 +360,7 @@ def test_the_table_is_measured_once_and_read_back(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger=dispatch_store.__name__)
     first = measured_table(CpuKernelConfig(), WORKLOAD, cache, time_kernel=counting_timer(calls))
     timed = len(calls)
-    assert timed > 0 and first.table.source == "measured" and set(first.timings) == {"bf16", "int4"}
+    assert timed > 0 and first.table.measured == ("bf16", "int4") and set(first.timings) == {"bf16", "int4"}
     assert "measured in" in caplog.text and dispatch_store.summary(first.table) in caplog.text
     again = measured_table(CpuKernelConfig(), WORKLOAD, cache, time_kernel=counting_timer(calls))
     assert len(calls) == timed and again == first  # read back, nothing timed
@@ -410,7 +411,8 @@ def test_the_builder_measures_the_models_shapes_and_reports_progress(tiny_model_
     workload = kernel_workload(engine.runner.model, 64)
     cfg = engine.runner.model.cfg
     assert (cfg.intermediate_size, cfg.hidden_size) in workload.shapes and workload.formats == ("bf16",)
-    assert backend.describe()["dispatch"]["source"] == "measured"
+    assert backend.describe()["dispatch"]["source"] == "measured: bf16"
+    assert backend.describe()["dispatch"]["int8"].endswith("(shipped)")
     timed = len(calls)
     build_engine_core(EngineConfig(**options))
     assert len(calls) == timed  # the second engine reads the first one's table

@@ -1,8 +1,8 @@
 """Which kernel serves each product of the CPU kernel backend: per weight format (bf16, int8, int4) and row count.
 
 A `Route` maps a product's row count to one kernel; a `DispatchTable` holds one route per format, and the backend
-looks its products up there (engine/backends/cpu_kernels.py). The table comes either from CpuKernelConfig's
-constants (`source="shipped"`) or from a measurement on the machine that runs it (`source="measured"`,
+looks its products up there (engine/backends/cpu_kernels.py). A format's route comes either from CpuKernelConfig's
+constants (shipped) or from a measurement on the machine that runs it (`measured` names those formats;
 engine/backends/dispatch_store.py): `choose_table` times each candidate kernel at each row bucket through a timer it
 is given (engine/backends/kernel_timing.py times the real kernels; tests pass fakes) and keeps the fastest.
 
@@ -131,13 +131,13 @@ class Route:
 
 @dataclass(frozen=True)
 class DispatchTable:
-    """One route per weight format; `source` says where it comes from: "shipped" (CpuKernelConfig's constants) or
-    "measured" (timed on this machine)."""
+    """One route per weight format; `measured` names the formats whose route was timed on this machine (the others
+    come from CpuKernelConfig's constants: shipped)."""
 
     bf16: Route
     int8: Route
     int4: Route
-    source: str = "shipped"
+    measured: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for fmt in FORMATS:
@@ -150,8 +150,13 @@ class DispatchTable:
                                  "(2+ rows)")
         if len(PACKED & set(self.bf16.kernels)) > 1:
             raise ValueError(f"the bf16 route names two packings ({self.bf16.kernels}): a weight has one copy")
-        if self.source not in ("shipped", "measured"):
-            raise ValueError(f"a dispatch table's source is shipped or measured, not {self.source!r}")
+        if any(fmt not in FORMATS for fmt in self.measured):
+            raise ValueError(f"a dispatch table's measured formats are among {FORMATS}, not {self.measured}")
+
+    @property
+    def source(self) -> str:
+        """"measured" where any format's route was timed here, else "shipped"."""
+        return "measured" if self.measured else "shipped"
 
     def route(self, fmt: str) -> Route:
         if fmt not in FORMATS:
@@ -166,15 +171,23 @@ class DispatchTable:
         return {fmt: self.route(fmt).kernels for fmt in FORMATS}
 
     def describe(self) -> dict[str, str]:
-        return {"source": self.source, **{fmt: self.route(fmt).describe() for fmt in FORMATS}}
+        """{"source": "measured: bf16, int4", "bf16": "1: gemv, 2-64: onednn, 65+: linear", ...}: a shipped route
+        where others were measured says so."""
+        def origin(fmt: str) -> str:
+            return " (shipped)" if self.measured and fmt not in self.measured else ""
+        source = f"measured: {', '.join(self.measured)}" if self.measured else "shipped"
+        return {"source": source, **{fmt: self.route(fmt).describe() + origin(fmt) for fmt in FORMATS}}
 
     def to_wire(self) -> dict[str, Any]:
-        return {"source": self.source, **{fmt: self.route(fmt).to_wire() for fmt in FORMATS}}
+        return {"measured": list(self.measured), **{fmt: self.route(fmt).to_wire() for fmt in FORMATS}}
 
     @classmethod
     def from_wire(cls, raw: Mapping[str, Any]) -> DispatchTable:
         """The table to_wire wrote; KeyError, TypeError or ValueError for anything else."""
-        return cls(**{fmt: Route.from_wire(raw[fmt]) for fmt in FORMATS}, source=raw["source"])
+        measured = raw["measured"]
+        if not isinstance(measured, list) or not all(isinstance(f, str) for f in measured):
+            raise TypeError(f"a table's measured formats are a list of names, not {measured!r}")
+        return cls(**{fmt: Route.from_wire(raw[fmt]) for fmt in FORMATS}, measured=tuple(measured))
 
 
 def choose_table(candidates: Mapping[str, Sequence[str]], buckets: Sequence[int], time_kernel: TimeKernel,
@@ -204,7 +217,8 @@ def choose_table(candidates: Mapping[str, Sequence[str]], buckets: Sequence[int]
             if progress is not None:
                 progress(done, total)
         routes[fmt] = _route(buckets, timings[fmt])
-    return dataclasses.replace(base, **routes, source="measured"), timings
+    measured = tuple(f for f in FORMATS if f in routes or f in base.measured)
+    return dataclasses.replace(base, **routes, measured=measured), timings
 
 
 def _check_candidates(fmt: str, kernels: Sequence[str]) -> None:

@@ -50,8 +50,8 @@ class Measured:
         timings = {fmt: {int(rows): {str(k): float(t) for k, t in times.items()} for rows, times in by_rows.items()}
                    for fmt, by_rows in raw["timings"].items()}
         table = DispatchTable.from_wire(raw["table"])
-        if table.source != "measured":
-            raise ValueError(f"a measured entry holds a {table.source} table")
+        if not table.measured:
+            raise ValueError("a measured entry holds a shipped table")
         return cls(table, timings, float(raw["seconds"]))
 
 
@@ -88,7 +88,7 @@ def dispatch_key(candidates: dict[str, tuple[str, ...]], workload: Workload, buc
 
 
 def summary(table: DispatchTable) -> str:
-    """'bf16 [1-64: gemv, 65+: linear]; int8 [...]; int4 [...] (measured)': one line for a log."""
+    """'bf16 [1-64: gemv, 65+: linear]; int8 [... (shipped)]; int4 [...] (measured: bf16, int4)': one log line."""
     routes = table.describe()
     source = routes.pop("source")
     return "; ".join(f"{fmt} [{route}]" for fmt, route in routes.items()) + f" ({source})"
