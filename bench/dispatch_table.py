@@ -5,7 +5,8 @@
 
 Measures afresh, as an engine's first start on this machine does (the disk cache is neither read nor written):
 each candidate kernel of each weight format, at row counts 1, 2, 4, ... up to --max-rows, on the model's layer
-shapes (qkv, o, gate|up, down; random weights), the median of --reps timed runs after one untimed run. Prints the
+shapes (qkv, o, gate|up, down; random weights), the median of --reps timed runs (the kernels of a row count taking
+turns) after one untimed run of each kernel. Prints the
 CPU, its features and the kernels' build key; then per format the chosen route, the shipped route of the
 CpuKernelConfig limits beside it, and every median (ms; `*` marks the kept kernel, `-` one not timed there: a
 packed copy at one row, or a streaming kernel once it fell behind). --activation-quant lets W8A8 and W4A8 (off
@@ -22,7 +23,7 @@ import torch
 
 from engine.backends.cpu_config import CpuKernelConfig
 from engine.backends.cpu_kernels import CpuKernelBackend
-from engine.backends.dispatch import FORMATS, Timings, choose_table, row_buckets
+from engine.backends.dispatch import FORMATS, REPS, Timings, choose_table, row_buckets
 from engine.backends.dispatch_store import summary
 from engine.backends.kernel_timing import KernelTimer, Workload
 from engine.config import OFFLINE_MAX_NUM_BATCHED_TOKENS, ModelConfig
@@ -45,7 +46,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--formats", default=",".join(FORMATS), help="weight formats to measure")
     parser.add_argument("--max-rows", type=int, default=OFFLINE_MAX_NUM_BATCHED_TOKENS,
                         help="largest row count (an engine measures up to its step budget)")
-    parser.add_argument("--reps", type=int, default=3, help="timed runs per kernel and row count")
+    parser.add_argument("--reps", type=int, default=REPS, help="timed runs per kernel and row count")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--activation-quant", action="store_true", help="W8A8 and W4A8 among the candidates")
     parser.add_argument("--quick", action="store_true", help="16 rows, one rep: checks the bench runs")
@@ -88,8 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\rmeasuring: {done}/{total} row counts", end="", file=sys.stderr, flush=True)
 
     start = time.perf_counter()
-    table, timings = choose_table(candidates, row_buckets(args.max_rows), KernelTimer(config, workload,
-                                  reps=args.reps), backend.dispatch, config.row_caps(), heard)
+    table, timings = choose_table(candidates, row_buckets(args.max_rows), KernelTimer(config, workload),
+                                  backend.dispatch, config.row_caps(), heard, args.reps)
     seconds = time.perf_counter() - start
     print(file=sys.stderr)
     print(f"measured in {seconds:.2f} s: {summary(table)}")

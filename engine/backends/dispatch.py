@@ -18,6 +18,7 @@ Pure: no torch, no timing.
 from __future__ import annotations
 
 import dataclasses
+import statistics
 from bisect import bisect_left
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Sequence
@@ -37,11 +38,13 @@ NEEDS: Mapping[str, tuple[str, ...]] = {
     "onednn": ("avx512f",), "w8a8": _AVX512 + ("avx512vnni",), "w4a8": _AVX512 + ("avx512vnni",),
     "int4": ("avx2", "fma", "f16c")}
 # A row-streaming kernel (one pass over the weight per few rows) only loses ground to a GEMM as rows grow: once it
-# takes this many times the best kernel's time at one row count, larger row counts do not time it.
+# takes this many times the best kernel's time at one row count, larger row counts do not time it (the factor
+# leaves room for a noisy median; the row counts it keeps timing are the cheap ones).
 STREAMING = frozenset({"gemv", "int8", "w8a8", "int4", "w4a8"})
-PRUNE_FACTOR = 2.0
+PRUNE_FACTOR = 4.0
+REPS = 3  # timed runs of each kernel at each row count, alternated between the kernels: their median is its time
 
-TimeKernel = Callable[[str, str, int], float]  # (format, kernel, rows) -> seconds of one product set
+TimeKernel = Callable[[str, str, int], float]  # (format, kernel, rows) -> seconds of one run of the product set
 Timings = dict[str, dict[int, dict[str, float]]]  # format -> rows -> kernel -> seconds
 
 
@@ -192,14 +195,16 @@ class DispatchTable:
 
 def choose_table(candidates: Mapping[str, Sequence[str]], buckets: Sequence[int], time_kernel: TimeKernel,
                  base: DispatchTable, row_caps: Mapping[str, int] | None = None,
-                 progress: Callable[[int, int], None] | None = None) -> tuple[DispatchTable, Timings]:
+                 progress: Callable[[int, int], None] | None = None, reps: int = REPS) -> tuple[DispatchTable, Timings]:
     """The measured table: for each format in `candidates`, each candidate kernel timed at each row bucket (a
     packed kernel from 2 rows, a kernel in `row_caps` up to its cap, a STREAMING one until it falls PRUNE_FACTOR
-    behind), the fastest kept per bucket, serving the row counts up to it past the bucket before. Formats not in
-    `candidates` keep `base`'s routes. `progress(done, total)` hears each (format, bucket). Returns the table and
-    every time taken."""
+    behind; `reps` runs, the kernels alternated, the median kept), the fastest kept per bucket, serving the row
+    counts up to it past the bucket before. Formats not in `candidates` keep `base`'s routes. `progress(done,
+    total)` hears each (format, bucket). Returns the table and every median."""
     if not buckets or buckets[0] != 1 or list(buckets) != sorted(set(buckets)):
         raise ValueError(f"row buckets must rise from 1, not {buckets}")
+    if reps < 1:
+        raise ValueError(f"a measurement needs reps >= 1, not {reps}")
     caps, timings, routes = row_caps or {}, {}, {}
     total, done = len(candidates) * len(buckets), 0
     if progress is not None:
@@ -208,8 +213,8 @@ def choose_table(candidates: Mapping[str, Sequence[str]], buckets: Sequence[int]
         _check_candidates(fmt, kernels)
         live, timings[fmt] = list(kernels), {}
         for rows in buckets:
-            times = {k: time_kernel(fmt, k, rows) for k in live
-                     if (rows >= 2 or k not in PACKED) and rows <= caps.get(k, rows)}
+            timed = [k for k in live if (rows >= 2 or k not in PACKED) and rows <= caps.get(k, rows)]
+            times = _medians(fmt, timed, rows, time_kernel, reps)
             timings[fmt][rows] = times
             best = min(times.values())
             live = [k for k in live if k not in STREAMING or times.get(k, 0.0) <= PRUNE_FACTOR * best]
@@ -219,6 +224,15 @@ def choose_table(candidates: Mapping[str, Sequence[str]], buckets: Sequence[int]
         routes[fmt] = _route(buckets, timings[fmt])
     measured = tuple(f for f in FORMATS if f in routes or f in base.measured)
     return dataclasses.replace(base, **routes, measured=measured), timings
+
+
+def _medians(fmt: str, kernels: Sequence[str], rows: int, time_kernel: TimeKernel, reps: int) -> dict[str, float]:
+    """Each kernel's median of `reps` runs, the kernels taking turns (a burst of load slows all of them alike)."""
+    samples: dict[str, list[float]] = {k: [] for k in kernels}
+    for _ in range(reps):
+        for kernel in kernels:
+            samples[kernel].append(time_kernel(fmt, kernel, rows))
+    return {k: statistics.median(runs) for k, runs in samples.items()}
 
 
 def _check_candidates(fmt: str, kernels: Sequence[str]) -> None:

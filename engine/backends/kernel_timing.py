@@ -1,5 +1,5 @@
 """Times the CPU backend's product kernels on a model's own shapes: the timer a dispatch measurement runs
-(dispatch.choose_table), one (format, kernel, rows) at a time.
+(dispatch.choose_table, which asks for one run at a time and keeps the median of several).
 
 Each kernel runs as the backend runs it: a CpuKernelBackend whose table sends every row count of that format to
 that kernel prepares random weights of each shape (its packed copies included) and runs `linear` on them, so the
@@ -8,7 +8,6 @@ time includes what the dispatch itself costs. The clock is injected (tests pass 
 from __future__ import annotations
 
 import dataclasses
-import statistics
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -19,8 +18,6 @@ from engine.backends.cpu_config import CpuKernelConfig
 from engine.backends.cpu_kernels import CpuKernelBackend
 from engine.backends.dispatch import FORMATS, Route
 from engine.backends.weight_ops import Weight, int4_shapes
-
-REPS = 3  # timed runs per (format, kernel, rows): their median is its time
 
 
 @dataclass(frozen=True)
@@ -45,14 +42,12 @@ class Workload:
 
 
 class KernelTimer:
-    """timer(format, kernel, rows) -> the median seconds of REPS runs of every workload shape through `kernel`, after
-    one untimed run per (format, kernel) that touches its weights first."""
+    """timer(format, kernel, rows) -> the seconds of one run of every workload shape through `kernel`, after one
+    untimed run the first time a (format, kernel) is asked for (it touches the weights and packed copies first)."""
 
     def __init__(self, config: CpuKernelConfig, workload: Workload, clock: Callable[[], float] = time.perf_counter,
-                 reps: int = REPS, seed: int = 0) -> None:
-        if reps < 1:
-            raise ValueError(f"a kernel timer needs reps >= 1, not {reps}")
-        self.config, self.workload, self.clock, self.reps = config, workload, clock, reps
+                 seed: int = 0) -> None:
+        self.config, self.workload, self.clock = config, workload, clock
         self.generator = torch.Generator().manual_seed(seed)
         self.prepared: dict[tuple[str, str], tuple[CpuKernelBackend, list[Weight]]] = {}
         self.inputs: tuple[int, list[torch.Tensor]] = (0, [])  # (rows, one x a shape) of the latest call
@@ -64,12 +59,9 @@ class KernelTimer:
         with torch.inference_mode():
             if fresh:
                 self._run(backend, weights, xs)
-            samples = []
-            for _ in range(self.reps):
-                start = self.clock()
-                self._run(backend, weights, xs)
-                samples.append(self.clock() - start)
-        return statistics.median(samples)
+            start = self.clock()
+            self._run(backend, weights, xs)
+            return self.clock() - start
 
     @staticmethod
     def _run(backend: CpuKernelBackend, weights: list[Weight], xs: list[torch.Tensor]) -> None:
