@@ -2,8 +2,9 @@
 
 base.Backend is the interface; torch_ops.TorchBackend runs plain torch ops (--enforce-eager, fp32/fp16, CUDA);
 cpu_kernels.CpuKernelBackend the compiled CPU kernels, with every limit and switch in cpu_config.CpuKernelConfig;
-select.select_backend picks one, once. weight_ops holds the weight formats a product takes (weight_ops.Weight) and
-their plain-torch products; attention the paged attention.
+select.select_backend picks one, once. dispatch holds the table of which kernel serves each weight format's row
+counts (measured on the machine by kernel_timing, remembered by dispatch_store). weight_ops holds the weight
+formats a product takes (weight_ops.Weight) and their plain-torch products; attention the paged attention.
 """
 from engine.backends.base import Backend
 from engine.backends.cpu_config import CpuKernelConfig
