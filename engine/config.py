@@ -241,7 +241,8 @@ class EngineConfig:
                                         "reports: the start-up size check", parse=parse_bytes, metavar="SIZE",
                                         shown="what it reports")
     cache_dir: str | None = option(None, "where what an engine derives from a model on this machine is kept "
-                                   "between runs (an actor's start-up calibration, the kernel dispatch table)", metavar="DIR",
+                                   "between runs (an actor's start-up calibration, the kernel dispatch table)",
+                                   metavar="DIR",
                                    shown="$PHASE_SERVE_CACHE_DIR, else $XDG_CACHE_HOME/phase-serve, else "
                                    "~/.cache/phase-serve")
     recalibrate: bool = option(False, "an actor measures its prefill and decode costs at start (and an engine its "

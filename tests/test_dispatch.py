@@ -86,7 +86,8 @@ def test_the_shipped_table_for_each_kind_of_cpu_names_valid_kernels(cpu, config)
 
 
 def test_the_shipped_tables_are_the_row_limits():
-    expected = {"amx": "1: gemv, 2-1024: tiles, 1025+: linear", "avx512-bf16": "1: gemv, 2-4096: vectors, 4097+: linear",
+    expected = {"amx": "1: gemv, 2-1024: tiles, 1025+: linear",
+                "avx512-bf16": "1: gemv, 2-4096: vectors, 4097+: linear",
                 "avx512": "1: gemv, 2-128: onednn, 129+: linear", "avx2": "1-5: gemv, 6+: linear"}
     for cpu, features in CPUS.items():
         table = CpuKernelConfig().shipped_table(faked_candidates(features))
