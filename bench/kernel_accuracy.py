@@ -15,7 +15,7 @@ mid-sized chunks (tens of rows: the small-batch kernels and chunked prefill agai
 every window (a few rows: packed products and the decode stack), then decode steps of one window (one row: the
 GEMV and one-row kernels).
 
-Kernel sets: `shipped` is `CpuKernelBackend()` as the engine builds it on this CPU; `w4a8` / `w8a8` force the
+Kernel sets: `shipped` is `CpuKernelBackend()` on this CPU (the shipped dispatch table); `w4a8` / `w8a8` force the
 int8-activation kernels for every row count they take (their scalar loop where this CPU lacks AVX-512 VNNI), to
 measure the activation format itself. tests/test_kernel_accuracy.py runs `shipped` on the real models.
 """
@@ -39,6 +39,7 @@ from engine.backends.attention import AttentionMetadata  # noqa: E402
 from engine.backends.base import Backend  # noqa: E402
 from engine.backends.cpu_config import CpuKernelConfig  # noqa: E402
 from engine.backends.cpu_kernels import CpuKernelBackend  # noqa: E402
+from engine.backends.dispatch import Route  # noqa: E402
 from engine.backends.torch_ops import TorchBackend  # noqa: E402
 from engine.backends.weight_ops import Weight  # noqa: E402
 from engine.kv.cache import KVCache  # noqa: E402
@@ -90,9 +91,10 @@ def kernel_config(kernels: str) -> CpuKernelConfig:
 def forced_backend(kernels: str) -> CpuKernelBackend:
     """The backend of a kernel set; `w4a8` / `w8a8` take their kernels whether or not this CPU has VNNI."""
     backend = CpuKernelBackend(kernel_config(kernels))
-    if kernels != "shipped":
-        backend.max_w4a8_rows = backend.max_w8a8_rows = 1 << 30
-    return backend
+    if kernels == "shipped":
+        return backend
+    table = dataclasses.replace(backend.dispatch, int8=Route.only("w8a8"), int4=Route.only("w4a8"))
+    return CpuKernelBackend(dataclasses.replace(backend.config, dispatch=table))
 
 
 class MemoisedReference(TorchBackend):

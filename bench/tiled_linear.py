@@ -147,8 +147,8 @@ def engine_prefill(prompt_counts: list[int], rounds: int, threads: int) -> None:
     factory = PromptFactory(llm.tokenizer, 128)
     llm.generate(factory.make(2), greedy(4))  # warm-up
     shipped = llm.engine.runner.backend
-    backends = {"ours to max_tiled_rows": shipped,
-                "ours to max_onednn_rows": CpuKernelBackend(replace(shipped.config,
+    backends = {"ours to max_tiled_rows": CpuKernelBackend(replace(shipped.config, dispatch=None)),  # the limits'
+                "ours to max_onednn_rows": CpuKernelBackend(replace(shipped.config, dispatch=None,
                                                                     max_tiled_rows=shipped.config.max_onednn_rows))}
     rates: dict[tuple[str, int], list[float]] = {}
     try:

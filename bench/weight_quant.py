@@ -17,7 +17,8 @@ accuracy, memory.
    for F.linear (max_int4_rows 0); int4-layers, the shipped kernels from the Python layer loop; int4-torch, the
    same int4 codes on torch's own kernel (aten._weight_int4pack_mm_for_cpu, bf16 scales and zeros) from the
    Python layer loop, against int4-layers; auto, what --weight-dtype auto loads (for the default Q4_1 file: int4
-   layers, a bf16 LM head); auto-dequant, it with max_int4_rows 0.
+   layers, a bf16 LM head); auto-dequant, it with max_int4_rows 0. Every engine runs on the dispatch table it
+   measured at start, but a variant that changes a row limit runs on the shipped table with that limit changed.
 2. Teacher-forced accuracy on the English text bench/kv_accuracy.py uses (the Debian license texts): `--windows`
    windows of `--window` tokens fed one token a step as decode rows (the quantised kernels' path) through bf16
    and each quantised kernel; KL(bf16 || quantised) mean and p99, top-1 agreement, and each model's perplexity of
@@ -65,9 +66,9 @@ def weight_dtype(variant: str) -> str:
 
 
 class TorchInt4Backend(CpuKernelBackend):
-    """The int4 products of up to max_int4_rows rows on torch's kernel (aten._weight_int4pack_mm_for_cpu) on a
-    copy of the codes in its format: its scales and zeros are bf16 [G, N, 2] with w = (q - 8) s + zero, so zero =
-    z + 8 s. K must be a multiple of 32 (SmolLM2's are)."""
+    """The int4 products that the dispatch table gives an int4 kernel, on torch's kernel instead
+    (aten._weight_int4pack_mm_for_cpu) on a copy of the codes in its format: its scales and zeros are bf16 [G, N, 2]
+    with w = (q - 8) s + zero, so zero = z + 8 s. K must be a multiple of 32 (SmolLM2's are)."""
 
     def __init__(self, config: CpuKernelConfig) -> None:
         super().__init__(config)
@@ -80,7 +81,7 @@ class TorchInt4Backend(CpuKernelBackend):
 
     def linear_int4(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
         entry = self.torch_int4.get(id(w.data))
-        if entry is None or entry[0] is not w.data or x.shape[0] > self.config.max_int4_rows:
+        if entry is None or entry[0] is not w.data or self.dispatch.int4.kernel(x.shape[0]) == "linear":
             return super().linear_int4(x, w)
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, entry[1], weight_ops.INT4_GROUP, entry[2])
         return out if w.bias is None else out + w.bias
@@ -100,7 +101,10 @@ def build(model: str | None, variant: str, threads: int, blocks: int) -> LLM:
     if CONFIG[variant]:
         runner = llm.engine.runner
         backend = TorchInt4Backend if variant == "int4-torch" else CpuKernelBackend
-        runner.set_backend(backend(replace(runner.backend.config, **CONFIG[variant])))
+        changes = dict(CONFIG[variant])
+        if any(name.startswith("max_") for name in changes):  # a row limit: on the shipped table, with it changed
+            changes["dispatch"] = None
+        runner.set_backend(backend(replace(runner.backend.config, **changes)))
     return llm
 
 

@@ -124,6 +124,7 @@ SpeculativeMode = Literal["off", "ngram", "draft"]
 KvStreamOverlap = Literal["chunk", "layer", "none"]  # engine/core/prefill_engine.py
 GpuAttention = Literal["auto", "triton", "flashinfer"]  # engine/backends/gpu_config.py
 CudaGraphs = Literal["auto", "off"]  # engine/core/cuda_graphs.py
+KernelDispatch = Literal["measured", "shipped"]  # engine/backends/dispatch.py
 DTYPES = get_args(Dtype)
 WEIGHT_DTYPES = get_args(WeightDtype)
 KV_CACHE_DTYPES = get_args(KvCacheDtype)
@@ -132,6 +133,7 @@ SPECULATIVE_MODES = get_args(SpeculativeMode)
 KV_STREAM_OVERLAPS = get_args(KvStreamOverlap)
 GPU_ATTENTIONS = get_args(GpuAttention)
 CUDA_GRAPHS = get_args(CudaGraphs)
+KERNEL_DISPATCHES = get_args(KernelDispatch)
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -220,6 +222,10 @@ class EngineConfig:
     cuda_graphs: CudaGraphs = option("auto", "decode steps on a CUDA device replayed as CUDA graphs, one captured "
                                      "per batch-size bucket at start-up: auto (where the attention allows it: "
                                      "triton on unquantised pages) or off; nothing changes on the CPU")
+    kernel_dispatch: KernelDispatch = option("measured", "which CPU kernel serves each product's row count: measured "
+                                             "on this machine (seconds, once per kernel build, machine and model "
+                                             "shapes; kept in the cache, --recalibrate measures afresh) or the "
+                                             "shipped row limits")
     speculative: SpeculativeMode = option("off", "speculative decoding: ngram (prompt lookup) or draft "
                                           "(needs --draft-model)")
     draft_model: str | None = option(None, "for --speculative draft: a model path with the target's vocabulary, "
@@ -247,18 +253,22 @@ class EngineConfig:
                                         "reports: the start-up size check", parse=parse_bytes, metavar="SIZE",
                                         shown="what it reports")
     cache_dir: str | None = option(None, "where what an engine derives from a model on this machine is kept "
-                                   "between runs (an actor's start-up calibration)", metavar="DIR",
+                                   "between runs (an actor's start-up calibration, the kernel dispatch table)",
+                                   metavar="DIR",
                                    shown="$PHASE_SERVE_CACHE_DIR, else $XDG_CACHE_HOME/phase-serve, else "
                                    "~/.cache/phase-serve")
-    recalibrate: bool = option(False, "an actor measures its prefill and decode costs at start even when the "
-                               "cache holds them for this model, machine and configuration, and stores the new "
-                               "ones")
+    recalibrate: bool = option(False, "an actor measures its prefill and decode costs at start (and an engine its "
+                               "kernel dispatch table) even when the cache holds them for this model, machine and "
+                               "configuration, and stores the new ones")
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.weight_dtype not in WEIGHT_DTYPES:
             raise ConfigError(f"weight_dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {self.weight_dtype!r}")
+        if self.kernel_dispatch not in KERNEL_DISPATCHES:
+            raise ConfigError(f"kernel_dispatch must be one of {', '.join(KERNEL_DISPATCHES)}, "
+                              f"got {self.kernel_dispatch!r}")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a positive power of two, got {self.block_size}")
         for name in ("num_kv_blocks", "kv_cache_memory", "max_model_len", "num_threads", "shm_free_bytes"):

@@ -2,12 +2,15 @@
 taken only for the steps it covers."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from engine import LLM, SamplingParams
 from engine.backends.attention import AttentionMetadata
-from engine.backends import TorchBackend
+from engine.backends import CpuKernelBackend, TorchBackend
+from engine.backends.dispatch import Route
 from engine.kv.cache import KVCache
 from engine.model.llama import LlamaModel
 from tests.kernel_helpers import kernel_backend, kernel_model, reconfigure, require_kernels
@@ -93,6 +96,21 @@ def test_stack_follows_the_product_limits(tiny_model_dir, gemv_rows, packed_rows
     model = kernel_model(tiny_model_dir, max_gemv_rows=gemv_rows, max_onednn_rows=packed_rows,
                          max_tiled_rows=packed_rows)
     assert_stack_matches_layers(model, [0, 1, 2], stack_calls)
+
+
+@pytest.mark.parametrize("points", [[(1, "gemv"), (3, "packed")], [(1, "linear"), (2, "packed"), (3, "gemv"),
+                                                                    (5, "linear")]],
+                         ids=["gemv-then-packed", "packed-gemv-linear"])
+def test_stack_follows_a_dispatch_table(tiny_model_dir, points, stack_calls):
+    """Tables no pair of row limits expresses (the GEMV past the packed copy's rows, or before them): the stack
+    takes at 1, 2, 3 and 5 rows the kernels the Python layers take."""
+    packing = CpuKernelBackend().packing
+    route = Route.from_points([(first, packing if kernel == "packed" else kernel) for first, kernel in points])
+    table = dataclasses.replace(CpuKernelBackend().dispatch, bf16=route, measured=("bf16",))
+    model = kernel_model(tiny_model_dir, dispatch=table)
+    for seqs in ([0], [0, 1], [0, 1, 2], [4, 2, 0, 3, 1]):
+        stack_calls.clear()
+        assert_stack_matches_layers(model, seqs, stack_calls)
 
 
 def test_stack_with_projection_biases(qwen2_dir, stack_calls):

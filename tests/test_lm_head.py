@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from engine import LLM, SamplingParams
 from engine.backends import CpuKernelBackend, TorchBackend
 from engine.backends import weight_ops
+from engine.backends.dispatch import ENGINES
 from engine.backends.weight_ops import Weight
 from engine.kernels import cpu_ext
 from engine.model import quant
@@ -144,7 +145,8 @@ def test_greedy_engine_picks_from_fp32_logits(tiny_model_dir, monkeypatch, kerne
     fast = LLM(model=str(tiny_model_dir), dtype="bfloat16", num_kv_blocks=64)
     got = [o.token_ids for o in fast.generate(prompts, greedy)]
     assert seen and set(seen) <= {torch.float32, "fused"}
-    assert ("fused" in seen) == bool(cpu_ext.matrix_engines())  # three rows a step: the packed head where it runs
+    table = fast.engine.runner.backend.dispatch  # three rows a step: the packed head where its table reads blocks
+    assert ("fused" in seen) == (table.bf16.kernel(3) in ENGINES)
     assert ("fused" in seen) == ("tiled_linear_argmax_bf16" in kernel_calls.names())
     seen.clear()
     with_logprobs = fast.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True,

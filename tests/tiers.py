@@ -44,6 +44,7 @@ MODULE_TIERS: Mapping[str, Tier] = {
     "test_cuda.py": E,  # one test starts actors on the GPU: marked process
     "test_cuda_graphs.py": E,  # graph bookkeeping; the runner on a tiny model with interpreted Triton kernels
     "test_decode_stack.py": E,
+    "test_dispatch.py": E,  # the kernel dispatch table: its pure parts unit-sized, its kernels and builder in-process
     "test_default_model.py": P,
     "test_disagg_inprocess.py": E,
     "test_disk_cache.py": U,  # the two-writer test runs in subprocesses: marked process

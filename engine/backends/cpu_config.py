@@ -1,11 +1,16 @@
 """Every limit and switch of the CPU kernel backend, in one frozen config. Defaults are the shipped choices; tests
 and benches pass a `dataclasses.replace` of it to CpuKernelBackend. Figures behind each default:
-docs/performance.md, under the bench command that measured it."""
+docs/performance.md, under the bench command that measured it.
+
+Which kernel serves a product of a given row count is a DispatchTable (engine/backends/dispatch.py): the engine's
+builder measures one on the machine that runs it (`dispatch`); without one the row limits below make the shipped
+table (`shipped_table`), as `--kernel-dispatch shipped` asks."""
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Literal
+from typing import Literal, Mapping
 
+from engine.backends.dispatch import ENGINES, PACKED, DispatchTable, Route
 from engine.kernels.cpu_ext import KERNEL_MAX_PROMPT_TOKENS
 
 MatrixEngine = Literal["auto", "tiles", "vectors"]
@@ -13,45 +18,60 @@ MatrixEngine = Literal["auto", "tiles", "vectors"]
 
 @dataclass(frozen=True)
 class CpuKernelConfig:
+    # Each constant below says which measurement backs it and on which kind of CPU (the figures: docs/performance.md,
+    # under the bench command named). The row limits make the shipped dispatch table only: the engine's builder
+    # measures the table on the machine that runs it (`dispatch`), unless --kernel-dispatch shipped.
+
     # Rows a product takes on the streaming GEMV (where no packed copy serves them: one row, or a few without one).
-    # Kept: a batch-1 forward takes 0.59x torch's time with it alone (python -m bench.cpu_kernels --batches 1).
+    # Backed by python -m bench.cpu_kernels --batches 1 on a Zen 5 EPYC (AVX-512 BF16, no AMX).
     max_gemv_rows: int = 5
     # Sequences of a decode group the in-place attention kernel takes (a verified sequence brings 1 + K rows).
-    # Kept: a batch-64 forward takes 0.74x torch's time with it alone (python -m bench.cpu_kernels --batches 64).
+    # Backed by python -m bench.cpu_kernels --batches 64 on a Zen 5 EPYC (AVX-512 BF16, no AMX).
     max_attention_seqs: int = 1 << 30
-    # RMSNorm (+ residual add), RoPE, SiLU * up as one kernel each. Kept: 0.75x torch's forward time at batch 8,
-    # 0.88x at 1 (python -m bench.cpu_kernels --batches 1,8, column elementwise).
+    # RMSNorm (+ residual add), RoPE, SiLU * up as one kernel each.
+    # Backed by python -m bench.cpu_kernels --batches 1,8 (column elementwise) on a Zen 5 EPYC.
     fused_elementwise: bool = True
-    # decode-only steps: the layers in one C++ call (off: the same kernels from Python). The Python loop took
-    # 1.31-1.42x the stack's time at batch 1-8 (python -m bench.cpu_kernels --batches 1,8, column layers/all).
+    # decode-only steps: the layers in one C++ call (off: the same kernels from Python).
+    # Backed by python -m bench.cpu_kernels --batches 1,8 (column layers/all) on a Zen 5 EPYC.
     decode_stack: bool = True
-    tiled_packing: bool = True  # weights in 16x16-pair blocks where an engine runs them (off: oneDNN's packing)
-    fused_gate_up: bool = True  # the MLP's gate|up product with SiLU * up off its results (needs the blocks)
-    matrix_engine: MatrixEngine = "auto"  # the engine of the products on packed blocks: "auto" = the fastest here
+    # Weights in 16x16-pair blocks where an engine runs them (off: oneDNN's packing).
+    # Backed by python -m bench.tiled_linear on a Sapphire Rapids Xeon (AMX) and a Zen 5 EPYC.
+    tiled_packing: bool = True
+    # The MLP's gate|up product with SiLU * up off its results (needs the blocks), at every row count from 2.
+    # Backed by python -m bench.tiled_linear (part 6) on a Sapphire Rapids Xeon (AMX).
+    fused_gate_up: bool = True
+    # The engine of the products on packed blocks: "auto" = tiles before vectors where both run (amx.h's order).
+    matrix_engine: MatrixEngine = "auto"
     max_tiled_rows: int | None = None  # the packed blocks serve 2..this many rows; None: the engine's own limit
-    max_tiled_rows_tiles: int = 1024  # AMX tiles: the 2048-token offline steps keep F.linear
-    max_tiled_rows_vectors: int = 4096  # AVX-512 BF16: every step up to 4096 tokens
+    # Backed by python -m bench.tiled_linear on a Sapphire Rapids Xeon (AMX): 2048-token steps keep F.linear.
+    max_tiled_rows_tiles: int = 1024
+    # Backed by python -m bench.tiled_linear on a Zen 5 EPYC (AVX-512 BF16, no AMX).
+    max_tiled_rows_vectors: int = 4096
 
     # Rows a product on int8 weights takes on the int8 kernel (engine/kernels/int8_linear.cpp); more dequantise the
-    # weight to bf16 for F.linear. Kept: int8 batch-1 decode 1.31-1.48x bf16's tok/s (python -m bench.weight_quant).
+    # weight to bf16 for F.linear. Backed by python -m bench.weight_quant on a Zen 4 EPYC (AVX-512 VNNI, no AMX).
     max_int8_rows: int = 64
     # Of those rows, how many take the W8A8 kernel (x quantised to int8 in groups of 32, int32 sums on AVX-512 VNNI;
     # only where VNNI was built in), and how many rows of a product on int4 weights take the W4A8 kernel
-    # (engine/kernels/int4_linear.cpp, the same activation format); more dequantise the weight to bf16 for F.linear.
-    # Off by default: int8 activations fail the accuracy gate (tests/test_kernel_accuracy.py) on the real default
-    # model: W4A8 against the same int4 weights with bf16 activations, top-1 0.952 and KL mean 0.0086
-    # (python -m bench.kernel_accuracy --formats int4 --kernels w4a8). The int8 and int4 weights then meet bf16 activations.
+    # (engine/kernels/int4_linear.cpp, the same activation format). 0 keeps them out of measured tables too.
+    # Off by accuracy, not speed: int8 activations fail the accuracy gate (tests/test_kernel_accuracy.py) on the
+    # real default model (python -m bench.kernel_accuracy --formats int4 --kernels w4a8, on a Zen 2 EPYC).
     max_w8a8_rows: int = 0
     max_w4a8_rows: int = 0
     # Rows a product on int4 weights takes on the weight-only int4 kernel (engine/kernels/int4_linear.cpp: the
     # nibbles widened to fp32 in registers, bf16 activations kept whole; past max_w4a8_rows); more dequantise the
-    # weight to bf16 for F.linear. Its speed, and 64 as the limit to give it: docs/performance.md, "The weight-only
-    # int4 kernel".
+    # weight to bf16 for F.linear. Backed by python -m bench.weight_quant on a Zen 2 EPYC (AVX2, no AVX-512).
     max_int4_rows: int = 64
 
-    max_onednn_rows: int = 128  # oneDNN's packed copy serves 2..this many rows
-    onednn_batch_hint: int = 64  # the row count oneDNN picks its blocking for
-    max_prompt_attention_tokens: int = KERNEL_MAX_PROMPT_TOKENS  # longer fresh prompts take SDPA
+    # oneDNN's packed copy serves 2..this many rows.
+    # Backed by python -m bench.tiled_linear (part 1) on a Sapphire Rapids Xeon (AMX).
+    max_onednn_rows: int = 128
+    # The row count oneDNN picks its blocking for. Backed by the same bench on the same Xeon.
+    onednn_batch_hint: int = 64
+    # Longer fresh prompts take SDPA: prompt_attention.cpp's own limit (one item's scores stay in L2).
+    max_prompt_attention_tokens: int = KERNEL_MAX_PROMPT_TOKENS
+    # Which kernel serves each format's row counts, measured on this machine; None: the shipped table of the limits.
+    dispatch: DispatchTable | None = None
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -64,8 +84,46 @@ class CpuKernelConfig:
         if self.max_prompt_attention_tokens > KERNEL_MAX_PROMPT_TOKENS:
             raise ValueError(f"CpuKernelConfig.max_prompt_attention_tokens: the kernel takes at most "
                              f"{KERNEL_MAX_PROMPT_TOKENS}, not {self.max_prompt_attention_tokens}")
+        if self.dispatch is not None and not isinstance(self.dispatch, DispatchTable):
+            raise TypeError(f"CpuKernelConfig.dispatch must be a DispatchTable or None, not {self.dispatch!r}")
         if self.onednn_batch_hint < 1:
             raise ValueError("CpuKernelConfig.onednn_batch_hint must be >= 1")
+
+    def candidates(self, available: Mapping[str, tuple[str, ...]],
+                   engine: str | None) -> dict[str, tuple[str, ...]]:
+        """Per format, the kernels a table may name here: those `available` (built with their vector code and running
+        in this process), the packed blocks only on `engine` and only with tiled_packing, W8A8 and W4A8 only where
+        their row limit is above 0 (int8 activations fail the accuracy gate: they run on request only)."""
+        def allowed(kernel: str) -> bool:
+            if kernel in ENGINES:
+                return self.tiled_packing and kernel == engine
+            return {"w8a8": self.max_w8a8_rows, "w4a8": self.max_w4a8_rows}.get(kernel, 1) > 0
+        return {fmt: tuple(k for k in kernels if allowed(k)) for fmt, kernels in available.items()}
+
+    def row_caps(self) -> dict[str, int]:
+        """The most rows a measured table may give W8A8 and W4A8 (their limits here are an accuracy choice)."""
+        return {"w8a8": min(self.max_w8a8_rows, self.max_int8_rows), "w4a8": self.max_w4a8_rows}
+
+    def shipped_table(self, candidates: Mapping[str, tuple[str, ...]]) -> DispatchTable:
+        """The table these row limits make among `candidates` (a `candidates` answer): on bf16 weights the packed
+        copy (the engine's blocks, else oneDNN's) for 2..its limit, the GEMV up to max_gemv_rows, else F.linear; on
+        int8 W8A8, then the int8 kernel; on int4 W4A8, then the weight-only kernel; else the dequantised F.linear."""
+        bf16, int8, int4 = candidates["bf16"], candidates["int8"], candidates["int4"]
+        packing = next((k for k in bf16 if k in PACKED), None)
+        packed = 0 if packing is None else (
+            self.engine_max_tiled_rows(packing) if packing in ENGINES else self.max_onednn_rows)
+        gemv = self.max_gemv_rows if "gemv" in bf16 else 0
+        w8a8 = min(self.max_w8a8_rows, self.max_int8_rows) if "w8a8" in int8 else 0
+        int8_rows = self.max_int8_rows if "int8" in int8 else 0
+        w4a8 = self.max_w4a8_rows if "w4a8" in int4 else 0
+        int4_rows = self.max_int4_rows if "int4" in int4 else 0
+        return DispatchTable(
+            bf16=Route.from_rule(lambda r: packing if packing and 2 <= r <= packed else "gemv" if r <= gemv
+                                 else "linear", (packed, gemv)),
+            int8=Route.from_rule(lambda r: "w8a8" if r <= w8a8 else "int8" if r <= int8_rows else "linear",
+                                 (w8a8, int8_rows)),
+            int4=Route.from_rule(lambda r: "w4a8" if r <= w4a8 else "int4" if r <= int4_rows else "linear",
+                                 (w4a8, int4_rows)))
 
     def engine_max_tiled_rows(self, engine: str | None) -> int:
         """The most rows a product on the packed blocks takes on `engine` (0 where none runs them)."""

@@ -1,8 +1,10 @@
 """The CPU kernel backend: bf16 on a CPU whose kernels built (engine/kernels/cpu_ext.py).
 
-What the CPU and the config allow is decided once, at construction: the matrix engine, the packings, the fused
-elementwise kernels, the in-place attention, the decode stack. Per call only the row counts (and, for attention,
-the format of a layer's pages) choose among the paths, in `linear`, `decode_attention` and `decode_layers`.
+What the CPU and the config allow is decided once, at construction: the matrix engine, the dispatch table (which
+kernel serves each weight format's row counts: measured on this machine, or the shipped one; dispatch.py), the
+packing it implies, the fused elementwise kernels, the in-place attention, the decode stack. Per call only the row
+counts (and, for attention, the format of a layer's pages) choose among the paths, in `linear`, `decode_attention`
+and `decode_layers`.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import torch.nn.functional as F
 from engine.backends import weight_ops
 from engine.backends.base import Rope, StackLayer, StackShape
 from engine.backends.cpu_config import CpuKernelConfig
+from engine.backends.dispatch import ENGINES, PACKED, DispatchTable, valid_kernels
 from engine.backends.torch_ops import TorchBackend, split_heads
 from engine.backends.weight_ops import Weight
 from engine.kernels import cpu_ext, packed_linear
@@ -34,14 +37,16 @@ class CpuKernelBackend(TorchBackend):
         self.engine = _matrix_engine(config.matrix_engine, cpu_ext.matrix_engines())
         self.elementwise = config.fused_elementwise and vectorized
         self.attends_in_place = vectorized
-        self.tiled = config.tiled_packing and self.engine is not None
-        self.onednn = packed_linear.onednn_available()
+        self.candidates = config.candidates(available_kernels(), self.engine)  # what a measured table times here
+        self.dispatch = config.dispatch or config.shipped_table(self.candidates)
+        _check_runs_here(self.dispatch)
+        # the bf16 weights' packed copy (a weight whose blocks do not fit takes oneDNN's where the table reads the
+        # blocks); a table's engine is the engine of every product on blocks
+        self.packing = self.dispatch.packing()
+        self.tiled = self.packing in ENGINES
+        self.engine = self.packing if self.tiled else self.engine
+        self.onednn = self.packing is not None and packed_linear.onednn_available()
         self.fused_gate_up = config.fused_gate_up and self.tiled and self.elementwise
-        self.max_tiled_rows = config.engine_max_tiled_rows(self.engine)
-        # the W8A8 kernel only where VNNI was built in (its scalar loop is slower than the int8 kernel's)
-        self.max_w8a8_rows = min(config.max_w8a8_rows, config.max_int8_rows) if cpu_ext.w8a8_vnni() else 0
-        self.max_w4a8_rows = config.max_w4a8_rows if cpu_ext.w4a8_vnni() else 0  # its scalar loop is for tests
-        self.max_int4_rows = config.max_int4_rows if cpu_ext.int4_vectorized() else 0  # likewise
         # the C++ stack runs the packed products on the first engine ("auto"), as the Python layers do by default
         self.stacks = (config.decode_stack and self.elementwise and self.attends_in_place
                        and (self.engine is None or self.engine == cpu_ext.matrix_engines()[0]))
@@ -57,7 +62,7 @@ class CpuKernelBackend(TorchBackend):
         weight is the kernel's layout itself)."""
         if scale is None:
             return Weight(data, bias=bias, packed=self.pack(data))
-        w8a8 = data.dtype == torch.int8 and self.max_w8a8_rows > 0
+        w8a8 = data.dtype == torch.int8 and self.dispatch.int8.uses("w8a8")
         return Weight(data, bias=bias, scale=scale, packed=weight_ops.pack_w8a8(data) if w8a8 else None)
 
     def prepare_gate_up(self, data: torch.Tensor, scale: torch.Tensor | None) -> Weight:
@@ -68,7 +73,7 @@ class CpuKernelBackend(TorchBackend):
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor | None:
         """weight [N, K] bf16 -> its packed copy (16x16-pair blocks: 4-D; oneDNN's: 2-D), or None."""
-        if weight.dtype != torch.bfloat16 or weight.dim() != 2:
+        if weight.dtype != torch.bfloat16 or weight.dim() != 2 or self.packing is None:
             return None
         if self.tiled and packed_linear.blocks_fit(weight):
             return packed_linear.pack_blocks(weight)
@@ -91,12 +96,14 @@ class CpuKernelBackend(TorchBackend):
     # ---- the operations -------------------------------------------------------------------------------------
 
     def max_packed_rows(self, packed: torch.Tensor) -> int:
-        """The most rows a product on this packed copy takes (from 2; one row is the GEMV's)."""
-        return self.max_tiled_rows if packed.dim() == 4 else self.config.max_onednn_rows
+        """The most rows a product on a packed copy takes (from 2; one row is never a packed copy's)."""
+        return self.dispatch.bf16.last_row(self.packing) if self.packing else 0
 
     def linear_float(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
-        """The packed copy for 2..max_packed_rows rows, the streaming GEMV for up to max_gemv_rows (one row where
-        a packed copy serves the rest), else F.linear. decode_stack.cpp's project() makes the same choice."""
+        """The dispatch table's bf16 kernel for this row count: the packed copy, the streaming GEMV or F.linear. Where
+        the table names a packed copy the weight lacks (or oneDNN's, which rounds, for fp32 logits), the GEMV serves
+        up to max_gemv_rows rows, else F.linear. decode_stack.cpp's project() makes the same choice from the limits
+        `stack_limits` gives it."""
         out = self._bf16_kernel(x, w.data, w.bias, w.packed, fp32_out=False)
         return F.linear(x, w.data, w.bias) if out is None else out
 
@@ -104,28 +111,29 @@ class CpuKernelBackend(TorchBackend):
                      packed: torch.Tensor | None, fp32_out: bool) -> torch.Tensor | None:
         """linear()'s kernels (oneDNN's packed copy only without fp32_out: it rounds to bf16); None for F.linear."""
         rows = x.shape[0]
-        if packed is not None and 2 <= rows <= self.max_packed_rows(packed):
+        kernel = self.dispatch.bf16.kernel(rows)
+        if kernel in PACKED and packed is not None:
             if packed.dim() == 4:
                 return cpu_ext.tiled_linear(x, packed, bias, self.engine, fp32_out)
             if not fp32_out:
                 return packed_linear.onednn_linear(x, packed, bias)
-        if rows <= self.config.max_gemv_rows:
+        if kernel == "gemv" or (kernel in PACKED and rows <= self.config.max_gemv_rows):
             return cpu_ext.linear_bf16(x, weight, bias, fp32_out)
         return None
 
     def linear_int8(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
-        """The W8A8 kernel (x quantised to int8 per row, int32 sums on VNNI) for up to max_w8a8_rows rows, the
-        int8 kernel (weights widened to fp32 in registers) for up to max_int8_rows, else F.linear on the weight
+        """The dispatch table's int8 kernel for this row count: W8A8 (x quantised to int8 per row, int32 sums on VNNI;
+        on the weight's W8A8 copy), the int8 kernel (weights widened to fp32 in registers), or F.linear on the weight
         dequantised to bf16. decode_stack.cpp's project() makes the same choice."""
         out = self._int8_kernel(x, w, w.bias, fp32_out=False)
         return super().linear_int8(x, w) if out is None else out
 
     def _int8_kernel(self, x: torch.Tensor, w: Weight, bias: torch.Tensor | None,
                      fp32_out: bool) -> torch.Tensor | None:
-        rows = x.shape[0]
-        if rows > self.config.max_int8_rows or x.dtype != torch.bfloat16:
+        kernel = self.dispatch.int8.kernel(x.shape[0])
+        if kernel == "linear" or x.dtype != torch.bfloat16:
             return None
-        if w.packed is not None and rows <= self.max_w8a8_rows:
+        if w.packed is not None and kernel == "w8a8":
             return cpu_ext.linear_w8a8(x, w.packed, w.scale, bias, fp32_out)
         return cpu_ext.linear_int8(x, w.data, w.scale, bias, fp32_out)
 
@@ -133,9 +141,10 @@ class CpuKernelBackend(TorchBackend):
                      fp32_out: bool) -> torch.Tensor | None:
         if x.dtype != torch.bfloat16:
             return None
-        if x.shape[0] <= self.max_w4a8_rows:
+        kernel = self.dispatch.int4.kernel(x.shape[0])
+        if kernel == "w4a8":
             return cpu_ext.linear_w4a8(x, packed, scales, bias, fp32_out)
-        if x.shape[0] <= self.max_int4_rows:
+        if kernel == "int4":
             return cpu_ext.linear_int4(x, packed, scales, bias, fp32_out)
         return None
 
@@ -151,9 +160,9 @@ class CpuKernelBackend(TorchBackend):
         return super().lm_head(x, w) if out is None else out
 
     def linear_int4(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
-        """The W4A8 kernel for up to max_w4a8_rows rows, the weight-only kernel for up to max_int4_rows, else
-        F.linear on chunks of the weight dequantised to bf16 by the kernel's dequantize_int4. decode_stack.cpp's
-        project() makes the same choice."""
+        """The dispatch table's int4 kernel for this row count: W4A8, the weight-only kernel, or F.linear on chunks
+        of the weight dequantised to bf16 by the kernel's dequantize_int4. decode_stack.cpp's project() makes the
+        same choice."""
         if x.dtype != torch.bfloat16:
             return super().linear_int4(x, w)
         out = self._int4_kernel(x, w.data, w.scale, w.bias, fp32_out=False)
@@ -230,36 +239,64 @@ class CpuKernelBackend(TorchBackend):
                 or not all(_plain_bf16_pages(k) and _plain_bf16_pages(v) for k, v in kv_caches)):
             return None
         x, residual = stack.forward(x, *rope, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens,
-                                    kv_caches, self.config.max_gemv_rows, self.config.max_onednn_rows,
-                                    self.max_tiled_rows, self.config.max_int8_rows, self.max_w8a8_rows,
-                                    self.max_w4a8_rows, self.max_int4_rows)
+                                    kv_caches, *self.stack_limits(x.shape[0]))
         return x, residual
+
+    def stack_limits(self, rows: int) -> tuple[int, int, int, int, int, int, int]:
+        """decode_stack.cpp's row limits (gemv, oneDNN copy, blocks, int8, W8A8, W4A8, int4) that make its project()
+        pick linear()'s kernels at `rows` rows: `rows` for the kernel the table names (and for the GEMV behind a
+        packed copy, as linear_float falls back to it), 0 for the rest."""
+        bf16, int8, int4 = (self.dispatch.route(fmt).kernel(rows) for fmt in ("bf16", "int8", "int4"))
+        packed = rows if bf16 in PACKED else 0
+        gemv = bf16 == "gemv" or (packed and rows <= self.config.max_gemv_rows)  # project(): after the packed copy
+        return (rows if gemv else 0, packed, packed, 0 if int8 == "linear" else rows,
+                rows if int8 == "w8a8" else 0, rows if int4 == "w4a8" else 0, 0 if int4 == "linear" else rows)
 
     def greedy_tokens(self, hidden: torch.Tensor, head: Weight) -> torch.Tensor | None:
         """The argmax as the packed LM head's results come out, where the head is bf16 packed in blocks and the row
         count within their limit."""
         packed = head.packed
-        if (head.scale is not None or packed is None or packed.dim() != 4
-                or not 2 <= hidden.shape[0] <= self.max_tiled_rows):
+        if (head.scale is not None or packed is None or packed.dim() != 4 or hidden.shape[0] < 2
+                or self.dispatch.bf16.kernel(hidden.shape[0]) not in ENGINES):
             return None
         return cpu_ext.tiled_linear_argmax(hidden, packed, self.engine)
 
     def describe(self) -> dict[str, Any]:
         key = cpu_ext.key()
         return {"backend": self.name, "device": "cpu", "matrix_engine": self.engine, "kernels": self.kernels(),
-                "build_key": key.name, "cpu_features": list(key.features)}
+                "dispatch": self.dispatch.describe(), "build_key": key.name, "cpu_features": list(key.features)}
 
     def kernels(self) -> list[str]:
         """The kernels this backend runs (where the row counts and page formats of a step allow)."""
-        on = {"gemv": self.config.max_gemv_rows > 0, "packed_blocks": self.tiled, "onednn_packed": self.onednn,
+        table = self.dispatch
+        on = {"gemv": table.bf16.uses("gemv"), "packed_blocks": self.tiled, "onednn_packed": self.onednn,
               "fused_gate_up": self.fused_gate_up, "lm_head_argmax": self.tiled,
               "decode_attention_bf16": self.attends_in_place, "decode_attention_fp8": self.attends_in_place,
-              "prompt_attention": self.engine is not None, "linear_int8": self.config.max_int8_rows > self.max_w8a8_rows,
-              "linear_w8a8": self.max_w8a8_rows > 0, "linear_w4a8": self.max_w4a8_rows > 0,
-              "linear_int4": self.max_int4_rows > self.max_w4a8_rows,
+              "prompt_attention": self.engine is not None, "linear_int8": table.int8.uses("int8"),
+              "linear_w8a8": table.int8.uses("w8a8"), "linear_w4a8": table.int4.uses("w4a8"),
+              "linear_int4": table.int4.uses("int4"),
               "rms_norm": self.elementwise,
               "rotary": self.elementwise, "silu_mul": self.elementwise, "decode_stack": self.stacks}
         return [name for name, used in on.items() if used]
+
+
+def available_kernels() -> dict[str, tuple[str, ...]]:
+    """Per format, the kernels whose vector code this build has (dispatch.valid_kernels of its features) and that
+    run in this process: the tiles where the OS grants AMX state, oneDNN's copy where this torch packs bf16."""
+    engines = cpu_ext.matrix_engines()
+    runs = {"tiles": "tiles" in engines, "vectors": "vectors" in engines, "onednn": packed_linear.onednn_available(),
+            "w8a8": cpu_ext.w8a8_vnni(), "w4a8": cpu_ext.w4a8_vnni(), "int4": cpu_ext.int4_vectorized()}
+    return {fmt: tuple(k for k in kernels if runs.get(k, True))
+            for fmt, kernels in valid_kernels(cpu_ext.key().features).items()}
+
+
+def _check_runs_here(table: DispatchTable) -> None:
+    """ValueError where the table names a packed kernel this process cannot run (the others have scalar loops)."""
+    engines, onednn = cpu_ext.matrix_engines(), packed_linear.onednn_available()
+    missing = [k for k in table.bf16.kernels if (k in ENGINES and k not in engines) or (k == "onednn" and not onednn)]
+    if missing:
+        raise ValueError(f"the dispatch table names {missing}, which do not run here (engines here: "
+                         f"{engines or 'none'}; oneDNN's packing: {'yes' if onednn else 'no'})")
 
 
 def _matrix_engine(asked: str, engines: tuple[str, ...]) -> str | None:

@@ -2,9 +2,10 @@
 --gpu-attention asks and which packages import."""
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import logging
-from dataclasses import replace
+from typing import Callable
 
 import torch
 
@@ -12,6 +13,7 @@ from engine.backends.base import Backend
 from engine.backends.cpu_config import CpuKernelConfig
 from engine.backends.cpu_kernels import CpuKernelBackend
 from engine.backends.cuda_ops import CudaBackend
+from engine.backends.dispatch import DispatchTable
 from engine.backends.gpu_config import GpuConfig, resolve_attention
 from engine.backends.torch_ops import TorchBackend
 
@@ -19,17 +21,22 @@ log = logging.getLogger(__name__)
 
 
 def select_backend(device: torch.device | str, dtype: torch.dtype, enforce_eager: bool,
-                   config: CpuKernelConfig | None = None, gpu: GpuConfig | None = None) -> Backend:
+                   config: CpuKernelConfig | None = None, gpu: GpuConfig | None = None,
+                   tune: Callable[[CpuKernelConfig], DispatchTable] | None = None) -> Backend:
     """On a CUDA device, the CUDA backend (gpu_backend); on the CPU, its kernels for a bf16 model (they must build
-    and load: KernelBuildError otherwise, which names --enforce-eager); plain torch ops under enforce_eager, for
-    other dtypes on the CPU and on other devices."""
+    and load: KernelBuildError otherwise, which names --enforce-eager), on the dispatch table `tune(config)` gives
+    (the builder's: measured on this machine; None: the config's); plain torch ops under enforce_eager, for other
+    dtypes on the CPU and on other devices."""
     kind = torch.device(device).type
     if kind == "cuda" and not enforce_eager:
         backend = gpu_backend(device, gpu or GpuConfig())
     elif enforce_eager or kind != "cpu" or dtype != torch.bfloat16:
         backend = TorchBackend(device)
     else:
-        backend = CpuKernelBackend(config or CpuKernelConfig())
+        config = config or CpuKernelConfig()
+        if tune is not None:
+            config = dataclasses.replace(config, dispatch=tune(config))
+        backend = CpuKernelBackend(config)
     log.info("backend %s", backend.describe())
     return backend
 

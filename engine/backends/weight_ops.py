@@ -144,6 +144,14 @@ def embed_int4(packed: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor, k:
     return int4_rows(packed, scales, ids.reshape(-1), k, dtype).view(*ids.shape, k)
 
 
+def weight_format(weight: torch.Tensor, scale: torch.Tensor | None) -> str:
+    """"bf16" for a float weight (of any float dtype), "int8" or "int4" for a quantised one: a dispatch table's
+    formats (engine/backends/dispatch.py)."""
+    if scale is None:
+        return "bf16"
+    return "int4" if is_int4(weight) else "int8"
+
+
 def is_int4(weight: torch.Tensor) -> bool:
     """Whether a quantised weight (one with scales) is int4 (int4_shapes' uint8 layout) rather than int8."""
     return weight.dtype == torch.uint8

@@ -16,20 +16,27 @@ import torch
 
 from engine.backends import GpuConfig, select_backend
 from engine.backends.base import Backend
+from engine.backends.cpu_config import CpuKernelConfig
+from engine.backends.dispatch import FORMATS, DispatchTable
+from engine.backends.dispatch_store import measured_table
+from engine.backends.kernel_timing import Workload
+from engine.backends.weight_ops import weight_format
 from engine.config import EngineConfig, ModelConfig
 from engine.core.cuda_graphs import graph_plan
 from engine.core.engine_core import EngineCore
 from engine.core.prefill_engine import PrefillEngine
 from engine.core.runner import ModelRunner
+from engine.disk_cache import DiskCache, cache_root
 from engine.kv.block_pool import BlockPool, TieredBlockPool
 from engine.kv.cache import KVCache, choose_num_blocks, grouped_num_blocks
 from engine.kv.compaction import MIN_BATCH_SHARE, Compactor
 from engine.kv.compress import ColdRegion, split_kv_budget
 from engine.kv.groups import KVGroups
 from engine.model.footprint import available_memory, check_resident, engine_footprint
+from engine.model.layers import Linear
 from engine.model.loader import ModelSource, load_model, resolve_dtype, resolve_model
-from engine.model.progress import (ALLOCATING_KV, BUILDING_KERNELS, LOADING_DRAFT, PREPARING_WEIGHTS,
-                                   READING_CHECKPOINT, Progress, report)
+from engine.model.progress import (ALLOCATING_KV, BUILDING_KERNELS, LOADING_DRAFT, MEASURING_KERNELS,
+                                   PREPARING_WEIGHTS, READING_CHECKPOINT, Progress, report)
 from engine.sampling.structured import source_compiler
 from engine.scheduler import Scheduler, SchedulerLimits
 from engine.speculative.build import build_proposer
@@ -71,7 +78,7 @@ def build_engine_core(config: EngineConfig, source: ModelSource | None = None, d
     scheduler = Scheduler(pool, limits, tuple(eos), _compactor(config, pool), groups.windows)
     cold = ColdRegion(model_cfg, num_cold, num_blocks, config.block_size, dtype, device) if num_cold else None
     max_model_len = min(config.max_model_len or model_cfg.max_position_embeddings, model_cfg.max_position_embeddings)
-    backend = _backend(config, dtype, device, progress)
+    backend = _backend(config, dtype, device, progress, model)
     graphs = graph_plan(config.cuda_graphs, device, backend, kv_cache, config.max_num_seqs, max_model_len)
     runner = ModelRunner(model, kv_cache, device, backend, grammar_compiler=partial(source_compiler, source),
                          cold=cold, graphs=graphs, progress=progress)
@@ -94,7 +101,7 @@ def build_prefill_engine(config: EngineConfig, source: ModelSource | None = None
     if check_memory and torch.device(device).type == "cpu":
         _check_memory(source, config, dtype, kv_pool=False)
     model = load_model(source, dtype, device, config.weight_dtype, progress)
-    runner = ModelRunner(model, None, device, _backend(config, dtype, device, progress),
+    runner = ModelRunner(model, None, device, _backend(config, dtype, device, progress, model),
                          grammar_compiler=partial(source_compiler, source))
     return PrefillEngine(config, source, dtype=dtype, device=device, runner=runner)
 
@@ -105,13 +112,41 @@ def _check_memory(source: ModelSource, config: EngineConfig, dtype: torch.dtype,
     check_resident(engine_footprint(source, config, dtype, available, kv_pool), available, log)
 
 
-def _backend(config: EngineConfig, dtype: torch.dtype, device: str, progress: Progress | None) -> Backend:
-    """The backend (its kernels built on first use), reported before the weights are prepared for it: the
-    ModelRunner packs them into its layout."""
+def _backend(config: EngineConfig, dtype: torch.dtype, device: str, progress: Progress | None,
+             model: torch.nn.Module) -> Backend:
+    """The backend (its kernels built on first use, its dispatch table measured on this machine for the model's
+    shapes unless --kernel-dispatch shipped), reported before the weights are prepared for it: the ModelRunner packs
+    them into its layout."""
     report(progress, BUILDING_KERNELS)
-    backend = select_backend(device, dtype, config.enforce_eager, gpu=GpuConfig(attention=config.gpu_attention))
+    tune = None if config.kernel_dispatch == "shipped" else partial(_measured_dispatch, config, model, progress)
+    backend = select_backend(device, dtype, config.enforce_eager, gpu=GpuConfig(attention=config.gpu_attention),
+                             tune=tune)
     report(progress, PREPARING_WEIGHTS)
     return backend
+
+
+def _measured_dispatch(config: EngineConfig, model: torch.nn.Module, progress: Progress | None,
+                       kernels: CpuKernelConfig) -> DispatchTable:
+    """This machine's dispatch table for the model's layer shapes and formats up to the step budget (remembered in
+    the cache; measured once)."""
+    def heard(done: int, total: int) -> None:
+        report(progress, MEASURING_KERNELS, done, total)
+
+    cache = DiskCache(cache_root(config.cache_dir))
+    return measured_table(kernels, kernel_workload(model, config.max_num_batched_tokens), cache, config.recalibrate,
+                          heard).table
+
+
+def kernel_workload(model: torch.nn.Module, max_rows: int) -> Workload:
+    """What a dispatch measurement times for this model: its layers' distinct [N, K] shapes, in the formats of its
+    layers and LM head, up to `max_rows` rows (the LM head's own shape is not timed: its rows are the sequences
+    sampled, and its size would make the largest buckets slow to time)."""
+    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    head = model.head_module()
+    formats = {weight_format(m.weight, m.weight_scale) for m in layers}
+    formats.add(weight_format(head.weight, getattr(head, "weight_scale", None)))
+    shapes = sorted({(m.out_features, m.in_features) for m in layers})
+    return Workload(tuple(shapes), tuple(f for f in FORMATS if f in formats), max_rows)
 
 
 def _set_torch_threads(config: EngineConfig) -> None:

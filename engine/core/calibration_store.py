@@ -11,9 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import platform
 import time
-from functools import cache
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
@@ -24,6 +22,7 @@ from engine.core.calibration import PROCEDURE, Calibration, decode_engine_plan, 
 from engine.core.engine_core import EngineCore
 from engine.core.prefill_engine import PrefillEngine
 from engine.disk_cache import DiskCache, cache_root
+from engine.kernels.extension_build import cpu_model
 from engine.model.errors import ModelLoadError
 from engine.model.identity import checkpoint_key
 
@@ -98,19 +97,7 @@ def machine(device: str) -> dict[str, Any]:
     """The processor (and accelerator) the curves were measured on."""
     kind = torch.device(device).type
     accelerator = torch.cuda.get_device_name(torch.device(device)) if kind == "cuda" else None
-    return {"cpu": _cpu_model(), "cores": os.cpu_count(), "device": kind, "accelerator": accelerator}
-
-
-@cache
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as info:
-            for line in info:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return {"cpu": cpu_model(), "cores": os.cpu_count(), "device": kind, "accelerator": accelerator}
 
 
 def _key_or_none(engine: EngineCore | PrefillEngine, log: logging.Logger) -> dict[str, Any] | None:

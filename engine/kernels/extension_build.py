@@ -16,6 +16,7 @@ import hashlib
 import importlib.util
 import logging
 import os
+import platform
 import re
 import subprocess
 import sys
@@ -85,6 +86,20 @@ def _cpuinfo_features(cpuinfo: Path = Path("/proc/cpuinfo")) -> tuple[str, ...]:
     except (OSError, AttributeError):
         return ()
     return tuple(f for f in FEATURES if _CPUINFO_NAMES.get(f, f.replace("-", "_")) in flags)
+
+
+@functools.cache
+def cpu_model() -> str:
+    """The processor's name (/proc/cpuinfo's model name, else what platform says): which machine a measurement of
+    the kernels' speed was taken on."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def build_key(features: tuple[str, ...] | None = None) -> BuildKey:

@@ -14,12 +14,14 @@ READING_CHECKPOINT = "reading the checkpoint"
 LOADING_WEIGHTS = "loading weights"
 ALLOCATING_KV = "allocating the KV pool"
 BUILDING_KERNELS = "building kernels"
+MEASURING_KERNELS = "measuring kernels"  # this machine's dispatch table (engine/backends/dispatch_store.py)
 PREPARING_WEIGHTS = "preparing weights"
 LOADING_DRAFT = "loading the draft model"
 CALIBRATING = "calibrating"
 WARMING_UP = "warming up"
 CAPTURING_GRAPHS = "capturing CUDA graphs"
-STAGE_UNITS: Mapping[str, str] = {LOADING_WEIGHTS: "tensors", CALIBRATING: "runs", CAPTURING_GRAPHS: "batch sizes"}
+STAGE_UNITS: Mapping[str, str] = {LOADING_WEIGHTS: "tensors", CALIBRATING: "runs", CAPTURING_GRAPHS: "batch sizes",
+                                 MEASURING_KERNELS: "row counts"}
 
 T = TypeVar("T")
 

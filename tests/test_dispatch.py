@@ -1,0 +1,435 @@
+"""The kernel dispatch table (engine/backends/dispatch.py): the kernels valid on each kind of CPU (features faked),
+the tables built for each naming only those, the measurement keeping the fastest kernel under a fake timer, the
+table remembered in the disk cache (a damaged entry a miss), the builder's wiring, and every kernel a table built
+on this machine may name passing its exactness check here. Nothing here times anything."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.backends import CpuKernelBackend, CpuKernelConfig, TorchBackend
+from engine.backends import dispatch_store, weight_ops
+from engine.backends.dispatch import (ENGINES, FORMATS, KERNELS, PACKED, REPS, DispatchTable, Route,
+                                      choose_table, row_buckets, valid_kernels)
+from engine.backends.dispatch_store import Measured, measured_table
+from engine.backends.kernel_timing import KernelTimer, Workload
+from engine.config import EngineConfig
+from engine.core.builder import build_engine_core, kernel_workload
+from engine.disk_cache import DiskCache
+from engine.kernels import cpu_ext
+from engine.model import quant
+from engine.model.progress import MEASURING_KERNELS
+from tests.kernel_helpers import kernel_calls, require_kernels  # noqa: F401 (fixture)
+from tests.test_weight_int4 import assert_rounded_once, dequantised, int4_weight, reference_w4a8
+from tests.test_weight_int8 import reference_int8, reference_w8a8
+
+BASE = ("avx2", "fma", "f16c")
+AVX512 = BASE + ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vnni")  # Ice Lake: no BF16, no AMX
+AVX512_BF16 = AVX512 + ("avx512bf16",)  # AMD Zen 4 / Zen 5
+AMX = AVX512_BF16 + ("avx512fp16", "amx-tile", "amx-bf16")  # Sapphire Rapids
+CPUS = {"amx": AMX, "avx512-bf16": AVX512_BF16, "avx512": AVX512, "avx2": BASE}
+ROWS = range(1, 5000)  # past every bucket a step reaches
+BUCKETS = row_buckets(4096)
+QUANTISED_ACTIVATIONS = CpuKernelConfig(max_w8a8_rows=64, max_w4a8_rows=64)  # W8A8 and W4A8 asked for
+
+
+def faked_candidates(features: tuple[str, ...], config: CpuKernelConfig = CpuKernelConfig()) -> dict:
+    """What a backend on a CPU of `features` would let a table name: its valid kernels, the packed blocks on the
+    first engine ("auto": tiles before vectors)."""
+    valid = valid_kernels(features)
+    engine = next((e for e in ENGINES if e in valid["bf16"]), None)
+    return config.candidates(valid, engine)
+
+
+def cost(fmt: str, kernel: str, rows: int) -> float:
+    """A fake timer's seconds: the streaming kernels win a few rows, the packed copies more, F.linear the most."""
+    fixed, per_row = {"gemv": (1.0, 1.0), "int8": (1.0, 1.2), "int4": (1.0, 0.8), "w8a8": (0.8, 0.9),
+                      "w4a8": (0.8, 0.7), "tiles": (3.0, 0.2), "vectors": (3.5, 0.22), "onednn": (4.0, 0.3),
+                      "linear": (8.0, 0.25)}[kernel]
+    return fixed + per_row * rows + (2.0 if fmt != "bf16" and kernel == "linear" else 0.0)
+
+
+def assert_valid_for(table: DispatchTable, features: tuple[str, ...]) -> None:
+    valid = valid_kernels(features)
+    for fmt in FORMATS:
+        route = table.route(fmt)
+        for rows in ROWS:
+            kernel = route.kernel(rows)
+            assert kernel in valid[fmt], f"{fmt} at {rows} rows: {kernel} is not valid on {features}"
+            assert rows >= 2 or kernel not in PACKED
+
+
+# ---- valid kernels and the tables built for each kind of CPU --------------------------------------------------
+
+
+def test_each_kind_of_cpu_has_the_kernels_its_features_build():
+    assert valid_kernels(AMX) == {"bf16": ("gemv", "tiles", "vectors", "onednn", "linear"),
+                                  "int8": ("w8a8", "int8", "linear"), "int4": ("w4a8", "int4", "linear")}
+    assert valid_kernels(AVX512_BF16)["bf16"] == ("gemv", "vectors", "onednn", "linear")
+    assert valid_kernels(AVX512) == {"bf16": ("gemv", "onednn", "linear"), "int8": ("w8a8", "int8", "linear"),
+                                     "int4": ("w4a8", "int4", "linear")}
+    assert valid_kernels(BASE) == {"bf16": ("gemv", "linear"), "int8": ("int8", "linear"),
+                                   "int4": ("int4", "linear")}
+    assert valid_kernels(()) == {"bf16": ("gemv", "linear"), "int8": ("int8", "linear"), "int4": ("linear",)}
+
+
+@pytest.mark.parametrize("cpu", CPUS)
+@pytest.mark.parametrize("config", [CpuKernelConfig(), QUANTISED_ACTIVATIONS], ids=["default", "w8a8-w4a8"])
+def test_the_shipped_table_for_each_kind_of_cpu_names_valid_kernels(cpu, config):
+    table = config.shipped_table(faked_candidates(CPUS[cpu], config))
+    assert table.source == "shipped"
+    assert_valid_for(table, CPUS[cpu])
+
+
+def test_the_shipped_tables_are_the_row_limits():
+    expected = {"amx": "1: gemv, 2-1024: tiles, 1025+: linear",
+                "avx512-bf16": "1: gemv, 2-4096: vectors, 4097+: linear",
+                "avx512": "1: gemv, 2-128: onednn, 129+: linear", "avx2": "1-5: gemv, 6+: linear"}
+    for cpu, features in CPUS.items():
+        table = CpuKernelConfig().shipped_table(faked_candidates(features))
+        assert table.bf16.describe() == expected[cpu]
+        assert table.int8.describe() == "1-64: int8, 65+: linear"
+        assert table.int4.describe() == "1-64: int4, 65+: linear"
+    asked = QUANTISED_ACTIVATIONS.shipped_table(faked_candidates(AVX512, QUANTISED_ACTIVATIONS))
+    assert asked.int8.describe() == "1-64: w8a8, 65+: linear" and asked.int4.describe() == "1-64: w4a8, 65+: linear"
+    no_vnni = QUANTISED_ACTIVATIONS.shipped_table(faked_candidates(BASE, QUANTISED_ACTIVATIONS))
+    assert no_vnni.int8.describe() == "1-64: int8, 65+: linear"  # W8A8 asked for, but no VNNI to run it
+
+
+@pytest.mark.parametrize("cpu", CPUS)
+@pytest.mark.parametrize("config", [CpuKernelConfig(), QUANTISED_ACTIVATIONS], ids=["default", "w8a8-w4a8"])
+def test_a_measured_table_for_each_kind_of_cpu_names_valid_kernels(cpu, config):
+    candidates = faked_candidates(CPUS[cpu], config)
+    base = config.shipped_table(candidates)
+    table, timings = choose_table(candidates, BUCKETS, cost, base, config.row_caps())
+    assert table.source == "measured" and set(timings) == set(FORMATS)
+    assert_valid_for(table, CPUS[cpu])
+    # the fake timer makes the packed copy win the middle rows: the engine's blocks where one runs
+    assert table.packing() == {"amx": "tiles", "avx512-bf16": "vectors", "avx512": "onednn", "avx2": None}[cpu]
+
+
+# ---- the measurement's choice ------------------------------------------------------------------------------
+
+
+def scripted(times: dict[str, dict[int, float]], calls: list | None = None):
+    """A fake timer reading `times[kernel][rows]`, recording each (format, kernel, rows) it is asked."""
+    def timer(fmt: str, kernel: str, rows: int) -> float:
+        if calls is not None:
+            calls.append((fmt, kernel, rows))
+        return times[kernel][rows]
+    return timer
+
+
+def shipped() -> DispatchTable:
+    return CpuKernelConfig().shipped_table(faked_candidates(AVX512))
+
+
+def test_the_measurement_keeps_the_fastest_kernel_of_each_bucket():
+    buckets = row_buckets(256)
+    times = {"gemv": {1: 1, 2: 2, 4: 3, 8: 9, 16: 30, 32: 90, 64: 200, 128: 400, 256: 800},
+             "onednn": {2: 5, 4: 6, 8: 7, 16: 8, 32: 10, 64: 20, 128: 41, 256: 90},
+             "linear": {1: 4, 2: 9, 4: 9, 8: 9, 16: 10, 32: 12, 64: 21, 128: 40, 256: 80}}
+    calls: list = []
+    table, timings = choose_table({"bf16": ("gemv", "onednn", "linear")}, buckets, scripted(times, calls), shipped())
+    # bucket b's winner serves the rows past the bucket before it: 3-4 rows go with 4, 5-8 with 8
+    assert table.bf16 == Route.from_points([(1, "gemv"), (5, "onednn"), (65, "linear")])
+    assert table.bf16.kernel(4) == "gemv" and table.bf16.kernel(5) == "onednn" and table.bf16.kernel(10_000) == "linear"
+    assert table.int8 == shipped().int8 and table.int4 == shipped().int4  # formats not measured keep the base's
+    assert table.measured == ("bf16",) and table.describe()["int8"] == "1-64: int8, 65+: linear (shipped)"
+    # the GEMV fell more than PRUNE_FACTOR behind at 32 rows: no larger bucket timed it; no packed copy at one row
+    assert list(dict.fromkeys(rows for _, kernel, rows in calls if kernel == "gemv")) == [1, 2, 4, 8, 16, 32]
+    assert calls.count(("bf16", "gemv", 8)) == REPS
+    assert ("bf16", "onednn", 1) not in calls
+    assert timings["bf16"][8] == {"gemv": 9, "onednn": 7, "linear": 9}
+
+
+def test_one_packing_per_table_the_one_that_wins_most_buckets():
+    buckets = (1, 2, 4, 8, 16)
+    times = {"gemv": {1: 1, 2: 9, 4: 9, 8: 9, 16: 9}, "tiles": {2: 2, 4: 2, 8: 5, 16: 9},
+             "onednn": {2: 3, 4: 3, 8: 4, 16: 9}, "linear": {1: 9, 2: 9, 4: 9, 8: 6, 16: 1}}
+    table, _ = choose_table({"bf16": ("gemv", "tiles", "onednn", "linear")}, buckets, scripted(times),
+                            dataclasses.replace(shipped(), bf16=Route.only("linear")))
+    # oneDNN won 8 rows, the tiles 2 and 4: the tiles stay, and 8 goes to the fastest but oneDNN (the tiles)
+    assert table.bf16 == Route.from_points([(1, "gemv"), (2, "tiles"), (9, "linear")])
+
+
+def test_capped_kernels_are_timed_only_up_to_their_cap_and_progress_is_heard():
+    calls: list = []
+    heard: list = []
+    times = {"w8a8": {1: 1, 2: 1, 4: 1, 8: 1, 16: 1}, "int8": {r: 2 for r in (1, 2, 4, 8, 16)},
+             "linear": {r: 3 for r in (1, 2, 4, 8, 16)}}
+    table, _ = choose_table({"int8": ("w8a8", "int8", "linear")}, row_buckets(16), scripted(times, calls),
+                            shipped(), {"w8a8": 4}, lambda done, total: heard.append((done, total)))
+    assert list(dict.fromkeys(rows for _, kernel, rows in calls if kernel == "w8a8")) == [1, 2, 4]
+    assert table.int8 == Route.from_points([(1, "w8a8"), (5, "int8")])
+    assert heard == [(i, 5) for i in range(6)]
+
+
+def test_a_measurement_refuses_bad_candidates_and_buckets():
+    timer = scripted({})
+    with pytest.raises(ValueError, match="include linear"):
+        choose_table({"bf16": ("gemv",)}, (1, 2), timer, shipped())
+    with pytest.raises(ValueError, match="among"):
+        choose_table({"int4": ("gemv", "linear")}, (1, 2), timer, shipped())
+    with pytest.raises(ValueError, match="rise from 1"):
+        choose_table({"bf16": ("gemv", "linear")}, (2, 4), timer, shipped())
+    with pytest.raises(ValueError, match="max_rows"):
+        row_buckets(0)
+    assert row_buckets(1) == (1,) and row_buckets(512) == row_buckets(300) == tuple(2 ** i for i in range(10))
+
+
+# ---- routes and tables --------------------------------------------------------------------------------------
+
+
+def test_a_route_maps_every_row_count_to_one_kernel():
+    route = Route.from_rule(lambda r: "onednn" if 2 <= r <= 128 else "gemv" if r <= 5 else "linear", (128, 5))
+    assert route == Route((1, 128), ("gemv", "onednn", "linear"))
+    assert [route.kernel(r) for r in (1, 2, 128, 129, 10 ** 9)] == ["gemv", "onednn", "onednn", "linear", "linear"]
+    assert route.describe() == "1: gemv, 2-128: onednn, 129+: linear"
+    assert route.last_row("onednn") == 128 and route.last_row("tiles") == 0 and route.last_row("linear") > 10 ** 9
+    assert Route.only("tiles").describe() == "1: linear, 2+: tiles" and Route.only("gemv").describe() == "1+: gemv"
+    assert Route.from_wire(route.to_wire()) == route
+    with pytest.raises(ValueError, match="rise"):
+        Route((4, 2), ("gemv", "onednn", "linear"))
+    with pytest.raises(ValueError, match="once"):
+        Route((4,), ("gemv", "gemv"))
+    with pytest.raises(TypeError, match="int bounds"):
+        Route.from_wire({"bounds": ["4"], "kernels": ["gemv", "linear"]})
+
+
+def test_a_table_names_only_its_formats_kernels_and_one_packing():
+    table = shipped()
+    assert DispatchTable.from_wire(table.to_wire()) == table
+    with pytest.raises(ValueError, match="int4 route names"):
+        dataclasses.replace(table, int4=Route.only("gemv"))
+    with pytest.raises(ValueError, match="one row to tiles"):
+        dataclasses.replace(table, bf16=Route((), ("tiles",)))
+    with pytest.raises(ValueError, match="two packings"):
+        dataclasses.replace(table, bf16=Route.from_points([(1, "gemv"), (2, "tiles"), (9, "onednn")]))
+    with pytest.raises(ValueError, match="measured formats"):
+        dataclasses.replace(table, measured=("fp8",))
+
+
+# ---- the backend on a table ---------------------------------------------------------------------------------
+
+
+def project_choice(limits: tuple[int, ...], rows: int, fmt: str, has_copy: bool) -> str:
+    """decode_stack.cpp's project() from its row limits (gemv, oneDNN copy, blocks, int8, W8A8, W4A8, int4)."""
+    gemv, packed, tiled, int8, w8a8, w4a8, int4 = limits
+    if fmt == "int4":
+        return "w4a8" if rows <= w4a8 else "int4" if rows <= int4 else "linear"
+    if fmt == "int8":
+        return "w8a8" if has_copy and rows <= min(w8a8, int8) else "int8" if rows <= int8 else "linear"
+    if has_copy and 2 <= rows <= packed:
+        return "packed"
+    return "gemv" if rows <= gemv else "linear"
+
+
+def test_the_decode_stack_limits_make_the_tables_choice_at_every_row_count():
+    require_kernels()
+    packing = CpuKernelBackend().packing
+    if packing is None:
+        pytest.skip("no packed copy runs here")
+    table = DispatchTable(bf16=Route.from_points([(1, "linear"), (2, packing), (3, "gemv"), (5, "linear")]),
+                          int8=Route.from_points([(1, "w8a8"), (3, "int8"), (9, "linear")]),
+                          int4=Route.from_points([(1, "int4"), (2, "w4a8"), (4, "linear")]), measured=FORMATS)
+    backend = CpuKernelBackend(CpuKernelConfig(dispatch=table))
+    for rows in range(1, 40):
+        limits = backend.stack_limits(rows)
+        bf16 = table.bf16.kernel(rows)
+        assert project_choice(limits, rows, "bf16", True) == ("packed" if bf16 in PACKED else bf16)
+        assert project_choice(limits, rows, "int8", True) == table.int8.kernel(rows)
+        assert project_choice(limits, rows, "int4", False) == table.int4.kernel(rows)
+        # a weight without the packed copy: the GEMV up to max_gemv_rows, as linear_float falls back
+        expected = "gemv" if bf16 == "gemv" or (bf16 in PACKED and rows <= 5) else "linear"
+        assert project_choice(limits, rows, "bf16", False) == expected
+
+
+def test_the_backend_runs_the_tables_kernels(kernel_calls):
+    require_kernels()
+    table = dataclasses.replace(CpuKernelBackend().dispatch, bf16=Route.from_points([(1, "gemv"), (3, "linear")]),
+                                measured=("bf16",))
+    backend = CpuKernelBackend(CpuKernelConfig(dispatch=table))
+    assert backend.packing is None and not backend.tiled and backend.kernels()[0] == "gemv"
+    w = backend.prepare_linear((torch.randn(32, 64) * 0.1).to(torch.bfloat16), None, None)
+    assert w.packed is None  # no kernel of the table reads a packed copy
+    for rows in (1, 2, 3, 7):
+        backend.linear(torch.randn(rows, 64).to(torch.bfloat16), w)
+    assert kernel_calls.rows("linear_bf16") == [1, 2]
+    assert backend.describe()["dispatch"] == table.describe()  # what /status and the start-up line show
+    for missing in (e for e in ENGINES if e not in cpu_ext.matrix_engines()):
+        with pytest.raises(ValueError, match="do not run here"):
+            CpuKernelBackend(CpuKernelConfig(dispatch=dataclasses.replace(table, bf16=Route.only(missing))))
+
+
+# ---- exactness of every kernel a table here may name ---------------------------------------------------------
+
+
+def forced(fmt: str, kernel: str) -> CpuKernelBackend:
+    base = CpuKernelBackend().dispatch
+    return CpuKernelBackend(CpuKernelConfig(dispatch=dataclasses.replace(base, **{fmt: Route.only(kernel)})))
+
+
+def check_bf16(backend: CpuKernelBackend, kernel: str, rows: int, gen: torch.Generator) -> None:
+    x = torch.randn(rows, 96, generator=gen).to(torch.bfloat16)
+    w = (torch.randn(160, 96, generator=gen) * 0.1).to(torch.bfloat16)
+    bias = torch.randn(160, generator=gen).to(torch.bfloat16)
+    got = backend.linear(x, backend.prepare_linear(w, bias, None))
+    if kernel in ("linear", "onednn"):  # oneDNN's packed copy is F.linear to the bit
+        assert torch.equal(got, F.linear(x, w, bias))
+    else:  # fp32 sums rounded once
+        torch.testing.assert_close(got.float(), F.linear(x.float(), w.float(), bias.float()), rtol=2 ** -8, atol=1e-4)
+
+
+def check_int8(backend: CpuKernelBackend, kernel: str, rows: int, gen: torch.Generator) -> None:
+    x = torch.randn(rows, 100, generator=gen).to(torch.bfloat16)
+    codes, scale = quant.quantize_rows(torch.randn(70, 100, generator=gen) * 0.05)
+    got = backend.linear(x, backend.prepare_linear(codes, None, scale))
+    if kernel == "linear":
+        assert torch.equal(got, TorchBackend().linear(x, weight_ops.Weight(codes, scale=scale)))
+    elif kernel == "w8a8":
+        ref = reference_w8a8(x, codes, scale, None)
+        assert ((got.double() - ref).abs() <= ref.abs() * 2 ** -8 + 1e-30).all()
+    else:
+        torch.testing.assert_close(got.float(), reference_int8(x, codes, scale, None), rtol=2 ** -8, atol=1e-4)
+
+
+def check_int4(backend: CpuKernelBackend, kernel: str, rows: int, gen: torch.Generator) -> None:
+    x = torch.randn(rows, 100, generator=gen).to(torch.bfloat16)
+    packed, scales = int4_weight(torch.randn(70, 100, generator=gen) * 0.05 + 0.01)
+    got = backend.linear(x, backend.prepare_linear(packed, None, scales))
+    if kernel == "linear":  # the kernel's dequantisation is torch's to the bit
+        assert torch.equal(got, TorchBackend().linear(x, weight_ops.Weight(packed, scale=scales)))
+    elif kernel == "w4a8":
+        assert_rounded_once(got, reference_w4a8(x, packed, scales, None), x, dequantised(packed, scales, 100),
+                            (rows, 70), sum_error=2 ** -20)
+    else:
+        weights = dequantised(packed, scales, 100)
+        assert_rounded_once(got, x.double() @ weights.T, x, weights, (rows, 70), sum_error=2 ** -7)
+
+
+@pytest.mark.parametrize("fmt,kernel", [(fmt, kernel) for fmt in FORMATS for kernel in KERNELS[fmt]])
+def test_every_kernel_a_table_here_may_name_is_exact_here(fmt, kernel, kernel_calls):
+    """The kernels a table built on this machine may name (the candidates a measurement here times, W8A8 and W4A8
+    included where asked for), each alone through the backend's dispatch at a few row counts, against its
+    reference (tests/test_cpu_kernels.py, test_weight_int8.py, test_weight_int4.py)."""
+    require_kernels()
+    here = CpuKernelBackend(QUANTISED_ACTIVATIONS).candidates
+    if kernel not in here[fmt]:
+        pytest.skip(f"no table on this CPU names {kernel} for {fmt} weights")
+    backend = forced(fmt, kernel)
+    gen = torch.Generator().manual_seed(7)
+    check = {"bf16": check_bf16, "int8": check_int8, "int4": check_int4}[fmt]
+    for rows in (1, 2, 3, 9, 64):
+        if rows >= 2 or kernel not in PACKED:
+            check(backend, kernel, rows, gen)
+    ops = {"gemv": "linear_bf16", "tiles": "tiled_linear_bf16", "vectors": "tiled_linear_bf16"}
+    if kernel in ops:
+        assert kernel_calls.count(ops[kernel]) == (5 if kernel == "gemv" else 4)  # the kernel itself ran
+
+
+# ---- the timer, the cache and the builder ---------------------------------------------------------------------
+
+WORKLOAD = Workload(((32, 64), (64, 32)), ("bf16", "int4"), 16)
+
+
+def counting_timer(calls: list):
+    def timer(fmt: str, kernel: str, rows: int) -> float:
+        calls.append((fmt, kernel, rows))
+        return cost(fmt, kernel, rows)
+    return timer
+
+
+def test_the_kernel_timer_times_one_run_of_the_kernel_itself(kernel_calls):
+    ticks = iter([0.0, 1.5, 10.0, 10.25])
+    timer = KernelTimer(CpuKernelConfig(), Workload(((32, 64),), ("bf16",), 4), clock=lambda: next(ticks))
+    assert timer("bf16", "gemv", 2) == 1.5
+    assert kernel_calls.rows("linear_bf16") == [2, 2]  # one untimed run first, then the timed one
+    assert timer("bf16", "gemv", 4) == 0.25  # no untimed run the second time
+    assert kernel_calls.rows("linear_bf16") == [2, 2, 4]
+
+
+def test_a_kernels_time_is_the_median_of_runs_taken_in_turns():
+    order: list = []
+    runs = {"gemv": iter([5.0, 1.0, 2.0]), "linear": iter([1.5, 9.0, 1.6])}
+
+    def timer(fmt: str, kernel: str, rows: int) -> float:
+        order.append(kernel)
+        return next(runs[kernel])
+
+    table, timings = choose_table({"bf16": ("gemv", "linear")}, (1,), timer, shipped())
+    assert order == ["gemv", "linear"] * 3  # alternated, not three of one then three of the other
+    assert timings["bf16"][1] == {"gemv": 2.0, "linear": 1.6} and table.bf16 == Route.only("linear")
+    with pytest.raises(ValueError, match="reps"):
+        choose_table({"bf16": ("gemv", "linear")}, (1,), timer, shipped(), reps=0)
+
+
+def test_the_table_is_measured_once_and_read_back(tmp_path, caplog):
+    require_kernels()
+    calls: list = []
+    cache = DiskCache(tmp_path)
+    caplog.set_level(logging.INFO, logger=dispatch_store.__name__)
+    first = measured_table(CpuKernelConfig(), WORKLOAD, cache, time_kernel=counting_timer(calls))
+    timed = len(calls)
+    assert timed > 0 and first.table.measured == ("bf16", "int4") and set(first.timings) == {"bf16", "int4"}
+    assert "measured in" in caplog.text and dispatch_store.summary(first.table) in caplog.text
+    again = measured_table(CpuKernelConfig(), WORKLOAD, cache, time_kernel=counting_timer(calls))
+    assert len(calls) == timed and again == first  # read back, nothing timed
+    assert "reused from" in caplog.text
+    measured_table(CpuKernelConfig(), WORKLOAD, cache, recalibrate=True, time_kernel=counting_timer(calls))
+    assert len(calls) == 2 * timed  # --recalibrate measures afresh
+    other = dataclasses.replace(WORKLOAD, shapes=((48, 64),))
+    measured_table(CpuKernelConfig(), other, cache, time_kernel=counting_timer(calls))
+    assert len(calls) == 3 * timed  # other shapes: another key
+
+
+@pytest.mark.parametrize("damage", ["bytes", "json"])
+def test_a_damaged_entry_is_a_miss_and_is_replaced(tmp_path, damage):
+    require_kernels()
+    calls: list = []
+    cache = DiskCache(tmp_path)
+    first = measured_table(CpuKernelConfig(), WORKLOAD, cache, time_kernel=counting_timer(calls))
+    (entry,) = (tmp_path / dispatch_store.KIND).glob("*.entry")
+    if damage == "bytes":
+        data = bytearray(entry.read_bytes())
+        data[-5] ^= 0xFF
+        entry.write_bytes(bytes(data))
+    else:  # a sound entry of the right key that holds no table
+        import json
+        header = json.loads(entry.read_bytes().split(b"\n", 1)[0])
+        cache.put_json(dispatch_store.KIND, header["key"], {"table": {"bf16": "nonsense"}, "timings": {}})
+    timed = len(calls)
+    again = measured_table(CpuKernelConfig(), WORKLOAD, cache, time_kernel=counting_timer(calls))
+    assert len(calls) == 2 * timed and again.table == first.table  # measured again
+    assert measured_table(CpuKernelConfig(), WORKLOAD, cache, time_kernel=counting_timer(calls)) == again
+    assert len(calls) == 2 * timed  # and stored again
+    with pytest.raises(ValueError, match="shipped"):
+        Measured.from_wire({"table": CpuKernelBackend().dispatch.to_wire(), "timings": {}, "seconds": 1.0})
+
+
+def test_the_builder_measures_the_models_shapes_and_reports_progress(tiny_model_dir, tmp_path, monkeypatch):
+    require_kernels()
+    calls: list = []
+    monkeypatch.setattr(dispatch_store, "KernelTimer", lambda config, workload: counting_timer(calls))
+    heard: list = []
+    options = dict(model=str(tiny_model_dir), dtype="bfloat16", num_kv_blocks=16, max_num_batched_tokens=64,
+                   cache_dir=str(tmp_path))
+    engine = build_engine_core(EngineConfig(**options), progress=lambda *report: heard.append(report))
+    backend = engine.runner.backend
+    assert backend.dispatch.source == "measured" and calls
+    assert heard.count((MEASURING_KERNELS, 0, 7)) == 1 and (MEASURING_KERNELS, 7, 7) in heard  # 1..64 rows, bf16
+    assert {rows for _, _, rows in calls} == set(row_buckets(64)) and {fmt for fmt, _, _ in calls} == {"bf16"}
+    workload = kernel_workload(engine.runner.model, 64)
+    cfg = engine.runner.model.cfg
+    assert (cfg.intermediate_size, cfg.hidden_size) in workload.shapes and workload.formats == ("bf16",)
+    assert backend.describe()["dispatch"]["source"] == "measured: bf16"
+    assert backend.describe()["dispatch"]["int8"].endswith("(shipped)")
+    timed = len(calls)
+    build_engine_core(EngineConfig(**options))
+    assert len(calls) == timed  # the second engine reads the first one's table
+    shipped_engine = build_engine_core(EngineConfig(**options, kernel_dispatch="shipped"))
+    assert shipped_engine.runner.backend.dispatch.source == "shipped" and len(calls) == timed
