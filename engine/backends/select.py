@@ -48,7 +48,7 @@ def gpu_backend(device: torch.device | str, gpu: GpuConfig) -> Backend:
     if attention == "torch":
         log.warning("Triton does not import: paged attention on %s gathers pages for SDPA", device)
         return TorchBackend(device)
-    return CudaBackend(device, replace(gpu, attention=attention))
+    return CudaBackend(device, dataclasses.replace(gpu, attention=attention))
 
 
 def importable(package: str) -> bool:
