@@ -47,6 +47,7 @@ MODULE_TIERS: Mapping[str, Tier] = {
     "test_disagg_inprocess.py": E,
     "test_disk_cache.py": U,  # the two-writer test runs in subprocesses: marked process
     "test_draft_actor.py": P,  # the layout and flag tests are marked unit
+    "test_elastic.py": P,  # role changes and degrading on real actor processes
     "test_engine.py": E,
     "test_engine_client.py": U,
     "test_engine_thread.py": U,
@@ -75,6 +76,7 @@ MODULE_TIERS: Mapping[str, Tier] = {
     "test_olmo2.py": E,
     "test_packaging.py": P,  # runs setuptools' editable build in a subprocess
     "test_placement.py": U,
+    "test_planner.py": U,  # the elastic planner on synthetic traffic and a fake clock
     "test_report.py": U,  # synthetic bench results through bench/report.py, plots drawn with Agg
     "test_request_fields.py": U,
     "test_prefill_shares.py": U,
