@@ -48,6 +48,7 @@ MODULE_TIERS: Mapping[str, Tier] = {
     "test_disk_cache.py": U,  # the two-writer test runs in subprocesses: marked process
     "test_draft_actor.py": P,  # the layout and flag tests are marked unit
     "test_elastic.py": P,  # role changes and degrading on real actor processes
+    "test_elastic_bench.py": U,
     "test_engine.py": E,
     "test_engine_client.py": U,
     "test_engine_thread.py": U,
