@@ -144,6 +144,7 @@ class Elastic:
         return {"elastic": self.settings.elastic, "current": str(layout) if layout else "none",
                 "targets": {"ttft": self.settings.slo_ttft, "ttft_long": self.settings.slo_ttft_long,
                             "itl": self.settings.slo_itl},
-                "switches": self.switches, "seconds_in_layout": {k: round(v, 3) for k, v in self.clock.totals(now).items()},
+                "switches": self.switches,
+                "seconds_in_layout": {k: round(v, 3) for k, v in self.clock.totals(now).items()},
                 "mix": self.traffic.snapshot(now, self._queued_prompt_tokens()).to_dict(),
                 "decision": self.last.to_dict() if self.last else None}

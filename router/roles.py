@@ -174,5 +174,6 @@ class RoleChanges:
             future.set_exception(RoleChangeFailed(f"{handle.actor_id} went down while it changed role"))
 
     def status(self) -> dict:
-        return {"changes": self.changes, "failed": self.failures, "seconds_per_change": round(self.seconds_per_change, 3),
+        return {"changes": self.changes, "failed": self.failures,
+                "seconds_per_change": round(self.seconds_per_change, 3),
                 "recent": [r.to_dict() for r in self.history]}

@@ -223,8 +223,11 @@ class ActorRouter:
         while True:
             await asyncio.sleep(WATCH_SECONDS)
             now = time.monotonic()
-            self.degrade.check(now)
-            self.elastic.tick(now)
+            try:
+                self.degrade.check(now)
+                self.elastic.tick(now)
+            except Exception:  # noqa: BLE001 - a bug here must not end the loop that degrades a lost decode role
+                log.exception("keeping the layout failed")
 
     # ---------------------------------------------------------------- actors coming and going
 
