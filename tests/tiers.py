@@ -83,6 +83,7 @@ MODULE_TIERS: Mapping[str, Tier] = {
     "test_prefill_shares.py": U,
     "test_prompt_attention.py": E,
     "test_ray.py": P,  # a Ray cluster on loopback and actors on it
+    "test_ray_degrade.py": P,  # a three-node Ray cluster on loopback that loses its decode node
     "test_ray_options.py": U,  # the no-Ray-import check runs in a subprocess: marked process
     "test_readme.py": P,  # slow: the default model, a real server and fresh interpreters
     "test_real_shapes.py": E,  # the quantiser, type-rule and CLI tests are marked unit
