@@ -36,8 +36,10 @@ class LayoutClock:
         self.since = now
 
     def observe(self, layout: str, now: float) -> None:
-        if self.layout is not None:
-            self.seconds[self.layout] = self.seconds.get(self.layout, 0.0) + max(0.0, now - self.since)
+        """The layout is `layout` at `now`: the time since the last observation was the previous one's (the time
+        before the first, the first one's)."""
+        previous = self.layout or layout
+        self.seconds[previous] = self.seconds.get(previous, 0.0) + max(0.0, now - self.since)
         self.layout, self.since = layout, now
 
     def totals(self, now: float) -> dict[str, float]:

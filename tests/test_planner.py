@@ -1,9 +1,11 @@
 """The elastic layout's decisions on synthetic traffic and a fake clock: the traffic window, the layout model's
 ranking, the planner switching when the mix moves and staying put under noise (margin, dwell, cooldown, cost,
-a satisfied layout), the rule that hands a lost decode role to a prefill actor, and how /metrics shows layouts."""
+a layout whose requests meet their targets), the rule that hands a lost decode role to a prefill actor, the loop
+that acts on the planner's decisions, and how /metrics shows layouts."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -14,7 +16,7 @@ from engine.config import ConfigError
 from engine.core.stats import EngineStats
 from router.cost_model import DecodeCost, PrefillCost
 from router.degrade import lost_decode_role
-from router.elastic import LayoutClock
+from router.elastic import Elastic, LayoutClock
 from router.elastic_settings import ElasticSettings
 from router.layout_model import ActorCosts, Layout, Targets, candidates, predict
 from router.planner import Planner, SwitchCost
@@ -247,3 +249,80 @@ def test_a_layout_needs_a_decode_actor():
     with pytest.raises(ValueError, match="at least one decode actor"):
         Layout(2, 0)
     assert [str(x) for x in candidates(3)] == ["0P+3D", "1P+2D", "2P+1D"] and not math.isnan(Layout(1, 1).size)
+
+
+# ------------------------------------------------------------------------------------------ the elastic loop
+
+class FakeSupervisor:
+    def __init__(self, handles: list[ActorHandle]) -> None:
+        self.handles = handles
+
+    def ready(self, role: Role) -> list[ActorHandle]:
+        return [h for h in self.handles if h.spec.role is role and h.state is ActorState.READY]
+
+    def by_id(self, actor_id: str) -> ActorHandle:
+        return next(h for h in self.handles if h.actor_id == actor_id)
+
+
+class FakeRoles:
+    """RoleChanges as the loop uses it: it records the changes asked for."""
+
+    busy = False
+    seconds_per_change = 2.0
+
+    def __init__(self) -> None:
+        self.asked: list[tuple[str, Role, str]] = []
+
+    def refusal(self, handle: ActorHandle, role: Role) -> str | None:
+        return None
+
+    async def change(self, actor_id: str, role: Role, reason: str) -> bool:
+        self.asked.append((actor_id, role, reason))
+        return True
+
+
+# Calibration points on COSTS' curves (Ready.calibration as an actor sends it)
+CALIBRATION = {"prefill": [[n, COSTS.prefill.seconds(n)] for n in (100, 500, 1000)],
+               "decode": [[b, COSTS.decode.step_seconds(b)] for b in (1, 4, 16)]}
+
+
+def ready_actor(actor_id: str, role: Role) -> ActorHandle:
+    from transport import messages as m
+
+    h = handle(actor_id, role, ActorState.READY)
+    h.ready = m.Ready(actor_id, 256, 16, {"kind": "shm"}, CALIBRATION, None, 512)
+    return h
+
+
+async def run_loop(mode: str) -> tuple[Elastic, FakeRoles]:
+    from router.placer import Placer
+    from router.placement import PlacementPolicy
+
+    settings = replace(SETTINGS, elastic=mode, dwell=1, cooldown=0.0)
+    supervisor = FakeSupervisor([ready_actor("prefill-0", Role.PREFILL), ready_actor("decode-0", Role.DECODE)])
+    roles, traffic = FakeRoles(), TrafficWindow(settings, started=0.0)
+    loop = Elastic(supervisor, roles, Placer(supervisor, {}, PlacementPolicy()), {}, traffic, settings, now=0.0)
+    for i in range(90):  # SISO chat at 3 requests/s for 30 s
+        traffic.arrival(i / 3, 100, 100)
+    for now in (1.0, 30.0):
+        loop.tick(now)
+    if loop._task is not None:
+        await loop._task
+    return loop, roles
+
+
+async def test_the_elastic_loop_changes_the_role_the_planner_asks_for():
+    loop, roles = await run_loop("on")
+    assert loop.costs().prefill.seconds(1000) == pytest.approx(COSTS.prefill.seconds(1000), rel=1e-3)
+    assert loop.last.switch and str(loop.last.target) == "0P+2D"
+    assert [(actor, role) for actor, role, _ in roles.asked] == [("prefill-0", Role.DECODE)]
+    assert roles.asked[0][2].startswith("elastic: 0P+2D is predicted to serve")
+    assert loop.switches == 1
+    status = loop.status(30.0)
+    assert status["current"] == "1P+1D" and status["decision"]["target"] == "0P+2D"  # the fake changed nothing
+    assert status["seconds_in_layout"] == {"1P+1D": 30.0} and status["mix"]["quadrants"]["SISO"]["rate"] == 3.0
+
+
+async def test_with_elastic_off_the_planner_decides_and_nothing_changes():
+    loop, roles = await run_loop("off")
+    assert loop.last.switch and roles.asked == [] and loop.switches == 0
