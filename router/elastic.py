@@ -71,11 +71,12 @@ class Elastic:
         decodes = roles.count(Role.DECODE)
         return Layout(roles.count(Role.PREFILL), decodes) if decodes else None
 
-    def tick(self, now: float) -> None:
-        """From the router's upkeep loop: account the time, and decide when a decision is due."""
+    def tick(self, now: float, decide: bool = True) -> None:
+        """From the router's upkeep loop: account the time, and decide when a decision is due (`decide=False`: a
+        role change just ended, only the clock turns)."""
         layout = self.layout()
         self.clock.observe(str(layout) if layout else "none", now)
-        if now < self._next:
+        if not decide or now < self._next:
             return
         self._next = now + self.settings.plan_interval
         if layout is None or layout.size < 2 or self.roles.busy or (self._task and not self._task.done()):

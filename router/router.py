@@ -70,7 +70,7 @@ class ActorRouter:
         self.delivery = TokenDelivery(self.routed, self.placer, self.failover, on_updates, self.traffic)
         self.drains = Drains(self.supervisor, self.failover)
         self.integrity = IntegrityChecks(self.supervisor)
-        self.roles = RoleChanges(self.supervisor, self.failover, self._on_up, settings.share_kv,
+        self.roles = RoleChanges(self.supervisor, self.failover, self._role_changed, settings.share_kv,
                                  elastic.change_timeout, elastic.switch_seconds)
         self.degrade = Degrade(self.supervisor, self.roles, elastic)
         self.elastic = Elastic(self.supervisor, self.roles, self.placer, self.routed, self.traffic, elastic, now)
@@ -239,6 +239,12 @@ class ActorRouter:
             for decode in filter(attachable, self.supervisor.ready(Role.DECODE)):
                 await _attach(decode, handle)
         self.failover.unpark()
+
+    async def _role_changed(self, handle: ActorHandle) -> None:
+        """An actor serves in its new role: the layout's clock turns, and its pools are attached as for an actor
+        that came up."""
+        self.elastic.tick(time.monotonic(), decide=False)
+        await self._on_up(handle)
 
     async def _on_down(self, handle: ActorHandle) -> None:
         self.roles.on_down(handle)
