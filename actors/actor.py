@@ -5,6 +5,11 @@ connection with Hello, then StartupProgress each time its start moves on (actors
 serves messages until Shutdown. The model step runs on an EngineThread so this loop stays responsive
 (heartbeats, aborts) during long steps. Outputs go back on the connection that submitted the request. The roles
 (decode_actor, prefill_actor, draft_actor) override the hooks marked below.
+
+A prefill or decode actor may change role without a restart (actors/roles.py): the object the worker made keeps
+the process (its socket, its connections, the dispatch of their messages), and `current` is the object that plays
+the role now, itself until the first change, then one built for the new role around the same loaded model. Every
+message is handed to the current object's handlers.
 """
 from __future__ import annotations
 
@@ -13,7 +18,7 @@ import logging
 import os
 import signal
 import time
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 from actors.spec import ActorSpec, Role, node_identity
 from actors.startup import Startup, StartupRelay
@@ -33,13 +38,21 @@ def to_monotonic(deadline: float | None, default_seconds: float = 30.0) -> float
     return time.monotonic() + remaining
 
 
+ChangeRole = Callable[["Actor", Connection, m.ChangeRole], Awaitable[None]]  # (the process's actor, ...)
+
+
 class Actor:
     """Shared plumbing of every role: connections, dispatch, heartbeats, lifecycle."""
 
-    def __init__(self, spec: ActorSpec) -> None:
+    def __init__(self, spec: ActorSpec, change_role: ChangeRole | None = None) -> None:
         self.spec = spec
         self.loop: asyncio.AbstractEventLoop | None = None
         self.thread: EngineThread | None = None
+        self.current: Actor = self  # the object playing the process's role now (see the module's docstring)
+        self.change_role = change_role  # how this process changes role (actors/roles.py); None: it cannot
+        self.loaded: Any = None  # a role change's engine.core.builder.LoadedModel: build around it, load nothing
+        self.tasks: list[asyncio.Task] = []  # the role's background tasks (start_tasks), cancelled when it ends
+        self.changing = False  # the process is changing role (actors/roles.py)
         self.owners: dict[str, Connection] = {}  # request id -> connection that submitted it
         self.stopped = asyncio.Event()
         self.draining = False
@@ -55,7 +68,7 @@ class Actor:
         its own (build_in_thread), not the loop's."""
 
     def start_tasks(self) -> None:
-        """Start the role's background tasks on the loop, once the engine is built."""
+        """Start the role's background tasks on the loop (kept in `tasks`), once the engine is built."""
 
     def ready_message(self) -> m.Ready: ...
 
@@ -109,7 +122,7 @@ class Actor:
         move elsewhere before the server stops it with Shutdown. It stops at once on a second signal, when
         its server is gone (this is then the parent-death signal), and by itself after LEAVE_SECONDS."""
         if self._leaving or os.getppid() != self._parent or not self.connections \
-                or self.spec.role not in (Role.DECODE, Role.PREFILL):
+                or self.current.spec.role not in (Role.DECODE, Role.PREFILL):
             self.stopped.set()
             return
         self._leaving = True
@@ -136,9 +149,10 @@ class Actor:
         return True
 
     def _stop_engine(self) -> None:
-        if self.thread is not None:
-            self.thread.shutdown()
-        self.release()
+        current = self.current
+        if current.thread is not None:
+            current.thread.shutdown()
+        current.release()
 
     def release(self) -> None:
         """Free process-external resources (shared memory) on the way out."""
@@ -146,30 +160,36 @@ class Actor:
     async def serve_connection(self, conn: Connection) -> None:
         node_id, node_address = node_identity()
         try:
-            await conn.send(m.Hello(self.spec.role.value, self.spec.device, os.getpid(), self.spec.actor_id,
+            await conn.send(m.Hello(self.current.spec.role.value, self.spec.device, os.getpid(), self.spec.actor_id,
                                     node_id=node_id, node_address=node_address))
             if not await self.relay.until_ready(conn):
                 return  # the engine will not serve (its build failed, or the actor stops)
-            await conn.send(self.ready_message())
+            await conn.send(self.current.ready_message())
             self.connections.add(conn)
             await self._dispatch_messages(conn)
         except (TransportError, ConnectionError, OSError):
             pass  # the peer left or sent garbage: this connection ends, the actor goes on
         finally:
             self.connections.discard(conn)
-            for rid in [rid for rid, owner in self.owners.items() if owner is conn]:
-                self.on_owner_lost(rid)
+            current = self.current
+            for rid in [rid for rid, owner in current.owners.items() if owner is conn]:
+                current.on_owner_lost(rid)
             conn.close()
 
     async def _dispatch_messages(self, conn: Connection) -> None:
-        handlers = self.handlers() | {m.Heartbeat: self.on_heartbeat, m.Shutdown: self.on_shutdown,
-                                      m.Drain: self.on_drain, m.CheckIntegrity: self.on_check_integrity}
+        process = {m.Heartbeat: self.on_heartbeat, m.Shutdown: self.on_shutdown, m.Drain: self.on_drain,
+                   m.CheckIntegrity: self.on_check_integrity}
+        if self.change_role is not None:
+            process[m.ChangeRole] = lambda conn, msg: self.change_role(self, conn, msg)
+        playing, handlers = None, process
         in_flight: set[asyncio.Task] = set()
         try:
             async for msg in conn:
+                if playing is not self.current:  # the role changed since the last message
+                    playing, handlers = self.current, self.current.handlers() | process
                 handler = handlers.get(type(msg))
                 if handler is None:
-                    await conn.send(m.Error(f"{self.spec.role} actor does not handle {type(msg).__name__}"))
+                    await conn.send(m.Error(f"{playing.spec.role} actor does not handle {type(msg).__name__}"))
                     continue
                 # A task per message: a handler waiting for the engine thread (which answers between steps)
                 # must not hold up heartbeats or aborts behind it. Engine calls still run in arrival order,
@@ -186,10 +206,11 @@ class Actor:
         self.owners.pop(request_id, None)
 
     async def on_heartbeat(self, conn: Connection, msg: m.Heartbeat) -> None:
-        await conn.send(m.HeartbeatAck(msg.seq, msg.time, self.stats()))
+        await conn.send(m.HeartbeatAck(msg.seq, msg.time, self.current.stats()))
 
     async def on_check_integrity(self, conn: Connection, msg: m.CheckIntegrity) -> None:
-        await conn.send(await self.thread.submit(self.integrity_report))
+        current = self.current
+        await conn.send(await current.thread.submit(current.integrity_report))
 
     def integrity_report(self, engine: Any) -> m.IntegrityReport:
         return m.IntegrityReport(self.spec.actor_id, None, 0, 0, 0, len(self.owners))
@@ -198,7 +219,7 @@ class Actor:
         self.stopped.set()
 
     async def on_drain(self, conn: Connection, msg: m.Drain) -> None:
-        self.draining = True
+        self.current.draining = True
 
     def send_to_owner(self, request_id: str, msg: m.Message, finished: bool = False) -> None:
         conn = self.owners.pop(request_id, None) if finished else self.owners.get(request_id)

@@ -12,7 +12,7 @@ from functools import partial
 
 import torch
 
-from actors.actor import RESERVATION_SWEEP_SECONDS, Actor, integrity_error, send_quietly, to_monotonic
+from actors.actor import RESERVATION_SWEEP_SECONDS, Actor, ChangeRole, integrity_error, send_quietly, to_monotonic
 from actors.convert import logprobs_from_wire, params_from_wire, resume_from_wire, update_to_wire
 from engine.core.builder import build_engine_core
 from engine.kv.export import SharedPool, create_shared_pool
@@ -53,8 +53,8 @@ class _StreamedReservation:
 class DecodeActor(Actor):
     """Owns an EngineCore whose KV pool lives in shared memory: colocated requests and prefilled hand-offs."""
 
-    def __init__(self, spec: ActorSpec) -> None:
-        super().__init__(spec)
+    def __init__(self, spec: ActorSpec, change_role: ChangeRole | None = None) -> None:
+        super().__init__(spec, change_role)
         self.pool: SharedPool | None = None
         self.engine: EngineCore | None = None
         # Hand-offs whose pages arrive from another host, written by the loop (relayed KVPages) or by the KV
@@ -85,7 +85,8 @@ class DecodeActor(Actor):
             # The server checked that its actors fit in this host's memory; a worker on another host checks itself
             self.engine = build_engine_core(config, device=self.spec.local_device,
                                             kv_allocator=allocate if shared else None, proposer=self._draft_client(),
-                                            progress=self.relay.report, check_memory=self.spec.remote)
+                                            progress=self.relay.report, check_memory=self.spec.remote,
+                                            loaded=self.loaded)
         with self.startup.stage("calibration"):
             self.calibration = start_calibration(self.engine, self.spec.calibration,
                                                  partial(calibrate_engine, progress=self.relay.report),
@@ -93,7 +94,7 @@ class DecodeActor(Actor):
         return self.engine
 
     def start_tasks(self) -> None:
-        self.loop.create_task(self._sweep_reservations())
+        self.tasks.append(self.loop.create_task(self._sweep_reservations()))
 
     def _draft_client(self) -> RemoteProposer | None:
         """Drafts from the spec's draft actor instead of a draft model in this process, when it names one."""
@@ -112,10 +113,12 @@ class DecodeActor(Actor):
                        self.engine.runner.backend.describe(), self.engine.config.max_num_batched_tokens)
 
     def release(self) -> None:
+        """Close the KV endpoint and the exported pool (its mapping goes with the engine)."""
         if self.kv_endpoint is not None:
             self.kv_endpoint.close()
         if self.pool is not None:
             self.pool.close()
+        self.kv_endpoint = self.pool = None
 
     async def on_joined(self, conn: Connection, secret: bytes) -> None:
         """Joined a server on another host: offer the KV endpoint that its prefill actors stream pages to, on

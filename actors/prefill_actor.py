@@ -36,7 +36,8 @@ class PrefillActor(Actor):
     def build_engine(self) -> PrefillEngine:
         with self.startup.stage("engine"):
             self.engine = build_prefill_engine(EngineConfig(**self.spec.engine), device=self.spec.local_device,
-                                               progress=self.relay.report, check_memory=self.spec.remote)
+                                               progress=self.relay.report, check_memory=self.spec.remote,
+                                               loaded=self.loaded)
         with self.startup.stage("calibration"):
             self.calibration = start_calibration(self.engine, self.spec.calibration,
                                                  partial(calibrate_prefill_engine, progress=self.relay.report),
@@ -45,7 +46,7 @@ class PrefillActor(Actor):
 
     def start_tasks(self) -> None:
         self.links = {}
-        self.loop.create_task(self._sweep_deadlines())
+        self.tasks.append(self.loop.create_task(self._sweep_deadlines()))
 
     def release(self) -> None:
         for link in self.links.values():

@@ -1,8 +1,8 @@
 """The actor process entry point: `python -m actors.worker --spec JSON [--connect HOST:PORT]`, and `run_actor`,
 which the Ray actors (actors.ray_actors) call in their own processes.
 
-It picks the role's class (decode_actor, prefill_actor, draft_actor), ties its life to the parent's and runs
-it on uvloop."""
+It makes the role's actor (actors/roles.py: decode_actor, prefill_actor, draft_actor), ties its life to the
+parent's and runs it on uvloop."""
 from __future__ import annotations
 
 import time
@@ -18,24 +18,14 @@ from pathlib import Path
 
 import torch
 
-from actors.actor import Actor
-from actors.decode_actor import DecodeActor
-from actors.draft_actor import DraftActor
 from actors.logs import configure_actor_logging
-from actors.prefill_actor import PrefillActor
-from actors.spec import ActorSpec, Role
+from actors.roles import make_actor
+from actors.spec import ActorSpec
 from actors.startup import Startup
 from engine.kv.export import SharedMemoryError
 from transport import load_secret
 
 log = logging.getLogger("actor")
-
-ACTOR_CLASSES: dict[Role, type[Actor]] = {Role.DECODE: DecodeActor, Role.PREFILL: PrefillActor, Role.DRAFT: DraftActor}
-
-
-def actor_class(role: str) -> type[Actor]:
-    return ACTOR_CLASSES[Role(role)]
-
 
 PR_SET_PDEATHSIG = 1
 
@@ -84,7 +74,7 @@ def run_actor(spec: ActorSpec, join: tuple[str, int, bytes] | None = None, enter
     torch.set_num_threads(spec.threads)
     try:
         import uvloop
-        actor = actor_class(spec.role)(spec)
+        actor = make_actor(spec)
         actor.startup = Startup.of_this_process(entered)
         uvloop.run(actor.run() if join is None else actor.run_connected(*join))
     except KeyboardInterrupt:

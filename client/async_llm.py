@@ -27,6 +27,7 @@ from engine.core.step import SequenceUpdate
 from engine.core.stats import EngineStats
 from engine.core.treatment import Treatment
 from frontend.front_door import ChatTools, EngineInput, FrontDoor, Messages, Prompt
+from router.elastic_settings import ElasticSettings
 from router.layout import ActorLayout, actor_specs, check_local_memory
 from router.placement import PlacementMode, PlacementPolicy
 from router.router import ActorRouter, RouterSettings
@@ -52,7 +53,8 @@ class AsyncLLM:
     fails with engine.core.client_protocol.NoCapacityError. `max_migrations`: how many times one stream may
     be resumed on another decode actor before it fails. `ray`: place the actors on a Ray cluster (actors.ray_options).
     `start_silence`: seconds a starting actor may go without reporting progress before it is given up (its start
-    has no limit on the total: actors/start_watch.py). With actors, what they will hold is checked against this
+    has no limit on the total: actors/start_watch.py). `elastic`: the planner's targets, whether it changes actors
+    between prefill and decode, and whether a prefill actor takes over a lost decode role (router/elastic.py). With actors, what they will hold is checked against this
     host's memory before any starts (InsufficientMemoryError, a ConfigError); in process, before the weights load.
     """
 
@@ -61,20 +63,21 @@ class AsyncLLM:
                  listen_workers: str | None = None, draft_actors: int = 0, stream_interval: int | str = 1,
                  trace_tokens: bool = False, capacity_timeout: float = 30.0, max_migrations: int = 3,
                  ray: RayOptions | None = None, start_silence: float = DEFAULT_START_SILENCE,
-                 **engine_options) -> None:
+                 elastic: ElasticSettings = ElasticSettings(), **engine_options) -> None:
         self.stream_interval = StreamInterval.parse(stream_interval)
         self.trace_tokens = trace_tokens
         self.capacity_timeout, self.max_migrations = capacity_timeout, max_migrations
         self.supervisor_settings = SupervisorSettings(start_silence=start_silence)
         self.config = engine_config(model, dtype, engine_options)
+        self.elastic = elastic
         self.layout = ActorLayout(prefill_actors, decode_actors, tuple(devices), disagg, listen_workers, draft_actors,
-                                  trace_tokens, ray)
+                                  trace_tokens, ray, elastic.on)
         if draft_actors and self.config.speculative != "draft":
             raise ConfigError("draft_actors needs speculative='draft' (and a draft_model)")
         self.engine = None if self.layout.uses_actors else build_off_thread(lambda: build_engine_core(self.config))
         self.source = self.engine.source if self.engine else _checked_source(self.config)
         if self.engine is None:  # before any actor starts; an engine in this process checked itself
-            check_local_memory(actor_specs(self.layout, _config_options(self.config)), self.source)
+            check_local_memory(actor_specs(self.layout, _config_options(self.config)), self.source, elastic.on)
         self.tokenizer = self.source.tokenizer
         self.front_door = FrontDoor.for_source(self.source)
         self.processor = OutputProcessor(self.tokenizer)
@@ -104,7 +107,8 @@ class AsyncLLM:
             return InProcessClient(self.engine, loop, self._on_updates, self._on_error)
         specs = actor_specs(self.layout, _config_options(self.config))
         settings = RouterSettings(PlacementPolicy(self.layout.disagg), park_timeout=self.capacity_timeout,
-                                  max_migrations=self.max_migrations)
+                                  max_migrations=self.max_migrations, elastic=self.elastic,
+                                  share_kv=self.layout.hands_off_kv)
         router = ActorRouter(specs, self._on_updates, self._on_error, settings, self.supervisor_settings,
                              ray=self.layout.ray)
         try:
@@ -222,8 +226,12 @@ class AsyncLLM:
         return {} if self._client is None else self._client.calibration()
 
     def counters(self) -> dict[str, int]:
-        """Cumulative router counters (KV hand-offs, stream migrations); empty in-process."""
+        """Cumulative router counters (KV hand-offs, stream migrations, role changes); empty in-process."""
         return {} if self._client is None else self._client.counters()
+
+    def layout_status(self) -> dict:
+        """The actors' layout, the elastic planner's last decision and the role changes (empty in-process)."""
+        return {} if self._client is None else self._client.layout_status()
 
     async def drain(self, actor_id: str) -> int:
         """Move a prefill or decode actor's requests elsewhere, then restart it; the number moved. KeyError:

@@ -43,6 +43,9 @@ class InProcessClient:
     def counters(self) -> dict[str, int]:
         return {}
 
+    def layout_status(self) -> dict:
+        return {}
+
     def begin_shutdown(self) -> None:
         pass  # nothing restarts in process
 

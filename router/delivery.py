@@ -1,6 +1,7 @@
 """Token delivery: the decode actors' TokenUpdates turned into SequenceUpdates for the front end, with what
 each token tells the router (a colocated first token checks its estimate; a finished request is forgotten;
-every token is remembered, so that a stream can resume elsewhere)."""
+every token is remembered, so that a stream can resume elsewhere; a finished request's latencies go to the
+traffic window the elastic planner reads)."""
 from __future__ import annotations
 
 import time
@@ -13,6 +14,7 @@ from engine.core.step import SequenceUpdate
 from router.failover import Failover
 from router.handoff import Routed
 from router.placer import Placer
+from router.traffic import TrafficWindow
 from transport import messages as m
 
 
@@ -20,11 +22,12 @@ class TokenDelivery:
     """Forwards the rows of requests an actor still owns; `trace` holds the stamps of the frame being delivered."""
 
     def __init__(self, routed: dict[str, Routed], placer: Placer, failover: Failover,
-                 on_updates: Callable[[list[SequenceUpdate]], None]) -> None:
+                 on_updates: Callable[[list[SequenceUpdate]], None], traffic: TrafficWindow | None = None) -> None:
         self._routed = routed
         self._placer = placer
         self._failover = failover
         self._on_updates = on_updates
+        self._traffic = traffic
         self.trace: tuple[float, ...] = ()
 
     def on_tokens(self, handle: ActorHandle, msg: m.TokenUpdates) -> None:
@@ -50,9 +53,21 @@ class TokenDelivery:
         if row.token_id is not None:
             if not routed.streamed:
                 routed.cached_tokens = row.num_cached_tokens
+                routed.first_token_at = time.monotonic()
             routed.streamed = True
             routed.emitted.setdefault(row.sample_index, []).append(row.token_id)
         if row.finish_reason is not None:
             routed.finished_samples.add(row.sample_index)
             if len(routed.finished_samples) >= routed.request.params.n:
+                self._finished(routed)
                 self._failover.forget(routed)
+
+    def _finished(self, routed: Routed) -> None:
+        """Its TTFT (from its arrival) and mean time per token after the first, for the elastic planner."""
+        if self._traffic is None or routed.first_token_at is None:
+            return
+        req, now = routed.request, time.monotonic()
+        tokens = len(routed.emitted.get(0, ()))
+        tpot = (now - routed.first_token_at) / (tokens - 1) if tokens > 1 else None
+        quadrant = self._traffic.classify(len(req.prompt_token_ids), req.params.max_tokens, req.treatment.long_prompt)
+        self._traffic.completion(now, quadrant, routed.first_token_at - routed.arrived_at, tpot, tokens)

@@ -34,8 +34,9 @@ class Drains:
         if handle.spec.role is Role.DRAFT or handle.spec.remote:
             raise ValueError(f"actor {actor_id} is a {'remote' if handle.spec.remote else 'draft'} actor; only "
                              "local prefill and decode actors can be drained")
-        if handle.state is not ActorState.READY or handle.draining:
-            raise ValueError(f"actor {actor_id} is {'draining' if handle.draining else handle.state.value}")
+        if handle.state is not ActorState.READY or handle.draining or handle.changing_role is not None:
+            doing = "draining" if handle.draining else "changing role" if handle.changing_role else handle.state.value
+            raise ValueError(f"actor {actor_id} is {doing}")
         handle.draining = True  # placement skips it from now on
         moved = self._failover.move_off(handle)
         log.info("draining actor %s: %d requests moved", actor_id, moved, extra={"actor_id": actor_id})

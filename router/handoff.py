@@ -65,6 +65,8 @@ class Routed:
     migrations: int = 0  # times the stream moved to another decode actor
     moved_from: str | None = None  # the decode actor it is moving off, until it is placed again
     moves: tuple[str, ...] = ()  # "decode-0->decode-1", one per migration (the access line shows them)
+    arrived_at: float = field(default_factory=time.monotonic)  # when the router got it
+    first_token_at: float | None = None  # monotonic time its first token reached the router
 
     @property
     def request_id(self) -> str:

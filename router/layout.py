@@ -9,7 +9,7 @@ import torch
 
 from actors.ray_options import RayOptions
 from actors.spec import ActorSpec, Role, split_cores
-from engine.config import EngineConfig
+from engine.config import ConfigError, EngineConfig
 from engine.model.footprint import Footprint, available_memory, check_resident, engine_footprint, total
 from engine.model.loader import ModelSource, resolve_dtype
 from router.placement import PlacementMode
@@ -30,6 +30,7 @@ class ActorLayout:
     draft_actors: int = 0  # with speculative="draft": draft model processes (0: the draft runs in each decode actor)
     trace_tokens: bool = False  # decode actors stamp their token frames (serve --trace-tokens)
     ray: RayOptions | None = None  # place the actors on a Ray cluster (serve --ray)
+    elastic: bool = False  # the planner may change actors between prefill and decode (serve --elastic on)
 
     def __post_init__(self) -> None:
         if self.prefill_actors < 0 or self.decode_actors < 0 or self.draft_actors < 0:
@@ -41,6 +42,12 @@ class ActorLayout:
                              "their KV to")
         if self.ray is not None:
             self._check_ray()
+        if self.elastic and self.prefill_actors + self.decode_actors < 2:
+            raise ConfigError("--elastic on needs at least two prefill and decode actors to share between the roles "
+                              f"(--prefill-actors {self.prefill_actors} --decode-actors {self.decode_actors})")
+        if self.elastic and self.draft_actors:
+            raise ConfigError("--elastic on runs no draft actors: a decode actor made from a prefill actor would have "
+                             "none; leave --draft-actors at 0 (the draft model then runs inside each decode actor)")
 
     def _check_ray(self) -> None:
         if not self.decode_actors:
@@ -57,8 +64,9 @@ class ActorLayout:
 
     @property
     def hands_off_kv(self) -> bool:
-        """Whether a prefill actor may write into the decode actors' pools: only then are they exported."""
-        return self.prefill_actors > 0 or self.listen_workers is not None
+        """Whether a prefill actor may write into the decode actors' pools: only then are they exported (with an
+        elastic layout, a decode actor may become a prefill actor and write into its peers')."""
+        return self.prefill_actors > 0 or self.listen_workers is not None or self.elastic
 
     def listen_address(self) -> tuple[str, int, bytes] | None:
         if self.listen_workers is None:
@@ -101,24 +109,26 @@ def _draft_options(options: dict, num_decodes: int, num_drafts: int, index: int)
     return options
 
 
-def local_footprint(specs: list[ActorSpec], source: ModelSource, available: int) -> tuple[Footprint, int]:
+def local_footprint(specs: list[ActorSpec], source: ModelSource, available: int,
+                    elastic: bool = False) -> tuple[Footprint, int]:
     """What the actors that hold their model in this host's memory (on its CPU, not remote nor on Ray) will hold
     once loaded, and how many they are: each prefill and decode actor its copy of the weights, each decode actor
-    its KV pool (a prefill actor writes into theirs). Draft actors are not counted (engine/model/footprint.py)."""
+    its KV pool (a prefill actor writes into theirs; with `elastic`, any of them may become a decode actor). Draft
+    actors are not counted (engine/model/footprint.py)."""
     local = [s for s in specs if s.role in (Role.PREFILL, Role.DECODE) and not s.remote
              and torch.device(s.device).type == "cpu"]
     parts = []
     for spec in local:
         config = EngineConfig(**spec.engine)
         dtype = resolve_dtype(config.dtype, spec.device)
-        parts.append(engine_footprint(source, config, dtype, available, kv_pool=spec.role is Role.DECODE))
+        parts.append(engine_footprint(source, config, dtype, available, kv_pool=elastic or spec.role is Role.DECODE))
     return total(parts), len(local)
 
 
-def check_local_memory(specs: list[ActorSpec], source: ModelSource) -> None:
+def check_local_memory(specs: list[ActorSpec], source: ModelSource, elastic: bool = False) -> None:
     """Log what the local actors will hold, and refuse (engine.model.footprint.InsufficientMemoryError, one
     sentence with the numbers) before any of them starts when it exceeds the memory available."""
     available = available_memory()
-    footprint, count = local_footprint(specs, source, available)
+    footprint, count = local_footprint(specs, source, available, elastic)
     if count:
         check_resident(footprint, available, log, f"by {count} actor{'s' if count > 1 else ''} on this host")

@@ -4,8 +4,10 @@ actor subprocesses.
 It wires the parts together: `placer` decides where each request runs, `handoff` drives a disaggregated
 request through reservation, prefill and commit, `failover` retries, parks and fails requests as actors come
 and go, `delivery` forwards token updates, `drains` moves requests off an actor before it stops and
-`integrity` asks an actor to check its block pool. This module owns the request table and routes the actors'
-messages to those parts. Every reservation carries a deadline, so a lost message never pins blocks for longer than that.
+`integrity` asks an actor to check its block pool; `roles` changes an actor between prefill and decode, which
+`degrade` does when the last decode actor is lost and `elastic` when its planner says a layout serves the traffic
+better. This module owns the request table and routes the actors' messages to those parts. Every reservation
+carries a deadline, so a lost message never pins blocks for longer than that.
 """
 from __future__ import annotations
 
@@ -21,13 +23,18 @@ from actors.supervisor import ActorHandle, ActorState, Supervisor, SupervisorSet
 from engine.core.engine_core import EngineRequest
 from engine.core.stats import EngineStats
 from engine.core.step import SequenceUpdate
+from router.degrade import Degrade
 from router.delivery import TokenDelivery
 from router.drains import Drains
-from router.failover import Failover
+from router.elastic import Elastic
+from router.elastic_settings import ElasticSettings
+from router.failover import WATCH_SECONDS, Failover
 from router.handoff import Handoff, Phase, Routed, attachable, export_for
 from router.integrity import IntegrityChecks
 from router.placement import DISAGGREGATED, Placement, PlacementPolicy
 from router.placer import Placer
+from router.roles import RoleChanges
+from router.traffic import TrafficWindow
 from transport import messages as m
 
 log = logging.getLogger("router")
@@ -42,6 +49,8 @@ class RouterSettings:
     max_attempts: int = 3
     park_timeout: float = 30.0  # how long a request waits for a decode actor to come (back) up
     max_migrations: int = 3  # times one stream may move to another decode actor before it ends with an error
+    elastic: ElasticSettings = ElasticSettings()  # the planner's targets, whether it may switch, degrading
+    share_kv: bool = False  # decode actors export their pools (as the layout's do): set by a role change too
 
 
 class ActorRouter:
@@ -56,15 +65,23 @@ class ActorRouter:
                                self._handle_or_none, self.placer.record_transfer)
         self.failover = Failover(self.supervisor, self.routed, self.handoff, self._dispatch, on_error,
                                  settings.max_attempts, settings.park_timeout, settings.max_migrations)
-        self.delivery = TokenDelivery(self.routed, self.placer, self.failover, on_updates)
+        now, elastic = time.monotonic(), settings.elastic
+        self.traffic = TrafficWindow(elastic, now)
+        self.delivery = TokenDelivery(self.routed, self.placer, self.failover, on_updates, self.traffic)
         self.drains = Drains(self.supervisor, self.failover)
         self.integrity = IntegrityChecks(self.supervisor)
+        self.roles = RoleChanges(self.supervisor, self.failover, self._role_changed, settings.share_kv,
+                                 elastic.change_timeout, elastic.switch_seconds)
+        self.degrade = Degrade(self.supervisor, self.roles, elastic)
+        self.elastic = Elastic(self.supervisor, self.roles, self.placer, self.routed, self.traffic, elastic, now)
         self._watchdog: asyncio.Task | None = None
+        self._upkeep: asyncio.Task | None = None
         self._handlers = {m.TokenUpdates: self.delivery.on_tokens, m.BlocksReserved: self.handoff.on_reserved,
                           m.ReservationFailed: self.handoff.on_reservation_failed,
                           m.KVReady: self.handoff.on_kv_ready, m.KVPages: self.handoff.on_kv_pages,
                           m.RequestFailed: self.failover.on_request_failed, m.Error: self._on_actor_error,
-                          m.IntegrityReport: self.integrity.on_report, m.Leaving: self.drains.on_leaving}
+                          m.IntegrityReport: self.integrity.on_report, m.Leaving: self.drains.on_leaving,
+                          m.RoleChanged: self.roles.on_changed}
 
     # ---------------------------------------------------------------- EngineClient
 
@@ -80,12 +97,16 @@ class ActorRouter:
             raise RuntimeError(f"no decode actor could start: {reasons}" if reasons else
                                "no decode actor could start; see the actor logs above")
         self._watchdog = asyncio.create_task(self.failover.watch())
+        self._upkeep = asyncio.create_task(self._keep_layout())
 
     async def add(self, request: EngineRequest) -> Placement | None:
         if request.request_id in self.routed:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         routed = self.routed[request.request_id] = Routed(request)
-        self.placer.observe_arrival(time.monotonic())
+        now = time.monotonic()
+        self.placer.observe_arrival(now)
+        self.traffic.arrival(now, len(request.prompt_token_ids), request.params.max_tokens,
+                             request.treatment.long_prompt)
         return self._dispatch(routed)
 
     def abort(self, request_id: str, sample_index: int | None = None) -> None:
@@ -132,7 +153,14 @@ class ActorRouter:
         c, moved = self.handoff.counters, self.failover.counters
         return {"kv_transfers": c.kv_transfers, "kv_bytes_transferred": c.kv_bytes_transferred,
                 "migrations": moved.migrations, "migrated_tokens": moved.migrated_tokens,
-                "failed_migrations": moved.failed_migrations}
+                "failed_migrations": moved.failed_migrations, "role_changes": self.roles.changes,
+                "failed_role_changes": self.roles.failures}
+
+    def layout_status(self) -> dict:
+        """What /status shows of the layout: the current one and the time spent in each, the planner's last
+        decision with the predicted goodput of each candidate, the role changes, and the degraded stand-ins."""
+        return self.elastic.status(time.monotonic()) | {"roles": self.roles.status(),
+                                                        "degrade": self.degrade.status()}
 
     async def drain(self, actor_id: str) -> int:
         """Move every request off a prefill or decode actor, then stop it (router.drains)."""
@@ -142,13 +170,16 @@ class ActorRouter:
         """The server drains: actors that exit now (a signal to the whole process group) stay down, and
         actors that ask to leave are not drained."""
         self.drains.stop()
+        if self._upkeep is not None:  # no role changes while the actors stop
+            self._upkeep.cancel()
         self.supervisor.begin_shutdown()
 
     async def close(self) -> None:
         """Fail every request in flight and stop the actors."""
         self.drains.stop()
-        if self._watchdog is not None:
-            self._watchdog.cancel()
+        for task in (self._watchdog, self._upkeep):
+            if task is not None:
+                task.cancel()
         for routed in list(self.routed.values()):
             self.failover.fail(routed, "the server is shutting down")
         await self.supervisor.stop()
@@ -187,6 +218,17 @@ class ActorRouter:
     def _on_actor_error(self, handle: ActorHandle, msg: m.Error) -> None:
         log.error("actor %s reports: %s", handle.actor_id, msg.message)
 
+    async def _keep_layout(self) -> None:
+        """Degrade when the last decode actor is lost, and let the planner decide when a decision is due."""
+        while True:
+            await asyncio.sleep(WATCH_SECONDS)
+            now = time.monotonic()
+            try:
+                self.degrade.check(now)
+                self.elastic.tick(now)
+            except Exception:  # noqa: BLE001 - a bug here must not end the loop that degrades a lost decode role
+                log.exception("keeping the layout failed")
+
     # ---------------------------------------------------------------- actors coming and going
 
     async def _on_up(self, handle: ActorHandle) -> None:
@@ -198,7 +240,14 @@ class ActorRouter:
                 await _attach(decode, handle)
         self.failover.unpark()
 
+    async def _role_changed(self, handle: ActorHandle) -> None:
+        """An actor serves in its new role: the layout's clock turns, and its pools are attached as for an actor
+        that came up."""
+        self.elastic.tick(time.monotonic(), decide=False)
+        await self._on_up(handle)
+
     async def _on_down(self, handle: ActorHandle) -> None:
+        self.roles.on_down(handle)
         if handle.spec.role is Role.DECODE:
             for prefill in self.supervisor.ready(Role.PREFILL):
                 await prefill.send(m.DetachPool(handle.actor_id))

@@ -206,4 +206,5 @@ async def _status(request: web.Request) -> web.Response:
         "preemptions": s.num_preemptions,
         "speculation": spec_summary(SpecCounts(s.spec_proposed, s.spec_accepted, s.spec_steps))
         | {"by_quadrant": ctx.metrics.speculation_by_quadrant()},
-        "backend": ctx.llm.backend(), "actors": ctx.llm.actors(), "calibration": ctx.llm.calibration()})
+        "backend": ctx.llm.backend(), "actors": ctx.llm.actors(), "calibration": ctx.llm.calibration(),
+        "layout": ctx.llm.layout_status()})

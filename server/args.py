@@ -1,5 +1,5 @@
 """The `serve` command's own flags (the engine's come from EngineConfig through engine.flags), generated from
-ServerSettings, LogSettings and ActorOptions, and their mapping back onto those objects.
+ServerSettings, LogSettings, ActorOptions and ElasticSettings, and their mapping back onto those objects.
 
 Kept light to import: cli.py builds every sub-command's parser up front.
 """
@@ -10,6 +10,7 @@ import os
 import sys
 
 from engine.flags import add_group, options
+from router.elastic_settings import ElasticSettings
 from server.logging import LogSettings, default_log_format
 from server.quadrant import QuadrantThresholds
 from server.settings import API_KEY_ENV, ActorOptions, ServerSettings
@@ -25,6 +26,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
 
 def add_actor_args(parser: argparse.ArgumentParser) -> None:
     add_group(parser, ActorOptions, "actors and placement")
+    add_group(parser, ElasticSettings, "elastic layout")
 
 
 def actor_settings(args: argparse.Namespace) -> ActorOptions:
@@ -32,8 +34,10 @@ def actor_settings(args: argparse.Namespace) -> ActorOptions:
 
 
 def actor_options(args: argparse.Namespace) -> dict:
-    """The AsyncLLM keyword arguments of the actor flags."""
-    return actor_settings(args).client_options()
+    """The AsyncLLM keyword arguments of the actor flags (with actors: the elastic layout's too)."""
+    settings = actor_settings(args)
+    elastic = {} if settings.in_process else {"elastic": ElasticSettings(**options(ElasticSettings, args))}
+    return settings.client_options() | elastic
 
 
 def quadrant_thresholds(args: argparse.Namespace, context: int) -> QuadrantThresholds:

@@ -49,7 +49,7 @@ class ServerContext:
         limits = ModelLimits(settings.served_model_name or llm.model_name, llm.max_model_len,
                              llm.source.config.vocab_size)
         dtype = llm.dtype_name
-        metrics = ServerMetrics(llm.stats, limits.name, limits.max_model_len, llm.actors, llm.counters)
+        metrics = ServerMetrics(llm.stats, limits.name, limits.max_model_len, llm.actors, llm.counters, llm.layout_status)
         defaults, from_model = request_defaults(llm.source.path, settings.generation_config,
                                                 settings.default_max_tokens)
         door = FrontDoor.for_source(llm.source, settings.tool_call_parser)

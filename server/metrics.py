@@ -98,7 +98,10 @@ class RouterCollector:
             "kv_bytes_transferred": "KV bytes handed from prefill actors to decode actors.",
             "migrations": "Streams moved to another decode actor (its own died or drained) and resumed there.",
             "migrated_tokens": "Tokens those streams had already sent, recomputed on the new actor (never re-sent).",
-            "failed_migrations": "Streams that could not be moved (too many moves, or no decode actor in time)."}
+            "failed_migrations": "Streams that could not be moved (too many moves, or no decode actor in time).",
+            "role_changes": "Actors that changed between prefill and decode (elastic switches, degraded and "
+                            "restored decode roles).",
+            "failed_role_changes": "Role changes that failed (the actor was restarted in its old role)."}
 
     def __init__(self, counters: Callable[[], dict[str, int]]) -> None:
         self._counters = counters
@@ -108,6 +111,30 @@ class RouterCollector:
         for name, doc in self.DOCS.items():
             if name in counters:
                 yield _counter(name, doc, counters[name])
+
+
+class LayoutCollector:
+    """The actors' layout, read at scrape time: seconds spent in each layout ("1P+1D": one prefill actor and one
+    decode actor; "none": no decode actor served), the switches the elastic planner made, and the current layout
+    (value 1); none in-process."""
+
+    def __init__(self, layout: Callable[[], dict]) -> None:
+        self._layout = layout
+
+    def collect(self) -> Iterator[Metric]:
+        layout = self._layout()
+        if not layout:
+            return
+        seconds = CounterMetricFamily(PREFIX + "layout_seconds", "Seconds the actors spent in each layout.",
+                                      labels=("layout",))
+        for name, value in sorted(layout.get("seconds_in_layout", {}).items()):
+            seconds.add_metric((name,), value)
+        yield seconds
+        yield _counter("layout_switches", "Switches of the elastic planner (one actor's role change each).",
+                       layout.get("switches", 0))
+        current = GaugeMetricFamily(PREFIX + "layout", "The current layout (1).", labels=("layout",))
+        current.add_metric((str(layout.get("current", "none")),), 1)
+        yield current
 
 
 class ActorCollector:
@@ -163,7 +190,8 @@ class ServerMetrics:
     """Request-level histograms and counters plus the engine's live gauges, in this object's registry."""
 
     def __init__(self, stats: Callable[[], EngineStats], model_name: str = "", max_model_len: int = 8192,
-                 actors: Callable[[], list[dict]] = list, counters: Callable[[], dict[str, int]] = dict) -> None:
+                 actors: Callable[[], list[dict]] = list, counters: Callable[[], dict[str, int]] = dict,
+                 layout: Callable[[], dict] = dict) -> None:
         self._inner = CollectorRegistry(auto_describe=True)
         self.ttft = self._histogram("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
         self.itl = self._histogram("inter_token_latency_seconds", "Time between consecutive output tokens.",
@@ -209,6 +237,7 @@ class ServerMetrics:
         self._inner.register(EngineStatsCollector(stats))
         self._inner.register(ActorCollector(actors))
         self._inner.register(RouterCollector(counters))
+        self._inner.register(LayoutCollector(layout))
         ProcessCollector(registry=self._inner)
         PlatformCollector(registry=self._inner)
         GCCollector(registry=self._inner)

@@ -26,12 +26,15 @@ from engine.flags import add_group, flag_fields, option, options, parse_bytes, s
 from server.args import actor_options, log_settings, quadrant_thresholds, server_settings
 from server.logging import LogSettings
 from server.settings import ActorOptions, ServerSettings
+from router.elastic_settings import ElasticSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 COMMANDS = ("generate", "chat", "serve", "worker")
-FLAG_CLASSES = (EngineConfig, SamplingOptions, ServerSettings, LogSettings, ActorOptions, cli.WorkerOptions,
-                cli.GenerateOptions)
-NOT_FLAGS = {EngineConfig: {"seed"}, ServerSettings: {"max_body_bytes", "quadrants"}}  # set in code, not flags
+FLAG_CLASSES = (EngineConfig, SamplingOptions, ServerSettings, LogSettings, ActorOptions, ElasticSettings,
+                cli.WorkerOptions, cli.GenerateOptions)
+NOT_FLAGS = {EngineConfig: {"seed"}, ServerSettings: {"max_body_bytes", "quadrants"},  # set in code, not flags
+             ElasticSettings: {"plan_interval", "window", "margin", "dwell", "cooldown", "min_requests",
+                               "long_prompt_tokens", "long_output_tokens", "change_timeout", "switch_seconds"}}
 DOCUMENTED_ELSEWHERE = {"--help"}  # argparse's own
 FLAGS_PAGE = ROOT / "docs" / "flags.md"
 
@@ -160,7 +163,8 @@ def test_the_cli_defaults_build_the_default_configs(monkeypatch):
     assert server_settings(serve) == ServerSettings()
     assert actor_options(serve) == dict(decode_actors=1, prefill_actors=0, devices=(), disagg="auto",
                                         listen_workers=None, draft_actors=0, capacity_timeout=30.0,
-                                        max_migrations=3, ray=None, start_silence=DEFAULT_START_SILENCE)
+                                        max_migrations=3, ray=None, start_silence=DEFAULT_START_SILENCE,
+                                        elastic=ElasticSettings())
     assert sampling_options(parser.parse_args(["generate", "hi"])) == SamplingOptions()
 
 
@@ -179,7 +183,8 @@ def test_parsed_flags_round_trip_into_the_configs(monkeypatch):
         "--kv-cache-dtype", "fp8", "--kv-compress", "fp4", "--kv-compress-after", "64", "--kv-compress-share",
         "0.25", "--port", "0", "--max-queue", "9", "--grace-period", "1.5", "--speculate-quadrants", "all",
         "--log-format", "json", "--log-level", "debug", "--decode-actors", "2", "--devices", "cuda:0, cuda:1",
-        "--disagg", "never", "--long-prompt-threshold", "100", "--max-migrations", "1", "--actor-start-silence", "300"])
+        "--disagg", "never", "--long-prompt-threshold", "100", "--max-migrations", "1", "--actor-start-silence", "300",
+        "--elastic", "on", "--slo-itl", "0.05", "--no-degrade"])
     assert EngineConfig(**engine_options(args)) == EngineConfig(
         dtype="float32", num_threads=3, kv_cache_memory=2 << 30, enable_prefix_caching=False, speculative="draft",
         draft_model="self:2", num_speculative_tokens=6, kv_cache_dtype="fp8", kv_compress="fp4",
@@ -188,7 +193,8 @@ def test_parsed_flags_round_trip_into_the_configs(monkeypatch):
     assert log_settings(args) == LogSettings(format="json", level="debug")
     assert actor_options(args) == dict(decode_actors=2, prefill_actors=0, devices=("cuda:0", "cuda:1"),
                                        disagg="never", listen_workers=None, draft_actors=0,
-                                       capacity_timeout=30.0, max_migrations=1, ray=None, start_silence=300.0)
+                                       capacity_timeout=30.0, max_migrations=1, ray=None, start_silence=300.0,
+                                       elastic=ElasticSettings(elastic="on", slo_itl=0.05, degrade=False))
     assert quadrant_thresholds(args, 8192) == type(quadrant_thresholds(args, 8192))(100, 256)
 
 

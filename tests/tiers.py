@@ -49,6 +49,8 @@ MODULE_TIERS: Mapping[str, Tier] = {
     "test_disagg_inprocess.py": E,
     "test_disk_cache.py": U,  # the two-writer test runs in subprocesses: marked process
     "test_draft_actor.py": P,  # the layout and flag tests are marked unit
+    "test_elastic.py": P,  # role changes and degrading on real actor processes
+    "test_elastic_bench.py": U,
     "test_engine.py": E,
     "test_engine_client.py": U,
     "test_engine_thread.py": U,
@@ -79,11 +81,13 @@ MODULE_TIERS: Mapping[str, Tier] = {
     "test_olmo2.py": E,
     "test_packaging.py": P,  # runs setuptools' editable build in a subprocess
     "test_placement.py": U,
+    "test_planner.py": U,  # the elastic planner on synthetic traffic and a fake clock
     "test_report.py": U,  # synthetic bench results through bench/report.py, plots drawn with Agg
     "test_request_fields.py": U,
     "test_prefill_shares.py": U,
     "test_prompt_attention.py": E,
     "test_ray.py": P,  # a Ray cluster on loopback and actors on it
+    "test_ray_degrade.py": P,  # a three-node Ray cluster on loopback that loses its decode node
     "test_ray_options.py": U,  # the no-Ray-import check runs in a subprocess: marked process
     "test_readme.py": P,  # slow: the default model, a real server and fresh interpreters
     "test_real_shapes.py": E,  # the quantiser, type-rule and CLI tests are marked unit

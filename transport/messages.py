@@ -32,6 +32,8 @@ Flows (router = main process):
 - drafting:   decode actor -> ProposeDrafts (draft actor) -> DraftProposals; decode actor -> ReleaseDrafts.
 - migration:  a stream whose decode actor died or drains is resumed elsewhere: AddRequest (or the hand-off's
               messages) with `resume`, the tokens the client already has.
+- role change: router -> ChangeRole (to an actor the router has moved every request off), actor -> RoleChanged
+              once its engine of the new role runs on the weights it already holds (with its new Ready).
 - stop:       router -> Drain (finish running work, accept none), router -> Shutdown; either side -> Error.
               An actor sent SIGTERM says Leaving; the router moves its streams off, then sends Shutdown.
 """
@@ -43,13 +45,14 @@ from dataclasses import dataclass, fields, is_dataclass
 from types import MappingProxyType
 from typing import Any, ClassVar
 
+# 13: ChangeRole, RoleChanged (an actor switches between prefill and decode on its loaded model)
 # 12: StartupProgress (an actor greets as it starts and reports each stage until Ready)
 # 11: Ready.step_tokens; 10: `sampling` carries truncate_prompt_tokens
 # 9: Hello.node_id, node_address (where an actor runs); KVReady.stream_seconds (each link's measured cost)
 # 8: KVReady.streamed_bytes; KVPageFrame, KVStreamEnd, KVStreamAck (direct KV streams, out-of-band pages)
 # 7: AddRequest.resume, PrefillRequest.num_prompt_tokens (migrated streams), Leaving; no generator_state
 # 6: `guide.kind` may be structural_tag (tool calls); 5: `sampling` carries `guide`
-PROTOCOL_VERSION = 12
+PROTOCOL_VERSION = 13
 
 KV_EXPORT_KINDS = ("shm", "cuda_ipc", "tcp", "none")
 """`Ready.kv_export["kind"]`: how peers map the actor's KV pool, or (`tcp`, with `host` and `port`) where
@@ -497,6 +500,32 @@ class ReleaseDrafts(Message):
 
 
 # ---- lifecycle ------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class ChangeRole(Message):
+    """Take `role` ("prefill" or "decode") without a restart: drop the engine of the old role and build one of the
+    new role around the model already loaded (no checkpoint is read again). The router sends it only once no
+    request is placed on the actor any more. `share_kv`: as a decode actor, export the KV pool for prefill actors
+    (ActorSpec.share_kv). `calibration`: the new role's curves from an earlier time in it (Calibration.to_wire),
+    reused after a warm-up; None: remembered on disk or measured."""
+
+    TAG: ClassVar[str] = "change_role"
+    role: str
+    share_kv: bool = False
+    calibration: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RoleChanged(Message):
+    """The actor now plays `role`; `ready` is what it would have sent at start in that role (its KV pool, its
+    calibration). An actor whose change fails says Error and exits, and its supervisor restarts it in its old role."""
+
+    TAG: ClassVar[str] = "role_changed"
+    actor_id: str
+    role: str
+    ready: Ready
+    seconds: float = 0.0  # from ChangeRole to the new engine serving
+
 
 @dataclass(frozen=True, slots=True)
 class Drain(Message):

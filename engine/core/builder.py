@@ -3,11 +3,14 @@
 `build_engine_core` loads the model, sizes and allocates the KV pool (its memory from `kv_allocator` where an
 actor exports it), builds the block pool, scheduler, runner and speculator, and hands them to EngineCore;
 `build_prefill_engine` does the same for the prefill side of disaggregation, whose pools are attached later.
-Each part is complete when it is built: nothing is attached to a built part afterwards.
+Each part is complete when it is built: nothing is attached to a built part afterwards. Given a `LoadedModel` (an
+engine's model with the backend its weights are prepared for), either builder builds around it instead of loading:
+an actor that changes role keeps its weights.
 """
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from functools import partial
 from typing import Callable
 
@@ -34,6 +37,7 @@ from engine.kv.compress import ColdRegion, split_kv_budget
 from engine.kv.groups import KVGroups
 from engine.model.footprint import available_memory, check_resident, engine_footprint
 from engine.model.layers import Linear
+from engine.model.llama import LlamaModel
 from engine.model.loader import ModelSource, load_model, resolve_dtype, resolve_model
 from engine.model.progress import (ALLOCATING_KV, BUILDING_KERNELS, LOADING_DRAFT, MEASURING_KERNELS,
                                    PREPARING_WEIGHTS, READING_CHECKPOINT, Progress, report)
@@ -47,23 +51,39 @@ log = logging.getLogger(__name__)
 KVAllocator = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
 
 
+@dataclass(frozen=True)
+class LoadedModel:
+    """A model loaded once, with the backend its weights are prepared for: what the next engine of an actor that
+    changes role runs on (its pools, scheduler and runner are new)."""
+
+    source: ModelSource
+    model: LlamaModel
+    backend: Backend
+
+    @staticmethod
+    def of(engine: EngineCore | PrefillEngine) -> "LoadedModel":
+        return LoadedModel(engine.source, engine.runner.model, engine.runner.backend)
+
+
 def build_engine_core(config: EngineConfig, source: ModelSource | None = None, device: str = "cpu",
                       kv_allocator: KVAllocator | None = None, proposer: Proposer | None = None,
-                      progress: Progress | None = None, check_memory: bool = True) -> EngineCore:
+                      progress: Progress | None = None, check_memory: bool = True,
+                      loaded: LoadedModel | None = None) -> EngineCore:
     """`kv_allocator(shape, dtype)` provides the KV pool's memory (an actor passes shared memory). `proposer`
     replaces the one `config.speculative` would build here (a decode actor's draft actor client). `progress`
     hears each stage (engine/model/progress.py). `check_memory`: refuse before the weights load when what the
     engine would hold does not fit in the memory available (engine/model/footprint.py); off where the caller
-    checked a whole layout of engines already (the server, for its actors)."""
+    checked a whole layout of engines already (the server, for its actors). `loaded`: run that model (nothing is
+    loaded, nor checked: its weights are resident already)."""
     _set_torch_threads(config)
     torch.manual_seed(config.seed)
     report(progress, READING_CHECKPOINT)
-    source = source or resolve_model(config.model)
+    source = loaded.source if loaded else source or resolve_model(config.model)
     dtype = resolve_dtype(config.dtype, device)
     model_cfg = source.config
-    if check_memory and torch.device(device).type == "cpu":
+    if check_memory and loaded is None and torch.device(device).type == "cpu":
         _check_memory(source, config, dtype, kv_pool=True)
-    model = load_model(source, dtype, device, config.weight_dtype, progress)
+    model = loaded.model if loaded else load_model(source, dtype, device, config.weight_dtype, progress)
     report(progress, ALLOCATING_KV)
     plain_blocks, num_cold = _kv_block_counts(config, model_cfg, dtype)
     # An exported pool (an actor's: a peer writes its pages) and a compressed one keep the plain layout
@@ -78,7 +98,7 @@ def build_engine_core(config: EngineConfig, source: ModelSource | None = None, d
     scheduler = Scheduler(pool, limits, tuple(eos), _compactor(config, pool), groups.windows)
     cold = ColdRegion(model_cfg, num_cold, num_blocks, config.block_size, dtype, device) if num_cold else None
     max_model_len = min(config.max_model_len or model_cfg.max_position_embeddings, model_cfg.max_position_embeddings)
-    backend = _backend(config, dtype, device, progress, model)
+    backend = loaded.backend if loaded else _backend(config, dtype, device, progress, model)
     graphs = graph_plan(config.cuda_graphs, device, backend, kv_cache, config.max_num_seqs, max_model_len)
     runner = ModelRunner(model, kv_cache, device, backend, grammar_compiler=partial(source_compiler, source),
                          cold=cold, graphs=graphs, progress=progress)
@@ -92,17 +112,19 @@ def build_engine_core(config: EngineConfig, source: ModelSource | None = None, d
 
 
 def build_prefill_engine(config: EngineConfig, source: ModelSource | None = None, device: str = "cpu",
-                         progress: Progress | None = None, check_memory: bool = True) -> PrefillEngine:
-    """`progress` and `check_memory` as build_engine_core's (a prefill engine keeps no KV pool of its own)."""
+                         progress: Progress | None = None, check_memory: bool = True,
+                         loaded: LoadedModel | None = None) -> PrefillEngine:
+    """`progress`, `check_memory` and `loaded` as build_engine_core's (a prefill engine keeps no KV pool of its
+    own)."""
     _set_torch_threads(config)
     report(progress, READING_CHECKPOINT)
-    source = source or resolve_model(config.model)
+    source = loaded.source if loaded else source or resolve_model(config.model)
     dtype = resolve_dtype(config.dtype, device)
-    if check_memory and torch.device(device).type == "cpu":
+    if check_memory and loaded is None and torch.device(device).type == "cpu":
         _check_memory(source, config, dtype, kv_pool=False)
-    model = load_model(source, dtype, device, config.weight_dtype, progress)
-    runner = ModelRunner(model, None, device, _backend(config, dtype, device, progress, model),
-                         grammar_compiler=partial(source_compiler, source))
+    model = loaded.model if loaded else load_model(source, dtype, device, config.weight_dtype, progress)
+    backend = loaded.backend if loaded else _backend(config, dtype, device, progress, model)
+    runner = ModelRunner(model, None, device, backend, grammar_compiler=partial(source_compiler, source))
     return PrefillEngine(config, source, dtype=dtype, device=device, runner=runner)
 
 

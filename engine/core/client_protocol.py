@@ -57,6 +57,9 @@ class EngineClient(Protocol):
     def counters(self) -> dict[str, int]:
         """Cumulative router counters for /metrics (KV hand-offs, stream migrations; empty in-process)."""
 
+    def layout_status(self) -> dict:
+        """The actors' layout and the elastic planner's last decision for /status and /metrics (empty in-process)."""
+
     def begin_shutdown(self) -> None:
         """The server is draining: actors that exit or ask to leave now are neither replaced nor drained."""
 

@@ -145,9 +145,11 @@ class ModelRunner:
         return DecodeGraphs.capture_or_none(plan, forward, self.kv_cache.layers, self.device, progress)
 
     def set_backend(self, backend: Backend) -> None:
-        """Run the model on `backend` (which prepares its weights now)."""
+        """Run the model on `backend` (which prepares its weights now). A model that runs on this very backend
+        already (an actor's next engine around the same weights, after a role change) keeps its prepared copies."""
         self.backend = backend
-        self.model.set_backend(backend)
+        if getattr(getattr(self.model, "prepared", None), "backend", None) is not backend:
+            self.model.set_backend(backend)
 
     @torch.inference_mode()
     def run(self, sched: SchedulerOutput, kv_cache: KVCache | None = None) -> RunnerOutput:
