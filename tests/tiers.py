@@ -49,6 +49,7 @@ MODULE_TIERS: Mapping[str, Tier] = {
     "test_disagg_inprocess.py": E,
     "test_disk_cache.py": U,  # the two-writer test runs in subprocesses: marked process
     "test_draft_actor.py": P,  # the layout and flag tests are marked unit
+    "test_embeddings_api.py": P,  # slow: the default model; the parser's fuzz is marked unit
     "test_engine.py": E,
     "test_engine_client.py": U,
     "test_engine_thread.py": U,
@@ -83,6 +84,7 @@ MODULE_TIERS: Mapping[str, Tier] = {
     "test_request_fields.py": U,
     "test_prefill_shares.py": U,
     "test_prompt_attention.py": E,
+    "test_prompt_pass.py": E,  # the wire round trip is marked unit
     "test_ray.py": P,  # a Ray cluster on loopback and actors on it
     "test_ray_options.py": U,  # the no-Ray-import check runs in a subprocess: marked process
     "test_readme.py": P,  # slow: the default model, a real server and fresh interpreters
