@@ -136,18 +136,39 @@ def test_what_the_route_accepts_beside_the_input(server, client):
     assert err.value.body["code"] == "context_length_exceeded" and "input[1]" in err.value.body["message"]
 
 
-@pytest.mark.unit
-def test_a_seeded_fuzz_of_embedding_bodies_gets_only_4xx_naming_a_field_it_holds():
-    rng = random.Random(38)
-    values = [None, True, 0, -1, 2.5, "", "x", "base64", "float", [], [0], [[]], [[1, 2]], ["a", [1]], {}, {"a": 1},
-              [None], [True], 576, 1 << 70, ["x"] * 3, [1.5], "\u0000"]
-    fields = ["input", "encoding_format", "dimensions", "user", "model", "add_special_tokens", "normalize",
-              "truncate_prompt_tokens", "messages", "embed_dtype", "extra"]
-    accepted = 0
-    for _ in range(2000):
-        body = {name: rng.choice(values) for name in rng.sample(fields, rng.randint(1, 5))}
+FUZZ_VALUES = [None, True, 0, -1, 2.5, "", "x", "base64", "float", [], [0], [[]], [[1, 2]], ["a", [1]], {}, {"a": 1},
+               [None], [True], 576, 1 << 70, ["x"] * 3, [1.5], "\u0000", MODEL]
+FUZZ_FIELDS = ["input", "encoding_format", "dimensions", "user", "model", "add_special_tokens", "normalize",
+               "truncate_prompt_tokens", "messages", "embed_dtype", "extra"]
+
+
+def fuzz_bodies(seed: int, count: int) -> list[dict]:
+    rng = random.Random(seed)
+    bodies = []
+    for _ in range(count):
+        body = {name: rng.choice(FUZZ_VALUES) for name in rng.sample(FUZZ_FIELDS, rng.randint(1, 5))}
         if rng.random() < 0.5:
             body.setdefault("input", "x")
+        bodies.append(body)
+    return bodies
+
+
+@pytest.mark.slow
+def test_fuzzed_bodies_through_the_server_never_get_a_5xx(server):
+    statuses = set()
+    for body in fuzz_bodies(380, 60):
+        result = server.post("/v1/embeddings", body)
+        statuses.add(result.status)
+        assert result.status < 500, (body, result.body)
+        if result.status >= 400:
+            assert result.json()["error"]["param"] in (*body, "input"), (body, result.body)
+    assert 200 in statuses and 400 in statuses
+
+
+@pytest.mark.unit
+def test_a_seeded_fuzz_of_embedding_bodies_gets_only_4xx_naming_a_field_it_holds():
+    accepted = 0
+    for body in fuzz_bodies(38, 2000):
         try:
             parse_embedding_request(json.loads(json.dumps(body)), MODEL, HIDDEN)
             accepted += 1
