@@ -21,7 +21,7 @@ from engine.core.engine_thread import build_off_thread
 from engine.model.loader import check_model, resolve_dtype, resolve_model
 from engine.core.output_processor import OutputProcessor
 from engine.core.stream_interval import StreamInterval
-from engine.core.outputs import RequestOutput
+from engine.core.outputs import EmbeddingOutput, RequestOutput
 from engine.sampling.sampling_params import SamplingParams
 from engine.core.step import SequenceUpdate
 from engine.core.stats import EngineStats
@@ -123,6 +123,16 @@ class AsyncLLM:
         """`treatment`: per-request speculation and KV compression (the server sets it from the quadrant)."""
         async for out in self._stream(self.front_door.prompt(prompt, params), request_id, priority, treatment):
             yield out
+
+    async def embed(self, prompt: Prompt, request_id: str | None = None, priority: int = 0,
+                    treatment: Treatment = Treatment()) -> EmbeddingOutput:
+        """The prompt's (text or token ids) L2-normalised embedding: its final hidden states pooled as the
+        engine's `pooling` option says. It runs as a prefill on the engine (or a decode actor) that generates."""
+        final = None
+        async for final in self._stream(self.front_door.embedding(prompt, self.config.pooling), request_id,
+                                        priority, treatment):
+            pass
+        return EmbeddingOutput.of(final)
 
     async def chat(self, messages: Messages, params: SamplingParams | None = None, request_id: str | None = None,
                    *, tools: Sequence[dict] | None = None, tool_choice: str | dict | None = None,

@@ -10,7 +10,7 @@ from engine.core.builder import build_engine_core
 from engine.config import OFFLINE_MAX_NUM_BATCHED_TOKENS
 from engine.core.engine_core import EngineRequest
 from engine.core.output_processor import OutputProcessor
-from engine.core.outputs import RequestOutput
+from engine.core.outputs import EmbeddingOutput, RequestOutput
 from engine.sampling.sampling_params import SamplingParams
 from engine.core.step import SequenceUpdate
 from frontend.front_door import ChatTools, EngineInput, FrontDoor, Messages, Prompt
@@ -35,6 +35,15 @@ class LLM:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         return self._run([self.front_door.prompt(p, sp) for p, sp in zip(prompts, _per_prompt(params, len(prompts)))])
+
+    def embed(self, prompts: Prompt | Sequence[Prompt]) -> list[EmbeddingOutput]:
+        """One L2-normalised vector per prompt (text or token ids), in order: the prompt's final hidden states
+        pooled as the engine's `pooling` option says (the last token's, or the mean of every token's). Each
+        prompt runs as a prefill beside whatever else the engine runs."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        outputs = self._run([self.front_door.embedding(p, self.config.pooling) for p in prompts])
+        return [EmbeddingOutput.of(out) for out in outputs]
 
     def chat(self, messages: Messages | Sequence[Messages],
              params: SamplingParams | Sequence[SamplingParams] | None = None, *,

@@ -9,7 +9,8 @@ from importlib import import_module
 
 _HOMES = {"LLM": "client.llm", "AsyncLLM": "client.async_llm", "SamplingParams": "engine.sampling.sampling_params",
           "EngineConfig": "engine.config", "ModelConfig": "engine.config", "RequestOutput": "engine.core.outputs",
-          "CompletionOutput": "engine.core.outputs", "Treatment": "engine.core.treatment"}
+          "CompletionOutput": "engine.core.outputs", "EmbeddingOutput": "engine.core.outputs",
+          "Treatment": "engine.core.treatment"}
 
 __all__ = list(_HOMES)
 

@@ -125,6 +125,7 @@ KvStreamOverlap = Literal["chunk", "layer", "none"]  # engine/core/prefill_engin
 GpuAttention = Literal["auto", "triton", "flashinfer"]  # engine/backends/gpu_config.py
 CudaGraphs = Literal["auto", "off"]  # engine/core/cuda_graphs.py
 KernelDispatch = Literal["measured", "shipped"]  # engine/backends/dispatch.py
+PoolingMode = Literal["last", "mean"]  # how an embedding pools the prompt's final hidden states (prompt_pass.py)
 DTYPES = get_args(Dtype)
 WEIGHT_DTYPES = get_args(WeightDtype)
 KV_CACHE_DTYPES = get_args(KvCacheDtype)
@@ -134,6 +135,7 @@ KV_STREAM_OVERLAPS = get_args(KvStreamOverlap)
 GPU_ATTENTIONS = get_args(GpuAttention)
 CUDA_GRAPHS = get_args(CudaGraphs)
 KERNEL_DISPATCHES = get_args(KernelDispatch)
+POOLING_MODES = get_args(PoolingMode)
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -257,6 +259,11 @@ class EngineConfig:
                                    metavar="DIR",
                                    shown="$PHASE_SERVE_CACHE_DIR, else $XDG_CACHE_HOME/phase-serve, else "
                                    "~/.cache/phase-serve")
+    pooling: PoolingMode = option("last", "how /v1/embeddings and LLM.embed pool the prompt's final hidden states "
+                                  "(after the final norm) into one L2-normalised vector: last (the last prompt "
+                                  "token's, as vLLM does for decoder models; it may start from a cached prefix) or "
+                                  "mean (every prompt token's; the prompt is recomputed, never read from the "
+                                  "prefix cache)")
     recalibrate: bool = option(False, "an actor measures its prefill and decode costs at start (and an engine its "
                                "kernel dispatch table) even when the cache holds them for this model, machine and "
                                "configuration, and stores the new ones")
@@ -291,6 +298,8 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         self._check_kv_compress()
+        if self.pooling not in POOLING_MODES:
+            raise ConfigError(f"pooling must be one of {', '.join(POOLING_MODES)}, got {self.pooling!r}")
         if self.cache_dir is not None and not str(self.cache_dir).strip():
             raise ConfigError(f"cache_dir must name a directory, got {self.cache_dir!r}")
 

@@ -117,6 +117,11 @@ class FrontDoor:
             return EngineInput(prompt, self.encode(prompt, True), params)
         return EngineInput(None, list(prompt), params)
 
+    def embedding(self, prompt: Prompt, pooling: str) -> EngineInput:
+        """A text (tokenised with the model's special tokens) or token ids to embed: a prefill whose final hidden
+        states are pooled (`pooling`: last or mean, EngineConfig.pooling); the one token it samples is dropped."""
+        return self.prompt(prompt, SamplingParams(max_tokens=1, temperature=0.0, pooling=pooling))
+
     def chat(self, messages: Messages, params: SamplingParams | None = None, tools: ChatTools = NO_TOOLS,
              add_generation_prompt: bool = True) -> EngineInput:
         text = self.render_chat(messages, tools, add_generation_prompt)

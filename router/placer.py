@@ -53,7 +53,9 @@ class Placer:
         handle = self.supervisor.by_id(chosen.actor_id)
         prefills = [PrefillActorView(h.actor_id, self.prefill_cost(h), self._queued_prefill(h),
                                      self.transfer_cost(h, handle)) for h in self.supervisor.ready(Role.PREFILL)]
-        policy = self.policy if prefills else NEVER
+        # A request that asks for what its prompt pass computes (prompt logprobs, an embedding) prefills where it
+        # decodes: a hand-off brings back the first token only, and an embedding has nothing to decode.
+        policy = self.policy if prefills and not request.params.prompt_outputs else NEVER
         bytes_per_token = int(handle.ready.kv_export.get("bytes_per_token", 0))
         short = _is_short(request, prompt, chosen.step_tokens)
         return place(policy, prompt, block_size, [chosen], prefills, bytes_per_token, short) \

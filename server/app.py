@@ -23,11 +23,12 @@ from server.protocol import model_not_found
 from server.responses import model_card, model_list
 from server.responses_api import add_responses_routes
 from server.settings import ServerSettings
-from server.utility import detokenize, embeddings, tokenize
+from server.embeddings import embeddings
+from server.utility import detokenize, tokenize
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 CLIENT_CLOSED = 499  # nginx's status for "the client went away before the answer"
-ID_PREFIXES = {"/v1/completions": "cmpl-", "/v1/chat/completions": "chatcmpl-"}
+ID_PREFIXES = {"/v1/completions": "cmpl-", "/v1/chat/completions": "chatcmpl-", "/v1/embeddings": "embd-"}
 
 
 def create_app(llm: AsyncLLM, settings: ServerSettings,

@@ -49,8 +49,9 @@ def json_type(value: Any) -> str:
 
 
 ROUTES = ("POST /v1/completions", "POST /v1/chat/completions", "POST /v1/responses", "GET /v1/responses/{id}",
-          "DELETE /v1/responses/{id}", "POST /v1/messages", "POST /v1/messages/count_tokens", "GET /v1/models",
-          "GET /v1/models/{id}", "POST /tokenize", "POST /detokenize", "GET /health", "GET /metrics", "GET /status")
+          "DELETE /v1/responses/{id}", "POST /v1/messages", "POST /v1/messages/count_tokens", "POST /v1/embeddings",
+          "GET /v1/models", "GET /v1/models/{id}", "POST /tokenize", "POST /detokenize", "GET /health", "GET /metrics",
+          "GET /status")
 
 
 def from_http_exception(exc: web.HTTPException, method: str = "", path: str = "") -> ApiError:

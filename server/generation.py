@@ -25,6 +25,7 @@ from server.context import REQUEST_ID, TRACKER, ServerContext
 from server.errors import ApiError, bad_request
 from server.fim import fim_prompt, fim_tokens
 from server.metrics import RequestRecord
+from server.prompt_logprobs import add_prompt_logprobs
 from server.protocol import (GenerationRequest, Message, ModelLimits, check_prompt_tokens, effective_max_tokens,
                              messages_as_dicts, parse_chat, parse_completion, parse_json_body, sampling_params)
 from server.quadrant import Quadrant, QuadrantThresholds, TreatmentOptions, classify, treatment_for
@@ -324,6 +325,12 @@ class MergedOutputs:
 
 def response_body(prepared: Prepared, meta: ResponseMeta, final: RequestOutput, tokenizer: Tokenizer) -> dict:
     req = prepared.request
+    return add_prompt_logprobs(_body(prepared, meta, final, tokenizer), final, tokenizer, chat=req.chat,
+                               echo_top=req.echo_logprobs, vllm_top=req.prompt_logprobs)
+
+
+def _body(prepared: Prepared, meta: ResponseMeta, final: RequestOutput, tokenizer: Tokenizer) -> dict:
+    req = prepared.request
     if req.chat:
         return chat_body(meta, final, tokenizer, prepared.tools)
     if req.best_of is None:
@@ -349,7 +356,7 @@ def chunk_builder(ctx: ServerContext, prepared: Prepared, meta: ResponseMeta) ->
     req = prepared.request
     return ChunkBuilder(meta, ctx.llm.tokenizer, chat=req.chat, wants_logprobs=req.sampling.params.logprobs is not None,
                         include_usage=req.include_usage, tools=prepared.tools,
-                        echo=None if req.chat else req.echo_text(ctx.llm.tokenizer))
+                        echo=None if req.chat else req.echo_text(ctx.llm.tokenizer), echo_logprobs=req.echo_logprobs)
 
 
 async def stream_response(request: web.Request, ctx: ServerContext, parts: list[Prepared], group: TrackerGroup,

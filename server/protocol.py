@@ -91,6 +91,7 @@ class GenerationRequest:
     suffix: str | None = None
     best_of: int | None = None  # more samples than n, the best n returned
     prompts: tuple[str | tuple[int, ...], ...] = ()  # a completion's list of several prompts, in order
+    prompt_logprobs: int | None = None  # vLLM's field as given (the engine may compute more, for echo)
 
     @property
     def prompt_param(self) -> str:
@@ -101,6 +102,11 @@ class GenerationRequest:
         if not self.prompts:
             return [self]
         return [replace(self, prompt=p, prompts=()) for p in self.prompts]
+
+    @property
+    def echo_logprobs(self) -> int | None:
+        """With echo and logprobs: the alternatives each echoed prompt token shows."""
+        return self.sampling.params.logprobs if self.echo and not self.chat else None
 
     def echo_text(self, tokenizer: Any) -> str | None:
         """With echo: the prompt as text, which the completion's text follows."""
@@ -386,14 +392,24 @@ def parse_completion(body: dict[str, Any], served_model: str,
     envelope = _envelope(body, served_model, COMPLETIONS)
     fields = _sampling_fields(body, COMPLETIONS, defaults.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS, defaults)
     echo = _bool(body, "echo")
-    if echo and fields.params.logprobs is not None:
-        raise bad_request("'echo' with 'logprobs' would need the prompt's logprobs, which this server does not "
-                          "compute; drop one of them.", "echo", "unsupported_parameter")
+    wanted = _prompt_logprobs(fields, envelope["stream"])
+    if echo and fields.params.logprobs is not None:  # the echoed prompt's tokens come with their logprobs
+        top = max(fields.params.logprobs, wanted or 0)
+        fields = replace(fields, params=_checked(fields, lambda: replace(fields.params, prompt_logprobs=top)))
     suffix = _typed(body, "suffix", lambda v: isinstance(v, str), "a string", None) or None
     prompts = _completion_prompts(body.get("prompt"))
     return GenerationRequest(prompts[0], fields, chat=False, echo=echo, suffix=suffix,
                              best_of=_best_of(body, fields, envelope["stream"]),
-                             prompts=prompts if len(prompts) > 1 else (), **envelope)
+                             prompts=prompts if len(prompts) > 1 else (), prompt_logprobs=wanted, **envelope)
+
+
+def _prompt_logprobs(fields: SamplingFields, stream: bool) -> int | None:
+    """vLLM's prompt_logprobs as the request gives it; not with stream, as vLLM refuses the pair too."""
+    wanted = fields.params.prompt_logprobs
+    if wanted is not None and stream:
+        raise bad_request("'prompt_logprobs' come with the whole response only; they are not available when "
+                          "'stream' is true.", "prompt_logprobs", "unsupported_parameter")
+    return wanted
 
 
 def _best_of(body: dict[str, Any], fields: SamplingFields, stream: bool) -> int | None:
@@ -442,7 +458,7 @@ def parse_chat(body: dict[str, Any], served_model: str,
         raise bad_request(f"'tool_choice' {choice.mode} and '{fields.guide_param}' both constrain the output; "
                           f"give one.", "tool_choice")
     return GenerationRequest(parse_messages(body.get("messages")), fields, chat=True, tools=tools,
-                             tool_choice=choice,
+                             tool_choice=choice, prompt_logprobs=_prompt_logprobs(fields, envelope["stream"]),
                              parallel_tool_calls=_bool(body, "parallel_tool_calls", True),
                              add_generation_prompt=_bool(body, "add_generation_prompt", True), **envelope)
 

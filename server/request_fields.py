@@ -91,8 +91,8 @@ REQUEST_FIELDS: dict[str, Fate] = _joined(_sampling_rows(), {
     "parallel_tool_calls": _impl("false: at most one call", (CHAT,)),
     "add_generation_prompt": _impl("end the rendered chat with the assistant's turn opening", (CHAT,)),
     # completions extras
-    "echo": _impl("the prompt's text before the completion (not with logprobs: the prompt's logprobs are not "
-                  "computed)", (COMPLETIONS,)),
+    "echo": _impl("the prompt's text before the completion; with logprobs, the prompt's tokens and their "
+                  "logprobs before the completion's (the first token's null)", (COMPLETIONS,)),
     "suffix": _impl("fill-in-the-middle where the vocabulary has FIM tokens, else a 400", (COMPLETIONS,)),
     # refused: they would change the output in ways this server does not implement
     "typical_p": _refuse("locally typical sampling is not implemented", _other_than(1, 1.0), 0.5),
@@ -103,8 +103,6 @@ REQUEST_FIELDS: dict[str, Fate] = _joined(_sampling_rows(), {
     "use_beam_search": _refuse("beam search is not implemented", _other_than(False)),
     "length_penalty": _refuse("only acts with beam search, which is not implemented", _other_than(1, 1.0), 0.5),
     "early_stopping": _refuse("only acts with beam search, which is not implemented", _other_than(False)),
-    "prompt_logprobs": _refuse("the prompt's logprobs are not computed (prefill keeps the last position only)",
-                               example=1),
     "functions": _refuse("the legacy function-calling API; send tools instead", example=[{"name": "f"}]),
     "function_call": _refuse("the legacy function-calling API; send tool_choice instead",
                              _other_than("none"), "auto"),

@@ -8,6 +8,7 @@ from engine.core.outputs import CompletionOutput, RequestOutput
 from engine.model.tokenizer import Tokenizer
 from frontend.output import ToolCallOutput
 from frontend.tool_stream import CallOpened, ContentText, ToolCallReader, ToolEvent
+from server.prompt_logprobs import echoed
 from server.responses import (Json, ResponseMeta, chat_chunk, chat_delta_choice, chat_logprobs,
                               chat_role_choice, completion_choice, completion_chunk, output_usage,
                               usage_chunk)
@@ -39,10 +40,11 @@ class ChunkBuilder:
     """Turns one request's outputs into chunks: a choice appears when it has new text (or new logprobs, when
     asked for), and its finish_reason is sent exactly once. With tools, a sample's text goes through a
     ToolCallReader: content and tool-call deltas, each in a chunk of its own. With echo, a completion's first
-    chunk starts with the prompt."""
+    chunk starts with the prompt, and with `echo_logprobs` its logprobs with the prompt's."""
 
     def __init__(self, meta: ResponseMeta, tokenizer: Tokenizer, *, chat: bool, wants_logprobs: bool,
-                 include_usage: bool, tools: ToolCallOutput | None = None, echo: str | None = None) -> None:
+                 include_usage: bool, tools: ToolCallOutput | None = None, echo: str | None = None,
+                 echo_logprobs: int | None = None) -> None:
         self._meta = meta
         self._tokenizer = tokenizer
         self._chat = chat
@@ -53,6 +55,7 @@ class ChunkBuilder:
         self._tools = tools
         self._tool_streams: dict[int, ToolCallReader] = {}
         self._echo = echo
+        self._echo_logprobs = echo_logprobs
         self._echoed: set[int] = set()
 
     def opening(self, num_choices: int) -> list[Json]:
@@ -69,7 +72,7 @@ class ChunkBuilder:
             if self._chat and self._tools is not None:
                 chunks.extend(self._chunk([choice]) for choice in self._tool_choices(o))
             else:
-                chunks.append(self._chunk([self._choice(o)]))
+                chunks.append(self._chunk([self._choice(o, out)]))
         return chunks
 
     def _tool_choices(self, o: CompletionOutput) -> list[Json]:
@@ -97,15 +100,18 @@ class ChunkBuilder:
             return True
         return bool(o.delta_text or (self._wants_logprobs and o.delta_token_ids))
 
-    def _choice(self, o: CompletionOutput) -> Json:
+    def _choice(self, o: CompletionOutput, out: RequestOutput) -> Json:
         if self._chat:
             return chat_delta_choice(self._tokenizer, o, self._wants_logprobs, o.finish_reason)
         entries = o.delta_logprobs if self._wants_logprobs else None
         text = o.delta_text
-        if self._echo is not None and o.index not in self._echoed:
+        first = self._echo is not None and o.index not in self._echoed
+        if first:
             self._echoed.add(o.index)
             text = self._echo + text
         choice = completion_choice(self._tokenizer, o, text, entries, self._text_offsets.get(o.index, 0))
+        if first and self._echo_logprobs is not None:
+            choice["logprobs"] = echoed(self._tokenizer, out, choice["logprobs"], self._echo_logprobs)
         if choice["logprobs"] is not None:
             self._text_offsets[o.index] = self._text_offsets.get(o.index, 0) + sum(
                 len(t) for t in choice["logprobs"]["tokens"])

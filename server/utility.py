@@ -1,5 +1,4 @@
-"""/tokenize and /detokenize in vLLM's shapes, and the answer to /v1/embeddings. None of them reaches the
-engine."""
+"""/tokenize and /detokenize in vLLM's shapes. Neither reaches the engine."""
 from __future__ import annotations
 
 from typing import Any
@@ -8,15 +7,10 @@ from aiohttp import web
 
 from frontend.front_door import ChatTools
 from server.context import CONTEXT, ServerContext
-from server.errors import ApiError, bad_request, invalid_type
+from server.errors import bad_request, invalid_type
 from server.generation import read_body, render_chat
 from server.protocol import check_model_name, parse_json_body, parse_messages, parse_tool_fields
 
-# A generation server: its actors run decoders that sample, and nothing in them pools hidden states.
-EMBEDDINGS_REFUSAL = ("this server generates text and computes no embeddings: its actors have no pooling path, "
-                      "and the served model is a generation model, not one trained for embeddings; use an "
-                      "embedding server (for example vLLM with --task embed and an embedding model) for "
-                      "/v1/embeddings.")
 # Chat-template options of vLLM's tokenize that this server does not implement; given, they get a 400.
 UNSUPPORTED_CHAT_OPTIONS = ("continue_final_message", "chat_template", "chat_template_kwargs")
 
@@ -50,10 +44,6 @@ async def detokenize(request: web.Request) -> web.Response:
     if bad is not None:
         raise bad_request(f"'tokens' holds token id {bad}, outside this model's vocabulary of {vocab}.", "tokens")
     return web.json_response({"prompt": ctx.llm.tokenizer.decode(tokens, skip_special_tokens=False)})
-
-
-async def embeddings(request: web.Request) -> web.Response:
-    raise ApiError(404, EMBEDDINGS_REFUSAL, None, "not_found")
 
 
 # ---------------------------------------------------------------------------------------- helpers

@@ -1,6 +1,6 @@
 """The utility routes and shapes through the real server (a decode actor), driven by the official openai
 client: one model's card, /tokenize and /detokenize, prompt lists on /v1/completions, cached_tokens from the
-prefix cache, 404 for an unknown model, and /v1/embeddings' refusal."""
+prefix cache, 404 for an unknown model, and /v1/embeddings on the tiny model."""
 from __future__ import annotations
 
 import openai
@@ -138,7 +138,8 @@ def test_tokenize_with_another_model_is_404(server, path, body):
 
 def test_the_404_sentence_lists_the_new_routes(server):
     message = server.get("/v1/nothing").json()["error"]["message"]
-    assert all(route in message for route in ("GET /v1/models/{id}", "POST /tokenize", "POST /detokenize"))
+    assert all(route in message for route in ("GET /v1/models/{id}", "POST /tokenize", "POST /detokenize",
+                                              "POST /v1/embeddings"))
 
 
 # ---------------------------------------------------------------------------------------- prompt lists
@@ -248,11 +249,11 @@ def test_cached_tokens_sum_over_a_prompt_list(client, tokenizer):
 
 # ---------------------------------------------------------------------------------------- embeddings
 
-def test_embeddings_are_refused_with_a_404_that_says_why(client):
-    with pytest.raises(openai.NotFoundError) as err:
-        client.embeddings.create(model=MODEL, input="Hello")
-    message = err.value.body["message"]
-    assert "embeddings" in message and "pooling" in message
+def test_embeddings_of_the_tiny_model_are_unit_vectors_of_its_width(client):
+    out = client.embeddings.create(model=MODEL, input=["Hello", [40, 41, 42]])
+    assert [len(d.embedding) for d in out.data] == [64, 64]  # the tiny model's hidden size
+    assert all(abs(sum(x * x for x in d.embedding) - 1) < 1e-5 for d in out.data)
+    assert out.usage.prompt_tokens == out.usage.total_tokens > 3
 
 
 @pytest.mark.unit

@@ -120,7 +120,10 @@ def test_defaults_fill_only_what_the_request_leaves_out():
 
 
 @pytest.mark.parametrize("body,param", [
-    ({"echo": True, "logprobs": 2}, "echo"),
+    ({"prompt_logprobs": 2, "stream": True}, "prompt_logprobs"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"prompt_logprobs": -1}, "prompt_logprobs"),
+    ({"prompt_logprobs": "2"}, "prompt_logprobs"),
     ({"best_of": 1, "n": 2}, "best_of"),
     ({"best_of": 3, "stream": True}, "best_of"),
     ({"suffix": 5}, "suffix"),
@@ -129,6 +132,23 @@ def test_completion_extras_refuse_what_they_cannot_do(body, param):
     with pytest.raises(ApiError) as err:
         parse(COMPLETIONS, body)
     assert err.value.status == 400 and err.value.param == param
+
+
+@pytest.mark.parametrize("route", [COMPLETIONS, CHAT])
+def test_prompt_logprobs_with_stream_is_a_400_naming_it(route):
+    with pytest.raises(ApiError) as err:
+        parse(route, {"prompt_logprobs": 1, "stream": True})
+    assert err.value.status == 400 and err.value.param == "prompt_logprobs"
+
+
+def test_echo_with_logprobs_asks_the_engine_for_the_prompts_logprobs():
+    echoed = parse(COMPLETIONS, {"echo": True, "logprobs": 3})
+    assert echoed.sampling.params.prompt_logprobs == 3 and echoed.echo_logprobs == 3
+    assert echoed.prompt_logprobs is None  # vLLM's field was not asked for: the response leaves it out
+    both = parse(COMPLETIONS, {"echo": True, "logprobs": 2, "prompt_logprobs": 5})
+    assert both.sampling.params.prompt_logprobs == 5 and (both.echo_logprobs, both.prompt_logprobs) == (2, 5)
+    assert parse(COMPLETIONS, {"echo": True}).sampling.params.prompt_logprobs is None
+    assert parse(CHAT, {"prompt_logprobs": 0}).prompt_logprobs == 0
 
 
 @pytest.mark.parametrize("body,param", [

@@ -190,13 +190,33 @@ def test_echo_returns_the_prompt_before_the_completion(client, server, model_dir
     assert out["choices"][0]["text"].startswith(text) and len(out["choices"][0]["text"]) > len(text)
 
 
-def test_suffix_without_fim_tokens_and_echo_with_logprobs_are_400s(client):
+def test_suffix_without_fim_tokens_is_a_400(client):
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model=MODEL, prompt="def f(", suffix="return x", max_tokens=4)
     assert err.value.body["param"] == "suffix" and "fill-in-the-middle" in err.value.body["message"]
-    with pytest.raises(openai.BadRequestError) as err:
-        client.completions.create(model=MODEL, prompt="x", echo=True, logprobs=1, max_tokens=4)
-    assert err.value.body["param"] == "echo"
+
+
+def test_echo_with_logprobs_puts_the_prompts_tokens_and_logprobs_first(client, server):
+    ids = [40, 41, 42, 43, 44]
+    ask = {"model": MODEL, "prompt": ids, "max_tokens": 3, "temperature": 0, "logprobs": 2, "ignore_eos": True}
+    plain = server.post("/v1/completions", ask).json()["choices"][0]["logprobs"]
+    echoed = server.post("/v1/completions", ask | {"echo": True}).json()["choices"][0]["logprobs"]
+    assert len(echoed["tokens"]) == len(ids) + 3 and echoed["tokens"][len(ids):] == plain["tokens"]
+    assert echoed["token_logprobs"][0] is None and echoed["top_logprobs"][0] is None
+    # the same logits, computed in a product of other rows (the prompt's are read too): equal to rounding
+    assert echoed["token_logprobs"][len(ids):] == pytest.approx(plain["token_logprobs"], abs=1e-5)
+    assert all(lp <= 0 for lp in echoed["token_logprobs"][1:]) and all(
+        len(top) >= 2 for top in echoed["top_logprobs"][1:])
+    assert echoed["text_offset"][0] == 0 and echoed["text_offset"] == sorted(echoed["text_offset"])
+    vllm = server.post("/v1/completions", ask | {"prompt_logprobs": 2}).json()["choices"][0]["prompt_logprobs"]
+    assert vllm[0] is None and len(vllm) == len(ids)
+    assert [row[str(t)]["logprob"] for row, t in zip(vllm[1:], ids[1:])] == pytest.approx(
+        echoed["token_logprobs"][1:len(ids)], abs=1e-5)
+    assert all(row[str(t)]["rank"] >= 1 and row[str(t)]["decoded_token"] for row, t in zip(vllm[1:], ids[1:]))
+    streamed = client.completions.create(model=MODEL, prompt=ids, max_tokens=3, temperature=0, logprobs=2,
+                                         echo=True, stream=True, extra_body={"ignore_eos": True})
+    tokens = [t for c in streamed if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    assert tokens == echoed["tokens"]
 
 
 @pytest.fixture(scope="module")
@@ -230,7 +250,7 @@ def test_best_of_returns_the_likeliest_samples_and_bills_them_all(in_process_cli
 # ---------------------------------------------------------------------------------------- fields, defaults, routes
 
 @pytest.mark.parametrize("field,value", [("typical_p", 0.5), ("mirostat", 2), ("function_call", "auto"),
-                                         ("use_beam_search", True), ("prompt_logprobs", 1)])
+                                         ("use_beam_search", True)])
 def test_refused_fields_are_400s_naming_them(server, field, value):
     result = server.post("/v1/chat/completions", {"messages": ASK, "max_tokens": 2, field: value})
     assert result.status == 400 and result.json()["error"]["param"] == field

@@ -92,7 +92,7 @@ def test_every_message_round_trips(tag, data):
 def test_wire_format_is_a_tagged_map_of_positional_fields():
     row = m.TokenUpdate("r1", 0, 42, None, -0.5, [m.TopLogprob(42, -0.5)], 7, 0)
     assert msgpack.unpackb(encode(m.TokenUpdates([row]))) == {
-        "t": "token_updates", "f": [[["r1", 0, 42, None, -0.5, [[42, -0.5]], 7, 0, None]], None]}
+        "t": "token_updates", "f": [[["r1", 0, 42, None, -0.5, [[42, -0.5]], 7, 0, None, None, None]], None]}
     assert msgpack.unpackb(encode(m.Drain())) == {"t": "drain", "f": []}
 
 

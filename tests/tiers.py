@@ -51,6 +51,7 @@ MODULE_TIERS: Mapping[str, Tier] = {
     "test_draft_actor.py": P,  # the layout and flag tests are marked unit
     "test_elastic.py": P,  # role changes and degrading on real actor processes
     "test_elastic_bench.py": U,
+    "test_embeddings_api.py": P,  # slow: the default model; the parser's fuzz is marked unit
     "test_engine.py": E,
     "test_engine_client.py": U,
     "test_engine_thread.py": U,
@@ -86,6 +87,7 @@ MODULE_TIERS: Mapping[str, Tier] = {
     "test_request_fields.py": U,
     "test_prefill_shares.py": U,
     "test_prompt_attention.py": E,
+    "test_prompt_pass.py": E,  # the wire round trip is marked unit
     "test_ray.py": P,  # a Ray cluster on loopback and actors on it
     "test_ray_degrade.py": P,  # a three-node Ray cluster on loopback that loses its decode node
     "test_ray_options.py": U,  # the no-Ray-import check runs in a subprocess: marked process

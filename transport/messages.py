@@ -45,6 +45,8 @@ from dataclasses import dataclass, fields, is_dataclass
 from types import MappingProxyType
 from typing import Any, ClassVar
 
+# 14: TokenUpdate.prompt_logprobs and .embedding (a request's prompt pass); `sampling` carries prompt_logprobs
+#     and pooling
 # 13: ChangeRole, RoleChanged (an actor switches between prefill and decode on its loaded model)
 # 12: StartupProgress (an actor greets as it starts and reports each stage until Ready)
 # 11: Ready.step_tokens; 10: `sampling` carries truncate_prompt_tokens
@@ -52,7 +54,7 @@ from typing import Any, ClassVar
 # 8: KVReady.streamed_bytes; KVPageFrame, KVStreamEnd, KVStreamAck (direct KV streams, out-of-band pages)
 # 7: AddRequest.resume, PrefillRequest.num_prompt_tokens (migrated streams), Leaving; no generator_state
 # 6: `guide.kind` may be structural_tag (tool calls); 5: `sampling` carries `guide`
-PROTOCOL_VERSION = 13
+PROTOCOL_VERSION = 14
 
 KV_EXPORT_KINDS = ("shm", "cuda_ipc", "tcp", "none")
 """`Ready.kv_export["kind"]`: how peers map the actor's KV pool, or (`tcp`, with `host` and `port`) where
@@ -81,6 +83,17 @@ class TopLogprob(Record):
 
     token_id: int
     logprob: float
+
+
+@dataclass(frozen=True, slots=True)
+class PromptLogprob(Record):
+    """One prompt token's log-probability at its position, its rank there (1 = the likeliest) and the likeliest
+    tokens; on the wire `[token_id, logprob, rank, top_logprobs]`."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top_logprobs: list[TopLogprob]
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,8 +153,10 @@ class EngineStats(Record):
 class TokenUpdate(Record):
     """One step of one sample: a new token and/or the end of the sample. On the wire a compact row:
     `[request_id, sample_index, token_id, finish_reason, logprob, top_logprobs, num_prompt_tokens,
-    num_cached_tokens, spec]`. `token_id` is None when only the finish is reported (e.g. aborted); `spec` is
-    set only on the row that finishes a speculating sample."""
+    num_cached_tokens, spec, prompt_logprobs, embedding]`. `token_id` is None when only the finish is reported
+    (e.g. aborted); `spec` is set only on the row that finishes a speculating sample. On the first token of a
+    request that asked for its prompt pass's outputs: `prompt_logprobs` for prompt positions 1.. (position 0 has
+    none), and `embedding` as little-endian float32 bytes."""
 
     request_id: str
     sample_index: int
@@ -152,6 +167,8 @@ class TokenUpdate(Record):
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     spec: SpecCount | None = None
+    prompt_logprobs: list[PromptLogprob] | None = None
+    embedding: bytes | None = None
 
 
 # ---- start-up and liveness ------------------------------------------------------------------------------

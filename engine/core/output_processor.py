@@ -5,9 +5,10 @@ import time
 from dataclasses import dataclass
 
 from engine.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.sampling.sampler import TokenLogprobs
 from engine.sampling.sampling_params import SamplingParams
 from engine.speculative.adaptive import SpecCounts
-from engine.core.step import SequenceUpdate
+from engine.core.step import PromptResult, SequenceUpdate
 from engine.core.stop_checker import StopChecker
 from engine.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -30,6 +31,9 @@ class RequestState:
     metrics: RequestMetrics
     num_cached_tokens: int = 0
     emitted: bool = False  # an output has gone out (the first token is never held)
+    # what the prompt pass computed, from the update of the first token (engine/core/prompt_pass.py)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    embedding: list[float] | None = None
 
     @property
     def finished(self) -> bool:
@@ -78,6 +82,8 @@ class OutputProcessor:
         """Returns True when a stop string finished the sample (the engine must stop generating it)."""
         sample = state.samples[upd.sample_index]
         state.num_cached_tokens = upd.num_cached_tokens
+        if upd.prompt is not None:
+            self._record_prompt(state, upd.prompt)
         if upd.spec is not None:
             sample.spec = upd.spec
         if upd.token_id is not None:
@@ -85,6 +91,13 @@ class OutputProcessor:
         if sample.out.finish_reason is None and upd.finish_reason is not None:
             self._finish(sample, upd.finish_reason)
         return sample.stops.stopped and upd.finish_reason is None
+
+    @staticmethod
+    def _record_prompt(state: RequestState, prompt: PromptResult) -> None:
+        if prompt.logprobs is not None:
+            state.prompt_logprobs = list(prompt.logprobs)
+        if prompt.embedding is not None:
+            state.embedding = list(prompt.embedding)
 
     def _record_token(self, state: RequestState, sample: _Sample, upd: SequenceUpdate, now: float) -> None:
         out = sample.out
@@ -127,7 +140,8 @@ class OutputProcessor:
             state.metrics.finished_time = now
             del self.requests[state.request_id]
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outputs, state.metrics,
-                             state.num_cached_tokens, state.finished, spec=state.spec)
+                             state.num_cached_tokens, state.finished, spec=state.spec,
+                             prompt_logprobs=state.prompt_logprobs, embedding=state.embedding)
 
     @staticmethod
     def _snapshot(out: CompletionOutput) -> CompletionOutput:

@@ -82,13 +82,18 @@ class RequestOutput:
     spec: SpecCounts | None = None  # speculative decoding, summed over the samples that finished; None: none did
     trace: tuple[float, ...] = ()  # token tracing: step done, sent, received, detokenised (time.monotonic())
     moves: tuple[str, ...] = ()  # the stream's migrations between decode actors ("decode-0->decode-1")
+    # SamplingParams.prompt_logprobs: per prompt position, None at the first, then the prompt token's logprob,
+    # rank and the likeliest tokens there (None: not asked for, or not computed yet)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    embedding: list[float] | None = None  # an embedding request's L2-normalised vector (EmbeddingOutput)
 
     def after(self, earlier: RequestOutput) -> RequestOutput:
         """This output merged with the one before it, as if the two had gone out as one."""
         outputs = [o.after(e) for o, e in zip(self.outputs, earlier.outputs)]
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, self.metrics,
                              self.num_cached_tokens, self.finished, self.path, self.placement, self.spec,
-                             self.trace, self.moves)
+                             self.trace, self.moves, self.prompt_logprobs or earlier.prompt_logprobs,
+                             self.embedding or earlier.embedding)
 
     @property
     def text(self) -> str:
@@ -105,3 +110,21 @@ class RequestOutput:
     @property
     def logprobs(self) -> list[TokenLogprobs] | None:
         return self.outputs[0].logprobs
+
+
+@dataclass(frozen=True)
+class EmbeddingOutput:
+    """One prompt's embedding (`LLM.embed`, `AsyncLLM.embed`): its final hidden states pooled as the engine's
+    `pooling` says (last token or mean), L2-normalised, fp32 values."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    embedding: list[float]
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (last-token pooling only)
+
+    @classmethod
+    def of(cls, out: RequestOutput) -> EmbeddingOutput:
+        """The embedding a finished embedding request produced."""
+        if out.embedding is None:
+            raise ValueError(f"request {out.request_id} finished without an embedding")
+        return cls(out.request_id, out.prompt_token_ids, out.embedding, out.num_cached_tokens)

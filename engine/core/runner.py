@@ -5,8 +5,10 @@ them into the tokens each such sequence emits this step.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Callable, Iterable, Sequence
 
 import torch
@@ -22,6 +24,7 @@ from engine.kv.compress import ColdRegion, names_cold
 from engine.model.llama import LlamaModel
 from engine.sampling.sampler import History, SamplingBatch, greedy_tokens, process_logits, sample, token_logprobs
 from engine.speculative.acceptance import Verdict, verify_drafts, verify_greedy
+from engine.core.prompt_pass import PromptPasses, pass_rows
 from engine.core.step import RunnerOutput, ScheduledChunk, SchedulerOutput, position_seed, runner_output
 from engine.sampling.structured import GrammarCompiler, GuideStates
 
@@ -36,6 +39,8 @@ class ModelInput:
     sampled_chunks: tuple[ScheduledChunk, ...]
     verify_rows: torch.Tensor  # [R] every row of the chunks with drafts, chunk after chunk
     verified_chunks: tuple[ScheduledChunk, ...]
+    prompt_rows: torch.Tensor  # [P] the rows prompt passes read (prompt_pass.pass_rows), chunk after chunk
+    prompt_chunks: tuple[ScheduledChunk, ...]  # the chunks those rows belong to
 
 
 def prepare_input(chunks: Sequence[ScheduledChunk], block_size: int, device: torch.device | str,
@@ -56,7 +61,9 @@ def prepare_input(chunks: Sequence[ScheduledChunk], block_size: int, device: tor
     positions: list[int] = []
     sample_rows: list[int] = []
     verify_rows: list[int] = []
+    prompt_rows: list[int] = []
     for chunk in ordered:
+        prompt_rows.extend(len(ids) + row for row in pass_rows(chunk))
         ids.extend(chunk.token_ids)
         positions.extend(range(chunk.start_pos, chunk.start_pos + len(chunk.token_ids)))
         if chunk.num_draft:
@@ -75,7 +82,8 @@ def prepare_input(chunks: Sequence[ScheduledChunk], block_size: int, device: tor
     as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
     return ModelInput(as_tensor(ids), as_tensor(positions), metas[0], metas, as_tensor(sample_rows),
                       tuple(c for c in ordered if c.sample and not c.num_draft), as_tensor(verify_rows),
-                      tuple(c for c in ordered if c.num_draft))
+                      tuple(c for c in ordered if c.num_draft), as_tensor(prompt_rows),
+                      tuple(c for c in ordered if c.prompt_pass))
 
 
 def _decode_rows(chunks: Sequence[ScheduledChunk], group: int = 0) -> list[tuple[list[int], int]]:
@@ -130,6 +138,7 @@ class ModelRunner:
         # matcher per constrained sequence.
         self.grammar_compiler = grammar_compiler
         self._guides: GuideStates | None = None
+        self.prompt_passes = PromptPasses()  # prompt logprobs and embeddings being computed, chunk by chunk
         self.cold = cold
         self._tiered_layers = None if cold is None else cold.layers_over(kv_cache)
         if torch.device(device).type == "cpu":
@@ -159,21 +168,31 @@ class ModelRunner:
         if sched.compressions:  # before anything writes this step: a moved hot block may already be reused
             self.cold.compress(kv_cache, sched.compressions)
         self.forget(sched.finished_seq_ids)
+        self.prompt_passes.forget(sched.preempted_seq_ids)
         if sched.is_empty:
             return RunnerOutput()
         layers = self._layers(kv_cache, sched)
         inp = prepare_input(sched.chunks, kv_cache.block_size, self.device, self.backend.attends_in_place,
                             self._verify_as_rows(sched, layers))
-        read = torch.cat([inp.sample_rows, inp.verify_rows])  # [B + R]: the rows whose logits are needed
+        read = torch.cat([inp.sample_rows, inp.verify_rows, inp.prompt_rows])  # [B + R + P]: the rows to read
         every_row = len(read) == len(inp.input_ids)  # a decode step: no row to leave out
         hidden = self.graphs.run(inp, layers) if self.graphs is not None and every_row else None
         if hidden is None:
             hidden = self.model(inp.input_ids, inp.positions, inp.meta, layers,
                                 keep_rows=None if every_row else read,
-                                layer_metas=self._layer_metas(kv_cache, inp))  # [T or B + R, hidden]
+                                layer_metas=self._layer_metas(kv_cache, inp))  # [T or B + R + P, hidden]
+        rows = hidden[read] if every_row else hidden
+        num_read = len(inp.sample_rows) + len(inp.verify_rows)
+        out = self._tokens(rows[:num_read], inp)
+        if not inp.prompt_chunks:
+            return out
+        prompts = self.prompt_passes.add(inp.prompt_chunks, rows[num_read:], self.model)
+        return dataclasses.replace(out, prompt_results=MappingProxyType(prompts)) if prompts else out
+
+    def _tokens(self, rows: torch.Tensor, inp: ModelInput) -> RunnerOutput:
+        """rows [B + R, hidden]: the sampled rows, then the verified ones -> the tokens they give."""
         if not inp.sampled_chunks and not inp.verified_chunks:
             return RunnerOutput()
-        rows = hidden[read] if every_row else hidden
         greedy = self._greedy_without_logits(rows, inp)
         if greedy is not None:
             return greedy
@@ -192,7 +211,10 @@ class ModelRunner:
         return [inp.group_metas[group] for group in kv_cache.groups.layer_groups]
 
     def forget(self, seq_ids: Iterable[int]) -> None:
-        """Drop the per-sequence state (sampler generator, grammar matcher) of sequences that are done here."""
+        """Drop the per-sequence state (sampler generator, grammar matcher, prompt pass) of sequences that are
+        done here."""
+        seq_ids = list(seq_ids)
+        self.prompt_passes.forget(seq_ids)
         for seq_id in seq_ids:
             self.generators.pop(seq_id, None)
             if self._guides is not None:

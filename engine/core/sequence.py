@@ -76,6 +76,12 @@ class Sequence:
         return self.num_computed_tokens >= self.num_prompt_tokens
 
     @property
+    def in_prompt_pass(self) -> bool:
+        """Its first pass over the prompt, in a request that asks for what that pass computes (prompt logprobs,
+        an embedding): sample 0 of the request, before its first token. A preempted pass runs again."""
+        return self.params.prompt_outputs and self.sample_index == 0 and self.num_tokens == self.num_prompt_tokens
+
+    @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 

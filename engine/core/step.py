@@ -51,6 +51,11 @@ class ScheduledChunk:
     # the block tables of KV-cache groups 1.. (engine/kv/groups.py), each as long as block_table, with
     # NULL_BLOCK where a windowed group gave a block back; () in the plain layout
     extra_tables: tuple[tuple[int, ...], ...] = ()
+    # Part of a request's first pass over its prompt, when the request asks for what that pass computes (prompt
+    # logprobs, an embedding: engine/core/prompt_pass.py); with it, the prompt token after this chunk (None where
+    # the chunk ends the prompt), which the chunk's last row predicts.
+    prompt_pass: bool = False
+    next_prompt_token: int | None = None
 
     @property
     def block_tables(self) -> tuple[tuple[int, ...], ...]:
@@ -83,6 +88,15 @@ class SchedulerOutput:
 
 
 @dataclass(frozen=True)
+class PromptResult:
+    """What a request's prompt pass computed, delivered with its first token."""
+
+    # prompt_logprobs: one entry per prompt position, None at position 0 (nothing predicts the first token)
+    logprobs: tuple[TokenLogprobs | None, ...] | None = None
+    embedding: tuple[float, ...] | None = None  # pooling: the pooled final hidden state, L2-normalised (fp32)
+
+
+@dataclass(frozen=True)
 class RunnerOutput:
     """What one forward pass produced, keyed by seq_id (read-only mappings)."""
 
@@ -91,6 +105,7 @@ class RunnerOutput:
     # Chunks with drafts: the emitted tokens (accepted drafts, then the target's own token) and their logprobs
     verified_token_ids: Mapping[int, tuple[int, ...]] = field(default_factory=_empty_map)
     verified_logprobs: Mapping[int, tuple[TokenLogprobs | None, ...]] = field(default_factory=_empty_map)
+    prompt_results: Mapping[int, PromptResult] = field(default_factory=_empty_map)  # chunks that end a prompt pass
 
 
 def runner_output(sampled: Mapping[int, int], logprobs: Mapping[int, TokenLogprobs] | None = None,
@@ -118,22 +133,26 @@ class SequenceUpdate:
     # On the update that finishes the request's last unfinished sample, as the step saw it: whoever delivers
     # the step's rows later (another thread) must not read the engine's state, which later steps have moved on.
     request_finished: bool = False
+    prompt: PromptResult | None = None  # on the first token of a request that asked for its prompt pass's outputs
 
 
 def build_chunk(seq_id: int, token_ids: Sequence[int], start: int, num_new: int, block_table: Sequence[int],
                 params: SamplingParams, sample_index: int, num_prompt_tokens: int, eos_token_ids: frozenset[int],
                 speculative: bool = False, num_spec_slots: int = 0,
-                extra_tables: Sequence[Sequence[int]] = ()) -> ScheduledChunk:
-    """The next `num_new` tokens of a sequence from `start`; it samples when it reaches the last known token."""
+                extra_tables: Sequence[Sequence[int]] = (), prompt_pass: bool = False) -> ScheduledChunk:
+    """The next `num_new` tokens of a sequence from `start`; it samples when it reaches the last known token.
+    `prompt_pass`: the sequence is in its prompt pass (Sequence.in_prompt_pass)."""
     under_min = len(token_ids) - num_prompt_tokens < params.min_tokens
     banned = tuple(eos_for(params, eos_token_ids)) + params.stop_token_ids if under_min else ()
     sample = start + num_new == len(token_ids)
+    next_token = token_ids[start + num_new] if prompt_pass and not sample else None
     return ScheduledChunk(seq_id=seq_id, token_ids=tuple(token_ids[start:start + num_new]), start_pos=start,
                           block_table=tuple(block_table), sample=sample, params=params,
                           seed=sequence_seed(params.seed, sample_index), banned_token_ids=banned,
                           speculative=speculative, num_spec_slots=num_spec_slots,
                           history=tuple(token_ids) if sample and (params.penalised or params.guide) else (),
-                          num_prompt_tokens=num_prompt_tokens, extra_tables=tuple(map(tuple, extra_tables)))
+                          num_prompt_tokens=num_prompt_tokens, extra_tables=tuple(map(tuple, extra_tables)),
+                          prompt_pass=prompt_pass, next_prompt_token=next_token)
 
 
 def eos_for(params: SamplingParams, eos_token_ids: frozenset[int]) -> frozenset[int]:

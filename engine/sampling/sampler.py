@@ -206,6 +206,7 @@ class TokenLogprobs:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
+    rank: int | None = None  # the token's rank in its row (1 = the likeliest); given for prompt logprobs
 
 
 @dataclass

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
+from engine.config import POOLING_MODES
 from engine.sampling.fields import ApiName, Endpoint, Flag, Shape, sampling_field
 
 if TYPE_CHECKING:
@@ -151,6 +152,15 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = sampling_field(
         None, Shape.INTEGER, ApiName("truncate_prompt_tokens", "keep only the prompt's last k tokens (-1: the "
                                                                "model's context length)"))
+    # vLLM's prompt_logprobs: for each prompt position after the first, the logprob of the prompt's own token, its
+    # rank and the k likeliest tokens there, from the model's fp32 logits in the prefill (engine/core/prompt_pass.py).
+    # Such a prompt is recomputed, never read from the prefix cache: a cached prefix kept no logits.
+    prompt_logprobs: int | None = sampling_field(
+        None, Shape.INTEGER, ApiName("prompt_logprobs", "vLLM: each prompt token's logprob and the k likeliest "
+                                                        "tokens at its position"))
+    # An embedding request (FrontDoor.embedding): the prompt's final hidden states pooled into one L2-normalised
+    # vector, "last" (token) or "mean"; the token it samples is not returned.
+    pooling: str | None = sampling_field(None)
     # A grammar the output must follow (structured outputs); a wire dict is accepted (Guide.to_wire). Requests
     # spell it in several ways of their own (server/protocol.py).
     guide: Guide | None = sampling_field(None)
@@ -166,6 +176,7 @@ class SamplingParams:
         self._check_distribution()
         self._check_penalties()
         self._check_stops()
+        self._check_pooling()
         if self.seed is not None:
             _require_int("seed", self.seed)
 
@@ -181,11 +192,12 @@ class SamplingParams:
         if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
             raise SamplingParamsError(
                 "min_tokens", f"min_tokens must be between 0 and max_tokens ({self.max_tokens}), got {self.min_tokens}.")
-        if self.logprobs is not None:
-            _require_int("logprobs", self.logprobs)
-            if not 0 <= self.logprobs <= MAX_LOGPROBS:
-                raise SamplingParamsError(
-                    "logprobs", f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}.")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _require_int(name, value)
+                if not 0 <= value <= MAX_LOGPROBS:
+                    raise SamplingParamsError(name, f"{name} must be between 0 and {MAX_LOGPROBS}, got {value}.")
 
     def _check_truncation(self) -> None:
         keep = self.truncate_prompt_tokens
@@ -231,6 +243,26 @@ class SamplingParams:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise SamplingParamsError(
                     "stop_token_ids", f"stop_token_ids must be non-negative integers, got {t!r}.")
+
+    def _check_pooling(self) -> None:
+        if self.pooling is None:
+            return
+        if self.pooling not in POOLING_MODES:
+            raise SamplingParamsError("pooling", f"pooling must be one of {', '.join(POOLING_MODES)}, "
+                                                 f"got {self.pooling!r}.")
+        if self.n != 1:
+            raise SamplingParamsError("n", f"an embedding takes n=1, got {self.n}.")
+
+    @property
+    def prompt_outputs(self) -> bool:
+        """The request asks for what its prompt pass computes: prompt logprobs or an embedding."""
+        return self.prompt_logprobs is not None or self.pooling is not None
+
+    @property
+    def reads_every_prompt_position(self) -> bool:
+        """Its prompt outputs need every prompt position's hidden state (prompt logprobs, mean pooling), so its
+        prompt pass starts at position 0, not after a cached prefix."""
+        return self.prompt_logprobs is not None or self.pooling == "mean"
 
     @property
     def greedy(self) -> bool:

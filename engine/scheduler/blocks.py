@@ -68,9 +68,12 @@ class SequenceBlocks:
 
     def attach_cached_prefix(self, seq: Sequence) -> None:
         """Start `seq` from the longest cached prefix every group serves (its blocks acquired)."""
-        # At least one token must run to produce logits, so the last token is never taken from the cache.
+        # At least one token must run to produce logits, so the last token is never taken from the cache. A
+        # prompt pass that reads every position (prompt logprobs, mean pooling) takes none of it: a cached prefix
+        # kept its KV, not its hidden states.
         bs = self.pool.block_size
-        hashes = prefix_block_hashes(seq.token_ids[: seq.num_tokens - 1], bs)
+        recompute = seq.in_prompt_pass and seq.params.reads_every_prompt_position
+        hashes = [] if recompute else prefix_block_hashes(seq.token_ids[: seq.num_tokens - 1], bs)
         found = [self.pool.prefix.lookup(hashes, group) for group in range(len(self.windows))]
         hit = self._cached_prefix_length(found, len(hashes))
         self.pool.prefix.record_prefix_query(len(hashes), hit)

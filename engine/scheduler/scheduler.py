@@ -13,7 +13,8 @@ from engine.scheduler.queues import SequenceQueues
 from engine.scheduler.remote import RemoteReservations
 from engine.core.sequence import FinishReason, Sequence
 from engine.speculative.adaptive import SpecCounters, adapt
-from engine.core.step import RunnerOutput, ScheduledChunk, SchedulerOutput, SequenceUpdate, build_chunk, eos_for
+from engine.core.step import (PromptResult, RunnerOutput, ScheduledChunk, SchedulerOutput, SequenceUpdate, build_chunk,
+                              eos_for)
 
 log = logging.getLogger(__name__)
 DEBUG_EVERY_STEPS = 100  # at --log-level debug, one step in this many logs its decisions (never one per token)
@@ -122,7 +123,7 @@ class Scheduler:
         return build_chunk(seq.seq_id, seq.token_ids, seq.num_computed_tokens, num_new, seq.block_ids, seq.params,
                            seq.sample_index, seq.num_prompt_tokens, self.eos_token_ids,
                            speculative=seq.spec is not None and seq.in_decode, num_spec_slots=spec_slots,
-                           extra_tables=seq.block_tables[1:])
+                           extra_tables=seq.block_tables[1:], prompt_pass=seq.in_prompt_pass)
 
     def update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[SequenceUpdate]:
         updates = []
@@ -144,7 +145,8 @@ class Scheduler:
         self.blocks.release_outside_window(seq)
         if not chunk.sample:
             return []
-        update = self._append_token(seq, result.sampled_token_ids[chunk.seq_id], result.logprobs.get(chunk.seq_id))
+        update = self._append_token(seq, result.sampled_token_ids[chunk.seq_id], result.logprobs.get(chunk.seq_id),
+                                    result.prompt_results.get(chunk.seq_id))
         if chunk.num_spec_slots and not seq.is_finished:
             self.blocks.trim(seq)  # room was made for drafts that never came
         return [update]
@@ -169,12 +171,13 @@ class Scheduler:
 
     # ------------------------------------------------------------------ tokens and finishing
 
-    def _append_token(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None) -> SequenceUpdate:
+    def _append_token(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None,
+                      prompt: PromptResult | None = None) -> SequenceUpdate:
         seq.token_ids.append(token)
         reason = self._finish_reason(seq, token)
         if reason:
             self._finish(seq, reason)
-        return self._update(seq, token, logprobs)
+        return self._update(seq, token, logprobs, prompt)
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         if token in seq.params.stop_token_ids or token in eos_for(seq.params, self.eos_token_ids):
@@ -187,12 +190,14 @@ class Scheduler:
         self.blocks.release(seq)
         self.queues.finish(seq, reason)
 
-    def _update(self, seq: Sequence, token: int | None, logprobs: TokenLogprobs | None = None) -> SequenceUpdate:
+    def _update(self, seq: Sequence, token: int | None, logprobs: TokenLogprobs | None = None,
+                prompt: PromptResult | None = None) -> SequenceUpdate:
         spec = seq.spec_counts if seq.is_finished and seq.spec is not None else None
         reason = None if seq.finish_reason is None else seq.finish_reason.value
         return SequenceUpdate(seq.request_id, seq.sample_index, token, reason, logprobs, seq.num_prompt_tokens,
                               seq.num_cached_tokens, spec,
-                              request_finished=seq.is_finished and seq.request_id not in self.by_request)
+                              request_finished=seq.is_finished and seq.request_id not in self.by_request,
+                              prompt=prompt)
 
 
 def _num_accepted(chunk: ScheduledChunk, result: RunnerOutput) -> int:
