@@ -64,6 +64,7 @@ MODULE_TIERS: Mapping[str, Tier] = {
     "test_gpu_check.py": P,  # bench/gpu_check.py's dry run in a subprocess
     "test_handoff.py": U,
     "test_host_memory.py": U,  # the allocator test runs in subprocesses: marked process
+    "test_json_grammar.py": E,
     "test_kernel_accuracy.py": P,  # slow: the real models
     "test_kernel_build.py": E,  # build keys and errors; one test runs a failing compiler
     "test_kv_cache_quant.py": E,  # one test starts actors: marked process
