@@ -16,14 +16,15 @@ class ToolCallOutput:
     parser: ToolParser
     parallel: bool = True
 
-    def read(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """(content or None, calls) of a finished sample's text."""
-        return self.parser.parse(text, parallel=self.parallel)
+    def read(self, text: str, finish_reason: str | None = None) -> tuple[str | None, list[ToolCall]]:
+        """(content or None, calls) of a finished sample's text. A sample cut by max_tokens (finish_reason
+        "length") keeps the calls that closed and drops the one it was writing."""
+        return self.parser.parse(text, parallel=self.parallel, cut=finish_reason == "length")
 
     def read_output(self, out: RequestOutput) -> RequestOutput:
         """`out` with each sample's `tool_calls` and `content` read out of its text."""
         for sample in out.outputs:
-            sample.content, sample.tool_calls = self.read(sample.text)
+            sample.content, sample.tool_calls = self.read(sample.text, sample.finish_reason)
         return out
 
     def reader(self) -> ToolCallReader:

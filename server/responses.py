@@ -143,7 +143,7 @@ def chat_choice(tokenizer: Tokenizer, out: CompletionOutput, tools: ToolCallOutp
     message: Json = {"role": "assistant", "content": out.text}
     reason = out.finish_reason
     if tools is not None:
-        content, calls = tools.read(out.text)
+        content, calls = tools.read(out.text, out.finish_reason)
         if calls:
             message = {"role": "assistant", "content": content, "tool_calls": [tool_call_json(c) for c in calls]}
             reason = "tool_calls" if reason == "stop" else reason

@@ -76,7 +76,7 @@ class ChunkBuilder:
         stream = self._tool_streams.get(o.index)
         if stream is None:
             stream = self._tool_streams[o.index] = self._tools.reader()
-        deltas = tool_deltas(stream.feed(o.delta_text, o.finished))
+        deltas = tool_deltas(stream.feed(o.delta_text, o.finished, cut=o.finish_reason == "length"))
         logprobs = chat_logprobs(self._tokenizer, o.delta_logprobs) if self._wants_logprobs else None
         if not deltas and (o.finished or logprobs is not None):
             deltas = [{}]

@@ -46,12 +46,14 @@ def test_each_format_parses_into_calls(parser, text, content, first, second):
     assert [c.name for c in parser.parse(text, parallel=False)[1]] == ["get_weather"]
 
 
-def _streamed(parser, text: str, step: int):
-    """Feeds `text` in `step`-character fragments: (content, [(id, name, arguments)]) as a client adds them up."""
+def _streamed(parser, text: str, step: int, cut: bool = False):
+    """Feeds `text` in `step`-character fragments: (content, [(id, name, arguments)]) as a client adds them up.
+    `cut`: the sample ended at max_tokens."""
     stream, content, calls = ToolCallReader(parser), "", {}
     chunks = [text[i:i + step] for i in range(0, len(text), step)]
     for i, chunk in enumerate(chunks):
-        for delta in tool_deltas(stream.feed(chunk, finished=i == len(chunks) - 1)):
+        last = i == len(chunks) - 1
+        for delta in tool_deltas(stream.feed(chunk, finished=last, cut=cut and last)):
             content += delta.get("content", "")
             for call in delta.get("tool_calls", []):
                 if "id" in call:
@@ -96,6 +98,45 @@ def test_a_possible_marker_is_held_back_until_it_is_known():
 ])
 def test_an_unfinished_or_malformed_call_leaves_the_text_as_content(parser, text):
     assert parser.parse(text) == (text, [])
+
+
+# Each format's output cut by max_tokens inside its second call, and the first call's arguments.
+CUT = [(HermesParser(), 'Checking.<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>\n'
+                        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Os', "Checking."),
+       (Llama3Parser(), '{"name": "add", "parameters": {"a": 1, "b": 2}}; {"name": "get_weather", "param', None),
+       (MistralParser(), '[TOOL_CALLS][{"name": "add", "arguments": {"a": 1, "b": 2}}, {"name": "get_w', None)]
+
+
+@pytest.mark.parametrize("parser,text,content", CUT, ids=lambda c: getattr(c, "name", None))
+def test_an_output_cut_inside_a_call_keeps_the_calls_that_closed(parser, text, content):
+    got_content, calls = parser.parse(text, cut=True)
+    assert got_content == content
+    assert [c.name for c in calls] == ["add"] and json.loads(calls[0].arguments) == {"a": 1, "b": 2}
+    assert parser.parse(text) == (text, [])  # not cut: the unfinished call is malformed output, kept as text
+
+
+@pytest.mark.parametrize("step", [1, 5, 1000])
+@pytest.mark.parametrize("parser,text,content", CUT, ids=lambda c: getattr(c, "name", None))
+def test_a_stream_cut_inside_a_call_sends_only_the_calls_that_closed(parser, text, content, step):
+    got_content, calls = _streamed(parser, text, step, cut=True)
+    assert got_content == (content or "")
+    assert [(name, json.loads(arguments)) for _, name, arguments in calls] == [("add", {"a": 1, "b": 2})]
+
+
+@pytest.mark.parametrize("parser", [HermesParser(), Llama3Parser(), MistralParser()], ids=lambda p: p.name)
+def test_an_output_cut_inside_its_first_call_is_all_content(parser):
+    whole = format_calls(parser.format, [{"function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}])
+    text = whole[:whole.rindex("2")]
+    assert parser.parse(text, cut=True) == (text, [])
+    assert _streamed(parser, text, 3, cut=True) == (text, [])
+
+
+def test_a_streamed_call_is_sent_whole_once_its_json_closes():
+    stream = ToolCallReader(HermesParser())
+    assert stream.feed('<tool_call>\n{"name": "add", "arguments": {"a": 1', finished=False) == []
+    opened, arguments = stream.feed(', "b": 2}}', finished=False)
+    assert (opened.index, opened.name) == (0, "add") and json.loads(arguments.text) == {"a": 1, "b": 2}
+    assert stream.feed("\n</tool_call>", finished=True) == []
 
 
 def test_a_call_without_arguments_has_an_empty_object_and_quoted_arguments_are_unwrapped():
