@@ -10,7 +10,8 @@ from frontend.front_door import ChatTools
 from server.context import CONTEXT, ServerContext
 from server.errors import ApiError, bad_request, invalid_type
 from server.generation import read_body, render_chat
-from server.protocol import check_model_name, parse_json_body, parse_messages, parse_tool_fields
+from server.protocol import (check_model_name, parse_json_body, parse_messages, parse_template_kwargs,
+                             parse_tool_fields)
 
 # A generation server: its actors run decoders that sample, and nothing in them pools hidden states.
 EMBEDDINGS_REFUSAL = ("this server generates text and computes no embeddings: its actors have no pooling path, "
@@ -18,7 +19,7 @@ EMBEDDINGS_REFUSAL = ("this server generates text and computes no embeddings: it
                       "embedding server (for example vLLM with --task embed and an embedding model) for "
                       "/v1/embeddings.")
 # Chat-template options of vLLM's tokenize that this server does not implement; given, they get a 400.
-UNSUPPORTED_CHAT_OPTIONS = ("continue_final_message", "chat_template", "chat_template_kwargs")
+UNSUPPORTED_CHAT_OPTIONS = ("continue_final_message", "chat_template")
 
 
 async def tokenize(request: web.Request) -> web.Response:
@@ -94,5 +95,5 @@ async def _tokens(ctx: ServerContext, body: dict[str, Any]) -> list[int]:
             raise bad_request(f"'{name}' is not supported by this server's /tokenize.", name, "unsupported_parameter")
     tools, _ = parse_tool_fields(body)
     text = render_chat(ctx.front_door, parse_messages(body["messages"]), ChatTools(tools),
-                       _flag(body, "add_generation_prompt", True))
+                       _flag(body, "add_generation_prompt", True), parse_template_kwargs(body))
     return await ctx.front_door.encode_async(text, _flag(body, "add_special_tokens", False))
