@@ -30,9 +30,9 @@ class ToolCallOutput:
             sample.content, sample.tool_calls = self.read(sample.text, sample.finish_reason)
         return out
 
-    def reader(self) -> ToolCallReader:
-        """A reader of one streamed sample."""
-        return ToolCallReader(self.parser, self.parallel)
+    def reader(self, whole_calls: bool = False) -> ToolCallReader:
+        """A reader of one streamed sample; `whole_calls`: each call sent once its JSON closes, never in part."""
+        return ToolCallReader(self.parser, self.parallel, whole_calls)
 
 
 @dataclass(frozen=True)
@@ -93,10 +93,11 @@ ReplyEvent = Union[ReasoningText, ToolEvent]
 
 
 class ReplyStream:
-    """One streamed sample read as read_reply reads it whole: reasoning text, then content and tool calls."""
+    """One streamed sample read as read_reply reads it whole: reasoning text, then content and tool calls, each
+    call sent whole once its JSON closes (so a stream cut inside a call drops it, as read_reply does)."""
 
     def __init__(self, tools: ToolCallOutput | None, reasoning: ReasoningOutput | None) -> None:
-        self._tools = None if tools is None else tools.reader()
+        self._tools = None if tools is None else tools.reader(whole_calls=True)
         self._reasoning = None if reasoning is None else reasoning.stream()
 
     @property
