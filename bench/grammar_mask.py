@@ -21,6 +21,7 @@ from collections.abc import Callable
 import torch
 
 from engine.model.loader import resolve_model
+from engine.sampling.json_grammar import json_schema_ebnf
 from engine.sampling.structured import token_bytes
 
 SCHEMA = {
@@ -53,7 +54,7 @@ def xgrammar_walk(tokenizer, vocab: int, eos: list[int]) -> tuple[Callable[[], W
     info = xgr.TokenizerInfo(encoded, xgr.VocabType.RAW, vocab_size=vocab, stop_token_ids=eos)
     compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
     t = time.perf_counter()
-    compiled = compiler.compile_json_schema(json.dumps(SCHEMA), any_whitespace=True, max_whitespace_cnt=2)
+    compiled = compiler.compile_grammar(json_schema_ebnf(SCHEMA))  # the grammar the server compiles
     compile_s = time.perf_counter() - t
     bitmask = xgr.allocate_token_bitmask(1, vocab)
 

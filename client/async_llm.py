@@ -136,13 +136,16 @@ class AsyncLLM:
 
     async def chat(self, messages: Messages, params: SamplingParams | None = None, request_id: str | None = None,
                    *, tools: Sequence[dict] | None = None, tool_choice: str | dict | None = None,
-                   parallel_tool_calls: bool = True, tool_call_parser: str = "auto") -> AsyncIterator[RequestOutput]:
-        """`tools` as LLM.chat takes them: the outputs stream the model's text, and the last one's samples hold
-        the `tool_calls` and `content` read out of it. ToolError (a ValueError naming the field) for bad tools."""
+                   parallel_tool_calls: bool = True, tool_call_parser: str = "auto",
+                   chat_template_kwargs: dict | None = None) -> AsyncIterator[RequestOutput]:
+        """`tools` and `chat_template_kwargs` as LLM.chat takes them: the outputs stream the model's text, and
+        the last one's samples hold the `tool_calls`, `content` and `reasoning_content` read out of it.
+        ToolError (a ValueError naming the field) for bad tools."""
         door = self.front_door if tool_call_parser == "auto" else FrontDoor.for_source(self.source, tool_call_parser)
-        given = door.chat(messages, params, ChatTools.parse(tools, tool_choice, parallel_tool_calls))
+        given = door.chat(messages, params, ChatTools.parse(tools, tool_choice, parallel_tool_calls),
+                          template_kwargs=chat_template_kwargs)
         async for out in self._stream(given, request_id, 0):
-            yield given.tools.read_output(out) if given.tools and out.finished else out
+            yield given.read_output(out) if out.finished else out
 
     async def _stream(self, given: EngineInput, request_id: str | None, priority: int,
                       treatment: Treatment = Treatment()) -> AsyncIterator[RequestOutput]:

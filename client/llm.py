@@ -48,18 +48,22 @@ class LLM:
     def chat(self, messages: Messages | Sequence[Messages],
              params: SamplingParams | Sequence[SamplingParams] | None = None, *,
              tools: Sequence[dict] | None = None, tool_choice: str | dict | None = None,
-             parallel_tool_calls: bool = True, tool_call_parser: str = "auto") -> list[RequestOutput]:
+             parallel_tool_calls: bool = True, tool_call_parser: str = "auto",
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """With `tools` (OpenAI's shape), each sample's `tool_calls` and `content` hold what the model called
         and said; tool_choice "required" or `{"type": "function", "function": {"name": ...}}` forces a call
-        whose arguments follow the function's schema. tool_call_parser: auto, hermes, llama3 or mistral."""
+        whose arguments follow the function's schema. tool_call_parser: auto, hermes, llama3 or mistral. A
+        model that thinks (`<think>`) has its thinking in each sample's `reasoning_content` and its answer in
+        `content`. chat_template_kwargs: extra variables for the chat template (enable_thinking, ...)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         chat_tools = ChatTools.parse(tools, tool_choice, parallel_tool_calls)
         door = self.front_door if tool_call_parser == "auto" else FrontDoor.for_source(self.engine.source,
                                                                                        tool_call_parser)
         params_list = _per_prompt(params, len(conversations))
-        inputs = [door.chat(m, p, chat_tools) for m, p in zip(conversations, params_list)]
+        inputs = [door.chat(m, p, chat_tools, template_kwargs=chat_template_kwargs)
+                  for m, p in zip(conversations, params_list)]
         outputs = self._run(inputs)
-        return [i.tools.read_output(out) if i.tools else out for i, out in zip(inputs, outputs)]
+        return [i.read_output(out) for i, out in zip(inputs, outputs)]
 
     def _run(self, inputs: list[EngineInput]) -> list[RequestOutput]:
         processor = OutputProcessor(self.tokenizer)

@@ -9,13 +9,15 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Sequence, Union
+from typing import Any, Mapping, Sequence, Union
 
+from engine.core.outputs import RequestOutput
 from engine.model.loader import ModelSource
 from engine.model.tokenizer import Tokenizer
 from engine.sampling.sampling_params import SamplingParams
-from frontend.chat import render_chat
-from frontend.output import ToolCallOutput
+from frontend.chat import ChatTemplateError, render_chat
+from frontend.output import ReasoningOutput, ToolCallOutput, read_chat_output
+from frontend.reasoning import CLOSE, OPEN, ReasoningParser, choose_parser, special_tags, think_first
 from frontend.tool_format import ToolFormat, choose_format
 from frontend.tool_grammar import forced_guide
 from frontend.tool_parsers import PARSERS, ToolParser, marks_special_tokens
@@ -24,6 +26,7 @@ from frontend.tools import Tool, ToolChoice, parse_tool_choice, parse_tools
 OFFLOAD_CHARS = 16_384  # longer texts are tokenised on a worker thread so the event loop stays responsive
 Prompt = Union[str, list[int]]
 Messages = list[dict[str, Any]]
+TemplateKwargs = Mapping[str, Any]
 
 
 @dataclass(frozen=True)
@@ -58,21 +61,35 @@ class EngineInput:
     token_ids: list[int]
     params: SamplingParams
     tools: ToolCallOutput | None = None  # None: plain text, no tool calls read
+    reasoning: ReasoningOutput | None = None  # None: no reasoning split off
+
+    def read_output(self, out: RequestOutput) -> RequestOutput:
+        """`out` with each sample's reasoning, content and tool calls read out of its text (chat)."""
+        return read_chat_output(out, self.tools, self.reasoning)
 
 
 class FrontDoor:
-    """Rendering, tokenising and constraining for one model and tool-call format."""
+    """Rendering, tokenising and constraining for one model, tool-call format and reasoning parser."""
 
-    def __init__(self, tokenizer: Tokenizer, tool_format: ToolFormat) -> None:
+    def __init__(self, tokenizer: Tokenizer, tool_format: ToolFormat,
+                 reasoning: ReasoningParser | None = None) -> None:
         self.tokenizer = tokenizer
         self.tool_format = tool_format
+        self.reasoning = reasoning
 
     @classmethod
-    def for_source(cls, source: ModelSource, tool_call_parser: str = "auto") -> FrontDoor:
-        """`tool_call_parser`: auto (from the chat template, then the architecture), hermes, llama3 or mistral."""
-        fmt = choose_format(tool_call_parser, source.tokenizer.chat_template,
-                            getattr(source.config, "architecture", None))
-        return cls(source.tokenizer, fmt)
+    def for_source(cls, source: ModelSource, tool_call_parser: str = "auto",
+                   reasoning_parser: str = "auto") -> FrontDoor:
+        """`tool_call_parser`: auto (from the chat template, then the architecture), hermes, llama3 or mistral.
+        `reasoning_parser`: auto (from the chat template and the vocabulary), deepseek_r1, qwen3 or none."""
+        tokenizer = source.tokenizer
+        fmt = choose_format(tool_call_parser, tokenizer.chat_template, getattr(source.config, "architecture", None))
+        return cls(tokenizer, fmt, choose_parser(reasoning_parser, tokenizer.chat_template, _tag_tokens(tokenizer),
+                                                 _opening(tokenizer)))
+
+    @property
+    def reasoning_name(self) -> str:
+        return "none" if self.reasoning is None else self.reasoning.name
 
     @property
     def parser(self) -> ToolParser:
@@ -80,9 +97,12 @@ class FrontDoor:
 
     # ------------------------------------------------------------------------------------ prompts
 
-    def render_chat(self, messages: Messages, tools: ChatTools = NO_TOOLS, add_generation_prompt: bool = True) -> str:
-        """ChatTemplateError (a ValueError) when the model's template refuses the messages."""
-        return render_chat(self.tokenizer, messages, tools.tools, self.tool_format, add_generation_prompt)
+    def render_chat(self, messages: Messages, tools: ChatTools = NO_TOOLS, add_generation_prompt: bool = True,
+                    template_kwargs: TemplateKwargs | None = None) -> str:
+        """ChatTemplateError (a ValueError) when the model's template refuses the messages. `template_kwargs`:
+        extra variables for the template (enable_thinking, ...)."""
+        return render_chat(self.tokenizer, messages, tools.tools, self.tool_format, add_generation_prompt,
+                           template_kwargs)
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens)
@@ -108,6 +128,20 @@ class FrontDoor:
             params = dataclasses.replace(params, skip_special_tokens=False)
         return params, ToolCallOutput(parser, tools.parallel)
 
+    def with_reasoning(self, params: SamplingParams, prompt: str | None
+                       ) -> tuple[SamplingParams, ReasoningOutput | None]:
+        """`params` with its constraint moved past the thinking and special tokens kept where a think tag is
+        one, and the reader of the reasoning; `params` and None for a model that does not think. `prompt`: the
+        rendered chat, which says whether the output starts inside the think block."""
+        if self.reasoning is None:
+            return params, None
+        reading = ReasoningOutput(self.reasoning, self.reasoning.start(prompt))
+        if params.guide is not None:
+            params = dataclasses.replace(params, guide=think_first(params.guide, self.reasoning, reading.start))
+        if special_tags(self.reasoning, self.tokenizer.all_special_ids, lambda t: self.encode(t, False)):
+            params = dataclasses.replace(params, skip_special_tokens=False)
+        return params, reading
+
     # ------------------------------------------------------------------------------------ whole requests
 
     def prompt(self, prompt: Prompt, params: SamplingParams | None = None) -> EngineInput:
@@ -123,7 +157,22 @@ class FrontDoor:
         return self.prompt(prompt, SamplingParams(max_tokens=1, temperature=0.0, pooling=pooling))
 
     def chat(self, messages: Messages, params: SamplingParams | None = None, tools: ChatTools = NO_TOOLS,
-             add_generation_prompt: bool = True) -> EngineInput:
-        text = self.render_chat(messages, tools, add_generation_prompt)
+             add_generation_prompt: bool = True, template_kwargs: TemplateKwargs | None = None) -> EngineInput:
+        text = self.render_chat(messages, tools, add_generation_prompt, template_kwargs)
         params, reader = self.with_tools(params or SamplingParams(), tools)
-        return EngineInput(text, self.encode(text, False), params, reader)
+        params, reasoning = self.with_reasoning(params, text)
+        return EngineInput(text, self.encode(text, False), params, reader, reasoning)
+
+
+def _tag_tokens(tokenizer: Tokenizer) -> bool:
+    """Whether both think tags are single tokens of the vocabulary."""
+    return all(len(tokenizer.encode(tag, False)) == 1 for tag in (OPEN, CLOSE))
+
+
+def _opening(tokenizer: Tokenizer) -> str | None:
+    """The prompt of a one-message chat (its end says whether the template opens a think block); None where the
+    template refuses it or there is none."""
+    try:
+        return render_chat(tokenizer, [{"role": "user", "content": "Hi"}], (), ToolFormat.HERMES, True)
+    except ChatTemplateError:
+        return None

@@ -1,12 +1,15 @@
-"""Reading a chat's output for tool calls: whole (the last output of LLM.chat / AsyncLLM.chat, an HTTP
-response) or streamed (ToolCallReader)."""
+"""Reading a chat's output: the reasoning split off first (for models that think), then the answer read for
+tool calls. Whole (the last output of LLM.chat / AsyncLLM.chat, an HTTP response: `read_reply`) or streamed
+(`ReplyStream`), with the same result."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Union
 
 from engine.core.outputs import RequestOutput, ToolCall
+from frontend.reasoning import ReasoningParser, ReasoningStream, Start, split_reasoning
 from frontend.tool_parsers import ToolParser
-from frontend.tool_stream import ToolCallReader
+from frontend.tool_stream import ContentText, ToolCallReader, ToolEvent
 
 
 @dataclass(frozen=True)
@@ -16,16 +19,98 @@ class ToolCallOutput:
     parser: ToolParser
     parallel: bool = True
 
-    def read(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """(content or None, calls) of a finished sample's text."""
-        return self.parser.parse(text, parallel=self.parallel)
+    def read(self, text: str, finish_reason: str | None = None) -> tuple[str | None, list[ToolCall]]:
+        """(content or None, calls) of a finished sample's text. A sample cut by max_tokens (finish_reason
+        "length") keeps the calls that closed and drops the one it was writing."""
+        return self.parser.parse(text, parallel=self.parallel, cut=finish_reason == "length")
 
     def read_output(self, out: RequestOutput) -> RequestOutput:
         """`out` with each sample's `tool_calls` and `content` read out of its text."""
         for sample in out.outputs:
-            sample.content, sample.tool_calls = self.read(sample.text)
+            sample.content, sample.tool_calls = self.read(sample.text, sample.finish_reason)
         return out
 
-    def reader(self) -> ToolCallReader:
-        """A reader of one streamed sample."""
-        return ToolCallReader(self.parser, self.parallel)
+    def reader(self, whole_calls: bool = False) -> ToolCallReader:
+        """A reader of one streamed sample; `whole_calls`: each call sent once its JSON closes, never in part."""
+        return ToolCallReader(self.parser, self.parallel, whole_calls)
+
+
+@dataclass(frozen=True)
+class ReasoningOutput:
+    """A chat whose output is read for reasoning: the parser, and where its output starts (from its prompt)."""
+
+    parser: ReasoningParser
+    start: Start
+
+    def split(self, text: str) -> tuple[str | None, str]:
+        """(reasoning or None, answer) of a finished sample's text."""
+        return split_reasoning(text, self.parser, self.start)
+
+    def stream(self) -> ReasoningStream:
+        return ReasoningStream(self.parser, self.start)
+
+
+@dataclass(frozen=True)
+class ChatReply:
+    """What a finished sample said: its reasoning (None: it did not think, or no reasoning parser), its content
+    and its tool calls."""
+
+    reasoning: str | None
+    content: str | None
+    tool_calls: list[ToolCall]
+
+
+def read_reply(text: str, finish_reason: str | None, tools: ToolCallOutput | None,
+               reasoning: ReasoningOutput | None) -> ChatReply:
+    """A finished sample's text read: the reasoning split off, the answer read for calls. Without either
+    reader the content is the text as it is."""
+    thought, answer = (None, text) if reasoning is None else reasoning.split(text)
+    if tools is not None:
+        content, calls = tools.read(answer, finish_reason)
+        return ChatReply(thought, content, calls)
+    return ChatReply(thought, answer if reasoning is None else (answer or None), [])
+
+
+def read_chat_output(out: RequestOutput, tools: ToolCallOutput | None,
+                     reasoning: ReasoningOutput | None) -> RequestOutput:
+    """`out` with each sample's `reasoning_content`, `content` and `tool_calls` (None without tools) read out of
+    its text; `out` as it is when neither reader applies."""
+    if tools is None and reasoning is None:
+        return out
+    for sample in out.outputs:
+        reply = read_reply(sample.text, sample.finish_reason, tools, reasoning)
+        sample.reasoning_content, sample.content = reply.reasoning, reply.content
+        sample.tool_calls = reply.tool_calls if tools is not None else None
+    return out
+
+
+@dataclass(frozen=True)
+class ReasoningText:
+    text: str
+
+
+ReplyEvent = Union[ReasoningText, ToolEvent]
+
+
+class ReplyStream:
+    """One streamed sample read as read_reply reads it whole: reasoning text, then content and tool calls, each
+    call sent whole once its JSON closes (so a stream cut inside a call drops it, as read_reply does)."""
+
+    def __init__(self, tools: ToolCallOutput | None, reasoning: ReasoningOutput | None) -> None:
+        self._tools = None if tools is None else tools.reader(whole_calls=True)
+        self._reasoning = None if reasoning is None else reasoning.stream()
+
+    @property
+    def called(self) -> bool:
+        return self._tools is not None and self._tools.called
+
+    def feed(self, delta_text: str, finished: bool, cut: bool = False) -> list[ReplyEvent]:
+        """The events `delta_text` makes known. `finished`: the sample ended with it; `cut`: at max_tokens."""
+        events: list[ReplyEvent] = []
+        if self._reasoning is not None:
+            thought, delta_text = self._reasoning.feed(delta_text, finished)
+            if thought:
+                events.append(ReasoningText(thought))
+        if self._tools is not None:
+            return events + self._tools.feed(delta_text, finished, cut)
+        return events + ([ContentText(delta_text)] if delta_text else [])

@@ -1,13 +1,14 @@
 """The constraint of a forced tool call (tool_choice "required" or a named function): an xgrammar structural
 tag that spells the format around the JSON schema of each function's parameters, so the arguments always
-satisfy the schema. Built here as text; the engine compiles it where it runs."""
+satisfy the schema. Built here as text; the engine compiles it where it runs, with the arguments' numbers and
+whitespace bounded (engine.sampling.json_grammar)."""
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from engine.sampling.structured import MAX_WHITESPACE, Guide
+from engine.sampling.structured import Guide
 from frontend.tool_format import ToolFormat
 from frontend.tools import Tool, ToolChoice
 
@@ -41,7 +42,7 @@ def forced_guide(fmt: ToolFormat, tools: Sequence[Tool], choice: ToolChoice, par
 
 def _format(spelling: CallSpelling, tools: Sequence[Tool], parallel: bool) -> dict[str, Any]:
     tags = [{"type": "tag", "begin": spelling.begin.format(name=json.dumps(t.name)),
-             "content": {"type": "json_schema", "json_schema": t.schema, "max_whitespace_cnt": MAX_WHITESPACE},
+             "content": {"type": "json_schema", "json_schema": t.schema},
              "end": spelling.end} for t in tools]
     calls = {"type": "tags_with_separator", "tags": tags, "separator": spelling.separator, "at_least_one": True,
              "stop_after_first": not parallel}

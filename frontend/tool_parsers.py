@@ -1,10 +1,12 @@
 """Reading tool calls out of a model's text, whole or streamed, one parser per ToolFormat.
 
 Text before the first call is the message's content; text after the calls is dropped. A call whose JSON does
-not close (or has no name) leaves the whole output as content.
+not close (or has no name) leaves the whole output as content, unless the output was cut by max_tokens: then
+the calls that closed before the cut are kept and the unfinished one is dropped (`finish(text, cut=True)`).
 """
 from __future__ import annotations
 
+import itertools
 import secrets
 import string
 from typing import Any, Callable
@@ -28,10 +30,21 @@ class ToolParser:
     def scan(self, text: str, final: bool) -> Scan:
         raise NotImplementedError
 
-    def parse(self, text: str, new_id: Callable[[], str] | None = None,
-              parallel: bool = True) -> tuple[str | None, list[ToolCall]]:
-        """(content or None, calls) of a finished output; unusable calls leave all of it as content."""
+    def finish(self, text: str, cut: bool = False) -> Scan:
+        """The scan of a finished output. `cut`: it ended at max_tokens, so a call it was writing is unfinished,
+        not malformed: the complete calls before it are kept (with the content before the first call) and it is
+        dropped. Without complete calls, or not cut, unusable calls leave all of the text as content."""
         scan = self.scan(text, final=True)
+        if scan.calls or not cut:
+            return scan
+        partial = self.scan(text, final=False)
+        complete = list(itertools.takewhile(lambda c: c.complete and c.name is not None, partial.calls))
+        return Scan(partial.content, complete) if complete else scan
+
+    def parse(self, text: str, new_id: Callable[[], str] | None = None, parallel: bool = True,
+              cut: bool = False) -> tuple[str | None, list[ToolCall]]:
+        """(content or None, calls) of a finished output, read as finish(text, cut) reads it."""
+        scan = self.finish(text, cut)
         new_id = new_id or self.new_call_id
         calls = [ToolCall(new_id(), c.name, c.final_arguments) for c in scan.calls]
         calls = calls[:1] if not parallel else calls

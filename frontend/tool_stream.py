@@ -1,6 +1,10 @@
-"""One streamed sample's text read as it grows: content as soon as it is known not to start a call, each
-call's opening once its name is known, then fragments of its arguments. The events are plain data; the HTTP
-server spells them as OpenAI's deltas."""
+"""One streamed sample's text read as it grows: content as soon as it is known not to start a call, then each
+call: by default its opening once its name is known and fragments of its arguments as they come; with
+`whole_calls`, each call whole once its JSON closes (its opening, then its arguments). A whole-call stream cut by
+max_tokens inside a call carries the calls that closed and nothing of the unfinished one, as the whole response
+does (ToolParser.finish); an incremental one has sent part of it already. The events are plain data; the HTTP
+server spells them as OpenAI's deltas.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -40,9 +44,10 @@ class _SentCall:
 class ToolCallReader:
     """Feeds one sample's deltas through a parser and says what became known."""
 
-    def __init__(self, parser: ToolParser, parallel: bool = True) -> None:
+    def __init__(self, parser: ToolParser, parallel: bool = True, whole_calls: bool = False) -> None:
         self._parser = parser
         self._parallel = parallel
+        self._whole_calls = whole_calls
         self._text = ""
         self._content_sent = 0
         self._calls: list[_SentCall] = []
@@ -51,9 +56,10 @@ class ToolCallReader:
     def called(self) -> bool:
         return bool(self._calls)
 
-    def feed(self, delta_text: str, finished: bool) -> list[ToolEvent]:
+    def feed(self, delta_text: str, finished: bool, cut: bool = False) -> list[ToolEvent]:
+        """The events `delta_text` makes known. `finished`: the sample ended with it; `cut`: at max_tokens."""
         self._text += delta_text
-        scan = self._parser.scan(self._text, final=finished)
+        scan = self._parser.finish(self._text, cut) if finished else self._parser.scan(self._text, final=False)
         if finished and self._calls and not scan.calls:
             scan = self._parser.scan(self._text, final=False)  # calls already went out: keep them
         events: list[ToolEvent] = []
@@ -61,7 +67,7 @@ class ToolCallReader:
             events.append(ContentText(scan.content[self._content_sent:]))
             self._content_sent = len(scan.content)
         for index, call in enumerate(scan.calls[:None if self._parallel else 1]):
-            if call.name is None:
+            if call.name is None or (self._whole_calls and not call.complete):
                 break
             events.extend(self._call_events(index, call))
         return events

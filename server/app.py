@@ -158,9 +158,10 @@ async def _model_card(request: web.Request) -> web.Response:
 
 def active_defaults(ctx: ServerContext) -> dict:
     """The defaults of fields a request leaves out: the model's generation_config.json ones, the max_tokens
-    cap, and the tool-call format."""
+    cap, the tool-call format and the reasoning parser."""
     return {"generation_config": ctx.generation_defaults, "max_tokens": ctx.defaults.max_tokens,
-            "tool_call_parser": ctx.front_door.tool_format.value}
+            "tool_call_parser": ctx.front_door.tool_format.value,
+            "reasoning_parser": ctx.front_door.reasoning_name}
 
 
 async def _health(request: web.Request) -> web.Response:

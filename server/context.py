@@ -42,7 +42,7 @@ class ServerContext:
     treatment: TreatmentOptions  # what treatment_for() may give each quadrant
     defaults: RequestDefaults  # what a request that leaves fields out gets
     generation_defaults: dict[str, Any]  # the model's own defaults among them (generation_config.json)
-    front_door: FrontDoor  # requests -> what the engine runs, in the served model's tool-call format
+    front_door: FrontDoor  # requests -> what the engine runs, in the served model's tool-call and reasoning formats
 
     @classmethod
     def build(cls, llm: AsyncLLM, settings: ServerSettings, log: structlog.stdlib.BoundLogger) -> ServerContext:
@@ -52,7 +52,7 @@ class ServerContext:
         metrics = ServerMetrics(llm.stats, limits.name, limits.max_model_len, llm.actors, llm.counters, llm.layout_status)
         defaults, from_model = request_defaults(llm.source.path, settings.generation_config,
                                                 settings.default_max_tokens)
-        door = FrontDoor.for_source(llm.source, settings.tool_call_parser)
+        door = FrontDoor.for_source(llm.source, settings.tool_call_parser, settings.reasoning_parser)
         return cls(llm, settings, limits, dtype, metrics, Admission(settings.max_queue), log, int(time.time()),
                    treatment_options(llm, settings), defaults, from_model, door)
 

@@ -20,7 +20,7 @@ from engine.model.tokenizer import Tokenizer
 from engine.core.treatment import Treatment
 from frontend.chat import ChatTemplateError
 from frontend.front_door import ChatTools, FrontDoor
-from frontend.output import ToolCallOutput
+from frontend.output import ReasoningOutput, ToolCallOutput
 from server.context import REQUEST_ID, TRACKER, ServerContext
 from server.errors import ApiError, bad_request
 from server.fim import fim_prompt, fim_tokens
@@ -46,6 +46,7 @@ class Prepared:
     treatment: Treatment
     tools: ToolCallOutput | None = None  # how to read tool calls out of the output; None: plain text
     guide_param: str = "response_format"  # the request field that set params.guide, for the engine's refusal
+    reasoning: ReasoningOutput | None = None  # how to split the thinking off the answer; None: no thinking
 
 
 @dataclass
@@ -166,16 +167,20 @@ async def read_body(request: web.Request, limit: int) -> bytes:
 async def prepare(req: GenerationRequest, door: FrontDoor, limits: ModelLimits, thresholds: QuadrantThresholds,
                   treatments: TreatmentOptions = TreatmentOptions()) -> Prepared:
     """The request through the model's front door: its prompt rendered and tokenised, its SamplingParams with
-    the constraint of a forced tool call, and the reader of its tool calls. A constraint is not compiled here:
-    the engine compiles it where it runs, and its refusal becomes a 400 in engine_outputs."""
+    the constraint of a forced tool call (past the thinking, for a model that thinks), and the readers of its
+    tool calls and reasoning. A constraint is not compiled here: the engine compiles it where it runs, and its
+    refusal becomes a 400 in engine_outputs."""
     tools = ChatTools(req.tools, req.tool_choice, req.parallel_tool_calls)
-    token_ids = req.sampling.params.truncated_prompt(await encode_prompt(req, door, tools), limits.max_model_len)
+    chat_text, ids = await _rendered_prompt(req, door, tools)
+    token_ids = req.sampling.params.truncated_prompt(ids, limits.max_model_len)
     check_prompt_tokens(token_ids, limits, req.prompt_param)
     params = _best_of(req, sampling_params(req.sampling, len(token_ids), limits))
     params, reader = door.with_tools(params, tools)
+    params, reasoning = door.with_reasoning(params, chat_text) if req.chat else (params, None)
     guide_param = "tools" if reader is not None and tools.choice.forced else req.sampling.guide_param
     quadrant = classify(len(token_ids), effective_max_tokens(req.sampling, len(token_ids), limits), thresholds)
-    return Prepared(req, token_ids, params, quadrant, treatment_for(quadrant, treatments), reader, guide_param)
+    return Prepared(req, token_ids, params, quadrant, treatment_for(quadrant, treatments), reader, guide_param,
+                    reasoning)
 
 
 def _best_of(req: GenerationRequest, params: SamplingParams) -> SamplingParams:
@@ -190,14 +195,20 @@ def _best_of(req: GenerationRequest, params: SamplingParams) -> SamplingParams:
 
 async def encode_prompt(req: GenerationRequest, door: FrontDoor, tools: ChatTools) -> list[int]:
     """The request's prompt as the token ids it runs (before any truncate_prompt_tokens)."""
+    return (await _rendered_prompt(req, door, tools))[1]
+
+
+async def _rendered_prompt(req: GenerationRequest, door: FrontDoor, tools: ChatTools
+                           ) -> tuple[str | None, list[int]]:
+    """(the rendered chat, or None for a completion; the prompt's token ids)."""
     if req.suffix is not None:
-        return await door.encode_async(_fill_in_the_middle(door.tokenizer, req), add_special_tokens=True)
+        return None, await door.encode_async(_fill_in_the_middle(door.tokenizer, req), add_special_tokens=True)
     if isinstance(req.prompt, str):
-        return await door.encode_async(req.prompt, add_special_tokens=True)
+        return None, await door.encode_async(req.prompt, add_special_tokens=True)
     if not req.chat:
-        return list(req.prompt)
-    text = render_chat(door, req.prompt, tools, req.add_generation_prompt)
-    return await door.encode_async(text, add_special_tokens=False)
+        return None, list(req.prompt)
+    text = render_chat(door, req.prompt, tools, req.add_generation_prompt, req.template_kwargs)
+    return text, await door.encode_async(text, add_special_tokens=False)
 
 
 def _fill_in_the_middle(tokenizer: Tokenizer, req: GenerationRequest) -> str:
@@ -210,11 +221,11 @@ def _fill_in_the_middle(tokenizer: Tokenizer, req: GenerationRequest) -> str:
     return fim_prompt(tokens, prompt, req.suffix or "")
 
 
-def render_chat(door: FrontDoor, messages: tuple[Message, ...], tools: ChatTools,
-                add_generation_prompt: bool) -> str:
+def render_chat(door: FrontDoor, messages: tuple[Message, ...], tools: ChatTools, add_generation_prompt: bool,
+                template_kwargs: dict | None = None) -> str:
     """The chat's prompt text; 400 naming `messages` when the model's chat template refuses them."""
     try:
-        return door.render_chat(messages_as_dicts(messages), tools, add_generation_prompt)
+        return door.render_chat(messages_as_dicts(messages), tools, add_generation_prompt, template_kwargs)
     except ChatTemplateError as exc:
         raise bad_request(str(exc), "messages") from None
 
@@ -332,7 +343,7 @@ def response_body(prepared: Prepared, meta: ResponseMeta, final: RequestOutput, 
 def _body(prepared: Prepared, meta: ResponseMeta, final: RequestOutput, tokenizer: Tokenizer) -> dict:
     req = prepared.request
     if req.chat:
-        return chat_body(meta, final, tokenizer, prepared.tools)
+        return chat_body(meta, final, tokenizer, prepared.tools, prepared.reasoning)
     if req.best_of is None:
         return completion_body(meta, final, tokenizer, req.echo_text(tokenizer))
     best = best_of_outputs(final, req.sampling.params.n, keep_logprobs=req.sampling.params.logprobs is not None)
@@ -355,7 +366,7 @@ def batch_headers(parts: list[Prepared], outs: list[RequestOutput | None]) -> di
 def chunk_builder(ctx: ServerContext, prepared: Prepared, meta: ResponseMeta) -> ChunkBuilder:
     req = prepared.request
     return ChunkBuilder(meta, ctx.llm.tokenizer, chat=req.chat, wants_logprobs=req.sampling.params.logprobs is not None,
-                        include_usage=req.include_usage, tools=prepared.tools,
+                        include_usage=req.include_usage, tools=prepared.tools, reasoning=prepared.reasoning,
                         echo=None if req.chat else req.echo_text(ctx.llm.tokenizer), echo_logprobs=req.echo_logprobs)
 
 

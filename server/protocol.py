@@ -15,6 +15,7 @@ from typing import Any, Callable, Sequence
 from engine.sampling.fields import ApiName, Endpoint, Shape, declared
 from engine.sampling.sampling_params import SamplingParams, SamplingParamsError
 from engine.sampling.structured import Guide, GuideError
+from frontend.chat import check_template_kwargs
 from frontend.tools import Tool, ToolChoice, ToolError, parse_tool_choice, parse_tools
 from server.errors import ApiError, bad_request, invalid_type, json_type
 from server.request_fields import CHAT, COMPLETIONS, refuse_unsupported
@@ -87,6 +88,7 @@ class GenerationRequest:
     tool_choice: ToolChoice = field(default_factory=lambda: ToolChoice("none"))
     parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
+    template_kwargs: dict[str, Any] = field(default_factory=dict)  # chat_template_kwargs, enable_thinking
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None  # more samples than n, the best n returned
@@ -460,7 +462,26 @@ def parse_chat(body: dict[str, Any], served_model: str,
     return GenerationRequest(parse_messages(body.get("messages")), fields, chat=True, tools=tools,
                              tool_choice=choice, prompt_logprobs=_prompt_logprobs(fields, envelope["stream"]),
                              parallel_tool_calls=_bool(body, "parallel_tool_calls", True),
-                             add_generation_prompt=_bool(body, "add_generation_prompt", True), **envelope)
+                             add_generation_prompt=_bool(body, "add_generation_prompt", True),
+                             template_kwargs=parse_template_kwargs(body), **envelope)
+
+
+def parse_template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
+    """`chat_template_kwargs` (variables for the chat template), with `enable_thinking` given on its own as a
+    shorthand for the variable of that name."""
+    kwargs = _object(body, "chat_template_kwargs")
+    try:
+        check_template_kwargs(kwargs)
+    except ValueError as exc:
+        raise bad_request(f"'chat_template_kwargs': {exc}.", "chat_template_kwargs") from None
+    thinking = body.get("enable_thinking")
+    if thinking is None:
+        return kwargs
+    _bool(body, "enable_thinking")
+    if kwargs.get("enable_thinking", thinking) != thinking:
+        raise bad_request("'enable_thinking' and 'chat_template_kwargs.enable_thinking' disagree; give one.",
+                          "enable_thinking")
+    return {**kwargs, "enable_thinking": thinking}
 
 
 def parse_tool_fields(body: dict[str, Any]) -> tuple[tuple[Tool, ...], ToolChoice]:

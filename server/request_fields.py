@@ -90,6 +90,10 @@ REQUEST_FIELDS: dict[str, Fate] = _joined(_sampling_rows(), {
     "tool_choice": _impl("auto, none, required or a named function (the last two grammar-enforced)", (CHAT,)),
     "parallel_tool_calls": _impl("false: at most one call", (CHAT,)),
     "add_generation_prompt": _impl("end the rendered chat with the assistant's turn opening", (CHAT,)),
+    "chat_template_kwargs": _impl("extra variables for the model's chat template (enable_thinking, ...)",
+                                  (CHAT,)),
+    "enable_thinking": _impl("the chat template's enable_thinking variable (Qwen3: false writes an empty think "
+                             "block into the prompt)", (CHAT,)),
     # completions extras
     "echo": _impl("the prompt's text before the completion; with logprobs, the prompt's tokens and their "
                   "logprobs before the completion's (the first token's null)", (COMPLETIONS,)),
@@ -127,14 +131,12 @@ REQUEST_FIELDS: dict[str, Fate] = _joined(_sampling_rows(), {
                                       routes=(CHAT,)),
     "chat_template": _refuse("the model's own chat template is always used", example="{{ messages }}",
                              routes=(CHAT,)),
-    "chat_template_kwargs": _refuse("the chat template takes no extra variables", example={"x": 1},
-                                    routes=(CHAT,)),
     "documents": _refuse("retrieval documents are not rendered", example=[{"text": "x"}], routes=(CHAT,)),
     "modalities": _refuse("only text is generated", lambda v: v is not None and v != ["text"], ["audio"],
                           (CHAT,)),
     "audio": _refuse("only text is generated", example={"voice": "alloy"}, routes=(CHAT,)),
-    "reasoning_effort": _refuse("the served model does not reason in a separate channel", example="low",
-                                routes=(CHAT,)),
+    "reasoning_effort": _refuse("no thinking budget is implemented (enable_thinking turns thinking off where the "
+                                "chat template takes it)", example="low", routes=(CHAT,)),
     "web_search_options": _refuse("no web search", lambda v: v is not None, {}, (CHAT,)),
     # ignored: they cannot change the output
     "user": _ignore("an end-user id for abuse monitoring"),

@@ -8,7 +8,7 @@ from typing import Any, Sequence
 from engine.core.outputs import CompletionOutput, RequestOutput, ToolCall
 from engine.sampling.sampler import TokenLogprobs
 from engine.model.tokenizer import Tokenizer
-from frontend.output import ToolCallOutput
+from frontend.output import ReasoningOutput, ToolCallOutput, read_reply
 
 Json = dict[str, Any]
 LOGPROB_FLOOR = -9999.0  # stands in for -inf / NaN, which JSON cannot carry
@@ -138,22 +138,27 @@ def tool_call_json(call: ToolCall) -> Json:
     return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
 
 
-def chat_choice(tokenizer: Tokenizer, out: CompletionOutput, tools: ToolCallOutput | None = None) -> Json:
+def chat_choice(tokenizer: Tokenizer, out: CompletionOutput, tools: ToolCallOutput | None = None,
+                reasoning: ReasoningOutput | None = None) -> Json:
+    """The choice of one sample; a model that thinks has its thinking in `reasoning_content` (vLLM's name)."""
     logprobs = None if out.logprobs is None else chat_logprobs(tokenizer, out.logprobs)
-    message: Json = {"role": "assistant", "content": out.text}
+    reply = read_reply(out.text, out.finish_reason, tools, reasoning)
+    # Without calls or thinking, the content is the text as it is ("" included).
+    content = reply.content if reply.tool_calls or reasoning is not None else out.text
+    message: Json = {"role": "assistant", "content": content}
+    if reasoning is not None:
+        message["reasoning_content"] = reply.reasoning
     reason = out.finish_reason
-    if tools is not None:
-        content, calls = tools.read(out.text)
-        if calls:
-            message = {"role": "assistant", "content": content, "tool_calls": [tool_call_json(c) for c in calls]}
-            reason = "tool_calls" if reason == "stop" else reason
+    if reply.tool_calls:
+        message["tool_calls"] = [tool_call_json(c) for c in reply.tool_calls]
+        reason = "tool_calls" if reason == "stop" else reason
     return {"index": out.index, "message": message, "logprobs": logprobs, "finish_reason": reason}
 
 
 def chat_body(meta: ResponseMeta, final: RequestOutput, tokenizer: Tokenizer,
-              tools: ToolCallOutput | None = None) -> Json:
+              tools: ToolCallOutput | None = None, reasoning: ReasoningOutput | None = None) -> Json:
     return {"id": meta.id, "object": "chat.completion", "created": meta.created, "model": meta.model,
-            "choices": [chat_choice(tokenizer, o, tools) for o in final.outputs],
+            "choices": [chat_choice(tokenizer, o, tools, reasoning) for o in final.outputs],
             "usage": output_usage(final), "system_fingerprint": None}
 
 

@@ -20,6 +20,7 @@ API_KEY_ENV = "PHASE_SERVE_API_KEY"
 
 DisaggMode = Literal["auto", "always", "never"]
 ToolCallParserName = Literal["auto", "hermes", "llama3", "mistral"]
+ReasoningParserName = Literal["auto", "deepseek_r1", "qwen3", "none"]
 GenerationConfigMode = Literal["auto", "none"]
 
 
@@ -58,6 +59,12 @@ class ServerSettings:
     tool_call_parser: ToolCallParserName = option(
         "auto", "how tool calls are read from the output: hermes (<tool_call> JSON; Qwen), llama3 (JSON, "
         "<|python_tag|>), mistral ([TOOL_CALLS]); auto: from the chat template, else the architecture, else hermes")
+    reasoning_parser: ReasoningParserName = option(
+        "auto", "how a model's thinking (<think>...</think>) is told from its answer, which chat replies give as "
+        "reasoning_content and content: qwen3 (the output opens the block, or the prompt does), deepseek_r1 (the "
+        "output thinks until </think> even without opening the block), none; auto: when the chat template writes "
+        "<think> or the vocabulary has both tags as tokens, deepseek_r1 if the template's generation prompt opens "
+        "the block, else qwen3")
     default_max_tokens: int | None = option(
         None, "max_tokens of a request that sends none (chat: else the rest of the context; completions: else 16)",
         shown="none")

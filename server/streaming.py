@@ -6,8 +6,8 @@ from typing import Any
 
 from engine.core.outputs import CompletionOutput, RequestOutput
 from engine.model.tokenizer import Tokenizer
-from frontend.output import ToolCallOutput
-from frontend.tool_stream import CallOpened, ContentText, ToolCallReader, ToolEvent
+from frontend.output import ReasoningOutput, ReasoningText, ReplyEvent, ReplyStream, ToolCallOutput
+from frontend.tool_stream import CallOpened, ContentText
 from server.prompt_logprobs import echoed
 from server.responses import (Json, ResponseMeta, chat_chunk, chat_delta_choice, chat_logprobs,
                               chat_role_choice, completion_choice, completion_chunk, output_usage,
@@ -17,9 +17,11 @@ SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
 DONE = b"data: [DONE]\n\n"
 
 
-def tool_delta(event: ToolEvent) -> Json:
-    """A tool-call reader's event as OpenAI's `delta`: content, a call's opening with its id, type and name,
-    or a fragment of its arguments."""
+def tool_delta(event: ReplyEvent) -> Json:
+    """A reply reader's event as OpenAI's `delta`: reasoning (vLLM's `reasoning_content`), content, a call's
+    opening with its id, type and name, or its arguments."""
+    if isinstance(event, ReasoningText):
+        return {"reasoning_content": event.text}
     if isinstance(event, ContentText):
         return {"content": event.text}
     if isinstance(event, CallOpened):
@@ -28,7 +30,7 @@ def tool_delta(event: ToolEvent) -> Json:
     return {"tool_calls": [{"index": event.index, "function": {"arguments": event.text}}]}  # ArgumentsText
 
 
-def tool_deltas(events: list[ToolEvent]) -> list[Json]:
+def tool_deltas(events: list[ReplyEvent]) -> list[Json]:
     return [tool_delta(e) for e in events]
 
 
@@ -38,13 +40,13 @@ def sse_event(payload: Any) -> bytes:
 
 class ChunkBuilder:
     """Turns one request's outputs into chunks: a choice appears when it has new text (or new logprobs, when
-    asked for), and its finish_reason is sent exactly once. With tools, a sample's text goes through a
-    ToolCallReader: content and tool-call deltas, each in a chunk of its own. With echo, a completion's first
-    chunk starts with the prompt, and with `echo_logprobs` its logprobs with the prompt's."""
+    asked for), and its finish_reason is sent exactly once. With tools or a model that thinks, a sample's text
+    goes through a ReplyStream: reasoning, content and tool-call deltas, each in a chunk of its own. With echo,
+    a completion's first chunk starts with the prompt, and with `echo_logprobs` its logprobs with the prompt's."""
 
     def __init__(self, meta: ResponseMeta, tokenizer: Tokenizer, *, chat: bool, wants_logprobs: bool,
                  include_usage: bool, tools: ToolCallOutput | None = None, echo: str | None = None,
-                 echo_logprobs: int | None = None) -> None:
+                 echo_logprobs: int | None = None, reasoning: ReasoningOutput | None = None) -> None:
         self._meta = meta
         self._tokenizer = tokenizer
         self._chat = chat
@@ -53,7 +55,8 @@ class ChunkBuilder:
         self._finished: set[int] = set()
         self._text_offsets: dict[int, int] = {}
         self._tools = tools
-        self._tool_streams: dict[int, ToolCallReader] = {}
+        self._reasoning = reasoning
+        self._replies: dict[int, ReplyStream] = {}
         self._echo = echo
         self._echo_logprobs = echo_logprobs
         self._echoed: set[int] = set()
@@ -69,17 +72,17 @@ class ChunkBuilder:
         for o in out.outputs:
             if not self._has_news(o):
                 continue
-            if self._chat and self._tools is not None:
-                chunks.extend(self._chunk([choice]) for choice in self._tool_choices(o))
+            if self._chat and (self._tools is not None or self._reasoning is not None):
+                chunks.extend(self._chunk([choice]) for choice in self._reply_choices(o))
             else:
                 chunks.append(self._chunk([self._choice(o, out)]))
         return chunks
 
-    def _tool_choices(self, o: CompletionOutput) -> list[Json]:
-        stream = self._tool_streams.get(o.index)
+    def _reply_choices(self, o: CompletionOutput) -> list[Json]:
+        stream = self._replies.get(o.index)
         if stream is None:
-            stream = self._tool_streams[o.index] = self._tools.reader()
-        deltas = tool_deltas(stream.feed(o.delta_text, o.finished))
+            stream = self._replies[o.index] = ReplyStream(self._tools, self._reasoning)
+        deltas = tool_deltas(stream.feed(o.delta_text, o.finished, cut=o.finish_reason == "length"))
         logprobs = chat_logprobs(self._tokenizer, o.delta_logprobs) if self._wants_logprobs else None
         if not deltas and (o.finished or logprobs is not None):
             deltas = [{}]

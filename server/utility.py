@@ -9,10 +9,11 @@ from frontend.front_door import ChatTools
 from server.context import CONTEXT, ServerContext
 from server.errors import bad_request, invalid_type
 from server.generation import read_body, render_chat
-from server.protocol import check_model_name, parse_json_body, parse_messages, parse_tool_fields
+from server.protocol import (check_model_name, parse_json_body, parse_messages, parse_template_kwargs,
+                             parse_tool_fields)
 
 # Chat-template options of vLLM's tokenize that this server does not implement; given, they get a 400.
-UNSUPPORTED_CHAT_OPTIONS = ("continue_final_message", "chat_template", "chat_template_kwargs")
+UNSUPPORTED_CHAT_OPTIONS = ("continue_final_message", "chat_template")
 
 
 async def tokenize(request: web.Request) -> web.Response:
@@ -84,5 +85,5 @@ async def _tokens(ctx: ServerContext, body: dict[str, Any]) -> list[int]:
             raise bad_request(f"'{name}' is not supported by this server's /tokenize.", name, "unsupported_parameter")
     tools, _ = parse_tool_fields(body)
     text = render_chat(ctx.front_door, parse_messages(body["messages"]), ChatTools(tools),
-                       _flag(body, "add_generation_prompt", True))
+                       _flag(body, "add_generation_prompt", True), parse_template_kwargs(body))
     return await ctx.front_door.encode_async(text, _flag(body, "add_special_tokens", False))

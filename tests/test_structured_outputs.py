@@ -13,6 +13,7 @@ import torch
 from actors.convert import params_from_wire, params_to_wire
 from engine import LLM, SamplingParams
 from engine.core.engine_core import EngineRequest, RequestError
+from engine.sampling.json_grammar import MAX_INDENT
 from engine.sampling.structured import Guide, GuideError, mask_logits, token_bytes
 from transport import codec
 from transport import messages as m
@@ -28,6 +29,9 @@ SCHEMA = {
     "additionalProperties": False,
 }
 JSON_GUIDE = Guide.json_schema(SCHEMA)
+# The most tokens a document of SCHEMA's grammar takes: 12 gaps of a newline and MAX_INDENT blanks, a name of 6
+# characters of up to 4 bytes each, and the rest of the syntax. Every constrained output closes within it.
+LONGEST = 12 * (1 + MAX_INDENT) + 6 * 4 + 2 + len('{"name":"age":"ok":,,}') + len("120") + len("false")
 REGEX = r"[0-9]{3}-[a-z]{2,4}"
 CHOICES = ("red", "green", "blue")
 SMALL_POOL = dict(num_kv_blocks=24, max_num_batched_tokens=64, enable_chunked_prefill=True)
@@ -48,7 +52,7 @@ def check_schema(text: str) -> None:
 
 
 def guided(guide: Guide, **fields) -> SamplingParams:
-    return SamplingParams(**{"max_tokens": 80, "temperature": 0.0, "guide": guide, **fields})
+    return SamplingParams(**{"max_tokens": LONGEST, "temperature": 0.0, "guide": guide, **fields})
 
 
 @pytest.fixture(scope="module")

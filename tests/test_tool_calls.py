@@ -46,12 +46,14 @@ def test_each_format_parses_into_calls(parser, text, content, first, second):
     assert [c.name for c in parser.parse(text, parallel=False)[1]] == ["get_weather"]
 
 
-def _streamed(parser, text: str, step: int):
-    """Feeds `text` in `step`-character fragments: (content, [(id, name, arguments)]) as a client adds them up."""
-    stream, content, calls = ToolCallReader(parser), "", {}
+def _streamed(parser, text: str, step: int, cut: bool = False, whole_calls: bool = False):
+    """Feeds `text` in `step`-character fragments: (content, [(id, name, arguments)]) as a client adds them up.
+    `cut`: the sample ended at max_tokens."""
+    stream, content, calls = ToolCallReader(parser, whole_calls=whole_calls), "", {}
     chunks = [text[i:i + step] for i in range(0, len(text), step)]
     for i, chunk in enumerate(chunks):
-        for delta in tool_deltas(stream.feed(chunk, finished=i == len(chunks) - 1)):
+        last = i == len(chunks) - 1
+        for delta in tool_deltas(stream.feed(chunk, finished=last, cut=cut and last)):
             content += delta.get("content", "")
             for call in delta.get("tool_calls", []):
                 if "id" in call:
@@ -63,10 +65,11 @@ def _streamed(parser, text: str, step: int):
     return content, [calls[i] for i in sorted(calls)]
 
 
+@pytest.mark.parametrize("whole_calls", [False, True], ids=["fragments", "whole_calls"])
 @pytest.mark.parametrize("step", [1, 2, 7, 1000])
 @pytest.mark.parametrize("parser,text,content,first,second", CASES, ids=lambda c: getattr(c, "name", None))
-def test_streamed_fragments_add_up_to_the_whole_parse(parser, text, content, first, second, step):
-    got_content, calls = _streamed(parser, text, step)
+def test_streamed_fragments_add_up_to_the_whole_parse(parser, text, content, first, second, step, whole_calls):
+    got_content, calls = _streamed(parser, text, step, whole_calls=whole_calls)
     assert got_content == (content or "")
     assert [name for _, name, _ in calls] == ["get_weather", "add"]
     assert json.loads(calls[0][2]) == first and json.loads(calls[1][2]) == second
@@ -96,6 +99,50 @@ def test_a_possible_marker_is_held_back_until_it_is_known():
 ])
 def test_an_unfinished_or_malformed_call_leaves_the_text_as_content(parser, text):
     assert parser.parse(text) == (text, [])
+
+
+# Each format's output cut by max_tokens inside its second call, and the first call's arguments.
+CUT = [(HermesParser(), 'Checking.<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>\n'
+                        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Os', "Checking."),
+       (Llama3Parser(), '{"name": "add", "parameters": {"a": 1, "b": 2}}; {"name": "get_weather", "param', None),
+       (MistralParser(), '[TOOL_CALLS][{"name": "add", "arguments": {"a": 1, "b": 2}}, {"name": "get_w', None)]
+
+
+@pytest.mark.parametrize("parser,text,content", CUT, ids=lambda c: getattr(c, "name", None))
+def test_an_output_cut_inside_a_call_keeps_the_calls_that_closed(parser, text, content):
+    got_content, calls = parser.parse(text, cut=True)
+    assert got_content == content
+    assert [c.name for c in calls] == ["add"] and json.loads(calls[0].arguments) == {"a": 1, "b": 2}
+    assert parser.parse(text) == (text, [])  # not cut: the unfinished call is malformed output, kept as text
+
+
+@pytest.mark.parametrize("step", [1, 5, 1000])
+@pytest.mark.parametrize("parser,text,content", CUT, ids=lambda c: getattr(c, "name", None))
+def test_a_whole_call_stream_cut_inside_a_call_sends_only_the_calls_that_closed(parser, text, content, step):
+    got_content, calls = _streamed(parser, text, step, cut=True, whole_calls=True)
+    assert got_content == (content or "")
+    assert [(name, json.loads(arguments)) for _, name, arguments in calls] == [("add", {"a": 1, "b": 2})]
+
+
+@pytest.mark.parametrize("parser", [HermesParser(), Llama3Parser(), MistralParser()], ids=lambda p: p.name)
+def test_an_output_cut_inside_its_first_call_is_all_content(parser):
+    whole = format_calls(parser.format, [{"function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}])
+    text = whole[:whole.rindex("2")]
+    assert parser.parse(text, cut=True) == (text, [])
+    assert _streamed(parser, text, 3, cut=True, whole_calls=True) == (text, [])
+
+
+def test_a_call_is_streamed_in_fragments_or_whole_once_its_json_closes():
+    start, rest = '<tool_call>\n{"name": "add", "arguments": {"a": 1', ', "b": 2}}'
+    fragments = ToolCallReader(HermesParser())
+    opened, part = fragments.feed(start, finished=False)
+    assert (opened.name, part.text) == ("add", '{"a": 1')
+    assert fragments.feed(rest, finished=False)[0].text == ', "b": 2}'
+    whole = ToolCallReader(HermesParser(), whole_calls=True)
+    assert whole.feed(start, finished=False) == []
+    opened, arguments = whole.feed(rest, finished=False)
+    assert (opened.index, opened.name) == (0, "add") and json.loads(arguments.text) == {"a": 1, "b": 2}
+    assert whole.feed("\n</tool_call>", finished=True) == []
 
 
 def test_a_call_without_arguments_has_an_empty_object_and_quoted_arguments_are_unwrapped():

@@ -65,6 +65,7 @@ MODULE_TIERS: Mapping[str, Tier] = {
     "test_gpu_check.py": P,  # bench/gpu_check.py's dry run in a subprocess
     "test_handoff.py": U,
     "test_host_memory.py": U,  # the allocator test runs in subprocesses: marked process
+    "test_json_grammar.py": E,
     "test_kernel_accuracy.py": P,  # slow: the real models
     "test_kernel_build.py": E,  # build keys and errors; one test runs a failing compiler
     "test_kv_cache_quant.py": E,  # one test starts actors: marked process
@@ -94,6 +95,8 @@ MODULE_TIERS: Mapping[str, Tier] = {
     "test_readme.py": P,  # slow: the default model, a real server and fresh interpreters
     "test_real_shapes.py": E,  # the quantiser, type-rule and CLI tests are marked unit
     "test_qwen3.py": E,
+    "test_reasoning.py": U,  # the grammar and LLM.chat tests are marked engine
+    "test_reasoning_api.py": P,
     "test_real_gemma3.py": P,  # slow: a real Gemma 3 GGUF from a registry package
     "test_responses_api.py": P,  # a server on the tiny model: the route's errors, store, disconnects and streams
     "test_responses_smollm2.py": P,  # slow: the real model through the official client

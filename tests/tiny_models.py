@@ -72,11 +72,13 @@ def tiny_mistral_config(**overrides):
     return MistralConfig(**base)
 
 
-def write_tiny_model(folder: Path, config, seed: int = 0, random_norms: bool = False) -> Path:
+def write_tiny_model(folder: Path, config, seed: int = 0, random_norms: bool = False,
+                     **tokenizer_options) -> Path:
     """Save a randomly initialised model for `config` (Llama, Mistral, Qwen2, Qwen3, Gemma 2 or 3) with the tiny
     tokenizer.
     `random_norms`: RMSNorm weights drawn around 1 instead of all ones (Gemma, which stores w for (1 + w):
-    around 0), so that a norm applied to the wrong tensor (q's to k, one head's to another) changes the logits."""
+    around 0), so that a norm applied to the wrong tensor (q's to k, one head's to another) changes the logits.
+    `tokenizer_options`: write_tiny_tokenizer's (a chat template, added tokens)."""
     from transformers import AutoModelForCausalLM
 
     from tests.tiny_tokenizer import write_tiny_tokenizer
@@ -93,7 +95,7 @@ def write_tiny_model(folder: Path, config, seed: int = 0, random_norms: bool = F
                         param.sub_(1.0)
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder, safe_serialization=True)
-    write_tiny_tokenizer(folder, vocab_size=config.vocab_size)
+    write_tiny_tokenizer(folder, vocab_size=config.vocab_size, **tokenizer_options)
     return folder
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHATML_TEMPLATE = (
@@ -13,6 +13,14 @@ CHATML_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+# Reasoning models' templates. Qwen3's: the model opens its think block, and enable_thinking=false writes an
+# empty one into the prompt. DeepSeek-R1's: the generation prompt opens the block.
+QWEN3_TEMPLATE = CHATML_TEMPLATE.replace(
+    "{{ '<|im_start|>assistant\n' }}",
+    "{{ '<|im_start|>assistant\n' }}{% if enable_thinking is defined and not enable_thinking %}"
+    "{{ '<think>\n\n</think>\n\n' }}{% endif %}")
+R1_TEMPLATE = CHATML_TEMPLATE.replace("{{ '<|im_start|>assistant\n' }}", "{{ '<|im_start|>assistant\n<think>\n' }}")
+THINK_TOKENS = ("<think>", "</think>")
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
     "Hello, world! How are you today? I am fine, thank you.",
@@ -26,14 +34,18 @@ CORPUS = [
 ]
 
 
-def write_tiny_tokenizer(folder: Path, vocab_size: int = 512) -> None:
-    """Writes tokenizer.json and tokenizer_config.json (ChatML, eos `<|im_end|>`) into `folder`."""
+def write_tiny_tokenizer(folder: Path, vocab_size: int = 512, template: str = CHATML_TEMPLATE,
+                         added_tokens: tuple[str, ...] = ()) -> None:
+    """Writes tokenizer.json and tokenizer_config.json (ChatML unless `template` says otherwise, eos
+    `<|im_end|>`) into `folder`. `added_tokens`: plain (not special) tokens at the end of the vocabulary, as
+    Qwen3 adds `<think>` and `</think>`."""
     folder.mkdir(parents=True, exist_ok=True)
-    tokenizer = _train(vocab_size)
+    tokenizer = _train(vocab_size - len(added_tokens))
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in added_tokens])
     tokenizer.save(str(folder / "tokenizer.json"))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": False, "bos_token": None,
               "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "unk_token": None,
-              "chat_template": CHATML_TEMPLATE, "model_max_length": 512}
+              "chat_template": template, "model_max_length": 512}
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
 
 

@@ -28,10 +28,11 @@ class CompletionOutput:
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
     delta_logprobs: list[TokenLogprobs] = field(default_factory=list)
-    # chat with tools (LLM, or AsyncLLM's last output): the calls read out of `text` (None: no tools offered),
-    # and the text before them.
+    # chat with tools or a reasoning model (LLM, or AsyncLLM's last output): the calls read out of `text` (None:
+    # no tools offered), the text before them, and the thinking before the answer (None: none).
     tool_calls: list[ToolCall] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     stop_reason: str | None = None  # the stop string that ended the sample (finish_reason "stop"); None otherwise
 
     @property

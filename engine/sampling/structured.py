@@ -1,12 +1,14 @@
 """Structured outputs: grammar constraints on what a sequence may generate, enforced with xgrammar.
 
-A `Guide` is the constraint as the user wrote it (a JSON schema, any JSON, a regex, a list of choices or an
-EBNF grammar): plain strings, so it travels in SamplingParams, over msgpack and into cache keys. A
-`GrammarCompiler` turns a Guide into xgrammar's compiled grammar for one tokenizer, once per Guide (a bounded
-LRU cache, thread-safe: the engine's callers compile on a worker thread before a request reaches the step
-thread, engine.core.constraints, so the step thread normally only finds cache hits). `GuideStates` holds one matcher per sequence and fills the
-bitmask rows of a sampling batch; it follows each sequence's output tokens, so preemption, recompute, n > 1
-and a first token sampled by another actor need no extra bookkeeping.
+A `Guide` is the constraint as the user wrote it (a JSON schema, any JSON object, a regex, a list of choices, an
+EBNF grammar or a structural tag): plain strings, so it travels in SamplingParams, over msgpack and into cache
+keys. A `GrammarCompiler` turns a Guide into xgrammar's compiled grammar for one tokenizer, once per Guide (a
+bounded LRU cache, thread-safe: the engine's callers compile on a worker thread before a request reaches the
+step thread, engine.core.constraints, so the step thread normally only finds cache hits); every JSON part is
+compiled with its numbers and whitespace bounded (json_grammar), so that a JSON constraint closes.
+`GuideStates` holds one matcher per sequence and fills the bitmask rows of a sampling batch; it follows each
+sequence's output tokens, so preemption, recompute, n > 1 and a first token sampled by another actor need no
+extra bookkeeping.
 
 xgrammar was chosen over llguidance and outlines-core by the per-token mask cost measured with
 `python -m bench.grammar_mask` (docs/performance.md).
@@ -23,14 +25,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from engine.sampling.json_grammar import JSON_OBJECT, bounded_structural_tag, json_schema_ebnf
+
 if TYPE_CHECKING:
     from engine.model.tokenizer import Tokenizer
 
 GUIDE_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 CACHE_SIZE = 256  # compiled grammars kept per tokenizer
-# Whitespace characters allowed between JSON tokens: enough for a model's usual `{"a": 1}` spacing, bounded so
-# that a sampler cannot spend its whole budget on blanks.
-MAX_WHITESPACE = 2
 
 
 class GuideError(ValueError):
@@ -169,15 +170,12 @@ class GrammarCompiler:
     def _compile(self, guide: Guide) -> Any:
         try:
             c = self._for_json() if guide.kind in ("json", "json_object", "structural_tag") else self._compiler
-            if guide.kind == "json":
-                return c.compile_json_schema(guide.source, any_whitespace=True, max_whitespace_cnt=MAX_WHITESPACE)
-            if guide.kind == "json_object":
-                return c.compile_json_schema('{"type": "object"}', any_whitespace=True,
-                                             max_whitespace_cnt=MAX_WHITESPACE)
+            if guide.kind in ("json", "json_object"):  # numbers and whitespace bounded (json_grammar)
+                return c.compile_grammar(json_schema_ebnf(guide.source if guide.kind == "json" else JSON_OBJECT))
             if guide.kind == "regex":
                 return c.compile_regex(guide.source)
             if guide.kind == "structural_tag":
-                return c.compile_structural_tag(guide.source)
+                return c.compile_structural_tag(bounded_structural_tag(guide.source))
             if guide.kind == "choice":
                 return c.compile_grammar("root ::= " + " | ".join(_ebnf_string(x) for x in guide.choices))
             return c.compile_grammar(guide.source)
