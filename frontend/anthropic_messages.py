@@ -74,7 +74,7 @@ MESSAGES_FIELDS: dict[str, MessagesField] = {
     "model": _impl("must name the served model"),
     "messages": _impl("user and assistant turns: text, tool_use and tool_result blocks"),
     "system": _impl("a string or text blocks, rendered as the system message"),
-    "max_tokens": _impl("required on /v1/messages, as Anthropic requires it"),
+    "max_tokens": _impl("required on /v1/messages, as Anthropic requires it; capped at the room the prompt leaves"),
     "stop_sequences": _impl("stop strings; the one that matched is the reply's stop_sequence"),
     "temperature": _impl("sampling temperature; 0 is greedy"),
     "top_p": _impl("nucleus sampling"),

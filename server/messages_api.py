@@ -8,6 +8,7 @@ status codes as elsewhere; a failure after a stream's headers is an `error` even
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 import time
 from contextlib import aclosing, asynccontextmanager
@@ -111,7 +112,10 @@ async def _chat_request(request: web.Request, ctx: ServerContext, count: bool) -
         chat = chat_body(body, count)
     except MessagesError as exc:
         raise bad_request(str(exc), exc.param) from None
-    return parse_chat(chat, ctx.limits.name, ctx.defaults)
+    req = parse_chat(chat, ctx.limits.name, ctx.defaults)
+    # Anthropic's clients send a max_tokens sized for Claude (Claude Code: 32000), more than a local model's context
+    # holds: it is a ceiling here, capped at the room the prompt leaves; a reply that fills it ends with max_tokens.
+    return dataclasses.replace(req, sampling=dataclasses.replace(req.sampling, max_tokens_capped=True))
 
 
 # ---------------------------------------------------------------------------------------- replies

@@ -62,7 +62,7 @@ class SamplingFields:
 
     params: SamplingParams = SamplingParams()
     names: tuple[tuple[str, str], ...] = ()  # (SamplingParams field, the request field that set it), for errors
-    max_tokens_defaulted: bool = False  # not in the request: capped at the room the prompt leaves
+    max_tokens_capped: bool = False  # at most the room the prompt leaves: left out, or a Messages ceiling
 
     def param(self, name: str) -> str:
         """The request field that set the SamplingParams field `name` (`name` itself when none did)."""
@@ -257,7 +257,7 @@ def _sampling_fields(body: dict[str, Any], endpoint: Endpoint, default_max_token
     if guide is not None:
         values["guide"], set_by["guide"] = guide
     fields = SamplingFields(names=tuple(set_by.items()),
-                            max_tokens_defaulted="max_tokens" not in set_by and default_max_tokens is not None)
+                            max_tokens_capped="max_tokens" not in set_by and default_max_tokens is not None)
     return replace(fields, params=_checked(fields, lambda: SamplingParams(**values)))
 
 
@@ -601,7 +601,7 @@ def effective_max_tokens(fields: SamplingFields, prompt_tokens: int, limits: Mod
 def sampling_params(fields: SamplingFields, prompt_tokens: int, limits: ModelLimits) -> SamplingParams:
     """SamplingParams for a prompt of `prompt_tokens` tokens; 400 naming the field when anything is off."""
     params = fields.params
-    if fields.max_tokens_defaulted and params.max_tokens is not None:
+    if fields.max_tokens_capped and params.max_tokens is not None:
         room = limits.max_model_len - prompt_tokens
         params = _checked(fields, lambda: replace(params, max_tokens=max(1, min(params.max_tokens, room))))
     _check_vocab(params.stop_token_ids, limits, "stop_token_ids")

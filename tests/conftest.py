@@ -2,10 +2,12 @@ from __future__ import annotations
 
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 
+from engine.backends.dispatch_store import KIND as DISPATCH_KIND
 from engine.disk_cache import ROOT_ENV
 from tests import leaks
 from tests.server_utils import wait_until
@@ -48,9 +50,15 @@ def session_cache_root(tmp_path_factory):
 @pytest.fixture(scope="module", autouse=True)
 def module_cache_root(session_cache_root, tmp_path_factory, request):
     """A fresh cache root per test module (set before the module's own fixtures start servers), so that the first
-    actor a module starts calibrates whatever other modules ran before it."""
+    actor a module starts calibrates whatever other modules ran before it. The kernel dispatch tables are the
+    exception: one per model shape for the whole run, as on a machine, so that the modules neither pay the
+    measurement again nor run different kernels for the same model."""
+    root = tmp_path_factory.mktemp(f"cache-{request.path.stem}")
+    shared = Path(os.environ[ROOT_ENV]) / DISPATCH_KIND
+    shared.mkdir(exist_ok=True)
+    (root / DISPATCH_KIND).symlink_to(shared, target_is_directory=True)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(ROOT_ENV, str(tmp_path_factory.mktemp(f"cache-{request.path.stem}")))
+        patch.setenv(ROOT_ENV, str(root))
         yield
 
 

@@ -91,6 +91,14 @@ def test_max_tokens_is_the_stop_reason_at_the_limit(client):
     assert reply.stop_reason == "max_tokens" and reply.usage.output_tokens == 3
 
 
+def test_a_max_tokens_past_the_context_is_a_ceiling_as_claude_code_sends_it(client, server):
+    context = server.get("/v1/models").json()["data"][0]["max_model_len"]
+    reply = client.messages.create(max_tokens=context + 32000, messages=FRANCE, **GREEDY)
+    assert "Paris" in _text(reply) and reply.stop_reason == "end_turn"
+    chat = server.post("/v1/chat/completions", {"model": MODEL, "max_tokens": context + 32000, "messages": FRANCE})
+    assert chat.status == 400 and chat.json()["error"]["param"] == "max_tokens"
+
+
 # ---------------------------------------------------------------------------------------- tools
 
 def test_a_forced_tool_use_follows_the_schema_and_a_tool_result_turn_answers(client):
@@ -159,7 +167,7 @@ BAD = [
     ("/v1/messages", b"[1]", 400, None),
     ("/v1/messages", {"model": MODEL, "messages": FRANCE}, 400, "max_tokens"),
     ("/v1/messages", OK_BODY | {"max_tokens": 0}, 400, "max_tokens"),
-    ("/v1/messages", OK_BODY | {"max_tokens": 10 ** 6}, 400, "max_tokens"),
+    ("/v1/messages", OK_BODY | {"max_tokens": -3}, 400, "max_tokens"),
     ("/v1/messages", OK_BODY | {"max_tokens": "5"}, 400, "max_tokens"),
     ("/v1/messages", OK_BODY | {"messages": []}, 400, "messages"),
     ("/v1/messages", OK_BODY | {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},

@@ -113,9 +113,9 @@ def test_defaults_fill_only_what_the_request_leaves_out():
     left_out = parse_chat({"messages": MESSAGES}, "m", defaults).sampling
     params = left_out.params
     assert (params.temperature, params.top_k, params.repetition_penalty) == (0.3, 20, 1.1)
-    assert params.max_tokens == 50 and left_out.max_tokens_defaulted
+    assert params.max_tokens == 50 and left_out.max_tokens_capped
     given = parse_chat({"messages": MESSAGES, "temperature": 0.9, "max_tokens": 5}, "m", defaults).sampling
-    assert given.params.temperature == 0.9 and given.params.max_tokens == 5 and not given.max_tokens_defaulted
+    assert given.params.temperature == 0.9 and given.params.max_tokens == 5 and not given.max_tokens_capped
     assert parse_completion({"prompt": "x"}, "m", defaults).sampling.params.max_tokens == 50
 
 

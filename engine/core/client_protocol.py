@@ -78,5 +78,5 @@ class EngineClient(Protocol):
         """Fail or abort every request in flight and release the engine(s)."""
 
 
-ENGINE_CLIENT_METHODS = ("add", "abort", "stats", "can_serve", "actors", "calibration", "counters", "begin_shutdown",
-                         "drain", "placement_of", "trace", "close")
+ENGINE_CLIENT_METHODS = ("add", "abort", "stats", "can_serve", "actors", "calibration", "counters", "layout_status",
+                         "begin_shutdown", "drain", "placement_of", "trace", "close")
