@@ -70,7 +70,7 @@ def tool_use_block(call: ToolCall) -> Json:
 def message_body(meta: MessageMeta, final: RequestOutput, tools: ToolCallOutput | None) -> Json:
     """The whole reply: a text block (when there is text), then a tool_use block per call."""
     sample = final.outputs[0]
-    content, calls = tools.read(sample.text) if tools is not None else (sample.text, [])
+    content, calls = tools.read(sample.text, sample.finish_reason) if tools is not None else (sample.text, [])
     blocks = ([{"type": "text", "text": content}] if content else []) + [tool_use_block(c) for c in calls]
     return message_json(meta, blocks, stop_reason(sample, bool(calls)), message_usage(final))
 

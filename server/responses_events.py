@@ -167,8 +167,10 @@ class OutputFeed:
 
 
 def whole_output(builder: OutputBuilder, text: str, tools: ToolCallOutput | None, status: str) -> list[Item]:
-    """A finished sample's items, read for calls as the chat route reads them."""
-    content, calls = tools.read(text) if tools is not None else (text, [])
+    """A finished sample's items, read for calls as the chat route reads them: one cut by max_output_tokens
+    (status incomplete) keeps the calls that closed and drops the one it was writing."""
+    cut = "length" if status == "incomplete" else None
+    content, calls = tools.read(text, cut) if tools is not None else (text, [])
     builder.text(content or "")
     for call in calls:
         builder.call(call.id, call.name)

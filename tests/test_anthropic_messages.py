@@ -274,6 +274,13 @@ def test_a_streamed_call_is_a_text_block_then_a_tool_use_block_in_order():
         "stop_reason": whole["stop_reason"], "stop_sequence": whole["stop_sequence"]}
 
 
+def test_a_whole_reply_cut_inside_a_second_call_keeps_the_first_call():
+    second = ['<tool_call>', '\n{"name": "get_weather", ', '"arguments": {"ci']
+    whole = message_body(META, _outputs(CALL + second, finish="length")[-1], HERMES)
+    assert [b["type"] for b in whole["content"]] == ["text", "tool_use"]
+    assert whole["content"][1]["input"] == {"city": "Oslo"} and whole["stop_reason"] == "max_tokens"
+
+
 def test_plain_text_streams_as_one_text_block_that_joins_to_the_whole_reply():
     outs = _outputs(["Hel", "lo", " there"], finish="length", cached=4)
     events = _events(outs, None)

@@ -395,6 +395,16 @@ def test_a_streamed_tool_call_is_read_into_call_events_like_the_whole_reply():
     assert json.loads(deltas) == {"city": "Oslo"}
 
 
+def test_a_whole_reply_cut_inside_a_second_call_keeps_the_first_call():
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    text = call + '<tool_call>\n{"name": "get_weather", "arguments": {"ci'
+    tools = ToolCallOutput(HermesParser())
+    cut = whole_output(OutputBuilder(_ids()), text, tools, "incomplete")
+    assert [i["type"] for i in cut if i["type"] == "function_call"] == ["function_call"]
+    assert json.loads(next(i for i in cut if i["type"] == "function_call")["arguments"]) == {"city": "Oslo"}
+    assert not any("<tool_call>" in c.get("text", "") for i in cut for c in i.get("content", []))
+
+
 # ---------------------------------------------------------------------------------------- the bench's share
 
 def test_the_load_tests_share_goes_to_responses_evenly_and_reads_its_events():
