@@ -75,6 +75,21 @@ def entry_key(namespace: bytes, block_hash: int) -> str:
     return hashlib.blake2b(namespace + struct.pack("<Q", block_hash), digest_size=16).hexdigest()
 
 
+def entry_name(namespace: bytes, block_hash: int, depth: int) -> str:
+    """The file name of a block's entry in any tier's directory."""
+    return f"{depth:05d}-{entry_key(namespace, block_hash)}{SUFFIX}"
+
+
+def stored_depth(directories: list[Path], namespace: bytes, hashes: list[int]) -> int:
+    """How many leading blocks of a prompt (its chain of block hashes) any of the tier directories holds; a
+    look at file names only, for a process that keeps no store open (the router's placement)."""
+    for depth, block_hash in enumerate(hashes):
+        name = entry_name(namespace, block_hash, depth)
+        if not any((directory / name).exists() for directory in directories):
+            return depth
+    return len(hashes)
+
+
 def encode_header(namespace: bytes, block_hash: int, depth: int, payload: bytes | bytearray | memoryview) -> bytes:
     header = HEADER.pack(MAGIC, FORMAT, 0, namespace, block_hash, depth, len(payload), zlib.crc32(payload))
     return header + HEADER_CRC.pack(zlib.crc32(header))
@@ -120,7 +135,7 @@ class TierStore:
     # ---------------------------------------------------------------- reading
 
     def path(self, block_hash: int, depth: int) -> Path:
-        return self.directory / f"{depth:05d}-{entry_key(self.namespace, block_hash)}{SUFFIX}"
+        return self.directory / entry_name(self.namespace, block_hash, depth)
 
     def contains(self, block_hash: int, depth: int) -> bool:
         return self.path(block_hash, depth).exists()

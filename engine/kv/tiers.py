@@ -30,7 +30,9 @@ import hashlib
 import json
 import logging
 import time
+import weakref
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable, Sequence
 
 import torch
@@ -59,6 +61,10 @@ class TierCounters:
     hits: int = 0  # blocks loaded from it
     bytes_loaded: int = 0
     bytes_stored: int = 0
+
+
+def _count_stored(counters: dict[str, TierCounters], tier: str, num_bytes: int) -> None:
+    counters[tier].bytes_stored += num_bytes
 
 
 def tier_namespace(config: EngineConfig, model_path, cache: KVCache) -> bytes:
@@ -102,7 +108,9 @@ class KVTiers:
         self.load_timeout = load_timeout
         self.clock = clock
         self.counters = {store.name: TierCounters() for store in stores}
-        self.writer = TierWriter(list(stores), max_pending_bytes, self._stored)
+        self.writer = TierWriter(list(stores), max_pending_bytes, partial(_count_stored, self.counters))
+        # Whoever never closes the engine (the embedded LLM) still gets its queued write-back published at exit
+        self._stop_writer = weakref.finalize(self, self.writer.close, CLOSE_SECONDS)
         self.block_bytes = cache.bytes_per_block
         self._staging = bytearray(self.block_bytes)  # what a load reads into before it is checked
         self._closed = False
@@ -121,7 +129,8 @@ class KVTiers:
         return len(hashes)
 
     def _find(self, block_hash: int, depth: int) -> bool:
-        if block_hash in self.writer.pending:
+        if block_hash in self.writer.pending:  # on its way to the tiers: counted as the first tier's
+            self.counters[self.stores[0].name].queries += 1
             return True
         for store in self.stores:
             self.counters[store.name].queries += 1
@@ -177,10 +186,13 @@ class KVTiers:
         self._as_pages(payload).copy_(self.cache.data[:, :, block_id])
         self.writer.submit(PendingBlock(block_hash, depth, payload), wait)
 
-    def _stored(self, tier: str, num_bytes: int) -> None:
-        self.counters[tier].bytes_stored += num_bytes
-
     # ---------------------------------------------------------------- what the engine reports
+
+    def describe(self) -> dict:
+        """What another process needs to see which prompts these tiers hold (engine.kv.tier_store.stored_depth):
+        the namespace, the block size and the directories."""
+        return {"namespace": self.namespace.hex(), "block_size": self.cache.block_size,
+                "dirs": [str(store.directory) for store in self.stores]}
 
     def stats(self) -> dict[str, int]:
         """EngineStats' tier fields: per tier its counters, bytes used (by every engine sharing it) and capacity."""
@@ -203,6 +215,7 @@ class KVTiers:
         if self._closed:
             return
         self._closed = True
+        self._stop_writer.detach()
         self.writer.close(timeout)
         for store in self.stores:
             store.close()
