@@ -33,6 +33,7 @@ MODULE_TIERS: Mapping[str, Tier] = {
     "test_async_llm.py": E,
     "test_attention.py": E,
     "test_block_pool.py": U,  # one test hashes in subprocesses: marked process
+    "test_bench_kv_tiers.py": U,
     "test_calibration.py": E,
     "test_calibration_store.py": E,  # the actors' calibration path, in this process
     "test_checkpoint_identity.py": U,
