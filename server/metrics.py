@@ -116,7 +116,8 @@ def tier_metrics(s: EngineStats) -> Iterator[Metric]:
         for tier in tiers:
             family.add_metric((tier,), getattr(s, f"kv_{tier}_{field}"))
         yield family
-    yield _counter("kv_tier_dropped_stores", "Evicted blocks not written back: the tiers' write queue was full.",
+    yield _counter("kv_tier_dropped_stores", "Evicted blocks not written back: the tiers' write queue was full, "
+                   "or a tier's file system full or failing.",
                    s.kv_tier_dropped_stores)
     yield _counter("kv_tier_bad_entries", "KV tier entries found truncated, corrupt or foreign, read as misses.",
                    s.kv_tier_bad_entries)

@@ -117,7 +117,7 @@ def test_a_block_larger_than_the_tier_or_a_full_file_system_is_not_stored(tmp_pa
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(tier_store.os, "write", no_space)
-    assert not store.write(2, 0, payload(2))
+    assert not store.write(2, 0, payload(2)) and store.failed_writes == 1
     monkeypatch.undo()
     assert os.listdir(tmp_path / "full") == [".lock"] and store.usage() == 0
     assert store.write(2, 0, payload(2)) and read(store, 2, 0) == payload(2)  # room again: stored

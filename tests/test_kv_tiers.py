@@ -208,3 +208,19 @@ def test_engines_share_a_host_tier_and_store_the_same_prefix_soundly(tiny_model_
     assert host.is_dir()  # an attached engine leaves it
     owner.engine.close()
     assert not host.exists()
+
+
+@pytest.mark.parametrize("entries", [0, 6])
+def test_a_disk_tier_too_small_for_the_prefix_costs_only_recomputation(tiny_model_dir, reference, tmp_path, entries):
+    block_entry = HEADER_BYTES + 2 * 2 * BS * 2 * 16 * 4  # this model's block: 2 layers, k and v, 2 heads of 16, fp32
+    llm = tiered(tiny_model_dir, kv_disk_dir=str(tmp_path / "disk"), kv_disk_size=max(entries * block_entry, 100))
+    assert llm.engine.kv_cache.bytes_per_block + HEADER_BYTES == block_entry
+    llm.generate([FIRST], GREEDY)
+    evict_everything(llm)
+    second = llm.generate([SECOND], GREEDY)[0]
+    assert second.token_ids == reference(SECOND)
+    store = llm.engine.scheduler.tiers.stores[0]
+    assert store.usage() <= entries * block_entry and len(store.scan()) <= entries
+    assert second.num_cached_tokens <= entries * BS
+    assert_clean(llm)
+    llm.engine.close()

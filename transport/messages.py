@@ -155,7 +155,7 @@ class EngineStats(Record):
     kv_disk_bytes_stored: int = 0
     kv_disk_bytes_used: int = 0
     kv_disk_bytes_total: int = 0
-    kv_tier_dropped_stores: int = 0  # evicted blocks not written back: the write-back queue was full
+    kv_tier_dropped_stores: int = 0  # evicted blocks not written back: the queue was full, or a tier's disk
     kv_tier_bad_entries: int = 0  # tier entries found truncated, corrupt or foreign, read as misses
 
     @staticmethod

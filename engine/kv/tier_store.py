@@ -128,6 +128,7 @@ class TierStore:
         self.namespace = namespace
         self.clock = clock
         self.bad_entries = 0  # entries found damaged or foreign, read as misses
+        self.failed_writes = 0  # entries not stored: the file system full or failing
         self._lock_fd = self._open_lock()
         with self._locked():
             self._write_ledger(self._evict_to(capacity))  # counts what a previous run left, within capacity
@@ -199,8 +200,9 @@ class TierStore:
         except OSError as exc:
             with contextlib.suppress(OSError):
                 temp.unlink()
-            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
-                log.warning("KV %s tier cannot store a block (%s)", self.name, exc)
+            self.failed_writes += 1
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or self.failed_writes == 1:
+                log.warning("KV %s tier cannot store a block (%s); it goes without", self.name, exc)
             return False
 
     def _write_temp(self, temp: Path, header: bytes, payload: bytes | bytearray | memoryview) -> None:

@@ -196,7 +196,7 @@ class KVTiers:
 
     def stats(self) -> dict[str, int]:
         """EngineStats' tier fields: per tier its counters, bytes used (by every engine sharing it) and capacity."""
-        out = {"kv_tier_dropped_stores": self.writer.dropped,
+        out = {"kv_tier_dropped_stores": self.writer.dropped + sum(store.failed_writes for store in self.stores),
                "kv_tier_bad_entries": sum(store.bad_entries for store in self.stores)}
         for store in self.stores:
             c = self.counters[store.name]
