@@ -33,6 +33,7 @@ import time
 import weakref
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
@@ -87,7 +88,8 @@ def build_tiers(config: EngineConfig, model_path, cache: KVCache) -> "KVTiers | 
             host_dir = HostTierDir.attach(config.kv_host_dir, config.kv_host_size, config.shm_free_bytes)
             stores.append(TierStore(HOST, host_dir.path, config.kv_host_size, namespace, time.time_ns))
         if config.kv_disk_dir:
-            stores.append(TierStore(DISK, config.kv_disk_dir, config.kv_disk_size, namespace, time.time_ns))
+            disk_dir = Path(config.kv_disk_dir).expanduser().resolve()
+            stores.append(TierStore(DISK, disk_dir, config.kv_disk_size, namespace, time.time_ns))
     except BaseException:
         for store in stores:
             store.close()
