@@ -238,10 +238,10 @@ class TierStore:
         for item in os.scandir(self.directory):
             if item.name.startswith(TEMP_PREFIX):
                 self._reclaim_temp(item)
-            elif item.name.endswith(SUFFIX) and item.name[:5].isdigit():
+            elif item.name.endswith(SUFFIX) and (depth := item.name.partition("-")[0]).isdigit():
                 with contextlib.suppress(FileNotFoundError):
                     st = item.stat()
-                    entries.append(StoredEntry(Path(item.path), int(item.name[:5]), st.st_size, st.st_mtime_ns))
+                    entries.append(StoredEntry(Path(item.path), int(depth), st.st_size, st.st_mtime_ns))
         return sorted(entries, key=lambda e: (e.mtime_ns, -e.depth))
 
     def _evict_to(self, target: int) -> int:

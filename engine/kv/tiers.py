@@ -21,6 +21,11 @@ copy of a few hundred KiB, while computing them is a prefill of block_size token
 dearer on a CPU. (On a GPU a host would keep the host tier in pinned memory and copy asynchronously, layer by
 layer beside the prefill of the rest; here the copy runs on the step thread before the step.)
 
+The router counts the prompt tokens the tiers hold as loaded, not computed, in its estimate of a colocated
+request's TTFT (router/placer.py). Limits: a request handed off to a prefill actor takes only the pool's prefix
+hit (its prefill actor computes the rest); an engine with tiers keeps the plain KV layout (one group of every
+layer, nothing given back), since an entry is a block of every layer.
+
 The interface per tier is `contains(hash, depth)`, `read(hash, depth, into)` and `write(hash, depth, payload)`;
 this class maps blocks of the pool to payloads and keeps the counters.
 """
@@ -28,7 +33,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import time
 import weakref
 from dataclasses import dataclass
@@ -45,11 +49,8 @@ from engine.kv.tier_store import TierStore
 from engine.kv.tier_writer import PendingBlock, TierWriter
 from engine.model.identity import checkpoint_key
 
-log = logging.getLogger(__name__)
-
 NAMESPACE_FORMAT = 1  # bump when what a payload holds changes
 HOST, DISK = "host", "disk"
-TIER_NAMES = (HOST, DISK)
 MAX_PENDING_BYTES = 256 << 20  # write-back queued for the tiers before further evictions are dropped
 CLOSE_SECONDS = 10.0  # at close: how long the queued write-back may take
 
