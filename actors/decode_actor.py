@@ -104,6 +104,8 @@ class DecodeActor(Actor):
         kv = self.engine.kv_cache
         export = dict(self.pool.export if self.pool else {"kind": "none"}, bytes_per_token=kv.bytes_per_token,
                       kv_format=kv.kv_format)
+        if self.engine.scheduler.tiers is not None:  # for the router's estimate of what admission will load
+            export["kv_tiers"] = self.engine.scheduler.tiers.describe()
         if self.kv_endpoint is not None:
             host, port = self.kv_endpoint.address
             export["endpoint"] = [host, port]
@@ -113,7 +115,10 @@ class DecodeActor(Actor):
                        self.engine.runner.backend.describe(), self.engine.config.max_num_batched_tokens)
 
     def release(self) -> None:
-        """Close the KV endpoint and the exported pool (its mapping goes with the engine)."""
+        """Hand the KV tiers what the pool caches (the engine steps no more), then close the KV endpoint and the
+        exported pool (its mapping goes with the engine)."""
+        if self.engine is not None:
+            self.engine.close()
         if self.kv_endpoint is not None:
             self.kv_endpoint.close()
         if self.pool is not None:

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from engine.kv.export import reclaim_stale_pools
+from engine.kv.host_tier import HostTierDir
 from actors.ray_options import RayOptions
 from actors.spec import ROLES, ActorSpec, Role, socket_name
 from actors.start_watch import DEFAULT_START_SILENCE, StartSilence, StartWatch, await_ready, until_joined
@@ -110,6 +111,17 @@ class ActorHandle:
             return False
 
 
+def share_host_tier(specs: list[ActorSpec]) -> tuple[HostTierDir | None, list[ActorSpec]]:
+    """The host KV tier the actors of this host share (engine/kv/host_tier.py): made here, so that this process
+    owns it and removes it when it stops, when any actor asks for one; each such actor's spec names it."""
+    sizes = [s.engine["kv_host_size"] for s in specs if s.engine.get("kv_host_size")]
+    if not sizes:
+        return None, specs
+    tier = HostTierDir.create(max(sizes), specs[0].engine.get("shm_free_bytes"))
+    return tier, [replace(s, engine=dict(s.engine, kv_host_dir=str(tier.path))) if s.engine.get("kv_host_size")
+                  else s for s in specs]
+
+
 OnMessage = Callable[[ActorHandle, m.Message], None]
 OnChange = Callable[[ActorHandle], Awaitable[None] | None]
 
@@ -123,6 +135,7 @@ class Supervisor:
         self._join: tuple[tuple[str, int], bytes] | None = None  # where and with what secret Ray actors join
         reclaim(Path(tempfile.gettempdir()), SOCKET_DIR_KIND)  # what servers killed with SIGKILL left
         reclaim_stale_pools()
+        self.host_tier, specs = share_host_tier(specs)
         self.socket_dir = private_socket_dir(owned_prefix(SOCKET_DIR_KIND))
         self.handles = [ActorHandle(replace(s, socket_path=str(self.socket_dir / socket_name(s.actor_id))))
                         for s in specs]
@@ -158,6 +171,8 @@ class Supervisor:
         if self.cluster is not None:
             self.cluster.close()
         shutil.rmtree(self.socket_dir, ignore_errors=True)
+        if self.host_tier is not None:
+            self.host_tier.close()
 
     async def listen_for_workers(self, host: str, port: int, secret: bytes) -> tuple[str, int]:
         """Accept actors on other hosts (`cli.py worker --connect HOST:PORT`) over authenticated TCP."""

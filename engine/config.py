@@ -254,6 +254,18 @@ class EngineConfig:
                                         "free when a decode actor exports its KV pool, instead of what it "
                                         "reports: the start-up size check", parse=parse_bytes, metavar="SIZE",
                                         shown="what it reports")
+    kv_host_size: int | None = option(None, "bytes of the host KV tier: blocks the pool evicts are kept in shared "
+                                      "memory (/dev/shm) that every actor of this host reads, and loaded instead "
+                                      "of recomputed when a prompt comes back, e.g. 4GiB", parse=parse_bytes,
+                                      metavar="SIZE", shown="none: no host tier")
+    kv_disk_dir: str | None = option(None, "directory of the disk KV tier: evicted blocks are also written there "
+                                     "(in the background) and survive a restart; entries of another model or KV "
+                                     "format are never read", metavar="DIR", shown="none: no disk tier")
+    kv_disk_size: int = option(8 << 30, "with --kv-disk-dir: most bytes the disk tier holds (the least recently "
+                               "used, deepest blocks go first)", parse=parse_bytes, metavar="SIZE", shown="8GiB")
+    kv_tier_load_timeout: float = option(1.0, "seconds a request's admission may spend loading blocks from the KV "
+                                         "tiers; what is not loaded by then is computed")
+    kv_host_dir: str | None = None  # the host tier's directory, made by the process that owns it (not a flag)
     cache_dir: str | None = option(None, "where what an engine derives from a model on this machine is kept "
                                    "between runs (an actor's start-up calibration, the kernel dispatch table)",
                                    metavar="DIR",
@@ -300,6 +312,7 @@ class EngineConfig:
         self._check_kv_compress()
         if self.pooling not in POOLING_MODES:
             raise ConfigError(f"pooling must be one of {', '.join(POOLING_MODES)}, got {self.pooling!r}")
+        self._check_kv_tiers()
         if self.cache_dir is not None and not str(self.cache_dir).strip():
             raise ConfigError(f"cache_dir must name a directory, got {self.cache_dir!r}")
 
@@ -336,6 +349,24 @@ class EngineConfig:
         if self.kv_compress == "fp4" and self.kv_cache_dtype == "fp4":
             raise ConfigError("kv_compress fp4 needs kv_cache_dtype auto or fp8: fp4 pages cannot be compressed "
                               "further")
+
+
+    def _check_kv_tiers(self) -> None:
+        if self.kv_host_size is not None and self.kv_host_size <= 0:
+            raise ConfigError(f"kv_host_size must be positive, got {self.kv_host_size}")
+        if self.kv_disk_size <= 0:
+            raise ConfigError(f"kv_disk_size must be positive, got {self.kv_disk_size}")
+        if self.kv_disk_dir is not None and not str(self.kv_disk_dir).strip():
+            raise ConfigError(f"kv_disk_dir must name a directory, got {self.kv_disk_dir!r}")
+        if not self.kv_tier_load_timeout > 0:
+            raise ConfigError(f"kv_tier_load_timeout must be positive, got {self.kv_tier_load_timeout}")
+        if self.uses_kv_tiers and not self.enable_prefix_caching:
+            raise ConfigError("the KV tiers (kv_host_size, kv_disk_dir) keep what the prefix cache evicts: they "
+                              "need enable_prefix_caching")
+
+    @property
+    def uses_kv_tiers(self) -> bool:
+        return bool(self.kv_host_size or self.kv_disk_dir)
 
 
 def parse_self_draft(draft_model: str) -> int:

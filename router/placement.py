@@ -26,6 +26,13 @@ class DecodeActorView:
     queued_prefill_tokens: int = 0  # colocated prompt tokens it has not run yet
     arrival_rate: float = 0.0  # requests/s reaching this actor: streams that start during a colocated prefill
     step_tokens: int = 0  # its engine's token budget per step (0: unknown)
+    # of this request's prompt, past the cached prefix, in the KV tiers below its pool: loaded at admission
+    # instead of computed when the prompt runs colocated (a hand-off prefills it on the prefill actor)
+    loadable_prompt_tokens: int = 0
+
+    def colocated_uncached(self, prompt_tokens: int) -> int:
+        """The prompt tokens a colocated prefill computes: neither cached nor loaded from the tiers."""
+        return max(prompt_tokens - self.cached_prompt_tokens - self.loadable_prompt_tokens, 0)
 
 
 @dataclass(frozen=True)
@@ -84,8 +91,9 @@ def colocated_cost(actor: DecodeActorView, prompt_tokens: int, weight: float,
                    itl_slack: float = 0.0, short: bool = False) -> tuple[float, float]:
     """(cost, ttft): the prompt's uncached part prefilled on the decode actor (after the prompts queued there,
     colocated_ttft), stalling each running stream by the prefill compute beyond `itl_slack`, and the streams
-    that arrive meanwhile by half of it on average."""
-    uncached = prompt_tokens - actor.cached_prompt_tokens
+    that arrive meanwhile by half of it on average. Tokens the KV tiers hold cost nothing: loading a block is a
+    copy, far cheaper than its prefill on a CPU."""
+    uncached = actor.colocated_uncached(prompt_tokens)
     prefill = actor.prefill.seconds(uncached)
     ttft = colocated_ttft(actor, uncached, short)
     stall = actor.running * max(0.0, prefill - itl_slack)
@@ -121,13 +129,14 @@ def place(policy: PlacementPolicy, prompt_tokens: int, block_size: int, decode_a
     if decode is None:
         return None
     coloc, ttft = colocated_cost(decode, prompt_tokens, policy.interference_weight, policy.itl_slack, short)
-    uncached = prompt_tokens - decode.cached_prompt_tokens
+    uncached = decode.colocated_uncached(prompt_tokens)
     best = _best_prefill(decode, prefill_actors, prompt_tokens, kv_bytes_per_token)
     if best is None or policy.mode == "never":
         return Placement(COLOCATED, decode.actor_id, None, coloc, best and best[1], uncached, ttft)
     prefill, disagg = best
     if policy.mode == "always" or disagg * (1 + policy.margin) < coloc:
-        return Placement(DISAGGREGATED, decode.actor_id, prefill.actor_id, coloc, disagg, uncached, disagg)
+        return Placement(DISAGGREGATED, decode.actor_id, prefill.actor_id, coloc, disagg,
+                         prompt_tokens - decode.cached_prompt_tokens, disagg)
     return Placement(COLOCATED, decode.actor_id, None, coloc, disagg, uncached, ttft)
 
 

@@ -6,11 +6,14 @@ heartbeats, their calibration and the router's own books, and the online correct
 from __future__ import annotations
 
 from collections import deque
-from typing import Mapping
+from pathlib import Path
+from typing import Mapping, Sequence
 
 from actors.spec import Role
 from actors.supervisor import ActorHandle, Supervisor
 from engine.core.engine_core import EngineRequest
+from engine.kv.prefix_index import prefix_block_hashes
+from engine.kv.tier_store import stored_depth
 from router.cost_model import ArrivalRate, DecodeCost, LinkEstimate, PrefillCost, Smoothed, TransferCost
 from router.handoff import HANDOFF_PHASES, Phase, Routed, node_of, shares_memory
 from router.placement import DecodeActorView, Placement, PlacementPolicy, PrefillActorView, choose_decode_actor, place
@@ -47,7 +50,10 @@ class Placer:
             return None
         block_size = decodes[0].ready.block_size
         prompt = request.num_context_tokens  # a resumed stream prefills its emitted tokens too
-        views = {h.actor_id: self._decode_view(h, self.arrivals.rate / len(decodes)) for h in decodes}
+        tokens = request.context_token_ids
+        hashes = prefix_block_hashes(tokens[:len(tokens) - 1], block_size) \
+            if any("kv_tiers" in h.ready.kv_export for h in decodes) else []
+        views = {h.actor_id: self._decode_view(h, self.arrivals.rate / len(decodes), hashes) for h in decodes}
         chosen = choose_decode_actor(list(views.values()), prompt, block_size) or min(
             views.values(), key=lambda v: v.running)  # none has room now: queue on the least loaded
         handle = self.supervisor.by_id(chosen.actor_id)
@@ -61,15 +67,16 @@ class Placer:
         return place(policy, prompt, block_size, [chosen], prefills, bytes_per_token, short) \
             or place(NEVER, 0, block_size, [chosen], [], bytes_per_token)
 
-    def _decode_view(self, handle: ActorHandle, arrival_rate: float) -> DecodeActorView:
+    def _decode_view(self, handle: ActorHandle, arrival_rate: float, hashes: Sequence[int]) -> DecodeActorView:
         """Block counts from the last heartbeat; streams and queued prompts from the router's own books,
-        which are current (a burst's second request must see the first)."""
+        which are current (a burst's second request must see the first); what of the prompt (its block
+        `hashes`) the actor's KV tiers hold, from their directories."""
         load = handle.load
         free = handle.ready.num_kv_blocks - (load.kv_blocks_used if load else 0)
         streams, queued = self._decode_load(handle.actor_id)
         return DecodeActorView(handle.actor_id, self._expected_streams(handle.actor_id, streams), free, 0,
                                self.prefill_cost(handle), decode_cost(handle), queued, arrival_rate,
-                               handle.ready.step_tokens or 0)
+                               handle.ready.step_tokens or 0, tier_tokens(handle.ready.kv_export, hashes))
 
     def _expected_streams(self, actor_id: str, now: int) -> float:
         """Streams a colocated prefill would stall: those running now, or as many as usually run. Sampled at
@@ -146,6 +153,16 @@ class Placer:
             decode = decode_cost(handle)
             entry |= {"decode_step_fixed_seconds": decode.fixed, "decode_step_seconds_per_seq": decode.per_seq}
         return entry
+
+
+def tier_tokens(kv_export: dict, hashes: Sequence[int]) -> int:
+    """Prompt tokens (of the block `hashes`) that the KV tiers an actor described in its Ready hold: what its
+    admission would load rather than compute (nothing where its tiers are not visible from here)."""
+    tiers = kv_export.get("kv_tiers")
+    if not tiers or not hashes:
+        return 0
+    directories = [Path(d) for d in tiers["dirs"]]
+    return stored_depth(directories, bytes.fromhex(tiers["namespace"]), list(hashes)) * tiers["block_size"]
 
 
 def link_key(prefill: ActorHandle, decode: ActorHandle) -> tuple[str, str]:

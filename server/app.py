@@ -18,7 +18,7 @@ from server.errors import ApiError, error_response, from_http_exception
 from server.generation import handle_generation
 from server.logging import make_logger
 from server.messages_api import anthropic_errors, count_tokens, messages
-from server.metrics import UNMATCHED_ROUTE, spec_summary
+from server.metrics import UNMATCHED_ROUTE, kv_tiers_status, spec_summary
 from server.protocol import model_not_found
 from server.responses import model_card, model_list
 from server.responses_api import add_responses_routes
@@ -205,6 +205,7 @@ async def _status(request: web.Request) -> web.Response:
                       "compressions": s.kv_compressions},
         "kv_bytes_per_token": s.kv_bytes_per_token,
         "prefix_cache": {"queries": s.prefix_queries, "hits": s.prefix_hits},
+        "kv_tiers": kv_tiers_status(s),
         "preemptions": s.num_preemptions,
         "speculation": spec_summary(SpecCounts(s.spec_proposed, s.spec_accepted, s.spec_steps))
         | {"by_quadrant": ctx.metrics.speculation_by_quadrant()},

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import Counter as Tally
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 from prometheus_client import (CollectorRegistry, Counter, GCCollector, Histogram, PlatformCollector,
                                ProcessCollector, generate_latest)
@@ -89,6 +89,38 @@ class EngineStatsCollector:
         yield _counter("prefix_cache_hits", "Prompt blocks found in the prefix cache.", s.prefix_hits)
         yield _counter("num_preemptions", "Sequences preempted (recomputed later) for lack of KV blocks.",
                        s.num_preemptions)
+        yield from tier_metrics(s)
+
+
+KV_TIERS = ("host", "disk")
+# name -> (kind, help, EngineStats field after "kv_<tier>_"); vLLM's external prefix cache names where it has them
+TIER_FAMILIES = {
+    "external_prefix_cache_queries": ("counter", "Prompt blocks looked up in a KV tier below the pool (past the "
+                                      "prefix cache and the tiers above it).", "queries"),
+    "external_prefix_cache_hits": ("counter", "Prompt blocks loaded from a KV tier instead of computed.", "hits"),
+    "kv_tier_bytes_loaded": ("counter", "KV bytes loaded from a tier into the pool.", "bytes_loaded"),
+    "kv_tier_bytes_stored": ("counter", "KV bytes of evicted blocks written back to a tier.", "bytes_stored"),
+    "kv_tier_usage_bytes": ("gauge", "Bytes a KV tier holds (every engine sharing it).", "bytes_used"),
+    "kv_tier_capacity_bytes": ("gauge", "Bytes a KV tier may hold.", "bytes_total"),
+}
+
+
+def tier_metrics(s: EngineStats) -> Iterator[Metric]:
+    """The KV tiers' families, labelled by tier, for the tiers that exist (a capacity); nothing without tiers."""
+    tiers = [t for t in KV_TIERS if getattr(s, f"kv_{t}_bytes_total")]
+    if not tiers:
+        return
+    for name, (kind, doc, field) in TIER_FAMILIES.items():
+        family = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(PREFIX + name, doc,
+                                                                                  labels=("tier",))
+        for tier in tiers:
+            family.add_metric((tier,), getattr(s, f"kv_{tier}_{field}"))
+        yield family
+    yield _counter("kv_tier_dropped_stores", "Evicted blocks not written back: the tiers' write queue was full, "
+                   "or a tier's file system full or failing.",
+                   s.kv_tier_dropped_stores)
+    yield _counter("kv_tier_bad_entries", "KV tier entries found truncated, corrupt or foreign, read as misses.",
+                   s.kv_tier_bad_entries)
 
 
 class RouterCollector:
@@ -298,3 +330,22 @@ def spec_summary(spec: SpecCounts) -> dict[str, float]:
     return {"proposed": spec.num_draft_proposed, "accepted": spec.num_draft_accepted,
             "steps": spec.num_verify_steps, "acceptance_rate": spec.acceptance_rate,
             "mean_accepted_length": spec.mean_accepted_length}
+
+
+def kv_tiers_status(s: EngineStats) -> dict[str, Any]:
+    """What /status shows of each KV tier that exists: its lookups and loads in blocks, bytes moved, occupancy;
+    and the write-backs dropped and the bad entries met over all tiers. Empty without tiers."""
+    status: dict[str, Any] = {}
+    for tier in KV_TIERS:
+        total = getattr(s, f"kv_{tier}_bytes_total")
+        if not total:
+            continue
+        used, queries, hits = (getattr(s, f"kv_{tier}_{f}") for f in ("bytes_used", "queries", "hits"))
+        status[tier] = {"queries": queries, "hits": hits, "misses": queries - hits,
+                        "bytes_loaded": getattr(s, f"kv_{tier}_bytes_loaded"),
+                        "bytes_stored": getattr(s, f"kv_{tier}_bytes_stored"),
+                        "bytes_used": used, "bytes_total": total, "usage": used / total}
+    if status:
+        status["dropped_stores"] = s.kv_tier_dropped_stores
+        status["bad_entries"] = s.kv_tier_bad_entries
+    return status

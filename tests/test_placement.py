@@ -7,7 +7,8 @@ from actors.spec import ActorSpec
 from actors.supervisor import ActorHandle
 from router.cost_model import (MIN_LINK_SAMPLE_BYTES, ArrivalRate, DecodeCost, LinkEstimate, PrefillCost, Smoothed,
                                TransferCost)
-from router.placer import SHM_TRANSFER, Placer
+from router.placer import SHM_TRANSFER, Placer, tier_tokens
+from engine.kv.tier_store import NAMESPACE_BYTES, TierStore
 from transport import messages as m
 from router.placement import (COLOCATED, DISAGGREGATED, DecodeActorView, PlacementPolicy, PrefillActorView,
                               place)
@@ -233,3 +234,19 @@ def test_the_router_judges_short_as_the_engine_does(long_prompt, prompt, step, s
 
     request = EngineRequest("r", [1] * prompt, SamplingParams(), treatment=Treatment(long_prompt=long_prompt))
     assert _is_short(request, prompt, step) is short
+
+
+def test_prompt_tokens_the_kv_tiers_hold_count_as_loaded_when_colocated(tmp_path):
+    busy = dict(running=32)
+    computed = place(AUTO, 2000, 16, [decode_actor(**busy)], [prefill_actor()], KV_BYTES)
+    held = DecodeActorView("d0", 32, 1000, 0, PREFILL, DECODE, loadable_prompt_tokens=1984)
+    loaded = place(AUTO, 2000, 16, [held], [prefill_actor()], KV_BYTES)
+    assert computed.path == DISAGGREGATED and loaded.path == COLOCATED  # 16 tokens to compute: no stall worth a move
+    assert loaded.uncached_tokens == 16 and loaded.estimated_ttft == pytest.approx(PREFILL.seconds(16))
+    namespace = bytes(NAMESPACE_BYTES)
+    store = TierStore("host", tmp_path, 1 << 20, namespace, lambda: 0)
+    for depth, block_hash in enumerate([11, 12, 13]):
+        store.write(block_hash, depth, b"pages")
+    export = {"kv_tiers": {"namespace": namespace.hex(), "block_size": 16, "dirs": [str(tmp_path)]}}
+    assert tier_tokens(export, [11, 12, 99, 13]) == 32  # the leading run the tiers hold
+    assert tier_tokens({}, [11, 12]) == 0 and tier_tokens(export, []) == 0

@@ -33,6 +33,7 @@ MODULE_TIERS: Mapping[str, Tier] = {
     "test_async_llm.py": E,
     "test_attention.py": E,
     "test_block_pool.py": U,  # one test hashes in subprocesses: marked process
+    "test_bench_kv_tiers.py": U,
     "test_calibration.py": E,
     "test_calibration_store.py": E,  # the actors' calibration path, in this process
     "test_checkpoint_identity.py": U,
@@ -71,6 +72,9 @@ MODULE_TIERS: Mapping[str, Tier] = {
     "test_kv_cache_quant.py": E,  # one test starts actors: marked process
     "test_kv_compress.py": E,
     "test_kv_stream.py": P,  # real sockets and threads; one test runs a decode worker
+    "test_kv_tier_store.py": U,  # the tests with writers in subprocesses are marked process
+    "test_kv_tiers.py": E,
+    "test_kv_tiers_actors.py": P,  # decode actors sharing a host tier; a server restarted on its disk tier
     "test_kv_quant.py": U,  # the import and CUDA-simulator checks run in subprocesses: marked process
     "test_layers.py": U,
     "test_lm_head.py": E,

@@ -45,6 +45,7 @@ from dataclasses import dataclass, fields, is_dataclass
 from types import MappingProxyType
 from typing import Any, ClassVar
 
+# 15: EngineStats carries the KV tiers' counters (kv_host_*, kv_disk_*, kv_tier_*)
 # 14: TokenUpdate.prompt_logprobs and .embedding (a request's prompt pass); `sampling` carries prompt_logprobs
 #     and pooling
 # 13: ChangeRole, RoleChanged (an actor switches between prefill and decode on its loaded model)
@@ -54,7 +55,7 @@ from typing import Any, ClassVar
 # 8: KVReady.streamed_bytes; KVPageFrame, KVStreamEnd, KVStreamAck (direct KV streams, out-of-band pages)
 # 7: AddRequest.resume, PrefillRequest.num_prompt_tokens (migrated streams), Leaving; no generator_state
 # 6: `guide.kind` may be structural_tag (tool calls); 5: `sampling` carries `guide`
-PROTOCOL_VERSION = 14
+PROTOCOL_VERSION = 15
 
 KV_EXPORT_KINDS = ("shm", "cuda_ipc", "tcp", "none")
 """`Ready.kv_export["kind"]`: how peers map the actor's KV pool, or (`tcp`, with `host` and `port`) where
@@ -139,14 +140,37 @@ class EngineStats(Record):
     kv_blocks_compressed: int = 0  # --kv-compress: FP4 blocks holding compressed pages now
     kv_blocks_cold_total: int = 0  # ... of this many in the FP4 region (not counted in kv_blocks_total)
     kv_compressions: int = 0  # pages compressed so far
+    # The KV tiers below the pool (engine/kv/tiers.py), per tier: blocks looked up there (past the pool and the
+    # tiers above), blocks loaded from it, bytes loaded and stored by this engine, and the tier's bytes in use and
+    # capacity (shared by every engine of the host: a property of the tier, not a count)
+    kv_host_queries: int = 0
+    kv_host_hits: int = 0
+    kv_host_bytes_loaded: int = 0
+    kv_host_bytes_stored: int = 0
+    kv_host_bytes_used: int = 0
+    kv_host_bytes_total: int = 0
+    kv_disk_queries: int = 0
+    kv_disk_hits: int = 0
+    kv_disk_bytes_loaded: int = 0
+    kv_disk_bytes_stored: int = 0
+    kv_disk_bytes_used: int = 0
+    kv_disk_bytes_total: int = 0
+    kv_tier_dropped_stores: int = 0  # evicted blocks not written back: the queue was full, or a tier's disk
+    kv_tier_bad_entries: int = 0  # tier entries found truncated, corrupt or foreign, read as misses
 
     @staticmethod
     def total(parts: Iterable[EngineStats]) -> EngineStats:
-        """Several engines as one: counts add up; bytes per token is the largest (a property, not a count)."""
+        """Several engines as one: counts add up; bytes per token and a tier's bytes in use and capacity are the
+        largest (properties, not counts: engines share their tiers)."""
         parts = list(parts)
         sums = {f.name: sum(getattr(p, f.name) for p in parts) for f in fields(EngineStats)}
         sums["kv_bytes_per_token"] = max((p.kv_bytes_per_token for p in parts), default=0.0)
+        for name in SHARED_TIER_FIELDS:
+            sums[name] = max((getattr(p, name) for p in parts), default=0)
         return EngineStats(**sums)
+
+
+SHARED_TIER_FIELDS = ("kv_host_bytes_used", "kv_host_bytes_total", "kv_disk_bytes_used", "kv_disk_bytes_total")
 
 
 @dataclass(frozen=True, slots=True)

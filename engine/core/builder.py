@@ -35,6 +35,7 @@ from engine.kv.cache import KVCache, choose_num_blocks, grouped_num_blocks
 from engine.kv.compaction import MIN_BATCH_SHARE, Compactor
 from engine.kv.compress import ColdRegion, split_kv_budget
 from engine.kv.groups import KVGroups
+from engine.kv.tiers import build_tiers
 from engine.model.footprint import available_memory, check_resident, engine_footprint
 from engine.model.layers import Linear
 from engine.model.llama import LlamaModel
@@ -86,16 +87,21 @@ def build_engine_core(config: EngineConfig, source: ModelSource | None = None, d
     model = loaded.model if loaded else load_model(source, dtype, device, config.weight_dtype, progress)
     report(progress, ALLOCATING_KV)
     plain_blocks, num_cold = _kv_block_counts(config, model_cfg, dtype)
-    # An exported pool (an actor's: a peer writes its pages) and a compressed one keep the plain layout
-    groups = KVGroups.for_model(model_cfg, config.free_window_kv and kv_allocator is None and not num_cold)
+    # An exported pool (an actor's: a peer writes its pages), a compressed one and one with KV tiers below it (a
+    # tier entry is a block of every layer) keep the plain layout
+    groups = KVGroups.for_model(model_cfg, config.free_window_kv and kv_allocator is None and not num_cold
+                                and not config.uses_kv_tiers)
     num_blocks = grouped_num_blocks(model_cfg, plain_blocks, groups)
     kv_cache = _kv_cache(config, model_cfg, num_blocks, dtype, device, kv_allocator, groups)
-    pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching, groups.num_groups) \
-        if not num_cold else TieredBlockPool(num_blocks, num_cold, config.block_size, config.enable_prefix_caching)
+    tiers = build_tiers(config, source.path, kv_cache)
+    evicted = None if tiers is None else tiers.write_back
+    pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching, groups.num_groups, evicted) \
+        if not num_cold else TieredBlockPool(num_blocks, num_cold, config.block_size, config.enable_prefix_caching,
+                                             evicted)
     limits = SchedulerLimits(config.max_num_batched_tokens, config.max_num_seqs, config.enable_chunked_prefill,
                              config.prefill_shares())
     eos = source.tokenizer.eos_token_ids or model_cfg.eos_token_ids
-    scheduler = Scheduler(pool, limits, tuple(eos), _compactor(config, pool), groups.windows)
+    scheduler = Scheduler(pool, limits, tuple(eos), _compactor(config, pool), groups.windows, tiers)
     cold = ColdRegion(model_cfg, num_cold, num_blocks, config.block_size, dtype, device) if num_cold else None
     max_model_len = min(config.max_model_len or model_cfg.max_position_embeddings, model_cfg.max_position_embeddings)
     backend = loaded.backend if loaded else _backend(config, dtype, device, progress, model)

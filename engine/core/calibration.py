@@ -83,16 +83,18 @@ def log_calibration(calibration: Calibration, log: logging.Logger, how: str = "c
 
 
 def _random_prompt(rng: random.Random, length: int, vocab: int) -> list[int]:
-    return [rng.randrange(vocab) for _ in range(length)]  # random ids: never hits the prefix cache
+    # random ids, drawn afresh in each process (rng unseeded): found neither in the prefix cache nor in a KV
+    # tier that an earlier run filled, so what is timed is computed
+    return [rng.randrange(vocab) for _ in range(length)]
 
 
 def _usable_lengths(max_len: int, budget_tokens: int) -> list[int]:
     return [n for n in PREFILL_LENGTHS if n < max_len and n <= budget_tokens]
 
 
-def calibrate_engine(engine: EngineCore, seed: int = 0, progress: Progress | None = None) -> Calibration:
+def calibrate_engine(engine: EngineCore, seed: int | None = None, progress: Progress | None = None) -> Calibration:
     """Times whole requests through the public engine API; leaves the pool as it found it (blocks end CACHED).
-    `progress` hears "calibrating" after each timing."""
+    `progress` hears "calibrating" after each timing. `seed`: of the random prompts (None: fresh ones)."""
     rng = random.Random(seed)
     vocab = engine.source.config.vocab_size
     lengths, batches = decode_engine_plan(engine)
@@ -124,7 +126,7 @@ def warm_up(engine: EngineCore, progress: Progress | None = None) -> None:
     report(progress, WARMING_UP)
     params = SamplingParams(max_tokens=DECODE_STEPS, temperature=0.0, ignore_eos=True)
     engine.add_request(EngineRequest(f"warm-up-{time.perf_counter_ns()}",
-                                     _random_prompt(random.Random(0), PREFILL_LENGTHS[0], engine.source.config.vocab_size),
+                                     _random_prompt(random.Random(), PREFILL_LENGTHS[0], engine.source.config.vocab_size),
                                      params))
     while engine.has_unfinished_requests():
         engine.step()

@@ -14,6 +14,7 @@ import torch
 from engine.kv.block_pool import BlockPool
 from engine.config import EngineConfig
 from engine.kv.cache import KVCache
+from engine.kv.tiers import CLOSE_SECONDS
 from engine.model.loader import ModelSource
 from engine.core.runner import ModelRunner
 from engine.sampling.sampling_params import SamplingParams
@@ -86,6 +87,20 @@ class EngineCore:
             return {}
         return dict(kv_blocks_compressed=compactor.pool.num_compressed,
                     kv_blocks_cold_total=compactor.pool.cold.num_blocks, kv_compressions=compactor.num_compressed_total)
+
+    def _tier_stats(self) -> dict[str, int]:
+        tiers = self.scheduler.tiers
+        return {} if tiers is None else tiers.stats()
+
+    def close(self) -> None:
+        """Let go of what outlives a step: the KV tiers get every block the pool still caches (so the disk tier
+        keeps what this engine computed), then their writer stops. The engine takes no more steps."""
+        tiers = self.scheduler.tiers
+        if tiers is None:
+            return
+        for block_id, block_hash, depth in self.pool.prefix.named():
+            tiers.write_back(block_id, block_hash, depth, wait=CLOSE_SECONDS)
+        tiers.close()
 
     def add_request(self, req: EngineRequest) -> None:
         self._validate(req)
@@ -205,4 +220,5 @@ class EngineCore:
                            prefix_queries=pool.prefix.stats.prefix_queries, prefix_hits=pool.prefix.stats.prefix_hits,
                            num_preemptions=sched.num_preemptions, spec_proposed=spec.proposed,
                            spec_accepted=spec.accepted, spec_steps=spec.steps,
-                           kv_bytes_per_token=self.kv_cache.bytes_per_token, **self._compression_stats())
+                           kv_bytes_per_token=self.kv_cache.bytes_per_token, **self._compression_stats(),
+                           **self._tier_stats())

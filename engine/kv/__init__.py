@@ -12,4 +12,8 @@
 - `compress`: the cold region's tensors and the tiered pages that read both regions.
 - `export`: a decode actor's pool exported once (shared memory on CPU, CUDA IPC on GPU) for prefill actors.
 - `host_memory`: keep freed heap memory in the process between steps.
+- `tiers`: the KV tiers below the pool (host, disk): keys, write-back of evicted blocks, loads at admission.
+- `tier_store`: one tier's directory of checked entry files, shared by processes, with its capacity and eviction.
+- `tier_writer`: the thread that publishes evicted blocks to the tiers off the step thread.
+- `host_tier`: the host tier's shared-memory directory, owned by one process and attached to by the others.
 """

@@ -14,22 +14,28 @@ FREE block.
 """
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Callable, Iterable
 
 from engine.kv.block_states import BlockState, BlockStateError, BlockStates
 from engine.kv.prefix_index import PrefixIndex
 from engine.kv.reservations import Reservations
 
 
+# Hears each cached block that allocation takes for new content, before anything overwrites it:
+# (block id, its hash, its depth in its prompt or None). The KV tiers' write-back (engine/kv/tiers.py).
+EvictionHook = Callable[[int, int, "int | None"], None]
+
+
 class BlockPool:
     """Owns the state of block ids ``0..num_blocks-1``. Every operation is O(1) per block touched."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 num_groups: int = 1) -> None:
+                 num_groups: int = 1, on_evict: EvictionHook | None = None) -> None:
         if num_blocks <= 0 or block_size <= 0 or num_groups <= 0:
             raise ValueError(f"num_blocks, block_size and num_groups must be positive, got {num_blocks}, "
                              f"{block_size}, {num_groups}")
         self.block_size = block_size
+        self.on_evict = on_evict
         self.states = BlockStates(num_blocks, num_groups)
         self.prefix = PrefixIndex(num_groups, enable_prefix_caching)
         self.reservations = Reservations()
@@ -122,8 +128,9 @@ class BlockPool:
             else:
                 self.states.add_ref(block_id)
 
-    def register(self, block_id: int, block_hash: int) -> bool:
-        """Record that USED full block ``block_id`` holds the content named ``block_hash``.
+    def register(self, block_id: int, block_hash: int, depth: int | None = None) -> bool:
+        """Record that USED full block ``block_id`` holds the content named ``block_hash`` (block ``depth`` of its
+        prompt, where known: what names its entry in the KV tiers).
 
         Returns True if this call created the mapping. If another block already holds the hash,
         the existing mapping wins and ``block_id`` stays unregistered (it becomes FREE, not
@@ -135,7 +142,7 @@ class BlockPool:
             return False
         if self.block_state(block_id) is not BlockState.USED:
             raise BlockStateError(f"cannot register block {block_id}: it is {self.states.describe(block_id)}")
-        return self.prefix.add(block_id, self.states.group_of(block_id), block_hash)
+        return self.prefix.add(block_id, self.states.group_of(block_id), block_hash, depth)
 
     # ---------------------------------------------------------------- reservations
 
@@ -174,10 +181,13 @@ class BlockPool:
     # ---------------------------------------------------------------- internals
 
     def _take_available(self, n: int) -> list[int]:
-        """Remove ``n`` blocks from FREE, then from the LRU (dropping their hashes); state left to caller."""
+        """Remove ``n`` blocks from FREE, then from the LRU (dropping their hashes, after the eviction hook has
+        heard of each); state left to caller."""
         taken, evicted = self.states.take(n)
         for block_id in evicted:
-            self.prefix.evict(block_id)
+            block_hash, depth = self.prefix.evict(block_id)
+            if self.on_evict is not None:
+                self.on_evict(block_id, block_hash, depth)
         return taken
 
     def check_integrity(self) -> None:
@@ -198,8 +208,9 @@ class TieredBlockPool(BlockPool):
     ``num_compressed`` counts the cold blocks in use.
     """
 
-    def __init__(self, num_blocks: int, num_cold: int, block_size: int, enable_prefix_caching: bool = True) -> None:
-        super().__init__(num_blocks, block_size, enable_prefix_caching)
+    def __init__(self, num_blocks: int, num_cold: int, block_size: int, enable_prefix_caching: bool = True,
+                 on_evict: EvictionHook | None = None) -> None:
+        super().__init__(num_blocks, block_size, enable_prefix_caching, on_evict=on_evict)
         self.cold = BlockPool(num_cold, block_size, enable_prefix_caching=False)
 
     @property
@@ -233,9 +244,9 @@ class TieredBlockPool(BlockPool):
         super().share(hot)
         self.cold.share(cold)
 
-    def register(self, block_id: int, block_hash: int) -> bool:
+    def register(self, block_id: int, block_hash: int, depth: int | None = None) -> bool:
         """Cold blocks are never findable: their pages are lossy copies (their hot original may still be)."""
-        return False if self.is_cold(block_id) else super().register(block_id, block_hash)
+        return False if self.is_cold(block_id) else super().register(block_id, block_hash, depth)
 
     def block_state(self, block_id: int) -> BlockState:
         return self.cold.block_state(block_id - self.first_cold) if self.is_cold(block_id) else \

@@ -70,7 +70,7 @@ def create_shared_pool(shape: tuple[int, ...], dtype: torch.dtype, device: str =
     if device.startswith("cuda"):
         return _create_cuda_pool(shape, dtype, device)
     size = math.prod(shape) * dtype.itemsize
-    directory = _shm_dir()
+    directory = shm_dir()
     free = shm_free_bytes(directory) if assume_free is None else assume_free
     if free < size:
         raise SharedMemoryError(_too_small(directory, free, size))
@@ -111,7 +111,7 @@ def shm_free_bytes(directory: Path = SHM_DIR) -> int:
 
 def reclaim_stale_pools() -> list[Path]:
     """Remove pool files whose owner died before it could unlink them (transport.owned decides which)."""
-    return reclaim(_shm_dir(), POOL_KIND)
+    return reclaim(shm_dir(), POOL_KIND)
 
 
 def _too_small(directory: Path, free: int, size: int) -> str:
@@ -149,7 +149,8 @@ def _descriptor(export: dict[str, Any]) -> int:
     return receive_fd(export["socket"])
 
 
-def _shm_dir() -> Path:
+def shm_dir() -> Path:
+    """/dev/shm where this process may write there, else /tmp."""
     return SHM_DIR if SHM_DIR.is_dir() and os.access(SHM_DIR, os.W_OK) else Path("/tmp")
 
 

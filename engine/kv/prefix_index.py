@@ -65,6 +65,7 @@ class PrefixIndex:
         self.enabled = enabled
         self._hash_to_block: dict[tuple[int, int], int] = {}  # (group, hash) -> block
         self._block_to_key: dict[int, tuple[int, int]] = {}  # block -> (group, hash)
+        self._depths: dict[int, int] = {}  # block -> its index in the prompt, where the registration said
         self._stats = PrefixCacheStats()
 
     def __contains__(self, block_id: int) -> bool:
@@ -107,9 +108,14 @@ class PrefixIndex:
             self._stats.prefix_queries += queried
             self._stats.prefix_hits += hit
 
-    def add(self, block_id: int, group: int, block_hash_: int) -> bool:
-        """Name `block_id` of `group` by `block_hash_`; False when another block already holds that key (it
-        wins) or the index is disabled. A different hash for a named block is a BlockStateError."""
+    def depth_of(self, block_id: int) -> int | None:
+        """The index in its prompt of a named block (0: the first block), where its registration gave one."""
+        return self._depths.get(block_id)
+
+    def add(self, block_id: int, group: int, block_hash_: int, depth: int | None = None) -> bool:
+        """Name `block_id` of `group` by `block_hash_` (at `depth` in its prompt, where known); False when another
+        block already holds that key (it wins) or the index is disabled. A different hash for a named block is a
+        BlockStateError."""
         if not self.enabled:
             return False
         current = self.hash_of(block_id)
@@ -120,12 +126,20 @@ class PrefixIndex:
             return False
         self._hash_to_block[key] = block_id
         self._block_to_key[block_id] = key
+        if depth is not None:
+            self._depths[block_id] = depth
         return True
 
-    def evict(self, block_id: int) -> None:
-        """A CACHED block is taken for new content: it is no longer findable."""
-        del self._hash_to_block[self._block_to_key.pop(block_id)]
+    def evict(self, block_id: int) -> tuple[int, int | None]:
+        """A CACHED block is taken for new content: it is no longer findable. Returns (its hash, its depth)."""
+        key = self._block_to_key.pop(block_id)
+        del self._hash_to_block[key]
         self._stats.evictions += 1
+        return key[1], self._depths.pop(block_id, None)
+
+    def named(self, group: int = 0) -> list[tuple[int, int, int | None]]:
+        """(block, hash, depth) of every block of `group` the index names."""
+        return [(b, h, self._depths.get(b)) for (g, h), b in self._hash_to_block.items() if g == group]
 
     def check(self, states: BlockStates) -> None:
         """Raise AssertionError unless both maps agree and name exactly USED or CACHED blocks of the key's
@@ -139,6 +153,9 @@ class PrefixIndex:
         if len(self._block_to_key) != len(self._hash_to_block):
             raise AssertionError(
                 f"reverse map has {len(self._block_to_key)} entries, hash map {len(self._hash_to_block)}")
+        stray_depths = sorted(set(self._depths) - set(self._block_to_key))
+        if stray_depths:
+            raise AssertionError(f"blocks {stray_depths} keep a depth but have no hash")
         hashed_elsewhere = sorted(set(self._block_to_key) - states.ids_in(BlockState.USED, BlockState.CACHED))
         if hashed_elsewhere:
             raise AssertionError(f"blocks {hashed_elsewhere} have hashes but are neither USED nor CACHED")

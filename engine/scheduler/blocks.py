@@ -1,20 +1,30 @@
 """Each sequence's block tables in the pool: one table per KV-cache group, grown together. Full blocks are
 registered in the prefix cache; a windowed group gives back the blocks no later query reads; a sequence starts
-from the longest cached prefix that every group can serve."""
+from the longest cached prefix that every group can serve, extended by the blocks that follow it in the KV
+tiers (engine/kv/tiers.py: loaded into fresh blocks, registered, and counted as cached tokens)."""
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from engine.kv.block_pool import BlockPool
 from engine.kv.prefix_index import block_hash, prefix_block_hashes
 from engine.kv.groups import NULL_BLOCK, first_needed_block
 from engine.core.sequence import Sequence
 
+if TYPE_CHECKING:
+    from engine.kv.tiers import KVTiers
+
 
 class SequenceBlocks:
-    def __init__(self, pool: BlockPool, windows: tuple[int | None, ...]) -> None:
-        """`windows`: per KV-cache group, the window past which its blocks are given back (None: kept)."""
+    def __init__(self, pool: BlockPool, windows: tuple[int | None, ...], tiers: KVTiers | None = None) -> None:
+        """`windows`: per KV-cache group, the window past which its blocks are given back (None: kept). `tiers`:
+        the KV tiers below the pool (only with the plain layout: one group, nothing given back)."""
+        if tiers is not None and windows != (None,):
+            raise ValueError("the KV tiers need the plain KV layout: one group, no block given back")
         self.pool = pool
         self.windows = windows
         self.window = next((w for w in windows if w is not None), None)
+        self.tiers = tiers
 
     def needed(self, seq: Sequence, num_new: int) -> int:
         """Pool blocks for `num_new` more tokens: as many per group (the tables grow together)."""
@@ -64,7 +74,7 @@ class SequenceBlocks:
             seq.block_hashes.append(block_hash(parent, seq.token_ids[i * bs:(i + 1) * bs]))
             for table in seq.block_tables:
                 if table[i] != NULL_BLOCK:
-                    self.pool.register(table[i], seq.block_hashes[-1])
+                    self.pool.register(table[i], seq.block_hashes[-1], i)
 
     def attach_cached_prefix(self, seq: Sequence) -> None:
         """Start `seq` from the longest cached prefix every group serves (its blocks acquired)."""
@@ -80,9 +90,26 @@ class SequenceBlocks:
         seq.released_blocks = 0 if self.window is None else first_needed_block(hit * bs, self.window, bs)
         seq.block_tables = [self._attach_group(seq, group, blocks[:hit]) for group, blocks in enumerate(found)]
         seq.block_hashes = hashes[:hit]
-        seq.num_computed_tokens = hit * bs
+        if self.tiers is not None and hit < len(hashes):
+            self._load_from_tiers(seq, hashes)
+        seq.num_computed_tokens = len(seq.block_hashes) * bs
         if seq.num_preemptions == 0:
             seq.num_cached_tokens = seq.num_computed_tokens
+
+    def _load_from_tiers(self, seq: Sequence, hashes: list[int]) -> None:
+        """Extend the sequence's cached prefix with the blocks that follow it in the KV tiers: as many as the pool
+        can take, loaded into fresh blocks and registered. Blocks not loaded (a bad entry, the deadline) go back."""
+        start = len(seq.block_hashes)
+        wanted = min(self.tiers.lookup(hashes[start:], start), self.pool.num_available)
+        if wanted <= 0:
+            return
+        fresh = self.pool.allocate(wanted)
+        loaded = self.tiers.load_run(hashes[start:start + wanted], start, fresh)
+        self.pool.free(reversed(fresh[loaded:]))  # never written, never registered: FREE
+        for i, block_id in enumerate(fresh[:loaded]):
+            self.pool.register(block_id, hashes[start + i], start + i)
+        seq.block_tables[0].extend(fresh[:loaded])
+        seq.block_hashes.extend(hashes[start:start + loaded])
 
     def _cached_prefix_length(self, found: list[list[int | None]], longest: int) -> int:
         """The most leading blocks every group can serve (each group's lookups in `found`): each group in turn

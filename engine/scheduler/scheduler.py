@@ -3,6 +3,7 @@ returned. The package's docstring (engine/scheduler/__init__.py) describes the p
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 from engine.kv.block_pool import BlockPool
 from engine.kv.compaction import Compactor
@@ -16,14 +17,19 @@ from engine.speculative.adaptive import SpecCounters, adapt
 from engine.core.step import (PromptResult, RunnerOutput, ScheduledChunk, SchedulerOutput, SequenceUpdate, build_chunk,
                               eos_for)
 
+if TYPE_CHECKING:
+    from engine.kv.tiers import KVTiers
+
 log = logging.getLogger(__name__)
 DEBUG_EVERY_STEPS = 100  # at --log-level debug, one step in this many logs its decisions (never one per token)
 
 
 class Scheduler:
     def __init__(self, pool: BlockPool, limits: SchedulerLimits, eos_token_ids: tuple[int, ...],
-                 compactor: Compactor | None = None, windows: tuple[int | None, ...] = (None,)) -> None:
-        """`windows`: per KV-cache group, the window past which its blocks are given back (None: kept)."""
+                 compactor: Compactor | None = None, windows: tuple[int | None, ...] = (None,),
+                 tiers: KVTiers | None = None) -> None:
+        """`windows`: per KV-cache group, the window past which its blocks are given back (None: kept). `tiers`:
+        the KV tiers below the pool, whose blocks admission loads (engine/scheduler/blocks.py)."""
         if len(windows) != pool.num_groups or len({w for w in windows if w is not None}) > 1:
             raise ValueError(f"windows {windows} must name the pool's {pool.num_groups} groups and one window")
         self.pool = pool
@@ -32,7 +38,8 @@ class Scheduler:
         self.limits = limits
         self.eos_token_ids = frozenset(eos_token_ids)
         self.queues = SequenceQueues()
-        self.blocks = SequenceBlocks(pool, windows)
+        self.tiers = tiers
+        self.blocks = SequenceBlocks(pool, windows, tiers)
         self.remote = RemoteReservations(pool, windows)
         self.running_planner = RunningPlanner(pool, self.blocks, self.queues, limits, compactor)
         self.admission = Admission(pool, self.blocks, self.queues, limits)
