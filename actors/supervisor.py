@@ -164,15 +164,18 @@ class Supervisor:
         self._stopping = True
 
     async def stop(self, grace: float = 5.0) -> None:
+        """Stops every actor; the socket directory and the host tier go even when stopping one of them fails."""
         self._stopping = True
-        await asyncio.gather(*(self._stop(h, grace) for h in self.handles))
-        if self._tcp is not None:
-            await self._tcp.close()
-        if self.cluster is not None:
-            self.cluster.close()
-        shutil.rmtree(self.socket_dir, ignore_errors=True)
-        if self.host_tier is not None:
-            self.host_tier.close()
+        try:
+            await asyncio.gather(*(self._stop(h, grace) for h in self.handles))
+            if self._tcp is not None:
+                await self._tcp.close()
+            if self.cluster is not None:
+                self.cluster.close()
+        finally:
+            shutil.rmtree(self.socket_dir, ignore_errors=True)
+            if self.host_tier is not None:
+                self.host_tier.close()
 
     async def listen_for_workers(self, host: str, port: int, secret: bytes) -> tuple[str, int]:
         """Accept actors on other hosts (`cli.py worker --connect HOST:PORT`) over authenticated TCP."""
