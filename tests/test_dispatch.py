@@ -355,17 +355,28 @@ def test_the_kernel_timer_times_one_run_of_the_kernel_itself(kernel_calls):
 
 def test_a_kernels_time_is_the_median_of_runs_taken_in_turns():
     order: list = []
-    runs = {"gemv": iter([5.0, 1.0, 2.0]), "linear": iter([1.5, 9.0, 1.6])}
+    runs = {"gemv": iter([3.0, 3.0, 3.0, 5.0, 1.0, 2.0]), "linear": iter([1.5, 9.0, 1.6])}
 
     def timer(fmt: str, kernel: str, rows: int) -> float:
         order.append(kernel)
         return next(runs[kernel])
 
-    table, timings = choose_table({"bf16": ("gemv", "linear")}, (1,), timer, shipped())
-    assert order == ["gemv", "linear"] * 3  # alternated, not three of one then three of the other
-    assert timings["bf16"][1] == {"gemv": 2.0, "linear": 1.6} and table.bf16 == Route.only("linear")
+    table, timings = choose_table({"bf16": ("gemv", "linear")}, (1, 2), timer, shipped())
+    assert order[3:] == ["gemv", "linear"] * 3  # alternated, not three of one then three of the other
+    assert timings["bf16"][2] == {"gemv": 2.0, "linear": 1.6} and table.bf16.kernel(2) == "linear"
     with pytest.raises(ValueError, match="reps"):
         choose_table({"bf16": ("gemv", "linear")}, (1,), timer, shipped(), reps=0)
+
+
+def test_one_row_keeps_a_streaming_kernel_for_the_decode_stack():
+    def timer(fmt: str, kernel: str, rows: int) -> float:
+        return {"gemv": 2.0, "linear": 1.0}[kernel]  # F.linear faster alone at every row count
+
+    table, timings = choose_table({"bf16": ("gemv", "linear")}, (1, 2), timer, shipped())
+    assert set(timings["bf16"][1]) == {"gemv"} and table.bf16.kernel(1) == "gemv"
+    assert table.bf16.kernel(2) == "linear"
+    alone, _ = choose_table({"bf16": ("linear",)}, (1,), timer, shipped())
+    assert alone.bf16.kernel(1) == "linear"  # no streaming kernel: the one there is
 
 
 def test_the_table_is_measured_once_and_read_back(tmp_path, caplog):
