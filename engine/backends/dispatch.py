@@ -229,8 +229,8 @@ def choose_table(candidates: Mapping[str, Sequence[str]], buckets: Sequence[int]
 
 def _one_row_streams(kernels: list[str], rows: int) -> list[str]:
     """At one row only the streaming kernels, where there is one: a one-row step is a batch-1 decode, which the C++
-    decode stack serves only on them, and a product timed alone does not see what the stack saves (with F.linear
-    at one row, batch-1 decode of the default model fell to 0.60x, measured end to end on an Ice Lake Xeon)."""
+    decode stack serves only on them, and a product timed alone does not see what the stack saves (F.linear at one
+    row slowed batch-1 decode of the default model end to end on an Ice Lake Xeon: the commit body has the figures)."""
     streams = [k for k in kernels if k in STREAMING]
     return streams if rows == 1 and streams else kernels
 
