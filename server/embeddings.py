@@ -21,14 +21,10 @@ from typing import Any, Sequence
 
 from aiohttp import web
 
-from client.async_llm import RequestAbortedError
-from engine.core.client_protocol import NoCapacityError, RequestFailedError
-from engine.core.errors import RequestError
 from engine.core.outputs import EmbeddingOutput
 from server.context import CONTEXT, REQUEST_ID, TRACKER, ServerContext
 from server.errors import ApiError, bad_request, invalid_type, json_type
-from server.generation import (NO_CAPACITY_RETRY_AFTER, SHUTTING_DOWN, RequestTracker, TrackerGroup, read_body,
-                               refusal)
+from server.generation import RequestTracker, TrackerGroup, engine_errors, read_body
 from server.protocol import ModelLimits, check_model_name, parse_json_body
 from server.quadrant import Quadrant, classify, treatment_for
 
@@ -175,17 +171,8 @@ async def embed_all(ctx: ServerContext, token_lists: list[list[int]], ids: list[
 
 
 async def _embed_one(ctx: ServerContext, token_ids: list[int], request_id: str, quadrant: Quadrant) -> EmbeddingOutput:
-    try:
+    with engine_errors("input"):
         return await ctx.llm.embed(token_ids, request_id=request_id, treatment=treatment_for(quadrant, ctx.treatment))
-    except RequestError as exc:
-        raise refusal(exc, "input") from None
-    except RequestAbortedError:
-        raise ApiError(503, SHUTTING_DOWN, None, "shutting_down") from None
-    except NoCapacityError as exc:
-        raise ApiError(503, f"no capacity: {exc}; retry later", None, "no_capacity",
-                       {"Retry-After": str(NO_CAPACITY_RETRY_AFTER)}) from None
-    except RequestFailedError as exc:
-        raise ApiError(503, f"the request could not be completed: {exc}", None, "engine_failure") from None
 
 
 async def _tokens(ctx: ServerContext, req: EmbeddingRequest) -> list[list[int]]:

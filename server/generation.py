@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from contextlib import ExitStack, aclosing, asynccontextmanager
+from contextlib import ExitStack, aclosing, asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import AsyncIterator, Iterator
 
 from aiohttp import web
 
@@ -240,21 +240,29 @@ async def engine_outputs(ctx: ServerContext, prepared: Prepared, tracker: Reques
     stream = ctx.llm.generate(prepared.token_ids, prepared.params, request_id=tracker.request_id,
                               priority=prepared.request.priority, treatment=prepared.treatment)
     async with aclosing(stream):
-        try:
+        with engine_errors(prepared.guide_param):
             async for out in stream:
                 tracker.last = out
                 if any(o.finish_reason == "abort" for o in out.outputs):
                     raise ApiError(503, SHUTTING_DOWN, None, "shutting_down")
                 yield out
-        except RequestError as exc:
-            raise refusal(exc, prepared.guide_param) from None
-        except RequestAbortedError:
-            raise ApiError(503, SHUTTING_DOWN, None, "shutting_down") from None
-        except NoCapacityError as exc:
-            raise ApiError(503, f"no capacity: {exc}; retry later", None, "no_capacity",
-                           {"Retry-After": str(NO_CAPACITY_RETRY_AFTER)}) from None
-        except RequestFailedError as exc:
-            raise ApiError(503, f"the request could not be completed: {exc}", None, "engine_failure") from None
+
+
+@contextmanager
+def engine_errors(param: str) -> Iterator[None]:
+    """The engine's errors as the API's: a refusal as a 400 naming `param`, a shutdown abort as 503, no decode
+    actor up in time as 503 with Retry-After, a request the actors could not complete as 503 naming the cause."""
+    try:
+        yield
+    except RequestError as exc:
+        raise refusal(exc, param) from None
+    except RequestAbortedError:
+        raise ApiError(503, SHUTTING_DOWN, None, "shutting_down") from None
+    except NoCapacityError as exc:
+        raise ApiError(503, f"no capacity: {exc}; retry later", None, "no_capacity",
+                       {"Retry-After": str(NO_CAPACITY_RETRY_AFTER)}) from None
+    except RequestFailedError as exc:
+        raise ApiError(503, f"the request could not be completed: {exc}", None, "engine_failure") from None
 
 
 def refusal(exc: RequestError, guide_param: str) -> ApiError:
