@@ -13,8 +13,8 @@ from engine.model.gguf_loader import default_model_path
 from engine.model.loader import resolve_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
-SCHEDULE = Schedule(prefill=32, chunk=8, mid=64, decode_all=112)
-LENGTH = 128
+SCHEDULE = Schedule(prefill=32, chunk=8, mid=56, decode_all=80)  # every row-count regime in 44 steps
+LENGTH = 96
 WINDOWS = 4
 
 
