@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import argparse
 import random
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -323,3 +326,29 @@ def test_flags_map_onto_the_config():
 def test_a_budget_too_small_for_both_regions_is_refused(tiny_model_dir):
     with pytest.raises(ValueError, match="both regions"):
         make_engine(tiny_model_dir, num_kv_blocks=1, kv_compress="fp4")
+
+
+_ONE_THREAD_ENGINE = """
+import sys, torch
+torch.set_num_threads(1)
+from engine.config import EngineConfig
+from engine.core.builder import build_engine_core
+from tests.test_kv_compress import run, OPTIONS, BLOCKS, KEEP
+from tests.test_engine import make_prompts
+engine = build_engine_core(EngineConfig(model=sys.argv[1], **OPTIONS, num_kv_blocks=BLOCKS, kv_compress="fp4",
+                                        kv_compress_after=KEEP))
+run(engine, make_prompts(16))
+print(engine.stats().kv_compressions, torch.get_num_threads())
+"""
+
+
+@pytest.mark.process
+def test_an_engine_given_one_thread_keeps_one_through_the_fp4_kernels(tiny_model_dir):
+    """numba's OpenMP layer, when it starts its team (once per process), sets the calling thread's OpenMP team
+    size, which is torch's and the C++ kernels' too: an actor given one core ran two threads on it after its first
+    FP4 compaction. A fresh process, so that the team starts inside the engine's run."""
+    done = subprocess.run([sys.executable, "-c", _ONE_THREAD_ENGINE, str(tiny_model_dir)], capture_output=True,
+                          text=True, timeout=300, cwd=Path(__file__).resolve().parent.parent)
+    assert done.returncode == 0, done.stderr[-2000:]
+    compressions, threads = map(int, done.stdout.split()[-2:])
+    assert compressions > 0 and threads == 1, done.stdout

@@ -24,15 +24,23 @@ PARALLEL_MIN_ELEMENTS = 1 << 15
 
 @contextlib.contextmanager
 def _cpu_threads(num_elements: int) -> Iterator[None]:
-    if num_elements >= PARALLEL_MIN_ELEMENTS or numba.get_num_threads() == 1:
-        yield
-        return
-    previous = numba.get_num_threads()
-    numba.set_num_threads(1)  # thread-local in numba: other threads' settings are untouched
+    """numba's threads for one call: one for a small call, else numba's own count. numba's OpenMP layer, when it
+    starts its team, sets the calling thread's OpenMP team size, which is torch's too (and the C++ kernels'):
+    an engine given one core would then run two threads on it. Torch's count is put back after every call."""
+    torch_threads = torch.get_num_threads()
     try:
-        yield
+        if num_elements >= PARALLEL_MIN_ELEMENTS or numba.get_num_threads() == 1:
+            yield
+            return
+        previous = numba.get_num_threads()
+        numba.set_num_threads(1)  # thread-local in numba: other threads' settings are untouched
+        try:
+            yield
+        finally:
+            numba.set_num_threads(previous)
     finally:
-        numba.set_num_threads(previous)
+        if torch.get_num_threads() != torch_threads:
+            torch.set_num_threads(torch_threads)
 
 
 def _as_bits(x: torch.Tensor) -> tuple[torch.Tensor, int]:
