@@ -15,12 +15,30 @@ from tests.tiers import TierError, tier_of
 from tests.tiny_models import tiny_llama_config, write_tiny_model
 
 
-def pytest_configure(config):
-    """Under pytest-xdist (`make test-fast` runs `-n auto`), each worker takes its share of the cores for torch's
-    threads, so that the workers do not oversubscribe the machine. Tests that need a thread count set their own."""
+def worker_thread_share() -> int | None:
+    """Under pytest-xdist (`make test-fast` runs `-n auto`), each worker's share of the cores for torch's threads;
+    None when the tests run in one process."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
-    if workers > 1:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+    return max(1, (os.cpu_count() or 1) // workers) if workers > 1 else None
+
+
+def pytest_configure(config):
+    """Each xdist worker takes its share of the cores, so that the workers do not oversubscribe the machine."""
+    share = worker_thread_share()
+    if share:
+        torch.set_num_threads(share)
+
+
+@pytest.fixture(autouse=True)
+def worker_threads():
+    """Every test starts from its worker's share of threads, whatever an earlier test of the worker set (a bench's
+    `main` or an engine built with `num_threads`): two OpenMP teams on one core wait on each other's barriers,
+    which made tiny-model steps tens of times slower for the rest of that worker's tests. Tests that need a
+    thread count set their own."""
+    share = worker_thread_share()
+    if share and torch.get_num_threads() != share:
+        torch.set_num_threads(share)
+    yield
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by the markers given here
