@@ -17,7 +17,8 @@ from engine.model.tokenizer import Tokenizer
 from engine.sampling.sampling_params import SamplingParams
 from frontend.chat import ChatTemplateError, render_chat
 from frontend.output import ReasoningOutput, ToolCallOutput, read_chat_output
-from frontend.reasoning import CLOSE, OPEN, ReasoningParser, choose_parser, special_tags, think_first
+from engine.sampling.thinking_budget import INSIDE
+from frontend.reasoning import CLOSE, OPEN, ReasoningParser, Start, choose_parser, special_tags, think_first
 from frontend.tool_format import ToolFormat, choose_format
 from frontend.tool_grammar import forced_guide
 from frontend.tool_parsers import PARSERS, ToolParser, marks_special_tokens
@@ -51,6 +52,10 @@ class ChatTools:
 
 
 NO_TOOLS = ChatTools()
+
+
+class ThinkingBudgetError(ValueError):
+    """A thinking budget that cannot be enforced for the served model."""
 
 
 @dataclass(frozen=True)
@@ -128,19 +133,37 @@ class FrontDoor:
             params = dataclasses.replace(params, skip_special_tokens=False)
         return params, ToolCallOutput(parser, tools.parallel)
 
-    def with_reasoning(self, params: SamplingParams, prompt: str | None
+    def with_reasoning(self, params: SamplingParams, prompt: str | None, budget: int | None = None
                        ) -> tuple[SamplingParams, ReasoningOutput | None]:
-        """`params` with its constraint moved past the thinking and special tokens kept where a think tag is
-        one, and the reader of the reasoning; `params` and None for a model that does not think. `prompt`: the
-        rendered chat, which says whether the output starts inside the think block."""
+        """`params` with its constraint moved past the thinking, special tokens kept where a think tag is one
+        and the thinking held to `budget` tokens, and the reader of the reasoning; `params` and None for a model
+        that does not think. `prompt`: the rendered chat, which says whether the output starts inside the think
+        block. ThinkingBudgetError where a budget cannot be enforced."""
         if self.reasoning is None:
+            if budget is not None:
+                raise ThinkingBudgetError("the served model does not think (it has no reasoning parser), so it "
+                                          "has no thinking to budget.")
             return params, None
         reading = ReasoningOutput(self.reasoning, self.reasoning.start(prompt))
         if params.guide is not None:
             params = dataclasses.replace(params, guide=think_first(params.guide, self.reasoning, reading.start))
         if special_tags(self.reasoning, self.tokenizer.all_special_ids, lambda t: self.encode(t, False)):
             params = dataclasses.replace(params, skip_special_tokens=False)
+        if budget is not None and reading.start is not Start.ANSWER:
+            params = dataclasses.replace(params, thinking_budget=self._budget(budget, reading.start))
         return params, reading
+
+    def _budget(self, tokens: int, start: Start) -> tuple[int, int, int]:
+        """The engine's thinking budget: (tokens, the open tag's id or -1 where the output starts inside the
+        block, the close tag's id)."""
+        assert self.reasoning is not None
+        ids = [self.encode(tag, False) for tag in (self.reasoning.open, self.reasoning.close)]
+        if any(len(i) != 1 for i in ids):
+            raise ThinkingBudgetError(f"a thinking budget needs {self.reasoning.open} and {self.reasoning.close} "
+                                      "to be single tokens of the vocabulary, and this model spells them in "
+                                      "several.")
+        inside = start is Start.THINKING or self.reasoning.implicit_open
+        return tokens, INSIDE if inside else ids[0][0], ids[1][0]
 
     # ------------------------------------------------------------------------------------ whole requests
 

@@ -19,7 +19,7 @@ from engine.sampling.sampling_params import SamplingParams, SamplingParamsError
 from engine.model.tokenizer import Tokenizer
 from engine.core.treatment import Treatment
 from frontend.chat import ChatTemplateError
-from frontend.front_door import ChatTools, FrontDoor
+from frontend.front_door import ChatTools, FrontDoor, ThinkingBudgetError
 from frontend.output import ReasoningOutput, ToolCallOutput
 from server.context import REQUEST_ID, TRACKER, ServerContext
 from server.errors import ApiError, bad_request
@@ -176,11 +176,22 @@ async def prepare(req: GenerationRequest, door: FrontDoor, limits: ModelLimits, 
     check_prompt_tokens(token_ids, limits, req.prompt_param)
     params = _best_of(req, sampling_params(req.sampling, len(token_ids), limits))
     params, reader = door.with_tools(params, tools)
-    params, reasoning = door.with_reasoning(params, chat_text) if req.chat else (params, None)
+    params, reasoning = _with_reasoning(req, door, params, chat_text)
     guide_param = "tools" if reader is not None and tools.choice.forced else req.sampling.guide_param
     quadrant = classify(len(token_ids), effective_max_tokens(req.sampling, len(token_ids), limits), thresholds)
     return Prepared(req, token_ids, params, quadrant, treatment_for(quadrant, treatments), reader, guide_param,
                     reasoning)
+
+
+def _with_reasoning(req: GenerationRequest, door: FrontDoor, params: SamplingParams, chat_text: str | None
+                    ) -> tuple[SamplingParams, ReasoningOutput | None]:
+    """A chat's params with its reasoning's constraint and budget, and the reader of its reasoning."""
+    if not req.chat:
+        return params, None
+    try:
+        return door.with_reasoning(params, chat_text, req.thinking_budget)
+    except ThinkingBudgetError as exc:
+        raise bad_request(f"'thinking_budget': {exc}", "thinking_budget") from None
 
 
 def _best_of(req: GenerationRequest, params: SamplingParams) -> SamplingParams:

@@ -94,6 +94,7 @@ class GenerationRequest:
     best_of: int | None = None  # more samples than n, the best n returned
     prompts: tuple[str | tuple[int, ...], ...] = ()  # a completion's list of several prompts, in order
     prompt_logprobs: int | None = None  # vLLM's field as given (the engine may compute more, for echo)
+    thinking_budget: int | None = None  # the most thinking tokens (Anthropic's thinking.budget_tokens)
 
     @property
     def prompt_param(self) -> str:

@@ -27,6 +27,7 @@ from engine.speculative.acceptance import Verdict, verify_drafts, verify_greedy
 from engine.core.prompt_pass import PromptPasses, pass_rows
 from engine.core.step import RunnerOutput, ScheduledChunk, SchedulerOutput, position_seed, runner_output
 from engine.sampling.structured import GrammarCompiler, GuideStates
+from engine.sampling.thinking_budget import forced_rows
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,22 @@ def _decode_rows(chunks: Sequence[ScheduledChunk], group: int = 0) -> list[tuple
 def _plain_greedy(chunks: Sequence[ScheduledChunk]) -> bool:
     """Every row takes its argmax as it is: greedy, no logprobs, no banned tokens, no biases or penalties."""
     return all(c.params.greedy and c.params.logprobs is None and not c.banned_token_ids
-               and not c.params.adjusts_logits and c.params.guide is None for c in chunks)
+               and not c.params.adjusts_logits and not c.params.masks_tokens for c in chunks)
+
+
+def _budgeted(mask: torch.Tensor, budget: tuple[int, int, int] | None, output: Sequence[int],
+              drafts: Sequence[int]) -> torch.Tensor:
+    """`mask` [len(drafts) + 1, words] with each row whose position is past the thinking budget allowing the
+    closing tag only."""
+    if budget is None:
+        return mask
+    close = budget[2]
+    for j, forced in enumerate(forced_rows(budget, output, drafts)):
+        if forced:
+            mask[j].zero_()
+            bit = 1 << (close % 32)
+            mask[j, close // 32] = bit - (1 << 32) if bit >= 1 << 31 else bit  # bit 31 is int32's sign
+    return mask
 
 
 def _histories(chunks: Sequence[ScheduledChunk]) -> list[History | None] | None:
@@ -327,31 +343,40 @@ class ModelRunner:
         return self._guides
 
     def _grammar(self, chunks: Sequence[ScheduledChunk]) -> tuple[list[int], torch.Tensor] | None:
-        """(rows, bitmask) of the sampling chunks under a grammar; None when no chunk is."""
-        rows = [row for row, c in enumerate(chunks) if c.params.guide is not None]
+        """(rows, bitmask) of the sampling chunks under a grammar or a thinking budget; None when no chunk is."""
+        rows = [row for row, c in enumerate(chunks) if c.params.masks_tokens]
         if not rows:
             return None
-        items = [(chunks[r].seq_id, chunks[r].params.guide, chunks[r].history[chunks[r].num_prompt_tokens:])
-                 for r in rows]
-        return rows, self.guides().bitmask(items)
+        masks = []
+        for r in rows:
+            c, output = chunks[r], chunks[r].history[chunks[r].num_prompt_tokens:]
+            mask = self._open_mask(1) if c.params.guide is None else \
+                self.guides().bitmask([(c.seq_id, c.params.guide, output)])
+            masks.append(_budgeted(mask, c.params.thinking_budget, output, ()))
+        return rows, torch.cat(masks)
 
     def _verify_grammar(self, chunks: Sequence[ScheduledChunk]) -> tuple[list[int], torch.Tensor] | None:
-        """(rows, bitmask) of the verified rows under a grammar: row j of a chunk allows what may follow the
-        sequence's tokens and its first j drafts, so each draft is judged by the grammar state plain decoding
-        would have reached, and a draft the grammar forbids has target probability 0 (rejected)."""
-        if all(c.params.guide is None for c in chunks):
+        """(rows, bitmask) of the verified rows under a grammar or a thinking budget: row j of a chunk allows what
+        may follow the sequence's tokens and its first j drafts, so each draft is judged by the state plain
+        decoding would have reached, and a draft the grammar forbids has target probability 0 (rejected)."""
+        if not any(c.params.masks_tokens for c in chunks):
             return None
         rows: list[int] = []
         masks: list[torch.Tensor] = []
         start = 0
         for c in chunks:
-            if c.params.guide is not None:
+            if c.params.masks_tokens:
                 rows.extend(range(start, start + c.num_draft + 1))
-                masks.append(self.guides().draft_bitmask(c.seq_id, c.params.guide,
-                                                         c.history[c.num_prompt_tokens:],
-                                                         c.token_ids[1:1 + c.num_draft]))
+                output, drafts = c.history[c.num_prompt_tokens:], c.token_ids[1:1 + c.num_draft]
+                mask = self._open_mask(c.num_draft + 1) if c.params.guide is None else \
+                    self.guides().draft_bitmask(c.seq_id, c.params.guide, output, drafts)
+                masks.append(_budgeted(mask, c.params.thinking_budget, output, drafts))
             start += c.num_draft + 1
         return rows, torch.cat(masks)
+
+    def _open_mask(self, num_rows: int) -> torch.Tensor:
+        """int32 [num_rows, words] allowing every token of the vocabulary."""
+        return torch.full((num_rows, (self.model.cfg.vocab_size + 31) // 32), -1, dtype=torch.int32)
 
     def _generator(self, chunk: ScheduledChunk) -> torch.Generator | None:
         """The sequence's generator, re-seeded for the position this chunk samples (step.position_seed)."""

@@ -150,7 +150,7 @@ def build_chunk(seq_id: int, token_ids: Sequence[int], start: int, num_new: int,
                           block_table=tuple(block_table), sample=sample, params=params,
                           seed=sequence_seed(params.seed, sample_index), banned_token_ids=banned,
                           speculative=speculative, num_spec_slots=num_spec_slots,
-                          history=tuple(token_ids) if sample and (params.penalised or params.guide) else (),
+                          history=tuple(token_ids) if sample and (params.penalised or params.masks_tokens) else (),
                           num_prompt_tokens=num_prompt_tokens, extra_tables=tuple(map(tuple, extra_tables)),
                           prompt_pass=prompt_pass, next_prompt_token=next_token)
 

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from engine.config import POOLING_MODES
 from engine.sampling.fields import ApiName, Endpoint, Flag, Shape, sampling_field
+from engine.sampling.thinking_budget import check_budget
 
 if TYPE_CHECKING:
     from engine.sampling.structured import Guide
@@ -80,6 +81,13 @@ def _guide(value: Any) -> Guide:
     if not isinstance(value, Guide):
         raise SamplingParamsError("guide", f"guide must be a Guide, got {value!r}.")
     return value
+
+
+def _thinking_budget(value: Any) -> tuple[int, int, int]:
+    try:
+        return check_budget(value)
+    except ValueError as exc:
+        raise SamplingParamsError("thinking_budget", str(exc)) from None
 
 
 def _as_tuple(value: Any) -> tuple:
@@ -164,10 +172,16 @@ class SamplingParams:
     # A grammar the output must follow (structured outputs); a wire dict is accepted (Guide.to_wire). Requests
     # spell it in several ways of their own (server/protocol.py).
     guide: Guide | None = sampling_field(None)
+    # A budget of thinking tokens, (tokens, open token id or -1, close token id): past it the close tag is forced
+    # (engine/sampling/thinking_budget.py). Requests set it through their API's own field (Anthropic's
+    # thinking.budget_tokens).
+    thinking_budget: tuple[int, int, int] | None = sampling_field(None)
 
     def __post_init__(self) -> None:
         if self.guide is not None:
             object.__setattr__(self, "guide", _guide(self.guide))
+        if self.thinking_budget is not None:
+            object.__setattr__(self, "thinking_budget", _thinking_budget(self.thinking_budget))
         object.__setattr__(self, "stop", _as_tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", _as_tuple(self.stop_token_ids))
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
@@ -272,6 +286,11 @@ class SamplingParams:
     def penalised(self) -> bool:
         """Some penalty is on: sampling needs the tokens the sequence holds so far."""
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def masks_tokens(self) -> bool:
+        """A grammar or a thinking budget may forbid tokens: sampling needs the output so far."""
+        return self.guide is not None or self.thinking_budget is not None
 
     @property
     def adjusts_logits(self) -> bool:
