@@ -10,7 +10,9 @@ What becomes what:
 - `tools` (client tools: `name`, `description`, `input_schema`) -> function tools; `tool_choice` auto / any /
   tool / none -> auto / required / the named function / none, `disable_parallel_tool_use` ->
   `parallel_tool_calls: false`; `stop_sequences` -> `stop`; `output_config.format` json_schema ->
-  `response_format`; `max_tokens`, `temperature`, `top_p`, `top_k`, `stream` and `model` keep their names.
+  `response_format`; `thinking` -> the template's `enable_thinking` (frontend/anthropic_thinking.py; its
+  budget_tokens is set on the parsed request); `max_tokens`, `temperature`, `top_p`, `top_k`, `stream` and
+  `model` keep their names.
 
 Every other top-level field is in MESSAGES_FIELDS with its fate: implemented, refused (a MessagesError naming
 it) or ignored (it cannot change the output); fields in no table are ignored, as on the other routes. Blocks
@@ -23,6 +25,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from frontend.anthropic_thinking import Thinking, ThinkingError, parse_thinking
 from frontend.tools import TOOL_NAME
 
 Json = dict[str, Any]
@@ -44,10 +47,6 @@ class MessagesError(ValueError):
 
 def _given(value: Any) -> bool:
     return value is not None and value != [] and value != {}
-
-
-def _not_disabled(value: Any) -> bool:
-    return value is not None and not (isinstance(value, dict) and value.get("type") == "disabled")
 
 
 @dataclass(frozen=True)
@@ -83,8 +82,8 @@ MESSAGES_FIELDS: dict[str, MessagesField] = {
     "tools": _impl("client tools with input_schema, rendered through the chat template"),
     "tool_choice": _impl("auto, any, tool (the last two grammar-enforced) or none; disable_parallel_tool_use"),
     "output_config": _impl("format json_schema constrains the reply (effort is refused)"),
-    "thinking": _refuse("the served model does not think in a separate channel; only {\"type\": \"disabled\"} "
-                        "is accepted", {"type": "enabled", "budget_tokens": 1024}, _not_disabled),
+    "thinking": _impl("enabled (budget_tokens enforced), adaptive or disabled: the template's enable_thinking; "
+                      "the reply's thinking block (frontend/anthropic_thinking.py)"),
     "output_format": _refuse("send output_config.format instead", {"type": "json_schema", "schema": {}}),
     "container": _refuse("no code-execution containers", "container_1"),
     "mcp_servers": _refuse("no MCP servers are called", [{"type": "url", "url": "http://x", "name": "x"}]),
@@ -130,7 +129,16 @@ def chat_body(body: Json, count: bool = False) -> Json:
     chat |= {} if parallel else {"parallel_tool_calls": False}
     chat |= _stop_sequences(body.get("stop_sequences"))
     chat |= _output_config(body.get("output_config"))
-    return chat
+    kwargs = thinking_of(body).template_kwargs()
+    return chat | ({"chat_template_kwargs": kwargs} if kwargs else {})
+
+
+def thinking_of(body: Json) -> Thinking:
+    """The request's `thinking`; MessagesError naming the field when it is malformed or unsupported."""
+    try:
+        return parse_thinking(body.get("thinking"))
+    except ThinkingError as exc:
+        raise MessagesError(exc.param, str(exc)) from None
 
 
 def _stop_sequences(value: Any) -> Json:

@@ -4,7 +4,7 @@ tool calls. Whole (the last output of LLM.chat / AsyncLLM.chat, an HTTP response
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
+from typing import Callable, Sequence, Union
 
 from engine.core.outputs import RequestOutput, ToolCall
 from frontend.reasoning import ReasoningParser, ReasoningStream, Start, split_reasoning
@@ -50,6 +50,26 @@ class ReasoningOutput:
         return ReasoningStream(self.parser, self.start)
 
 
+def thinking_tokens(token_ids: Sequence[int], text: str, reasoning: ReasoningOutput | None,
+                    decode: Callable[[list[int]], str]) -> int:
+    """How many of a finished sample's tokens are its thinking: those up to and including the one that writes
+    the close tag (found by decoding prefixes, `decode` keeping special tokens), all of them when the block
+    never closed, 0 when the sample did not think."""
+    if reasoning is None or reasoning.split(text)[0] is None:
+        return 0
+    close = reasoning.parser.close
+    if close not in text:
+        return len(token_ids)
+    low, high = 1, len(token_ids)  # the shortest prefix whose text holds the close tag
+    while low < high:
+        middle = (low + high) // 2
+        if close in decode(list(token_ids[:middle])):
+            high = middle
+        else:
+            low = middle + 1
+    return low
+
+
 @dataclass(frozen=True)
 class ChatReply:
     """What a finished sample said: its reasoning (None: it did not think, or no reasoning parser), its content
@@ -93,11 +113,14 @@ ReplyEvent = Union[ReasoningText, ToolEvent]
 
 
 class ReplyStream:
-    """One streamed sample read as read_reply reads it whole: reasoning text, then content and tool calls, each
-    call sent whole once its JSON closes (so a stream cut inside a call drops it, as read_reply does)."""
+    """One streamed sample read as read_reply reads it whole: reasoning text, then content and tool calls. Every
+    route's stream reads its samples through one (chat, Responses, Messages). `whole_calls` (chat's): each call
+    sent whole once its JSON closes, so a stream cut inside a call drops it, as read_reply does; else a call's
+    arguments stream as they come (Responses and Messages, whose events carry partial JSON)."""
 
-    def __init__(self, tools: ToolCallOutput | None, reasoning: ReasoningOutput | None) -> None:
-        self._tools = None if tools is None else tools.reader(whole_calls=True)
+    def __init__(self, tools: ToolCallOutput | None, reasoning: ReasoningOutput | None,
+                 whole_calls: bool = True) -> None:
+        self._tools = None if tools is None else tools.reader(whole_calls=whole_calls)
         self._reasoning = None if reasoning is None else reasoning.stream()
 
     @property

@@ -16,7 +16,8 @@ from typing import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 
-from frontend.anthropic_messages import MessagesError, chat_body
+from frontend.anthropic_messages import MessagesError, chat_body, thinking_of
+from frontend.anthropic_thinking import Thinking
 from frontend.front_door import ChatTools
 from server.context import CONTEXT, REQUEST_ID, TRACKER, ServerContext
 from server.errors import ApiError, bad_request, from_http_exception
@@ -33,7 +34,7 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: 
                 503: "overloaded_error"}
 # The chat body's fields that stand for a Messages field of another name, for the errors' wording.
 _RENAMED = {"stop": "stop_sequences", "response_format": "output_config.format",
-            "parallel_tool_calls": "tool_choice.disable_parallel_tool_use"}
+            "parallel_tool_calls": "tool_choice.disable_parallel_tool_use", "thinking_budget": "thinking.budget_tokens"}
 
 
 class AnthropicError(ApiError):
@@ -83,7 +84,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
     ctx = request.app[CONTEXT]
     arrival = time.monotonic()
     ctx.admission.check_open()
-    req = await _chat_request(request, ctx, count=False)
+    req, thinking = await _chat_request(request, ctx, count=False)
     prepared = await prepare(req, ctx.front_door, ctx.limits, ctx.settings.quadrants, ctx.treatment)
     tracker = RequestTracker(request[REQUEST_ID], arrival, len(prepared.token_ids), prepared.quadrant)
     request[TRACKER] = tracker
@@ -91,8 +92,8 @@ async def messages(request: web.Request) -> web.StreamResponse:
     with ctx.admission.slot(request[REQUEST_ID]):
         try:
             if req.stream:
-                return await _stream(request, ctx, prepared, tracker, meta)
-            return await _whole(ctx, prepared, tracker, meta)
+                return await _stream(request, ctx, prepared, tracker, meta, thinking.shown)
+            return await _whole(ctx, prepared, tracker, meta, thinking.shown)
         finally:
             ctx.metrics.record(tracker.record(time.monotonic()))
 
@@ -101,38 +102,44 @@ async def count_tokens(request: web.Request) -> web.Response:
     """`{"input_tokens"}`: the prompt /v1/messages would run for the same body (max_tokens not needed). A
     prompt longer than the context is counted, not refused: telling a client so is what this route is for."""
     ctx = request.app[CONTEXT]
-    req = await _chat_request(request, ctx, count=True)
+    req, _ = await _chat_request(request, ctx, count=True)
     tools = ChatTools(req.tools, req.tool_choice, req.parallel_tool_calls)
     return web.json_response({"input_tokens": len(await encode_prompt(req, ctx.front_door, tools))})
 
 
-async def _chat_request(request: web.Request, ctx: ServerContext, count: bool) -> GenerationRequest:
+async def _chat_request(request: web.Request, ctx: ServerContext, count: bool) -> tuple[GenerationRequest, Thinking]:
     body = parse_json_body(await read_body(request, ctx.settings.max_body_bytes))
     try:
-        chat = chat_body(body, count)
+        chat, thinking = chat_body(body, count), thinking_of(body)
     except MessagesError as exc:
         raise bad_request(str(exc), exc.param) from None
+    if thinking.asked and ctx.front_door.reasoning is None:
+        raise bad_request("'thinking': the served model does not think in a separate channel (it has no reasoning "
+                          "parser: see --reasoning-parser); send {\"type\": \"disabled\"} or leave it out.",
+                          "thinking")
     req = parse_chat(chat, ctx.limits.name, ctx.defaults)
     # Anthropic's clients send a max_tokens sized for Claude (Claude Code: 32000), more than a local model's context
     # holds: it is a ceiling here, capped at the room the prompt leaves; a reply that fills it ends with max_tokens.
-    return dataclasses.replace(req, sampling=dataclasses.replace(req.sampling, max_tokens_capped=True))
+    sampling = dataclasses.replace(req.sampling, max_tokens_capped=True)
+    return dataclasses.replace(req, sampling=sampling, thinking_budget=thinking.budget_tokens), thinking
 
 
 # ---------------------------------------------------------------------------------------- replies
 
-async def _whole(ctx: ServerContext, prepared: Prepared, tracker: RequestTracker,
-                 meta: MessageMeta) -> web.Response:
+async def _whole(ctx: ServerContext, prepared: Prepared, tracker: RequestTracker, meta: MessageMeta,
+                 shown: bool) -> web.Response:
     final = None
     async with aclosing(engine_outputs(ctx, prepared, tracker)) as outputs:
         async for final in outputs:
             pass
     tracker.outcome = "ok"
-    return web.json_response(message_body(meta, final, prepared.tools), headers=placement_headers(prepared, final))
+    body = message_body(meta, final, prepared.tools, prepared.reasoning, shown)
+    return web.json_response(body, headers=placement_headers(prepared, final))
 
 
 async def _stream(request: web.Request, ctx: ServerContext, prepared: Prepared, tracker: RequestTracker,
-                  meta: MessageMeta) -> web.StreamResponse:
-    events = MessageEvents(meta, prepared.tools)
+                  meta: MessageMeta, shown: bool) -> web.StreamResponse:
+    events = MessageEvents(meta, prepared.tools, prepared.reasoning, shown)
     async with aclosing(engine_outputs(ctx, prepared, tracker)) as outputs:
         first = await anext(outputs)  # before the headers, so that a refusal still gets its status code
         response = web.StreamResponse(headers=SSE_HEADERS | placement_headers(prepared, first))

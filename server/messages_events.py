@@ -1,9 +1,10 @@
 """Anthropic's Messages reply, whole or as its event sequence, built from the engine's outputs.
 
 A stream is `message_start`, then per content block `content_block_start`, its `content_block_delta`s
-(`text_delta` for text, `input_json_delta` for a tool_use's input) and `content_block_stop`, then
-`message_delta` (stop_reason, stop_sequence and the usage) and `message_stop`. One block is open at a time:
-text, then each tool call, in the order the tool-call reader finds them. Usage follows Anthropic's meaning:
+(`thinking_delta` then one `signature_delta` for thinking, `text_delta` for text, `input_json_delta` for a
+tool_use's input) and `content_block_stop`, then `message_delta` (stop_reason, stop_sequence and the usage)
+and `message_stop`. One block is open at a time: the thinking (for a model that thinks), text, then each tool
+call, in the order the chat route's reply reader (frontend.output.ReplyStream) finds them. Usage follows Anthropic's meaning:
 `input_tokens` are the prompt tokens computed, `cache_read_input_tokens` those whose KV came from the prefix
 cache (the prompt is their sum).
 """
@@ -14,8 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.core.outputs import CompletionOutput, RequestOutput, ToolCall
-from frontend.output import ToolCallOutput
-from frontend.tool_stream import ArgumentsText, CallOpened, ContentText, ToolCallReader, ToolEvent
+from frontend.anthropic_thinking import thinking_block
+from frontend.output import ReasoningOutput, ReasoningText, ReplyEvent, ReplyStream, ToolCallOutput, read_reply
+from frontend.tool_stream import ArgumentsText, CallOpened, ContentText
 
 Json = dict[str, Any]
 Event = tuple[str, Json]  # (the SSE event name, its data)
@@ -67,21 +69,28 @@ def tool_use_block(call: ToolCall) -> Json:
     return {"type": "tool_use", "id": call.id, "name": call.name, "input": tool_input(call.arguments)}
 
 
-def message_body(meta: MessageMeta, final: RequestOutput, tools: ToolCallOutput | None) -> Json:
-    """The whole reply: a text block (when there is text), then a tool_use block per call."""
+def message_body(meta: MessageMeta, final: RequestOutput, tools: ToolCallOutput | None,
+                 reasoning: ReasoningOutput | None = None, shown: bool = True) -> Json:
+    """The whole reply: a thinking block (when the model thought; empty unless `shown`), a text block (when
+    there is text), then a tool_use block per call."""
     sample = final.outputs[0]
-    content, calls = tools.read(sample.text, sample.finish_reason) if tools is not None else (sample.text, [])
-    blocks = ([{"type": "text", "text": content}] if content else []) + [tool_use_block(c) for c in calls]
-    return message_json(meta, blocks, stop_reason(sample, bool(calls)), message_usage(final))
+    reply = read_reply(sample.text, sample.finish_reason, tools, reasoning)
+    blocks = [thinking_block(reply.reasoning, shown)] if reply.reasoning else []
+    blocks += [{"type": "text", "text": reply.content}] if reply.content else []
+    blocks += [tool_use_block(c) for c in reply.tool_calls]
+    return message_json(meta, blocks, stop_reason(sample, bool(reply.tool_calls)), message_usage(final))
 
 
 class MessageEvents:
-    """One reply's outputs as Anthropic's events, in order; with tools, the text goes through a tool-call
-    reader and each call becomes a tool_use block whose input streams as input_json_delta."""
+    """One reply's outputs as Anthropic's events, in order. The text goes through the chat route's reply
+    reader: the thinking becomes a thinking block, each call a tool_use block whose input streams as
+    input_json_delta. `shown` False (display: omitted): the thinking block carries no thinking_delta."""
 
-    def __init__(self, meta: MessageMeta, tools: ToolCallOutput | None) -> None:
+    def __init__(self, meta: MessageMeta, tools: ToolCallOutput | None, reasoning: ReasoningOutput | None = None,
+                 shown: bool = True) -> None:
         self._meta = meta
-        self._reader: ToolCallReader | None = None if tools is None else tools.reader()
+        self._reply = ReplyStream(tools, reasoning, whole_calls=False)
+        self._shown = shown
         self._blocks = 0  # content blocks started
         self._open: str | None = None  # the open block's type
         self._call_block: dict[int, int] = {}  # a call's index -> its block's index
@@ -93,19 +102,20 @@ class MessageEvents:
 
     def events(self, out: RequestOutput) -> list[Event]:
         sample = out.outputs[0]
-        if self._reader is not None:
-            pieces = self._reader.feed(sample.delta_text, sample.finished)
-        else:
-            pieces = [ContentText(sample.delta_text)] if sample.delta_text else []
+        pieces = self._reply.feed(sample.delta_text, sample.finished)
         return [event for piece in pieces for event in self._piece(piece)]
 
     def closing(self, last: RequestOutput) -> list[Event]:
-        reason = stop_reason(last.outputs[0], self._reader is not None and self._reader.called)
+        reason = stop_reason(last.outputs[0], self._reply.called)
         delta = {"type": "message_delta", "delta": {"stop_reason": reason[0], "stop_sequence": reason[1]},
                  "usage": message_usage(last)}
         return [*self._close(), ("message_delta", delta), ("message_stop", {"type": "message_stop"})]
 
-    def _piece(self, piece: ToolEvent) -> list[Event]:
+    def _piece(self, piece: ReplyEvent) -> list[Event]:
+        if isinstance(piece, ReasoningText):
+            started = [] if self._open == "thinking" else self._start(thinking_block(""))
+            shown = self._shown and piece.text
+            return started + ([self._delta({"type": "thinking_delta", "thinking": piece.text})] if shown else [])
         if isinstance(piece, ContentText):
             started = [] if self._open == "text" else self._start({"type": "text", "text": ""})
             return started + [self._delta({"type": "text_delta", "text": piece.text})]
@@ -136,10 +146,12 @@ class MessageEvents:
                                         "index": self._blocks - 1 if index is None else index, "delta": delta})
 
     def _close(self) -> list[Event]:
+        """The open block's stop; a thinking block's signature (empty: nothing to verify here) just before it."""
         if self._open is None:
             return []
+        signed = [self._delta({"type": "signature_delta", "signature": ""})] if self._open == "thinking" else []
         self._open = None
-        return [("content_block_stop", {"type": "content_block_stop", "index": self._blocks - 1})]
+        return signed + [("content_block_stop", {"type": "content_block_stop", "index": self._blocks - 1})]
 
 
 def encode_events(events: list[Event]) -> bytes:

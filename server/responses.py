@@ -8,7 +8,7 @@ from typing import Any, Sequence
 from engine.core.outputs import CompletionOutput, RequestOutput, ToolCall
 from engine.sampling.sampler import TokenLogprobs
 from engine.model.tokenizer import Tokenizer
-from frontend.output import ReasoningOutput, ToolCallOutput, read_reply
+from frontend.output import ReasoningOutput, ToolCallOutput, read_reply, thinking_tokens
 
 Json = dict[str, Any]
 LOGPROB_FLOOR = -9999.0  # stands in for -inf / NaN, which JSON cannot carry
@@ -23,18 +23,33 @@ class ResponseMeta:
     model: str
 
 
-def usage(prompt_tokens: int, outputs: Sequence[CompletionOutput], cached_tokens: int = 0) -> Json:
+def usage(prompt_tokens: int, outputs: Sequence[CompletionOutput], cached_tokens: int = 0,
+          reasoning_tokens: int | None = None) -> Json:
     """The prompt counts once; completion tokens are summed over the n samples. `cached_tokens`: prompt tokens
-    whose KV came from the prefix cache (OpenAI's prompt_tokens_details)."""
+    whose KV came from the prefix cache (OpenAI's prompt_tokens_details). `reasoning_tokens`: the completion
+    tokens spent thinking, for a model that thinks (completion_tokens_details)."""
     completion = sum(len(o.token_ids) for o in outputs)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+    body = {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
             "total_tokens": prompt_tokens + completion,
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    if reasoning_tokens is not None:
+        body["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return body
 
 
-def output_usage(out: RequestOutput, outputs: Sequence[CompletionOutput] | None = None) -> Json:
+def output_usage(out: RequestOutput, outputs: Sequence[CompletionOutput] | None = None,
+                 reasoning_tokens: int | None = None) -> Json:
     """usage() of one engine request; `outputs`: the samples to count, if not all of out's."""
-    return usage(len(out.prompt_token_ids), out.outputs if outputs is None else outputs, out.num_cached_tokens)
+    return usage(len(out.prompt_token_ids), out.outputs if outputs is None else outputs, out.num_cached_tokens,
+                 reasoning_tokens)
+
+
+def reasoning_usage(out: RequestOutput, tokenizer: Tokenizer, reasoning: ReasoningOutput | None) -> int | None:
+    """The thinking tokens of a finished request's samples, summed; None for a model that does not think."""
+    if reasoning is None:
+        return None
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731 - the tags spelled out
+    return sum(thinking_tokens(o.token_ids, o.text, reasoning, decode) for o in out.outputs)
 
 
 def summed_usage(parts: Sequence[Json]) -> Json:
@@ -159,7 +174,8 @@ def chat_body(meta: ResponseMeta, final: RequestOutput, tokenizer: Tokenizer,
               tools: ToolCallOutput | None = None, reasoning: ReasoningOutput | None = None) -> Json:
     return {"id": meta.id, "object": "chat.completion", "created": meta.created, "model": meta.model,
             "choices": [chat_choice(tokenizer, o, tools, reasoning) for o in final.outputs],
-            "usage": output_usage(final), "system_fingerprint": None}
+            "usage": output_usage(final, reasoning_tokens=reasoning_usage(final, tokenizer, reasoning)),
+            "system_fingerprint": None}
 
 
 def chat_delta_choice(tokenizer: Tokenizer, out: CompletionOutput, wants_logprobs: bool,

@@ -24,6 +24,7 @@ from server.errors import ApiError, bad_request
 from server.generation import (Prepared, RequestTracker, engine_outputs, placement_headers, prepare,
                                read_body)
 from server.protocol import parse_json_body
+from server.responses import reasoning_usage
 from server.responses_events import (OutputBuilder, OutputFeed, ResponseHead, encode, final_status,
                                      response_object, response_usage, whole_output)
 from server.responses_request import ResponsesRequest, parse_responses, renamed, responses_names
@@ -105,8 +106,9 @@ class ResponseRun:
                     pass
         self.tracker.outcome = "ok"
         status = final_status(final)
-        output = whole_output(self.builder, final.outputs[0].text, self.prepared.tools, status)
-        body = response_object(self.head, status, output, response_usage(final))
+        output = whole_output(self.builder, final.outputs[0].text, self.prepared.tools, status,
+                              self.prepared.reasoning)
+        body = response_object(self.head, status, output, self._usage(final))
         keep(body, output)
         return web.json_response(body, headers=placement_headers(self.prepared, final))
 
@@ -123,7 +125,7 @@ class ResponseRun:
 
     async def _pump(self, response: web.StreamResponse, first: RequestOutput, outputs: AsyncIterator[RequestOutput],
                     keep: Keep) -> None:
-        builder, feed = self.builder, OutputFeed(self.builder, self.prepared.tools)
+        builder, feed = self.builder, OutputFeed(self.builder, self.prepared.tools, self.prepared.reasoning)
         opening = [builder.event(kind, response=response_object(self.head, "in_progress", []))
                    for kind in ("response.created", "response.in_progress")]
         await response.write(encode(opening + feed.feed(first)))
@@ -134,10 +136,13 @@ class ResponseRun:
         last = self.tracker.last
         status = final_status(last)
         closing = builder.finish(status)
-        body = response_object(self.head, status, builder.items, response_usage(last))
+        body = response_object(self.head, status, builder.items, self._usage(last))
         keep(body, builder.items)
         await response.write(encode(closing + [builder.event(f"response.{status}", response=body)]))
         self.tracker.outcome = "ok"
+
+    def _usage(self, final: RequestOutput) -> dict:
+        return response_usage(final, reasoning_usage(final, self.ctx.llm.tokenizer, self.prepared.reasoning))
 
     @asynccontextmanager
     async def _failures(self, response: web.StreamResponse) -> AsyncIterator[None]:

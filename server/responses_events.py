@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from engine.core.outputs import RequestOutput
-from frontend.output import ToolCallOutput
+from frontend.output import ReasoningOutput, ReasoningText, ReplyStream, ToolCallOutput, read_reply
 from frontend.responses_items import (Item, function_call_item, message_item, output_text_part, reasoning_item)
-from frontend.tool_stream import ArgumentsText, CallOpened, ContentText, ToolCallReader
+from frontend.tool_stream import ArgumentsText, CallOpened, ContentText
 
 Event = dict[str, Any]
 ITEM_PREFIXES = {"message": "msg_", "function_call": "fc_", "reasoning": "rs_"}
@@ -144,20 +144,21 @@ class OutputBuilder:
 
 
 class OutputFeed:
-    """Feeds one engine request's outputs (its first sample) into an OutputBuilder: as plain text, or through a
-    tool-call reader when the output is read for calls."""
+    """Feeds one engine request's outputs (its first sample) into an OutputBuilder through the chat route's
+    reply reader: the thinking as a reasoning item, then the text and the calls."""
 
-    def __init__(self, builder: OutputBuilder, tools: ToolCallOutput | None) -> None:
+    def __init__(self, builder: OutputBuilder, tools: ToolCallOutput | None,
+                 reasoning: ReasoningOutput | None = None) -> None:
         self._builder = builder
-        self._reader: ToolCallReader | None = None if tools is None else tools.reader()
+        self._reply = ReplyStream(tools, reasoning, whole_calls=False)
 
     def feed(self, out: RequestOutput) -> list[Event]:
         sample = out.outputs[0]
-        if self._reader is None:
-            return self._builder.text(sample.delta_text)
         events: list[Event] = []
-        for step in self._reader.feed(sample.delta_text, sample.finished):
-            if isinstance(step, ContentText):
+        for step in self._reply.feed(sample.delta_text, sample.finished):
+            if isinstance(step, ReasoningText):
+                events += self._builder.reasoning(step.text)
+            elif isinstance(step, ContentText):
                 events += self._builder.text(step.text)
             elif isinstance(step, CallOpened):
                 events += self._builder.call(step.id, step.name)
@@ -166,13 +167,15 @@ class OutputFeed:
         return events
 
 
-def whole_output(builder: OutputBuilder, text: str, tools: ToolCallOutput | None, status: str) -> list[Item]:
-    """A finished sample's items, read for calls as the chat route reads them: one cut by max_output_tokens
-    (status incomplete) keeps the calls that closed and drops the one it was writing."""
-    cut = "length" if status == "incomplete" else None
-    content, calls = tools.read(text, cut) if tools is not None else (text, [])
-    builder.text(content or "")
-    for call in calls:
+def whole_output(builder: OutputBuilder, text: str, tools: ToolCallOutput | None, status: str,
+                 reasoning: ReasoningOutput | None = None) -> list[Item]:
+    """A finished sample's items, read as the chat route reads it: the thinking as a reasoning item, then the
+    text and the calls; one cut by max_output_tokens (status incomplete) keeps the calls that closed and drops
+    the one it was writing."""
+    reply = read_reply(text, "length" if status == "incomplete" else None, tools, reasoning)
+    builder.reasoning(reply.reasoning or "")
+    builder.text(reply.content or "")
+    for call in reply.tool_calls:
         builder.call(call.id, call.name)
         builder.arguments(call.arguments)
     builder.finish(status)
@@ -201,13 +204,14 @@ def response_object(head: ResponseHead, status: str, output: list[Item], usage: 
             "output": output, **head.echo, "usage": usage}
 
 
-def response_usage(out: RequestOutput) -> dict[str, Any]:
-    """Tokens in and out of the response's engine request: its prefix-cache hits as cached_tokens, and no
-    cache_write_tokens (the prefix cache keeps blocks by itself, never as an explicit write a client asks for)."""
+def response_usage(out: RequestOutput, reasoning_tokens: int | None = None) -> dict[str, Any]:
+    """Tokens in and out of the response's engine request: its prefix-cache hits as cached_tokens, no
+    cache_write_tokens (the prefix cache keeps blocks by itself, never as an explicit write a client asks for),
+    and the output tokens spent thinking as reasoning_tokens."""
     prompt, completion = len(out.prompt_token_ids), sum(len(o.token_ids) for o in out.outputs)
     details = {"cached_tokens": out.num_cached_tokens, "cache_write_tokens": 0}
     return {"input_tokens": prompt, "input_tokens_details": details,
-            "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": reasoning_tokens or 0},
             "total_tokens": prompt + completion}
 
 

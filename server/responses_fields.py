@@ -23,11 +23,6 @@ def _other_than(*defaults: Any) -> Callable[[Any], bool]:
     return lambda value: value is not None and value not in defaults
 
 
-def _reasoning_asked(value: Any) -> bool:
-    """Any setting of `reasoning` (an object of nulls, as clients send for "the default", asks nothing)."""
-    return value is not None and (not isinstance(value, dict) or any(v is not None for v in value.values()))
-
-
 def _impl(why: str) -> Fate:
     return Fate(IMPLEMENTED, why, (CHAT,))
 
@@ -60,8 +55,8 @@ RESPONSES_FIELDS: dict[str, Fate] = {
     "include": _refuse("no extra outputs are included (logprobs, encrypted reasoning, tool sources)",
                        example=["message.output_text.logprobs"]),
     "top_logprobs": _refuse("log-probabilities are not returned on this route", _other_than(0), 2),
-    "reasoning": _refuse("the served model does not reason in a separate channel", _reasoning_asked,
-                         {"effort": "high"}),
+    "reasoning": _impl("effort none turns thinking off; other efforts and summary are a 400 "
+                       "(server/responses_reasoning.py)"),
     "truncation": _refuse("the input is never truncated; a prompt longer than the context is a 400",
                           _other_than("disabled"), "auto"),
     "conversation": _refuse("conversations are not stored; use previous_response_id", example="conv_1"),

@@ -17,6 +17,7 @@ from frontend.responses_items import (Item, ItemError, chat_messages, chat_respo
 from server.errors import ApiError, bad_request, invalid_type
 from server.protocol import GenerationRequest, RequestDefaults, check_model_name, parse_chat
 from server.responses_fields import PASSED_TO_CHAT, refuse_unsupported
+from server.responses_reasoning import parse_reasoning
 from server.responses_store import StoredResponse
 
 MAX_METADATA_KEYS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512  # OpenAI's limits on metadata
@@ -49,17 +50,18 @@ def parse_responses(body: dict[str, Any], served_model: str, defaults: RequestDe
     instructions = _typed(body, "instructions", str, "a string", None)
     previous_id = _typed(body, "previous_response_id", str, "a string", None)
     history = _history(previous_id, lookup)
+    reasoning = parse_reasoning(body.get("reasoning"))
     try:
         if body.get("input") is None:
             raise ItemError("input", "'input' is required.")
         conversation = history + input_items(body["input"])
         system = [{"role": "system", "content": instructions}] if instructions else []
-        chat_body = _chat_body(body, system + chat_messages(conversation))
+        chat_body = _chat_body(body, system + chat_messages(conversation)) | reasoning.chat_fields(body)
     except ItemError as exc:
         raise bad_request(str(exc), exc.param) from None
     with responses_names():
         chat = parse_chat(chat_body, served_model, defaults)
-    echo = _echo(body, chat, instructions, previous_id)
+    echo = _echo(body, chat, instructions, previous_id) | {"reasoning": reasoning.echo()}
     return ResponsesRequest(chat, tuple(conversation), echo, echo["store"])
 
 

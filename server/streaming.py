@@ -11,7 +11,7 @@ from frontend.tool_stream import CallOpened, ContentText
 from server.prompt_logprobs import echoed
 from server.responses import (Json, ResponseMeta, chat_chunk, chat_delta_choice, chat_logprobs,
                               chat_role_choice, completion_choice, completion_chunk, output_usage,
-                              usage_chunk)
+                              reasoning_usage, usage_chunk)
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 DONE = b"data: [DONE]\n\n"
@@ -93,7 +93,8 @@ class ChunkBuilder:
     def closing(self, last: RequestOutput) -> list[Json]:
         if not self._include_usage:
             return []
-        return [usage_chunk(self._meta, self._chat, output_usage(last))]
+        thought = reasoning_usage(last, self._tokenizer, self._reasoning) if self._chat else None
+        return [usage_chunk(self._meta, self._chat, output_usage(last, reasoning_tokens=thought))]
 
     def _has_news(self, o: CompletionOutput) -> bool:
         if o.index in self._finished:

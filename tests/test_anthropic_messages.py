@@ -9,8 +9,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from engine.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from frontend.anthropic_messages import ERROR_PREFIX, MESSAGES_FIELDS, MessagesError, chat_body
-from frontend.output import ToolCallOutput
+from frontend.anthropic_messages import ERROR_PREFIX, MESSAGES_FIELDS, MessagesError, chat_body, thinking_of
+from frontend.output import ReasoningOutput, ToolCallOutput
+from frontend.reasoning import ReasoningFormat, ReasoningParser, Start
 from frontend.tool_parsers import HermesParser
 from server.errors import ApiError
 from server.messages_api import anthropic_error
@@ -188,8 +189,35 @@ def test_each_refused_field_is_refused_with_its_example(name):
     assert err.param == name and MESSAGES_FIELDS[name].why in str(err)
 
 
-def test_thinking_disabled_is_accepted():
-    assert chat_body(BASE | {"thinking": {"type": "disabled"}}) == chat_body(BASE)
+@pytest.mark.parametrize("thinking, kwargs, budget, shown", [
+    ({"type": "disabled"}, {"enable_thinking": False}, None, True),
+    ({"type": "enabled", "budget_tokens": 1024}, {"enable_thinking": True}, 1024, True),
+    ({"type": "enabled", "budget_tokens": 8, "display": "omitted"}, {"enable_thinking": True}, 8, False),
+    ({"type": "adaptive", "display": "summarized"}, {"enable_thinking": True}, None, True),
+    (None, None, None, True)])
+def test_thinking_reaches_the_template_and_the_budget(thinking, kwargs, budget, shown):
+    body = BASE | {"thinking": thinking}
+    chat = chat_body(body)
+    assert chat.get("chat_template_kwargs") == kwargs
+    assert parse_chat(chat, MODEL).template_kwargs == (kwargs or {})
+    setting = thinking_of(body)
+    assert (setting.budget_tokens, setting.shown, setting.asked) == (budget, shown, bool(kwargs and
+                                                                                       kwargs["enable_thinking"]))
+
+
+@pytest.mark.parametrize("thinking, param", [
+    ("on", "thinking"), ({"budget_tokens": 5}, "thinking"), ({"type": "between_tools"}, "thinking.type"),
+    ({"type": "sometimes"}, "thinking.type"), ({"type": "enabled"}, "thinking.budget_tokens"),
+    ({"type": "enabled", "budget_tokens": 0}, "thinking.budget_tokens"),
+    ({"type": "enabled", "budget_tokens": "9"}, "thinking.budget_tokens"),
+    ({"type": "enabled", "budget_tokens": True}, "thinking.budget_tokens"),
+    ({"type": "enabled", "budget_tokens": 9, "display": "full"}, "thinking.display"),
+    ({"type": "enabled", "budget_tokens": 9, "effort": "high"}, "thinking.effort"),
+    ({"type": "disabled", "budget_tokens": 9}, "thinking.budget_tokens"),
+    ({"type": "adaptive", "budget_tokens": 9}, "thinking.budget_tokens")])
+def test_unsupported_thinking_is_refused_naming_the_sub_field(thinking, param):
+    err = _error(BASE | {"thinking": thinking})
+    assert err.param == param and f"'{param}'" in str(err)
 
 
 @pytest.mark.parametrize("name", [n for n, f in MESSAGES_FIELDS.items() if f.fate == "ignored"])
@@ -200,12 +228,13 @@ def test_each_ignored_field_leaves_the_request_as_it_was(name):
 def test_each_implemented_field_reaches_the_chat_body():
     body = BASE | {"system": "s", "stop_sequences": ["x"], "temperature": 0.1, "top_p": 0.5, "top_k": 3,
                    "stream": False, "tools": [WEATHER], "tool_choice": {"type": "auto"},
-                   "output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}}}
+                   "output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}},
+                   "thinking": {"type": "disabled"}}
     implemented = {n for n, f in MESSAGES_FIELDS.items() if f.fate == "implemented"}
     assert implemented == set(body)
     chat = chat_body(body)
     assert set(chat) == {"model", "max_tokens", "messages", "stop", "temperature", "top_p", "top_k", "stream",
-                         "tools", "tool_choice", "response_format"}
+                         "tools", "tool_choice", "response_format", "chat_template_kwargs"}
 
 
 # ---------------------------------------------------------------------------------------- replies
@@ -227,8 +256,9 @@ def _outputs(pieces: list[str], finish: str = "stop", stop: str | None = None, c
     return outs
 
 
-def _events(outs: list[RequestOutput], tools: ToolCallOutput | None) -> list[tuple[str, dict]]:
-    builder = MessageEvents(META, tools)
+def _events(outs: list[RequestOutput], tools: ToolCallOutput | None, reasoning: ReasoningOutput | None = None,
+            shown: bool = True) -> list[tuple[str, dict]]:
+    builder = MessageEvents(META, tools, reasoning, shown)
     events = builder.opening(outs[0])
     for out in outs:
         events += builder.events(out)
@@ -296,6 +326,52 @@ def test_plain_text_streams_as_one_text_block_that_joins_to_the_whole_reply():
     assert events[0][1]["message"]["usage"] == usage | {"output_tokens": 0}
 
 
+QWEN3 = ReasoningOutput(ReasoningParser(ReasoningFormat.QWEN3), Start.OPEN)
+THOUGHT = ["<think>", "Weather", " means a call.", "</think>", "\n\n"]
+
+
+def test_thinking_streams_as_a_thinking_block_first_in_anthropics_order():
+    outs = _outputs(THOUGHT + CALL)
+    events = _events(outs, HERMES, QWEN3)
+    check_event_order([name for name, _ in events])
+    starts = [data["content_block"] for name, data in events if name == "content_block_start"]
+    assert [b["type"] for b in starts] == ["thinking", "text", "tool_use"]
+    assert starts[0] == {"type": "thinking", "thinking": "", "signature": ""}
+    deltas = [data for name, data in events if name == "content_block_delta"]
+    kinds = [(d["index"], d["delta"]["type"]) for d in deltas]
+    assert kinds[:3] == [(0, "thinking_delta"), (0, "thinking_delta"), (0, "signature_delta")]
+    thought = "".join(d["delta"]["thinking"] for d in deltas if d["delta"]["type"] == "thinking_delta")
+    whole = message_body(META, outs[-1], HERMES, QWEN3)
+    assert whole["content"][0] == {"type": "thinking", "thinking": thought, "signature": ""}
+    assert thought == "Weather means a call."
+    assert [b["type"] for b in whole["content"]] == ["thinking", "text", "tool_use"]
+    assert whole["content"][1]["text"] == "Sure. " and whole["stop_reason"] == "tool_use"
+
+
+def test_omitted_thinking_keeps_its_block_without_the_text():
+    outs = _outputs(THOUGHT + ["Fine."])
+    events = _events(outs, None, QWEN3, shown=False)
+    assert [d["delta"]["type"] for name, d in events if name == "content_block_delta"] == [
+        "signature_delta", "text_delta"]
+    assert message_body(META, outs[-1], None, QWEN3, shown=False)["content"] == [
+        {"type": "thinking", "thinking": "", "signature": ""}, {"type": "text", "text": "Fine."}]
+
+
+def test_a_model_that_did_not_think_has_no_thinking_block():
+    outs = _outputs(["Fine."])
+    assert [b["type"] for b in message_body(META, outs[-1], None, QWEN3)["content"]] == ["text"]
+    assert "thinking" not in json.dumps(_events(outs, None, QWEN3))
+
+
+def test_the_events_validate_against_the_anthropic_clients_types():
+    from anthropic.types import RawMessageStreamEvent
+    from pydantic import TypeAdapter
+
+    adapter = TypeAdapter(RawMessageStreamEvent)
+    for _, data in _events(_outputs(THOUGHT + CALL), HERMES, QWEN3):
+        assert adapter.validate_python(data).model_dump(exclude_none=True, exclude_unset=True)["type"] == data["type"]
+
+
 def test_an_empty_reply_has_no_content_block():
     events = _events(_outputs([""]), None)
     assert [name for name, _ in events] == ["message_start", "message_delta", "message_stop"]
@@ -348,7 +424,8 @@ JSON = st.recursive(st.none() | st.booleans() | st.integers(-2 ** 70, 2 ** 70) |
                     | st.text(max_size=8),
                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner,
                                                                                 max_size=3), max_leaves=8)
-FIELDS = sorted(MESSAGES_FIELDS) + ["messages[0]", "content", "block", "tool"]
+FIELDS = sorted(MESSAGES_FIELDS) + ["messages[0]", "content", "block", "tool", "thinking.type", "thinking.budget_tokens",
+                                    "thinking.display"]
 VALID = BASE | {"system": "s", "tools": [WEATHER], "tool_choice": {"type": "auto"}, "stop_sequences": ["x"],
                 "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
 
@@ -363,6 +440,8 @@ def _mutated(field: str, value) -> dict:
         body["messages"][0]["content"][0] = value
     elif field == "tool":
         body["tools"][0] = value
+    elif field.startswith("thinking."):
+        body["thinking"] = {"type": "enabled", "budget_tokens": 64, field.split(".")[1]: value}
     else:
         body[field] = value
     return body
@@ -373,6 +452,7 @@ def _translated_or_refused(body: dict) -> None:
     field: nothing else may come out."""
     try:
         parse_chat(chat_body(body), MODEL)
+        thinking_of(body)
     except MessagesError as exc:
         assert f"'{exc.param}'" in str(exc)
     except ApiError as exc:

@@ -100,3 +100,15 @@ def test_bad_template_variables_are_400s_naming_the_field(client, extra, param):
     with pytest.raises(openai.BadRequestError) as err:
         _chat(client, extra_body=extra)
     assert err.value.body["param"] == param, err.value.body
+
+
+def test_thinking_off_on_the_other_routes_reaches_the_template(client, server):
+    """Messages' thinking disabled and Responses' reasoning effort none write the empty think block too."""
+    off = server.post("/tokenize", {"messages": ASK, **THINKING_OFF}).json()["count"]
+    on = server.post("/tokenize", {"messages": ASK}).json()["count"]
+    counted = server.post("/v1/messages/count_tokens", {"model": MODEL, "messages": ASK,
+                                                        "thinking": {"type": "disabled"}}).json()
+    assert counted["input_tokens"] == off > on
+    response = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2, reasoning={"effort": "none"})
+    assert response.usage.input_tokens == off and response.reasoning.effort == "none"
+    assert client.responses.create(model=MODEL, input="Hi", max_output_tokens=2).usage.input_tokens == on

@@ -79,7 +79,9 @@ BAD = [
     ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, 400, "text.format"),
     ({"input": "hi", "background": True}, 400, "background"),
     ({"input": "hi", "include": ["message.output_text.logprobs"]}, 400, "include"),
-    ({"input": "hi", "reasoning": {"effort": "high"}}, 400, "reasoning"),
+    ({"input": "hi", "reasoning": {"effort": "high"}}, 400, "reasoning.effort"),
+    ({"input": "hi", "reasoning": {"summary": "auto"}}, 400, "reasoning.summary"),
+    ({"input": "hi", "reasoning": "high"}, 400, "reasoning"),
     ({"input": "hi", "truncation": "auto"}, 400, "truncation"),
     ({"input": "hi", "conversation": "conv_1"}, 400, "conversation"),
     ({"input": "hi", "previous_response_id": "resp_unknown"}, 404, "previous_response_id"),
@@ -113,7 +115,7 @@ JUNK = [None, 0, -1, 1.5, 10 ** 12, True, "", "x", [], [1, "a"], {}, {"type": "x
 VALID = {"input": [{"role": "user", "content": "hi"}], "max_output_tokens": 2, "temperature": 0, "top_p": 1,
          "instructions": "be brief", "tools": [WEATHER], "tool_choice": "auto", "parallel_tool_calls": True,
          "text": {"format": {"type": "text"}}, "store": False, "metadata": {"a": "b"}, "stream": False,
-         "previous_response_id": None, "top_k": 5, "seed": 1, "stop": ["\n"]}
+         "previous_response_id": None, "top_k": 5, "seed": 1, "stop": ["\n"], "reasoning": {"effort": "none"}}
 
 
 def test_fuzzed_fields_are_answered_or_refused_by_name_never_a_5xx(server):
@@ -123,6 +125,7 @@ def test_fuzzed_fields_are_answered_or_refused_by_name_never_a_5xx(server):
     nested += [("input", [{"type": "function_call", "call_id": junk, "name": "f", "arguments": "{}"}]) for junk in JUNK]
     nested += [("text", {"format": {"type": "json_schema", "name": "x", "schema": junk}}) for junk in JUNK]
     nested += [("tools", [{"type": "function", "name": "f", "parameters": junk}]) for junk in JUNK]
+    nested += [("reasoning", {key: junk}) for key in ("effort", "summary", "generate_summary") for junk in JUNK]
     for name, junk in cases + nested + [(rng.choice(list(VALID)), rng.choice(JUNK)) for _ in range(20)]:
         result = _post(server, VALID | {name: junk})
         assert result.status in (200, 400, 404), (name, junk, result.body)

@@ -9,7 +9,8 @@ import json
 import pytest
 
 from engine.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from frontend.output import ToolCallOutput
+from frontend.output import ReasoningOutput, ToolCallOutput
+from frontend.reasoning import ReasoningFormat, ReasoningParser, Start
 from frontend.responses_items import (ItemError, chat_messages, chat_response_format, chat_tool_choice, chat_tools,
                                       input_items)
 from frontend.tool_parsers import HermesParser
@@ -403,6 +404,71 @@ def test_a_whole_reply_cut_inside_a_second_call_keeps_the_first_call():
     assert [i["type"] for i in cut if i["type"] == "function_call"] == ["function_call"]
     assert json.loads(next(i for i in cut if i["type"] == "function_call")["arguments"]) == {"city": "Oslo"}
     assert not any("<tool_call>" in c.get("text", "") for i in cut for c in i.get("content", []))
+
+
+QWEN3 = ReasoningOutput(ReasoningParser(ReasoningFormat.QWEN3), Start.OPEN)
+THOUGHT = '<think>The user wants weather.</think>\n\n'
+
+
+def test_a_streamed_thinking_reply_is_a_reasoning_item_then_the_message_and_calls_like_the_whole():
+    text = THOUGHT + 'Checking.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    tools = ToolCallOutput(HermesParser())
+    builder = OutputBuilder(_ids())
+    feed = OutputFeed(builder, tools, QWEN3)
+    events = []
+    for i in range(0, len(text), 5):
+        events += feed.feed(_output(text[i:i + 5]))
+    events += feed.feed(_output("", "stop")) + builder.finish("completed")
+    whole = whole_output(OutputBuilder(_ids()), text, tools, "completed", QWEN3)
+    assert [i["type"] for i in builder.items] == [i["type"] for i in whole] == ["reasoning", "message",
+                                                                               "function_call"]
+    assert whole[0]["content"] == [{"type": "reasoning_text", "text": "The user wants weather."}]
+    assert whole[0]["summary"] == [] and builder.items[0]["content"] == whole[0]["content"]
+    assert whole[1]["content"][0]["text"] == "Checking."
+    thought = "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta")
+    assert thought == "The user wants weather."
+    kinds = _types(events)
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
+
+
+def test_every_reasoning_event_validates_against_the_openai_clients_types():
+    from openai.types.responses import ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    adapter = TypeAdapter(ResponseStreamEvent)
+    builder = OutputBuilder(_ids())
+    feed = OutputFeed(builder, None, QWEN3)
+    events = feed.feed(_output(THOUGHT + "Hi.", "stop")) + builder.finish("completed")
+    for event in events:
+        assert adapter.validate_python(event).type == event["type"]
+    assert "response.reasoning_text.delta" in _types(events)
+
+
+def test_a_reasoning_item_handed_back_is_kept_in_the_conversation_but_not_the_prompt():
+    item = whole_output(OutputBuilder(_ids()), THOUGHT + "Hi.", None, "completed", QWEN3)[0]
+    kept = input_items([{"role": "user", "content": "hi"}, item])
+    assert kept[1] == {"type": "reasoning", "summary": [], "content": item["content"]}
+    assert chat_messages(kept) == [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("reasoning, kwargs", [({"effort": "none"}, {"enable_thinking": False}),
+                                               ({"effort": None}, {}), ({}, {})])
+def test_reasoning_effort_none_turns_thinking_off(reasoning, kwargs):
+    parsed = parse({"reasoning": reasoning})
+    assert parsed.chat.template_kwargs == kwargs
+    assert parsed.echo["reasoning"] == {"effort": reasoning.get("effort"), "summary": None}
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"reasoning": {"effort": "high"}}, "reasoning.effort"), ({"reasoning": {"effort": "minimal"}}, "reasoning.effort"),
+    ({"reasoning": {"summary": "auto"}}, "reasoning.summary"),
+    ({"reasoning": {"generate_summary": "concise"}}, "reasoning.generate_summary"),
+    ({"reasoning": {"budget": 5}}, "reasoning.budget"), ({"reasoning": "high"}, "reasoning"),
+    ({"reasoning": {"effort": "none"}, "enable_thinking": True}, "reasoning.effort"),
+    ({"reasoning": {"effort": "none"}, "chat_template_kwargs": {"enable_thinking": True}}, "reasoning.effort")])
+def test_reasoning_settings_that_cannot_be_honoured_are_400s_naming_the_field(body, param):
+    err = refusal(body)
+    assert err.status == 400 and err.param == param and f"'{param}'" in err.message
 
 
 # ---------------------------------------------------------------------------------------- the bench's share

@@ -101,6 +101,7 @@ MODULE_TIERS: Mapping[str, Tier] = {
     "test_qwen3.py": E,
     "test_reasoning.py": U,  # the grammar and LLM.chat tests are marked engine
     "test_reasoning_api.py": P,
+    "test_reasoning_routes.py": P,
     "test_real_gemma3.py": P,  # slow: a real Gemma 3 GGUF from a registry package
     "test_responses_api.py": P,  # a server on the tiny model: the route's errors, store, disconnects and streams
     "test_responses_smollm2.py": P,  # slow: the real model through the official client
