@@ -135,8 +135,8 @@ REQUEST_FIELDS: dict[str, Fate] = _joined(_sampling_rows(), {
     "modalities": _refuse("only text is generated", lambda v: v is not None and v != ["text"], ["audio"],
                           (CHAT,)),
     "audio": _refuse("only text is generated", example={"voice": "alloy"}, routes=(CHAT,)),
-    "reasoning_effort": _refuse("no thinking budget is implemented (enable_thinking turns thinking off where the "
-                                "chat template takes it)", example="low", routes=(CHAT,)),
+    "reasoning_effort": _refuse("efforts are not mapped to thinking budgets (enable_thinking turns thinking off "
+                                "where the chat template takes it)", example="low", routes=(CHAT,)),
     "web_search_options": _refuse("no web search", lambda v: v is not None, {}, (CHAT,)),
     # ignored: they cannot change the output
     "user": _ignore("an end-user id for abuse monitoring"),

@@ -112,3 +112,15 @@ def test_thinking_off_on_the_other_routes_reaches_the_template(client, server):
     response = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2, reasoning={"effort": "none"})
     assert response.usage.input_tokens == off and response.reasoning.effort == "none"
     assert client.responses.create(model=MODEL, input="Hi", max_output_tokens=2).usage.input_tokens == on
+
+
+def test_the_usage_counts_the_thinking_tokens_whole_and_streamed(client):
+    whole = _chat(client, extra_body={"guided_grammar": FORCED})
+    chunks = list(_chat(client, stream=True, stream_options={"include_usage": True},
+                        extra_body={"guided_grammar": FORCED}))
+    thought = whole.usage.completion_tokens_details.reasoning_tokens
+    assert thought == chunks[-1].usage.completion_tokens_details.reasoning_tokens
+    # "<think>", the thinking and "</think>" are counted; the blank line and the answer are not.
+    assert 2 < thought < whole.usage.completion_tokens
+    plain = _chat(client, extra_body={"guided_grammar": 'root ::= "Hello."'})
+    assert plain.usage.completion_tokens_details.reasoning_tokens == 0
