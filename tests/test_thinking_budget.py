@@ -46,13 +46,18 @@ def test_a_budget_from_the_wire_is_a_tuple():
 # ---------------------------------------------------------------------------------------- in the engine
 
 @pytest.fixture(scope="module")
-def llm(tmp_path_factory):
-    from engine import LLM
+def budget_dir(tmp_path_factory):
     from tests.tiny_models import tiny_llama_config, write_tiny_model
 
-    folder = write_tiny_model(tmp_path_factory.mktemp("tiny-budget"), tiny_llama_config(), seed=7,
-                              template=QWEN3_TEMPLATE, added_tokens=THINK_TOKENS)
-    return LLM(str(folder), dtype="float32", num_kv_blocks=64, block_size=8)
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-budget"), tiny_llama_config(), seed=7,
+                            template=QWEN3_TEMPLATE, added_tokens=THINK_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def llm(budget_dir):
+    from engine import LLM
+
+    return LLM(str(budget_dir), dtype="float32", num_kv_blocks=64, block_size=8)
 
 
 def _tags(llm):
@@ -98,3 +103,20 @@ def test_the_front_door_sets_the_budget_where_the_output_may_think(llm, tmp_path
     assert door.with_reasoning(SamplingParams(), off.prompt, budget=5)[0].thinking_budget is None
     with pytest.raises(ThinkingBudgetError, match="does not think"):
         type(door)(door.tokenizer, door.tool_format, None).with_reasoning(SamplingParams(), on.prompt, budget=5)
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("options", [dict(speculative="ngram"), dict(speculative="draft", draft_model="self:1")],
+                         ids=["ngram", "self:1"])
+def test_verified_drafts_keep_the_budget(llm, budget_dir, options):
+    """With speculation, each draft is judged by the mask at its position: the output is plain decoding's."""
+    from tests.test_spec_decode import run, tiny_llm
+
+    _, close = _tags(llm)
+    prompts = [llm.front_door.encode("<think>\nLet me see, " * (i + 1), False) for i in range(3)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, thinking_budget=(5, INSIDE, close))
+    plain = run(llm, prompts, params)
+    speculating = tiny_llm(budget_dir, **options)
+    assert run(speculating, prompts, params, speculate=[True] * 3) == plain
+    assert all(tokens[5] == close and close not in tokens[:5] for tokens in plain)
+    assert speculating.engine.stats().spec_proposed > 0
