@@ -4,9 +4,9 @@ A stream is `message_start`, then per content block `content_block_start`, its `
 (`thinking_delta` then one `signature_delta` for thinking, `text_delta` for text, `input_json_delta` for a
 tool_use's input) and `content_block_stop`, then `message_delta` (stop_reason, stop_sequence and the usage)
 and `message_stop`. One block is open at a time: the thinking (for a model that thinks), text, then each tool
-call, in the order the chat route's reply reader (frontend.output.ReplyStream) finds them. Usage follows Anthropic's meaning:
-`input_tokens` are the prompt tokens computed, `cache_read_input_tokens` those whose KV came from the prefix
-cache (the prompt is their sum).
+call, in the order the chat route's reply reader (frontend.output.ReplyStream) finds them. Usage follows
+Anthropic's meaning: `input_tokens` are the prompt tokens computed, `cache_read_input_tokens` those whose KV came
+from the prefix cache (the prompt is their sum).
 """
 from __future__ import annotations
 

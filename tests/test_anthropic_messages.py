@@ -424,8 +424,8 @@ JSON = st.recursive(st.none() | st.booleans() | st.integers(-2 ** 70, 2 ** 70) |
                     | st.text(max_size=8),
                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner,
                                                                                 max_size=3), max_leaves=8)
-FIELDS = sorted(MESSAGES_FIELDS) + ["messages[0]", "content", "block", "tool", "thinking.type", "thinking.budget_tokens",
-                                    "thinking.display"]
+FIELDS = sorted(MESSAGES_FIELDS) + ["messages[0]", "content", "block", "tool", "thinking.type",
+                                    "thinking.budget_tokens", "thinking.display"]
 VALID = BASE | {"system": "s", "tools": [WEATHER], "tool_choice": {"type": "auto"}, "stop_sequences": ["x"],
                 "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
 
