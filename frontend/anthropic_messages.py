@@ -15,7 +15,8 @@ What becomes what:
   `model` keep their names.
 
 Every other top-level field is in MESSAGES_FIELDS with its fate: implemented, refused (a MessagesError naming
-it) or ignored (it cannot change the output); fields in no table are ignored, as on the other routes. Blocks
+it) or ignored (it cannot change the output); the chat route's own extensions are passed on by name
+(server/messages_fields.py); fields in no table are ignored, as on the other routes. Blocks
 the served model cannot read (images, documents, server tools' blocks) and a last message from the assistant
 (prefill: the chat template always opens a new turn) are refused. Knows nothing of HTTP.
 """

@@ -24,6 +24,7 @@ from server.errors import ApiError, bad_request, from_http_exception
 from server.generation import (Prepared, RequestTracker, encode_prompt, engine_outputs, placement_headers, prepare,
                                read_body)
 from server.messages_events import MessageEvents, MessageMeta, encode_events, message_body, message_id
+from server.messages_fields import with_chat_fields
 from server.protocol import GenerationRequest, parse_chat, parse_json_body
 from server.streaming import SSE_HEADERS
 
@@ -109,6 +110,17 @@ async def count_tokens(request: web.Request) -> web.Response:
 
 async def _chat_request(request: web.Request, ctx: ServerContext, count: bool) -> tuple[GenerationRequest, Thinking]:
     body = parse_json_body(await read_body(request, ctx.settings.max_body_bytes))
+    chat, thinking = _translated(body, ctx, count)
+    req = parse_chat(chat, ctx.limits.name, ctx.defaults)
+    # Anthropic's clients send a max_tokens sized for Claude (Claude Code: 32000), more than a local model's context
+    # holds: it is a ceiling here, capped at the room the prompt leaves; a reply that fills it ends with max_tokens.
+    sampling = dataclasses.replace(req.sampling, max_tokens_capped=True)
+    return dataclasses.replace(req, sampling=sampling, thinking_budget=thinking.budget_tokens), thinking
+
+
+def _translated(body: dict, ctx: ServerContext, count: bool) -> tuple[dict, Thinking]:
+    """The chat body that asks for what `body` asks for, with the chat route's own fields it gives, and its
+    thinking setting; 400 naming the field for what cannot be honoured."""
     try:
         chat, thinking = chat_body(body, count), thinking_of(body)
     except MessagesError as exc:
@@ -117,11 +129,10 @@ async def _chat_request(request: web.Request, ctx: ServerContext, count: bool) -
         raise bad_request("'thinking': the served model does not think in a separate channel (it has no reasoning "
                           "parser: see --reasoning-parser); send {\"type\": \"disabled\"} or leave it out.",
                           "thinking")
-    req = parse_chat(chat, ctx.limits.name, ctx.defaults)
-    # Anthropic's clients send a max_tokens sized for Claude (Claude Code: 32000), more than a local model's context
-    # holds: it is a ceiling here, capped at the room the prompt leaves; a reply that fills it ends with max_tokens.
-    sampling = dataclasses.replace(req.sampling, max_tokens_capped=True)
-    return dataclasses.replace(req, sampling=sampling, thinking_budget=thinking.budget_tokens), thinking
+    try:
+        return with_chat_fields(body, chat, thinking), thinking
+    except MessagesError as exc:  # named as the client spelled it: no chat name to rename
+        raise AnthropicError(400, str(exc), exc.param, "unsupported_parameter") from None
 
 
 # ---------------------------------------------------------------------------------------- replies

@@ -237,6 +237,47 @@ def test_each_implemented_field_reaches_the_chat_body():
                          "tools", "tool_choice", "response_format", "chat_template_kwargs"}
 
 
+# ---------------------------------------------------------------------------------------- the chat route's fields
+
+def test_the_chat_routes_own_fields_pass_through_and_its_spellings_of_messages_fields_do_not():
+    from server.messages_fields import NOT_PASSED, PASSED_TO_CHAT
+
+    assert {"min_p", "seed", "guided_grammar", "logit_bias", "chat_template_kwargs", "enable_thinking"} \
+        <= PASSED_TO_CHAT
+    assert not ({"stop", "n", "logprobs", "response_format", "max_tokens", "temperature"} & PASSED_TO_CHAT)
+    assert set(NOT_PASSED).isdisjoint(MESSAGES_FIELDS)
+
+
+def _with_chat_fields(extra: dict) -> dict:
+    from server.messages_fields import with_chat_fields
+
+    body = BASE | extra
+    return with_chat_fields(body, chat_body(body), thinking_of(body))
+
+
+def test_passed_fields_reach_the_chat_parser_and_template_variables_merge_with_thinking():
+    chat = _with_chat_fields({"min_p": 0.1, "seed": 3, "thinking": {"type": "disabled"},
+                              "chat_template_kwargs": {"tone": "dry"}})
+    req = parse_chat(chat, MODEL)
+    assert (req.sampling.params.min_p, req.sampling.params.seed) == (0.1, 3)
+    assert req.template_kwargs == {"tone": "dry", "enable_thinking": False}
+    assert parse_chat(_with_chat_fields({"enable_thinking": True}), MODEL).template_kwargs == {"enable_thinking": True}
+    assert _with_chat_fields({"n": 1, "logprobs": False, "stream_options": {"include_usage": True}}) == chat_body(BASE)
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"stop": ["x"]}, "stop"), ({"n": 2}, "n"), ({"logprobs": True}, "logprobs"), ({"top_logprobs": 2}, "top_logprobs"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"max_completion_tokens": 5}, "max_completion_tokens"),
+    ({"add_generation_prompt": False}, "add_generation_prompt"),
+    ({"thinking": {"type": "disabled"}, "enable_thinking": True}, "thinking"),
+    ({"thinking": {"type": "adaptive"}, "chat_template_kwargs": {"enable_thinking": False}}, "thinking")])
+def test_chat_spellings_results_without_a_place_and_contradictions_are_refused(extra, param):
+    with pytest.raises(MessagesError) as err:
+        _with_chat_fields(extra)
+    assert err.value.param == param and f"'{param}'" in str(err.value)
+
+
 # ---------------------------------------------------------------------------------------- replies
 
 META = MessageMeta("msg_1", MODEL)

@@ -218,7 +218,8 @@ SMALL_JSON = st.recursive(st.none() | st.booleans() | st.integers(-3, 40) | st.f
                           lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner,
                                                                                       max_size=3), max_leaves=6)
 FUZZED = ["model", "max_tokens", "messages", "system", "stop_sequences", "temperature", "top_p", "top_k", "stream",
-          "tools", "tool_choice", "thinking", "output_config", "metadata", "messages[0]", "content"]
+          "tools", "tool_choice", "thinking", "output_config", "metadata", "messages[0]", "content", "min_p", "seed",
+          "stop", "n", "logprobs", "enable_thinking", "chat_template_kwargs", "guided_regex"]
 
 
 def _fuzzed(field: str, value) -> dict:

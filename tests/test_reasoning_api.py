@@ -124,3 +124,23 @@ def test_the_usage_counts_the_thinking_tokens_whole_and_streamed(client):
     assert 2 < thought < whole.usage.completion_tokens
     plain = _chat(client, extra_body={"guided_grammar": 'root ::= "Hello."'})
     assert plain.usage.completion_tokens_details.reasoning_tokens == 0
+
+
+def test_messages_split_the_thinking_into_its_block_with_the_chat_routes_grammar(server):
+    """The chat route's own fields pass through /v1/messages: a grammar forces the thinking here."""
+    import anthropic
+
+    claude = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
+    ask = dict(model=MODEL, max_tokens=60, messages=ASK, thinking={"type": "adaptive"},
+               extra_body={"temperature": 0, "guided_grammar": FORCED})
+    whole = claude.messages.create(**ask)
+    assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in whole.content] == [
+        ("thinking", "Greet back, briefly."), ("text", "Hello there.")]
+    with claude.messages.stream(**ask) as stream:
+        final = stream.get_final_message()
+    assert [b.model_dump(exclude={"parsed_output"}) for b in final.content] == [
+        b.model_dump(exclude={"parsed_output"}) for b in whole.content]
+    with pytest.raises(anthropic.BadRequestError) as err:
+        claude.messages.create(**ask | {"thinking": {"type": "disabled"},
+                                        "extra_body": {"chat_template_kwargs": {"enable_thinking": True}}})
+    assert "'thinking'" in err.value.body["error"]["message"]
