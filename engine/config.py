@@ -125,6 +125,7 @@ KvStreamOverlap = Literal["chunk", "layer", "none"]  # engine/core/prefill_engin
 GpuAttention = Literal["auto", "triton", "flashinfer"]  # engine/backends/gpu_config.py
 CudaGraphs = Literal["auto", "off"]  # engine/core/cuda_graphs.py
 KernelDispatch = Literal["measured", "shipped"]  # engine/backends/dispatch.py
+WeightCacheMode = Literal["on", "off"]  # engine/model/weight_cache.py
 PoolingMode = Literal["last", "mean"]  # how an embedding pools the prompt's final hidden states (prompt_pass.py)
 DTYPES = get_args(Dtype)
 WEIGHT_DTYPES = get_args(WeightDtype)
@@ -136,6 +137,7 @@ GPU_ATTENTIONS = get_args(GpuAttention)
 CUDA_GRAPHS = get_args(CudaGraphs)
 KERNEL_DISPATCHES = get_args(KernelDispatch)
 POOLING_MODES = get_args(PoolingMode)
+WEIGHT_CACHE_MODES = get_args(WeightCacheMode)
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -267,10 +269,15 @@ class EngineConfig:
                                          "tiers; what is not loaded by then is computed")
     kv_host_dir: str | None = None  # the host tier's directory, made by the process that owns it (not a flag)
     cache_dir: str | None = option(None, "where what an engine derives from a model on this machine is kept "
-                                   "between runs (an actor's start-up calibration, the kernel dispatch table)",
+                                   "between runs (an actor's start-up calibration, the kernel dispatch table, "
+                                   "the converted weights)",
                                    metavar="DIR",
                                    shown="$PHASE_SERVE_CACHE_DIR, else $XDG_CACHE_HOME/phase-serve, else "
                                    "~/.cache/phase-serve")
+    weight_cache: WeightCacheMode = option("on", "on: the weights converted to the CPU kernels' layout are kept in "
+                                           "--cache-dir (keyed by the checkpoint, weight formats, kernel build and "
+                                           "dispatch) and mapped, not converted, by later starts; off: converted at "
+                                           "every start, nothing written")
     pooling: PoolingMode = option("last", "how /v1/embeddings and LLM.embed pool the prompt's final hidden states "
                                   "(after the final norm) into one L2-normalised vector: last (the last prompt "
                                   "token's, as vLLM does for decoder models; it may start from a cached prefix) or "
@@ -313,6 +320,8 @@ class EngineConfig:
         if self.pooling not in POOLING_MODES:
             raise ConfigError(f"pooling must be one of {', '.join(POOLING_MODES)}, got {self.pooling!r}")
         self._check_kv_tiers()
+        if self.weight_cache not in WEIGHT_CACHE_MODES:
+            raise ConfigError(f"weight_cache must be one of {', '.join(WEIGHT_CACHE_MODES)}, got {self.weight_cache!r}")
         if self.cache_dir is not None and not str(self.cache_dir).strip():
             raise ConfigError(f"cache_dir must name a directory, got {self.cache_dir!r}")
 

@@ -40,6 +40,7 @@ from engine.model.footprint import available_memory, check_resident, engine_foot
 from engine.model.layers import Linear
 from engine.model.llama import LlamaModel
 from engine.model.loader import ModelSource, load_model, resolve_dtype, resolve_model
+from engine.model.prepared_state import load_prepared
 from engine.model.progress import (ALLOCATING_KV, BUILDING_KERNELS, LOADING_DRAFT, MEASURING_KERNELS,
                                    PREPARING_WEIGHTS, READING_CHECKPOINT, Progress, report)
 from engine.sampling.structured import source_compiler
@@ -84,6 +85,7 @@ def build_engine_core(config: EngineConfig, source: ModelSource | None = None, d
     model_cfg = source.config
     if check_memory and loaded is None and torch.device(device).type == "cpu":
         _check_memory(source, config, dtype, kv_pool=True)
+    loaded = loaded or _cached_load(config, source, dtype, device, progress)
     model = loaded.model if loaded else load_model(source, dtype, device, config.weight_dtype, progress)
     report(progress, ALLOCATING_KV)
     plain_blocks, num_cold = _kv_block_counts(config, model_cfg, dtype)
@@ -128,6 +130,7 @@ def build_prefill_engine(config: EngineConfig, source: ModelSource | None = None
     dtype = resolve_dtype(config.dtype, device)
     if check_memory and loaded is None and torch.device(device).type == "cpu":
         _check_memory(source, config, dtype, kv_pool=False)
+    loaded = loaded or _cached_load(config, source, dtype, device, progress)
     model = loaded.model if loaded else load_model(source, dtype, device, config.weight_dtype, progress)
     backend = loaded.backend if loaded else _backend(config, dtype, device, progress, model)
     runner = ModelRunner(model, None, device, backend, grammar_compiler=partial(source_compiler, source))
@@ -138,6 +141,17 @@ def _check_memory(source: ModelSource, config: EngineConfig, dtype: torch.dtype,
     """InsufficientMemoryError before anything loads when this engine would not fit in the memory available."""
     available = available_memory()
     check_resident(engine_footprint(source, config, dtype, available, kv_pool), available, log)
+
+
+def _cached_load(config: EngineConfig, source: ModelSource, dtype: torch.dtype, device: str,
+                 progress: Progress | None) -> LoadedModel | None:
+    """The model and its backend through the converted-weights cache (engine/model/prepared_state.py), on the CPU
+    with --weight-cache on; None elsewhere (the caller loads as it would without the cache)."""
+    if config.weight_cache != "on" or torch.device(device).type != "cpu":
+        return None
+    model, backend = load_prepared(source, dtype, config.weight_dtype, cache_root(config.cache_dir),
+                                   partial(_backend, config, dtype, device, progress), progress)
+    return LoadedModel(source, model, backend)
 
 
 def _backend(config: EngineConfig, dtype: torch.dtype, device: str, progress: Progress | None,

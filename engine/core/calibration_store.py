@@ -29,7 +29,7 @@ from engine.model.identity import checkpoint_key
 KIND = "calibration"
 # Options that do not change what calibration measures (or that the key holds in another form: the models)
 UNMEASURED = frozenset({"model", "draft_model", "cache_dir", "recalibrate", "seed", "shm_free_bytes",
-                        "kv_stream_overlap"})
+                        "kv_stream_overlap", "weight_cache"})
 
 E = TypeVar("E", EngineCore, PrefillEngine)
 

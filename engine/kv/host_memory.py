@@ -37,3 +37,17 @@ def keep_freed_memory() -> bool:
     if not done:
         log.warning("mallopt refused the heap thresholds; large CPU tensors will page-fault on every step")
     return done
+
+
+def release_freed_memory() -> bool:
+    """Hands the heap's free pages back to the kernel now (glibc's malloc_trim), whatever the trim threshold: after
+    a one-off burst such as converting a model's weights, whose temporaries would otherwise stay resident. False
+    where malloc is not glibc's."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    trim(0)
+    return True
