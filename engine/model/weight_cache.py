@@ -12,7 +12,7 @@ the serving dtype and the weight formats chosen, the backend's description (its 
 and the packing it implies), the torch version, and a digest of the sources that convert and pack (SOURCES).
 
 Filling: under an exclusive lock on `<digest>.lock` (a second process that wants the same entry waits, then
-finds it filled), the index goes first, then the data file is written beside its place and renamed over it, then
+finds it filled), the index goes first (with any temporary file a killed writer of this entry left), then the data file is written beside its place and renamed over it, then
 the index likewise: a reader sees a complete entry or none. An entry whose data file is missing, of another
 size, or whose first or last MiB does not match its index (a killed writer, a damaged disk, a hand edit) is a
 miss, logged, and the next fill replaces it.
@@ -97,6 +97,11 @@ class Entry:
     @property
     def lock(self) -> Path:
         return self.directory / f"{self.digest}.lock"
+
+    @property
+    def temp_prefix(self) -> str:
+        """Of the files a writer of this entry fills before renaming them into place."""
+        return f".tmp-{self.digest}-"
 
 
 # ---------------------------------------------------------------- reading
@@ -203,12 +208,13 @@ def write(entry: Entry, tensors: Mapping[str, torch.Tensor], notes: Mapping[str,
     and renamed into place, then the new index. OSError where the cache cannot be written."""
     layout, size = _layout(tensors)
     entry.directory.mkdir(parents=True, exist_ok=True)
-    with contextlib.suppress(FileNotFoundError):
-        entry.index.unlink()
-    _replace(entry.data, lambda out: _write_data(out, tensors, layout))
+    for path in [entry.index, *entry.directory.glob(f"{entry.temp_prefix}*")]:  # under the lock: a dead writer's
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+    _replace(entry.data, entry.temp_prefix, lambda out: _write_data(out, tensors, layout))
     index = {"format": FORMAT, "key": entry.key, "data_size": size,
              "ends_sha256": _ends_digest(entry.data, size), "tensors": layout, "notes": dict(notes or {})}
-    _replace(entry.index, lambda out: out.write(json.dumps(index).encode()))
+    _replace(entry.index, entry.temp_prefix, lambda out: out.write(json.dumps(index).encode()))
 
 
 def _layout(tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, Any], int]:
@@ -239,9 +245,9 @@ def _write_data(out, tensors: Mapping[str, torch.Tensor], layout: Mapping[str, A
             out.write(memoryview(raw[start:start + WRITE_CHUNK_BYTES].numpy()))
 
 
-def _replace(path: Path, fill: Callable[[Any], Any]) -> None:
+def _replace(path: Path, prefix: str, fill: Callable[[Any], Any]) -> None:
     """`fill(file)` writes a temporary file beside `path`, which is synced and renamed over it; removed on error."""
-    fd, temp = tempfile.mkstemp(prefix=".tmp-", suffix=path.suffix, dir=path.parent)
+    fd, temp = tempfile.mkstemp(prefix=prefix, suffix=path.suffix, dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as out:
             fill(out)
