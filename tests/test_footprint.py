@@ -116,9 +116,25 @@ def test_an_engine_is_its_weights_pool_and_activations():
     config = EngineConfig(num_kv_blocks=100, weight_dtype="int8")
     engine = engine_footprint(_source(), config, torch.bfloat16, GiB)
     weights = weight_footprint(_shapes(), WeightChoice("int8", "int8"), torch.bfloat16, tied=True)
-    assert engine.total == weights.weights + 100 * bytes_per_block(CFG, 16, torch.bfloat16) \
+    assert engine.total == weights.weights + engine.packed + 100 * bytes_per_block(CFG, 16, torch.bfloat16) \
         + activation_footprint(CFG, config).activations
     assert engine_footprint(_source(), config, torch.bfloat16, GiB, kv_pool=False).kv == 0
+
+
+def test_the_kernels_packed_copies_are_counted_for_bf16_and_int8_not_int4():
+    head = CFG.vocab_size * CFG.hidden_size
+    per_format = {}
+    for fmt in ("bfloat16", "int8", "int4"):
+        config = EngineConfig(num_kv_blocks=1, weight_dtype=fmt)
+        per_format[fmt] = engine_footprint(_source(), config, torch.bfloat16, GiB).packed
+    assert per_format["bfloat16"] == 2 * (_projection_elements() + head)  # the tied head packs the embedding
+    matrices = [s for n, s in _shapes().items() if "_proj" in n] + [(CFG.vocab_size, CFG.hidden_size)]
+    assert per_format["int8"] == sum(tensor_bytes(s, "int8", torch.bfloat16) for s in matrices)
+    assert per_format["int4"] == 0  # read in its own layout
+    eager = EngineConfig(num_kv_blocks=1, weight_dtype="bfloat16", enforce_eager=True)
+    assert engine_footprint(_source(), eager, torch.bfloat16, GiB).packed == 0  # plain torch ops pack nothing
+    described = engine_footprint(_source(), EngineConfig(num_kv_blocks=1), torch.bfloat16, GiB).describe()
+    assert " + packed copies " in described
 
 
 # ---------------------------------------------------------------- the refusal

@@ -159,7 +159,8 @@ def test_a_start_that_would_not_fit_in_memory_is_refused_before_any_actor_spawns
     events = [json.loads(line) for line in output.splitlines() if line.startswith("{")]
     refusal = [e["error"] for e in events if e["event"] == "cannot start"]
     assert len(refusal) == 1, output
-    assert re.fullmatch(r"model weights [\d.]+ MiB \(bfloat16\) \+ KV pool 100000\.0 GiB \+ activations [\d.]+ MiB = "
+    assert re.fullmatch(r"model weights [\d.]+ MiB \(bfloat16\) \+ packed copies [\d.]+ MiB \+ "
+                        r"KV pool 100000\.0 GiB \+ activations [\d.]+ MiB = "
                         r"100000\.\d GiB, but only [\d.]+ GiB is available; lower --kv-cache-memory \(or "
                         r"--num-kv-blocks\), or free some memory", refusal[0]), refusal[0]
     resident = [e["event"] for e in events if e["event"].startswith("resident once loaded")]

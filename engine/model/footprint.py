@@ -3,10 +3,9 @@ refusal, in one sentence with the numbers, when that does not fit in the memory 
 
 The parts: the weights in the format the kernels read (`--weight-dtype` as quant.choose_weight_dtype resolves it:
 the serving dtype's bytes per weight, int8 one byte and an fp32 scale per row, int4 half a byte and an fp16 scale
-and offset per 32), the KV pool as the builder sizes it (engine/kv/cache.choose_num_blocks), and an allowance for
-a step's activations and the process itself. A layout of several engines (actors) adds theirs up: each holds its
-own copy of the weights. Not counted: the backend's packed copies of a weight, made where its kernels run faster
-on them (which weights it packs is decided on the machine, once the kernels are loaded), and a draft model
+and offset per 32), the CPU kernels' packed copies of them (`packed_footprint`), the KV pool as the builder sizes
+it (engine/kv/cache.choose_num_blocks), and an allowance for a step's activations and the process itself. A layout
+of several engines (actors) adds theirs up: each holds its own copy of the weights. Not counted: a draft model
 (--speculative draft) with its KV.
 """
 from __future__ import annotations
@@ -42,21 +41,24 @@ class Footprint:
     weight_format: str = ""  # "int4", or "int4, LM head bfloat16" where the head keeps another format
     copies: int = 0  # engines holding a copy of the weights
     kv: int = 0  # every KV pool
+    packed: int = 0  # the backends' second copies of weights (packed for their kernels), every engine's
     activations: int = 0  # the allowance of every engine
 
     def __add__(self, other: Footprint) -> Footprint:
         formats = [f for f in dict.fromkeys((self.weight_format, other.weight_format)) if f]
-        return Footprint(self.weights + other.weights, "; ".join(formats), self.copies + other.copies,
-                         self.kv + other.kv, self.activations + other.activations)
+        return Footprint(weights=self.weights + other.weights, weight_format="; ".join(formats),
+                         copies=self.copies + other.copies, kv=self.kv + other.kv, packed=self.packed + other.packed,
+                         activations=self.activations + other.activations)
 
     @property
     def total(self) -> int:
-        return self.weights + self.kv + self.activations
+        return self.weights + self.packed + self.kv + self.activations
 
     def describe(self) -> str:
         """'model weights 2 x 1.2 GiB (int4) + KV pool 40.0 GiB + activations 560.0 MiB = 42.9 GiB'."""
         copies = f"{self.copies} x " if self.copies > 1 else ""
         terms = [f"model weights {copies}{_gib(self.weights / max(self.copies, 1))} ({self.weight_format})"]
+        terms += [f"packed copies {copies}{_gib(self.packed / max(self.copies, 1))}"] if self.packed else []
         terms += [f"KV pool {_gib(self.kv)}"] if self.kv else []
         terms.append(f"activations {_gib(self.activations)}")
         return f"{' + '.join(terms)} = {_gib(self.total)}"
@@ -69,7 +71,7 @@ class Footprint:
 
     def _remedy(self) -> str:
         """The changes that would matter: those on a part of at least a tenth of the total."""
-        big = [part * 10 >= self.total for part in (self.kv, self.weights)]
+        big = [part * 10 >= self.total for part in (self.kv, self.weights + self.packed)]
         ways = ["lower --kv-cache-memory (or --num-kv-blocks)"] if big[0] else []
         if big[1] and self.weight_format != "int4":
             ways.append("load smaller weights (--weight-dtype int8 or int4)")
@@ -124,6 +126,29 @@ def tensor_bytes(shape: tuple[int, ...], fmt: WeightFormat, dtype: torch.dtype) 
     return math.prod(codes) + math.prod(scales) * torch.float16.itemsize
 
 
+# formats whose weights the CPU kernels also hold packed: bf16 blocks (or oneDNN's copy; a gate|up weight's
+# interleaved blocks instead), and int8's W8A8 copy where VNNI runs it; int4 is read in its own layout
+PACKED_FORMATS: tuple[WeightFormat, ...] = ("bfloat16", "int8")
+
+
+def packed_footprint(shapes: Mapping[str, tuple[int, ...]], choice: WeightChoice, dtype: torch.dtype, tied: bool,
+                     parameter_name: Callable[[str], str] = str,
+                     packs: tuple[WeightFormat, ...] = PACKED_FORMATS) -> Footprint:
+    """The backend's second copies of a checkpoint's matrices: each projection and the LM head whose format is in
+    `packs`, at its own size (the packings pad a little, which this leaves out). An upper bound where the kernels
+    decline a packing (no W8A8 without VNNI, no oneDNN copy where torch lacks its bf16 path)."""
+    head = HEAD_NAMES[1] if tied else HEAD_NAMES[0]
+    size = 0
+    for name, shape in shapes.items():
+        if len(shape) != 2 or (tied and name == HEAD_NAMES[0]) or name.endswith("rotary_emb.inv_freq"):
+            continue
+        is_projection = name.endswith(".weight") and name.rpartition(".")[0].rpartition(".")[2] in PROJECTIONS
+        fmt = _format_of(name, head, choice, parameter_name)
+        if (name == head or is_projection) and fmt in packs:
+            size += tensor_bytes(shape, fmt, dtype)
+    return Footprint(packed=size)
+
+
 def kv_footprint(cfg: ModelConfig, config: EngineConfig, dtype: torch.dtype, available: int) -> Footprint:
     """The KV pool the builder allocates for this config with `available` bytes free."""
     try:
@@ -154,8 +179,10 @@ def engine_footprint(source: ModelSource, config: EngineConfig, dtype: torch.dty
     choice = choose_weight_dtype(config.weight_dtype, source.types, dtype, cfg.tie_word_embeddings, parameter_name,
                                  quiet=True)
     weights = weight_footprint(source.shapes(), choice, dtype, cfg.tie_word_embeddings, parameter_name)
+    packs = () if config.enforce_eager or dtype != torch.bfloat16 else PACKED_FORMATS  # the CPU kernels' only
+    packed = packed_footprint(source.shapes(), choice, dtype, cfg.tie_word_embeddings, parameter_name, packs)
     kv = kv_footprint(cfg, config, dtype, available) if kv_pool else Footprint()
-    return weights + kv + activation_footprint(cfg, config)
+    return weights + packed + kv + activation_footprint(cfg, config)
 
 
 def total(parts: Iterable[Footprint]) -> Footprint:
