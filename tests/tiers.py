@@ -141,7 +141,7 @@ MODULE_TIERS: Mapping[str, Tier] = {
     "test_treatment.py": E,
     "test_weight_int8.py": E,
     "test_weight_cache.py": E,  # the two-process fill is marked process
-    "test_real_size.py": E,
+    "test_real_size.py": P,  # the bench's starts run in subprocesses
     "test_weight_int4.py": E,
     "test_window_kv.py": E,
     "test_workloads.py": U,
