@@ -138,12 +138,13 @@ def test_a_changed_checkpoint_or_kernel_build_is_a_miss(model_dir, tmp_path, mon
     config.write_text(config.read_text() + "\n")  # the same model, rewritten: another identity
     _load(model_dir, tmp_path)
     assert conversions.count == 2
+    assert len(_entries(tmp_path)) == 1  # the old file's entry, which nothing can hit now, is gone
 
     def other_build():
         return {"backend": "cpu-kernels", "build_key": "another-build"}
 
     _load(model_dir, tmp_path, describe=other_build)
-    assert conversions.count == 3 and len(_entries(tmp_path)) == 3
+    assert conversions.count == 3 and len(_entries(tmp_path)) == 2  # another build's entry stays beside it
     _load(model_dir, tmp_path, describe=other_build)
     assert conversions.count == 3
 

@@ -15,6 +15,7 @@ matches. Other types (IQ*, TQ*, ...) go to gguf's own dequantiser.
 """
 from __future__ import annotations
 
+import mmap
 import struct
 from dataclasses import dataclass
 from math import prod
@@ -82,6 +83,13 @@ class GGUFFile:
         self.data_offset = -parser.pos // self.alignment * -self.alignment  # rounded up
         self.tensors = [_tensor_info(raw, self.data_offset, self.path) for raw in raw_tensors]
         _check_tensors(self.tensors, len(self._bytes), self.path)
+
+    def release_pages(self) -> None:
+        """Drops the file's pages from this process's resident set (the mapping is read-only: a page touched again
+        is read again from the page cache or the file), after a load that read every tensor once."""
+        mapping = getattr(self._bytes.base, "_mmap", None)
+        if mapping is not None and hasattr(mapping, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
+            mapping.madvise(mmap.MADV_DONTNEED)
 
     def tensor_data(self, info: TensorInfo) -> np.ndarray:
         """A read-only view of the tensor's data, as `gguf.GGUFReader` gives it and `dequantize` takes it.

@@ -95,6 +95,7 @@ def read_gguf_lazily(path: str | Path) -> LazyGGUF:
                 tensor = _load_tensor(file, t, config)
                 # llama.cpp stores Gemma's norm weights as 1 + w; the model loads transformers' w
                 yield name, tensor - 1.0 if arch in GEMMA and name.endswith("norm.weight") else tensor
+        file.release_pages()  # every tensor read: the file's pages need not stay resident in this process
 
     shapes = {names[t.name]: t.shape for t in file.tensors if t.name in names}
     types = {names[t.name]: t.ggml_type.name for t in file.tensors if t.name in names}

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
+from functools import partial
 from pathlib import Path
 from typing import Callable, Mapping
 
@@ -106,6 +107,7 @@ def _convert(entry: weight_cache.Entry, source: ModelSource, dtype: torch.dtype,
     model.set_backend(backend)
     try:
         weight_cache.write(entry, *snapshot(model))
+        weight_cache.prune_stale(entry, partial(_outdated, entry.key))
     except (OSError, NotCacheable) as exc:
         log.warning("converted weights not cached in %s (%s); the next start converts them again",
                     entry.directory, exc)
@@ -117,6 +119,15 @@ def _convert(entry: weight_cache.Entry, source: ModelSource, dtype: torch.dtype,
     gc.collect()
     release_freed_memory()
     return mapped
+
+
+def _outdated(current: dict, other: dict) -> bool:
+    """Whether `other` is a key of the same checkpoint path, options and backend whose file identity, sources or
+    torch differ: an entry no start will hit again."""
+    volatile = ("checkpoint", "sources", "torch")
+    same_path = other.get("checkpoint", {}).get("path") == current["checkpoint"]["path"]
+    same_options = all(other.get(k) == v for k, v in current.items() if k not in volatile)
+    return same_path and same_options and any(other.get(k) != current[k] for k in volatile)
 
 
 # ---------------------------------------------------------------- the model's tensors, out and in

@@ -15,7 +15,9 @@ Filling: under an exclusive lock on `<digest>.lock` (a second process that wants
 finds it filled), the index goes first (with any temporary file a killed writer of this entry left), then the data file is written beside its place and renamed over it, then
 the index likewise: a reader sees a complete entry or none. An entry whose data file is missing, of another
 size, or whose first or last MiB does not match its index (a killed writer, a damaged disk, a hand edit) is a
-miss, logged, and the next fill replaces it.
+miss, logged, and the next fill replaces it. A fill also removes the entries of the same checkpoint path and
+options that no start can hit any more (`prune_stale`: the file rewritten, the sources or torch changed), so
+that the directory does not grow by a model's size with every such change.
 """
 from __future__ import annotations
 
@@ -215,6 +217,41 @@ def write(entry: Entry, tensors: Mapping[str, torch.Tensor], notes: Mapping[str,
     index = {"format": FORMAT, "key": entry.key, "data_size": size,
              "ends_sha256": _ends_digest(entry.data, size), "tensors": layout, "notes": dict(notes or {})}
     _replace(entry.index, entry.temp_prefix, lambda out: out.write(json.dumps(index).encode()))
+
+
+def prune_stale(entry: Entry, same: Callable[[dict[str, Any]], bool]) -> int:
+    """Removes the other entries of the directory whose key `same(key)` says is this entry's checkpoint and
+    options but an outdated identity or build (a rewritten file, other sources, another torch), which no start
+    would find again; an entry another process is filling is left. Returns how many went."""
+    removed = 0
+    for index in entry.directory.glob("*.index"):
+        other = Entry(entry.directory, index.stem, {})
+        if other.digest == entry.digest:
+            continue
+        try:
+            key = json.loads(index.read_text()).get("key")
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+            continue
+        if isinstance(key, dict) and same(key) and _remove_unlocked(other):
+            removed += 1
+    return removed
+
+
+def _remove_unlocked(entry: Entry) -> bool:
+    """Deletes an entry's files unless its lock is held; whether it did."""
+    fd = os.open(entry.lock, os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return False
+    try:
+        for path in (entry.index, entry.data, entry.lock):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+    finally:
+        os.close(fd)
+    return True
 
 
 def _layout(tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, Any], int]:
