@@ -40,21 +40,34 @@ def test_process_age_is_that_of_this_process():
     assert 0.0 <= child < own  # the child was created after this test process
 
 
+# the order of the stages: without the weight cache the backend is chosen for the loaded model; with it (on the
+# CPU) for the model's skeleton first, since the cache key names the backend
+STAGES = {"off": ["reading the checkpoint", "loading weights", "allocating the KV pool", "building kernels",
+                  "preparing weights"],
+          "on": ["reading the checkpoint", "building kernels", "loading weights", "preparing weights",
+                 "allocating the KV pool"]}
+
+
 @pytest.mark.engine
-def test_the_builder_reports_each_stage_and_every_tensor_it_loads(tiny_model_dir):
+@pytest.mark.parametrize("weight_cache", ["off", "on"])
+def test_the_builder_reports_each_stage_and_every_tensor_it_loads(tiny_model_dir, tmp_path, weight_cache):
     from engine.config import EngineConfig
     from engine.core.builder import build_engine_core
     from engine.model.loader import resolve_model
 
     heard: list[tuple[str, int, int]] = []
     tensors = len(resolve_model(tiny_model_dir).shapes())
-    build_engine_core(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=16, dtype="float32"),
-                      progress=lambda stage, done, total: heard.append((stage, done, total)))
+    config = EngineConfig(model=str(tiny_model_dir), num_kv_blocks=16, dtype="float32", weight_cache=weight_cache,
+                          cache_dir=str(tmp_path))
+    build_engine_core(config, progress=lambda stage, done, total: heard.append((stage, done, total)))
     loads = [(done, total) for stage, done, total in heard if stage == "loading weights"]
     assert loads == [(n, tensors) for n in range(tensors + 1)]  # 0 of N first, then one report per tensor
     stages = list(dict.fromkeys(stage for stage, _, _ in heard))
-    assert stages == ["reading the checkpoint", "loading weights", "allocating the KV pool", "building kernels",
-                      "preparing weights"]
+    assert stages == STAGES[weight_cache]
+    if weight_cache == "on":  # a second start maps the converted weights: one unit, no tensor converted
+        heard.clear()
+        build_engine_core(config, progress=lambda stage, done, total: heard.append((stage, done, total)))
+        assert [(d, t) for stage, d, t in heard if stage == "loading weights"] == [(0, 1), (1, 1)]
 
 
 class _Conn:

@@ -150,7 +150,7 @@ def _cached_load(config: EngineConfig, source: ModelSource, dtype: torch.dtype, 
     if config.weight_cache != "on" or torch.device(device).type != "cpu":
         return None
     model, backend = load_prepared(source, dtype, config.weight_dtype, cache_root(config.cache_dir),
-                                   partial(_backend, config, dtype, device, progress), progress)
+                                   partial(_select_backend, config, dtype, device, progress), progress)
     return LoadedModel(source, model, backend)
 
 
@@ -159,12 +159,19 @@ def _backend(config: EngineConfig, dtype: torch.dtype, device: str, progress: Pr
     """The backend (its kernels built on first use, its dispatch table measured on this machine for the model's
     shapes unless --kernel-dispatch shipped), reported before the weights are prepared for it: the ModelRunner packs
     them into its layout."""
-    report(progress, BUILDING_KERNELS)
-    tune = None if config.kernel_dispatch == "shipped" else partial(_measured_dispatch, config, model, progress)
-    backend = select_backend(device, dtype, config.enforce_eager, gpu=GpuConfig(attention=config.gpu_attention),
-                             tune=tune)
+    backend = _select_backend(config, dtype, device, progress, model)
     report(progress, PREPARING_WEIGHTS)
     return backend
+
+
+def _select_backend(config: EngineConfig, dtype: torch.dtype, device: str, progress: Progress | None,
+                    model: torch.nn.Module) -> Backend:
+    """The backend for `model` (loaded, or its meta-device skeleton: the dispatch measurement reads only its
+    layers' shapes and formats), its kernels built first."""
+    report(progress, BUILDING_KERNELS)
+    tune = None if config.kernel_dispatch == "shipped" else partial(_measured_dispatch, config, model, progress)
+    return select_backend(device, dtype, config.enforce_eager, gpu=GpuConfig(attention=config.gpu_attention),
+                          tune=tune)
 
 
 def _measured_dispatch(config: EngineConfig, model: torch.nn.Module, progress: Progress | None,
