@@ -223,4 +223,4 @@ def test_a_restarted_actor_reuses_its_predecessors_calibration_without_the_cache
                      calibration=calibration.to_wire())
     actor = DecodeActor(spec)
     actor.build_engine()
-    assert actor.calibration == calibration and not cache_dir.exists()
+    assert actor.calibration == calibration and not (cache_dir / KIND).exists()

@@ -213,3 +213,13 @@ def test_greedy_tokens_are_the_same_with_and_without_the_cache(model_dir, tmp_pa
         tokens[run] = [o.token_ids for o in llm.generate(["Hello there", "a b c"], params)]
     assert tokens["off"] == tokens["first"] == tokens["warm"]
     assert len(_entries(tmp_path)) == 1
+
+
+def test_a_cache_that_cannot_be_written_costs_only_the_conversion(model_dir, tmp_path, monkeypatch, caplog):
+    conversions = Conversions(monkeypatch)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    for _ in range(2):
+        model, _ = _load(model_dir, blocker / "cache")
+        assert torch.isfinite(_logits(model)).all()
+    assert conversions.count == 2 and "cannot be written" in caplog.text

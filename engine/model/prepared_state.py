@@ -62,10 +62,10 @@ def load_prepared(source: ModelSource, dtype: torch.dtype, weight_dtype: str, ro
     model = _restored(entry, source, choice, backend, progress)
     if model is not None:
         return model, backend
-    with weight_cache.filling(entry, lambda: report(progress, PREPARING_WEIGHTS)):
-        model = _restored(entry, source, choice, backend, progress)  # another process filled it meanwhile
+    with weight_cache.filling(entry, lambda: report(progress, PREPARING_WEIGHTS)) as writable:
+        model = _restored(entry, source, choice, backend, progress) if writable else None  # filled meanwhile?
         if model is None:
-            model = _convert(entry, source, dtype, weight_dtype, choice, backend, progress)
+            model = _convert(entry if writable else None, source, dtype, weight_dtype, choice, backend, progress)
     return model, backend
 
 
@@ -98,13 +98,15 @@ def _restored(entry: weight_cache.Entry, source: ModelSource, choice: WeightChoi
     return model
 
 
-def _convert(entry: weight_cache.Entry, source: ModelSource, dtype: torch.dtype, weight_dtype: str,
+def _convert(entry: weight_cache.Entry | None, source: ModelSource, dtype: torch.dtype, weight_dtype: str,
              choice: WeightChoice, backend: Backend, progress: Progress | None) -> LlamaModel:
-    """Converts and prepares the weights, stores them, and returns the model mapped from the entry (the converted
-    one where the entry cannot be written)."""
+    """Converts and prepares the weights, stores them as `entry`, and returns the model mapped from it (the
+    converted one where there is no entry to write, or it cannot be written)."""
     model = load_model(source, dtype, "cpu", weight_dtype, progress)
     report(progress, PREPARING_WEIGHTS)
     model.set_backend(backend)
+    if entry is None:
+        return model
     try:
         weight_cache.write(entry, *snapshot(model))
         weight_cache.prune_stale(entry, partial(_outdated, entry.key))

@@ -187,11 +187,18 @@ def _views(data: torch.Tensor, layout: Mapping[str, Any]) -> dict[str, torch.Ten
 # ---------------------------------------------------------------- writing
 
 @contextlib.contextmanager
-def filling(entry: Entry, waiting: Callable[[], None] = lambda: None) -> Iterator[None]:
-    """Holds the entry's fill lock (one process fills an entry at a time); `waiting()` is called every
-    LOCK_POLL_SECONDS while another process holds it."""
-    entry.directory.mkdir(parents=True, exist_ok=True)
-    fd = os.open(entry.lock, os.O_CREAT | os.O_RDWR, 0o644)
+def filling(entry: Entry, waiting: Callable[[], None] = lambda: None) -> Iterator[bool]:
+    """Holds the entry's fill lock (one process fills an entry at a time) and gives True; `waiting()` is called
+    every LOCK_POLL_SECONDS while another process holds it. Gives False, logged, where the cache directory cannot
+    be made or written (the caller converts without storing)."""
+    try:
+        entry.directory.mkdir(parents=True, exist_ok=True)
+        fd = os.open(entry.lock, os.O_CREAT | os.O_RDWR, 0o644)
+    except OSError as exc:
+        log.warning("weight cache %s cannot be written (%s); the weights are converted without it",
+                    entry.directory, exc)
+        yield False
+        return
     try:
         while True:
             try:
@@ -200,7 +207,7 @@ def filling(entry: Entry, waiting: Callable[[], None] = lambda: None) -> Iterato
             except BlockingIOError:
                 waiting()
                 time.sleep(LOCK_POLL_SECONDS)
-        yield
+        yield True
     finally:
         os.close(fd)  # closing the descriptor releases the lock
 
