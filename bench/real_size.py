@@ -51,7 +51,7 @@ def child(model: str, cache_dir: str, tokens: int, kv_bytes: int, threads: int |
     from engine import LLM, SamplingParams
 
     process = psutil.Process()
-    cached = any((Path(cache_dir) / "weights").glob("*.index"))  # an entry there before this start
+    entries = set((Path(cache_dir) / "weights").glob("*.index"))  # a start that converts writes one more
     tables = set((Path(cache_dir) / DISPATCH_KIND).glob("*.entry"))
     start = time.perf_counter()
     llm = LLM(model, cache_dir=cache_dir, kv_cache_memory=kv_bytes, num_threads=threads, max_num_seqs=4)
@@ -65,7 +65,9 @@ def child(model: str, cache_dir: str, tokens: int, kv_bytes: int, threads: int |
     bandwidth = measure_copy_bandwidth(256, 5).best_gb_s
     bound_ms = step / (bandwidth * 1e9) * 1e3
     measured = set((Path(cache_dir) / DISPATCH_KIND).glob("*.entry")) != tables
-    return {"cache_hit": cached, "dispatch_measured": measured, "ready_s": ready_s, "rss_load": rss_load, "rss_decode": rss_decode, "weights": weights, "kv": kv,
+    cached = set((Path(cache_dir) / "weights").glob("*.index")) == entries != set()
+    return {"cache_hit": cached, "dispatch_measured": measured, "ready_s": ready_s, "rss_load": rss_load,
+            "rss_decode": rss_decode, "weights": weights, "kv": kv,
             "ratio_load": rss_load / (weights + kv), "ratio_decode": rss_decode / (weights + kv),
             "step_bytes": step, "decode_ms": decode_ms, "bandwidth_gbps": bandwidth, "bound_ms": bound_ms,
             "roofline": bound_ms / decode_ms, "weight_dtype": engine.runner.model.weight_dtype}

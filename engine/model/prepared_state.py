@@ -94,7 +94,7 @@ def _restored(entry: weight_cache.Entry, source: ModelSource, choice: WeightChoi
         log.warning("weight cache entry %s does not fit the model (%s); rebuilt", entry.index, exc)
         return None
     report(progress, LOADING_WEIGHTS, 1, 1)
-    log.info("weights mapped from the cache (%s)", entry.data)
+    log.info("weights (%s) mapped from the cache: %s", model.weight_dtype, entry.data)
     return model
 
 

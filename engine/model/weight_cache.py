@@ -12,8 +12,9 @@ the serving dtype and the weight formats chosen, the backend's description (its 
 and the packing it implies), the torch version, and a digest of the sources that convert and pack (SOURCES).
 
 Filling: under an exclusive lock on `<digest>.lock` (a second process that wants the same entry waits, then
-finds it filled), the index goes first (with any temporary file a killed writer of this entry left), then the data file is written beside its place and renamed over it, then
-the index likewise: a reader sees a complete entry or none. An entry whose data file is missing, of another
+finds it filled), the index goes first (with any temporary file a killed writer of this entry left), then the
+data file is written beside its place and renamed over it, then the index likewise: a reader sees a complete
+entry or none. An entry whose data file is missing, of another
 size, or whose first or last MiB does not match its index (a killed writer, a damaged disk, a hand edit) is a
 miss, logged, and the next fill replaces it. A fill also removes the entries of the same checkpoint path and
 options that no start can hit any more (`prune_stale`: the file rewritten, the sources or torch changed), so
@@ -213,8 +214,9 @@ def filling(entry: Entry, waiting: Callable[[], None] = lambda: None) -> Iterato
 
 
 def write(entry: Entry, tensors: Mapping[str, torch.Tensor], notes: Mapping[str, Any] | None = None) -> None:
-    """Stores the tensors (strided CPU tensors) and JSON `notes` as the entry (call it under `filling`): the old index goes, the data file is written
-    and renamed into place, then the new index. OSError where the cache cannot be written."""
+    """Stores the tensors (strided CPU tensors) and JSON `notes` as the entry (call it under `filling`): the old
+    index goes, the data file is written and renamed into place, then the new index. OSError where the cache
+    cannot be written."""
     layout, size = _layout(tensors)
     entry.directory.mkdir(parents=True, exist_ok=True)
     for path in [entry.index, *entry.directory.glob(f"{entry.temp_prefix}*")]:  # under the lock: a dead writer's
