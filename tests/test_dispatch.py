@@ -49,7 +49,7 @@ def cost(fmt: str, kernel: str, rows: int) -> float:
     """A fake timer's seconds: the streaming kernels win a few rows, the packed copies more, F.linear the most."""
     fixed, per_row = {"gemv": (1.0, 1.0), "int8": (1.0, 1.2), "int4": (1.0, 0.8), "w8a8": (0.8, 0.9),
                       "w4a8": (0.8, 0.7), "tiles": (3.0, 0.2), "vectors": (3.5, 0.22), "onednn": (4.0, 0.3),
-                      "linear": (8.0, 0.25)}[kernel]
+                      "int8g": (1.0, 1.1), "linear": (8.0, 0.25)}[kernel]
     return fixed + per_row * rows + (2.0 if fmt != "bf16" and kernel == "linear" else 0.0)
 
 
@@ -67,14 +67,16 @@ def assert_valid_for(table: DispatchTable, features: tuple[str, ...]) -> None:
 
 
 def test_each_kind_of_cpu_has_the_kernels_its_features_build():
+    int8g = {"int8g": ("int8g", "linear")}  # its vector code needs no more than its scalar loop's build
     assert valid_kernels(AMX) == {"bf16": ("gemv", "tiles", "vectors", "onednn", "linear"),
-                                  "int8": ("w8a8", "int8", "linear"), "int4": ("w4a8", "int4", "linear")}
+                                  "int8": ("w8a8", "int8", "linear"), "int4": ("w4a8", "int4", "linear"), **int8g}
     assert valid_kernels(AVX512_BF16)["bf16"] == ("gemv", "vectors", "onednn", "linear")
     assert valid_kernels(AVX512) == {"bf16": ("gemv", "onednn", "linear"), "int8": ("w8a8", "int8", "linear"),
-                                     "int4": ("w4a8", "int4", "linear")}
+                                     "int4": ("w4a8", "int4", "linear"), **int8g}
     assert valid_kernels(BASE) == {"bf16": ("gemv", "linear"), "int8": ("int8", "linear"),
-                                   "int4": ("int4", "linear")}
-    assert valid_kernels(()) == {"bf16": ("gemv", "linear"), "int8": ("int8", "linear"), "int4": ("linear",)}
+                                   "int4": ("int4", "linear"), **int8g}
+    assert valid_kernels(()) == {"bf16": ("gemv", "linear"), "int8": ("int8", "linear"), "int4": ("linear",),
+                                 **int8g}
 
 
 @pytest.mark.parametrize("cpu", CPUS)
@@ -218,8 +220,11 @@ def test_a_table_names_only_its_formats_kernels_and_one_packing():
 
 
 def project_choice(limits: tuple[int, ...], rows: int, fmt: str, has_copy: bool) -> str:
-    """decode_stack.cpp's project() from its row limits (gemv, oneDNN copy, blocks, int8, W8A8, W4A8, int4)."""
-    gemv, packed, tiled, int8, w8a8, w4a8, int4 = limits
+    """decode_stack.cpp's project() from its row limits (gemv, oneDNN copy, blocks, int8, W8A8, W4A8, int4,
+    int8g)."""
+    gemv, packed, tiled, int8, w8a8, w4a8, int4, int8g = limits
+    if fmt == "int8g":
+        return "int8g" if rows <= int8g else "linear"
     if fmt == "int4":
         return "w4a8" if rows <= w4a8 else "int4" if rows <= int4 else "linear"
     if fmt == "int8":
@@ -236,7 +241,8 @@ def test_the_decode_stack_limits_make_the_tables_choice_at_every_row_count():
         pytest.skip("no packed copy runs here")
     table = DispatchTable(bf16=Route.from_points([(1, "linear"), (2, packing), (3, "gemv"), (5, "linear")]),
                           int8=Route.from_points([(1, "w8a8"), (3, "int8"), (9, "linear")]),
-                          int4=Route.from_points([(1, "int4"), (2, "w4a8"), (4, "linear")]), measured=FORMATS)
+                          int4=Route.from_points([(1, "int4"), (2, "w4a8"), (4, "linear")]),
+                          int8g=Route.from_points([(1, "int8g"), (7, "linear")]), measured=FORMATS)
     backend = CpuKernelBackend(CpuKernelConfig(dispatch=table))
     for rows in range(1, 40):
         limits = backend.stack_limits(rows)
@@ -244,6 +250,7 @@ def test_the_decode_stack_limits_make_the_tables_choice_at_every_row_count():
         assert project_choice(limits, rows, "bf16", True) == ("packed" if bf16 in PACKED else bf16)
         assert project_choice(limits, rows, "int8", True) == table.int8.kernel(rows)
         assert project_choice(limits, rows, "int4", False) == table.int4.kernel(rows)
+        assert project_choice(limits, rows, "int8g", False) == table.int8g.kernel(rows)
         # a weight without the packed copy: the GEMV up to max_gemv_rows, as linear_float falls back
         expected = "gemv" if bf16 == "gemv" or (bf16 in PACKED and rows <= 5) else "linear"
         assert project_choice(limits, rows, "bf16", False) == expected
@@ -312,6 +319,21 @@ def check_int4(backend: CpuKernelBackend, kernel: str, rows: int, gen: torch.Gen
         assert_rounded_once(got, x.double() @ weights.T, x, weights, (rows, 70), sum_error=2 ** -7)
 
 
+def check_int8g(backend: CpuKernelBackend, kernel: str, rows: int, gen: torch.Generator) -> None:
+    """The int8g kernel: the fp32 product with its exact weights within the sums' rounding, then rounded to bf16
+    once; F.linear: torch's chunks of the weight dequantised to bf16, to the bit."""
+    x = torch.randn(rows, 100, generator=gen).to(torch.bfloat16)
+    codes = torch.randint(-32, 32, (70, 112), generator=gen, dtype=torch.int8)
+    codes[:, 100:] = 0
+    scales = torch.rand(2, 70, 7, generator=gen) * 0.01
+    got = backend.linear(x, backend.prepare_linear(codes, None, scales))
+    weights = weight_ops.int8g_rows(codes, scales, slice(0, 70), 100, torch.float32).double()
+    if kernel == "linear":
+        assert torch.equal(got, TorchBackend().linear(x, weight_ops.Weight(codes, scale=scales)))
+    else:
+        assert_rounded_once(got, x.double() @ weights.T, x, weights, (rows, 70), sum_error=2 ** -20)
+
+
 @pytest.mark.parametrize("fmt,kernel", [(fmt, kernel) for fmt in FORMATS for kernel in KERNELS[fmt]])
 def test_every_kernel_a_table_here_may_name_is_exact_here(fmt, kernel, kernel_calls):
     """The kernels a table built on this machine may name (the candidates a measurement here times, W8A8 and W4A8
@@ -323,7 +345,7 @@ def test_every_kernel_a_table_here_may_name_is_exact_here(fmt, kernel, kernel_ca
         pytest.skip(f"no table on this CPU names {kernel} for {fmt} weights")
     backend = forced(fmt, kernel)
     gen = torch.Generator().manual_seed(7)
-    check = {"bf16": check_bf16, "int8": check_int8, "int4": check_int4}[fmt]
+    check = {"bf16": check_bf16, "int8": check_int8, "int4": check_int4, "int8g": check_int8g}[fmt]
     for rows in (1, 2, 3, 9, 64):
         if rows >= 2 or kernel not in PACKED:
             check(backend, kernel, rows, gen)

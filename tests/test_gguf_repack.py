@@ -46,7 +46,7 @@ def as_int4(data: np.ndarray, qtype: Q) -> tuple[torch.Tensor, torch.Tensor, qua
     n, k = data.shape[0], repack.scale.shape[1] * weight_ops.INT4_GROUP
     codes, scales = weight_ops.int4_shapes(n, k)
     packed, table = torch.zeros(codes, dtype=torch.uint8), torch.zeros(scales, dtype=torch.float16)
-    quant.store_int4(packed, table, 0, quant.Int4Blocks((n, k), lambda: None, lambda: iter([(0, rows)])))
+    quant.store_int4(packed, table, 0, quant.FileBlocks((n, k), lambda: None, lambda: iter([(0, rows)])))
     return packed, table, rows
 
 
@@ -56,7 +56,7 @@ def int4_values(packed: torch.Tensor, scales: torch.Tensor) -> np.ndarray:
 
 
 def test_the_repacked_types_are_those_auto_keeps_int4():
-    assert {t.name for t in REPACKERS} == quant.EXACT_INT4_TYPES
+    assert {t.name for t in REPACKERS} - {"Q4_K"} == quant.EXACT_INT4_TYPES  # Q4_K's scales round to fp16
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
@@ -203,7 +203,7 @@ def test_lazy_blocks_dequantise_as_read_gguf_does(tmp_path):
     write_gguf(path, qtype=Q.Q4_1)
     blocks = dict(read_gguf_lazily(path).weights())
     q = blocks["model.layers.0.self_attn.q_proj.weight"]
-    assert isinstance(q, quant.Int4Blocks) and q.shape == (64, 64)
+    assert isinstance(q, quant.FileBlocks) and q.shape == (64, 64)
     assert isinstance(blocks["model.norm.weight"], torch.Tensor)
     first, rows = next(q.rows())
     assert first == 0 and rows.codes.shape == (64, 2, 4, 4) and rows.scale.dtype == torch.float16
@@ -217,33 +217,19 @@ Q4_K_M_TYPES = {"token_embd.weight": Q.Q4_K, "output.weight": Q.Q6_K,
                 "blk.0.attn_v.weight": Q.Q6_K, "blk.0.ffn_down.weight": Q.Q6_K}
 
 
-def test_auto_keeps_q6_k_bf16_and_repacks_q4_k(tmp_path, caplog):
-    """Layer 0's q|k|v goes bf16 with its Q6_K v (one product, one format) and its Q6_K down_proj bf16; its o_proj
-    and gate|up, and all of layer 1, int4 with the file's codes; the Q6_K head bf16. One log line says so."""
+def test_auto_keeps_q4_k_m_in_int8g_never_rounding_q4_k_scales(tmp_path, caplog):
+    """Q4_K's sub-block scales round in int4's fp16 and Q6_K has no int4 form: a Q4_K_M file's projections and head
+    go int8g, which holds both exactly (tests/test_gguf_exact.py checks the values). One log line says so."""
     path = tmp_path / "m.gguf"
     mixed.write_mixed_gguf(path, Q4_K_M_TYPES)
     with caplog.at_level(logging.INFO, logger="engine.model.quant"):
         model = load_model(resolve_model(path), torch.bfloat16, weight_dtype="auto")
-    formats = {name: "int4" if weight_ops.is_int4(module.weight) else str(module.weight.dtype)
-               for name, module in model.named_modules() if isinstance(module, Linear)}
-    assert formats == {
-        "layers.0.self_attn.qkv_proj": "torch.bfloat16", "layers.0.self_attn.o_proj": "int4",
-        "layers.0.mlp.gate_up_proj": "int4", "layers.0.mlp.down_proj": "torch.bfloat16",
-        **{f"layers.1.{part}": "int4" for part in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj",
-                                                   "mlp.down_proj")}}
-    assert model.weight_dtype == "bfloat16+int4" and model.lm_head.weight.dtype == torch.bfloat16
+    formats = {weight_ops.weight_format(m.weight, m.weight_scale) for m in model.modules() if isinstance(m, Linear)}
+    assert formats == {"int8g"} and model.weight_dtype == "int8g"
+    assert weight_ops.weight_format(model.lm_head.weight, model.lm_head.weight_scale) == "int8g"
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("weight dtype auto")]
-    assert lines == ["weight dtype auto: projections int4 (the file's codes and scales repacked, not "
-                     "re-quantised): 10 Q4_K; bfloat16 (no int4 kernel holds these blocks exactly): 2 Q6_K; "
-                     "bfloat16 (fused with such a tensor): 2 Q4_K; LM head Q6_K -> bfloat16"]
-    reader = {t.name: t for t in gguf.GGUFReader(path).tensors}
-    down = reader["blk.0.ffn_down.weight"]  # bf16: the file's values rounded once to bf16
-    want = torch.from_numpy(reference(down.data, down.tensor_type)).to(torch.bfloat16)
-    assert torch.equal(model.layers[0].mlp.down_proj.weight, want)
-    o_proj = reader["blk.1.attn_output.weight"]
-    repacked, table, _ = as_int4(o_proj.data, Q.Q4_K)
-    assert torch.equal(model.layers[1].self_attn.o_proj.weight, repacked)
-    assert torch.equal(model.layers[1].self_attn.o_proj.weight_scale, table)
+    assert lines == ["weight dtype auto: projections int8g (the file's codes as int8, fp32 scales per 16, exactly): "
+                     "12 Q4_K, 2 Q6_K; LM head Q6_K -> int8g"]
 
 
 def test_explicit_int4_repacks_q4_k_and_quantises_q6_k(tmp_path):

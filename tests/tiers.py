@@ -60,6 +60,7 @@ MODULE_TIERS: Mapping[str, Tier] = {
     "test_gemma.py": E,
     "test_gguf_loader.py": U,  # the default model's tests are slow
     "test_gguf_quants.py": U,
+    "test_gguf_exact.py": E,  # the C++ kernels and tiny models
     "test_gguf_repack.py": E,  # the C++ kernels and tiny models
     "test_gguf_sentencepiece.py": U,  # the chat tests run the engine: marked engine
     "test_gpu_backend.py": U,  # the GPU backend's selection with the device faked

@@ -83,7 +83,9 @@ class Backend(ABC):
         """x W^T + bias in x's dtype, for a weight in any format."""
         if w.scale is None:
             return self.linear_float(x, w)
-        return self.linear_int4(x, w) if weight_ops.is_int4(w.data) else self.linear_int8(x, w)
+        if weight_ops.is_int4(w.data):
+            return self.linear_int4(x, w)
+        return self.linear_int8g(x, w) if weight_ops.is_int8g(w.data, w.scale) else self.linear_int8(x, w)
 
     @abstractmethod
     def linear_float(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
@@ -98,6 +100,11 @@ class Backend(ABC):
         """x W^T + bias for an int4 weight (codes in int4_shapes' layout, fp16 scales and offsets [2, G, N]); here by
         F.linear on chunks of the weight dequantised to x's dtype."""
         return weight_ops.linear_int4(x, w.data, w.scale, w.bias)
+
+    def linear_int8g(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
+        """x W^T + bias for an int8g weight (int8 codes, fp32 scales and offsets per group of 16); here by F.linear
+        on chunks of the weight dequantised to x's dtype."""
+        return weight_ops.linear_int8g(x, w.data, w.scale, w.bias)
 
     def lm_head(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
         """The LM head's product x W^T [B, V] in fp32 (a float, int8 or int4 weight). Rounded to bf16, close logits

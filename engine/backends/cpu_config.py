@@ -62,6 +62,9 @@ class CpuKernelConfig:
     # nibbles widened to fp32 in registers, bf16 activations kept whole; past max_w4a8_rows); more dequantise the
     # weight to bf16 for F.linear. Backed by python -m bench.weight_quant on a Zen 2 EPYC (AVX2, no AVX-512).
     max_int4_rows: int = 64
+    # Rows a product on int8g weights takes on its weight-only kernel (engine/kernels/int8_grouped.cpp); more
+    # dequantise the weight to bf16 for F.linear. Backed by python -m bench.weight_quant on a Zen 4 EPYC.
+    max_int8g_rows: int = 64
 
     # oneDNN's packed copy serves 2..this many rows.
     # Backed by python -m bench.tiled_linear (part 1) on a Sapphire Rapids Xeon (AMX).
@@ -107,7 +110,8 @@ class CpuKernelConfig:
     def shipped_table(self, candidates: Mapping[str, tuple[str, ...]]) -> DispatchTable:
         """The table these row limits make among `candidates` (a `candidates` answer): on bf16 weights the packed
         copy (the engine's blocks, else oneDNN's) for 2..its limit, the GEMV up to max_gemv_rows, else F.linear; on
-        int8 W8A8, then the int8 kernel; on int4 W4A8, then the weight-only kernel; else the dequantised F.linear."""
+        int8 W8A8, then the int8 kernel; on int4 W4A8, then the weight-only kernel; on int8g its weight-only kernel; else
+        the dequantised F.linear."""
         bf16, int8, int4 = candidates["bf16"], candidates["int8"], candidates["int4"]
         packing = next((k for k in bf16 if k in PACKED), None)
         packed = 0 if packing is None else (
@@ -117,13 +121,15 @@ class CpuKernelConfig:
         int8_rows = self.max_int8_rows if "int8" in int8 else 0
         w4a8 = self.max_w4a8_rows if "w4a8" in int4 else 0
         int4_rows = self.max_int4_rows if "int4" in int4 else 0
+        int8g_rows = self.max_int8g_rows if "int8g" in candidates.get("int8g", ()) else 0
         return DispatchTable(
             bf16=Route.from_rule(lambda r: packing if packing and 2 <= r <= packed else "gemv" if r <= gemv
                                  else "linear", (packed, gemv)),
             int8=Route.from_rule(lambda r: "w8a8" if r <= w8a8 else "int8" if r <= int8_rows else "linear",
                                  (w8a8, int8_rows)),
             int4=Route.from_rule(lambda r: "w4a8" if r <= w4a8 else "int4" if r <= int4_rows else "linear",
-                                 (w4a8, int4_rows)))
+                                 (w4a8, int4_rows)),
+            int8g=Route.from_rule(lambda r: "int8g" if r <= int8g_rows else "linear", (int8g_rows,)))
 
     def engine_max_tiled_rows(self, engine: str | None) -> int:
         """The most rows a product on the packed blocks takes on `engine` (0 where none runs them)."""

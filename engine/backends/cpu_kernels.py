@@ -62,7 +62,7 @@ class CpuKernelBackend(TorchBackend):
         weight is the kernel's layout itself)."""
         if scale is None:
             return Weight(data, bias=bias, packed=self.pack(data))
-        w8a8 = data.dtype == torch.int8 and self.dispatch.int8.uses("w8a8")
+        w8a8 = data.dtype == torch.int8 and scale.dim() == 1 and self.dispatch.int8.uses("w8a8")
         return Weight(data, bias=bias, scale=scale, packed=weight_ops.pack_w8a8(data) if w8a8 else None)
 
     def prepare_gate_up(self, data: torch.Tensor, scale: torch.Tensor | None) -> Weight:
@@ -148,13 +148,34 @@ class CpuKernelBackend(TorchBackend):
             return cpu_ext.linear_int4(x, packed, scales, bias, fp32_out)
         return None
 
+    def _int8g_kernel(self, x: torch.Tensor, w: Weight, bias: torch.Tensor | None,
+                      fp32_out: bool) -> torch.Tensor | None:
+        if x.dtype not in (torch.bfloat16, torch.float32) or self.dispatch.int8g.kernel(x.shape[0]) != "int8g":
+            return None
+        return cpu_ext.linear_int8g(x, w.data, w.scale, bias, fp32_out)
+
+    def linear_int8g(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
+        """The dispatch table's int8g kernel for this row count: the weight-only kernel (the weights exact in
+        registers), or F.linear on chunks of the weight dequantised to bf16 by the kernel's dequantize_int8g.
+        decode_stack.cpp's project() makes the same choice."""
+        out = self._int8g_kernel(x, w, w.bias, fp32_out=False)
+        if out is not None:
+            return out
+        if x.dtype != torch.bfloat16:
+            return super().linear_int8g(x, w)
+        k = x.shape[-1]
+        return weight_ops.linear_int8g(x, w.data, w.scale, w.bias,
+                                       lambda begin, end: cpu_ext.dequantize_int8g(w.data, w.scale, k, begin, end))
+
     def lm_head(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
-        """The kernel that linear_float / linear_int8 / linear_int4 would choose, keeping its fp32 sums; else the
-        base's fp32 F.linear."""
+        """The kernel that linear_float / linear_int8 / linear_int4 / linear_int8g would choose, keeping its fp32
+        sums; else the base's fp32 F.linear."""
         if w.scale is None:
             out = self._bf16_kernel(x, w.data, None, w.packed, fp32_out=True) if x.dtype == torch.bfloat16 else None
         elif weight_ops.is_int4(w.data):
             out = self._int4_kernel(x, w.data, w.scale, None, fp32_out=True)
+        elif weight_ops.is_int8g(w.data, w.scale):
+            out = self._int8g_kernel(x, w, None, fp32_out=True)
         else:
             out = self._int8_kernel(x, w, None, fp32_out=True)
         return super().lm_head(x, w) if out is None else out
@@ -242,15 +263,16 @@ class CpuKernelBackend(TorchBackend):
                                     kv_caches, *self.stack_limits(x.shape[0]))
         return x, residual
 
-    def stack_limits(self, rows: int) -> tuple[int, int, int, int, int, int, int]:
-        """decode_stack.cpp's row limits (gemv, oneDNN copy, blocks, int8, W8A8, W4A8, int4) that make its project()
-        pick linear()'s kernels at `rows` rows: `rows` for the kernel the table names (and for the GEMV behind a
-        packed copy, as linear_float falls back to it), 0 for the rest."""
-        bf16, int8, int4 = (self.dispatch.route(fmt).kernel(rows) for fmt in ("bf16", "int8", "int4"))
+    def stack_limits(self, rows: int) -> tuple[int, int, int, int, int, int, int, int]:
+        """decode_stack.cpp's row limits (gemv, oneDNN copy, blocks, int8, W8A8, W4A8, int4, int8g) that make its
+        project() pick linear()'s kernels at `rows` rows: `rows` for the kernel the table names (and for the GEMV
+        behind a packed copy, as linear_float falls back to it), 0 for the rest."""
+        bf16, int8, int4, int8g = (self.dispatch.route(fmt).kernel(rows) for fmt in ("bf16", "int8", "int4", "int8g"))
         packed = rows if bf16 in PACKED else 0
         gemv = bf16 == "gemv" or (packed and rows <= self.config.max_gemv_rows)  # project(): after the packed copy
         return (rows if gemv else 0, packed, packed, 0 if int8 == "linear" else rows,
-                rows if int8 == "w8a8" else 0, rows if int4 == "w4a8" else 0, 0 if int4 == "linear" else rows)
+                rows if int8 == "w8a8" else 0, rows if int4 == "w4a8" else 0, 0 if int4 == "linear" else rows,
+                rows if int8g == "int8g" else 0)
 
     def greedy_tokens(self, hidden: torch.Tensor, head: Weight) -> torch.Tensor | None:
         """The argmax as the packed LM head's results come out, where the head is bf16 packed in blocks and the row
@@ -274,7 +296,7 @@ class CpuKernelBackend(TorchBackend):
               "decode_attention_bf16": self.attends_in_place, "decode_attention_fp8": self.attends_in_place,
               "prompt_attention": self.engine is not None, "linear_int8": table.int8.uses("int8"),
               "linear_w8a8": table.int8.uses("w8a8"), "linear_w4a8": table.int4.uses("w4a8"),
-              "linear_int4": table.int4.uses("int4"),
+              "linear_int4": table.int4.uses("int4"), "linear_int8g": table.int8g.uses("int8g"),
               "rms_norm": self.elementwise,
               "rotary": self.elementwise, "silu_mul": self.elementwise, "decode_stack": self.stacks}
         return [name for name, used in on.items() if used]

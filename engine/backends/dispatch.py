@@ -1,4 +1,5 @@
-"""Which kernel serves each product of the CPU kernel backend: per weight format (bf16, int8, int4) and row count.
+"""Which kernel serves each product of the CPU kernel backend: per weight format (bf16, int8, int4, int8g) and row
+count.
 
 A `Route` maps a product's row count to one kernel; a `DispatchTable` holds one route per format, and the backend
 looks its products up there (engine/backends/cpu_kernels.py). A format's route comes either from CpuKernelConfig's
@@ -13,6 +14,7 @@ The kernels, by format:
   (the weight dequantised to bf16 for F.linear).
 - int4: `w4a8` (activations quantised to int8, VNNI sums), `int4` (weight-only, nibbles widened in registers),
   `linear` (dequantised to bf16 in chunks for F.linear).
+- int8g: `int8g` (weight-only, the codes dequantised exactly in registers against fp32 activations), `linear`.
 Pure: no torch, no timing.
 """
 from __future__ import annotations
@@ -23,9 +25,10 @@ from bisect import bisect_left
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-FORMATS = ("bf16", "int8", "int4")
+FORMATS = ("bf16", "int8", "int4", "int8g")
 KERNELS: Mapping[str, tuple[str, ...]] = {"bf16": ("gemv", "tiles", "vectors", "onednn", "linear"),
-                                          "int8": ("w8a8", "int8", "linear"), "int4": ("w4a8", "int4", "linear")}
+                                          "int8": ("w8a8", "int8", "linear"), "int4": ("w4a8", "int4", "linear"),
+                                          "int8g": ("int8g", "linear")}
 ENGINES = ("tiles", "vectors")  # the packed blocks' engines, as cpu_ext.matrix_engines names them
 PACKED = frozenset({"tiles", "vectors", "onednn"})  # on a packed copy of the weight: 2+ rows (one row: not these)
 _AVX512 = ("avx512f", "avx512bw", "avx512vl")
@@ -33,14 +36,14 @@ _AVX512 = ("avx512f", "avx512bw", "avx512vl")
 # linear run everywhere: their loops fall back to what the compiler makes of them for -march=native. The others'
 # scalar fallbacks exist for tests only, and oneDNN refuses bf16 weights without AVX-512.
 NEEDS: Mapping[str, tuple[str, ...]] = {
-    "gemv": (), "linear": (), "int8": (),
+    "gemv": (), "linear": (), "int8": (), "int8g": (),
     "tiles": ("amx-tile", "amx-bf16", "avx512bf16", "avx512bw"), "vectors": ("avx512bf16", "avx512bw"),
     "onednn": ("avx512f",), "w8a8": _AVX512 + ("avx512vnni",), "w4a8": _AVX512 + ("avx512vnni",),
     "int4": ("avx2", "fma", "f16c")}
 # A row-streaming kernel (one pass over the weight per few rows) only loses ground to a GEMM as rows grow: once it
 # takes this many times the best kernel's time at one row count, larger row counts do not time it (the factor
 # leaves room for a noisy median; the row counts it keeps timing are the cheap ones).
-STREAMING = frozenset({"gemv", "int8", "w8a8", "int4", "w4a8"})
+STREAMING = frozenset({"gemv", "int8", "w8a8", "int4", "w4a8", "int8g"})
 PRUNE_FACTOR = 4.0
 REPS = 3  # timed runs of each kernel at each row count, alternated between the kernels: their median is its time
 
@@ -140,6 +143,7 @@ class DispatchTable:
     bf16: Route
     int8: Route
     int4: Route
+    int8g: Route = Route((64,), ("int8g", "linear"))  # CpuKernelConfig's shipped limit, for tables made without one
     measured: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -190,7 +194,8 @@ class DispatchTable:
         measured = raw["measured"]
         if not isinstance(measured, list) or not all(isinstance(f, str) for f in measured):
             raise TypeError(f"a table's measured formats are a list of names, not {measured!r}")
-        return cls(**{fmt: Route.from_wire(raw[fmt]) for fmt in FORMATS}, measured=tuple(measured))
+        return cls(**{fmt: Route.from_wire(raw[fmt]) for fmt in FORMATS if fmt in raw or fmt != "int8g"},
+                   measured=tuple(measured))
 
 
 def choose_table(candidates: Mapping[str, Sequence[str]], buckets: Sequence[int], time_kernel: TimeKernel,

@@ -17,7 +17,7 @@ import torch
 from engine.backends.cpu_config import CpuKernelConfig
 from engine.backends.cpu_kernels import CpuKernelBackend
 from engine.backends.dispatch import FORMATS, Route
-from engine.backends.weight_ops import Weight, int4_shapes
+from engine.backends.weight_ops import Weight, int4_shapes, int8g_shapes
 
 
 @dataclass(frozen=True)
@@ -86,6 +86,10 @@ class KernelTimer:
             return (torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16), None, None
         if fmt == "int8":
             return torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8), None, torch.rand(n, generator=g)
+        if fmt == "int8g":
+            codes, scales = int8g_shapes(n, k, offsets=True)
+            return (torch.randint(-32, 32, codes, generator=g, dtype=torch.int8), None,
+                    torch.rand(scales, generator=g) * 0.01)
         codes, scales = int4_shapes(n, k)
         return (torch.randint(0, 256, codes, generator=g, dtype=torch.uint8), None,
                 (torch.rand(scales, generator=g) * 0.01).to(torch.float16))

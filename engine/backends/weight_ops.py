@@ -12,6 +12,12 @@ Larger row counts (and every other backend) dequantise Q * s to the activations'
 int4: W ~ s * q + z per group of 32 consecutive k, the codes in `int4_shapes`' layout (engine/kernels/
 int4_linear.cpp). Decode-sized products run W4A8 on VNNI, larger ones and every other backend dequantise at most
 DEQUANT_CHUNK_ROWS rows at a time to the activations' dtype for F.linear (`linear_int4`).
+
+int8g: codes Q [N, G * 16] int8 (zero past K) with, per group of 16 consecutive k, an fp32 scale s and (for the
+GGUF types with minimums) an fp32 offset z: scales fp32 [1, N, G] (s) or [2, N, G] (s, z); W = s q, or s q + z
+rounded once in fp32 (engine/model/gguf_int8g.py: every GGUF block type's values exactly). Decode-sized products
+run on the weights dequantised in registers against fp32 activations (engine/kernels/int8_grouped.cpp), larger
+ones and every other backend dequantise chunks of rows to the activations' dtype for F.linear (`linear_int8g`).
 """
 from __future__ import annotations
 
@@ -25,6 +31,7 @@ W8A8_GROUP = 32  # activation codes per scale in the W8A8 kernel (its packed cop
 W8A8_CHANNELS = 16  # output channels per packed block: one int32 lane each
 INT4_GROUP = 32  # weights per scale and offset along K (GGUF's Q4 block), and activations per scale in W4A8
 INT4_CHANNELS = 16  # output channels per packed block: one int32 lane each
+INT8G_GROUP = 16  # int8g weights per scale (and offset) along K
 
 
 @dataclass(frozen=True, eq=False)
@@ -34,7 +41,7 @@ class Weight:
     data: torch.Tensor  # [N, K] float; int8 codes [N, K]; int4 codes in int4_shapes' layout (uint8)
     _: KW_ONLY
     bias: torch.Tensor | None = None
-    scale: torch.Tensor | None = None  # int8: [N] fp32; int4: [2, G, N] fp16 (scales, offsets); float: None
+    scale: torch.Tensor | None = None  # int8: [N] fp32; int4: [2, G, N] fp16; int8g: [1 or 2, N, G] fp32; float: None
     packed: torch.Tensor | None = None  # the backend's copy: of a bf16 weight (blocks or oneDNN's), or int8's W8A8
     silu_fused: torch.Tensor | None = None  # a gate|up weight's interleaved blocks, for silu(gate) * up as one product
 
@@ -96,6 +103,8 @@ def weight_rows_fp32(weight: torch.Tensor, scale: torch.Tensor | None, k: int):
     if is_int4(weight):
         return lambda begin, end: int4_rows(weight, scale, torch.arange(begin, end, device=weight.device), k,
                                             torch.float32)
+    if is_int8g(weight, scale):
+        return lambda begin, end: int8g_rows(weight, scale, slice(begin, end), k, torch.float32)
     return lambda begin, end: dequantize(weight[begin:end], scale[begin:end], torch.float32)
 
 
@@ -144,12 +153,52 @@ def embed_int4(packed: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor, k:
     return int4_rows(packed, scales, ids.reshape(-1), k, dtype).view(*ids.shape, k)
 
 
+def int8g_shapes(n: int, k: int, offsets: bool) -> tuple[tuple[int, int], tuple[int, int, int]]:
+    """The shapes of an int8g weight [N, K]: codes int8 [N, G * 16], scales (and offsets) fp32 [1 or 2, N, G]."""
+    groups = -(-k // INT8G_GROUP)
+    return (n, groups * INT8G_GROUP), (2 if offsets else 1, n, groups)
+
+
+def int8g_rows(codes: torch.Tensor, scales: torch.Tensor, rows: slice | torch.Tensor, k: int,
+               dtype: torch.dtype) -> torch.Tensor:
+    """Output channels `rows` of an int8g weight of K columns, dequantised: s q (+ z) [R, K] in `dtype`, the fp32
+    value rounded once (s q is exact), then to `dtype`, as int8_grouped.cpp computes it."""
+    picked = codes[rows]
+    values = picked.float().view(picked.shape[0], -1, INT8G_GROUP) * scales[0][rows].unsqueeze(2)
+    if scales.shape[0] == 2:
+        values += scales[1][rows].unsqueeze(2)
+    return values.view(picked.shape[0], -1)[:, :k].to(dtype)
+
+
+def linear_int8g(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+                 dequantize_rows=None) -> torch.Tensor:
+    """x [M, K] -> x W^T + bias [M, N] for an int8g weight, by F.linear on at most DEQUANT_CHUNK_ROWS output
+    channels dequantised at a time (to x's dtype); `dequantize_rows(begin, end)` makes a chunk."""
+    k = x.shape[-1]
+    if dequantize_rows is None:
+        def dequantize_rows(begin: int, end: int) -> torch.Tensor:
+            return int8g_rows(codes, scales, slice(begin, end), k, x.dtype)
+    return _chunked_linear(x, codes.shape[0], bias, dequantize_rows)
+
+
+def embed_int8g(codes: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor, k: int,
+                dtype: torch.dtype) -> torch.Tensor:
+    """The embedding rows of `ids` from an int8g table, dequantised exactly (then to `dtype`)."""
+    flat = ids.reshape(-1)
+    return int8g_rows(codes, scales, flat, k, dtype).view(*ids.shape, k)
+
+
 def weight_format(weight: torch.Tensor, scale: torch.Tensor | None) -> str:
-    """"bf16" for a float weight (of any float dtype), "int8" or "int4" for a quantised one: a dispatch table's
-    formats (engine/backends/dispatch.py)."""
+    """"bf16" for a float weight (of any float dtype), "int8", "int4" or "int8g" for a quantised one: a dispatch
+    table's formats (engine/backends/dispatch.py)."""
     if scale is None:
         return "bf16"
-    return "int4" if is_int4(weight) else "int8"
+    return "int4" if is_int4(weight) else "int8g" if is_int8g(weight, scale) else "int8"
+
+
+def is_int8g(weight: torch.Tensor, scale: torch.Tensor | None) -> bool:
+    """Whether a weight is int8g: int8 codes with grouped fp32 scales [1 or 2, N, G] (int8's are [N])."""
+    return scale is not None and weight.dtype == torch.int8 and scale.dim() == 3
 
 
 def is_int4(weight: torch.Tensor) -> bool:

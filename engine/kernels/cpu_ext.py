@@ -8,6 +8,8 @@ for which product, step or row count is engine/backends/cpu_kernels.py's decisio
 - `linear_w8a8`: the same int8 weights against each row of x quantised to int8, int32 sums on AVX-512 VNNI.
 - `linear_w4a8` / `linear_int4` / `dequantize_int4`: int4 weights with group scales and offsets, on int8 or on
   fp32 activations; and to bf16 rows.
+- `linear_int8g` / `dequantize_int8g`: int8g weights (int8 codes, fp32 scales and offsets per 16 along K, a GGUF
+  file's values exactly) against fp32 activations; and to bf16 rows.
 - `decode_attention_bf16` / `_fp8`: one query a row against its context read in place from the pages through its
   block table (no gather copy, no padding mask); fp8 pages decoded to bf16 in registers.
 - `rms_norm` (+ the residual add), `silu_mul`, `rotary_`: one pass each instead of 3-10 torch ops, rounding to
@@ -147,6 +149,20 @@ def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, k: int, begin: i
 def w4a8_vnni() -> bool:
     """Whether linear_w4a8 was built on AVX-512 VNNI here (its scalar fallback is for tests only)."""
     return bool(ops().w4a8_vnni())
+
+
+def linear_int8g(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
+                 fp32_out: bool = False) -> torch.Tensor:
+    """x [M, K] bf16 or fp32, an int8g weight (codes int8 [N, ceil(K / 16) * 16], scales fp32 [1 or 2, N, G]: s,
+    or s and z), bias [N] -> [M, N] bf16 (fp32 with fp32_out) = x W^T + bias with W = s q (+ z) rounded once in
+    fp32 (the file's values exactly), every sum in fp32 against x in fp32."""
+    return ops().linear_int8g(x, codes, scales, bias, fp32_out)
+
+
+def dequantize_int8g(codes: torch.Tensor, scales: torch.Tensor, k: int, begin: int, end: int) -> torch.Tensor:
+    """Output channels [begin, end) of an int8g weight of K columns -> bf16 [end - begin, K], weight_ops.int8g_rows'
+    bits."""
+    return ops().dequantize_int8g(codes, scales, k, begin, end)
 
 
 def decode_attention_bf16(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,

@@ -36,6 +36,10 @@ torch::Tensor linear_w4a8(torch::Tensor x, torch::Tensor packed, torch::Tensor s
 torch::Tensor linear_int4(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
                           const std::optional<torch::Tensor>& bias, bool fp32_out = false);
 torch::Tensor dequantize_int4(torch::Tensor packed, torch::Tensor scales, int64_t k, int64_t begin, int64_t end);
+// int8_grouped.cpp
+torch::Tensor linear_int8g(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
+                           const std::optional<torch::Tensor>& bias, bool fp32_out = false);
+torch::Tensor dequantize_int8g(torch::Tensor codes, torch::Tensor scales, int64_t k, int64_t begin, int64_t end);
 
 namespace {
 
@@ -54,7 +58,8 @@ const c10::TypedOperatorHandle<PackedLinear>& packed_linear_op() {
 // per-channel scale [N] fp32 or None). The packed weight is 16x16-pair blocks (4-D, from tile_pack_bf16) or
 // oneDNN's packed copy (engine/kernels/packed_linear.py). With a scale the weight is int8 (engine/model/quant.py)
 // and its packed copy, where the backend made one, is the W8A8 kernel's (quant.py pack_w8a8); or, with a uint8
-// weight, int4: the weight is pack_int4's layout and the scale its fp16 [2, G, N] scales and offsets.
+// weight, int4: the weight is pack_int4's layout and the scale its fp16 [2, G, N] scales and offsets; or, with an
+// int8 weight and a 3-D scale, int8g: codes [N, G * 16] and fp32 scales (and offsets) [1 or 2, N, G].
 using ProjectionArgs = std::tuple<torch::Tensor, std::optional<torch::Tensor>, std::optional<torch::Tensor>,
                                   std::optional<torch::Tensor>>;
 
@@ -80,11 +85,12 @@ struct RowLimits {
   int64_t w8a8;  // of those, rows that take it on int8-quantised activations (linear_w8a8)
   int64_t w4a8;  // rows an int4 weight takes on linear_w4a8
   int64_t int4;  // rows an int4 weight takes on linear_int4 (past w4a8's); more dequantise it to bf16 for at::linear
+  int64_t int8g;  // rows an int8g weight takes on linear_int8g; more dequantise it to bf16 for at::linear
 };
 
 // engine/model/llama.py `linear` with the kernels on: the packed weight for 2..limits.tiled rows (packed blocks)
 // or 2..limits.packed (oneDNN's copy), else the GEMV for up to limits.gemv rows, else F.linear.
-// An int8 or int4 weight: CpuKernelBackend.linear_int8's or linear_int4's choice, the same ops.
+// An int8, int4 or int8g weight: CpuKernelBackend.linear_int8's, linear_int4's or linear_int8g's choice, the same ops.
 torch::Tensor project(const Projection& p, const torch::Tensor& x, const RowLimits& limits) {
   const int64_t rows = x.size(0);
   if (p.scale && p.weight.scalar_type() == at::kByte) {
@@ -92,6 +98,10 @@ torch::Tensor project(const Projection& p, const torch::Tensor& x, const RowLimi
     if (rows <= limits.int4) return linear_int4(x, p.weight, *p.scale, p.bias);
     const int64_t n = p.scale->size(2);
     return at::linear(x, dequantize_int4(p.weight, *p.scale, x.size(1), 0, n), p.bias);
+  }
+  if (p.scale && p.scale->dim() == 3) {
+    if (rows <= limits.int8g) return linear_int8g(x, p.weight, *p.scale, p.bias);
+    return at::linear(x, dequantize_int8g(p.weight, *p.scale, x.size(1), 0, p.weight.size(0)), p.bias);
   }
   if (p.scale) {
     if (p.packed && rows <= limits.w8a8) return linear_w8a8(x, *p.packed, *p.scale, p.bias);
@@ -146,13 +156,14 @@ class DecodeStack {
                                      torch::Tensor context_lens, const std::vector<LayerPages>& kv,
                                      int64_t max_gemv_rows, int64_t max_packed_rows, int64_t max_tiled_rows,
                                      int64_t max_int8_rows, int64_t max_w8a8_rows, int64_t max_w4a8_rows,
-                                     int64_t max_int4_rows) const {
+                                     int64_t max_int4_rows, int64_t max_int8g_rows) const {
     TORCH_CHECK(!kv.empty() && kv.size() <= layers_.size(), "DecodeStack: ", kv.size(), " layers of pages for ",
                 layers_.size(), " layers");
     const Step step{cos.reshape({cos.size(0), -1}), sin.reshape({sin.size(0), -1}), std::move(slot_mapping),
                     std::move(block_tables), std::move(context_lens),
                     RowLimits{max_gemv_rows, max_packed_rows, max_tiled_rows, max_int8_rows,
-                              std::min(max_w8a8_rows, max_int8_rows), max_w4a8_rows, max_int4_rows}};
+                              std::min(max_w8a8_rows, max_int8_rows), max_w4a8_rows, max_int4_rows,
+                              max_int8g_rows}};
     torch::Tensor residual = no_residual_;
     for (size_t i = 0; i < kv.size(); ++i) {
       const Layer& layer = layers_[i];
@@ -226,7 +237,7 @@ class DecodeStack {
 }  // namespace
 
 void bind_decode_stack(pybind11::module& m) {
-  pybind11::class_<DecodeStack>(m, "DecodeStack", "the decoder layers of a decode-only bf16 step in one call (bf16, int8 or int4 weights)")
+  pybind11::class_<DecodeStack>(m, "DecodeStack", "the decoder layers of a decode-only bf16 step in one call (bf16, int8, int4 or int8g weights)")
       .def(pybind11::init<int64_t, int64_t, int64_t, double, double>())
       .def("add_layer", &DecodeStack::add_layer)
       .def("forward", &DecodeStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>());

@@ -18,7 +18,7 @@ from typing import Callable, Iterable, Mapping
 import psutil
 import torch
 
-from engine.backends.weight_ops import int4_shapes
+from engine.backends.weight_ops import int4_shapes, int8g_shapes
 from engine.config import ConfigError, EngineConfig, ModelConfig
 from engine.kv.cache import bytes_per_block, choose_num_blocks
 from engine.model.loader import ModelSource, model_class
@@ -122,6 +122,9 @@ def tensor_bytes(shape: tuple[int, ...], fmt: WeightFormat, dtype: torch.dtype) 
     rows, cols = shape
     if fmt == "int8":
         return rows * cols + rows * FP32
+    if fmt == "int8g":  # with offsets: the most it takes (types without minimums drop them after the load)
+        codes, scales = int8g_shapes(rows, cols, offsets=True)
+        return math.prod(codes) + math.prod(scales) * FP32
     codes, scales = int4_shapes(rows, cols)
     return math.prod(codes) + math.prod(scales) * torch.float16.itemsize
 

@@ -1,6 +1,7 @@
 """GGUF checkpoints (llama.cpp's format): hyper-parameters, weights and the tokenizer. A weight comes dequantised to
-float32, or, where its blocks are ones the int4 format holds as stored (Q4_0, Q4_1, Q4_K), as quant.Int4Blocks:
-repacked into int4 where the model keeps it int4 (engine/model/gguf_repack.py), dequantised where not."""
+float32, or, where its blocks are quantised ones, as quant.FileBlocks: repacked into int8g (engine/model/
+gguf_int8g.py) or, for Q4_0 / Q4_1 / Q4_K, int4 (engine/model/gguf_repack.py) where the model keeps it so,
+dequantised where not."""
 from __future__ import annotations
 
 import importlib.util
@@ -14,8 +15,9 @@ import torch
 from engine.config import ConfigError, ModelConfig, RopeScaling
 from engine.model.errors import ModelLoadError
 from engine.model.gguf_file import FAST_DEQUANTIZERS, GGUFFile, TensorInfo, dequantize
+from engine.model.gguf_int8g import SPLITTERS, repack_int8g
 from engine.model.gguf_repack import REPACKERS, repack_int4
-from engine.model.quant import Int4Blocks, Int4Rows, float_values
+from engine.model.quant import FileBlocks, Int4Rows, Int8gRows, float_values
 from engine.model.rope import inverse_frequencies
 from engine.model.tokenizer import Tokenizer
 
@@ -65,8 +67,8 @@ def default_model_path() -> Path:
 class LazyGGUF(NamedTuple):
     config: ModelConfig
     tokenizer: Tokenizer
-    # one tensor at a time: dequantised to float32, or Int4Blocks for 4-bit blocks int4 holds as stored
-    weights: Callable[[], Iterator[tuple[str, torch.Tensor | Int4Blocks]]]
+    # one tensor at a time: dequantised to float32, or FileBlocks for quantised blocks
+    weights: Callable[[], Iterator[tuple[str, torch.Tensor | FileBlocks]]]
     shapes: dict[str, tuple[int, ...]]  # each weight's Hugging Face name and shape, from the header alone
     types: dict[str, str]  # each weight's Hugging Face name and its GGUF tensor type's name (Q4_1, F32, ...)
 
@@ -86,10 +88,10 @@ def read_gguf_lazily(path: str | Path) -> LazyGGUF:
     names = {t.name: _hf_name(t.name, arch) for t in file.tensors if t.name != ROPE_FACTORS_TENSOR}
     config = _model_config(file, meta, arch)
 
-    def weights() -> Iterator[tuple[str, torch.Tensor | Int4Blocks]]:
+    def weights() -> Iterator[tuple[str, torch.Tensor | FileBlocks]]:
         for t in file.tensors:
-            if t.name in names and t.ggml_type in REPACKERS and len(t.shape) == 2:
-                yield names[t.name], _int4_blocks(file, t, config)
+            if t.name in names and t.ggml_type in SPLITTERS and len(t.shape) == 2:
+                yield names[t.name], _file_blocks(file, t, config)
             elif t.name in names:
                 name = names[t.name]
                 tensor = _load_tensor(file, t, config)
@@ -214,9 +216,9 @@ def _load_tensor(file: GGUFFile, tensor: TensorInfo, config: ModelConfig) -> tor
     return torch.from_numpy(np.ascontiguousarray(array))
 
 
-def _int4_blocks(file: GGUFFile, tensor: TensorInfo, config: ModelConfig) -> Int4Blocks:
-    """A 2-D Q4_0 / Q4_1 / Q4_K tensor, dequantised or repacked (REPACK_CHUNK_ROWS rows at a time; a tensor whose
-    rows llama.cpp permuted in one piece) only when asked."""
+def _file_blocks(file: GGUFFile, tensor: TensorInfo, config: ModelConfig) -> FileBlocks:
+    """A 2-D tensor of quantised blocks, dequantised or repacked into int8g (or int4, for Q4_0 / Q4_1 / Q4_K)
+    REPACK_CHUNK_ROWS rows at a time (a tensor whose rows llama.cpp permuted in one piece) only when asked."""
     heads = _permuted_heads(tensor.name, config)
     data = file.tensor_data(tensor)
     step = data.shape[0] if heads else REPACK_CHUNK_ROWS
@@ -225,7 +227,23 @@ def _int4_blocks(file: GGUFFile, tensor: TensorInfo, config: ModelConfig) -> Int
         for first in range(0, data.shape[0], step):
             yield first, _repacked(data[first:first + step], tensor, heads)
 
-    return Int4Blocks(tensor.shape, lambda: _load_tensor(file, tensor, config), rows)
+    def int8g_rows() -> Iterator[tuple[int, Int8gRows]]:
+        for first in range(0, data.shape[0], step):
+            yield first, _int8g(data[first:first + step], tensor, heads)
+
+    return FileBlocks(tensor.shape, lambda: _load_tensor(file, tensor, config),
+                      **({"rows": rows} if tensor.ggml_type in REPACKERS else {}), int8g_rows=int8g_rows,
+                      kind=tensor.ggml_type.name)
+
+
+def _int8g(data: np.ndarray, tensor: TensorInfo, heads: int) -> Int8gRows:
+    """Rows of a tensor's blocks in the int8g format."""
+    repack = repack_int8g(data, tensor.ggml_type)
+    arrays = [a for a in (repack.codes, repack.scale, repack.offset) if a is not None]
+    if heads:
+        arrays = [_unpermute_rows(a, heads) for a in arrays]
+    tensors = [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
+    return Int8gRows(tensors[0], tensors[1], tensors[2] if len(tensors) == 3 else None)
 
 
 def _repacked(data: np.ndarray, tensor: TensorInfo, heads: int) -> Int4Rows:

@@ -237,6 +237,9 @@ class LlamaModel(nn.Module):
             return self.embed_tokens(input_ids)
         if weight_ops.is_int4(self.embed_tokens.weight):
             return weight_ops.embed_int4(self.embed_tokens.weight, scale, input_ids, self.cfg.hidden_size, self.dtype)
+        if weight_ops.is_int8g(self.embed_tokens.weight, scale):
+            return weight_ops.embed_int8g(self.embed_tokens.weight, scale, input_ids, self.cfg.hidden_size,
+                                          self.dtype)
         return weight_ops.embed_int8(self.embed_tokens.weight, scale, input_ids, self.dtype)
 
     @property
@@ -254,7 +257,7 @@ class LlamaModel(nn.Module):
 
     def _format(self, module: Linear) -> str:
         if module.weight_scale is not None:
-            return "int4" if weight_ops.is_int4(module.weight) else "int8"
+            return weight_ops.weight_format(module.weight, module.weight_scale)
         return str(self.dtype).removeprefix("torch.")
 
     @property
@@ -285,12 +288,13 @@ class LlamaModel(nn.Module):
         return layers, shape
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | quant.Int4Blocks]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | quant.FileBlocks]]) -> None:
         """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up; every parameter must be filled."""
         params = dict(self.named_parameters())
         scales = quant.weight_scales(self)  # quantised weights: each tensor's rows quantised as they arrive
         rows_filled = dict.fromkeys(params, 0)
-        rows_needed = {n: scales[n].shape[-1] if n in scales else p.shape[0] for n, p in params.items()}
+        rows_needed = {n: scales[n].shape[-1] if n in scales and weight_ops.is_int4(p) else p.shape[0]
+                       for n, p in params.items()}
         for name, tensor in weights:
             target, offset = self._fused_target(name)
             if target is None:
@@ -302,13 +306,18 @@ class LlamaModel(nn.Module):
         missing = sorted(n for n, rows in rows_filled.items() if rows != rows_needed[n])
         if missing:
             raise KeyError(f"checkpoint lacks or mis-sizes {len(missing)} tensors, e.g. {missing[:3]}")
+        quant.drop_zero_offsets(self)
 
     def _store(self, param: torch.Tensor, scale: torch.Tensor | None, offset: int, target: str,
-               tensor: torch.Tensor | quant.Int4Blocks) -> None:
-        """One checkpoint tensor into its rows of a parameter: int4 takes Int4Blocks as they are (and quantises a
-        float tensor), int8 quantises the float values, a plain parameter copies them."""
+               tensor: torch.Tensor | quant.FileBlocks) -> None:
+        """One checkpoint tensor into its rows of a parameter: int4 takes FileBlocks as they are (and quantises a
+        float tensor), int8g takes FileBlocks as they are, int8 quantises the float values, a plain parameter
+        copies them."""
         if scale is not None and weight_ops.is_int4(param):
             quant.store_int4(param, scale, offset, tensor)
+            return
+        if weight_ops.is_int8g(param, scale):
+            quant.store_int8g(param, scale, offset, tensor)
             return
         tensor = quant.float_values(tensor)
         if self.cfg.norm_weight_offset and target.endswith("norm.weight"):  # Gemma's (1 + w), in float32

@@ -18,7 +18,7 @@ from engine.model.hf_loader import hf_weight_shapes, iter_hf_weights, read_hf_co
 from engine.model.llama import LlamaModel, build_model
 from engine.model.olmo2 import Olmo2Model
 from engine.model.progress import LOADING_WEIGHTS, Progress, counted
-from engine.model.quant import Int4Blocks, choose_weight_dtype
+from engine.model.quant import FileBlocks, choose_weight_dtype
 from engine.model.tokenizer import Tokenizer
 
 DTYPE_NAMES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -39,7 +39,7 @@ class ModelSource:
     name: str
     config: ModelConfig
     tokenizer: Tokenizer
-    weights: Callable[[], Iterable[tuple[str, torch.Tensor | Int4Blocks]]]  # Int4Blocks: GGUF's 4-bit blocks
+    weights: Callable[[], Iterable[tuple[str, torch.Tensor | FileBlocks]]]  # FileBlocks: GGUF's quantised blocks
     shapes: Callable[[], Mapping[str, tuple[int, ...]]]  # weight name -> shape, from the file headers alone
     types: Mapping[str, str] = field(default_factory=dict)  # GGUF: weight name -> its tensor type's name
 

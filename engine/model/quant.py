@@ -13,14 +13,19 @@ s and offset z, W ~ s * q + z (asymmetric: z one end of the group's range, s its
 `quantize_int4`). 5 bits a weight (0.625 bytes, Q4_1's size) against int8's 8 and bf16's 16. The codes are stored
 in the decode kernel's layout only (`pack_int4`, engine/kernels/int4_linear.cpp), written row-chunk by row-chunk
 as the checkpoint's tensors arrive. GGUF's Q4_0, Q4_1 and Q4_K blocks are groups of 32 with fp16 scales already:
-the loader hands them over as `Int4Blocks`, whose codes and scales go into the int4 layout as they are
+the loader hands them over as `FileBlocks`, whose codes and scales go into the int4 layout as they are
 (engine/model/gguf_repack.py: Q4_0 and Q4_1 exactly, Q4_K with its sub-block scales d * sc and offsets dmin * m
 rounded once to fp16), never dequantised and searched again.
 
-`auto` on a GGUF file chooses per projection: int4 where every tensor the projection fuses (q|k|v, gate|up) is one
-of those types, else the serving dtype (bfloat16), which keeps the file's other blocks (Q5_*, Q6_K, Q8_0, Q2_K,
-Q3_K) to within bf16's rounding of each value; int8's one scale per row would round them again, coarsely. The LM
-head likewise by its own tensor's type. One log line says which types went where.
+int8g: int8 codes with an fp32 scale (and, for the types with minimums, an fp32 offset) per group of 16 along K
+(engine/backends/weight_ops.py). It holds every GGUF block type's values exactly (engine/model/gguf_int8g.py), so
+the loader's `FileBlocks` go into it as they are; there is no quantiser of float weights into it.
+
+`auto` on a GGUF file never rounds a value the file holds a second time. It chooses per projection: int4 where every
+tensor the projection fuses (q|k|v, gate|up) is Q4_0 or Q4_1 (int4 holds those exactly: gguf_repack; Q4_K's
+sub-block scales would round to fp16 there), else int8g where every one is a quantised block type, else the serving
+dtype (bfloat16: F32 / F16 / BF16 tensors). The LM head likewise by its own tensor's type, where int4 or int8g
+holds it exactly. One log line says which types went where.
 """
 from __future__ import annotations
 
@@ -32,7 +37,7 @@ from typing import Callable, Iterator, Literal, Mapping, NamedTuple, Protocol
 import torch
 from torch import nn
 
-from engine.backends.weight_ops import INT4_CHANNELS, INT4_GROUP, int4_shapes
+from engine.backends.weight_ops import INT4_CHANNELS, INT4_GROUP, int4_shapes, int8g_shapes
 from engine.config import WEIGHT_DTYPES
 from engine.model.layers import Linear
 
@@ -41,7 +46,7 @@ log = logging.getLogger(__name__)
 INT8_MAX = 127
 
 
-WeightFormat = Literal["bfloat16", "int8", "int4"]
+WeightFormat = Literal["bfloat16", "int8", "int4", "int8g"]
 
 
 def resolve_weight_dtype(name: str) -> WeightFormat:
@@ -51,7 +56,9 @@ def resolve_weight_dtype(name: str) -> WeightFormat:
     return "bfloat16" if name == "auto" else name
 
 
-EXACT_INT4_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K"})  # GGUF types the int4 format holds as stored (gguf_repack)
+EXACT_INT4_TYPES = frozenset({"Q4_0", "Q4_1"})  # GGUF types the int4 format holds exactly (gguf_repack)
+# GGUF types the int8g format holds exactly (gguf_int8g); the loader hands them over as FileBlocks
+EXACT_INT8G_TYPES = frozenset({"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"})
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 HEAD_NAMES = ("lm_head.weight", "model.embed_tokens.weight")  # the LM head's tensor (tied: the embedding table)
 
@@ -84,23 +91,33 @@ def auto_weight_dtype(types: Mapping[str, str], tied: bool = True,
     fused: dict[str, set[str]] = {}
     for name, kind in projections.items():
         fused.setdefault(parameter_name(name), set()).add(kind)
-    modules = {param: "int4" if kinds <= EXACT_INT4_TYPES else "bfloat16" for param, kinds in fused.items()}
+    modules = {param: exact_format(kinds) for param, kinds in fused.items()}
     head_type = types.get(HEAD_NAMES[1] if tied else HEAD_NAMES[0], "F32")
-    head: WeightFormat = "int4" if head_type in EXACT_INT4_TYPES else "bfloat16"
+    head = exact_format({head_type})
     choice = WeightChoice("bfloat16", head, MappingProxyType(modules))
     return choice, _auto_reasons(projections, {n: modules[parameter_name(n)] for n in projections}, head_type, head)
 
 
+def exact_format(kinds: set[str] | frozenset[str]) -> WeightFormat:
+    """The format that holds tensors of these GGUF types (fused into one weight) without rounding them again: int4
+    for Q4_0 / Q4_1 alone, int8g for quantised blocks, else bfloat16."""
+    if kinds <= EXACT_INT4_TYPES:
+        return "int4"
+    return "int8g" if kinds <= EXACT_INT8G_TYPES else "bfloat16"
+
+
+AUTO_REASONS: Mapping[str, str] = MappingProxyType({
+    "int4": "int4 (the file's codes and scales repacked, exactly)",
+    "int8g": "int8g (the file's codes as int8, fp32 scales per 16, exactly)",
+    "bfloat16": "bfloat16 (float tensors, or fused with one)"})
+
+
 def _auto_reasons(types: Mapping[str, str], formats: Mapping[str, WeightFormat], head_type: str,
                   head: WeightFormat) -> str:
-    """One line: each projection type's tensors counted by format and reason, then the LM head's."""
-    groups: dict[str, dict[str, int]] = {
-        "int4 (the file's codes and scales repacked, not re-quantised)": {},
-        "bfloat16 (no int4 kernel holds these blocks exactly)": {},
-        "bfloat16 (fused with such a tensor)": {}}
-    reasons = list(groups)
+    """One line: each projection type's tensors counted by the format they got, then the LM head's."""
+    groups: dict[str, dict[str, int]] = {reason: {} for reason in AUTO_REASONS.values()}
     for name, kind in types.items():
-        reason = reasons[0] if formats[name] == "int4" else reasons[1 if kind not in EXACT_INT4_TYPES else 2]
+        reason = AUTO_REASONS[formats[name]]
         groups[reason][kind] = groups[reason].get(kind, 0) + 1
     parts = [f"{reason}: {', '.join(f'{count} {kind}' for kind, count in counts.items())}"
              for reason, counts in groups.items() if counts]
@@ -211,19 +228,30 @@ class Int4Rows(NamedTuple):
     offset: torch.Tensor  # fp16 [R, G]
 
 
+class Int8gRows(NamedTuple):
+    """Rows of an int8g weight before they take their place in it."""
+
+    codes: torch.Tensor  # int8 [R, K]
+    scale: torch.Tensor  # fp32 [R, K / 16]
+    offset: torch.Tensor | None  # fp32 [R, K / 16], or None (zero offsets)
+
+
 @dataclass(frozen=True, eq=False)
-class Int4Blocks:
-    """A checkpoint tensor [N, K] in blocks the int4 format holds as stored (GGUF's Q4_0, Q4_1, Q4_K; the loader
-    makes them): an int4 weight takes its rows from `rows`, any other format its float32 `values`."""
+class FileBlocks:
+    """A checkpoint tensor [N, K] in a file's quantised blocks (the GGUF loader makes them): an int8g weight takes
+    its rows from `int8g_rows`, an int4 one from `rows` (Q4_0 / Q4_1 / Q4_K blocks only), any other format its
+    float32 `values`."""
 
     shape: tuple[int, ...]
     values: Callable[[], torch.Tensor]  # float32 [N, K]
-    rows: Callable[[], Iterator[tuple[int, Int4Rows]]]  # (first row, its rows), pieces covering rows 0..N-1
+    rows: Callable[[], Iterator[tuple[int, Int4Rows]]] | None = None  # (first row, its rows), covering rows 0..N-1
+    int8g_rows: Callable[[], Iterator[tuple[int, Int8gRows]]] | None = None
+    kind: str = ""  # the GGUF type's name
 
 
-def float_values(tensor: torch.Tensor | Int4Blocks) -> torch.Tensor:
-    """A checkpoint tensor's values as a float tensor (Int4Blocks dequantised; a tensor as it is)."""
-    return tensor.values() if isinstance(tensor, Int4Blocks) else tensor
+def float_values(tensor: torch.Tensor | FileBlocks) -> torch.Tensor:
+    """A checkpoint tensor's values as a float tensor (FileBlocks dequantised; a tensor as it is)."""
+    return tensor.values() if isinstance(tensor, FileBlocks) else tensor
 
 
 def quantized_int4_rows(weight: torch.Tensor) -> Int4Rows:
@@ -232,12 +260,13 @@ def quantized_int4_rows(weight: torch.Tensor) -> Int4Rows:
     return Int4Rows(pack_int4(codes), scale, offset)
 
 
-def store_int4(packed: torch.Tensor, scales: torch.Tensor, first: int, weight: torch.Tensor | Int4Blocks) -> None:
-    """Puts weight [R, K] (rows first..first+R of the weight) in its place in packed and scales: Int4Blocks' rows
-    as they are, a float weight quantised a chunk of rows at a time (their few fp32 copies stay small)."""
-    if isinstance(weight, Int4Blocks):
+def store_int4(packed: torch.Tensor, scales: torch.Tensor, first: int, weight: torch.Tensor | FileBlocks) -> None:
+    """Puts weight [R, K] (rows first..first+R of the weight) in its place in packed and scales: FileBlocks' int4
+    rows as they are (other blocks dequantised first), a float weight quantised a chunk of rows at a time (their few fp32 copies stay small)."""
+    if isinstance(weight, FileBlocks) and weight.rows is not None:
         pieces = weight.rows()
     else:
+        weight = float_values(weight)
         pieces = ((start, quantized_int4_rows(weight[start:start + QUANTIZE_CHUNK_ROWS]))
                   for start in range(0, weight.shape[0], QUANTIZE_CHUNK_ROWS))
     for start, rows in pieces:
@@ -272,6 +301,40 @@ def int4_layout(modules: list[nn.Module], device: torch.device | str) -> None:
         module.weight_scale = torch.zeros(scales, dtype=torch.float16, device=device)
 
 
+def store_int8g(codes: torch.Tensor, scales: torch.Tensor, first: int, weight: torch.Tensor | FileBlocks) -> None:
+    """Puts a file's blocks [R, K] (rows first..first+R of the weight) in their place in an int8g weight's codes
+    and scales [2, N, G], as they are (a tensor without offsets leaves its rows' offsets zero)."""
+    if not isinstance(weight, FileBlocks) or weight.int8g_rows is None:
+        raise ValueError("int8g takes a file's quantised blocks only (there is no int8g quantiser of float weights); "
+                         f"expected GGUF blocks of {', '.join(sorted(EXACT_INT8G_TYPES))}")
+    for start, rows in weight.int8g_rows():
+        at, n = first + start, rows.codes.shape[0]
+        codes[at:at + n, :rows.codes.shape[1]] = rows.codes
+        scales[0, at:at + n] = rows.scale
+        if rows.offset is not None:
+            scales[1, at:at + n] = rows.offset
+
+
+def int8g_layout(modules: list[nn.Module], device: torch.device | str) -> None:
+    """As int4_layout, for int8g: int8 codes [N, G * 16] (zero past K) and fp32 scales and offsets [2, N, G]
+    (filled by load_weights, `store_int8g`; `drop_zero_offsets` then drops offsets that are all zero)."""
+    for module in modules:
+        rows, cols = module.weight.shape
+        codes, scales = int8g_shapes(rows, cols, offsets=True)
+        module.weight = nn.Parameter(torch.zeros(codes, dtype=torch.int8, device=device), requires_grad=False)
+        module.weight_scale = torch.zeros(scales, dtype=torch.float32, device=device)
+
+
+def drop_zero_offsets(model: nn.Module) -> None:
+    """int8g weights whose offsets are all zero (types without minimums) keep their scales only: the products then
+    skip the offsets, and s q keeps the file's sign of a zero."""
+    for module in model.modules():
+        scale = getattr(module, "weight_scale", None)
+        if scale is not None and scale.dim() == 3 and scale.dtype == torch.float32 and scale.shape[0] == 2 \
+                and not scale[1].any():
+            module.weight_scale = scale[:1].clone()
+
+
 def int8_layout(modules: list[nn.Module], device: torch.device | str) -> None:
     """On a model still on the meta device (before its storage is made): each module's weight becomes an int8
     parameter, with its fp32 scales [N] (real storage, filled by load_weights) beside it as the module's
@@ -302,7 +365,7 @@ def layer_projections(model: QuantizableModel) -> list[nn.Module]:
 
 def apply_layout(model: QuantizableModel, choice: WeightChoice, device: torch.device | str) -> None:
     """The quantised layouts of `choice` on a model still on the meta device (bfloat16: the plain weights)."""
-    layouts = {"int8": int8_layout, "int4": int4_layout}
+    layouts = {"int8": int8_layout, "int4": int4_layout, "int8g": int8g_layout}
     projections = {f"{name}.weight": module for name, module in model.named_modules() if isinstance(module, Linear)}
     unknown = sorted(set(choice.modules) - set(projections))
     if unknown:

@@ -1,0 +1,155 @@
+// Products on int8g weights (engine/backends/weight_ops.py): int8 codes q [N, Kp] (Kp = G * 16, zero past K) and
+// fp32 scales [S, N, G], S = 1 (scales s) or 2 (scales s, offsets z), per group of 16 along K; the weight is
+// w = s q, or s q + z rounded once in fp32: a GGUF file's values exactly (engine/model/gguf_int8g.py).
+// - linear_int8g: decode-sized row counts, weight-only. Each group's 16 codes are widened to fp32 and scaled in
+//   registers (one FMA with the offset: s q is exact, so it rounds where gguf's float32 s q + z does), then
+//   multiplied into fp32 sums against the fp32 activations. The weights are the file's; only the sums round.
+// - dequantize_int8g: rows of the weight to bf16, for the larger row counts that take at::linear (prefill).
+//
+// out[m, n] = bf16(sum_k w[n, k] x[m, k] + bias[n]); each row's result depends on that row only.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <optional>
+
+#include "activation_quant.h"
+#include "parallel.h"
+#include "vec.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define CPU_EXT_INT8G_AVX512 1
+#include <immintrin.h>
+#endif
+
+namespace {
+
+using cpu_ext::OutRows;
+using cpu_ext::out_rows;
+using cpu_ext::output_rows;
+
+constexpr int64_t kGroup = 16;  // weights per scale (and offset)
+constexpr int kRows = 4;        // rows of x per pass: R x 2 accumulators stay in registers
+
+struct GroupedWeights {
+  const int8_t* codes;   // [N, kp]
+  const float* scale;    // [N, groups]
+  const float* offset;   // [N, groups], or null
+  const float* bias;     // [N], or null
+  int64_t n, kp, groups;
+};
+
+// Output channels [begin, end) for R rows of x (fp32 [R, kp], zero past K). Each group's weights are made once and
+// used for all R rows; two accumulators per row alternate between groups to hide the FMA latency.
+template <int R, bool Offsets>
+void int8g_rows(const GroupedWeights& w, const float* x, OutRows out, int64_t begin, int64_t end) {
+  for (int64_t row = begin; row < end; ++row) {
+    const int8_t* q = w.codes + row * w.kp;
+    const float* s = w.scale + row * w.groups;
+    const float* z = Offsets ? w.offset + row * w.groups : nullptr;
+    float total[R];
+#if defined(CPU_EXT_INT8G_AVX512)
+    __m512 acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < w.groups; ++g) {
+      const __m512 codes = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + g * kGroup))));
+      const __m512 weights = Offsets ? _mm512_fmadd_ps(codes, _mm512_set1_ps(s[g]), _mm512_set1_ps(z[g]))
+                                     : _mm512_mul_ps(codes, _mm512_set1_ps(s[g]));
+      for (int r = 0; r < R; ++r)
+        acc[r][g & 1] = _mm512_fmadd_ps(weights, _mm512_loadu_ps(x + r * w.kp + g * kGroup), acc[r][g & 1]);
+    }
+    for (int r = 0; r < R; ++r) total[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
+#else
+    for (int r = 0; r < R; ++r) total[r] = 0.f;
+    for (int64_t g = 0; g < w.groups; ++g)
+      for (int64_t i = 0; i < kGroup; ++i) {
+        const float code = static_cast<float>(q[g * kGroup + i]);
+        const float weight = Offsets ? std::fma(code, s[g], z[g]) : code * s[g];
+        for (int r = 0; r < R; ++r) total[r] = std::fma(weight, x[r * w.kp + g * kGroup + i], total[r]);
+      }
+#endif
+    const float b = w.bias ? w.bias[row] : 0.f;
+    for (int r = 0; r < R; ++r) out.put(r * w.n + row, total[r] + b);
+  }
+}
+
+template <bool Offsets>
+void int8g_pass(int64_t rows, const GroupedWeights& w, const float* x, OutRows out, int64_t begin, int64_t end) {
+  switch (rows) {
+    case 1: int8g_rows<1, Offsets>(w, x, out, begin, end); break;
+    case 2: int8g_rows<2, Offsets>(w, x, out, begin, end); break;
+    case 3: int8g_rows<3, Offsets>(w, x, out, begin, end); break;
+    default: int8g_rows<4, Offsets>(w, x, out, begin, end); break;
+  }
+}
+
+void check_int8g(const torch::Tensor& codes, const torch::Tensor& scales, int64_t k, const char* name) {
+  const int64_t groups = (k + kGroup - 1) / kGroup;
+  TORCH_CHECK(codes.scalar_type() == at::kChar && codes.dim() == 2 && codes.is_contiguous() &&
+                  codes.size(1) == groups * kGroup,
+              name, ": codes must be int8 [N, ceil(K / 16) * 16] for K = ", k);
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.dim() == 3 && scales.is_contiguous() &&
+                  (scales.size(0) == 1 || scales.size(0) == 2) && scales.size(1) == codes.size(0) &&
+                  scales.size(2) == groups,
+              name, ": scales must be fp32 [1 or 2, N, ceil(K / 16)]");
+}
+
+}  // namespace
+
+// x [M, K] bf16 or fp32, codes and scales as above, bias [N] (any float dtype) or None -> [M, N] bf16 (fp32 with
+// fp32_out). The threads claim ranges of output channels and run every pass of 4 rows of x over their range, so
+// a range's weights come from memory once and from cache for the later passes.
+torch::Tensor linear_int8g(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
+                           const std::optional<torch::Tensor>& bias, bool fp32_out) {
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+              "linear_int8g: x must be bf16 or fp32 [M, K]");
+  const int64_t m = x.size(0), k = x.size(1);
+  check_int8g(codes, scales, k, "linear_int8g");
+  const int64_t n = codes.size(0), kp = codes.size(1), groups = scales.size(2);
+  torch::Tensor out = output_rows(x, m, n, fp32_out);
+  if (m == 0 || n == 0) return out;
+  torch::Tensor xf = torch::zeros({m, kp}, x.options().dtype(at::kFloat));
+  xf.narrow(1, 0, k).copy_(x);
+  torch::Tensor bf;
+  if (bias && bias->numel()) {
+    TORCH_CHECK(bias->numel() == n, "linear_int8g: bias must be [N]");
+    bf = bias->to(torch::kFloat32).contiguous();
+  }
+  const float* sp = scales.data_ptr<float>();
+  const GroupedWeights w{codes.data_ptr<int8_t>(), sp, scales.size(0) == 2 ? sp + n * groups : nullptr,
+                         bf.defined() ? bf.data_ptr<float>() : nullptr, n, kp, groups};
+  const float* xp = xf.data_ptr<float>();
+  const OutRows op = out_rows(out);
+  cpu_ext::parallel_claim(n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t first = 0; first < m; first += kRows) {
+      const int64_t rows = std::min<int64_t>(kRows, m - first);
+      if (w.offset) int8g_pass<true>(rows, w, xp + first * kp, op.shifted(first * n), begin, end);
+      else int8g_pass<false>(rows, w, xp + first * kp, op.shifted(first * n), begin, end);
+    }
+  });
+  return out;
+}
+
+// Output channels [begin, end) of the int8g weight of K columns -> bf16 [end - begin, K]: bf16(s q (+ z)), the fp32
+// value rounded once, as weight_ops.int8g_rows computes it.
+torch::Tensor dequantize_int8g(torch::Tensor codes, torch::Tensor scales, int64_t k, int64_t begin, int64_t end) {
+  check_int8g(codes, scales, k, "dequantize_int8g");
+  const int64_t n = codes.size(0), groups = scales.size(2);
+  TORCH_CHECK(0 <= begin && begin <= end && end <= n, "dequantize_int8g: rows [", begin, ", ", end, ") of ", n);
+  torch::Tensor values = codes.narrow(0, begin, end - begin).to(at::kFloat).view({end - begin, groups, kGroup});
+  values.mul_(scales[0].narrow(0, begin, end - begin).unsqueeze(2));
+  if (scales.size(0) == 2) values.add_(scales[1].narrow(0, begin, end - begin).unsqueeze(2));
+  return values.view({end - begin, groups * kGroup}).narrow(1, 0, k).to(at::kBFloat16);
+}
+
+TORCH_LIBRARY_FRAGMENT(phase_serve, m) {
+  m.def("linear_int8g(Tensor x, Tensor codes, Tensor scales, Tensor? bias, bool fp32_out=False) -> Tensor");
+  m.def("dequantize_int8g(Tensor codes, Tensor scales, int k, int begin, int end) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(phase_serve, CPU, m) {
+  m.impl("linear_int8g", &linear_int8g);
+  m.impl("dequantize_int8g", &dequantize_int8g);
+}

@@ -1,0 +1,169 @@
+"""Every GGUF block type held exactly: the int8g format (engine/model/gguf_int8g.py) against gguf's own dequantiser,
+its kernels against an fp32 product with those values, `auto`'s choice per type, and a file that loads with it."""
+from __future__ import annotations
+
+import logging
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from bench.gguf_dequant import random_blocks
+from engine import LLM, SamplingParams
+from engine.backends import weight_ops
+from engine.backends.cpu_kernels import CpuKernelBackend
+from engine.kernels import cpu_ext
+from engine.model import quant
+from engine.model.gguf_int8g import SPLITTERS, repack_int8g
+from engine.model.gguf_repack import repack_int4
+from engine.model.layers import Linear
+from engine.model.loader import load_model, resolve_model
+from tests import test_gguf_quants as mixed
+from tests.kernel_helpers import require_kernels
+
+Q = gguf.GGMLQuantizationType
+TYPES = [t.name for t in SPLITTERS]
+F16 = np.float16
+
+
+def file_blocks(qtype: Q, rows: int = 24, k: int = 512, seed: int = 0) -> np.ndarray:
+    """Random `qtype` blocks of a [rows, k] tensor (uint8 [rows, bytes per row]), scales of a real model's size."""
+    rng = np.random.default_rng(seed)
+    block_size, _ = gguf.GGML_QUANT_SIZES[qtype]
+    scales = (rng.uniform(1e-4, 1e-2, 256) * rng.choice([-1, 1], 256)).astype(F16)
+    return random_blocks(rng, qtype, rows * k // block_size, scales).reshape(rows, -1)
+
+
+def int8g_weight(data: np.ndarray, qtype: Q) -> tuple[torch.Tensor, torch.Tensor]:
+    """The file's blocks as an int8g weight (codes, scales [1 or 2, N, G])."""
+    repack = repack_int8g(data, qtype)
+    parts = [repack.scale] + ([] if repack.offset is None else [repack.offset])
+    return torch.from_numpy(repack.codes), torch.from_numpy(np.stack(parts))
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_int8g_holds_each_type_as_gguf_dequantises_it_bit_for_bit(qtype):
+    data = file_blocks(Q[qtype])
+    codes, scales = int8g_weight(data, Q[qtype])
+    ours = weight_ops.int8g_rows(codes, scales, slice(0, codes.shape[0]), 512, torch.float32).numpy()
+    theirs = gguf.quants.dequantize(data, Q[qtype])
+    assert np.array_equal(ours.view(np.uint32), theirs.view(np.uint32))
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+def test_int4_holds_q4_0_and_q4_1_exactly(qtype):
+    """The types auto keeps int4 (equal values: int4's 8 d - 8 d is +0 where gguf's 0 d may be -0)."""
+    repack = repack_int4(file_blocks(Q[qtype]), Q[qtype])
+    codes = np.stack([repack.codes & 0x0F, repack.codes >> 4], axis=2).reshape(24, -1, 32).astype(np.float32)
+    ours = codes * repack.scale.astype(np.float32)[..., None] + repack.offset.astype(np.float32)[..., None]
+    assert repack.inexact == 0
+    assert np.array_equal(ours.reshape(24, -1), gguf.quants.dequantize(file_blocks(Q[qtype]), Q[qtype]))
+
+
+def test_int4_would_round_q4_k_so_auto_does_not_take_it():
+    assert repack_int4(file_blocks(Q.Q4_K), Q.Q4_K).inexact > 0
+    assert quant.exact_format({"Q4_K"}) == "int8g"
+
+
+@pytest.mark.parametrize("kinds,chosen", [
+    ({"Q4_0"}, "int4"), ({"Q4_1"}, "int4"), ({"Q4_0", "Q4_1"}, "int4"), ({"Q4_K"}, "int8g"), ({"Q6_K"}, "int8g"),
+    ({"Q8_0"}, "int8g"), ({"Q5_K"}, "int8g"), ({"Q2_K"}, "int8g"), ({"Q3_K"}, "int8g"), ({"Q5_0"}, "int8g"),
+    ({"Q5_1"}, "int8g"), ({"Q4_K", "Q6_K"}, "int8g"), ({"Q4_0", "Q6_K"}, "int8g"), ({"F16"}, "bfloat16"),
+    ({"BF16"}, "bfloat16"), ({"F32"}, "bfloat16"), ({"Q4_K", "F16"}, "bfloat16")])
+def test_auto_chooses_the_format_that_holds_each_type_exactly(kinds, chosen):
+    assert quant.exact_format(kinds) == chosen
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    require_kernels()
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K", "Q6_K", "Q5_1"])
+@pytest.mark.parametrize("rows", [1, 3, 6])
+def test_kernel_is_the_fp32_product_with_the_files_values(kernels, qtype, rows):
+    """linear_int8g against x W^T in float64 on gguf's values: the weights are exact, the activations bf16 (exact
+    in fp32), so only the fp32 sums' order and rounding part them (relative 1e-5 of the sum of |terms|)."""
+    data = file_blocks(Q[qtype], rows=40, k=512, seed=1)
+    codes, scales = int8g_weight(data, Q[qtype])
+    weights = torch.from_numpy(gguf.quants.dequantize(data, Q[qtype])).double()
+    x = torch.randn(rows, 500, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    x_padded = torch.nn.functional.pad(x.double(), (0, 12))
+    want, bound = x_padded @ weights.T, x_padded.abs() @ weights.abs().T
+    got = cpu_ext.linear_int8g(x, codes, scales, None, True)
+    assert got.dtype == torch.float32 and torch.all((got.double() - want).abs() <= 1e-5 * bound + 1e-30)
+    bias = torch.randn(40)
+    rounded = cpu_ext.linear_int8g(x, codes, scales, bias)
+    assert torch.equal(rounded, (got + bias).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("qtype", ["Q6_K", "Q4_K"])
+def test_dequantised_rows_are_the_files_values_rounded_once_to_bf16(kernels, qtype):
+    data = file_blocks(Q[qtype], rows=40, k=512)
+    codes, scales = int8g_weight(data, Q[qtype])
+    want = torch.from_numpy(gguf.quants.dequantize(data, Q[qtype])).to(torch.bfloat16)[5:30, :500]
+    assert torch.equal(cpu_ext.dequantize_int8g(codes, scales, 500, 5, 30), want)
+    assert torch.equal(weight_ops.int8g_rows(codes, scales, slice(5, 30), 500, torch.bfloat16), want)
+
+
+def test_backend_routes_int8g_by_rows_and_the_stack_limits_say_so(kernels):
+    backend = CpuKernelBackend()
+    data = file_blocks(Q.Q6_K, rows=40, k=512)
+    codes, scales = int8g_weight(data, Q.Q6_K)
+    w = backend.prepare_linear(codes, None, scales)
+    weights = torch.from_numpy(gguf.quants.dequantize(data, Q.Q6_K))
+    for rows in (1, 100):
+        x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+        got, want = backend.linear(x, w).float(), x.float() @ weights.T  # bf16 results: 2^-8 of the largest
+        assert (got - want).abs().max() <= 2 ** -7 * want.abs().max()
+    assert backend.stack_limits(1)[-1] == 1 and backend.stack_limits(100)[-1] == 0
+
+
+# a Q4_K_M download's mix: Q4_K, with attn_v and ffn_down Q6_K in some layers, a Q6_K head; and a Q4_0 layer
+MIXED = {"token_embd.weight": Q.Q4_K, "output.weight": Q.Q6_K,
+         **{f"blk.{i}.{part}.weight": Q.Q4_K for i in range(mixed.LAYERS) for part in mixed.SHAPES},
+         "blk.0.attn_v.weight": Q.Q6_K, "blk.0.ffn_down.weight": Q.Q6_K,
+         **{f"blk.1.{part}.weight": Q.Q4_0 for part in ("attn_q", "attn_k", "attn_v")}}
+
+
+def test_auto_loads_each_tensor_exactly_and_says_so(tmp_path, caplog):
+    path = tmp_path / "m.gguf"
+    mixed.write_mixed_gguf(path, MIXED)
+    with caplog.at_level(logging.INFO, logger="engine.model.quant"):
+        model = load_model(resolve_model(path), torch.bfloat16, weight_dtype="auto")
+    formats = {name: weight_ops.weight_format(m.weight, m.weight_scale) for name, m in model.named_modules()
+               if isinstance(m, Linear)}
+    assert formats["layers.1.self_attn.qkv_proj"] == "int4"
+    assert {f for name, f in formats.items() if name != "layers.1.self_attn.qkv_proj"} == {"int8g"}
+    assert model.weight_dtype == "int8g+int4"
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("weight dtype auto")]
+    assert lines == ["weight dtype auto: projections int4 (the file's codes and scales repacked, exactly): 3 Q4_0; "
+                     "int8g (the file's codes as int8, fp32 scales per 16, exactly): 9 Q4_K, 2 Q6_K; "
+                     "LM head Q6_K -> int8g"]
+    reader = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    for module, name in ((model.layers[0].mlp.down_proj, "blk.0.ffn_down.weight"),
+                         (model.layers[1].self_attn.o_proj, "blk.1.attn_output.weight"), (model.lm_head, "output.weight")):
+        tensor = reader[name]
+        k = tensor.shape[0]
+        ours = weight_ops.int8g_rows(module.weight, module.weight_scale, slice(0, module.weight.shape[0]), int(k),
+                                     torch.float32)
+        theirs = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        assert np.array_equal(ours.numpy().view(np.uint32), theirs.view(np.uint32)), name
+    assert model.layers[0].mlp.down_proj.weight_scale.shape[0] == 1  # Q6_K: no offsets kept
+    assert model.layers[1].self_attn.o_proj.weight_scale.shape[0] == 2  # Q4_K: minimums
+
+
+def test_auto_generates_the_greedy_tokens_of_bf16_weights_from_the_same_file(tmp_path):
+    """On the tiny random model the two part only at a near-tie of its logits (past the tokens compared here): the
+    weights differ by bf16's rounding of the file's values, which auto keeps whole."""
+    require_kernels()
+    path = tmp_path / "m.gguf"
+    mixed.write_mixed_gguf(path, MIXED)
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    prompts = [[1, 5, 9, 3], [2, 7]]
+    tokens = {}
+    for fmt in ("auto", "bfloat16"):
+        llm = LLM(str(path), dtype="bfloat16", weight_dtype=fmt, num_kv_blocks=64, block_size=8)
+        tokens[fmt] = [out.token_ids for out in llm.generate(prompts, params)]
+    assert tokens["auto"] == tokens["bfloat16"]
