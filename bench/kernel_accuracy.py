@@ -127,6 +127,11 @@ class MemoisedReference(TorchBackend):
             return weight_ops.int4_rows(w.data, w.scale, torch.arange(begin, end), x.shape[-1], x.dtype)
         return weight_ops.linear_int4(x, w.data, w.scale, w.bias, self.kept(w.data, x, dequantize_rows))
 
+    def linear_int8g(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
+        def dequantize_rows(begin: int, end: int) -> torch.Tensor:
+            return weight_ops.int8g_rows(w.data, w.scale, slice(begin, end), x.shape[-1], x.dtype)
+        return weight_ops.linear_int8g(x, w.data, w.scale, w.bias, self.kept(w.data, x, dequantize_rows))
+
     def lm_head(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
         rows = weight_ops.weight_rows_fp32(w.data, w.scale, x.shape[-1])
         return weight_ops.linear_fp32(x, w.data, w.scale, self.kept(w.data, x.float(), rows))

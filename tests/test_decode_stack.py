@@ -195,3 +195,23 @@ def test_stack_rejects_a_slot_outside_the_pages(tiny_model_dir):
     meta.slot_mapping = torch.tensor([kv.num_blocks * BLOCK])  # one past the last slot
     with torch.inference_mode(), pytest.raises(RuntimeError, match="outside the pages"):
         model(torch.tensor([3]), torch.tensor([len(PROMPTS[0])]), meta, kv.layers)
+
+
+def test_stack_runs_int8g_layers(tmp_path, stack_calls, monkeypatch):
+    """A GGUF file's K-quant blocks held exactly as int8g (auto on a Q4_K_M-style mix, one layer's q|k|v Q4_0 and so
+    int4): the stack takes the int8g kernel at 1 and 2 rows and the dequantised F.linear past its route, as the
+    Python layers do."""
+    from engine.model.loader import load_model, resolve_model
+    from tests import test_gguf_quants as mixed
+    from tests.test_gguf_exact import MIXED
+
+    path = tmp_path / "m.gguf"
+    mixed.write_mixed_gguf(path, MIXED)
+    model = load_model(resolve_model(path), torch.bfloat16, weight_dtype="auto")
+    assert model.weight_dtype == "int8g+int4"
+    table = dataclasses.replace(CpuKernelBackend().dispatch, int8g=Route.from_points([(1, "int8g"), (3, "linear")]))
+    model.set_backend(kernel_backend(dispatch=table))
+    monkeypatch.setitem(globals(), "PROMPTS", [[i % 300 for i in ids] for ids in PROMPTS])  # the GGUF's vocabulary
+    for seqs in ([0], [0, 1], [4, 2, 0, 3, 1]):
+        stack_calls.clear()
+        assert_stack_matches_layers(model, seqs, stack_calls)

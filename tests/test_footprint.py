@@ -85,11 +85,11 @@ def test_quantised_layers_and_an_untied_head_keep_their_own_formats():
 
 
 def test_auto_reads_the_gguf_types_from_the_header():
-    q4 = {name: "Q4_K" for name in _shapes() if "_proj" in name} | {"model.embed_tokens.weight": "Q8_0"}
+    q4 = {name: "Q4_0" for name in _shapes() if "_proj" in name} | {"model.embed_tokens.weight": "Q8_0"}
     auto = engine_footprint(_source(types=q4), EngineConfig(num_kv_blocks=1), torch.bfloat16, 64 * GiB)
     forced = engine_footprint(_source(types=q4), EngineConfig(num_kv_blocks=1, weight_dtype="int4"), torch.bfloat16,
                               64 * GiB)
-    assert auto.weight_format == "int4, LM head bfloat16"  # a Q8_0 head stays bf16 (not in quant.EXACT_INT4_TYPES)
+    assert auto.weight_format == "int4, LM head int8g"  # a Q8_0 head: int8g holds it exactly, int4 does not
     assert forced.weight_format == "int4" and forced.weights < auto.weights
 
 

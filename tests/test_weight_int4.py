@@ -17,6 +17,7 @@ from engine.backends import weight_ops
 from engine.config import ConfigError, EngineConfig
 from engine.kernels import cpu_ext
 from engine.model import quant
+from engine.model.gguf_loader import read_gguf
 from engine.model.hf_loader import iter_hf_weights, read_hf_config
 from engine.model.llama import LlamaModel, build_model
 from engine.model.loader import load_model, resolve_model
@@ -416,21 +417,21 @@ def test_weight_dtype_names_the_allowed_values():
 
 
 @pytest.mark.parametrize("q,k,v,expected", [
-    ("Q4_K", "Q4_K", "Q4_K", "int4"), ("Q4_0", "Q4_1", "Q4_K", "int4"), ("Q4_K", "Q4_K", "Q6_K", "bfloat16"),
-    ("Q8_0", "Q8_0", "Q8_0", "bfloat16"), ("Q3_K", "Q3_K", "Q3_K", "bfloat16"), ("F16", "F16", "F16", "bfloat16")])
+    ("Q4_0", "Q4_0", "Q4_0", "int4"), ("Q4_0", "Q4_1", "Q4_1", "int4"), ("Q4_0", "Q4_1", "Q4_K", "int8g"),
+    ("Q4_K", "Q4_K", "Q6_K", "int8g"), ("Q8_0", "Q8_0", "Q8_0", "int8g"), ("Q3_K", "Q3_K", "Q3_K", "int8g"),
+    ("Q4_0", "Q4_0", "F16", "bfloat16"), ("F16", "F16", "F16", "bfloat16")])
 def test_auto_chooses_each_projection_by_every_tensor_it_fuses(q, k, v, expected):
-    """q|k|v is one product: int4 only where all three are blocks int4 holds as stored; o_proj (Q4_K) by itself;
-    the LM head (here the tied embedding) by its own type; the embedding and norms never vote for the layers."""
+    """q|k|v is one product: int4 only where all three are blocks int4 holds exactly, int8g where all three are
+    quantised blocks; o_proj (Q4_0) by itself; the LM head (here the tied embedding) by its own type; the
+    embedding and norms never vote for the layers."""
     names = {"model.layers.0.self_attn.q_proj.weight": q, "model.layers.0.self_attn.k_proj.weight": k,
-             "model.layers.0.self_attn.v_proj.weight": v, "model.layers.0.self_attn.o_proj.weight": "Q4_K",
+             "model.layers.0.self_attn.v_proj.weight": v, "model.layers.0.self_attn.o_proj.weight": "Q4_0",
              "model.embed_tokens.weight": "Q8_0", "model.norm.weight": "F32"}
     choice, why = quant.auto_weight_dtype(names, parameter_name=LlamaModel.parameter_name)
     assert dict(choice.modules) == {"layers.0.self_attn.qkv_proj.weight": expected,
                                     "layers.0.self_attn.o_proj.weight": "int4"}
-    assert choice.head == "bfloat16" and why.endswith("LM head Q8_0 -> bfloat16")
-    fused = v == "Q6_K"
-    assert ("fused with such a tensor): 2 Q4_K" in why) == fused
-    assert ("exactly): 1 Q6_K" in why) == fused
+    assert choice.head == "int8g" and why.endswith("LM head Q8_0 -> int8g")
+    assert ("bfloat16 (float tensors, or fused with one): " in why) == (expected == "bfloat16")
     untied = {**names, "lm_head.weight": "Q4_0"}
     assert quant.auto_weight_dtype(untied, tied=False)[0].head == "int4"
 
@@ -447,8 +448,8 @@ def auto_lines(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.getMessage().startswith("weight dtype auto")]
 
 
-@pytest.mark.parametrize("qtype,expected", [(Q.Q4_0, "int4"), (Q.Q4_1, "int4"), (Q.Q8_0, "bfloat16"),
-                                            (Q.Q5_0, "bfloat16"), (Q.F16, "bfloat16")])
+@pytest.mark.parametrize("qtype,expected", [(Q.Q4_0, "int4"), (Q.Q4_1, "int4"), (Q.Q8_0, "int8g"),
+                                            (Q.Q5_0, "int8g"), (Q.F16, "bfloat16")])
 def test_auto_on_tiny_gguf_files(tmp_path, caplog, qtype, expected):
     path = tmp_path / "m.gguf"
     write_gguf(path, qtype=qtype)
@@ -456,10 +457,10 @@ def test_auto_on_tiny_gguf_files(tmp_path, caplog, qtype, expected):
         model = load_model(resolve_model(path), torch.bfloat16, weight_dtype="auto")
     assert model.weight_dtype == expected
     head = model.head_module().weight.dtype
-    assert head == (torch.uint8 if expected == "int4" else torch.bfloat16)  # 5-8-bit heads stay bf16
+    assert head == {"int4": torch.uint8, "int8g": torch.int8, "bfloat16": torch.bfloat16}[expected]
     lines = auto_lines(caplog)
     assert len(lines) == 1 and f"14 {qtype.name}" in lines[0]  # 7 projections in each of 2 layers
-    assert (expected == "int4") == ("projections int4" in lines[0])
+    assert f"projections {expected} (" in lines[0]
 
 
 def test_auto_keeps_a_hugging_face_folder_and_float32_unquantised(tmp_path, caplog, tiny_model_dir):
@@ -471,8 +472,9 @@ def test_auto_keeps_a_hugging_face_folder_and_float32_unquantised(tmp_path, capl
     assert model.weight_dtype == "float32" and "float32 weights" in auto_lines(caplog)[0]
 
 
-def test_auto_on_q4_layers_with_a_q8_head_keeps_the_head_bf16(tmp_path, monkeypatch):
-    """The default SmolLM2 file's shape: Q4_1 projections, a Q8_0 tied embedding -> int4 layers, a bf16 head."""
+def test_auto_on_q4_layers_with_a_q8_head_keeps_the_heads_values(tmp_path, monkeypatch):
+    """The default SmolLM2 file's shape: Q4_1 projections, a Q8_0 tied embedding -> int4 layers, an int8g head
+    (the embedding's rows dequantised from it exactly)."""
     import tests.test_gguf_loader as writer
 
     plain = writer.add_tensor
@@ -481,7 +483,10 @@ def test_auto_on_q4_layers_with_a_q8_head_keeps_the_head_bf16(tmp_path, monkeypa
     path = tmp_path / "m.gguf"
     write_gguf(path, qtype=Q.Q4_1)
     model = load_model(resolve_model(path), torch.bfloat16, weight_dtype="auto")
-    assert model.weight_dtype == "int4" and model.embed_tokens.weight.dtype == torch.bfloat16
+    assert model.weight_dtype == "int4" and model.embed_tokens.weight.dtype == torch.int8
+    ids = torch.tensor([3, 17])
+    want = read_gguf(path).weights["model.embed_tokens.weight"][ids]
+    assert torch.equal(model.embed(ids), want.to(torch.bfloat16))
 
 
 def test_int4_layers_with_an_int8_head(tiny_model_dir):

@@ -63,7 +63,8 @@ class CpuKernelConfig:
     # weight to bf16 for F.linear. Backed by python -m bench.weight_quant on a Zen 2 EPYC (AVX2, no AVX-512).
     max_int4_rows: int = 64
     # Rows a product on int8g weights takes on its weight-only kernel (engine/kernels/int8_grouped.cpp); more
-    # dequantise the weight to bf16 for F.linear. Backed by python -m bench.weight_quant on a Zen 4 EPYC.
+    # dequantise the weight to bf16 for F.linear. The int4 kernel's limit, taken over unmeasured (bench.weight_quant
+    # has no int8g mode); a measured dispatch table times both int8g kernels on the model's own shapes.
     max_int8g_rows: int = 64
 
     # oneDNN's packed copy serves 2..this many rows.
