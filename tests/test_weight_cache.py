@@ -223,3 +223,20 @@ def test_a_cache_that_cannot_be_written_costs_only_the_conversion(model_dir, tmp
         model, _ = _load(model_dir, blocker / "cache")
         assert torch.isfinite(_logits(model)).all()
     assert conversions.count == 2 and "cannot be written" in caplog.text
+
+
+def test_int8g_weights_with_and_without_offsets_come_back_exactly(tmp_path, monkeypatch):
+    """auto on a Q4_K_M-style GGUF: int8g weights whose offsets the load dropped (Q6_K) and kept (Q4_K) map back
+    into the skeleton's layout."""
+    from tests import test_gguf_quants as mixed
+    from tests.test_gguf_exact import MIXED
+
+    path = tmp_path / "m.gguf"
+    mixed.write_mixed_gguf(path, MIXED)
+    conversions = Conversions(monkeypatch)
+    first, _ = _load(path, tmp_path / "cache")
+    second, _ = _load(path, tmp_path / "cache")
+    assert conversions.count == 1 and second.weight_dtype == "int8g+int4"
+    assert second.layers[0].mlp.down_proj.weight_scale.shape[0] == 1  # Q6_K
+    assert second.layers[0].self_attn.o_proj.weight_scale.shape[0] == 2  # Q4_K
+    assert torch.equal(_logits(first), _logits(second))

@@ -171,7 +171,9 @@ def restore(model: LlamaModel, stored: weight_cache.Stored, backend: Backend) ->
                     mapped = _fitting(tensors[f"param/{prefix}{leaf}"], value, f"{prefix}{leaf}")
                     table[leaf] = nn.Parameter(mapped, requires_grad=False) if table is module._parameters else mapped
         if getattr(module, "weight_scale", None) is not None:
-            module.weight_scale = _fitting(tensors[f"scale/{name}"], module.weight_scale, f"{name} scales")
+            module.weight_scale = _fitting(tensors[f"scale/{name}"], _offsets_dropped(module.weight_scale,
+                                                                                      tensors[f"scale/{name}"]),
+                                           f"{name} scales")
     model.eval().requires_grad_(False)
     backend.check_dtype(model.dtype)
     repack = set(stored.notes.get("repack", ()))
@@ -181,6 +183,14 @@ def restore(model: LlamaModel, stored: weight_cache.Stored, backend: Backend) ->
     spec = model.decode_stack_spec(linears)
     model.prepared = PreparedWeights(backend, linears, head, None if spec is None else backend.decode_stack(*spec))
     return model
+
+
+def _offsets_dropped(wanted: torch.Tensor, mapped: torch.Tensor) -> torch.Tensor:
+    """The skeleton's int8g scales and offsets [2, N, G] as [1, N, G] where the entry holds scales alone (the load
+    dropped offsets that were all zero: quant.drop_zero_offsets); any other scales as they are."""
+    if wanted.dim() == 3 and wanted.dtype == torch.float32 and wanted.shape[0] == 2 and mapped.shape[0] == 1:
+        return wanted[:1]
+    return wanted
 
 
 def _fitting(mapped: torch.Tensor, wanted: torch.Tensor, name: str) -> torch.Tensor:
