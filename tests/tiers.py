@@ -67,6 +67,7 @@ MODULE_TIERS: Mapping[str, Tier] = {
     "test_gpu_check.py": P,  # bench/gpu_check.py's dry run in a subprocess
     "test_handoff.py": U,
     "test_host_memory.py": U,  # the allocator test runs in subprocesses: marked process
+    "test_int4_gemm.py": E,  # the AVX-512 int4 GEMM against the weight-only kernel, in-process
     "test_json_grammar.py": E,
     "test_kernel_accuracy.py": P,  # slow: the real models
     "test_kernel_build.py": E,  # build keys and errors; one test runs a failing compiler

@@ -146,6 +146,8 @@ class CpuKernelBackend(TorchBackend):
             return cpu_ext.linear_w4a8(x, packed, scales, bias, fp32_out)
         if kernel == "int4":
             return cpu_ext.linear_int4(x, packed, scales, bias, fp32_out)
+        if kernel == "int4_gemm":
+            return cpu_ext.linear_int4_gemm(x, packed, scales, bias, fp32_out)
         return None
 
     def _int8g_kernel(self, x: torch.Tensor, w: Weight, bias: torch.Tensor | None,
@@ -181,9 +183,9 @@ class CpuKernelBackend(TorchBackend):
         return super().lm_head(x, w) if out is None else out
 
     def linear_int4(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
-        """The dispatch table's int4 kernel for this row count: W4A8, the weight-only kernel, or F.linear on chunks
-        of the weight dequantised to bf16 by the kernel's dequantize_int4. decode_stack.cpp's project() makes the
-        same choice."""
+        """The dispatch table's int4 kernel for this row count: W4A8, the weight-only kernel (or its AVX-512 GEMM),
+        or F.linear on chunks of the weight dequantised to bf16 by the kernel's dequantize_int4. decode_stack.cpp's
+        project() makes the same choice."""
         if x.dtype != torch.bfloat16:
             return super().linear_int4(x, w)
         out = self._int4_kernel(x, w.data, w.scale, w.bias, fp32_out=False)
@@ -263,16 +265,16 @@ class CpuKernelBackend(TorchBackend):
                                     kv_caches, *self.stack_limits(x.shape[0]))
         return x, residual
 
-    def stack_limits(self, rows: int) -> tuple[int, int, int, int, int, int, int, int]:
-        """decode_stack.cpp's row limits (gemv, oneDNN copy, blocks, int8, W8A8, W4A8, int4, int8g) that make its
-        project() pick linear()'s kernels at `rows` rows: `rows` for the kernel the table names (and for the GEMV
-        behind a packed copy, as linear_float falls back to it), 0 for the rest."""
+    def stack_limits(self, rows: int) -> tuple[int, ...]:
+        """decode_stack.cpp's row limits (gemv, oneDNN copy, blocks, int8, W8A8, W4A8, int4, int8g, int4 GEMM) that
+        make its project() pick linear()'s kernels at `rows` rows: `rows` for the kernel the table names (and for the
+        GEMV behind a packed copy, as linear_float falls back to it), 0 for the rest."""
         bf16, int8, int4, int8g = (self.dispatch.route(fmt).kernel(rows) for fmt in ("bf16", "int8", "int4", "int8g"))
         packed = rows if bf16 in PACKED else 0
         gemv = bf16 == "gemv" or (packed and rows <= self.config.max_gemv_rows)  # project(): after the packed copy
         return (rows if gemv else 0, packed, packed, 0 if int8 == "linear" else rows,
                 rows if int8 == "w8a8" else 0, rows if int4 == "w4a8" else 0, 0 if int4 == "linear" else rows,
-                rows if int8g == "int8g" else 0)
+                rows if int8g == "int8g" else 0, rows if int4 == "int4_gemm" else 0)
 
     def greedy_tokens(self, hidden: torch.Tensor, head: Weight) -> torch.Tensor | None:
         """The argmax as the packed LM head's results come out, where the head is bf16 packed in blocks and the row
@@ -296,7 +298,8 @@ class CpuKernelBackend(TorchBackend):
               "decode_attention_bf16": self.attends_in_place, "decode_attention_fp8": self.attends_in_place,
               "prompt_attention": self.engine is not None, "linear_int8": table.int8.uses("int8"),
               "linear_w8a8": table.int8.uses("w8a8"), "linear_w4a8": table.int4.uses("w4a8"),
-              "linear_int4": table.int4.uses("int4"), "linear_int8g": table.int8g.uses("int8g"),
+              "linear_int4": table.int4.uses("int4"), "linear_int4_gemm": table.int4.uses("int4_gemm"),
+              "linear_int8g": table.int8g.uses("int8g"),
               "rms_norm": self.elementwise,
               "rotary": self.elementwise, "silu_mul": self.elementwise, "decode_stack": self.stacks}
         return [name for name, used in on.items() if used]
@@ -307,7 +310,8 @@ def available_kernels() -> dict[str, tuple[str, ...]]:
     run in this process: the tiles where the OS grants AMX state, oneDNN's copy where this torch packs bf16."""
     engines = cpu_ext.matrix_engines()
     runs = {"tiles": "tiles" in engines, "vectors": "vectors" in engines, "onednn": packed_linear.onednn_available(),
-            "w8a8": cpu_ext.w8a8_vnni(), "w4a8": cpu_ext.w4a8_vnni(), "int4": cpu_ext.int4_vectorized()}
+            "w8a8": cpu_ext.w8a8_vnni(), "w4a8": cpu_ext.w4a8_vnni(), "int4": cpu_ext.int4_vectorized(),
+            "int4_gemm": cpu_ext.int4_gemm_vectorized()}
     return {fmt: tuple(k for k in kernels if runs.get(k, True))
             for fmt, kernels in valid_kernels(cpu_ext.key().features).items()}
 

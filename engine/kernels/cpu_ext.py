@@ -6,7 +6,7 @@ for which product, step or row count is engine/backends/cpu_kernels.py's decisio
   batches).
 - `linear_int8`: the same for int8 weights with per-output-channel scales, widened to fp32 in registers.
 - `linear_w8a8`: the same int8 weights against each row of x quantised to int8, int32 sums on AVX-512 VNNI.
-- `linear_w4a8` / `linear_int4` / `dequantize_int4`: int4 weights with group scales and offsets, on int8 or on
+- `linear_w4a8` / `linear_int4` / `linear_int4_gemm` / `dequantize_int4`: int4 weights with group scales and offsets, on int8 or on
   fp32 activations; and to bf16 rows.
 - `linear_int8g` / `dequantize_int8g`: int8g weights (int8 codes, fp32 scales and offsets per 16 along K, a GGUF
   file's values exactly) against fp32 activations; and to bf16 rows.
@@ -137,6 +137,19 @@ def linear_int4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
 def int4_vectorized() -> bool:
     """Whether linear_int4 was built on AVX2 vectors here (its scalar fallback is for tests only)."""
     return bool(ops().int4_vectorized())
+
+
+def linear_int4_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+                     bias: torch.Tensor | None = None, fp32_out: bool = False) -> torch.Tensor:
+    """linear_int4's arguments and result to the bit, on AVX-512 for many rows: each group of weights widened once
+    per pass of up to 8 rows."""
+    return ops().linear_int4_gemm(x, packed, scales, bias, fp32_out)
+
+
+@functools.cache
+def int4_gemm_vectorized() -> bool:
+    """Whether linear_int4_gemm was built on AVX-512 here (elsewhere it runs linear_int4's loops: tests only)."""
+    return bool(ops().int4_gemm_vectorized())
 
 
 def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, k: int, begin: int, end: int) -> torch.Tensor:

@@ -5,6 +5,8 @@
 //   exact int32 sums per group.
 // - linear_int4: decode-sized row counts, weight-only: the nibbles widened to fp32 in registers against the fp32
 //   activations (AVX2, FMA and F16C), so the activations keep all their bits.
+// - linear_int4_gemm: linear_int4's arithmetic on AVX-512 for any row count: each group of a 16-channel block
+//   widened once per pass of up to 8 rows (a 16-float table lookup per nibble position), every value the same.
 // - dequantize_int4: rows of the weight to bf16, for the larger row counts that take at::linear (prefill).
 // Figures: docs/performance.md, "int8 and int4 weights" (python -m bench.weight_quant).
 //
@@ -30,6 +32,7 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <vector>
 
 #include "activation_quant.h"
 #include "parallel.h"
@@ -41,6 +44,10 @@
 #endif
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define CPU_EXT_INT4_AVX2 1
+#include <immintrin.h>
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define CPU_EXT_INT4_AVX512 1
 #include <immintrin.h>
 #endif
 
@@ -251,6 +258,115 @@ void int4_block(const Int4Weights& w, const FloatRows& x, int64_t first, OutRows
   store<R>(sums, w, first, out, n0);
 }
 
+// x [M, K] (bf16 or fp32) as linear_int4's kernels read it: fp32 rows padded with zeros to G * 32, and each
+// group's sum added in k order (the totals both kernels use, so that they agree to the bit).
+struct FloatCopy {
+  std::vector<float> x, t;
+  FloatRows rows;
+};
+
+FloatCopy float_copy(const torch::Tensor& x, int64_t groups) {
+  const int64_t m = x.size(0), k = x.size(1), kp = groups * kGroup;
+  const torch::Tensor xc = x.contiguous();
+  const bool fp32 = xc.scalar_type() == at::kFloat;
+  const void* src = xc.data_ptr();
+  FloatCopy copy{std::vector<float>(m * kp, 0.f), std::vector<float>(m * groups, 0.f), {}};
+  for (int64_t r = 0; r < m; ++r) {
+    float* dst = copy.x.data() + r * kp;
+    if (fp32) std::memcpy(dst, static_cast<const float*>(src) + r * k, k * sizeof(float));
+    else
+      for (int64_t i = 0; i < k; ++i) dst[i] = static_cast<float>(static_cast<const at::BFloat16*>(src)[r * k + i]);
+    for (int64_t g = 0; g < groups; ++g) {
+      float total = 0.f;
+      for (int64_t i = 0; i < kGroup; ++i) total += dst[g * kGroup + i];
+      copy.t[r * groups + g] = total;
+    }
+  }
+  copy.rows = FloatRows{copy.x.data(), copy.t.data(), kp, groups};
+  return copy;
+}
+
+// ---- linear_int4_gemm: the weight-only product on AVX-512, a group widened once for up to 8 rows ---------------
+//
+// A 64-byte slice t of a group holds 4 k of 16 channels, one dword lane a channel: shifting each lane by 8 j (+4)
+// leaves the code of k = 4 t + j (+16) in its low 4 bits, which vpermps reads as an index into the table of the
+// floats 0..15: two ops a widened vector. Each row's two chains (low and high nibbles) run in linear_int4's order,
+// so every sum is the same; at one or two rows, C blocks side by side give the FMA units independent chains.
+
+constexpr int kGemmRows = 8;  // rows of x per pass: 2 chains and an accumulator a row stay in registers
+
+template <int R, int C>
+void gemm_blocks(const Int4Weights& w, const FloatRows& x, int64_t first, OutRows out, int64_t block) {
+#if defined(CPU_EXT_INT4_AVX512)
+  float sums[C][R][kChannels];
+  const __m512 table = _mm512_setr_ps(0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f, 8.f, 9.f, 10.f, 11.f, 12.f, 13.f,
+                                      14.f, 15.f);
+  __m512 acc[C][R];
+  for (int c = 0; c < C; ++c)
+    for (int r = 0; r < R; ++r) acc[c][r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < w.groups; ++g) {
+    __m512 lo[C][R], hi[C][R];
+    for (int c = 0; c < C; ++c)
+      for (int r = 0; r < R; ++r) lo[c][r] = hi[c][r] = _mm512_setzero_ps();
+    const float* xg = x.x + first * x.kp + g * kGroup;
+    for (int64_t t = 0; t < 4; ++t) {
+      __m512i v[C];
+      for (int c = 0; c < C; ++c) v[c] = _mm512_loadu_si512(w.packed + ((block + c) * w.groups + g) * kGroupBytes + t * 64);
+      for (int j = 0; j < 4; ++j) {
+        for (int c = 0; c < C; ++c) {
+          const __m512 wl = _mm512_permutexvar_ps(j == 0 ? v[c] : _mm512_srli_epi32(v[c], 8 * j), table);
+          const __m512 wh = _mm512_permutexvar_ps(_mm512_srli_epi32(v[c], 8 * j + 4), table);
+          for (int r = 0; r < R; ++r) {
+            const float* xr = xg + r * x.kp + 4 * t + j;
+            lo[c][r] = _mm512_fmadd_ps(wl, _mm512_set1_ps(xr[0]), lo[c][r]);
+            hi[c][r] = _mm512_fmadd_ps(wh, _mm512_set1_ps(xr[16]), hi[c][r]);
+          }
+        }
+      }
+    }
+    for (int c = 0; c < C; ++c) {
+      const int64_t n0 = (block + c) * kChannels;
+      const __mmask16 mask = cpu_ext::lanes_below(w.n - n0);
+      const __m512 s = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, w.scale + g * w.n + n0));
+      const __m512 z = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, w.offset + g * w.n + n0));
+      for (int r = 0; r < R; ++r) {
+        acc[c][r] = _mm512_fmadd_ps(s, _mm512_add_ps(lo[c][r], hi[c][r]), acc[c][r]);
+        acc[c][r] = _mm512_fmadd_ps(z, _mm512_set1_ps(x.t[(first + r) * x.groups + g]), acc[c][r]);
+      }
+    }
+  }
+  for (int c = 0; c < C; ++c) {
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(sums[c][r], acc[c][r]);
+    store<R>(sums[c], w, first, out, (block + c) * kChannels);
+  }
+#else
+  for (int c = 0; c < C; ++c)
+    for (int r = 0; r < R; ++r) int4_block<1>(w, x, first + r, out, block + c);
+#endif
+}
+
+template <int R>
+void gemm_rows(const Int4Weights& w, const FloatRows& x, int64_t first, OutRows out, int64_t begin, int64_t end) {
+  constexpr int C = R == 1 ? 4 : R == 2 ? 2 : 1;
+  int64_t block = begin;
+  for (; block + C <= end; block += C) gemm_blocks<R, C>(w, x, first, out, block);
+  for (; block < end; ++block) gemm_blocks<R, 1>(w, x, first, out, block);
+}
+
+void gemm_pass(int64_t rows, const Int4Weights& w, const FloatRows& x, int64_t first, OutRows out, int64_t begin,
+               int64_t end) {
+  switch (rows) {
+    case 1: gemm_rows<1>(w, x, first, out, begin, end); break;
+    case 2: gemm_rows<2>(w, x, first, out, begin, end); break;
+    case 3: gemm_rows<3>(w, x, first, out, begin, end); break;
+    case 4: gemm_rows<4>(w, x, first, out, begin, end); break;
+    case 5: gemm_rows<5>(w, x, first, out, begin, end); break;
+    case 6: gemm_rows<6>(w, x, first, out, begin, end); break;
+    case 7: gemm_rows<7>(w, x, first, out, begin, end); break;
+    default: gemm_rows<8>(w, x, first, out, begin, end); break;
+  }
+}
+
 void check_int4(const torch::Tensor& packed, const torch::Tensor& scales, int64_t k, const char* name) {
   TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.dim() == 3 && scales.size(0) == 2 && scales.is_contiguous(),
               name, ": scales must be fp16 [2, G, N]");
@@ -304,12 +420,10 @@ torch::Tensor linear_int4(torch::Tensor x, torch::Tensor packed, torch::Tensor s
               "linear_int4: x must be bf16 or fp32 [M, K]");
   const int64_t m = x.size(0), k = x.size(1);
   check_int4(packed, scales, k, "linear_int4");
-  const int64_t n = scales.size(2), groups = scales.size(1), kp = groups * kGroup;
+  const int64_t n = scales.size(2), groups = scales.size(1);
   torch::Tensor out = output_rows(x, m, n, fp32_out);
   if (m == 0 || n == 0) return out;
-  torch::Tensor xf = torch::zeros({m, kp}, x.options().dtype(at::kFloat));
-  xf.narrow(1, 0, k).copy_(x);
-  torch::Tensor totals = xf.view({m, groups, kGroup}).sum(2).contiguous();
+  const FloatCopy copy = float_copy(x, groups);
   torch::Tensor bf;
   if (bias && bias->numel()) {
     TORCH_CHECK(bias->numel() == n, "linear_int4: bias must be [N]");
@@ -318,7 +432,7 @@ torch::Tensor linear_int4(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   const auto* half = scales.data_ptr<at::Half>();
   const Int4Weights w{packed.data_ptr<uint8_t>(), half, half + groups * n, bf.defined() ? bf.data_ptr<float>() : nullptr,
                       n, groups};
-  const FloatRows rows{xf.data_ptr<float>(), totals.data_ptr<float>(), kp, groups};
+  const FloatRows& rows = copy.rows;
   const OutRows op = out_rows(out);
   cpu_ext::parallel_claim((n + kChannels - 1) / kChannels, 4, [&](int64_t begin, int64_t end) {
     for (int64_t block = begin; block < end; ++block)
@@ -326,6 +440,40 @@ torch::Tensor linear_int4(torch::Tensor x, torch::Tensor packed, torch::Tensor s
         if (m - first >= 2) int4_block<2>(w, rows, first, op, block);
         else int4_block<1>(w, rows, first, op, block);
       }
+  });
+  return out;
+}
+
+// linear_int4's arguments and result, to the bit, on AVX-512 (elsewhere on linear_int4's loops: tests only). The
+// threads claim ranges of 16-channel blocks; each range runs in slices of kGemmSlice blocks, every pass of rows
+// over one slice before the next, so a slice's weights come from memory once and stay in L1 for the passes.
+constexpr int64_t kGemmSlice = 4;
+
+torch::Tensor linear_int4_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
+                               const std::optional<torch::Tensor>& bias, bool fp32_out) {
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+              "linear_int4_gemm: x must be bf16 or fp32 [M, K]");
+  const int64_t m = x.size(0), k = x.size(1);
+  check_int4(packed, scales, k, "linear_int4_gemm");
+  const int64_t n = scales.size(2), groups = scales.size(1);
+  torch::Tensor out = output_rows(x, m, n, fp32_out);
+  if (m == 0 || n == 0) return out;
+  const FloatCopy copy = float_copy(x, groups);
+  torch::Tensor bf;
+  if (bias && bias->numel()) {
+    TORCH_CHECK(bias->numel() == n, "linear_int4_gemm: bias must be [N]");
+    bf = bias->to(torch::kFloat32).contiguous();
+  }
+  const auto* half = scales.data_ptr<at::Half>();
+  const Int4Weights w{packed.data_ptr<uint8_t>(), half, half + groups * n, bf.defined() ? bf.data_ptr<float>() : nullptr,
+                      n, groups};
+  const OutRows op = out_rows(out);
+  cpu_ext::parallel_claim((n + kChannels - 1) / kChannels, kGemmSlice, [&](int64_t begin, int64_t end) {
+    for (int64_t slice = begin; slice < end; slice += kGemmSlice) {
+      const int64_t last = std::min(end, slice + kGemmSlice);
+      for (int64_t first = 0; first < m; first += kGemmRows)
+        gemm_pass(std::min<int64_t>(kGemmRows, m - first), w, copy.rows, first, op, slice, last);
+    }
   });
   return out;
 }
@@ -369,6 +517,15 @@ bool int4_vectorized() {
 #endif
 }
 
+// Whether linear_int4_gemm runs on AVX-512 here (else on linear_int4's loops, which only tests should take).
+bool int4_gemm_vectorized() {
+#if defined(CPU_EXT_INT4_AVX512)
+  return true;
+#else
+  return false;
+#endif
+}
+
 // Whether linear_w4a8 runs on VNNI here (else on its scalar loop, which only tests should take).
 bool w4a8_vnni() {
 #if defined(CPU_EXT_INT4_VNNI)
@@ -381,6 +538,8 @@ bool w4a8_vnni() {
 TORCH_LIBRARY_FRAGMENT(phase_serve, m) {
   m.def("linear_w4a8(Tensor x, Tensor packed, Tensor scales, Tensor? bias, bool fp32_out=False) -> Tensor");
   m.def("linear_int4(Tensor x, Tensor packed, Tensor scales, Tensor? bias, bool fp32_out=False) -> Tensor");
+  m.def("linear_int4_gemm(Tensor x, Tensor packed, Tensor scales, Tensor? bias, bool fp32_out=False) -> Tensor");
+  m.def("int4_gemm_vectorized() -> bool", &int4_gemm_vectorized);
   m.def("dequantize_int4(Tensor packed, Tensor scales, int k, int begin, int end) -> Tensor");
   m.def("w4a8_vnni() -> bool", &w4a8_vnni);
   m.def("int4_vectorized() -> bool", &int4_vectorized);
@@ -389,5 +548,6 @@ TORCH_LIBRARY_FRAGMENT(phase_serve, m) {
 TORCH_LIBRARY_IMPL(phase_serve, CPU, m) {
   m.impl("linear_w4a8", &linear_w4a8);
   m.impl("linear_int4", &linear_int4);
+  m.impl("linear_int4_gemm", &linear_int4_gemm);
   m.impl("dequantize_int4", &dequantize_int4);
 }
