@@ -1,7 +1,7 @@
 """The accuracy gate of the CPU kernels: each kernel path against the plain-torch reference of the same weights.
 
     python -m bench.kernel_accuracy [--model PATH] [--formats bfloat16,int8,int4,auto] [--windows 4] [--length 192]
-        [--kernels shipped,w4a8,w8a8] [--threads 2] [--json OUT]
+        [--kernels shipped,w4a8,w8a8,int4_gemm] [--threads 2] [--json OUT]
 
 For each weight format the model is loaded twice with identical weights: once on plain torch ops (`TorchBackend`,
 what `--enforce-eager` runs: the format's reference) and once on each kernel set under test. Both are fed the
@@ -17,7 +17,8 @@ GEMV and one-row kernels).
 
 Kernel sets: `shipped` is `CpuKernelBackend()` on this CPU (the shipped dispatch table); `w4a8` / `w8a8` force the
 int8-activation kernels for every row count they take (their scalar loop where this CPU lacks AVX-512 VNNI), to
-measure the activation format itself. tests/test_kernel_accuracy.py runs `shipped` on the real models.
+measure the activation format itself; `int4_gemm` gives every int4 product to the AVX-512 int4 GEMM, which a
+measured table may name at any row count. tests/test_kernel_accuracy.py runs `shipped` on the real models.
 """
 from __future__ import annotations
 
@@ -85,7 +86,9 @@ def kernel_config(kernels: str) -> CpuKernelConfig:
         return CpuKernelConfig()
     if kernels in ("w4a8", "w8a8"):
         return CpuKernelConfig(max_w4a8_rows=1 << 30, max_w8a8_rows=1 << 30, max_int8_rows=1 << 30)
-    raise ValueError(f"unknown kernel set {kernels!r}: shipped, w4a8 or w8a8")
+    if kernels == "int4_gemm":
+        return CpuKernelConfig()
+    raise ValueError(f"unknown kernel set {kernels!r}: shipped, w4a8, w8a8 or int4_gemm")
 
 
 def forced_backend(kernels: str) -> CpuKernelBackend:
@@ -93,7 +96,10 @@ def forced_backend(kernels: str) -> CpuKernelBackend:
     backend = CpuKernelBackend(kernel_config(kernels))
     if kernels == "shipped":
         return backend
-    table = dataclasses.replace(backend.dispatch, int8=Route.only("w8a8"), int4=Route.only("w4a8"))
+    if kernels == "int4_gemm":
+        table = dataclasses.replace(backend.dispatch, int4=Route.only("int4_gemm"))
+    else:
+        table = dataclasses.replace(backend.dispatch, int8=Route.only("w8a8"), int4=Route.only("w4a8"))
     return CpuKernelBackend(dataclasses.replace(backend.config, dispatch=table))
 
 
@@ -227,7 +233,7 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.kernel_accuracy", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="a GGUF file or HF folder (default: SmolLM2-135M)")
     parser.add_argument("--formats", default=",".join(FORMATS))
-    parser.add_argument("--kernels", default="shipped", help="comma-separated: shipped, w4a8, w8a8")
+    parser.add_argument("--kernels", default="shipped", help="comma-separated: shipped, w4a8, w8a8, int4_gemm")
     parser.add_argument("--windows", type=int, default=4)
     parser.add_argument("--length", type=int, default=192)
     parser.add_argument("--threads", type=int, default=2)
