@@ -51,6 +51,16 @@ def test_linear_matches_fp32_reference_within_bf16_rounding(rows, with_bias):
     torch.testing.assert_close(got.float(), ref, rtol=2 ** -8, atol=1e-4)
 
 
+def test_linear_rows_past_one_pass_equal_each_row_alone():
+    """70 rows (passes of 8 over slices of 64 weight rows, 300 of them: a partial slice): each row's sums are the
+    one-row product's to the bit, whichever pass and slice computed them."""
+    torch.manual_seed(3)
+    x, w = bf16(70, 100), bf16(300, 100, scale=0.1)
+    batched = cpu_ext.linear_bf16(x, w, None, True)
+    for r in (0, 7, 8, 63, 64, 69):
+        assert torch.equal(cpu_ext.linear_bf16(x[r:r + 1], w, None, True), batched[r:r + 1])
+
+
 def test_linear_takes_the_gemv_up_to_its_row_limit_and_bf16_models_only(tiny_model_dir, backend, kernel_calls):
     w = bf16(8, 16)
     limit = backend.config.max_gemv_rows

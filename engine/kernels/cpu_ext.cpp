@@ -139,13 +139,28 @@ void gemv_rows(const uint16_t* w, const float* x, float* out, int64_t n, int64_t
   }
 }
 
-template <int R>
-void gemv_parallel(const uint16_t* w, const float* x, float* out, int64_t n, int64_t k) {
-  at::parallel_for(0, n, 32, [&](int64_t begin, int64_t end) { gemv_rows<R>(w, x, out, n, k, begin, end); });
+// Rows [begin, end) of w against rows [first, first + min(8, m - first)) of x.
+void gemv_pass(const uint16_t* w, const float* x, float* out, int64_t m, int64_t n, int64_t k, int64_t first,
+               int64_t begin, int64_t end) {
+  const float* xp = x + first * k;
+  float* op = out + first * n;
+  switch (std::min<int64_t>(8, m - first)) {
+    case 1: gemv_rows<1>(w, xp, op, n, k, begin, end); break;
+    case 2: gemv_rows<2>(w, xp, op, n, k, begin, end); break;
+    case 3: gemv_rows<3>(w, xp, op, n, k, begin, end); break;
+    case 4: gemv_rows<4>(w, xp, op, n, k, begin, end); break;
+    case 5: gemv_rows<5>(w, xp, op, n, k, begin, end); break;
+    case 6: gemv_rows<6>(w, xp, op, n, k, begin, end); break;
+    case 7: gemv_rows<7>(w, xp, op, n, k, begin, end); break;
+    default: gemv_rows<8>(w, xp, op, n, k, begin, end); break;
+  }
 }
 
+constexpr int64_t kGemvSlice = 64;  // weight rows every pass of x runs over before the next: they stay in L2
+
 // x [M, K] bf16, weight [N, K] bf16 (contiguous), bias [N] or empty -> [M, N] bf16 (fp32 with fp32_out: the
-// sums kept whole), in passes of up to 8 rows.
+// sums kept whole), in passes of up to 8 rows. Each thread runs every pass over one slice of its weight rows before
+// the next slice, so past 8 rows the weight still comes from memory once (a pass's sums do not depend on the order).
 torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor weight, torch::Tensor bias, bool fp32_out) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "linear_bf16: shapes");
   TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.is_contiguous(), "linear_bf16: weight");
@@ -153,20 +168,13 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor weight, torch::Tensor b
   torch::Tensor xf = x.to(torch::kFloat32).contiguous();
   torch::Tensor out = torch::empty({m, n}, x.options().dtype(torch::kFloat32));
   const uint16_t* w = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
-  for (int64_t first = 0; first < m; first += 8) {
-    const float* xp = xf.data_ptr<float>() + first * k;
-    float* op = out.data_ptr<float>() + first * n;
-    switch (std::min<int64_t>(8, m - first)) {
-      case 1: gemv_parallel<1>(w, xp, op, n, k); break;
-      case 2: gemv_parallel<2>(w, xp, op, n, k); break;
-      case 3: gemv_parallel<3>(w, xp, op, n, k); break;
-      case 4: gemv_parallel<4>(w, xp, op, n, k); break;
-      case 5: gemv_parallel<5>(w, xp, op, n, k); break;
-      case 6: gemv_parallel<6>(w, xp, op, n, k); break;
-      case 7: gemv_parallel<7>(w, xp, op, n, k); break;
-      default: gemv_parallel<8>(w, xp, op, n, k); break;
-    }
-  }
+  const float* xp = xf.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, n, 32, [&](int64_t begin, int64_t end) {
+    for (int64_t slice = begin; slice < end; slice += kGemvSlice)
+      for (int64_t first = 0; first < m; first += 8)
+        gemv_pass(w, xp, op, m, n, k, first, slice, std::min(end, slice + kGemvSlice));
+  });
   if (bias.numel()) out.add_(bias.to(torch::kFloat32));
   return fp32_out ? out : out.to(torch::kBFloat16);
 }
