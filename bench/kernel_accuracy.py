@@ -17,8 +17,9 @@ GEMV and one-row kernels).
 
 Kernel sets: `shipped` is `CpuKernelBackend()` on this CPU (the shipped dispatch table); `w4a8` / `w8a8` force the
 int8-activation kernels for every row count they take (their scalar loop where this CPU lacks AVX-512 VNNI), to
-measure the activation format itself; `int4_gemm` gives every int4 product to the AVX-512 int4 GEMM, which a
-measured table may name at any row count. tests/test_kernel_accuracy.py runs `shipped` on the real models.
+measure the activation format itself; `int4_gemm` gives every int4 product up to its row cap
+(CpuKernelConfig.row_caps) to the AVX-512 int4 GEMM, as a measured table may. tests/test_kernel_accuracy.py runs
+`shipped` on the real models (and `int4_gemm` on int4 and `auto` weights).
 """
 from __future__ import annotations
 
@@ -97,7 +98,9 @@ def forced_backend(kernels: str) -> CpuKernelBackend:
     if kernels == "shipped":
         return backend
     if kernels == "int4_gemm":
-        table = dataclasses.replace(backend.dispatch, int4=Route.only("int4_gemm"))
+        cap = backend.config.row_caps()["int4_gemm"]
+        table = dataclasses.replace(backend.dispatch, int4=Route.from_rule(
+            lambda rows: "int4_gemm" if rows <= cap else "linear", (cap,)))
     else:
         table = dataclasses.replace(backend.dispatch, int8=Route.only("w8a8"), int4=Route.only("w4a8"))
     return CpuKernelBackend(dataclasses.replace(backend.config, dispatch=table))

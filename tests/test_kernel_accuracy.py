@@ -36,7 +36,7 @@ def model_text(request):
 
 def kernel_sets(weight_dtype: str) -> list[str]:
     """The shipped table, and on int4 weights (or `auto`, which may resolve to them) the AVX-512 int4 GEMM at every
-    row count, where it runs: a measured table may name it anywhere."""
+    row count up to its cap, where it runs: a measured table may name it there."""
     gemm = weight_dtype in ("int4", "auto") and cpu_ext.int4_gemm_vectorized()
     return ["shipped", "int4_gemm"] if gemm else ["shipped"]
 
