@@ -191,8 +191,9 @@ class EngineConfig:
     weight_dtype: WeightDtype = option("auto", "weights of the layers' projections and the LM head: int8 (per-channel "
                                        "scales, about half the bytes a decode step reads), int4 (a scale and "
                                        "offset per 32 weights, about a third; a GGUF's Q4_0/Q4_1/Q4_K blocks go in "
-                                       "as stored) or bfloat16; auto = per projection of a GGUF, never rounding "
-                                       "its values again: int4 where its tensors are Q4_0/Q4_1, int8g (int8 codes, "
+                                       "as stored) or bfloat16; auto = per projection of a GGUF, keeping its "
+                                       "values: int4 where its tensors are Q4_0/Q4_1/Q4_K (Q4_K's sub-block scales "
+                                       "rounded to fp16), int8g (int8 codes, "
                                        "fp32 scales per 16) for other quantised blocks, bfloat16 for float ones; "
                                        "bfloat16 for a folder",
                                        flags=("--weight-dtype", "--quantization"))

@@ -217,19 +217,26 @@ Q4_K_M_TYPES = {"token_embd.weight": Q.Q4_K, "output.weight": Q.Q6_K,
                 "blk.0.attn_v.weight": Q.Q6_K, "blk.0.ffn_down.weight": Q.Q6_K}
 
 
-def test_auto_keeps_q4_k_m_in_int8g_never_rounding_q4_k_scales(tmp_path, caplog):
-    """Q4_K's sub-block scales round in int4's fp16 and Q6_K has no int4 form: a Q4_K_M file's projections and head
-    go int8g, which holds both exactly (tests/test_gguf_exact.py checks the values). One log line says so."""
+def test_auto_repacks_q4_k_and_keeps_q6_k_in_int8g(tmp_path, caplog):
+    """Layer 0's q|k|v goes int8g with its Q6_K v (one product, one format) and its Q6_K down_proj int8g; its o_proj
+    and gate|up, and all of layer 1, int4 with the file's codes; the Q6_K head int8g. One log line says so."""
     path = tmp_path / "m.gguf"
     mixed.write_mixed_gguf(path, Q4_K_M_TYPES)
     with caplog.at_level(logging.INFO, logger="engine.model.quant"):
         model = load_model(resolve_model(path), torch.bfloat16, weight_dtype="auto")
-    formats = {weight_ops.weight_format(m.weight, m.weight_scale) for m in model.modules() if isinstance(m, Linear)}
-    assert formats == {"int8g"} and model.weight_dtype == "int8g"
+    formats = {name: weight_ops.weight_format(m.weight, m.weight_scale) for name, m in model.named_modules()
+               if isinstance(m, Linear)}
+    assert formats == {
+        "layers.0.self_attn.qkv_proj": "int8g", "layers.0.self_attn.o_proj": "int4",
+        "layers.0.mlp.gate_up_proj": "int4", "layers.0.mlp.down_proj": "int8g",
+        **{f"layers.1.{part}": "int4" for part in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj",
+                                                   "mlp.down_proj")}}
+    assert model.weight_dtype == "int8g+int4"
     assert weight_ops.weight_format(model.lm_head.weight, model.lm_head.weight_scale) == "int8g"
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("weight dtype auto")]
-    assert lines == ["weight dtype auto: projections int8g (the file's codes as int8, fp32 scales per 16, exactly): "
-                     "12 Q4_K, 2 Q6_K; LM head Q6_K -> int8g"]
+    assert lines == ["weight dtype auto: projections int4 (the file's codes and scales repacked; Q4_K's sub-block "
+                     "scales to fp16): 10 Q4_K; int8g (the file's codes as int8, fp32 scales per 16, exactly): 2 Q4_K, "
+                     "2 Q6_K; LM head Q6_K -> int8g"]
 
 
 def test_explicit_int4_repacks_q4_k_and_quantises_q6_k(tmp_path):

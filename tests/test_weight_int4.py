@@ -417,11 +417,11 @@ def test_weight_dtype_names_the_allowed_values():
 
 
 @pytest.mark.parametrize("q,k,v,expected", [
-    ("Q4_0", "Q4_0", "Q4_0", "int4"), ("Q4_0", "Q4_1", "Q4_1", "int4"), ("Q4_0", "Q4_1", "Q4_K", "int8g"),
+    ("Q4_0", "Q4_0", "Q4_0", "int4"), ("Q4_0", "Q4_1", "Q4_1", "int4"), ("Q4_0", "Q4_1", "Q4_K", "int4"),
     ("Q4_K", "Q4_K", "Q6_K", "int8g"), ("Q8_0", "Q8_0", "Q8_0", "int8g"), ("Q3_K", "Q3_K", "Q3_K", "int8g"),
     ("Q4_0", "Q4_0", "F16", "bfloat16"), ("F16", "F16", "F16", "bfloat16")])
 def test_auto_chooses_each_projection_by_every_tensor_it_fuses(q, k, v, expected):
-    """q|k|v is one product: int4 only where all three are blocks int4 holds exactly, int8g where all three are
+    """q|k|v is one product: int4 only where all three are Q4_0 / Q4_1 / Q4_K blocks, int8g where all three are
     quantised blocks; o_proj (Q4_0) by itself; the LM head (here the tied embedding) by its own type; the
     embedding and norms never vote for the layers."""
     names = {"model.layers.0.self_attn.q_proj.weight": q, "model.layers.0.self_attn.k_proj.weight": k,

@@ -21,9 +21,10 @@ int8g: int8 codes with an fp32 scale (and, for the types with minimums, an fp32 
 (engine/backends/weight_ops.py). It holds every GGUF block type's values exactly (engine/model/gguf_int8g.py), so
 the loader's `FileBlocks` go into it as they are; there is no quantiser of float weights into it.
 
-`auto` on a GGUF file never rounds a value the file holds a second time. It chooses per projection: int4 where every
-tensor the projection fuses (q|k|v, gate|up) is Q4_0 or Q4_1 (int4 holds those exactly: gguf_repack; Q4_K's
-sub-block scales would round to fp16 there), else int8g where every one is a quantised block type, else the serving
+`auto` on a GGUF file keeps the values the file holds, but for Q4_K's sub-block scales. It chooses per projection:
+int4 where every tensor the projection fuses (q|k|v, gate|up) is Q4_0, Q4_1 or Q4_K (int4 holds the first two
+exactly, Q4_K with its sub-block scales and offsets rounded once to fp16: gguf_repack, for a third of int8g's bytes),
+else int8g where every one is a quantised block type, else the serving
 dtype (bfloat16: F32 / F16 / BF16 tensors). The LM head likewise by its own tensor's type, where int4 or int8g
 holds it exactly. One log line says which types went where.
 """
@@ -57,6 +58,9 @@ def resolve_weight_dtype(name: str) -> WeightFormat:
 
 
 EXACT_INT4_TYPES = frozenset({"Q4_0", "Q4_1"})  # GGUF types the int4 format holds exactly (gguf_repack)
+# Q4_K in int4: its per-32 scales d * sc and offsets dmin * m rounded once to an fp16 pair (gguf_repack; most
+# sub-blocks exactly), at 0.625 bytes a weight against int8g's 1.5, the bytes a decode step reads
+AUTO_INT4_TYPES = EXACT_INT4_TYPES | {"Q4_K"}
 # GGUF types the int8g format holds exactly (gguf_int8g); the loader hands them over as FileBlocks
 EXACT_INT8G_TYPES = frozenset({"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"})
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -99,15 +103,16 @@ def auto_weight_dtype(types: Mapping[str, str], tied: bool = True,
 
 
 def exact_format(kinds: set[str] | frozenset[str]) -> WeightFormat:
-    """The format that holds tensors of these GGUF types (fused into one weight) without rounding them again: int4
-    for Q4_0 / Q4_1 alone, int8g for quantised blocks, else bfloat16."""
-    if kinds <= EXACT_INT4_TYPES:
+    """The format that holds tensors of these GGUF types (fused into one weight) without rounding them again (Q4_K:
+    but for its sub-block scales' fp16 rounding): int4 for Q4_0 / Q4_1 / Q4_K alone, int8g for other quantised
+    blocks, else bfloat16."""
+    if kinds <= AUTO_INT4_TYPES:
         return "int4"
     return "int8g" if kinds <= EXACT_INT8G_TYPES else "bfloat16"
 
 
 AUTO_REASONS: Mapping[str, str] = MappingProxyType({
-    "int4": "int4 (the file's codes and scales repacked, exactly)",
+    "int4": "int4 (the file's codes and scales repacked; Q4_K's sub-block scales to fp16)",
     "int8g": "int8g (the file's codes as int8, fp32 scales per 16, exactly)",
     "bfloat16": "bfloat16 (float tensors, or fused with one)"})
 
