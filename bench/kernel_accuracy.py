@@ -41,7 +41,7 @@ from engine.backends.attention import AttentionMetadata  # noqa: E402
 from engine.backends.base import Backend  # noqa: E402
 from engine.backends.cpu_config import CpuKernelConfig  # noqa: E402
 from engine.backends.cpu_kernels import CpuKernelBackend  # noqa: E402
-from engine.backends.dispatch import Route  # noqa: E402
+from engine.backends.dispatch import FORMATS as DISPATCH_FORMATS, Route  # noqa: E402
 from engine.backends.torch_ops import TorchBackend  # noqa: E402
 from engine.backends.weight_ops import Weight  # noqa: E402
 from engine.kv.cache import KVCache  # noqa: E402
@@ -58,6 +58,22 @@ FORMATS = ("bfloat16", "int8", "int4", "auto")
 # docs/performance.md, "The accuracy gate".
 MIN_TOP1 = 0.98  # of top1_ties (see there)
 MAX_KL_MEAN = 0.005
+# Past MAX_KL_MEAN a kernel set still passes when the `floor` set (every product through the reference's own math,
+# so only the attention, norm and rope kernels round differently) is as far from the reference: the weights' format
+# made the model that sensitive to rounding order, and the product kernels add at most FLOOR_MARGIN to it. Gemma 3
+# 270M with int4 weights (Q5_0 / Q6_K / Q8_0 tensors rounded again to 4 bits) is such a model on an AVX-512 BF16
+# CPU: its prompt attention kernel's error against float64 equals SDPA's, yet the two orders of rounding part by a
+# KL mean of 0.006 there. FLOOR_CAP keeps a broken shared kernel failing.
+FLOOR_MARGIN = 1.1
+FLOOR_CAP = 2 * MAX_KL_MEAN
+
+
+def within_bound(kl_mean: float, floor_kl_mean: float | None) -> bool:
+    """The gate's KL rule: under MAX_KL_MEAN, or (given the floor's KL mean) within FLOOR_MARGIN of a floor that
+    is itself under FLOOR_CAP."""
+    if kl_mean <= MAX_KL_MEAN:
+        return True
+    return floor_kl_mean is not None and floor_kl_mean <= FLOOR_CAP and kl_mean <= FLOOR_MARGIN * floor_kl_mean
 
 
 @dataclass(frozen=True)
@@ -87,9 +103,9 @@ def kernel_config(kernels: str) -> CpuKernelConfig:
         return CpuKernelConfig()
     if kernels in ("w4a8", "w8a8"):
         return CpuKernelConfig(max_w4a8_rows=1 << 30, max_w8a8_rows=1 << 30, max_int8_rows=1 << 30)
-    if kernels == "int4_gemm":
+    if kernels in ("int4_gemm", "floor"):
         return CpuKernelConfig()
-    raise ValueError(f"unknown kernel set {kernels!r}: shipped, w4a8, w8a8 or int4_gemm")
+    raise ValueError(f"unknown kernel set {kernels!r}: shipped, w4a8, w8a8, int4_gemm or floor")
 
 
 def forced_backend(kernels: str) -> CpuKernelBackend:
@@ -101,6 +117,8 @@ def forced_backend(kernels: str) -> CpuKernelBackend:
         cap = backend.config.row_caps()["int4_gemm"]
         table = dataclasses.replace(backend.dispatch, int4=Route.from_rule(
             lambda rows: "int4_gemm" if rows <= cap else "linear", (cap,)))
+    elif kernels == "floor":
+        table = dataclasses.replace(backend.dispatch, **{fmt: Route.only("linear") for fmt in DISPATCH_FORMATS})
     else:
         table = dataclasses.replace(backend.dispatch, int8=Route.only("w8a8"), int4=Route.only("w4a8"))
     return CpuKernelBackend(dataclasses.replace(backend.config, dispatch=table))
@@ -236,7 +254,7 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.kernel_accuracy", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="a GGUF file or HF folder (default: SmolLM2-135M)")
     parser.add_argument("--formats", default=",".join(FORMATS))
-    parser.add_argument("--kernels", default="shipped", help="comma-separated: shipped, w4a8, w8a8, int4_gemm")
+    parser.add_argument("--kernels", default="shipped", help="comma-separated: shipped, w4a8, w8a8, int4_gemm, floor")
     parser.add_argument("--windows", type=int, default=4)
     parser.add_argument("--length", type=int, default=192)
     parser.add_argument("--threads", type=int, default=2)

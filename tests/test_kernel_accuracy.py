@@ -1,14 +1,15 @@
 """The accuracy gate: every CPU kernel this machine's dispatch table runs, for every weight format, against the
 plain-torch reference path of the same weights, on the real default model and the real Gemma 3 270M, teacher-
 forced on English text (bench/kernel_accuracy.py: the schedule feeds hundreds, tens, a few and one row per step,
-so each row-count regime of the dispatch table runs). Bounds: bench.kernel_accuracy.MIN_TOP1 and MAX_KL_MEAN.
+so each row-count regime of the dispatch table runs). Bounds: bench.kernel_accuracy.MIN_TOP1, and MAX_KL_MEAN or,
+past it, within_bound's margin over the `floor` set (the products through the reference's own math).
 
 It also checks that `auto` resolves, on each model, to formats whose kernels pass."""
 from __future__ import annotations
 
 import pytest
 
-from bench.kernel_accuracy import FORMATS, MAX_KL_MEAN, MIN_TOP1, Schedule, gate, text_windows
+from bench.kernel_accuracy import FORMATS, MAX_KL_MEAN, MIN_TOP1, Schedule, gate, text_windows, within_bound
 from engine.kernels import cpu_ext
 from engine.model.gguf_loader import default_model_path
 from engine.model.loader import resolve_model
@@ -44,10 +45,15 @@ def kernel_sets(weight_dtype: str) -> list[str]:
 @pytest.mark.parametrize("weight_dtype", FORMATS)
 def test_shipped_kernels_match_the_reference_of_the_same_format(model_text, weight_dtype):
     source, windows = model_text
-    for kernels, scores in gate(source, weight_dtype, kernel_sets(weight_dtype), windows, SCHEDULE).items():
+    results = gate(source, weight_dtype, kernel_sets(weight_dtype), windows, SCHEDULE)
+    floor = None
+    if any(scores["kl_mean"] > MAX_KL_MEAN for scores in results.values()):
+        floor = gate(source, weight_dtype, ["floor"], windows, SCHEDULE)["floor"]["kl_mean"]
+        print(f"\n{source.path.name} {weight_dtype} [floor]: KL mean {floor:.5f}")
+    for kernels, scores in results.items():
         print(f"\n{source.path.name} {weight_dtype} [{kernels}] ({scores['weights']} layers, {scores['head']} head) on "
               f"{scores['kernels']}: top-1 {scores['top1']:.4f} ({scores['top1_ties']:.4f} counting bf16 ties), "
               f"KL mean {scores['kl_mean']:.5f}, p99 {scores['kl_p99']:.5f} over {scores['tokens']} positions")
         assert scores["tokens"] == (WINDOWS - 1) * SCHEDULE.decode_all + LENGTH - 1  # every position but the last
         assert scores["top1_ties"] >= MIN_TOP1, (kernels, scores)
-        assert scores["kl_mean"] <= MAX_KL_MEAN, (kernels, scores)
+        assert within_bound(scores["kl_mean"], floor), (kernels, scores, floor)

@@ -70,6 +70,7 @@ MODULE_TIERS: Mapping[str, Tier] = {
     "test_int4_gemm.py": E,  # the AVX-512 int4 GEMM against the weight-only kernel, in-process
     "test_json_grammar.py": E,
     "test_kernel_accuracy.py": P,  # slow: the real models
+    "test_kernel_accuracy_rules.py": E,  # the gate's rules; one test builds a kernel backend
     "test_kernel_build.py": E,  # build keys and errors; one test runs a failing compiler
     "test_kv_cache_quant.py": E,  # one test starts actors: marked process
     "test_kv_compress.py": E,
