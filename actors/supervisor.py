@@ -298,7 +298,7 @@ class Supervisor:
         """Why a start failed: the actor's own words when its process ended (it writes them on the way out),
         with how far it had come."""
         if handle.process is not None and not isinstance(exc, StartSilence) \
-                and await _exits_within(handle.process, EXIT_NOTICE_SECONDS):
+                and await _exits_within(handle.process, START_EXIT_SECONDS):
             reason = _read_start_error(handle.spec)
             return (f"pid {handle.pid} {describe_exit(handle.process.returncode)} while starting, at "
                     f"{handle.watch.where()}" + (f": {reason}" if reason else ""))
@@ -457,6 +457,10 @@ class Supervisor:
 
 
 EXIT_NOTICE_SECONDS = 0.5  # how long a lost actor gets to be reaped before it is killed (for its exit status)
+# How long an actor whose start failed gets to write its reason and exit (its connection closes first, then the
+# interpreter with torch loaded winds down: over half a second on a loaded machine). Only a failed start waits;
+# an actor that never exits is killed after it.
+START_EXIT_SECONDS = 10.0
 SOCKET_DIR_KIND = "actors"  # the owned-name kind of the supervisors' socket directories (transport.owned)
 
 

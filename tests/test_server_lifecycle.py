@@ -142,7 +142,7 @@ def test_a_small_dev_shm_refuses_to_start_with_one_sentence(tiny_model_dir, tmp_
     refusal = [json.loads(line) for line in output.splitlines() if '"cannot start"' in line]
     assert len(refusal) == 1, output
     error = refusal[0]["error"]
-    assert "/dev/shm has 64 MiB free" in error and "needs 128 MiB" in error
+    assert "/dev/shm has 64 MiB free" in error and "needs 128 MiB" in error, output
     assert "--shm-size=" in error and "--ipc=host" in error
     assert _named_by(TMP, "actors", {proc.pid}) == []  # a failed start leaves no directory
 

@@ -12,6 +12,7 @@ import pytest
 from actors.spec import ActorSpec
 from actors.start_watch import LOG_EVERY_SECONDS, StartSilence, StartWatch, await_ready, until_joined
 from actors.supervisor import ActorState, Supervisor, SupervisorSettings
+from tests.silent_actor import REASON
 from transport import TransportError
 from transport import messages as m
 
@@ -154,5 +155,29 @@ async def test_the_supervisor_stops_a_silent_actor_process_and_names_its_stage(m
         assert handle.start_error == ("decode-0 sent nothing for 5s while starting; it was last at: loading weights "
                                       "3/10 tensors")
         assert handle.process.returncode == -signal.SIGKILL
+    finally:
+        await supervisor.stop()
+
+
+@pytest.mark.process
+async def test_a_failed_start_reports_the_actors_reason_written_after_its_connection_closed(monkeypatch):
+    """tests/silent_actor.py --fail-slowly closes its connection, then writes its reason and exits seconds later
+    (a loaded machine's interpreter wind-down): the supervisor waits for that exit and reports the reason."""
+    spawn = asyncio.create_subprocess_exec
+
+    async def failing_actor(program, *args, **kwargs):
+        args = [*["tests.silent_actor" if a == "actors.worker" else a for a in args], "--fail-slowly"]
+        return await spawn(program, *args, **kwargs)
+
+    monkeypatch.setattr(asyncio, "create_subprocess_exec", failing_actor)
+    settings = SupervisorSettings(start_silence=60.0, crash_loop_restarts=0)
+    supervisor = Supervisor([ActorSpec("decode-0", "decode")], lambda handle, msg: None, lambda handle: None,
+                            lambda handle: None, settings)
+    try:
+        await supervisor.start()
+        handle = supervisor.by_id("decode-0")
+        assert handle.state is not ActorState.READY
+        assert handle.start_error is not None and handle.start_error.endswith(f": {REASON}"), handle.start_error
+        assert "exited with status 1" in handle.start_error
     finally:
         await supervisor.stop()
