@@ -31,9 +31,12 @@ serve: install
 	$(PY) cli.py serve
 
 # Every tier (unit, engine, process: see tests/tiers.py): the in-process tiers on every core, then the process
-# tier alone (its tests start servers and actors that want the cores to themselves).
+# tier in PROCESS_WORKERS workers, a module to a worker (its module-scoped servers start once). Its tests mostly
+# wait on processes starting, so two workers overlap those waits even on two cores; each worker has its own
+# temporary directory and judges only its own leftovers (tests/leaks.py). PROCESS_WORKERS=0: one process.
+PROCESS_WORKERS ?= 2
 test: test-fast
-	$(PY) -m pytest -q -m process
+	$(PY) -m pytest -q -m process $(if $(filter 0,$(PROCESS_WORKERS)),,-n $(PROCESS_WORKERS) --dist loadfile)
 
 # No subprocess, server, socket or real model: the edit-and-check loop, one pytest worker per core.
 test-fast: install

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from pathlib import Path
@@ -23,7 +24,9 @@ def worker_thread_share() -> int | None:
 
 
 def pytest_configure(config):
-    """Each xdist worker takes its share of the cores, so that the workers do not oversubscribe the machine."""
+    """Each xdist worker takes its share of the cores, so that the workers do not oversubscribe the machine, and a
+    temporary directory of its own (tests/leaks.py), before any test module is collected."""
+    leaks.use_worker_tmpdir(os.environ.get("PYTEST_XDIST_WORKER"))
     share = worker_thread_share()
     if share:
         torch.set_num_threads(share)
@@ -90,9 +93,12 @@ def nothing_left_behind(request):
         yield
         return
     before = leaks.entries()
-    yield
-    if not wait_until(lambda: not leaks.left_since(before), 10):
-        left = sorted(map(str, leaks.left_since(before)))
+    descendants = leaks.Descendants() if os.environ.get("PYTEST_XDIST_WORKER") else None
+    with descendants or contextlib.nullcontext():
+        yield
+    ours = descendants.ours if descendants else lambda path: True
+    if not wait_until(lambda: not leaks.left_since(before, ours), 10):
+        left = sorted(map(str, leaks.left_since(before, ours)))
         for path in left:
             shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.unlink(path)
         pytest.fail(f"{request.path.name} left {left} behind", pytrace=False)

@@ -80,6 +80,7 @@ MODULE_TIERS: Mapping[str, Tier] = {
     "test_kv_tiers_actors.py": P,  # decode actors sharing a host tier; a server restarted on its disk tier
     "test_kv_quant.py": U,  # the import and CUDA-simulator checks run in subprocesses: marked process
     "test_layers.py": U,
+    "test_leaks.py": U,  # the child-watching test is marked process
     "test_lm_head.py": E,
     "test_logs.py": P,  # the logging, calibration and kernel-key units are marked unit
     "test_metrics.py": P,  # the ServerMetrics and PromQL tests are marked unit
