@@ -90,8 +90,7 @@ class Descendants:
         todo = [os.getpid()]
         while todo:
             for child in children.get(todo.pop(), ()):
-                if child not in self.seen:
-                    self.seen.add(child)
+                self.seen.add(child)
                 todo.append(child)
 
     def ours(self, path: Path) -> bool:
