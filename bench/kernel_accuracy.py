@@ -119,6 +119,7 @@ def forced_backend(kernels: str) -> CpuKernelBackend:
             lambda rows: "int4_gemm" if rows <= cap else "linear", (cap,)))
     elif kernels == "floor":
         table = dataclasses.replace(backend.dispatch, **{fmt: Route.only("linear") for fmt in DISPATCH_FORMATS})
+        return MemoisedFloor(dataclasses.replace(backend.config, dispatch=table))
     else:
         table = dataclasses.replace(backend.dispatch, int8=Route.only("w8a8"), int4=Route.only("w4a8"))
     return CpuKernelBackend(dataclasses.replace(backend.config, dispatch=table))
@@ -162,6 +163,28 @@ class MemoisedReference(TorchBackend):
     def lm_head(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
         rows = weight_ops.weight_rows_fp32(w.data, w.scale, x.shape[-1])
         return weight_ops.linear_fp32(x, w.data, w.scale, self.kept(w.data, x.float(), rows))
+
+
+class MemoisedFloor(CpuKernelBackend):
+    """The `floor` set: this CPU's kernels with every quantised product on the "linear" route, whose F.linear on
+    the weight dequantised by the kernels' dequantisers has the reference's bits; so the products run the memoised
+    reference's (dequantising every weight at every step made the floor the slowest set of the gate)."""
+
+    def __init__(self, config: CpuKernelConfig) -> None:
+        super().__init__(config)
+        self.reference = MemoisedReference()
+
+    def linear_int8(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
+        return self.reference.linear_int8(x, w)
+
+    def linear_int4(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
+        return self.reference.linear_int4(x, w)
+
+    def linear_int8g(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
+        return self.reference.linear_int8g(x, w)
+
+    def lm_head(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
+        return super().lm_head(x, w) if w.scale is None else self.reference.lm_head(x, w)
 
 
 def load(source: ModelSource, weight_dtype: str) -> LlamaModel:
@@ -231,19 +254,29 @@ def compare(reference: list[torch.Tensor], model: LlamaModel, backend: Backend, 
     return scores.summary() | {"top1_ties": ties / scores.count}
 
 
+class Gate:
+    """One weight format of one model, loaded once, and its reference's logits: every kernel set asked of it runs
+    the same weights, one backend after another, and is scored against the same logits."""
+
+    def __init__(self, source: ModelSource, weight_dtype: str, windows: list[list[int]],
+                 schedule: Schedule = Schedule()) -> None:
+        self.model = load(source, weight_dtype)
+        self.windows, self.schedule = windows, schedule
+        self.reference = reference_logits(self.model, windows, schedule)
+
+    def score(self, kernels: str) -> dict:
+        """The scores of one kernel set, with the kernels that ran and what the format resolved to."""
+        backend = forced_backend(kernels)
+        return compare(self.reference, self.model, backend, self.windows, self.schedule) | {
+            "kernels": backend.kernels(), "weights": self.model.weight_dtype,
+            "head": "quantised" if self.model.lm_scale() is not None else "bf16"}
+
+
 def gate(source: ModelSource, weight_dtype: str, kernel_sets: list[str], windows: list[list[int]],
          schedule: Schedule = Schedule()) -> dict[str, dict]:
-    """Per kernel set: the scores of one format, with the kernels that ran and what the format resolved to. The
-    model loads once: the reference and every kernel set run the same weights, one backend after another."""
-    model = load(source, weight_dtype)
-    reference = reference_logits(model, windows, schedule)
-    results = {}
-    for kernels in kernel_sets:
-        backend = forced_backend(kernels)
-        results[kernels] = compare(reference, model, backend, windows, schedule) | {
-            "kernels": backend.kernels(), "weights": model.weight_dtype,
-            "head": "quantised" if model.lm_scale() is not None else "bf16"}
-    return results
+    """Per kernel set: the scores of one format (Gate.score)."""
+    one_format = Gate(source, weight_dtype, windows, schedule)
+    return {kernels: one_format.score(kernels) for kernels in kernel_sets}
 
 
 def text_windows(source: ModelSource, windows: int, length: int) -> list[list[int]]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.kernel_accuracy import FORMATS, MAX_KL_MEAN, MIN_TOP1, Schedule, gate, text_windows, within_bound
+from bench.kernel_accuracy import FORMATS, MAX_KL_MEAN, MIN_TOP1, Gate, Schedule, text_windows, within_bound
 from engine.kernels import cpu_ext
 from engine.model.gguf_loader import default_model_path
 from engine.model.loader import resolve_model
@@ -45,10 +45,11 @@ def kernel_sets(weight_dtype: str) -> list[str]:
 @pytest.mark.parametrize("weight_dtype", FORMATS)
 def test_shipped_kernels_match_the_reference_of_the_same_format(model_text, weight_dtype):
     source, windows = model_text
-    results = gate(source, weight_dtype, kernel_sets(weight_dtype), windows, SCHEDULE)
+    one_format = Gate(source, weight_dtype, windows, SCHEDULE)
+    results = {kernels: one_format.score(kernels) for kernels in kernel_sets(weight_dtype)}
     floor = None
     if any(scores["kl_mean"] > MAX_KL_MEAN for scores in results.values()):
-        floor = gate(source, weight_dtype, ["floor"], windows, SCHEDULE)["floor"]["kl_mean"]
+        floor = one_format.score("floor")["kl_mean"]
         print(f"\n{source.path.name} {weight_dtype} [floor]: KL mean {floor:.5f}")
     for kernels, scores in results.items():
         print(f"\n{source.path.name} {weight_dtype} [{kernels}] ({scores['weights']} layers, {scores['head']} head) on "

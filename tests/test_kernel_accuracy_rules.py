@@ -1,9 +1,18 @@
 """The accuracy gate's rules (bench/kernel_accuracy.py), without a model: the KL bound and its floor, and the
-`floor` kernel set's table."""
+`floor` kernel set's table and its memoised products."""
 from __future__ import annotations
 
-from bench.kernel_accuracy import FLOOR_CAP, FLOOR_MARGIN, MAX_KL_MEAN, forced_backend, within_bound
+import gguf
+import pytest
+import torch
+
+from bench.kernel_accuracy import FLOOR_CAP, FLOOR_MARGIN, MAX_KL_MEAN, MemoisedFloor, forced_backend, within_bound
+from engine.backends.cpu_kernels import CpuKernelBackend
 from engine.backends.dispatch import FORMATS
+from engine.backends.weight_ops import Weight
+from engine.model import quant
+from tests.test_gguf_exact import file_blocks, int8g_weight
+from tests.test_weight_int4 import int4_weight
 
 
 def test_under_the_bound_passes_without_a_floor():
@@ -23,3 +32,31 @@ def test_the_floor_set_gives_every_product_of_every_row_count_to_f_linear():
     table = forced_backend("floor").dispatch
     for fmt in FORMATS:
         assert table.route(fmt).kernels == ("linear",), fmt
+
+
+def floor_weights() -> dict[str, Weight]:
+    """An int8, an int4 and an int8g weight [200, 512], made as the loaders make them."""
+    weight = (torch.randn(200, 512, generator=torch.Generator().manual_seed(3)) * 0.05).to(torch.bfloat16)
+    codes, scale = quant.quantize_rows(weight)
+    packed, scales = int4_weight(weight.float())
+    g_codes, g_scales = int8g_weight(file_blocks(gguf.GGMLQuantizationType.Q6_K, rows=200), gguf.GGMLQuantizationType.Q6_K)
+    return {"int8": Weight(codes, scale=scale), "int4": Weight(packed, scale=scales),
+            "int8g": Weight(g_codes, scale=g_scales)}
+
+
+@pytest.mark.parametrize("rows", [1, 4, 70])
+def test_the_memoised_floor_computes_the_floor_tables_products_to_the_bit(rows):
+    """The floor set memoises its dequantised weights (MemoisedFloor): the same bits as the floor's table run by
+    the kernel backend itself, which dequantises at every call; twice, so the kept chunks are read too."""
+    floor = forced_backend("floor")
+    plain = CpuKernelBackend(floor.config)
+    assert isinstance(floor, MemoisedFloor) and plain.dispatch == floor.dispatch
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+    for fmt, w in floor_weights().items():
+        product = getattr(plain, f"linear_{fmt}")(x, w)
+        head = plain.lm_head(x, w) if fmt != "int8g" else None
+        for _ in range(2):
+            assert torch.equal(getattr(floor, f"linear_{fmt}")(x, w), product), fmt
+            if head is not None:
+                assert torch.equal(floor.lm_head(x, w), head), fmt
+    assert floor.reference.chunks
