@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
@@ -119,6 +120,28 @@ def test_a_second_load_maps_what_the_first_converted(model_dir, tmp_path, monkey
     assert conversions.count == 1 and len(_entries(tmp_path)) == 1
     assert torch.equal(_logits(first), _logits(second))
     assert all(p.device.type == "cpu" for p in second.parameters())
+
+
+@pytest.mark.parametrize("cycle", [False, True])
+def test_the_converted_copy_is_freed_and_collected_only_when_a_cycle_holds_it(model_dir, tmp_path, monkeypatch,
+                                                                              cycle):
+    """Once the cache entry is written, the start maps it and drops the converted model: by reference counting,
+    without a full collection (0.2 s in a process with a large heap), unless a reference cycle holds it."""
+    converted, collections = [], []
+    real_load, real_collect = prepared_state.load_model, prepared_state.gc.collect
+
+    def load(*args, **kwargs):
+        model = real_load(*args, **kwargs)
+        if cycle:
+            model.__dict__["itself"] = model
+        converted.append(weakref.ref(model))
+        return model
+
+    monkeypatch.setattr(prepared_state, "load_model", load)
+    monkeypatch.setattr(prepared_state.gc, "collect", lambda *a: collections.append(a) or real_collect(*a))
+    _load(model_dir, tmp_path)
+    assert len(converted) == 1 and converted[0]() is None
+    assert len(collections) == (1 if cycle else 0)
 
 
 @pytest.mark.parametrize("weight_dtype", ["int8", "int4"])

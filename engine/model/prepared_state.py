@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
+import weakref
 from functools import partial
 from pathlib import Path
 from typing import Callable, Mapping
@@ -117,8 +118,10 @@ def _convert(entry: weight_cache.Entry | None, source: ModelSource, dtype: torch
     mapped = _restored(entry, source, choice, backend, None)
     if mapped is None:
         return model
+    converted = weakref.ref(model)
     del model
-    gc.collect()
+    if converted() is not None:  # held by a reference cycle: collect it now (a full collection costs 0.2 s in a
+        gc.collect()             # process with a large heap, so only then)
     release_freed_memory()
     return mapped
 
