@@ -39,7 +39,8 @@ def floor_weights() -> dict[str, Weight]:
     weight = (torch.randn(200, 512, generator=torch.Generator().manual_seed(3)) * 0.05).to(torch.bfloat16)
     codes, scale = quant.quantize_rows(weight)
     packed, scales = int4_weight(weight.float())
-    g_codes, g_scales = int8g_weight(file_blocks(gguf.GGMLQuantizationType.Q6_K, rows=200), gguf.GGMLQuantizationType.Q6_K)
+    q6_k = gguf.GGMLQuantizationType.Q6_K
+    g_codes, g_scales = int8g_weight(file_blocks(q6_k, rows=200), q6_k)
     return {"int8": Weight(codes, scale=scale), "int4": Weight(packed, scale=scales),
             "int8g": Weight(g_codes, scale=g_scales)}
 
