@@ -38,6 +38,12 @@ PROCESS_WORKERS ?= 2
 test: test-fast
 	$(PY) -m pytest -q -m process $(if $(filter 0,$(PROCESS_WORKERS)),,-n $(PROCESS_WORKERS) --dist loadfile)
 
+# The tests keep their bytecode (in the tree's gitignored __pycache__ folders) even where the environment turns
+# bytecode writing off (an empty PYTHONDONTWRITEBYTECODE is off): pytest then rewrites each test module's assertions once, not in every worker of every tier
+# (collection 12.5 s -> 4.4 s a worker), and each of the hundreds of servers and actors the process tier starts
+# reads the project's modules compiled (about 0.3 s less a start).
+test test-fast: export PYTHONDONTWRITEBYTECODE :=
+
 # No subprocess, server, socket or real model: the edit-and-check loop, one pytest worker per core.
 test-fast: install
 	$(PY) -m pytest -q -n auto -m "unit or engine"
