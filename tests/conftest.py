@@ -3,12 +3,10 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
 
-from engine.backends.dispatch_store import KIND as DISPATCH_KIND
 from engine.disk_cache import ROOT_ENV
 from tests import leaks
 from tests.server_utils import wait_until
@@ -62,24 +60,13 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session", autouse=True)
 def session_cache_root(tmp_path_factory):
     """What engines cache on disk (engine/disk_cache.py) goes under the test run's own directory, never the user's
-    ~/.cache: PHASE_SERVE_CACHE_DIR sets the default root, and every process the tests start inherits it."""
+    ~/.cache: PHASE_SERVE_CACHE_DIR sets the default root, and every process the tests start inherits it. One root
+    for the whole run, as on a machine: a model's kernel dispatch table, converted weights and calibration are
+    measured once and reused by every later start, so the modules neither pay them again nor run different
+    kernels for the same model. A test that watches a first measurement gives its own directory or
+    `--recalibrate`."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(ROOT_ENV, str(tmp_path_factory.mktemp("cache-session")))
-        yield
-
-
-@pytest.fixture(scope="module", autouse=True)
-def module_cache_root(session_cache_root, tmp_path_factory, request):
-    """A fresh cache root per test module (set before the module's own fixtures start servers), so that the first
-    actor a module starts calibrates whatever other modules ran before it. The kernel dispatch tables are the
-    exception: one per model shape for the whole run, as on a machine, so that the modules neither pay the
-    measurement again nor run different kernels for the same model."""
-    root = tmp_path_factory.mktemp(f"cache-{request.path.stem}")
-    shared = Path(os.environ[ROOT_ENV]) / DISPATCH_KIND
-    shared.mkdir(exist_ok=True)
-    (root / DISPATCH_KIND).symlink_to(shared, target_is_directory=True)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(ROOT_ENV, str(root))
         yield
 
 
