@@ -5,6 +5,7 @@ SentencePiece tokenizer, 5 windowed layers to each global one, window 512), ship
 weights of the same file."""
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
@@ -46,8 +47,12 @@ def test_a_prompt_is_longer_than_the_window(ours):
     assert max(len(i) for i in ids) > WINDOW
 
 
-def test_32_greedy_tokens_equal_transformers_gguf(gguf_path, ours):
+def test_32_greedy_tokens_equal_transformers_gguf(gguf_path, ours, monkeypatch):
     transformers = pytest.importorskip("transformers")
+    # transformers reads the file twice, for the config and for the tensors, and each read parses the 262k-token
+    # vocabulary (about 10 s): both get the same reader of the same file
+    gguf = pytest.importorskip("gguf")
+    monkeypatch.setattr(gguf, "GGUFReader", functools.lru_cache(maxsize=None)(gguf.GGUFReader))
     hf = transformers.AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
                                                            dtype=torch.float32).eval()
     _, ids, tokens = ours
