@@ -33,18 +33,18 @@ kernels: $(STAMP)
 serve: install
 	$(PY) cli.py serve
 
-# Every tier (unit, engine, process: see tests/tiers.py): the in-process tiers on every core, then the process
-# tier in PROCESS_WORKERS workers, a module to a worker (its module-scoped servers start once). Its tests mostly
-# wait on processes starting, so two workers overlap those waits even on two cores; each worker has its own
-# temporary directory and judges only its own leftovers (tests/leaks.py). PROCESS_WORKERS=0: one process.
-PROCESS_WORKERS ?= 2
-test: test-fast
-	$(PY) -m pytest -q -m process $(if $(filter 0,$(PROCESS_WORKERS)),,-n $(PROCESS_WORKERS) --dist loadfile)
+# Every tier (unit, engine, process: see tests/tiers.py) in one run of WORKERS workers, a module to a worker (its
+# module-scoped servers start once), the modules that start processes first (tests/conftest.py orders them). Those
+# mostly wait on processes starting, so the in-process tests fill the cores meanwhile and even out the end. Each
+# worker has its own temporary directory and judges only its own leftovers (tests/leaks.py). WORKERS=0: one process.
+WORKERS ?= 2
+test: install
+	$(PY) -m pytest -q $(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist loadfile --no-loadscope-reorder)
 
 # The tests keep their bytecode (in the tree's gitignored __pycache__ folders) even where the environment turns
-# bytecode writing off (an empty PYTHONDONTWRITEBYTECODE is off): pytest then rewrites each test module's assertions once, not in every worker of every tier
-# (collection 12.5 s -> 4.4 s a worker), and each of the hundreds of servers and actors the process tier starts
-# reads the project's modules compiled (about 0.3 s less a start).
+# bytecode writing off (an empty PYTHONDONTWRITEBYTECODE is off): pytest then rewrites each test module's assertions
+# once, not in every worker of every run (collection 12.5 s -> 4.4 s a worker), and each of the hundreds of servers
+# and actors the process tier starts reads the project's modules compiled (about 0.3 s less a start).
 test test-fast: export PYTHONDONTWRITEBYTECODE :=
 
 # No subprocess, server, socket or real model: the edit-and-check loop, one pytest worker per core.

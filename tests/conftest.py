@@ -10,7 +10,7 @@ import torch
 from engine.disk_cache import ROOT_ENV
 from tests import leaks
 from tests.server_utils import wait_until
-from tests.tiers import TierError, tier_of
+from tests.tiers import Tier, TierError, tier_of
 from tests.tiny_models import tiny_llama_config, write_tiny_model
 
 
@@ -44,8 +44,11 @@ def worker_threads():
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by the markers given here
 def pytest_collection_modifyitems(config, items):
-    """Give every test its tier marker (tests/tiers.py); a test without exactly one tier stops the run."""
-    problems = []
+    """Give every test its tier marker (tests/tiers.py); a test without exactly one tier stops the run. Then put
+    the modules that start processes first, each module's tests kept together: `make test` hands whole modules to
+    its workers in this order (`--dist loadfile --no-loadscope-reorder`), so the long modules start early and the
+    many short in-process ones even out the workers' ends."""
+    problems, tiers = [], {}
     for item in items:
         try:
             tier = tier_of(item.path.name, (m.name for m in item.iter_markers()))
@@ -53,8 +56,10 @@ def pytest_collection_modifyitems(config, items):
             problems.append(f"{item.nodeid}: {exc}")
             continue
         item.add_marker(getattr(pytest.mark, tier.value))
+        tiers.setdefault(item.path, set()).add(tier)
     if problems:
         raise pytest.UsageError("\n".join(["tests without exactly one tier:"] + problems))
+    items.sort(key=lambda item: Tier.PROCESS not in tiers[item.path])  # a stable sort: False (processes) first
 
 
 @pytest.fixture(scope="session", autouse=True)
