@@ -26,9 +26,14 @@ install: $(STAMP) kernels
 
 # The C++ CPU kernels: compiled once per key (this CPU's ISA features + the sources' digest, about a minute), then
 # loaded from torch's extension cache. A machine without a compiler still installs, but serving a bf16 model then
-# fails at start-up with the build error unless --enforce-eager is given (plain torch ops).
-kernels: $(STAMP)
-	-$(PY) -m engine.kernels.build
+# fails at start-up with the build error unless --enforce-eager is given (plain torch ops). The stamp skips the
+# check (a torch import, 1.7 s) until a kernel source or the install changes; an engine whose key has no build
+# (another CPU, a cleared cache) still builds it at its first load.
+KERNEL_STAMP := $(VENV)/.kernels-built
+$(KERNEL_STAMP): $(STAMP) $(wildcard engine/kernels/*.cpp engine/kernels/*.h) engine/kernels/extension_build.py
+	-$(PY) -m engine.kernels.build && touch $@
+
+kernels: $(KERNEL_STAMP)
 
 serve: install
 	$(PY) cli.py serve
@@ -38,7 +43,13 @@ serve: install
 # mostly wait on processes starting, so the in-process tests fill the cores meanwhile and even out the end. Each
 # worker has its own temporary directory and judges only its own leftovers (tests/leaks.py). WORKERS=0: one process.
 WORKERS ?= 2
+# The project's bytecode, compiled on every core before the workers start: otherwise each worker compiles every
+# module it imports for itself in a fresh checkout (a few seconds apiece); in a warm one this only reads mtimes.
+# The test modules themselves are compiled by pytest's assertion rewriting, not here.
+COMPILE_SOURCES = $(PY) -m compileall -qq -j 0 -x '(^|/)tests/(test_|conftest)' cli.py $(dir $(wildcard */__init__.py))
+
 test: install
+	$(COMPILE_SOURCES)
 	$(PY) -m pytest -q $(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist loadfile --no-loadscope-reorder)
 
 # The tests keep their bytecode (in the tree's gitignored __pycache__ folders) even where the environment turns
@@ -49,6 +60,7 @@ test test-fast: export PYTHONDONTWRITEBYTECODE :=
 
 # No subprocess, server, socket or real model: the edit-and-check loop, one pytest worker per core.
 test-fast: install
+	$(COMPILE_SOURCES)
 	$(PY) -m pytest -q -n auto -m "unit or engine"
 
 bench: install
