@@ -26,11 +26,12 @@ install: $(STAMP) kernels
 
 # The C++ CPU kernels: compiled once per key (this CPU's ISA features + the sources' digest, about a minute), then
 # loaded from torch's extension cache. A machine without a compiler still installs, but serving a bf16 model then
-# fails at start-up with the build error unless --enforce-eager is given (plain torch ops). The stamp skips the
-# check (a torch import, 1.7 s) until a kernel source or the install changes; an engine whose key has no build
-# (another CPU, a cleared cache) still builds it at its first load.
+# fails at start-up with the build error unless --enforce-eager is given (plain torch ops). The numba KV page
+# quantisers compile into numba's cache beside their source (each process compiled them for itself otherwise, about
+# 9 s). The stamp skips the check (a torch import, 1.7 s) until a kernel source or the install changes; an engine
+# whose key has no build (another CPU, a cleared cache) still builds it at its first load.
 KERNEL_STAMP := $(VENV)/.kernels-built
-$(KERNEL_STAMP): $(STAMP) $(wildcard engine/kernels/*.cpp engine/kernels/*.h) engine/kernels/extension_build.py
+$(KERNEL_STAMP): $(STAMP) $(wildcard engine/kernels/*.cpp engine/kernels/*.h engine/kernels/*.py)
 	-$(PY) -m engine.kernels.build && touch $@
 
 kernels: $(KERNEL_STAMP)

@@ -127,3 +127,19 @@ def test_every_kernel_path_this_cpu_has_features_for_was_built():
         "tiles engine (AMX)": "tiles" in cpu_ext.matrix_engines(),
     }
     assert built == expected, f"this CPU has {sorted(has)}"
+
+
+def test_the_ahead_of_time_build_compiles_the_page_quantisers_for_bf16_and_fp32_pages(monkeypatch):
+    """`make kernels` compiles numba's page quantisers for both page dtypes (raw bits int16 for bf16, int32 for fp32),
+    so that no later process compiles them at its first quantised page. Fresh dispatchers: this process's shared
+    ones may have been called by other tests."""
+    from engine.kernels import kv_quant
+    from engine.kernels.targets import build_cpu_kernels
+
+    kernels = build_cpu_kernels()
+    monkeypatch.setattr(kv_quant, "cpu_kernels", lambda: kernels)
+    kv_quant.compile_cpu_kernels()
+    for driver in (kernels.fp8_quantize_pages, kernels.fp8_dequantize_pages, kernels.fp4_quantize_pages,
+                   kernels.fp4_dequantize_pages):
+        signatures = " ".join(map(str, driver.signatures))
+        assert "int16" in signatures and "int32" in signatures, (driver, signatures)

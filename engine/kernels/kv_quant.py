@@ -189,3 +189,12 @@ def dequantize_fp4(packed: torch.Tensor, block_scales: torch.Tensor, page_scales
             cpu_kernels().fp4_dequantize_pages(packed.numpy(), block_scales.numpy(), page_scales.numpy(),
                                                out_shift, raw.numpy())
     return result
+
+
+def compile_cpu_kernels() -> None:
+    """Compiles the CPU page quantisers for bf16 and fp32 pages, or loads them from numba's cache on disk (beside
+    kv_quant_src.py), where the compile leaves them for every later process."""
+    for dtype in (torch.bfloat16, torch.float32):
+        pages = torch.zeros(1, 1, 1, FP4_GROUP, dtype=dtype)
+        dequantize_fp8(*quantize_fp8(pages), dtype)
+        dequantize_fp4(*quantize_fp4(pages), dtype)
