@@ -10,7 +10,7 @@ import torch
 from engine.disk_cache import ROOT_ENV
 from tests import leaks
 from tests.server_utils import wait_until
-from tests.tiers import Tier, TierError, tier_of
+from tests.tiers import Tier, TierError, module_tiers, tier_of, tier_selector
 from tests.tiny_models import tiny_llama_config, write_tiny_model
 
 
@@ -40,6 +40,16 @@ def worker_threads():
     if share and torch.get_num_threads() != share:
         torch.set_num_threads(share)
     yield
+
+
+def pytest_ignore_collect(collection_path, config):
+    """Under a `-m` of tiers alone (`make test-fast`), a module none of whose tests it selects is not imported: the
+    process tier's modules bring the official clients and servers' imports, seconds a worker for nothing."""
+    selects = tier_selector(config.option.markexpr or "")
+    if selects is None or not collection_path.name.startswith("test_") or collection_path.suffix != ".py":
+        return None
+    tiers = module_tiers(collection_path.name, collection_path.read_text())
+    return True if tiers is not None and not any(map(selects, tiers)) else None
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by the markers given here

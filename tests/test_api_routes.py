@@ -3,7 +3,6 @@ client: one model's card, /tokenize and /detokenize, prompt lists on /v1/complet
 prefix cache, 404 for an unknown model, and /v1/embeddings on the tiny model."""
 from __future__ import annotations
 
-import openai
 import pytest
 from tokenizers import Tokenizer as HfTokenizer
 
@@ -43,6 +42,8 @@ def test_a_model_card_is_openais_model_object(client, server):
 
 
 def test_another_model_id_is_404_model_not_found(client):
+    import openai
+
     with pytest.raises(openai.NotFoundError) as err:
         client.models.retrieve("gpt-4")
     body = err.value.body
@@ -51,6 +52,8 @@ def test_another_model_id_is_404_model_not_found(client):
 
 @pytest.mark.parametrize("route", ["completions", "chat"])
 def test_an_unknown_model_is_404_model_not_found_on_generation(client, route):
+    import openai
+
     with pytest.raises(openai.NotFoundError) as err:
         if route == "completions":
             client.completions.create(model="gpt-4", prompt="Hi", max_tokens=2)

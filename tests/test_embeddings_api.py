@@ -10,7 +10,6 @@ import json
 import random
 import struct
 
-import openai
 import pytest
 import torch
 
@@ -130,6 +129,8 @@ def test_bad_embedding_bodies_are_4xx_naming_the_field(server, body, param, stat
 
 @pytest.mark.slow
 def test_what_the_route_accepts_beside_the_input(server, client):
+    import openai
+
     out = client.embeddings.create(model=MODEL, input="x", dimensions=HIDDEN, user="someone", encoding_format="float")
     assert len(out.data[0].embedding) == HIDDEN
     raw = server.post("/v1/embeddings", b"{not json")

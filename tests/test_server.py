@@ -12,8 +12,6 @@ import sys
 import time
 
 import aiohttp
-import anthropic
-import openai
 import pytest
 from aiohttp.test_utils import TestServer
 from prometheus_client.parser import text_string_to_metric_families
@@ -52,6 +50,8 @@ def served():
 
 @pytest.fixture(scope="module")
 def client(server):
+    import openai
+
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
@@ -341,6 +341,8 @@ def keyed_server(tiny_model_dir, tmp_path_factory):
 
 
 def test_api_key(keyed_server):
+    import openai
+
     body = {"prompt": "Hello", "max_tokens": 2}
     missing = keyed_server.post("/v1/completions", body)
     wrong = keyed_server.post("/v1/completions", body, headers={"Authorization": "Bearer nope"})
@@ -352,6 +354,8 @@ def test_api_key(keyed_server):
 
 
 def test_the_key_is_accepted_as_x_api_key_and_refused_in_anthropics_shape_on_messages(keyed_server):
+    import anthropic
+
     model = keyed_server.get("/v1/models", headers={"x-api-key": KEY}).json()["data"][0]["id"]
     client = anthropic.Anthropic(base_url=keyed_server.url, api_key=KEY, max_retries=0, timeout=60)
     reply = client.messages.create(model=model, max_tokens=2, messages=HI)

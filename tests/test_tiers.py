@@ -3,9 +3,13 @@ from __future__ import annotations
 
 import pytest
 
-from tests.tiers import MODULE_TIERS, Tier, TierError, tier_of
+from pathlib import Path
+
+from tests.tiers import MODULE_TIERS, Tier, TierError, module_tiers, tier_of, tier_selector
 
 TABLE = {"test_a.py": Tier.UNIT, "test_b.py": Tier.ENGINE}
+U, E, P = Tier.UNIT, Tier.ENGINE, Tier.PROCESS
+TESTS = Path(__file__).parent
 
 
 def test_a_test_takes_its_modules_tier():
@@ -37,3 +41,31 @@ def test_every_collected_test_carries_exactly_one_tier(request):
     items = request.session.items
     offenders = [item.nodeid for item in items if len({m.name for m in item.iter_markers()} & tiers) != 1]
     assert items and not offenders, offenders
+
+
+def test_a_tier_expression_is_answered_per_tier_and_any_other_is_left_to_the_markers():
+    fast = tier_selector("unit or engine")
+    assert [fast(t) for t in (U, E, P)] == [True, True, False]
+    assert [tier_selector("not (process)")(t) for t in (U, E, P)] == [True, True, False]
+    assert [tier_selector("process")(t) for t in (U, E, P)] == [False, False, True]
+    for other in ("slow", "unit and not slow", "", "unit or __import__('os')", "unit;"):
+        assert tier_selector(other) is None, other
+
+
+def test_a_modules_tiers_are_its_own_and_each_tier_marker_its_source_names():
+    table = {"test_a.py": P, "test_b.py": U}
+    assert module_tiers("test_a.py", "def test_x(): pass", table) == {P}
+    assert module_tiers("test_a.py", "@pytest.mark.unit\ndef test_x(): pass", table) == {P, U}
+    assert module_tiers("test_b.py", "pytest.param(1, marks=pytest.mark.slow)", table) == {U, P}
+    assert module_tiers("test_c.py", "", table) is None  # not in the table: collected, and refused there
+
+
+def test_the_tiers_read_from_each_source_hold_every_tier_its_collected_tests_have(request):
+    """So a `-m` of tiers skips a module (conftest.py's pytest_ignore_collect) only when none of its tests is of a
+    selected tier."""
+    collected: dict[str, set[Tier]] = {}
+    for item in request.session.items:
+        collected.setdefault(item.path.name, set()).add(tier_of(item.path.name, (m.name for m in item.iter_markers())))
+    assert collected
+    for name, tiers in collected.items():
+        assert tiers <= module_tiers(name, (TESTS / name).read_text()), name

@@ -12,8 +12,9 @@ are merged; an entry for a module that does not exist has no effect.
 """
 from __future__ import annotations
 
+import re
 from enum import Enum
-from typing import Iterable, Mapping
+from typing import Callable, Iterable, Mapping
 
 
 class Tier(str, Enum):
@@ -168,3 +169,26 @@ def tier_of(module: str, markers: Iterable[str], table: Mapping[str, Tier] = MOD
     if module not in table:
         raise TierError(f"{module} has no tier: add it to MODULE_TIERS in tests/tiers.py")
     return table[module]
+
+
+_TIER_MARKER = re.compile(r"\bmark\.(\w+)\b")
+
+
+def tier_selector(markexpr: str) -> Callable[[Tier], bool] | None:
+    """What a `-m` expression made of tier names alone (`unit or engine`) says of a test of each tier; None for any
+    other expression (one naming `slow` or another marker), which only the collected tests can answer."""
+    names = set(re.findall(r"\w+", markexpr)) - {"and", "or", "not"}
+    if not re.fullmatch(r"[\w\s()]+", markexpr) or not names or not names <= {t.value for t in Tier}:
+        return None
+    code = compile(markexpr, "<-m>", "eval")
+    return lambda tier: bool(eval(code, {"__builtins__": {}}, {t.value: t is tier for t in Tier}))
+
+
+def module_tiers(module: str, source: str, table: Mapping[str, Tier] = MODULE_TIERS) -> set[Tier] | None:
+    """The tiers a test module's tests may have, read from its source without importing it: its own tier and each
+    tier marker (or marker implying one) the source names. None for a module MODULE_TIERS does not list."""
+    if module not in table:
+        return None
+    named = set(_TIER_MARKER.findall(source))
+    return ({table[module]} | {Tier(n) for n in named & {t.value for t in Tier}}
+            | {IMPLIES[n] for n in named & IMPLIES.keys()})
