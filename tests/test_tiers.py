@@ -48,7 +48,7 @@ def test_a_tier_expression_is_answered_per_tier_and_any_other_is_left_to_the_mar
     assert [fast(t) for t in (U, E, P)] == [True, True, False]
     assert [tier_selector("not (process)")(t) for t in (U, E, P)] == [True, True, False]
     assert [tier_selector("process")(t) for t in (U, E, P)] == [False, False, True]
-    for other in ("slow", "unit and not slow", "", "unit or __import__('os')", "unit;"):
+    for other in ("slow", "unit and not slow", "", "unit or __import__('os')", "unit;", "unit engine", "(unit"):
         assert tier_selector(other) is None, other
 
 
