@@ -1,14 +1,13 @@
 """The tier rules of tests/tiers.py, and that every collected test of this run got exactly one tier."""
 from __future__ import annotations
 
-import pytest
-
 from pathlib import Path
 
-from tests.tiers import MODULE_TIERS, Tier, TierError, module_tiers, tier_of, tier_selector
+import pytest
+
+from tests.tiers import MODULE_TIERS, E, P, Tier, TierError, U, module_tiers, tier_of, tier_selector
 
 TABLE = {"test_a.py": Tier.UNIT, "test_b.py": Tier.ENGINE}
-U, E, P = Tier.UNIT, Tier.ENGINE, Tier.PROCESS
 TESTS = Path(__file__).parent
 
 

@@ -152,6 +152,7 @@ MODULE_TIERS: Mapping[str, Tier] = {
     "test_workloads.py": U,
 }
 IMPLIES = {"slow": P}  # other markers that fix a test's tier
+TIER_NAMES = frozenset(t.value for t in Tier)
 
 
 class TierError(ValueError):
@@ -161,7 +162,7 @@ class TierError(ValueError):
 def tier_of(module: str, markers: Iterable[str], table: Mapping[str, Tier] = MODULE_TIERS) -> Tier:
     """The tier of one test, from its module's file name and the names of its own markers."""
     names = set(markers)
-    explicit = {Tier(n) for n in names & {t.value for t in Tier}} | {IMPLIES[n] for n in names & IMPLIES.keys()}
+    explicit = {Tier(n) for n in names & TIER_NAMES} | {IMPLIES[n] for n in names & IMPLIES.keys()}
     if len(explicit) > 1:
         raise TierError(f"two tiers: {sorted(t.value for t in explicit)}")
     if explicit:
@@ -178,7 +179,7 @@ def tier_selector(markexpr: str) -> Callable[[Tier], bool] | None:
     """What a `-m` expression made of tier names alone (`unit or engine`) says of a test of each tier; None for any
     other expression (one naming `slow` or another marker), which only the collected tests can answer."""
     names = set(re.findall(r"\w+", markexpr)) - {"and", "or", "not"}
-    if not re.fullmatch(r"[\w\s()]+", markexpr) or not names or not names <= {t.value for t in Tier}:
+    if not re.fullmatch(r"[\w\s()]+", markexpr) or not names or not names <= TIER_NAMES:
         return None
     try:
         code = compile(markexpr, "<-m>", "eval")
@@ -193,5 +194,5 @@ def module_tiers(module: str, source: str, table: Mapping[str, Tier] = MODULE_TI
     if module not in table:
         return None
     named = set(_TIER_MARKER.findall(source))
-    return ({table[module]} | {Tier(n) for n in named & {t.value for t in Tier}}
+    return ({table[module]} | {Tier(n) for n in named & TIER_NAMES}
             | {IMPLIES[n] for n in named & IMPLIES.keys()})
