@@ -69,10 +69,21 @@ class Comment:
         return max(line for start, line in self.starts if start <= offset)
 
 
+def _statements(tree: ast.AST):
+    """Every statement of the tree (and the module, handlers and match cases that hold statements), without the
+    expressions inside them: the only places a docstring's owner can stand."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        yield node
+        for field in ("body", "orelse", "finalbody", "handlers", "cases"):
+            stack.extend(getattr(node, field, ()))
+
+
 def _docstring_nodes(tree: ast.AST) -> list[ast.Constant]:
     owners = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
     found = []
-    for node in ast.walk(tree):
+    for node in _statements(tree):
         if isinstance(node, owners) and node.body and isinstance(node.body[0], ast.Expr):
             value = node.body[0].value
             if isinstance(value, ast.Constant) and isinstance(value.value, str):
