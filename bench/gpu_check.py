@@ -45,6 +45,7 @@ from typing import Any, Callable
 
 import torch
 
+from bench.prefill_rate import prefill_flops
 from bench.provenance import provenance
 
 GPU_TESTS = ("tests/test_cuda.py", "tests/test_triton_attention.py")
@@ -256,10 +257,7 @@ def prefill_point(engine, tokens: int, device: torch.device, matmul: dict | None
             engine.step()
 
     seconds = timed(run, device, repeats=2)
-    cfg = engine.source.config
-    matrix_params = sum(p.numel() for n, p in engine.runner.model.named_parameters() if n.endswith("proj.weight"))
-    attention = 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * tokens * tokens  # QK^T and PV, causal halves
-    flops = 2 * matrix_params * tokens + attention + 2 * cfg.hidden_size * cfg.vocab_size  # the last row's head
+    flops = prefill_flops(engine.source.config, tokens)
     point = {"tokens": tokens, "seconds": sig(seconds), "tflops": sig(flops / seconds / 1e12)}
     if matmul:
         point["fraction_of_gemm"] = sig(point["tflops"] / matmul["tflops"])

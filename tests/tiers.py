@@ -95,6 +95,7 @@ MODULE_TIERS: Mapping[str, Tier] = {
     "test_planner.py": U,  # the elastic planner on synthetic traffic and a fake clock
     "test_report.py": U,  # synthetic bench results through bench/report.py, plots drawn with Agg
     "test_request_fields.py": U,
+    "test_prefill_rate_bench.py": E,
     "test_prefill_shares.py": U,
     "test_prompt_attention.py": E,
     "test_prompt_pass.py": E,  # the wire round trip is marked unit
