@@ -39,11 +39,11 @@ def on_engine(request) -> str:
 
 class KernelCalls(list):
     """(kernel name, rows of its first operand) of every call into the extension while a test runs, and the
-    (rows, count) of each prompt-attention call."""
+    (query rows, count, context) of each prompt-attention call."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.prompt_counts: list[tuple[int, int]] = []
+        self.prompt_counts: list[tuple[int, int, int]] = []
 
     def names(self) -> list[str]:
         return [name for name, _ in self]
@@ -81,7 +81,7 @@ def _spy(calls: KernelCalls, name: str, func):
     def wrapped(*args):
         calls.append((name, args[0].shape[0]))
         if name == "prompt_attention_bf16":
-            calls.prompt_counts.append((args[0].shape[0], args[3]))
+            calls.prompt_counts.append((args[0].shape[0], args[3], args[6] if len(args) > 6 else 0))
         return func(*args)
     return wrapped
 

@@ -37,14 +37,25 @@ def fused_views(count: int, length: int, heads: int, kv_heads: int, head_dim: in
     return q.view(-1, heads, head_dim), k.view(-1, kv_heads, head_dim), v.view(-1, kv_heads, head_dim)
 
 
-def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: int, scale: float) -> torch.Tensor:
-    """Causal attention of each prompt to itself in float64."""
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: int, scale: float,
+              context: int = 0) -> torch.Tensor:
+    """Causal attention in float64 of each chunk of S queries to its `context` + S keys: query i sees keys up to
+    context + i."""
     rows, heads, head_dim = q.shape
     length, group = rows // count, heads // k.shape[1]
-    qh, kh, vh = (x.double().reshape(count, length, -1, head_dim).transpose(1, 2) for x in (q, k, v))
+    qh = q.double().reshape(count, length, -1, head_dim).transpose(1, 2)
+    kh, vh = (x.double().reshape(count, context + length, -1, head_dim).transpose(1, 2) for x in (k, v))
     kh, vh = kh.repeat_interleave(group, 1), vh.repeat_interleave(group, 1)
-    scores = (qh @ kh.transpose(-1, -2) * scale).masked_fill(torch.ones(length, length).triu(1).bool(), -torch.inf)
+    hidden = torch.ones(length, context + length).triu(context + 1).bool()
+    scores = (qh @ kh.transpose(-1, -2) * scale).masked_fill(hidden, -torch.inf)
     return (scores.softmax(-1) @ vh).transpose(1, 2).reshape(rows, heads, head_dim)
+
+
+def within_bf16_noise(out: torch.Tensor, exact: torch.Tensor, v: torch.Tensor) -> bool:
+    """Probabilities rounded to bf16 for the product with V (as torch's flash attention does), fp32 sums, one
+    rounding of the output: within about one bf16 ulp of the output plus one of the values' scale."""
+    bound = exact.abs() * 2 ** -7 + v.abs().max().double() * 2 ** -9
+    return bool(((out.double() - exact).abs() <= bound).all())
 
 
 @pytest.mark.parametrize("count,length", [(1, 1), (2, 5), (3, 17), (16, 128), (1, 300), (4, 33)])
@@ -56,11 +67,51 @@ def test_prompt_attention_matches_a_float64_reference(count, length, heads, kv_h
     assert CpuKernelBackend().takes_prompts(q, k, v, count)
     out = cpu_ext.prompt_attention(q, k, v, count, scale, engine)
     assert out.shape == q.shape and out.dtype == torch.bfloat16 and out.is_contiguous()
-    exact = reference(q, k, v, count, scale)
-    # Probabilities rounded to bf16 for the product with V (as torch's flash attention does), fp32 sums, one
-    # rounding of the output: within about one bf16 ulp of the output plus one of the values' scale.
-    bound = exact.abs() * 2 ** -7 + v.abs().max().double() * 2 ** -9
-    assert ((out.double() - exact).abs() <= bound).all()
+    assert within_bf16_noise(out, reference(q, k, v, count, scale), v)
+
+
+def chunk_after_context(context: int, length: int, heads: int, kv_heads: int, head_dim: int, seed: int = 0):
+    """q of the prompt's last `length` tokens and k, v of all its context + length tokens, as the paged path
+    passes them: the queries a strided view of the fused qkv, the keys and values whole rows gathered from pages."""
+    q, k, v = fused_views(1, context + length, heads, kv_heads, head_dim, seed)
+    return q[context:], k.contiguous(), v.contiguous()
+
+
+@pytest.mark.parametrize("context,length", [(1, 1), (5, 17), (31, 33), (32, 32), (100, 7), (300, 64), (7, 300),
+                                            (1000, 512)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (6, 1, 64), (4, 2, 128)],
+                         ids=["GQA-smollm2", "MQA", "GQA-128"])
+def test_a_chunk_after_its_context_matches_a_float64_reference(context, length, heads, kv_heads, head_dim, engine):
+    q, k, v = chunk_after_context(context, length, heads, kv_heads, head_dim, seed=context + length)
+    scale = head_dim ** -0.5
+    out = cpu_ext.prompt_attention(q, k, v, 1, scale, engine, context)
+    assert out.shape == q.shape and out.dtype == torch.bfloat16
+    assert within_bf16_noise(out, reference(q, k, v, 1, scale, context), v)
+
+
+@pytest.mark.parametrize("context", [1, 31, 32, 45, 160])
+def test_a_chunk_gives_the_bits_of_the_same_rows_of_the_whole_prompt(context, engine):
+    """Chunked prefill changes no bit: the rows of a chunk after its context equal those rows of the whole
+    prompt computed at once (each query's scores, softmax and value sums run over the same keys in one order)."""
+    length = 70
+    q, k, v = fused_views(1, context + length, 9, 3, 64, seed=context)
+    whole = cpu_ext.prompt_attention(q, k, v, 1, 0.125, engine)
+    chunk = cpu_ext.prompt_attention(q[context:], k.contiguous(), v.contiguous(), 1, 0.125, engine, context)
+    assert torch.equal(chunk, whole[context:])
+
+
+def test_a_chunk_sees_its_context_and_nothing_past_each_query(engine):
+    """A key of the context changes every query of the chunk; a key of the chunk changes only the queries at and
+    after it."""
+    context, length = 50, 40
+    q, k, v = chunk_after_context(context, length, 9, 3, 64, seed=9)
+    before = cpu_ext.prompt_attention(q, k, v, 1, 0.125, engine, context)
+    for key, first_changed in ((10, 0), (context + 25, 25)):
+        k2, v2 = k.clone(), v.clone()
+        k2[key], v2[key] = 5.0, -5.0
+        after = cpu_ext.prompt_attention(q, k2, v2, 1, 0.125, engine, context)
+        assert torch.equal(after[:first_changed], before[:first_changed])
+        assert (after[first_changed:] != before[first_changed:]).any(dim=(1, 2)).all()
 
 
 def test_a_query_sees_only_its_own_prompt_up_to_itself(engine):
@@ -136,8 +187,18 @@ def test_prompt_attention_takes_only_what_it_can_and_rejects_the_rest(engine):
     assert not backend.takes_prompts(q.float(), k.float(), v.float(), 3)
     long_q, long_k, long_v = fused_views(1, backend.config.max_prompt_attention_tokens + 1, 1, 1, 32)
     assert not backend.takes_prompts(long_q, long_k, long_v, 1)
-    with pytest.raises(RuntimeError, match="prompt length"):
+    with pytest.raises(RuntimeError, match="keys of a chunk"):
         cpu_ext.prompt_attention(long_q, long_k, long_v, 1, 0.1, engine)
+    context = backend.config.max_prompt_attention_tokens - 7
+    assert backend.extend_attention(long_q[:8], long_k[:context + 8], long_v[:context + 8], context, 0.1) is None
+    with pytest.raises(RuntimeError, match="keys of a chunk"):
+        cpu_ext.prompt_attention(long_q[:8], long_k[:context + 8], long_v[:context + 8], 1, 0.1, engine, context)
+    with pytest.raises(RuntimeError, match="k must be"):  # keys for a context of 4 where 5 are passed
+        cpu_ext.prompt_attention(q[:8], k[:12], v[:12], 1, 0.1, engine, 5)
+    short_q, short_k, short_v = chunk_after_context(20, 8, 4, 2, 64)
+    assert backend.extend_attention(short_q, short_k, short_v, 20, 0.1, window=16) is None
+    assert backend.extend_attention(short_q, short_k, short_v, 20, 0.1, softcap=30.0) is None
+    assert backend.extend_attention(short_q, short_k, short_v, 20, 0.1) is not None
 
 
 @pytest.fixture(scope="module")
@@ -149,8 +210,9 @@ def head_dim_32_dir(tmp_path_factory):
 
 def test_bf16_prefill_uses_the_kernel_and_stays_within_bf16_noise(head_dim_32_dir, kernel_calls):
     """A step with three fresh prompts of one length (one run), a longer fresh prompt and a chunk after cached
-    context: the kernel serves the two fresh runs (and the forward that cached the context), SDPA the chunk;
-    logits stay within bf16 noise of the model with the kernels off, on the same pages."""
+    context: the kernel serves the two fresh runs, the chunk after its context (its keys gathered from the pages),
+    and the forward that cached the context; logits stay within bf16 noise of the model with the kernels off, on
+    the same pages."""
     cfg = read_hf_config(head_dim_32_dir)
     block = 4
     same = [[(7 * i + j) % 500 + 3 for j in range(11)] for i in range(3)]
@@ -172,8 +234,9 @@ def test_bf16_prefill_uses_the_kernel_and_stays_within_bf16_noise(head_dim_32_di
             list(range(len(cached), len(cached) + len(chunk)))
         hidden = model(torch.tensor(ids), torch.tensor(positions), meta, kv.layers)
         logits[name] = model.compute_logits(hidden)
-    assert kernel_calls.prompt_counts == ([(len(cached), 1)] * cfg.num_layers
-                                          + [(33, 3), (len(longer), 1)] * cfg.num_layers)
+    assert kernel_calls.prompt_counts == ([(len(cached), 1, 0)] * cfg.num_layers
+                                          + [(33, 3, 0), (len(longer), 1, 0), (len(chunk), 1, len(cached))]
+                                          * cfg.num_layers)
     ref = logits["eager"]
     assert (logits["fast"] - ref).abs().max() <= 0.05 * ref.abs().max()
     assert (logits["fast"].argmax(-1) == ref.argmax(-1)).float().mean() >= 0.8

@@ -168,6 +168,10 @@ class AttentionKernels(Protocol):
     def fresh_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: int, scale: float,
                         window: int | None = None, softcap: float | None = None) -> torch.Tensor | None: ...
 
+    def extend_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, context: int,
+                         scale: float, window: int | None = None,
+                         softcap: float | None = None) -> torch.Tensor | None: ...
+
     def prefill_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: object,
                           v_cache: object, meta: AttentionMetadata, scale: float, out: torch.Tensor,
                           window: int | None = None, softcap: float | None = None) -> bool: ...
@@ -198,7 +202,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         if run[0].context_start == 0:
             out[rows] = _fresh(q[rows], k[rows], v[rows], len(run), scale, backend, window, softcap)
         else:
-            out[rows] = _prefill_attention(q[rows], k_cache, v_cache, run[0], scale, window, softcap)
+            out[rows] = _prefill_attention(q[rows], k_cache, v_cache, run[0], scale, backend, window, softcap)
     return out
 
 
@@ -303,13 +307,20 @@ def _decode_attention(q: torch.Tensor, k_cache: KVPages, v_cache: KVPages, meta:
     return out.reshape(num_rows, num_heads, head_dim)
 
 
-def _prefill_attention(q: torch.Tensor, k_cache: KVPages, v_cache: KVPages, seg: PrefillSegment,
-                       scale: float, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+def _prefill_attention(q: torch.Tensor, k_cache: KVPages, v_cache: KVPages, seg: PrefillSegment, scale: float,
+                       backend: AttentionKernels | None = None, window: int | None = None,
+                       softcap: float | None = None) -> torch.Tensor:
     # q [S, Hq, hd], a chunk after `seg.context_start` cached tokens: it attends to them and to itself, all
     # gathered from the pages (its own keys/values were written there first).
-    qh = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, S, hd]
     total = seg.context_start + seg.length
-    keys = _gather(k_cache, seg.block_table[None])[:, :, :total]
+    keys = _gather(k_cache, seg.block_table[None])[:, :, :total]  # [1, Hkv, total, hd], a view of token rows
     values = _gather(v_cache, seg.block_table[None])[:, :, :total]
+    if backend is not None:
+        wide = window is not None and window >= total  # a window that cuts nothing
+        out = backend.extend_attention(q, keys[0].transpose(0, 1), values[0].transpose(0, 1), seg.context_start,
+                                       scale, None if wide else window, softcap)
+        if out is not None:
+            return out
+    qh = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, S, hd]
     out = attend(qh, keys, values, seg.mask(window), scale, softcap)
     return out[0].transpose(0, 1)

@@ -149,6 +149,14 @@ class Backend(ABC):
         """`count` whole prompts of one length attending causally to themselves."""
         return None
 
+    def extend_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, context: int,
+                         scale: float, window: int | None = None,
+                         softcap: float | None = None) -> torch.Tensor | None:
+        """A chunk of S queries after `context` cached tokens: q [S, Hq, hd], keys / values [context + S, Hkv, hd]
+        (the prefix's and the chunk's, gathered from the pages) -> [S, Hq, hd], query i attending causally to keys
+        [0, context + i]; None: declined."""
+        return None
+
     def prefill_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: object,
                           v_cache: object, meta: AttentionMetadata, scale: float, out: torch.Tensor,
                           window: int | None = None, softcap: float | None = None) -> bool:

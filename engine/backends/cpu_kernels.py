@@ -251,6 +251,14 @@ class CpuKernelBackend(TorchBackend):
             return None
         return cpu_ext.prompt_attention(q, k, v, count, scale, self.engine)
 
+    def extend_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, context: int,
+                         scale: float, window: int | None = None,
+                         softcap: float | None = None) -> torch.Tensor | None:
+        if (window is not None or softcap is not None or len(keys) > self.config.max_prompt_attention_tokens
+                or not self.takes_prompts(q, keys, values, 1)):
+            return None
+        return cpu_ext.prompt_attention(q, keys, values, 1, scale, self.engine, context)
+
     def decode_layers(self, stack: object | None, x: torch.Tensor, rope: Rope, meta: AttentionMetadata,
                       kv_caches: list, window: int | None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The C++ stack where it computes exactly what the layers would: a decode-only step (one token a row, all

@@ -16,7 +16,8 @@ for which product, step or row count is engine/backends/cpu_kernels.py's decisio
   bf16 wherever the torch ops store an intermediate.
 - `tile_pack` / `tiled_linear*`: products on weights packed once into 16x16-pair blocks, on AMX tiles or
   AVX-512 BF16 vectors (`matrix_engines`); `_argmax` and `_silu_mul` reduce the product as it comes out.
-- `prompt_attention`: causal attention of whole fresh prompts on the same engines.
+- `prompt_attention`: causal attention of whole prompts, or of a chunk after its cached prefix, on the same
+  engines.
 - `decode_stack`: the decoder layers of a decode-only step in one call, in the Python layers' order (same bits).
 
 All run on torch's intra-op pool (at::parallel_for): a kernel with its own OpenMP runtime fought torch's threads
@@ -239,10 +240,11 @@ def tiled_linear_argmax(x: torch.Tensor, packed: torch.Tensor, engine: str = "au
 
 
 def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: int, scale: float,
-                     engine: str = "auto") -> torch.Tensor:
-    """q [count * S, Hq, D], k/v [count * S, Hkv, D] bf16: `count` whole prompts of S tokens, one after another
-    -> [count * S, Hq, D] bf16, each prompt attending causally to itself (no cached context)."""
-    return ops().prompt_attention_bf16(q, k, v, count, scale, _engine_code(engine))
+                     engine: str = "auto", context: int = 0) -> torch.Tensor:
+    """q [count * S, Hq, D], k/v [count * (C + S), Hkv, D] bf16: `count` chunks of S queries, one after another,
+    each after C = `context` cached keys (its keys hold those first) -> [count * S, Hq, D] bf16, query i of a chunk
+    attending causally to keys [0, C + i]. C = 0: whole prompts attending to themselves."""
+    return ops().prompt_attention_bf16(q, k, v, count, scale, _engine_code(engine), context)
 
 
 def decode_stack(num_heads: int, num_kv_heads: int, head_dim: int, eps: float, scale: float) -> object:

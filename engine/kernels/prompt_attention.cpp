@@ -1,10 +1,12 @@
-// Causal self-attention of whole prompts without cached context: the attention of prefill steps that start
-// prompts (the usual offline case: many short prompts in one 2048-token step).
+// Causal attention of prompt chunks: whole prompts (the usual offline case: many short prompts in one
+// 2048-token step), or one chunk after C cached tokens (a long prompt prefilled a chunk a step).
 //
-// Inputs are the views paged_attention gets from the fused qkv output: q [count * S, Hq, D] and k, v
-// [count * S, Hkv, D], rows strided, `count` prompts of S tokens one after another. The keys and values of
-// each (prompt, kv head) are first packed into 16 x 16-pair bf16 blocks (zeros past the prompt). Then each work
-// item, (prompt, q head, block of 32 queries), computes
+// Inputs: q [count * S, Hq, D] and k, v [count * (C + S), Hkv, D], rows strided: `count` chunks of S queries,
+// each with its C + S keys (the cached ones first), one after another; query i of a chunk stands at position
+// C + i. Whole prompts (C = 0) pass the views paged_attention gets from the fused qkv output; a chunk after a
+// prefix passes its keys gathered from the pages. The keys and values of each (chunk, kv head) are first packed
+// into 16 x 16-pair bf16 blocks (zeros past the keys). Then each work item, (chunk, q head, block of 32
+// queries), computes
 //   scores = Q K^T over the keys up to its last query (fp32 sums over D);
 //   exp(scale * score - max) in fp32 over each query's causal keys, its fp32 sum kept, the values rounded to
 //   bf16 for the product with V (as torch's CPU flash attention rounds them);
@@ -33,7 +35,7 @@ namespace {
 using namespace cpu_ext::amx;
 
 constexpr int64_t kBlock = 2 * kTileRows;  // queries of an item (two A tiles); keys of a step (two C tiles)
-constexpr int64_t kMaxPromptTokens = 8192;  // an item's scores: 32 x 8192 fp32 = 1 MiB, still in L2
+constexpr int64_t kMaxPromptTokens = 8192;  // keys of a chunk; an item's scores: 32 x 8192 fp32 = 1 MiB, in L2
 
 #if defined(CPU_EXT_VECTOR_BF16)
 
@@ -49,19 +51,20 @@ struct Prompts {
   const uint16_t* v;
   uint16_t* out;
   int64_t q_stride, k_stride, v_stride;  // elements from one token's row to the next (out: Hq * D)
-  int64_t count, len, heads, kv_heads, head_dim, blocks;  // blocks: ceil(len / 32)
+  int64_t count, len, context, heads, kv_heads, head_dim;  // len: S queries a chunk; context: C cached keys
+  int64_t blocks, key_len, key_blocks;                     // ceil(S / 32); C + S; ceil((C + S) / 32)
   float scale;
-  uint16_t* keys;    // [count, Hkv, 2 * blocks, D / 32] B tiles: 16 keys x 16 pairs of dims
-  uint16_t* values;  // [count, Hkv, blocks, D / 16] B tiles: 16 pairs of keys x 16 dims
+  uint16_t* keys;    // [count, Hkv, 2 * key_blocks, D / 32] B tiles: 16 keys x 16 pairs of dims
+  uint16_t* values;  // [count, Hkv, key_blocks, D / 16] B tiles: 16 pairs of keys x 16 dims
 };
 
 uint16_t* key_tile(const Prompts& p, int64_t b, int64_t h, int64_t key_tile, int64_t dim_block) {
-  const int64_t tile = ((b * p.kv_heads + h) * 2 * p.blocks + key_tile) * (p.head_dim / kTileK) + dim_block;
+  const int64_t tile = ((b * p.kv_heads + h) * 2 * p.key_blocks + key_tile) * (p.head_dim / kTileK) + dim_block;
   return p.keys + tile * kBlockElems;
 }
 
 uint16_t* value_tile(const Prompts& p, int64_t b, int64_t h, int64_t key_block, int64_t dim_block) {
-  const int64_t tile = ((b * p.kv_heads + h) * p.blocks + key_block) * (p.head_dim / kTileN) + dim_block;
+  const int64_t tile = ((b * p.kv_heads + h) * p.key_blocks + key_block) * (p.head_dim / kTileN) + dim_block;
   return p.values + tile * kBlockElems;
 }
 
@@ -72,12 +75,12 @@ void pack_keys(const Prompts& p, int64_t b, int64_t h) {
   const __m512i key_offsets =
       _mm512_mullo_epi32(_mm512_set1_epi32(static_cast<int32_t>(pair_stride)),
                          _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-  for (int64_t kt = 0; kt < 2 * p.blocks; ++kt) {
+  for (int64_t kt = 0; kt < 2 * p.key_blocks; ++kt) {
     const int64_t first = kt * kTileN;
-    const __mmask16 present = lanes_below(p.len - first);
+    const __mmask16 present = lanes_below(p.key_len - first);
     for (int64_t d = 0; d < p.head_dim / kTileK; ++d) {
       uint16_t* tile = key_tile(p, b, h, kt, d);
-      const uint16_t* base = p.k + (b * p.len + first) * p.k_stride + h * p.head_dim + d * kTileK;
+      const uint16_t* base = p.k + (b * p.key_len + first) * p.k_stride + h * p.head_dim + d * kTileK;
       for (int64_t r = 0; r < kTileRows; ++r) {
         const __m512i pairs = present ? _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), present, key_offsets,
                                                                    base + 2 * r, 4)
@@ -92,14 +95,14 @@ void pack_keys(const Prompts& p, int64_t b, int64_t h) {
 void pack_values(const Prompts& p, int64_t b, int64_t h) {
   const __m512i interleave = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
                                               39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-  for (int64_t kb = 0; kb < p.blocks; ++kb)
+  for (int64_t kb = 0; kb < p.key_blocks; ++kb)
     for (int64_t n = 0; n < p.head_dim / kTileN; ++n) {
       uint16_t* tile = value_tile(p, b, h, kb, n);
       for (int64_t r = 0; r < kTileRows; ++r) {
         const int64_t key = kb * kBlock + 2 * r;
-        const uint16_t* row = p.v + (b * p.len + key) * p.v_stride + h * p.head_dim + n * kTileN;
-        const __m512i even = key < p.len ? load_row16(row) : _mm512_setzero_si512();
-        const __m512i odd = key + 1 < p.len ? load_row16(row + p.v_stride) : _mm512_setzero_si512();
+        const uint16_t* row = p.v + (b * p.key_len + key) * p.v_stride + h * p.head_dim + n * kTileN;
+        const __m512i even = key < p.key_len ? load_row16(row) : _mm512_setzero_si512();
+        const __m512i odd = key + 1 < p.key_len ? load_row16(row + p.v_stride) : _mm512_setzero_si512();
         _mm512_storeu_si512(tile + r * 2 * kTileN, _mm512_permutex2var_epi16(even, interleave, odd));
       }
     }
@@ -206,13 +209,14 @@ struct Vectors {
   struct ThreadState {};
 };
 
-// Row i (query q0 + i) of the scores -> bf16 exp(scale * s - max) over keys [0, q0 + i], zero after; fp32 sum.
+// Row i (query q0 + i, at C + q0 + i) of the scores -> bf16 exp(scale * s - max) over keys [0, C + q0 + i], zero
+// after; fp32 sum.
 void block_softmax(const Prompts& p, int64_t q0, int64_t rows, int64_t width, Scratch& s) {
   const __m512 scale = _mm512_set1_ps(p.scale);
   for (int64_t i = 0; i < rows; ++i) {
     const float* row = s.scores.data() + i * width;
     uint16_t* probs = s.probs.data() + i * width;
-    const int64_t keys = q0 + i + 1;
+    const int64_t keys = p.context + q0 + i + 1;
     __m512 peak = _mm512_set1_ps(-INFINITY);
     for (int64_t j = 0; j < keys; j += 16)
       peak = _mm512_mask_max_ps(peak, lanes_below(keys - j), peak, _mm512_mul_ps(_mm512_loadu_ps(row + j), scale));
@@ -229,12 +233,13 @@ void block_softmax(const Prompts& p, int64_t q0, int64_t rows, int64_t width, Sc
   std::fill(s.probs.begin() + rows * width, s.probs.end(), 0);  // rows past the prompt, which the products read
 }
 
-// Item = (prompt, q head, block of 32 queries).
+// Item = (chunk, q head, block of 32 queries): keys up to its last query, in whole 32-key blocks.
 template <typename Products>
 void attend_block(const Prompts& p, int64_t item, Scratch& s) {
   const int64_t qb = item % p.blocks, hq = item / p.blocks % p.heads, b = item / (p.blocks * p.heads);
   const int64_t h = hq / (p.heads / p.kv_heads);
-  const int64_t q0 = qb * kBlock, rows = std::min(kBlock, p.len - q0), width = (qb + 1) * kBlock;
+  const int64_t q0 = qb * kBlock, rows = std::min(kBlock, p.len - q0);
+  const int64_t width = std::min((p.context + q0 + kBlock + kBlock - 1) / kBlock, p.key_blocks) * kBlock;
   s.q.assign(kBlock * p.head_dim, 0);
   for (int64_t i = 0; i < rows; ++i) {
     const uint16_t* query = p.q + (b * p.len + q0 + i) * p.q_stride + hq * p.head_dim;
@@ -282,29 +287,33 @@ void check_rows(const torch::Tensor& x, int64_t rows, int64_t head_dim, const ch
 
 }  // namespace
 
-// q [count * S, Hq, D], k/v [count * S, Hkv, D] bf16 (rows may be strided) -> [count * S, Hq, D] bf16: each of
-// the `count` prompts of S tokens attends causally to itself. D % 32 == 0, S <= 8192. engine: 0 the fastest
-// available (tiles, then vectors), 1 tiles, 2 vectors.
+// q [count * S, Hq, D], k/v [count * (C + S), Hkv, D] bf16 (rows may be strided) -> [count * S, Hq, D] bf16:
+// each of the `count` chunks of S queries, standing after C = `context` cached keys, attends causally to its keys.
+// D % 32 == 0, C + S <= 8192. engine: 0 the fastest available (tiles, then vectors), 1 tiles, 2 vectors.
 torch::Tensor prompt_attention_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t count, double scale,
-                                    int64_t engine) {
-  TORCH_CHECK(count >= 1 && q.dim() == 3 && q.size(0) % count == 0 && q.size(0) > 0,
-              "prompt_attention_bf16: q rows must be count x S, S >= 1");
-  const int64_t rows = q.size(0), head_dim = q.size(2), len = rows / count;
+                                    int64_t engine, int64_t context) {
+  TORCH_CHECK(count >= 1 && context >= 0 && q.dim() == 3 && q.size(0) % count == 0 && q.size(0) > 0,
+              "prompt_attention_bf16: q rows must be count x S, S >= 1, and the context at least 0");
+  const int64_t rows = q.size(0), head_dim = q.size(2), len = rows / count, key_len = context + len;
   check_rows(q, rows, head_dim, "q");
-  check_rows(k, rows, head_dim, "k");
-  check_rows(v, rows, head_dim, "v");
+  check_rows(k, count * key_len, head_dim, "k");
+  check_rows(v, count * key_len, head_dim, "v");
   TORCH_CHECK(k.size(1) == v.size(1) && q.size(1) % k.size(1) == 0, "prompt_attention_bf16: heads");
-  TORCH_CHECK(head_dim % kTileK == 0 && len <= kMaxPromptTokens, "prompt_attention_bf16: head_dim ", head_dim,
-              " (a multiple of 32) or prompt length ", len, " (at most ", kMaxPromptTokens, ")");
+  TORCH_CHECK(head_dim % kTileK == 0 && key_len <= kMaxPromptTokens, "prompt_attention_bf16: head_dim ", head_dim,
+              " (a multiple of 32) or keys of a chunk ", key_len, " (at most ", kMaxPromptTokens, ")");
   const bool tiles = use_tiles(engine, "prompt_attention_bf16");
   torch::Tensor out = torch::empty({rows, q.size(1), head_dim}, q.options());
 #if defined(CPU_EXT_VECTOR_BF16)
-  const int64_t kv_heads = k.size(1), blocks = (len + kBlock - 1) / kBlock;
-  torch::Tensor keys = torch::empty({count * kv_heads * 2 * blocks * (head_dim / kTileK) * kBlockElems}, q.options());
-  torch::Tensor values = torch::empty({count * kv_heads * blocks * (head_dim / kTileN) * kBlockElems}, q.options());
+  const int64_t kv_heads = k.size(1), blocks = (len + kBlock - 1) / kBlock, key_blocks = (key_len + kBlock - 1) / kBlock;
+  torch::Tensor keys =
+      torch::empty({count * kv_heads * 2 * key_blocks * (head_dim / kTileK) * kBlockElems}, q.options());
+  torch::Tensor values =
+      torch::empty({count * kv_heads * key_blocks * (head_dim / kTileN) * kBlockElems}, q.options());
   auto bf16 = [](const torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); };
-  const Prompts p{bf16(q), bf16(k), bf16(v), bf16(out), q.stride(0), k.stride(0), v.stride(0), count, len,
-                  q.size(1), kv_heads, head_dim, blocks, static_cast<float>(scale), bf16(keys), bf16(values)};
+  const Prompts p{bf16(q),    bf16(k),   bf16(v),    bf16(out), q.stride(0), k.stride(0),
+                  v.stride(0), count,    len,        context,   q.size(1),   kv_heads,
+                  head_dim,   blocks,    key_len,    key_blocks, static_cast<float>(scale), bf16(keys),
+                  bf16(values)};
 #if defined(CPU_EXT_AMX)
   if (tiles) {
     run<Tiles>(p);
@@ -317,7 +326,9 @@ torch::Tensor prompt_attention_bf16(torch::Tensor q, torch::Tensor k, torch::Ten
 }
 
 TORCH_LIBRARY_FRAGMENT(phase_serve, m) {
-  m.def("prompt_attention_bf16(Tensor q, Tensor k, Tensor v, int count, float scale, int engine) -> Tensor");
+  m.def(
+      "prompt_attention_bf16(Tensor q, Tensor k, Tensor v, int count, float scale, int engine, int context=0) -> "
+      "Tensor");
 }
 
 TORCH_LIBRARY_IMPL(phase_serve, CPU, m) { m.impl("prompt_attention_bf16", &prompt_attention_bf16); }
