@@ -255,7 +255,8 @@ class AsyncLLM:
 
     def _on_updates(self, updates: list[SequenceUpdate]) -> None:
         received = self._client.trace() if self.trace_tokens else ()
-        outputs, to_abort = self.processor.process(updates, self.stream_interval.tokens(len(self._streams)))
+        interval = self.stream_interval
+        outputs, to_abort = self.processor.process(updates, interval.tokens(len(self._streams)), interval.max_wait)
         if received:
             stamps = (*received, time.monotonic())
             for out in outputs:

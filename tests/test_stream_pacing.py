@@ -11,7 +11,7 @@ from engine import AsyncLLM, LLM, SamplingParams
 from engine.core.output_processor import OutputProcessor
 from engine.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.core.step import SequenceUpdate
-from engine.core.stream_interval import AUTO_MAX_TOKENS, AUTO_OUTPUTS_PER_STEP, StreamInterval
+from engine.core.stream_interval import AUTO_MAX_TOKENS, AUTO_MAX_WAIT_S, AUTO_OUTPUTS_PER_STEP, StreamInterval
 from tests.test_engine import make_prompts
 from engine.model.tokenizer import Tokenizer
 
@@ -65,6 +65,38 @@ def test_held_outputs_go_out_every_n_tokens_with_the_first_and_the_finish_at_onc
     deltas = [outs[0].outputs[0].delta_token_ids for outs in per_step if outs]
     assert deltas == [ids[:1], ids[1:4], ids[4:7], ids[7:10]]
     assert per_step[-1][0].finished and per_step[-1][0].outputs[0].token_ids == ids
+
+
+def test_auto_holds_no_token_past_its_wait_and_a_fixed_interval_holds_to_its_count():
+    assert StreamInterval.parse("auto").max_wait == AUTO_MAX_WAIT_S and StreamInterval(4).max_wait is None
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize("step_seconds,emitted_at", [
+    (0.01, [0, 4, 8, 9]),  # fast steps: every fourth token, as the count says, and the finish
+    (0.1, [0, 3, 6, 9]),  # the third step after an output passes 0.25 s: out before the count
+    (0.3, list(range(10))),  # slow steps: every token
+])
+def test_a_held_output_goes_out_once_its_wait_passes(tokenizer, step_seconds, emitted_at):
+    """Steps counted on a fake clock: an output is due at `hold` tokens or `max_wait` seconds after the last."""
+    ids = tokenizer.encode("the quick brown fox jumps over the lazy dog again and again")[:10]
+    clock = FakeClock()
+    processor = OutputProcessor(tokenizer, clock=clock)
+    processor.add("r", None, [1, 2], SamplingParams(max_tokens=len(ids)))
+    per_step = []
+    for i, tok in enumerate(ids):
+        clock.now += step_seconds
+        update = SequenceUpdate("r", 0, tok, finish_reason="length" if i == len(ids) - 1 else None)
+        per_step.append(processor.process([update], hold=4, max_wait=0.25)[0])
+    assert [i for i, outs in enumerate(per_step) if outs] == emitted_at
+    assert [t for outs in per_step for out in outs for t in out.outputs[0].delta_token_ids] == ids
 
 
 def test_held_text_adds_up_to_the_unheld_text_with_a_stop_string_held_back(tokenizer):

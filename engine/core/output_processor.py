@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from engine.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.sampling.sampler import TokenLogprobs
@@ -31,6 +32,7 @@ class RequestState:
     metrics: RequestMetrics
     num_cached_tokens: int = 0
     emitted: bool = False  # an output has gone out (the first token is never held)
+    last_output: float = 0.0  # when it went out (the processor's clock)
     # what the prompt pass computed, from the update of the first token (engine/core/prompt_pass.py)
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     embedding: list[float] | None = None
@@ -46,27 +48,28 @@ class RequestState:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, clock: Callable[[], float] = time.monotonic) -> None:
         self.tokenizer = tokenizer
+        self.clock = clock
         self.requests: dict[str, RequestState] = {}
 
     def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
             arrival_time: float | None = None) -> None:
         samples = [self._new_sample(i, params) for i in range(params.n)]
         self.requests[request_id] = RequestState(request_id, prompt, prompt_token_ids, params, samples,
-                                                 RequestMetrics(arrival_time or time.monotonic()))
+                                                 RequestMetrics(arrival_time or self.clock()))
 
     def _new_sample(self, index: int, params: SamplingParams) -> _Sample:
         detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens)
         out = CompletionOutput(index, logprobs=[] if params.logprobs is not None else None)
         return _Sample(detok, StopChecker(params.stop, params.include_stop_str_in_output), out)
 
-    def process(self, updates: list[SequenceUpdate], hold: int = 1
+    def process(self, updates: list[SequenceUpdate], hold: int = 1, max_wait: float | None = None
                 ) -> tuple[list[RequestOutput], list[tuple[str, int]]]:
         """Apply updates; returns one output per changed request that is due (see `_due`: `hold` new tokens
-        per output) and the (request, sample) pairs to abort because a stop string ended them. A request
-        that is not due keeps its deltas for a later output."""
-        now = time.monotonic()
+        per output, or `max_wait` seconds since its last output) and the (request, sample) pairs to abort
+        because a stop string ended them. A request that is not due keeps its deltas for a later output."""
+        now = self.clock()
         to_abort: list[tuple[str, int]] = []
         touched: dict[str, RequestState] = {}
         for upd in updates:
@@ -76,7 +79,8 @@ class OutputProcessor:
             if self._apply(state, upd, now):
                 to_abort.append((upd.request_id, upd.sample_index))
             touched[upd.request_id] = state
-        return [self._emit(state, now) for state in touched.values() if _due(state, hold)], to_abort
+        due = [state for state in touched.values() if _due(state, hold, max_wait, now)]
+        return [self._emit(state, now) for state in due], to_abort
 
     def _apply(self, state: RequestState, upd: SequenceUpdate, now: float) -> bool:
         """Returns True when a stop string finished the sample (the engine must stop generating it)."""
@@ -135,7 +139,7 @@ class OutputProcessor:
 
     def _emit(self, state: RequestState, now: float) -> RequestOutput:
         outputs = [self._snapshot(sample.out) for sample in state.samples]
-        state.emitted = True
+        state.emitted, state.last_output = True, now
         if state.finished:
             state.metrics.finished_time = now
             del self.requests[state.request_id]
@@ -155,8 +159,9 @@ class OutputProcessor:
         self.requests.pop(request_id, None)
 
 
-def _due(state: RequestState, hold: int) -> bool:
-    """Whether a request's output goes out now: its first, any with a finish, or `hold` new tokens in one sample."""
-    if hold <= 1 or not state.emitted:
+def _due(state: RequestState, hold: int, max_wait: float | None, now: float) -> bool:
+    """Whether a request's output goes out now: its first, any with a finish, `hold` new tokens in one sample,
+    or any new token once `max_wait` seconds have passed since its last output (slow steps hold nothing)."""
+    if hold <= 1 or not state.emitted or (max_wait is not None and now - state.last_output >= max_wait):
         return True
     return any(s.out.finish_reason is not None or len(s.out.delta_token_ids) >= hold for s in state.samples)

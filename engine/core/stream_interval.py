@@ -9,13 +9,17 @@ from dataclasses import dataclass
 
 AUTO_OUTPUTS_PER_STEP = 2  # under `auto`, about this many streams get an output per engine step
 AUTO_MAX_TOKENS = 8  # and no stream waits for more new tokens than this
+# nor longer than this since its last output: where a step is slow (a long prompt's chunk runs beside the
+# decodes), holding tokens would multiply the gap a reader sees, and saves nothing worth it
+AUTO_MAX_WAIT_S = 0.25
 
 
 @dataclass(frozen=True)
 class StreamInterval:
     """How many new tokens a stream's output waits for before it is emitted; a request's first token and every
     finish are never held. `every=None` is `auto`: each token while at most AUTO_OUTPUTS_PER_STEP streams run,
-    beyond that enough tokens per output to keep about that many outputs per step (at most AUTO_MAX_TOKENS).
+    beyond that enough tokens per output to keep about that many outputs per step (at most AUTO_MAX_TOKENS, and
+    no token held once AUTO_MAX_WAIT_S has passed since the stream's last output).
     Each output costs the front end, and a client on the same host, a fixed amount of CPU; on a CPU host that
     time comes out of the engine's own cores, so many streams of one token per output slow every step."""
 
@@ -35,6 +39,12 @@ class StreamInterval:
         except ValueError:
             raise ValueError(f"a stream interval is 'auto' or a number of tokens, got {value!r}") from None
         return StreamInterval(tokens)
+
+    @property
+    def max_wait(self) -> float | None:
+        """Seconds after a stream's last output past which a new token goes out whatever `tokens` says (None: a
+        fixed interval holds to its count)."""
+        return AUTO_MAX_WAIT_S if self.every is None else None
 
     def tokens(self, active_streams: int) -> int:
         if self.every is not None:
