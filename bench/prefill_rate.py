@@ -28,13 +28,6 @@ from engine.config import ModelConfig
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def matrix_weights(cfg: ModelConfig) -> int:
-    """Weights of one forward's matrix products over all layers (q, k, v, o; gate, up, down), LM head excluded."""
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    attention = cfg.hidden_size * (q + 2 * kv) + q * cfg.hidden_size
-    return cfg.num_layers * (attention + 3 * cfg.hidden_size * cfg.intermediate_size)
-
-
 def attention_flops(cfg: ModelConfig, tokens: int) -> int:
     """QK^T and PV of a causal prompt: 2 products x 2 FLOPs x (keys each query sees) x heads x head_dim."""
     windows = cfg.sliding_layers or (False,) * cfg.num_layers
@@ -47,7 +40,7 @@ def attention_flops(cfg: ModelConfig, tokens: int) -> int:
 
 
 def prefill_flops(cfg: ModelConfig, tokens: int) -> int:
-    return 2 * matrix_weights(cfg) * tokens + attention_flops(cfg, tokens) + 2 * cfg.hidden_size * cfg.vocab_size
+    return 2 * cfg.matrix_weights * tokens + attention_flops(cfg, tokens) + 2 * cfg.hidden_size * cfg.vocab_size
 
 
 def bf16_product_gflops(threads: int, n: int = 2048, repeats: int = 5) -> float:

@@ -115,6 +115,22 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    @property
+    def matrix_weights(self) -> int:
+        """Weights of one token's matrix products over all layers (q, k, v, o; gate, up, down), LM head excluded:
+        a token's products cost twice this in FLOPs."""
+        attention = self.hidden_size * (self.q_size + 2 * self.kv_size) + self.q_size * self.hidden_size
+        return self.num_layers * (attention + 3 * self.hidden_size * self.intermediate_size)
+
+    @property
+    def attention_span(self) -> int | None:
+        """Context tokens at which a prompt token's attention (QK^T and PV over the context, in the layers
+        without a window) costs as many FLOPs as its matrix products; None where every layer has a window."""
+        full_layers = sum(1 for i in range(self.num_layers) if self.layer_window(i) is None)
+        if not full_layers:
+            return None
+        return max(1, round(2 * self.matrix_weights / (4 * full_layers * self.q_size)))
+
 
 Dtype = Literal["auto", "bfloat16", "float16", "float32"]
 WeightDtype = Literal["auto", "bfloat16", "int8", "int4"]  # engine/model/quant.py

@@ -1,12 +1,13 @@
-"""bench/prefill_rate.py's FLOP count: the matrix weights it counts from a config against the parameters of the
-model the engine builds, and the causal (and windowed) attention count against a count of every query-key pair."""
+"""The FLOP count of bench/prefill_rate.py: the matrix weights a config counts (ModelConfig.matrix_weights)
+against the parameters of the model the engine builds, and the causal (and windowed) attention count against a
+count of every query-key pair."""
 from __future__ import annotations
 
 import dataclasses
 
 import pytest
 
-from bench.prefill_rate import attention_flops, matrix_weights
+from bench.prefill_rate import attention_flops
 from engine import LLM
 from tests.tiny_models import tiny_gemma3_config, write_tiny_model
 
@@ -22,11 +23,11 @@ def pairs_seen(tokens: int, window: int | None) -> int:
     return sum(1 for i in range(tokens) for j in range(i + 1) if window is None or i - j < window)
 
 
-def test_matrix_weights_are_the_models_projection_weights(tiny_model_dir, gemma3):
+def test_the_configs_matrix_weights_are_the_models_projection_weights(tiny_model_dir, gemma3):
     for llm in (LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=16), gemma3):
         model = llm.engine.runner.model
         projections = sum(p.numel() for name, p in model.named_parameters() if name.endswith("proj.weight"))
-        assert projections > 0 and matrix_weights(llm.engine.source.config) == projections
+        assert projections > 0 and llm.engine.source.config.matrix_weights == projections
 
 
 @pytest.mark.parametrize("tokens", [1, 5, 8, 9, 40])

@@ -24,9 +24,11 @@ class Run:
     """A scheduler stepped by hand: every step samples token 5 for each sequence that ends its prefill or
     decodes, so nothing finishes before max_tokens."""
 
-    def __init__(self, shares: PrefillShares = PrefillShares(), num_blocks: int = 512) -> None:
+    def __init__(self, shares: PrefillShares = PrefillShares(), num_blocks: int = 512,
+                 attention_span: int | None = None) -> None:
         self.pool = BlockPool(num_blocks, BLOCK)
-        self.scheduler = Scheduler(self.pool, SchedulerLimits(BUDGET, 16, shares=shares), (EOS,))
+        self.limits = SchedulerLimits(BUDGET, 16, shares=shares, attention_span=attention_span)
+        self.scheduler = Scheduler(self.pool, self.limits, (EOS,))
         self.next_id = 0
         self.steps: list[dict[int, int]] = []  # per step: seq_id -> tokens run
 
@@ -40,9 +42,14 @@ class Run:
         return seq
 
     def step(self) -> dict[int, int]:
+        ready = sum(1 for seq in self.scheduler.waiting if seq.ready_to_admit())
+        shared = len(self.scheduler.running) + ready > 1
         out = self.scheduler.schedule()
         ran = {c.seq_id: len(c.token_ids) for c in out.chunks}
         assert sum(ran.values()) <= BUDGET
+        running = {seq.seq_id: seq for seq in self.scheduler.running}
+        spent = sum(self.limits.run_cost(running[c.seq_id], len(c.token_ids), shared) for c in out.chunks)
+        assert spent <= BUDGET  # in a shared step, deep prompt tokens cost more than 1
         sampled = {c.seq_id: 5 for c in out.chunks if c.sample}
         self.scheduler.update(out, runner_output(sampled))
         self.pool.check_integrity()
@@ -153,3 +160,50 @@ def test_bad_shares_are_refused(slowdown):
         PrefillShares(long_prefill_slowdown=slowdown)
     with pytest.raises(ConfigError, match="max_long_partial_prefills"):
         PrefillShares(max_partial_prefills=1, max_long_partial_prefills=2)
+
+
+# ---------------------------------------------------------------------------------------- costs by context
+
+
+@pytest.mark.parametrize("span", [None, 1, 7, 100])
+def test_chunk_tokens_is_the_most_the_budget_pays_for(span):
+    limits = SchedulerLimits(BUDGET, 16, attention_span=span)
+    for context in (0, 1, 13, 64, 500, 5000):
+        for budget in (0, 1, 5, 64, 300):
+            n = limits.chunk_tokens(context, budget)
+            assert limits.chunk_cost(context, n) <= budget < limits.chunk_cost(context, n + 1)
+
+
+def test_a_chunk_costs_its_tokens_plus_their_attention_in_token_units():
+    limits = SchedulerLimits(BUDGET, 16, attention_span=100)
+    assert limits.chunk_cost(0, 1) == 1 and limits.chunk_cost(0, 50) == 50 + 50 * 49 // 200
+    assert limits.chunk_cost(100, 10) == 10 + 10 * 209 // 200  # each token sees about its span of context: x2
+    for context, a, b in ((0, 10, 30), (250, 7, 64), (1000, 1, 1)):  # a run split in two costs about the same
+        parts = limits.chunk_cost(context, a) + limits.chunk_cost(context + a, b)
+        assert parts <= limits.chunk_cost(context, a + b) <= parts + 1
+    assert SchedulerLimits(BUDGET, 16).chunk_cost(1000, 10) == 10  # no span: tokens
+    assert SchedulerLimits(BUDGET, 16, enable_chunked_prefill=False, attention_span=100).chunk_cost(1000, 10) == 10
+
+
+def test_a_long_prompts_chunks_shrink_as_its_context_grows_and_steps_keep_their_cost():
+    span = 100
+    run = Run(attention_span=span)
+    long, streams = run.add(1200), [run.add(8, max_tokens=400) for _ in range(2)]
+    chunks = []
+    while not long.prefill_done:
+        ran = run.step()
+        chunks.append(ran.get(long.seq_id, 0))
+    assert sum(chunks) == 1200 and all(n > 0 for n in chunks)  # it progresses every step
+    assert all(a >= b for a, b in zip(chunks[2:], chunks[3:-1]))  # after the streams' prompts, never growing
+    assert chunks[2] > 4 * chunks[-2] and chunks[-2] <= run.limits.chunk_tokens(1200 - chunks[-1] - chunks[-2], BUDGET)
+    assert all(s.seq_id in ran for ran in run.steps[2:] for s in streams)  # the decodes ran every step
+
+
+def test_a_long_prompt_alone_takes_whole_budgets_at_any_depth():
+    run = Run(attention_span=10)
+    long = run.add(600)
+    while not long.prefill_done:
+        run.step()
+    assert [ran[long.seq_id] for ran in run.steps] == [BUDGET] * (600 // BUDGET) + [600 % BUDGET]
+    short = run.add(8)  # the long one now decodes beside a new prompt: a shared step
+    assert run.step() == {long.seq_id: 1, short.seq_id: 8}

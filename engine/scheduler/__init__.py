@@ -1,8 +1,10 @@
 """Iteration-level scheduling: which tokens of which sequences run in the next forward pass.
 
 Every step spends a token budget: running sequences first (decode tokens before prefill chunks), then new
-or preempted sequences from the waiting queue. A running long prefill leaves a share of each step to short
-prompts that are ready to start, and takes back what they leave (shares.py: stall-free batching). When the KV pool runs dry the lowest-priority running
+or preempted sequences from the waiting queue. A prompt token costs more of it the deeper into its prompt it
+stands (its attention over the context, SchedulerLimits.chunk_cost), so steps cost about the same all through a
+long prefill. A running long prefill leaves a share of each step to short prompts that are ready to start, and
+takes back what they leave (shares.py: stall-free batching). When the KV pool runs dry the lowest-priority running
 sequence is preempted by recompute: its blocks are freed and it re-enters the waiting queue keeping its
 sampled tokens, so it later resumes exactly where it stopped (often from the prefix cache).
 

@@ -16,13 +16,38 @@ from engine.core.sequence import Sequence
 
 @dataclass(frozen=True)
 class SchedulerLimits:
+    """A step's budget (max_num_batched_tokens) and how runs spend it. In a step shared with other work (`weighted`),
+    with chunked prefill and an `attention_span` (ModelConfig.attention_span), a prompt token costs 1 plus its
+    attention over its context in the same units (context / attention_span), so a chunk deep in a long prompt
+    takes fewer tokens and the step costs about what a step of fresh tokens costs: the decodes and short prompts
+    beside it wait no longer. A prompt alone takes whole budgets, its fastest. A decode token costs 1."""
+
     max_num_batched_tokens: int
     max_num_seqs: int
     enable_chunked_prefill: bool = True
     shares: PrefillShares = PrefillShares()
+    attention_span: int | None = None
 
     def is_long(self, seq: Sequence) -> bool:
         return is_long(seq, self.max_num_batched_tokens)
+
+    def chunk_cost(self, context: int, tokens: int, weighted: bool = True) -> int:
+        """Budget that `tokens` prompt tokens after `context` computed ones spend."""
+        if not weighted or self.attention_span is None or not self.enable_chunked_prefill or tokens <= 0:
+            return max(tokens, 0)
+        return tokens + (tokens * (2 * context + tokens - 1)) // (2 * self.attention_span)
+
+    def run_cost(self, seq: Sequence, tokens: int, weighted: bool = True) -> int:
+        """Budget of a run of `tokens` new tokens of `seq` (a decode's token costs 1)."""
+        return tokens if seq.in_decode else self.chunk_cost(seq.num_computed_tokens, tokens, weighted)
+
+    def chunk_tokens(self, context: int, budget: int, weighted: bool = True) -> int:
+        """The most prompt tokens after `context` computed ones that `budget` pays for."""
+        low, high = 0, max(budget, 0)  # a token costs at least 1
+        while low < high:
+            mid = (low + high + 1) // 2
+            low, high = (mid, high) if self.chunk_cost(context, mid, weighted) <= budget else (low, mid - 1)
+        return low
 
 
 @dataclass
@@ -35,18 +60,21 @@ class StepPlan:
     preempted_seq_ids: list[int] = field(default_factory=list)
     compressions: list[Move] = field(default_factory=list)
     held_back: list[int] = field(default_factory=list)  # indexes into runs: long prefills cut by the reserve
+    weighted: bool = True  # other work shares the step: prompt tokens cost their attention too (SchedulerLimits)
 
     def partial_prefills(self) -> list[Sequence]:
         """The planned prefills that this step leaves unfinished."""
         return [seq for seq, n, _ in self.runs if not seq.prefill_done and n < seq.num_uncomputed]
 
 
-def tokens_to_run(seq: Sequence, budget: int, limits: SchedulerLimits) -> int:
+def tokens_to_run(seq: Sequence, budget: int, limits: SchedulerLimits, weighted: bool = True) -> int:
     """Of the sequence's uncomputed tokens, as many as the budget takes (all or none without chunked prefill)."""
     remaining = seq.num_uncomputed
-    if limits.enable_chunked_prefill:
+    if not limits.enable_chunked_prefill:
+        return remaining if remaining <= budget else 0
+    if seq.in_decode:
         return min(remaining, budget)
-    return remaining if remaining <= budget else 0
+    return min(remaining, limits.chunk_tokens(seq.num_computed_tokens, budget, weighted))
 
 
 class RunningPlanner:
@@ -75,31 +103,33 @@ class RunningPlanner:
             if reserve is None and not seq.in_decode:
                 reserve = self.limits.shares.reserve(budget, short_demand + sum(s.num_uncomputed for s in short))
             held = (reserve or 0) if self.limits.is_long(seq) else 0
-            num_new = tokens_to_run(seq, budget - held, self.limits)
+            num_new = tokens_to_run(seq, budget - held, self.limits, plan.weighted)
             if num_new == 0:
                 continue
-            slots = self._spec_slots(seq, budget - num_new)
+            cost = self.limits.run_cost(seq, num_new, plan.weighted)
+            slots = self._spec_slots(seq, budget - cost)
             if not self._grow_or_preempt(seq, num_new + slots, queue, plan):
                 continue
             if held and num_new < seq.num_uncomputed:
                 plan.held_back.append(len(plan.runs))
             if reserve and seq in short:
-                reserve = max(0, reserve - num_new)  # a short prefill spends the share held for it
+                reserve = max(0, reserve - cost)  # a short prefill spends the share held for it
             plan.runs.append((seq, num_new, slots))
-            budget -= num_new + slots
+            budget -= cost + slots
         return budget
 
     def extend(self, plan: StepPlan, budget: int) -> None:
         """Give the long prefills held back for short prompts what those left of the budget (never preempting)."""
         for index in plan.held_back:
             seq, num_new, slots = plan.runs[index]
-            extra = min(seq.num_uncomputed - num_new, budget)
+            context = seq.num_computed_tokens + num_new
+            extra = min(seq.num_uncomputed - num_new, self.limits.chunk_tokens(context, budget, plan.weighted))
             needed = self.blocks.needed(seq, num_new + extra)  # beyond the blocks `plan` already gave it
             if extra <= 0 or not self.pool.can_allocate(needed):
                 continue
             self.blocks.grow(seq, needed)
             plan.runs[index] = (seq, num_new + extra, slots)
-            budget -= extra
+            budget -= self.limits.chunk_cost(context, extra, plan.weighted)
 
     def _spec_slots(self, seq: Sequence, budget: int) -> int:
         """Draft tokens to verify after a decode token: the sequence's K, within the budget, the free blocks and
@@ -163,13 +193,13 @@ class Admission:
         for seq in self._in_order():
             if budget <= 0 or len(self.queues.running) >= self.limits.max_num_seqs:
                 break
-            if not self._may_start_partial(seq, budget, partial):
+            if not self._may_start_partial(seq, budget, partial, plan.weighted):
                 continue  # waits for a partial prefill to finish; a short one behind it may start
-            if not self._admit(seq, budget):
+            if not self._admit(seq, budget, plan.weighted):
                 break  # head-of-line: later arrivals do not overtake one that does not fit
-            num_new = tokens_to_run(seq, budget, self.limits)
+            num_new = tokens_to_run(seq, budget, self.limits, plan.weighted)
             plan.runs.append((seq, num_new, 0))
-            budget -= num_new
+            budget -= self.limits.run_cost(seq, num_new, plan.weighted)
             if num_new < seq.num_uncomputed:
                 partial.append(seq)
         return budget
@@ -177,18 +207,18 @@ class Admission:
     def _in_order(self) -> list[Sequence]:
         return [seq for seq in sorted(self.queues.waiting, key=lambda s: s.sort_key) if seq.ready_to_admit()]
 
-    def _may_start_partial(self, seq: Sequence, budget: int, partial: list[Sequence]) -> bool:
+    def _may_start_partial(self, seq: Sequence, budget: int, partial: list[Sequence], weighted: bool) -> bool:
         """Whether `seq` may start now: it finishes in this step, or the caps on unfinished prefills allow it."""
-        if seq.num_uncomputed <= budget:
+        if self.limits.run_cost(seq, seq.num_uncomputed, weighted) <= budget:
             return True
         shares = self.limits.shares
         longs = sum(1 for s in partial if self.limits.is_long(s))
         return len(partial) < shares.max_partial_prefills and \
             (not self.limits.is_long(seq) or longs < shares.max_long_partial_prefills)
 
-    def _admit(self, seq: Sequence, budget: int) -> bool:
+    def _admit(self, seq: Sequence, budget: int, weighted: bool) -> bool:
         self.blocks.attach_cached_prefix(seq)
-        num_new = tokens_to_run(seq, budget, self.limits)
+        num_new = tokens_to_run(seq, budget, self.limits, weighted)
         needed = self.blocks.needed(seq, num_new)
         if num_new == 0 or not self.pool.can_allocate(needed):
             self.blocks.release(seq)

@@ -100,7 +100,7 @@ class Scheduler:
     # ------------------------------------------------------------------ one step
 
     def schedule(self) -> SchedulerOutput:
-        plan = StepPlan()
+        plan = StepPlan(weighted=self._shared_step())
         budget = self.running_planner.plan(plan, self.limits.max_num_batched_tokens, self.admission.short_demand())
         if not plan.preempted_seq_ids:
             budget = self.admission.plan(plan, budget)
@@ -113,10 +113,16 @@ class Scheduler:
                                finished_seq_ids=finished, preempted_seq_ids=tuple(plan.preempted_seq_ids),
                                compressions=tuple(plan.compressions))
 
+    def _shared_step(self) -> bool:
+        """Whether more than one sequence may run this step (running, or waiting and ready to start)."""
+        ready = sum(1 for seq in self.queues.waiting if seq.ready_to_admit())
+        return len(self.queues.running) + ready > 1
+
     def _log_decisions(self, plan: StepPlan) -> None:
         decodes = [(n, slots) for seq, n, slots in plan.runs if seq.in_decode]
         prefill_tokens = sum(n for _, n, _ in plan.runs) - len(decodes)
-        budget_left = self.limits.max_num_batched_tokens - sum(n + slots for _, n, slots in plan.runs)
+        budget_left = self.limits.max_num_batched_tokens - sum(self.limits.run_cost(seq, n, plan.weighted) + slots
+                                                               for seq, n, slots in plan.runs)
         decisions = {"step": self.num_steps, "running": len(self.running), "waiting": len(self.waiting),
                      "decode_seqs": len(decodes), "draft_slots": sum(slots for _, slots in decodes),
                      "prefill_chunks": len(plan.runs) - len(decodes), "prefill_tokens": prefill_tokens,
