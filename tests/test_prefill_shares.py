@@ -12,6 +12,7 @@ from engine.config import ConfigError, PrefillShares
 from engine.kv.block_pool import BlockPool
 from engine.sampling.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerLimits
+from engine.scheduler.planning import tokens_to_run
 from engine.core.sequence import Sequence
 from engine.core.step import runner_output
 
@@ -207,3 +208,11 @@ def test_a_long_prompt_alone_takes_whole_budgets_at_any_depth():
     assert [ran[long.seq_id] for ran in run.steps] == [BUDGET] * (600 // BUDGET) + [600 % BUDGET]
     short = run.add(8)  # the long one now decodes beside a new prompt: a shared step
     assert run.step() == {long.seq_id: 1, short.seq_id: 8}
+
+
+def test_a_prompt_token_dearer_than_a_whole_budget_still_runs_one_a_step():
+    limits = SchedulerLimits(BUDGET, 16, attention_span=1)
+    seq = Sequence(0, "r0", 0, list(range(400)), 400, SamplingParams(max_tokens=1), 401)
+    seq.num_computed_tokens = 300  # one more token costs 1 + 300: past the budget of 64
+    assert limits.chunk_cost(300, 1) > BUDGET
+    assert tokens_to_run(seq, BUDGET, limits) == 1 and tokens_to_run(seq, 0, limits) == 0

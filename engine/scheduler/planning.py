@@ -74,7 +74,8 @@ def tokens_to_run(seq: Sequence, budget: int, limits: SchedulerLimits, weighted:
         return remaining if remaining <= budget else 0
     if seq.in_decode:
         return min(remaining, budget)
-    return min(remaining, limits.chunk_tokens(seq.num_computed_tokens, budget, weighted))
+    paid = limits.chunk_tokens(seq.num_computed_tokens, budget, weighted)
+    return min(remaining, paid if paid or budget <= 0 else 1)  # a token deeper than a whole budget still runs
 
 
 class RunningPlanner:
