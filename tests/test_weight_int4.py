@@ -162,6 +162,22 @@ def test_dequantize_kernel_is_torch_bit_for_bit(n, k):
     assert torch.equal(cpu_ext.dequantize_int4(packed, scales, k, n // 3, n), ref[n // 3:])
 
 
+def test_dequantize_kernel_keeps_torchs_bits_for_nan_and_huge_scales():
+    """The vector path's rounding (to nearest even) against torch's, lane by lane; a NaN stays a NaN (the kernel
+    writes one quiet NaN, torch keeps the sign the arithmetic gave)."""
+    require_kernels()
+    torch.manual_seed(5)
+    n, k = 48, 96
+    packed, scales = int4_weight(torch.randn(n, k) * 0.05)
+    scales[0, 0, 1], scales[1, 1, 2], scales[0, 2, 17] = float("nan"), float("inf"), 65504.0
+    scales[1, 0, 33] = -3.0e-8  # a subnormal minimum
+    ref = weight_ops.int4_rows(packed, scales, torch.arange(n), k, torch.bfloat16)
+    out = cpu_ext.dequantize_int4(packed, scales, k, 0, n)
+    nan = ref.isnan()
+    assert nan.any() and torch.equal(out.isnan(), nan) and ref.isinf().any()
+    assert torch.equal(out[~nan].view(torch.int16), ref[~nan].view(torch.int16))
+
+
 def product_case(rows: int, n: int, k: int, with_bias: bool):
     """(x, packed, scales, bias) of one seeded product: x with an outlier group (its own scale, the others
     unaffected), weights with a mean off zero (the offsets matter), a bf16 bias or None."""
