@@ -30,13 +30,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def attention_flops(cfg: ModelConfig, tokens: int) -> int:
     """QK^T and PV of a causal prompt: 2 products x 2 FLOPs x (keys each query sees) x heads x head_dim."""
-    windows = cfg.sliding_layers or (False,) * cfg.num_layers
-    total = 0
-    for windowed in windows:
-        span = min(tokens, cfg.sliding_window) if windowed and cfg.sliding_window else tokens
-        seen = sum(min(i + 1, span) for i in range(tokens)) if span < tokens else tokens * (tokens + 1) // 2
-        total += 4 * seen * cfg.num_heads * cfg.head_dim
-    return total
+    pairs = sum(_pairs_seen(tokens, cfg.layer_window(layer)) for layer in range(cfg.num_layers))
+    return 4 * pairs * cfg.num_heads * cfg.head_dim
+
+
+def _pairs_seen(tokens: int, window: int | None) -> int:
+    """Query-key pairs of a causal prompt whose queries each see at most `window` keys (None: all before)."""
+    span = tokens if window is None else min(window, tokens)
+    return span * (span + 1) // 2 + (tokens - span) * span
 
 
 def prefill_flops(cfg: ModelConfig, tokens: int) -> int:

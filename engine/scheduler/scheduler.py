@@ -115,8 +115,10 @@ class Scheduler:
 
     def _shared_step(self) -> bool:
         """Whether more than one sequence may run this step (running, or waiting and ready to start)."""
-        ready = sum(1 for seq in self.queues.waiting if seq.ready_to_admit())
-        return len(self.queues.running) + ready > 1
+        running = len(self.queues.running)
+        if running > 1:
+            return True  # the usual serving step: no walk of the waiting queue
+        return running + sum(1 for seq in self.queues.waiting if seq.ready_to_admit()) > 1
 
     def _log_decisions(self, plan: StepPlan) -> None:
         decodes = [(n, slots) for seq, n, slots in plan.runs if seq.in_decode]
