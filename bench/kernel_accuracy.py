@@ -1,7 +1,7 @@
 """The accuracy gate of the CPU kernels: each kernel path against the plain-torch reference of the same weights.
 
     python -m bench.kernel_accuracy [--model PATH] [--formats bfloat16,int8,int4,auto] [--windows 4] [--length 192]
-        [--kernels shipped,w4a8,w8a8,int4_gemm] [--threads 2] [--json OUT]
+        [--kernels shipped,w4a8,w8a8,int4_gemm,int4_bf16,int8g_bf16] [--threads 2] [--json OUT]
 
 For each weight format the model is loaded twice with identical weights: once on plain torch ops (`TorchBackend`,
 what `--enforce-eager` runs: the format's reference) and once on each kernel set under test. Both are fed the
@@ -17,9 +17,10 @@ GEMV and one-row kernels).
 
 Kernel sets: `shipped` is `CpuKernelBackend()` on this CPU (the shipped dispatch table); `w4a8` / `w8a8` force the
 int8-activation kernels for every row count they take (their scalar loop where this CPU lacks AVX-512 VNNI), to
-measure the activation format itself; `int4_gemm` gives every int4 product up to its row cap
-(CpuKernelConfig.row_caps) to the AVX-512 int4 GEMM, as a measured table may. tests/test_kernel_accuracy.py runs
-`shipped` on the real models (and `int4_gemm` on int4 and `auto` weights).
+measure the activation format itself; `int4_gemm` / `int4_bf16` / `int8g_bf16` give every product of their format
+up to their row cap (CpuKernelConfig.row_caps) to the AVX-512 int4 GEMM / the int4 or int8g product on bf16 dot
+products, as a measured table may. tests/test_kernel_accuracy.py runs `shipped` on the real models (and those on
+the int4 and `auto` weights they serve).
 """
 from __future__ import annotations
 
@@ -51,6 +52,7 @@ from engine.model.loader import ModelSource, load_model, resolve_model  # noqa: 
 
 BLOCK_SIZE = 16
 FORMATS = ("bfloat16", "int8", "int4", "auto")
+GEMMS = {"int4_gemm": "int4", "int4_bf16": "int4", "int8g_bf16": "int8g"}  # kernel set -> the format it serves
 # The gate's bounds (tests/test_kernel_accuracy.py). A kernel computes the same weights as its reference and
 # differs only in rounding order and bf16 intermediates; an activation format that drops information (int8
 # activations of a model with outlier channels) shows as a KL mean several times larger. The KL bound sits
@@ -103,9 +105,9 @@ def kernel_config(kernels: str) -> CpuKernelConfig:
         return CpuKernelConfig()
     if kernels in ("w4a8", "w8a8"):
         return CpuKernelConfig(max_w4a8_rows=1 << 30, max_w8a8_rows=1 << 30, max_int8_rows=1 << 30)
-    if kernels in ("int4_gemm", "floor"):
+    if kernels in GEMMS or kernels == "floor":
         return CpuKernelConfig()
-    raise ValueError(f"unknown kernel set {kernels!r}: shipped, w4a8, w8a8, int4_gemm or floor")
+    raise ValueError(f"unknown kernel set {kernels!r}: shipped, w4a8, w8a8, {', '.join(GEMMS)} or floor")
 
 
 def forced_backend(kernels: str) -> CpuKernelBackend:
@@ -113,10 +115,10 @@ def forced_backend(kernels: str) -> CpuKernelBackend:
     backend = CpuKernelBackend(kernel_config(kernels))
     if kernels == "shipped":
         return backend
-    if kernels == "int4_gemm":
-        cap = backend.config.row_caps()["int4_gemm"]
-        table = dataclasses.replace(backend.dispatch, int4=Route.from_rule(
-            lambda rows: "int4_gemm" if rows <= cap else "linear", (cap,)))
+    if kernels in GEMMS:
+        cap = backend.config.row_caps()[kernels]
+        table = dataclasses.replace(backend.dispatch, **{GEMMS[kernels]: Route.from_rule(
+            lambda rows: kernels if rows <= cap else "linear", (cap,))})
     elif kernels == "floor":
         table = dataclasses.replace(backend.dispatch, **{fmt: Route.only("linear") for fmt in DISPATCH_FORMATS})
         return MemoisedFloor(dataclasses.replace(backend.config, dispatch=table))
@@ -287,7 +289,7 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.kernel_accuracy", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="a GGUF file or HF folder (default: SmolLM2-135M)")
     parser.add_argument("--formats", default=",".join(FORMATS))
-    parser.add_argument("--kernels", default="shipped", help="comma-separated: shipped, w4a8, w8a8, int4_gemm, floor")
+    parser.add_argument("--kernels", default="shipped", help="comma-separated: shipped, w4a8, w8a8, int4_gemm, int4_bf16, int8g_bf16, floor")
     parser.add_argument("--windows", type=int, default=4)
     parser.add_argument("--length", type=int, default=192)
     parser.add_argument("--threads", type=int, default=2)

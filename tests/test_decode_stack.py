@@ -11,8 +11,10 @@ from engine import LLM, SamplingParams
 from engine.backends.attention import AttentionMetadata
 from engine.backends import CpuKernelBackend, TorchBackend
 from engine.backends.dispatch import Route
+from engine.kernels import cpu_ext
 from engine.kv.cache import KVCache
-from engine.model.llama import LlamaModel
+from engine.model.hf_loader import iter_hf_weights, read_hf_config
+from engine.model.llama import LlamaModel, build_model
 from tests.kernel_helpers import kernel_backend, kernel_model, reconfigure, require_kernels
 from tests.kernel_helpers import stack_calls  # noqa: F401 (fixture)
 from tests.tiny_models import write_tiny_model
@@ -197,10 +199,12 @@ def test_stack_rejects_a_slot_outside_the_pages(tiny_model_dir):
         model(torch.tensor([3]), torch.tensor([len(PROMPTS[0])]), meta, kv.layers)
 
 
-def test_stack_runs_int8g_layers(tmp_path, stack_calls, monkeypatch):
+@pytest.mark.parametrize("points", [[(1, "int8g"), (3, "linear")], [(1, "int8g"), (2, "int8g_bf16"), (4, "linear")]],
+                         ids=["int8g", "int8g-bf16-dots"])
+def test_stack_runs_int8g_layers(tmp_path, stack_calls, monkeypatch, points):
     """A GGUF file's K-quant blocks held exactly as int8g (auto on a Q4_K_M-style mix, one layer's q|k|v Q4_0 and so
-    int4): the stack takes the int8g kernel at 1 and 2 rows and the dequantised F.linear past its route, as the
-    Python layers do."""
+    int4): the stack takes the int8g kernels the route names (the weight-only one, the one on bf16 dot products)
+    and the dequantised F.linear past it, as the Python layers do."""
     from engine.model.loader import load_model, resolve_model
     from tests import test_gguf_quants as mixed
     from tests.test_gguf_exact import MIXED
@@ -209,9 +213,29 @@ def test_stack_runs_int8g_layers(tmp_path, stack_calls, monkeypatch):
     mixed.write_mixed_gguf(path, MIXED)
     model = load_model(resolve_model(path), torch.bfloat16, weight_dtype="auto")
     assert model.weight_dtype == "int8g+int4"
-    table = dataclasses.replace(CpuKernelBackend().dispatch, int8g=Route.from_points([(1, "int8g"), (3, "linear")]))
+    if any(kernel == "int8g_bf16" for _, kernel in points) and not cpu_ext.int8g_bf16_vectorized():
+        pytest.skip("built without AVX-512 BF16")
+    table = dataclasses.replace(CpuKernelBackend().dispatch, int8g=Route.from_points(points))
     model.set_backend(kernel_backend(dispatch=table))
     monkeypatch.setitem(globals(), "PROMPTS", [[i % 300 for i in ids] for ids in PROMPTS])  # the GGUF's vocabulary
     for seqs in ([0], [0, 1], [4, 2, 0, 3, 1]):
         stack_calls.clear()
         assert_stack_matches_layers(model, seqs, stack_calls)
+
+
+def test_stack_runs_int4_layers_on_each_int4_kernel(tiny_model_dir, stack_calls, monkeypatch):
+    """int4 weights with a table giving one row to the AVX-512 int4 GEMM, two to the weight-only kernel and three
+    or more to the product on bf16 dot products (where built): the stack takes each where the layers do."""
+    if not cpu_ext.int4_bf16_vectorized():
+        pytest.skip("built without AVX-512 BF16")
+    model = build_model(read_hf_config(tiny_model_dir), iter_hf_weights(tiny_model_dir), torch.bfloat16,
+                        weight_dtype="int4")
+    route = Route.from_points([(1, "int4_gemm"), (2, "int4"), (3, "int4_bf16")])
+    model.set_backend(kernel_backend(dispatch=dataclasses.replace(CpuKernelBackend().dispatch, int4=route)))
+    rows_seen: list[int] = []  # the Python layers' calls (the stack's stay inside C++)
+    kernel = cpu_ext.ops().linear_int4_bf16
+    monkeypatch.setattr(cpu_ext.ops(), "linear_int4_bf16", lambda x, *args: rows_seen.append(len(x)) or kernel(x, *args))
+    for seqs in ([0], [0, 1], [0, 1, 2], [4, 2, 0, 3, 1]):
+        stack_calls.clear()
+        assert_stack_matches_layers(model, seqs, stack_calls)
+    assert {3, 5} <= set(rows_seen) and not {1, 2} & set(rows_seen)

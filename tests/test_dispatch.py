@@ -48,7 +48,8 @@ def faked_candidates(features: tuple[str, ...], config: CpuKernelConfig = CpuKer
 def cost(fmt: str, kernel: str, rows: int) -> float:
     """A fake timer's seconds: the streaming kernels win a few rows, the packed copies more, F.linear the most."""
     fixed, per_row = {"gemv": (1.0, 1.0), "int8": (1.0, 1.2), "int4": (1.0, 0.8), "w8a8": (0.8, 0.9),
-                      "w4a8": (0.8, 0.7), "int4_gemm": (1.2, 0.35), "tiles": (3.0, 0.2), "vectors": (3.5, 0.22),
+                      "w4a8": (0.8, 0.7), "int4_gemm": (1.2, 0.35), "int4_bf16": (2.0, 0.2), "tiles": (3.0, 0.2),
+                      "vectors": (3.5, 0.22), "int8g_bf16": (2.0, 0.25),
                       "onednn": (4.0, 0.3), "int8g": (1.0, 1.1), "linear": (8.0, 0.25)}[kernel]
     return fixed + per_row * rows + (2.0 if fmt != "bf16" and kernel == "linear" else 0.0)
 
@@ -68,10 +69,12 @@ def assert_valid_for(table: DispatchTable, features: tuple[str, ...]) -> None:
 
 def test_each_kind_of_cpu_has_the_kernels_its_features_build():
     int8g = {"int8g": ("int8g", "linear")}  # its vector code needs no more than its scalar loop's build
+    int8g_bf16 = {"int8g": ("int8g", "int8g_bf16", "linear")}
     assert valid_kernels(AMX) == {"bf16": ("gemv", "tiles", "vectors", "onednn", "linear"),
-                                  "int8": ("w8a8", "int8", "linear"), "int4": ("w4a8", "int4", "int4_gemm", "linear"),
-                                  **int8g}
+                                  "int8": ("w8a8", "int8", "linear"),
+                                  "int4": ("w4a8", "int4", "int4_gemm", "int4_bf16", "linear"), **int8g_bf16}
     assert valid_kernels(AVX512_BF16)["bf16"] == ("gemv", "vectors", "onednn", "linear")
+    assert valid_kernels(AVX512_BF16)["int4"] == ("w4a8", "int4", "int4_gemm", "int4_bf16", "linear")
     assert valid_kernels(AVX512) == {"bf16": ("gemv", "onednn", "linear"), "int8": ("w8a8", "int8", "linear"),
                                      "int4": ("w4a8", "int4", "int4_gemm", "linear"), **int8g}
     assert valid_kernels(BASE) == {"bf16": ("gemv", "linear"), "int8": ("int8", "linear"),
@@ -222,13 +225,13 @@ def test_a_table_names_only_its_formats_kernels_and_one_packing():
 
 def project_choice(limits: tuple[int, ...], rows: int, fmt: str, has_copy: bool) -> str:
     """decode_stack.cpp's project() from its row limits (gemv, oneDNN copy, blocks, int8, W8A8, W4A8, int4,
-    int8g, int4 GEMM)."""
-    gemv, packed, tiled, int8, w8a8, w4a8, int4, int8g, int4_gemm = limits
+    int8g, int4 GEMM, int4 and int8g on bf16 dot products)."""
+    gemv, packed, tiled, int8, w8a8, w4a8, int4, int8g, int4_gemm, int4_bf16, int8g_bf16 = limits
     if fmt == "int8g":
-        return "int8g" if rows <= int8g else "linear"
+        return "int8g_bf16" if rows <= int8g_bf16 else "int8g" if rows <= int8g else "linear"
     if fmt == "int4":
-        return ("w4a8" if rows <= w4a8 else "int4_gemm" if rows <= int4_gemm else "int4" if rows <= int4
-                else "linear")
+        return ("w4a8" if rows <= w4a8 else "int4_bf16" if rows <= int4_bf16 else "int4_gemm" if rows <= int4_gemm
+                else "int4" if rows <= int4 else "linear")
     if fmt == "int8":
         return "w8a8" if has_copy and rows <= min(w8a8, int8) else "int8" if rows <= int8 else "linear"
     if has_copy and 2 <= rows <= packed:
@@ -243,9 +246,10 @@ def test_the_decode_stack_limits_make_the_tables_choice_at_every_row_count():
         pytest.skip("no packed copy runs here")
     table = DispatchTable(bf16=Route.from_points([(1, "linear"), (2, packing), (3, "gemv"), (5, "linear")]),
                           int8=Route.from_points([(1, "w8a8"), (3, "int8"), (9, "linear")]),
-                          int4=Route.from_points([(1, "int4"), (2, "w4a8"), (4, "int4_gemm"), (17, "int4"),
-                                                  (20, "linear")]),
-                          int8g=Route.from_points([(1, "int8g"), (7, "linear")]), measured=FORMATS)
+                          int4=Route.from_points([(1, "int4"), (2, "w4a8"), (4, "int4_gemm"), (9, "int4_bf16"),
+                                                  (17, "int4"), (20, "linear")]),
+                          int8g=Route.from_points([(1, "int8g"), (3, "int8g_bf16"), (7, "linear")]),
+                          measured=FORMATS)
     backend = CpuKernelBackend(CpuKernelConfig(dispatch=table))
     for rows in range(1, 40):
         limits = backend.stack_limits(rows)

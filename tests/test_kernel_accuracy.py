@@ -36,10 +36,14 @@ def model_text(request):
 
 
 def kernel_sets(weight_dtype: str) -> list[str]:
-    """The shipped table, and on int4 weights (or `auto`, which may resolve to them) the AVX-512 int4 GEMM at every
-    row count up to its cap, where it runs: a measured table may name it there."""
-    gemm = weight_dtype in ("int4", "auto") and cpu_ext.int4_gemm_vectorized()
-    return ["shipped", "int4_gemm"] if gemm else ["shipped"]
+    """The shipped table, and on int4 weights (or `auto`, which may resolve to them) each int4 GEMM (AVX-512 fp32,
+    AVX-512 BF16 dot products) at every row count up to its cap, where it runs: a measured table may name it there;
+    on `auto` (whose GGUF heads and K-quant layers are int8g) the int8g product on bf16 dot products too."""
+    if weight_dtype not in ("int4", "auto"):
+        return ["shipped"]
+    runs = {"int4_gemm": cpu_ext.int4_gemm_vectorized(), "int4_bf16": cpu_ext.int4_bf16_vectorized(),
+            "int8g_bf16": weight_dtype == "auto" and cpu_ext.int8g_bf16_vectorized()}
+    return ["shipped"] + [kernels for kernels, here in runs.items() if here]
 
 
 @pytest.mark.parametrize("weight_dtype", FORMATS)

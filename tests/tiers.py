@@ -69,6 +69,7 @@ MODULE_TIERS: Mapping[str, Tier] = {
     "test_handoff.py": U,
     "test_host_memory.py": U,  # the allocator test runs in subprocesses: marked process
     "test_int4_gemm.py": E,  # the AVX-512 int4 GEMM against the weight-only kernel, in-process
+    "test_bf16_dots.py": E,  # the int4 and int8g products on bf16 dot products against float64, in-process
     "test_json_grammar.py": E,
     "test_kernel_accuracy.py": P,  # slow: the real models
     "test_kernel_accuracy_rules.py": E,  # the gate's rules; one test builds a kernel backend

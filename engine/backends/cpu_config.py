@@ -106,9 +106,10 @@ class CpuKernelConfig:
 
     def row_caps(self) -> dict[str, int]:
         """The most rows a measured table may give W8A8 and W4A8 (their limits here are an accuracy choice), and the
-        int4 GEMM: max_int4_rows, as the weight-only kernel (past it the gate's KL bound failed on `auto`)."""
+        int4 GEMMs (int4_gemm, int4_bf16): max_int4_rows, as the weight-only kernel (past it the gate's KL bound
+        failed on `auto`); int8g on bf16 dot products: max_int8g_rows, as its weight-only kernel."""
         return {"w8a8": min(self.max_w8a8_rows, self.max_int8_rows), "w4a8": self.max_w4a8_rows,
-                "int4_gemm": self.max_int4_rows}
+                "int4_gemm": self.max_int4_rows, "int4_bf16": self.max_int4_rows, "int8g_bf16": self.max_int8g_rows}
 
     def shipped_table(self, candidates: Mapping[str, tuple[str, ...]]) -> DispatchTable:
         """The table these row limits make among `candidates` (a `candidates` answer): on bf16 weights the packed

@@ -148,17 +148,22 @@ class CpuKernelBackend(TorchBackend):
             return cpu_ext.linear_int4(x, packed, scales, bias, fp32_out)
         if kernel == "int4_gemm":
             return cpu_ext.linear_int4_gemm(x, packed, scales, bias, fp32_out)
+        if kernel == "int4_bf16":
+            return cpu_ext.linear_int4_bf16(x, packed, scales, bias, fp32_out)
         return None
 
     def _int8g_kernel(self, x: torch.Tensor, w: Weight, bias: torch.Tensor | None,
                       fp32_out: bool) -> torch.Tensor | None:
-        if x.dtype not in (torch.bfloat16, torch.float32) or self.dispatch.int8g.kernel(x.shape[0]) != "int8g":
+        kernel = self.dispatch.int8g.kernel(x.shape[0])
+        if kernel == "int8g_bf16" and x.dtype == torch.bfloat16:
+            return cpu_ext.linear_int8g_bf16(x, w.data, w.scale, bias, fp32_out)
+        if x.dtype not in (torch.bfloat16, torch.float32) or kernel != "int8g":
             return None
         return cpu_ext.linear_int8g(x, w.data, w.scale, bias, fp32_out)
 
     def linear_int8g(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
         """The dispatch table's int8g kernel for this row count: the weight-only kernel (the weights exact in
-        registers), or F.linear on chunks of the weight dequantised to bf16 by the kernel's dequantize_int8g.
+        registers) or its GEMM on bf16 dot products, or F.linear on chunks of the weight dequantised to bf16 by the kernel's dequantize_int8g.
         decode_stack.cpp's project() makes the same choice."""
         out = self._int8g_kernel(x, w, w.bias, fp32_out=False)
         if out is not None:
@@ -274,15 +279,16 @@ class CpuKernelBackend(TorchBackend):
         return x, residual
 
     def stack_limits(self, rows: int) -> tuple[int, ...]:
-        """decode_stack.cpp's row limits (gemv, oneDNN copy, blocks, int8, W8A8, W4A8, int4, int8g, int4 GEMM) that
-        make its project() pick linear()'s kernels at `rows` rows: `rows` for the kernel the table names (and for the
-        GEMV behind a packed copy, as linear_float falls back to it), 0 for the rest."""
+        """decode_stack.cpp's row limits (gemv, oneDNN copy, blocks, int8, W8A8, W4A8, int4, int8g, int4 GEMM, int4 and
+        int8g on bf16 dot products) that make its project() pick linear()'s kernels at `rows` rows: `rows` for the kernel the
+        table names (and for the GEMV behind a packed copy, as linear_float falls back to it), 0 for the rest."""
         bf16, int8, int4, int8g = (self.dispatch.route(fmt).kernel(rows) for fmt in ("bf16", "int8", "int4", "int8g"))
         packed = rows if bf16 in PACKED else 0
         gemv = bf16 == "gemv" or (packed and rows <= self.config.max_gemv_rows)  # project(): after the packed copy
         return (rows if gemv else 0, packed, packed, 0 if int8 == "linear" else rows,
                 rows if int8 == "w8a8" else 0, rows if int4 == "w4a8" else 0, 0 if int4 == "linear" else rows,
-                rows if int8g == "int8g" else 0, rows if int4 == "int4_gemm" else 0)
+                rows if int8g == "int8g" else 0, rows if int4 == "int4_gemm" else 0,
+                rows if int4 == "int4_bf16" else 0, rows if int8g == "int8g_bf16" else 0)
 
     def greedy_tokens(self, hidden: torch.Tensor, head: Weight) -> torch.Tensor | None:
         """The argmax as the packed LM head's results come out, where the head is bf16 packed in blocks and the row
@@ -307,7 +313,8 @@ class CpuKernelBackend(TorchBackend):
               "prompt_attention": self.engine is not None, "linear_int8": table.int8.uses("int8"),
               "linear_w8a8": table.int8.uses("w8a8"), "linear_w4a8": table.int4.uses("w4a8"),
               "linear_int4": table.int4.uses("int4"), "linear_int4_gemm": table.int4.uses("int4_gemm"),
-              "linear_int8g": table.int8g.uses("int8g"),
+              "linear_int4_bf16": table.int4.uses("int4_bf16"),
+              "linear_int8g": table.int8g.uses("int8g"), "linear_int8g_bf16": table.int8g.uses("int8g_bf16"),
               "rms_norm": self.elementwise,
               "rotary": self.elementwise, "silu_mul": self.elementwise, "decode_stack": self.stacks}
         return [name for name, used in on.items() if used]
@@ -319,7 +326,8 @@ def available_kernels() -> dict[str, tuple[str, ...]]:
     engines = cpu_ext.matrix_engines()
     runs = {"tiles": "tiles" in engines, "vectors": "vectors" in engines, "onednn": packed_linear.onednn_available(),
             "w8a8": cpu_ext.w8a8_vnni(), "w4a8": cpu_ext.w4a8_vnni(), "int4": cpu_ext.int4_vectorized(),
-            "int4_gemm": cpu_ext.int4_gemm_vectorized()}
+            "int4_gemm": cpu_ext.int4_gemm_vectorized(), "int4_bf16": cpu_ext.int4_bf16_vectorized(),
+            "int8g_bf16": cpu_ext.int8g_bf16_vectorized()}
     return {fmt: tuple(k for k in kernels if runs.get(k, True))
             for fmt, kernels in valid_kernels(cpu_ext.key().features).items()}
 

@@ -13,9 +13,11 @@ The kernels, by format:
 - int8: `w8a8` (activations quantised to int8, VNNI sums), `int8` (codes widened to fp32 in registers), `linear`
   (the weight dequantised to bf16 for F.linear).
 - int4: `w4a8` (activations quantised to int8, VNNI sums), `int4` (weight-only, nibbles widened in registers),
-  `int4_gemm` (int4's sums on AVX-512, each group widened once per 8 rows), `linear` (dequantised to bf16 in chunks
-  for F.linear).
-- int8g: `int8g` (weight-only, the codes dequantised exactly in registers against fp32 activations), `linear`.
+  `int4_gemm` (int4's sums on AVX-512, each group widened once per 8 rows), `int4_bf16` (weight-only on AVX-512 BF16
+  dot products: the codes, exact in bf16, widened once per call), `linear` (dequantised to bf16 in chunks for
+  F.linear).
+- int8g: `int8g` (weight-only, the codes dequantised exactly in registers against fp32 activations), `int8g_bf16`
+  (weight-only on AVX-512 BF16 dot products, as int4_bf16), `linear`.
 Pure: no torch, no timing.
 """
 from __future__ import annotations
@@ -29,8 +31,8 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 FORMATS = ("bf16", "int8", "int4", "int8g")
 KERNELS: Mapping[str, tuple[str, ...]] = {"bf16": ("gemv", "tiles", "vectors", "onednn", "linear"),
                                           "int8": ("w8a8", "int8", "linear"),
-                                          "int4": ("w4a8", "int4", "int4_gemm", "linear"),
-                                          "int8g": ("int8g", "linear")}
+                                          "int4": ("w4a8", "int4", "int4_gemm", "int4_bf16", "linear"),
+                                          "int8g": ("int8g", "int8g_bf16", "linear")}
 ENGINES = ("tiles", "vectors")  # the packed blocks' engines, as cpu_ext.matrix_engines names them
 PACKED = frozenset({"tiles", "vectors", "onednn"})  # on a packed copy of the weight: 2+ rows (one row: not these)
 _AVX512 = ("avx512f", "avx512bw", "avx512vl")
@@ -41,7 +43,8 @@ NEEDS: Mapping[str, tuple[str, ...]] = {
     "gemv": (), "linear": (), "int8": (), "int8g": (),
     "tiles": ("amx-tile", "amx-bf16", "avx512bf16", "avx512bw"), "vectors": ("avx512bf16", "avx512bw"),
     "onednn": ("avx512f",), "w8a8": _AVX512 + ("avx512vnni",), "w4a8": _AVX512 + ("avx512vnni",),
-    "int4": ("avx2", "fma", "f16c"), "int4_gemm": _AVX512}
+    "int4": ("avx2", "fma", "f16c"), "int4_gemm": _AVX512,
+    "int4_bf16": _AVX512 + ("avx512bf16",), "int8g_bf16": _AVX512 + ("avx512bf16",)}
 # A row-streaming kernel (one pass over the weight per few rows) only loses ground to a GEMM as rows grow: once it
 # takes this many times the best kernel's time at one row count, larger row counts do not time it (the factor
 # leaves room for a noisy median; the row counts it keeps timing are the cheap ones).

@@ -6,10 +6,11 @@ for which product, step or row count is engine/backends/cpu_kernels.py's decisio
   batches).
 - `linear_int8`: the same for int8 weights with per-output-channel scales, widened to fp32 in registers.
 - `linear_w8a8`: the same int8 weights against each row of x quantised to int8, int32 sums on AVX-512 VNNI.
-- `linear_w4a8` / `linear_int4` / `linear_int4_gemm` / `dequantize_int4`: int4 weights with group scales and offsets, on int8 or on
-  fp32 activations; and to bf16 rows.
-- `linear_int8g` / `dequantize_int8g`: int8g weights (int8 codes, fp32 scales and offsets per 16 along K, a GGUF
-  file's values exactly) against fp32 activations; and to bf16 rows.
+- `linear_w4a8` / `linear_int4` / `linear_int4_gemm` / `linear_int4_bf16` / `dequantize_int4`: int4 weights with
+  group scales and offsets, on int8, fp32 or (bf16 dot products) bf16 activations; and to bf16 rows.
+- `linear_int8g` / `linear_int8g_bf16` / `dequantize_int8g`: int8g weights (int8 codes, fp32 scales and offsets
+  per 16 along K, a GGUF file's values exactly) against fp32 (or, bf16 dot products, bf16) activations; and to bf16
+  rows.
 - `decode_attention_bf16` / `_fp8`: one query a row against its context read in place from the pages through its
   block table (no gather copy, no padding mask); fp8 pages decoded to bf16 in registers.
 - `rms_norm` (+ the residual add), `silu_mul`, `rotary_`: one pass each instead of 3-10 torch ops, rounding to
@@ -153,6 +154,19 @@ def int4_gemm_vectorized() -> bool:
     return bool(ops().int4_gemm_vectorized())
 
 
+def linear_int4_bf16(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+                     bias: torch.Tensor | None = None, fp32_out: bool = False) -> torch.Tensor:
+    """linear_int4's product (the file's weights, never rounded) on AVX-512 BF16 dot products for many rows: the
+    codes, exact in bf16, widened once per call; fp32 sums in another order than linear_int4's."""
+    return ops().linear_int4_bf16(x, packed, scales, bias, fp32_out)
+
+
+@functools.cache
+def int4_bf16_vectorized() -> bool:
+    """Whether linear_int4_bf16 was built on AVX-512 BF16 here (elsewhere it runs linear_int4_gemm: tests only)."""
+    return bool(ops().int4_bf16_vectorized())
+
+
 def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, k: int, begin: int, end: int) -> torch.Tensor:
     """Output channels [begin, end) of an int4 weight of K columns -> bf16 [end - begin, K], quant.int4_rows'
     bits."""
@@ -171,6 +185,19 @@ def linear_int8g(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bia
     or s and z), bias [N] -> [M, N] bf16 (fp32 with fp32_out) = x W^T + bias with W = s q (+ z) rounded once in
     fp32 (the file's values exactly), every sum in fp32 against x in fp32."""
     return ops().linear_int8g(x, codes, scales, bias, fp32_out)
+
+
+def linear_int8g_bf16(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
+                      fp32_out: bool = False) -> torch.Tensor:
+    """linear_int8g's product (s q + z never rounded) on AVX-512 BF16 dot products for many rows: the codes, exact
+    in bf16, widened once per call; fp32 sums in another order than linear_int8g's."""
+    return ops().linear_int8g_bf16(x, codes, scales, bias, fp32_out)
+
+
+@functools.cache
+def int8g_bf16_vectorized() -> bool:
+    """Whether linear_int8g_bf16 was built on AVX-512 BF16 here (elsewhere it runs linear_int8g: tests only)."""
+    return bool(ops().int8g_bf16_vectorized())
 
 
 def dequantize_int8g(codes: torch.Tensor, scales: torch.Tensor, k: int, begin: int, end: int) -> torch.Tensor:

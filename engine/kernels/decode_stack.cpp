@@ -37,10 +37,14 @@ torch::Tensor linear_int4(torch::Tensor x, torch::Tensor packed, torch::Tensor s
                           const std::optional<torch::Tensor>& bias, bool fp32_out = false);
 torch::Tensor linear_int4_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
                                const std::optional<torch::Tensor>& bias, bool fp32_out = false);
+torch::Tensor linear_int4_bf16(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
+                               const std::optional<torch::Tensor>& bias, bool fp32_out = false);
 torch::Tensor dequantize_int4(torch::Tensor packed, torch::Tensor scales, int64_t k, int64_t begin, int64_t end);
 // int8_grouped.cpp
 torch::Tensor linear_int8g(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
                            const std::optional<torch::Tensor>& bias, bool fp32_out = false);
+torch::Tensor linear_int8g_bf16(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
+                                const std::optional<torch::Tensor>& bias, bool fp32_out = false);
 torch::Tensor dequantize_int8g(torch::Tensor codes, torch::Tensor scales, int64_t k, int64_t begin, int64_t end);
 
 namespace {
@@ -89,6 +93,8 @@ struct RowLimits {
   int64_t int4;  // rows an int4 weight takes on linear_int4 (past w4a8's); more dequantise it to bf16 for at::linear
   int64_t int8g;  // rows an int8g weight takes on linear_int8g; more dequantise it to bf16 for at::linear
   int64_t int4_gemm;  // rows an int4 weight takes on linear_int4_gemm (before linear_int4's)
+  int64_t int4_bf16;  // rows an int4 weight takes on linear_int4_bf16 (before linear_int4_gemm's)
+  int64_t int8g_bf16;  // rows an int8g weight takes on linear_int8g_bf16 (before linear_int8g's)
 };
 
 // engine/model/llama.py `linear` with the kernels on: the packed weight for 2..limits.tiled rows (packed blocks)
@@ -98,12 +104,14 @@ torch::Tensor project(const Projection& p, const torch::Tensor& x, const RowLimi
   const int64_t rows = x.size(0);
   if (p.scale && p.weight.scalar_type() == at::kByte) {
     if (rows <= limits.w4a8) return linear_w4a8(x, p.weight, *p.scale, p.bias);
+    if (rows <= limits.int4_bf16) return linear_int4_bf16(x, p.weight, *p.scale, p.bias);
     if (rows <= limits.int4_gemm) return linear_int4_gemm(x, p.weight, *p.scale, p.bias);
     if (rows <= limits.int4) return linear_int4(x, p.weight, *p.scale, p.bias);
     const int64_t n = p.scale->size(2);
     return at::linear(x, dequantize_int4(p.weight, *p.scale, x.size(1), 0, n), p.bias);
   }
   if (p.scale && p.scale->dim() == 3) {
+    if (rows <= limits.int8g_bf16) return linear_int8g_bf16(x, p.weight, *p.scale, p.bias);
     if (rows <= limits.int8g) return linear_int8g(x, p.weight, *p.scale, p.bias);
     return at::linear(x, dequantize_int8g(p.weight, *p.scale, x.size(1), 0, p.weight.size(0)), p.bias);
   }
@@ -161,14 +169,15 @@ class DecodeStack {
                                      int64_t max_gemv_rows, int64_t max_packed_rows, int64_t max_tiled_rows,
                                      int64_t max_int8_rows, int64_t max_w8a8_rows, int64_t max_w4a8_rows,
                                      int64_t max_int4_rows, int64_t max_int8g_rows,
-                                     int64_t max_int4_gemm_rows) const {
+                                     int64_t max_int4_gemm_rows, int64_t max_int4_bf16_rows,
+                                     int64_t max_int8g_bf16_rows) const {
     TORCH_CHECK(!kv.empty() && kv.size() <= layers_.size(), "DecodeStack: ", kv.size(), " layers of pages for ",
                 layers_.size(), " layers");
     const Step step{cos.reshape({cos.size(0), -1}), sin.reshape({sin.size(0), -1}), std::move(slot_mapping),
                     std::move(block_tables), std::move(context_lens),
                     RowLimits{max_gemv_rows, max_packed_rows, max_tiled_rows, max_int8_rows,
                               std::min(max_w8a8_rows, max_int8_rows), max_w4a8_rows, max_int4_rows,
-                              max_int8g_rows, max_int4_gemm_rows}};
+                              max_int8g_rows, max_int4_gemm_rows, max_int4_bf16_rows, max_int8g_bf16_rows}};
     torch::Tensor residual = no_residual_;
     for (size_t i = 0; i < kv.size(); ++i) {
       const Layer& layer = layers_[i];

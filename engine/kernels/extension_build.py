@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
 SOURCES = tuple(HERE / name for name in ("cpu_ext.cpp", "decode_stack.cpp", "tiled_linear.cpp", "prompt_attention.cpp",
                                               "int8_linear.cpp", "int4_linear.cpp", "int8_grouped.cpp"))
-HEADERS = tuple(HERE / name for name in ("activation_quant.h", "amx.h", "parallel.h", "vec.h"))
+HEADERS = tuple(HERE / name for name in ("activation_quant.h", "amx.h", "bf16_dots.h", "parallel.h", "vec.h"))
 # -fopenmp: at::parallel_for is inline OpenMP; the extension then binds to the libgomp torch already loaded.
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
 LDFLAGS = ("-fopenmp",)

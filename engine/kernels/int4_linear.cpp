@@ -7,6 +7,9 @@
 //   activations (AVX2, FMA and F16C), so the activations keep all their bits.
 // - linear_int4_gemm: linear_int4's arithmetic on AVX-512 for any row count: each group of a 16-channel block
 //   widened once per pass of up to 8 rows (a 16-float table lookup per nibble position), every value the same.
+// - linear_int4_bf16: the weight-only product for many rows on AVX-512 BF16 dot products (bf16_dots.h): the
+//   codes, exact in bf16, widened once per call and multiplied by vdpbf16ps against the bf16 activations, 32
+//   products an instruction where linear_int4_gemm's fp32 FMAs do 16.
 // - dequantize_int4: rows of the weight to bf16, for the larger row counts that take at::linear (prefill).
 // Figures: docs/performance.md, "int8 and int4 weights" (python -m bench.weight_quant).
 //
@@ -35,6 +38,7 @@
 #include <vector>
 
 #include "activation_quant.h"
+#include "bf16_dots.h"
 #include "parallel.h"
 #include "vec.h"
 
@@ -367,6 +371,45 @@ void gemm_pass(int64_t rows, const Int4Weights& w, const FloatRows& x, int64_t f
   }
 }
 
+// ---- linear_int4_bf16: the weight-only product on bf16 dot products (bf16_dots.h) --------------------------
+//
+// Widening: vpermw looks each 16-bit lane's low 5 bits up in a table of bf16(0..15) (twice over, so bit 4 is
+// ignored). A slice's dword lane holds bytes b0..b3 of one channel (k = 4t + j low nibbles, 16 + 4t + j high), so
+// the words of v >> {0, 8, 4, 12} hold the codes of k = (4t, 4t + 2), (4t + 1, 4t + 3), (16 + 4t, 16 + 4t + 2),
+// (16 + 4t + 1, 16 + 4t + 3): four vectors of pairs for 3 shifts and 4 lookups. kPairOrder is that order.
+#if defined(CPU_EXT_BF16_DOTS)
+constexpr int kPairOrder[kGroup] = {0, 2, 1, 3, 16, 18, 17, 19, 4, 6, 5, 7, 20, 22, 21, 23,
+                                    8, 10, 9, 11, 24, 26, 25, 27, 12, 14, 13, 15, 28, 30, 29, 31};
+
+// Groups [g0, g0 + count) of block `block` -> codes [count, 16 pairs, 16 channels] and scales [count, 2, 16].
+void widen_int4(const Int4Weights& w, int64_t block, int64_t g0, int64_t count, uint32_t* codes, float* scales) {
+  const __m512i table = _mm512_set_epi16(
+      0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000,
+      0x3F80, 0x0000, 0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0, 0x4080,
+      0x4040, 0x4000, 0x3F80, 0x0000);
+  const int64_t n0 = block * kChannels;
+  const __mmask16 mask = cpu_ext::lanes_below(w.n - n0);
+  const bool ahead = (block + cpu_ext::dots::kBlocks) * kChannels < w.n;  // the next pair of blocks, into L2 under
+  for (int64_t i = 0; i < count; ++i) {                                     // this pair's products
+    const int64_t g = g0 + i;
+    const uint8_t* bytes = w.packed + (block * w.groups + g) * kGroupBytes;
+    if (ahead)
+      for (int64_t t = 0; t < 4; ++t)
+        _mm_prefetch(bytes + cpu_ext::dots::kBlocks * w.groups * kGroupBytes + t * 64, _MM_HINT_T1);
+    for (int64_t t = 0; t < 4; ++t) {
+      const __m512i v = _mm512_loadu_si512(bytes + t * 64);
+      uint32_t* dst = codes + (i * kGroup / 2 + 4 * t) * kChannels;
+      _mm512_storeu_si512(dst, _mm512_permutexvar_epi16(v, table));
+      _mm512_storeu_si512(dst + kChannels, _mm512_permutexvar_epi16(_mm512_srli_epi32(v, 8), table));
+      _mm512_storeu_si512(dst + 2 * kChannels, _mm512_permutexvar_epi16(_mm512_srli_epi32(v, 4), table));
+      _mm512_storeu_si512(dst + 3 * kChannels, _mm512_permutexvar_epi16(_mm512_srli_epi32(v, 12), table));
+    }
+    _mm512_storeu_ps(scales + i * 32, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, w.scale + g * w.n + n0)));
+    _mm512_storeu_ps(scales + i * 32 + 16, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, w.offset + g * w.n + n0)));
+  }
+}
+#endif
+
 void check_int4(const torch::Tensor& packed, const torch::Tensor& scales, int64_t k, const char* name) {
   TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.dim() == 3 && scales.size(0) == 2 && scales.is_contiguous(),
               name, ": scales must be fp16 [2, G, N]");
@@ -478,16 +521,37 @@ torch::Tensor linear_int4_gemm(torch::Tensor x, torch::Tensor packed, torch::Ten
   return out;
 }
 
-#if defined(CPU_EXT_INT4_AVX512)
-// 16 fp32 -> 16 bf16, to_bf16's rounding (nearest even; NaN to 0x7FC0), on AVX-512F integer lanes.
-inline __m256i bf16_round(__m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
-  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-  return _mm512_cvtepi32_epi16(rounded);
+// x [M, K] bf16, packed and scales as above, bias [N] or None -> [M, N] bf16 or (fp32_out) fp32: the weight-only
+// product on bf16 dot products (elsewhere linear_int4_gemm: tests only). The threads claim pairs of 16-channel
+// blocks and run every row over a pair before the next, so each weight is widened once a call.
+torch::Tensor linear_int4_bf16(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
+                               const std::optional<torch::Tensor>& bias, bool fp32_out) {
+#if defined(CPU_EXT_BF16_DOTS)
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "linear_int4_bf16: x must be bf16 [M, K]");
+  const int64_t m = x.size(0), k = x.size(1);
+  check_int4(packed, scales, k, "linear_int4_bf16");
+  const int64_t n = scales.size(2), groups = scales.size(1);
+  torch::Tensor out = output_rows(x, m, n, fp32_out);
+  if (m == 0 || n == 0) return out;
+  torch::Tensor bf;
+  if (bias && bias->numel()) {
+    TORCH_CHECK(bias->numel() == n, "linear_int4_bf16: bias must be [N]");
+    bf = bias->to(torch::kFloat32).contiguous();
+  }
+  const auto* half = scales.data_ptr<at::Half>();
+  const Int4Weights w{packed.data_ptr<uint8_t>(), half, half + groups * n, nullptr, n, groups};
+  const cpu_ext::dots::PairRows rows = cpu_ext::dots::pair_rows(x, groups, kGroup, kPairOrder);
+  const auto widen = [&](int64_t block, int64_t g0, int64_t count, uint32_t* codes, float* group_scales) {
+    widen_int4(w, block, g0, count, codes, group_scales);
+  };
+  cpu_ext::dots::run<kGroup / 2, true>(rows, n, bf.defined() ? bf.data_ptr<float>() : nullptr, out_rows(out), widen);
+  return out;
+#else
+  return linear_int4_gemm(x, packed, scales, bias, fp32_out);
+#endif
 }
 
+#if defined(CPU_EXT_INT4_AVX512)
 // One whole group of a row: its 16 bytes (4 runs of 4, 64 bytes apart) -> 32 bf16, low nibbles first.
 inline void dequantize_group(const uint8_t* bytes, float s, float z, uint16_t* dst) {
   int32_t runs[4];
@@ -498,8 +562,8 @@ inline void dequantize_group(const uint8_t* bytes, float s, float z, uint16_t* d
   const __m512 scale = _mm512_set1_ps(s), zero = _mm512_set1_ps(z);
   const __m512 lo = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(low)), zero);  // s * q exact
   const __m512 hi = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(high)), zero);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), bf16_round(lo));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16), bf16_round(hi));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), cpu_ext::bf16_round(lo));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16), cpu_ext::bf16_round(hi));
 }
 #endif
 
@@ -559,6 +623,15 @@ bool int4_gemm_vectorized() {
 #endif
 }
 
+// Whether linear_int4_bf16 runs on AVX-512 BF16 here (else on linear_int4_gemm: tests only).
+bool int4_bf16_vectorized() {
+#if defined(CPU_EXT_BF16_DOTS)
+  return true;
+#else
+  return false;
+#endif
+}
+
 // Whether linear_w4a8 runs on VNNI here (else on its scalar loop, which only tests should take).
 bool w4a8_vnni() {
 #if defined(CPU_EXT_INT4_VNNI)
@@ -573,6 +646,8 @@ TORCH_LIBRARY_FRAGMENT(phase_serve, m) {
   m.def("linear_int4(Tensor x, Tensor packed, Tensor scales, Tensor? bias, bool fp32_out=False) -> Tensor");
   m.def("linear_int4_gemm(Tensor x, Tensor packed, Tensor scales, Tensor? bias, bool fp32_out=False) -> Tensor");
   m.def("int4_gemm_vectorized() -> bool", &int4_gemm_vectorized);
+  m.def("linear_int4_bf16(Tensor x, Tensor packed, Tensor scales, Tensor? bias, bool fp32_out=False) -> Tensor");
+  m.def("int4_bf16_vectorized() -> bool", &int4_bf16_vectorized);
   m.def("dequantize_int4(Tensor packed, Tensor scales, int k, int begin, int end) -> Tensor");
   m.def("w4a8_vnni() -> bool", &w4a8_vnni);
   m.def("int4_vectorized() -> bool", &int4_vectorized);
@@ -582,5 +657,6 @@ TORCH_LIBRARY_IMPL(phase_serve, CPU, m) {
   m.impl("linear_w4a8", &linear_w4a8);
   m.impl("linear_int4", &linear_int4);
   m.impl("linear_int4_gemm", &linear_int4_gemm);
+  m.impl("linear_int4_bf16", &linear_int4_bf16);
   m.impl("dequantize_int4", &dequantize_int4);
 }

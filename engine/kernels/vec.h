@@ -13,6 +13,15 @@ inline __mmask16 lanes_below(int64_t n) {
   return n >= 16 ? 0xFFFF : n <= 0 ? 0 : static_cast<__mmask16>((1u << n) - 1);
 }
 
+// 16 fp32 -> 16 bf16, to_bf16's rounding (nearest even; NaN to 0x7FC0), on AVX-512F integer lanes.
+inline __m256i bf16_round(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(rounded);
+}
+
 // exp(x) to about 1 ulp (degree-7 Taylor on |r| <= ln2/2, then 2^n by scalef); exactly 0 below -103
 // (where the true value is under fp32's smallest denormal) and for -inf.
 inline __m512 exp512(__m512 x) {

@@ -1,0 +1,164 @@
+"""The int4 and int8g products on AVX-512 BF16 dot products (engine/kernels/bf16_dots.h: int4_linear.cpp
+linear_int4_bf16, int8_grouped.cpp linear_int8g_bf16): the fp32 sums within their own rounding of the float64 product
+of x and the file's weights (never rounded to bf16; int8g: gguf's own dequantised values of every block type), the
+bf16 result those sums rounded once, at every row count (passes of 1-6 rows split evenly), odd channel counts, K off
+a group, K past one chunk of widened groups; each row on its own; clear errors; and the backend and the decode
+stack's limits send a table's rows to each."""
+from __future__ import annotations
+
+import dataclasses
+
+import gguf
+import pytest
+import torch
+
+from engine.backends import CpuKernelBackend
+from engine.backends.cpu_config import CpuKernelConfig
+from engine.backends.dispatch import Route
+from engine.kernels import cpu_ext
+from tests.kernel_helpers import require_kernels
+from tests.test_gguf_exact import TYPES, file_blocks, int8g_weight
+from tests.test_weight_int4 import dequantised, int4_weight, product_case
+
+ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 11, 13, 32, 37, 64]
+# (N, K): one pair of 16-channel blocks and a lone one, channels past N in the last block, K off a group (padded
+# codes), K under one group, 66 groups (two chunks of widened groups)
+SHAPES = [(200, 576), (33, 100), (1, 17), (130, 15), (96, 1536), (48, 2112)]
+INT4_BF16_LIMIT, INT8G_BF16_LIMIT = 9, 10  # their places among CpuKernelBackend.stack_limits' row limits
+
+
+def require_bf16_dots() -> None:
+    require_kernels()
+    if not (cpu_ext.int4_bf16_vectorized() and cpu_ext.int8g_bf16_vectorized()):
+        pytest.skip("built without AVX-512 BF16 (the ops then run linear_int4_gemm and linear_int8g)")
+
+
+def assert_fp32_sums(got: torch.Tensor, x: torch.Tensor, weights: torch.Tensor, bias, where) -> None:
+    """got (fp32) within fp32 additions' rounding of the float64 product: 2^-16 of sum |x w| covers a few dozen
+    groups' sums; one wrong code or a row from the wrong pass lands far outside it (about sum |x w| / K)."""
+    ref = x.double() @ weights.T + (0 if bias is None else bias.double())
+    bound = (x.double().abs() @ weights.abs().T) * 2 ** -16 + ref.abs() * 2 ** -23
+    assert got.dtype == torch.float32 and ((got.double() - ref).abs() <= bound).all(), where
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_sums_are_the_exact_product_and_bf16_is_them_rounded_once(n, k, with_bias):
+    require_bf16_dots()
+    for rows in ROWS:
+        x, packed, scales, bias = product_case(rows, n, k, with_bias)
+        sums = cpu_ext.linear_int4_bf16(x, packed, scales, bias, True)
+        assert_fp32_sums(sums, x, dequantised(packed, scales, k), bias, (rows, n, k))
+        rounded = cpu_ext.linear_int4_bf16(x, packed, scales, bias)
+        assert rounded.dtype == torch.bfloat16 and torch.equal(rounded, sums.to(torch.bfloat16)), (rows, n, k)
+
+
+def test_each_row_is_its_own_whatever_pass_it_lands_in():
+    """21 rows run as passes of 6, 5, 5, 5; alone, a row is a pass of 1: the same bits."""
+    require_bf16_dots()
+    torch.manual_seed(11)
+    x = torch.randn(21, 300).to(torch.bfloat16)
+    packed, scales = int4_weight(torch.randn(70, 300))
+    batched = cpu_ext.linear_int4_bf16(x, packed, scales)
+    for r in range(21):
+        assert torch.equal(cpu_ext.linear_int4_bf16(x[r:r + 1], packed, scales), batched[r:r + 1]), r
+    assert torch.equal(cpu_ext.linear_int4_bf16(x[:0], packed, scales), batched[:0])
+
+
+def test_nan_and_inf_reach_the_output():
+    require_bf16_dots()
+    x, packed, scales, _ = product_case(3, 40, 64, False)
+    x[1, 5] = float("nan")
+    x[2, 7] = float("inf")
+    out = cpu_ext.linear_int4_bf16(x, packed, scales)
+    assert out[1].isnan().all() and not out[0].isnan().any()
+    assert (out[2].isinf() | out[2].isnan()).all()
+
+
+def test_bad_arguments_are_refused_by_name():
+    require_bf16_dots()
+    x, packed, scales, _ = product_case(2, 70, 100, False)
+    with pytest.raises(RuntimeError, match="groups"):
+        cpu_ext.linear_int4_bf16(x, packed, scales[:, :1].contiguous())
+    with pytest.raises(RuntimeError, match="bias"):
+        cpu_ext.linear_int4_bf16(x, packed, scales, torch.zeros(3))
+    with pytest.raises(RuntimeError, match="x must be bf16"):
+        cpu_ext.linear_int4_bf16(x.float(), packed, scales)
+
+
+def test_a_table_naming_it_runs_it_and_the_stack_limits_say_so(monkeypatch):
+    require_bf16_dots()
+    rows_seen: list[int] = []
+    kernel = cpu_ext.ops().linear_int4_bf16
+    monkeypatch.setattr(cpu_ext.ops(), "linear_int4_bf16", lambda x, *args: rows_seen.append(len(x)) or kernel(x, *args))
+    base = CpuKernelBackend().dispatch
+    table = dataclasses.replace(base, int4=Route.from_points([(1, "int4_gemm"), (4, "int4_bf16"), (33, "linear")]),
+                                measured=("int4",))
+    backend = CpuKernelBackend(CpuKernelConfig(dispatch=table))
+    assert "linear_int4_bf16" in backend.kernels()
+    packed, scales = int4_weight(torch.randn(70, 100) * 0.05)
+    w = backend.prepare_linear(packed, None, scales)
+    for rows in (1, 3, 4, 32, 33):
+        backend.linear(torch.randn(rows, 100).to(torch.bfloat16), w)
+    assert rows_seen == [4, 32]
+    assert backend.stack_limits(8)[INT4_BF16_LIMIT] == 8 and backend.stack_limits(2)[INT4_BF16_LIMIT] == 0
+
+
+# ---- int8g -----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_int8g_sums_are_the_product_with_gguf_values(qtype):
+    """Every block type the int8g format holds (scales only, or scales and offsets), rows 1-33 (tails of a block's
+    16 channels: 40 = 2 x 16 + 8), against x times gguf's own dequantised weights."""
+    require_bf16_dots()
+    data = file_blocks(gguf.GGMLQuantizationType[qtype], rows=40, k=512)
+    codes, scales = int8g_weight(data, gguf.GGMLQuantizationType[qtype])
+    weights = torch.from_numpy(gguf.quants.dequantize(data, gguf.GGMLQuantizationType[qtype])).double()
+    bias = torch.randn(40)
+    for rows in (1, 2, 5, 6, 7, 13, 33):
+        x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+        sums = cpu_ext.linear_int8g_bf16(x, codes, scales, bias, True)
+        assert_fp32_sums(sums, x, weights, bias, (qtype, rows))
+        assert torch.equal(cpu_ext.linear_int8g_bf16(x, codes, scales, bias), sums.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("n,k", [(40, 100), (1, 17), (70, 4200)])  # K off a group; one channel; 263 groups: 3 chunks
+def test_int8g_odd_shapes_and_rows_on_their_own(n, k):
+    require_bf16_dots()
+    gen = torch.Generator().manual_seed(n + k)
+    groups = -(-k // 16)
+    codes = torch.randint(-127, 128, (n, groups * 16), generator=gen, dtype=torch.int8)
+    codes[:, k:] = 0
+    scales = torch.rand(2, n, groups, generator=gen) * 0.01 - 0.002
+    weights = (codes.double().view(n, groups, 16) * scales[0].double().unsqueeze(2)
+               + scales[1].double().unsqueeze(2)).view(n, -1)[:, :k]
+    x = torch.randn(9, k, generator=gen).to(torch.bfloat16)
+    sums = cpu_ext.linear_int8g_bf16(x, codes, scales, None, True)
+    assert_fp32_sums(sums, x, weights, None, (n, k))
+    for r in (0, 4, 8):
+        assert torch.equal(cpu_ext.linear_int8g_bf16(x[r:r + 1], codes, scales, None, True), sums[r:r + 1])
+    with pytest.raises(RuntimeError, match="x must be bf16"):
+        cpu_ext.linear_int8g_bf16(x.float(), codes, scales)
+    with pytest.raises(RuntimeError, match="scales must be"):
+        cpu_ext.linear_int8g_bf16(x, codes, scales[:, :, :1].contiguous())
+
+
+def test_a_table_naming_int8g_bf16_runs_it_and_the_stack_limits_say_so(monkeypatch):
+    require_bf16_dots()
+    rows_seen: list[int] = []
+    kernel = cpu_ext.ops().linear_int8g_bf16
+    monkeypatch.setattr(cpu_ext.ops(), "linear_int8g_bf16",
+                        lambda x, *args: rows_seen.append(len(x)) or kernel(x, *args))
+    base = CpuKernelBackend().dispatch
+    table = dataclasses.replace(base, int8g=Route.from_points([(1, "int8g"), (3, "int8g_bf16"), (17, "linear")]),
+                                measured=("int8g",))
+    backend = CpuKernelBackend(CpuKernelConfig(dispatch=table))
+    assert "linear_int8g_bf16" in backend.kernels()
+    codes, scales = int8g_weight(file_blocks(gguf.GGMLQuantizationType.Q8_0, rows=24, k=512),
+                                 gguf.GGMLQuantizationType.Q8_0)
+    w = backend.prepare_linear(codes, None, scales)
+    for rows in (1, 2, 3, 16, 17):
+        backend.linear(torch.randn(rows, 512).to(torch.bfloat16), w)
+    assert rows_seen == [3, 16]
+    assert backend.stack_limits(8)[INT8G_BF16_LIMIT] == 8 and backend.stack_limits(2)[INT8G_BF16_LIMIT] == 0
