@@ -473,3 +473,40 @@ def test_the_builder_measures_the_models_shapes_and_reports_progress(tiny_model_
     assert len(calls) == timed  # the second engine reads the first one's table
     shipped_engine = build_engine_core(EngineConfig(**options, kernel_dispatch="shipped"))
     assert shipped_engine.runner.backend.dispatch.source == "shipped" and len(calls) == timed
+
+
+def test_the_timer_runs_a_format_on_its_own_shapes():
+    """int8g timed on its own [48, 32] (inputs of K 32) while bf16 takes the layers' [32, 64]: mixing them up would
+    fail the product's shape check."""
+    require_kernels()
+    workload = Workload(((32, 64),), ("bf16", "int8g"), 4, own_shapes=(("int8g", ((48, 32),)),))
+    timer = KernelTimer(CpuKernelConfig(), workload)
+    assert timer("bf16", "gemv", 2) > 0 and timer("int8g", "int8g", 2) > 0 and timer("bf16", "gemv", 2) > 0
+    with pytest.raises(ValueError, match="own shapes"):
+        Workload(((32, 64),), ("bf16",), 4, own_shapes=(("int8g", ((48, 32),)),))
+
+
+def test_a_format_only_the_head_has_is_timed_on_the_heads_shape(tmp_path):
+    """A GGUF of Q4_0 layers and a Q8_0 head (SmolLM2's mix): `auto` holds int4 layers and an int8g head, and the
+    measurement times int8g on the head's [V, H] alone, int4 on the layers' shapes; where the head shares its
+    layers' format it adds no shape."""
+    import gguf
+
+    from engine.model.loader import load_model, resolve_model
+    from tests import test_gguf_quants as mixed
+
+    q = gguf.GGMLQuantizationType
+    types = {"token_embd.weight": q.Q8_0, "output.weight": q.Q8_0,
+             **{f"blk.{i}.{part}.weight": q.Q4_0 for i in range(mixed.LAYERS) for part in mixed.SHAPES}}
+    path = tmp_path / "m.gguf"
+    mixed.write_mixed_gguf(path, types)
+    model = load_model(resolve_model(path), torch.bfloat16, weight_dtype="auto")
+    workload = kernel_workload(model, 32)
+    assert workload.formats == ("int4", "int8g")
+    assert workload.shapes_of("int8g") == ((model.cfg.vocab_size, model.cfg.hidden_size),)
+    assert workload.shapes_of("int4") == workload.shapes and (model.cfg.vocab_size, model.cfg.hidden_size) not in \
+        workload.shapes
+    assert workload.to_key()["own_shapes"] == {"int8g": [[model.cfg.vocab_size, model.cfg.hidden_size]]}
+    int4_everywhere = load_model(resolve_model(path), torch.bfloat16, weight_dtype="int4")
+    same = kernel_workload(int4_everywhere, 32)
+    assert same.formats == ("int4",) and same.own_shapes == () and "own_shapes" not in same.to_key()

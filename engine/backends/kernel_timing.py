@@ -20,14 +20,19 @@ from engine.backends.dispatch import FORMATS, Route
 from engine.backends.weight_ops import Weight, int4_shapes, int8g_shapes
 
 
+Shape = tuple[int, int]
+
+
 @dataclass(frozen=True)
 class Workload:
     """What a measurement times: each of `shapes` ([N, K] products, the model's distinct layer shapes) once per
-    timed run, in each of `formats`, at row counts up to `max_rows` (the engine's largest step)."""
+    timed run, in each of `formats`, at row counts up to `max_rows` (the engine's largest step); a format named in
+    `own_shapes` times those instead (a format only the LM head has: the head's own shape)."""
 
-    shapes: tuple[tuple[int, int], ...]
+    shapes: tuple[Shape, ...]
     formats: tuple[str, ...]
     max_rows: int
+    own_shapes: tuple[tuple[str, tuple[Shape, ...]], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.shapes or any(n < 1 or k < 1 for n, k in self.shapes):
@@ -36,9 +41,19 @@ class Workload:
             raise ValueError(f"a kernel workload's formats are among {FORMATS}, not {self.formats}")
         if self.max_rows < 1:
             raise ValueError(f"a kernel workload's max_rows must be >= 1, not {self.max_rows}")
+        for fmt, shapes in self.own_shapes:
+            if fmt not in self.formats or not shapes or any(n < 1 or k < 1 for n, k in shapes):
+                raise ValueError(f"a kernel workload's own shapes are of its formats and at least 1, not {fmt}: "
+                                 f"{shapes}")
+
+    def shapes_of(self, fmt: str) -> tuple[Shape, ...]:
+        return dict(self.own_shapes).get(fmt, self.shapes)
 
     def to_key(self) -> dict:
-        return {"shapes": [list(s) for s in self.shapes], "formats": list(self.formats), "max_rows": self.max_rows}
+        key = {"shapes": [list(s) for s in self.shapes], "formats": list(self.formats), "max_rows": self.max_rows}
+        if self.own_shapes:
+            key["own_shapes"] = {fmt: [list(s) for s in shapes] for fmt, shapes in self.own_shapes}
+        return key
 
 
 class KernelTimer:
@@ -50,12 +65,12 @@ class KernelTimer:
         self.config, self.workload, self.clock = config, workload, clock
         self.generator = torch.Generator().manual_seed(seed)
         self.prepared: dict[tuple[str, str], tuple[CpuKernelBackend, list[Weight]]] = {}
-        self.inputs: tuple[int, list[torch.Tensor]] = (0, [])  # (rows, one x a shape) of the latest call
+        self.inputs: tuple[tuple, list[torch.Tensor]] = ((), [])  # ((rows, shapes), one x a shape) of the latest call
 
     def __call__(self, fmt: str, kernel: str, rows: int) -> float:
         fresh = (fmt, kernel) not in self.prepared
         backend, weights = self._prepared(fmt, kernel)
-        xs = self._inputs(rows)
+        xs = self._inputs(rows, self.workload.shapes_of(fmt))
         with torch.inference_mode():
             if fresh:
                 self._run(backend, weights, xs)
@@ -75,7 +90,7 @@ class KernelTimer:
             base = CpuKernelBackend(self.config).dispatch
             table = dataclasses.replace(base, **{fmt: Route.only(kernel)})
             backend = CpuKernelBackend(dataclasses.replace(self.config, dispatch=table))
-            weights = [backend.prepare_linear(*self._weight(fmt, n, k)) for n, k in self.workload.shapes]
+            weights = [backend.prepare_linear(*self._weight(fmt, n, k)) for n, k in self.workload.shapes_of(fmt)]
             self.prepared[(fmt, kernel)] = backend, weights
         return self.prepared[(fmt, kernel)]
 
@@ -94,8 +109,8 @@ class KernelTimer:
         return (torch.randint(0, 256, codes, generator=g, dtype=torch.uint8), None,
                 (torch.rand(scales, generator=g) * 0.01).to(torch.float16))
 
-    def _inputs(self, rows: int) -> list[torch.Tensor]:
-        if self.inputs[0] != rows:
-            self.inputs = rows, [torch.randn(rows, k, generator=self.generator).to(torch.bfloat16)
-                                 for _, k in self.workload.shapes]
+    def _inputs(self, rows: int, shapes: tuple[Shape, ...]) -> list[torch.Tensor]:
+        if self.inputs[0] != (rows, shapes):
+            self.inputs = (rows, shapes), [torch.randn(rows, k, generator=self.generator).to(torch.bfloat16)
+                                           for _, k in shapes]
         return self.inputs[1]

@@ -188,14 +188,18 @@ def _measured_dispatch(config: EngineConfig, model: torch.nn.Module, progress: P
 
 def kernel_workload(model: torch.nn.Module, max_rows: int) -> Workload:
     """What a dispatch measurement times for this model: its layers' distinct [N, K] shapes, in the formats of its
-    layers and LM head, up to `max_rows` rows (the LM head's own shape is not timed: its rows are the sequences
-    sampled, and its size would make the largest buckets slow to time)."""
+    layers and LM head, up to `max_rows` rows. A format only the LM head has (SmolLM2's Q8_0 head beside Q4_1
+    layers) is timed on the head's own shape, whose route it alone follows (a 49152-row head is memory-bound where
+    the layers' shapes sit in cache); a head sharing its layers' format is not timed (its size would slow the
+    largest buckets for a product run once a step)."""
     layers = [m for m in model.modules() if isinstance(m, Linear)]
     head = model.head_module()
     formats = {weight_format(m.weight, m.weight_scale) for m in layers}
-    formats.add(weight_format(head.weight, getattr(head, "weight_scale", None)))
+    head_format = weight_format(head.weight, getattr(head, "weight_scale", None))
+    own = () if head_format in formats else ((head_format, ((model.cfg.vocab_size, model.cfg.hidden_size),)),)
+    formats.add(head_format)
     shapes = sorted({(m.out_features, m.in_features) for m in layers})
-    return Workload(tuple(shapes), tuple(f for f in FORMATS if f in formats), max_rows)
+    return Workload(tuple(shapes), tuple(f for f in FORMATS if f in formats), max_rows, own)
 
 
 def _set_torch_threads(config: EngineConfig) -> None:
