@@ -389,13 +389,9 @@ void widen_int4(const Int4Weights& w, int64_t block, int64_t g0, int64_t count, 
       0x4040, 0x4000, 0x3F80, 0x0000);
   const int64_t n0 = block * kChannels;
   const __mmask16 mask = cpu_ext::lanes_below(w.n - n0);
-  const bool ahead = (block + cpu_ext::dots::kBlocks) * kChannels < w.n;  // the next pair of blocks, into L2 under
-  for (int64_t i = 0; i < count; ++i) {                                     // this pair's products
+  for (int64_t i = 0; i < count; ++i) {
     const int64_t g = g0 + i;
     const uint8_t* bytes = w.packed + (block * w.groups + g) * kGroupBytes;
-    if (ahead)
-      for (int64_t t = 0; t < 4; ++t)
-        _mm_prefetch(bytes + cpu_ext::dots::kBlocks * w.groups * kGroupBytes + t * 64, _MM_HINT_T1);
     for (int64_t t = 0; t < 4; ++t) {
       const __m512i v = _mm512_loadu_si512(bytes + t * 64);
       uint32_t* dst = codes + (i * kGroup / 2 + 4 * t) * kChannels;
