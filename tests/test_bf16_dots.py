@@ -1,9 +1,9 @@
 """The int4 and int8g products on AVX-512 BF16 dot products (engine/kernels/bf16_dots.h: int4_linear.cpp
 linear_int4_bf16, int8_grouped.cpp linear_int8g_bf16): the fp32 sums within their own rounding of the float64 product
 of x and the file's weights (never rounded to bf16; int8g: gguf's own dequantised values of every block type), the
-bf16 result those sums rounded once, at every row count (passes of 1-6 rows split evenly), odd channel counts, K off
-a group, K past one chunk of widened groups; each row on its own; clear errors; and the backend and the decode
-stack's limits send a table's rows to each."""
+bf16 result those sums rounded once, at every row count (int4: up to 6 rows widened in registers, more in buffered
+passes of 1-6 rows split evenly), odd channel counts, K off a group, K past one chunk of widened groups; each row on
+its own; clear errors; and the backend and the decode stack's limits send a table's rows to each."""
 from __future__ import annotations
 
 import dataclasses
@@ -54,15 +54,20 @@ def test_sums_are_the_exact_product_and_bf16_is_them_rounded_once(n, k, with_bia
 
 
 def test_each_row_is_its_own_whatever_pass_it_lands_in():
-    """21 rows run as passes of 6, 5, 5, 5; alone, a row is a pass of 1: the same bits."""
+    """21 rows run as buffered passes of 6, 5, 5, 5 and 3 rows as one direct pass: a row's bits are the same in
+    both (one chain a row); one and two rows run two chains a row, the same bits as each other."""
     require_bf16_dots()
     torch.manual_seed(11)
     x = torch.randn(21, 300).to(torch.bfloat16)
+    x[:, :7] *= 1000  # a group spanning magnitudes, so that the order of its additions shows
     packed, scales = int4_weight(torch.randn(70, 300))
-    batched = cpu_ext.linear_int4_bf16(x, packed, scales)
-    for r in range(21):
-        assert torch.equal(cpu_ext.linear_int4_bf16(x[r:r + 1], packed, scales), batched[r:r + 1]), r
-    assert torch.equal(cpu_ext.linear_int4_bf16(x[:0], packed, scales), batched[:0])
+    batched = cpu_ext.linear_int4_bf16(x, packed, scales, None, True)
+    for r in range(0, 21, 3):
+        assert torch.equal(cpu_ext.linear_int4_bf16(x[r:r + 3], packed, scales, None, True), batched[r:r + 3]), r
+    pair = cpu_ext.linear_int4_bf16(x[:2], packed, scales, None, True)
+    for r in range(2):
+        assert torch.equal(cpu_ext.linear_int4_bf16(x[r:r + 1], packed, scales, None, True), pair[r:r + 1]), r
+    assert torch.equal(cpu_ext.linear_int4_bf16(x[:0], packed, scales), batched[:0].to(torch.bfloat16))
 
 
 def test_nan_and_inf_reach_the_output():

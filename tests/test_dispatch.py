@@ -407,6 +407,12 @@ def test_one_row_keeps_a_streaming_kernel_for_the_decode_stack():
     alone, _ = choose_table({"bf16": ("linear",)}, (1,), timer, shipped())
     assert alone.bf16.kernel(1) == "linear"  # no streaming kernel: the one there is
 
+    def int4_timer(fmt: str, kernel: str, rows: int) -> float:
+        return {"int4_gemm": 2.0, "int4_bf16": 1.0, "linear": 0.5}[kernel]
+
+    int4, timings = choose_table({"int4": ("int4_gemm", "int4_bf16", "linear")}, (1, 2), int4_timer, shipped())
+    assert set(timings["int4"][1]) == {"int4_gemm", "int4_bf16"} and int4.int4.kernel(1) == "int4_bf16"
+
 
 def test_the_table_is_measured_once_and_read_back(tmp_path, caplog):
     require_kernels()

@@ -49,6 +49,9 @@ NEEDS: Mapping[str, tuple[str, ...]] = {
 # takes this many times the best kernel's time at one row count, larger row counts do not time it (the factor
 # leaves room for a noisy median; the row counts it keeps timing are the cheap ones).
 STREAMING = frozenset({"gemv", "int8", "w8a8", "int4", "w4a8", "int8g", "int4_gemm"})
+# The kernels a one-row product may take: the streaming ones, and int4_bf16, which widens one or two rows' codes in
+# registers (a third faster than int4_gemm at one row) and which the decode stack runs at one row too.
+ONE_ROW = STREAMING | {"int4_bf16"}
 PRUNE_FACTOR = 4.0
 REPS = 3  # timed runs of each kernel at each row count, alternated between the kernels: their median is its time
 
@@ -238,10 +241,10 @@ def choose_table(candidates: Mapping[str, Sequence[str]], buckets: Sequence[int]
 
 
 def _one_row_streams(kernels: list[str], rows: int) -> list[str]:
-    """At one row only the streaming kernels, where there is one: a one-row step is a batch-1 decode, which the C++
+    """At one row only the ONE_ROW kernels, where there is one: a one-row step is a batch-1 decode, which the C++
     decode stack serves only on them, and a product timed alone does not see what the stack saves (F.linear at one
     row slowed batch-1 decode of the default model end to end on an Ice Lake Xeon: the commit body has the figures)."""
-    streams = [k for k in kernels if k in STREAMING]
+    streams = [k for k in kernels if k in ONE_ROW]
     return streams if rows == 1 and streams else kernels
 
 

@@ -169,6 +169,24 @@ struct Scratch {
   }
 };
 
+// Rows [first, first + m) of the output from part [m, C, 16] (the fp32 totals of blocks block..block + C - 1) plus
+// bias: channels past N not written.
+template <int C>
+void store_rows(const float* part, int64_t m, int64_t n, const float* bias, OutRows out, int64_t block,
+                int64_t first = 0) {
+  for (int c = 0; c < C; ++c) {
+    const int64_t n0 = (block + c) * kChannels;
+    const __mmask16 live = lanes_below(n - n0);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(live, bias + n0) : _mm512_setzero_ps();
+    for (int64_t r = 0; r < m; ++r) {
+      const __m512 sum = _mm512_add_ps(_mm512_loadu_ps(part + (r * C + c) * kChannels), b);
+      const int64_t at = (first + r) * n + n0;
+      if (out.fp32) _mm512_mask_storeu_ps(static_cast<float*>(out.data) + at, live, sum);
+      else _mm256_mask_storeu_epi16(static_cast<uint16_t*>(out.data) + at, live, bf16_round(sum));
+    }
+  }
+}
+
 // Blocks [block, block + C) for every row: the groups widened a chunk at a time, each chunk run over all the rows,
 // the rows' fp32 totals kept in part [M, C, 16] between chunks; then bias added and the rows stored.
 template <int C, int P, bool Offsets, typename Widen>
@@ -191,16 +209,7 @@ void dot_blocks(const PairRows& x, int64_t n, const float* bias, OutRows out, in
                               buf.part.data() + first * C * kChannels);
     }
   }
-  for (int c = 0; c < C; ++c) {
-    const int64_t n0 = (block + c) * kChannels;
-    const __mmask16 live = lanes_below(n - n0);
-    const __m512 b = bias ? _mm512_maskz_loadu_ps(live, bias + n0) : _mm512_setzero_ps();
-    for (int64_t r = 0; r < m; ++r) {
-      const __m512 sum = _mm512_add_ps(_mm512_loadu_ps(buf.part.data() + (r * C + c) * kChannels), b);
-      if (out.fp32) _mm512_mask_storeu_ps(static_cast<float*>(out.data) + r * n + n0, live, sum);
-      else _mm256_mask_storeu_epi16(static_cast<uint16_t*>(out.data) + r * n + n0, live, bf16_round(sum));
-    }
-  }
+  store_rows<C>(buf.part.data(), m, n, bias, out, block);
 }
 
 // The product of x (PairRows) and N channels' widened weights into out [M, N]: `widen(block, g0, count, codes,

@@ -382,11 +382,15 @@ constexpr int kPairOrder[kGroup] = {0, 2, 1, 3, 16, 18, 17, 19, 4, 6, 5, 7, 20, 
                                     8, 10, 9, 11, 24, 26, 25, 27, 12, 14, 13, 15, 28, 30, 29, 31};
 
 // Groups [g0, g0 + count) of block `block` -> codes [count, 16 pairs, 16 channels] and scales [count, 2, 16].
+// bf16(0..15) at word i and i + 16: vpermw reads a lane's low 5 bits.
+inline __m512i code_table() {
+  return _mm512_set_epi16(0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0,
+                          0x4080, 0x4040, 0x4000, 0x3F80, 0x0000, 0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120,
+                          0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000);
+}
+
 void widen_int4(const Int4Weights& w, int64_t block, int64_t g0, int64_t count, uint32_t* codes, float* scales) {
-  const __m512i table = _mm512_set_epi16(
-      0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000,
-      0x3F80, 0x0000, 0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0, 0x4080,
-      0x4040, 0x4000, 0x3F80, 0x0000);
+  const __m512i table = code_table();
   const int64_t n0 = block * kChannels;
   const __mmask16 mask = cpu_ext::lanes_below(w.n - n0);
   for (int64_t i = 0; i < count; ++i) {
@@ -402,6 +406,86 @@ void widen_int4(const Int4Weights& w, int64_t block, int64_t g0, int64_t count, 
     }
     _mm512_storeu_ps(scales + i * 32, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, w.scale + g * w.n + n0)));
     _mm512_storeu_ps(scales + i * 32 + 16, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, w.offset + g * w.n + n0)));
+  }
+}
+
+// Up to kRows rows (one pass of PairRows): the codes widened in registers and used at once, without the buffer:
+// a 64-byte slice costs 3 shifts, 4 lookups and 4 R dot products (int4_gemm: 7 shifts, 8 lookups and 8 R FMAs).
+// D chains a row and block hide the dot products' latency: two at one or two rows (a third faster than one chain
+// at one row), which adds a group's pairs in another order, so a product of 1-2 rows may differ in its last bits
+// from the same rows among 3 or more (one chain, the buffered passes' order: those agree to the bit).
+template <int R, int C>
+void direct_blocks(const Int4Weights& w, const cpu_ext::dots::PairRows& x, const float* bias, OutRows out,
+                   int64_t block) {
+  constexpr int D = R <= 2 ? 2 : 1;
+  constexpr int64_t kRows = cpu_ext::dots::kRows;
+  const __m512i table = code_table();
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < w.groups; ++g) {
+    __m512 dot[R][C][D];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c)
+        for (int d = 0; d < D; ++d) dot[r][c][d] = _mm512_setzero_ps();
+    const uint32_t* xp = x.pass_pairs(0, g);
+    for (int t = 0; t < 4; ++t)
+      for (int c = 0; c < C; ++c) {
+        const __m512i v = _mm512_loadu_si512(w.packed + ((block + c) * w.groups + g) * kGroupBytes + t * 64);
+        const __m512bh q[4] = {(__m512bh)_mm512_permutexvar_epi16(v, table),
+                               (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi32(v, 8), table),
+                               (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi32(v, 4), table),
+                               (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi32(v, 12), table)};
+        for (int j = 0; j < 4; ++j)
+          for (int r = 0; r < R; ++r)
+            dot[r][c][j % D] = _mm512_dpbf16_ps(dot[r][c][j % D],
+                                                (__m512bh)_mm512_set1_epi32(xp[(4 * t + j) * kRows + r]), q[j]);
+      }
+    const float* sums = x.pass_sums(0, g);
+    for (int c = 0; c < C; ++c) {
+      const int64_t n0 = (block + c) * kChannels;
+      const __mmask16 mask = cpu_ext::lanes_below(w.n - n0);
+      const __m512 s = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, w.scale + g * w.n + n0));
+      const __m512 z = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, w.offset + g * w.n + n0));
+      for (int r = 0; r < R; ++r) {
+        const __m512 d = D == 2 ? _mm512_add_ps(dot[r][c][0], dot[r][c][D - 1]) : dot[r][c][0];
+        acc[r][c] = _mm512_fmadd_ps(s, d, acc[r][c]);
+        acc[r][c] = _mm512_fmadd_ps(z, _mm512_set1_ps(sums[r]), acc[r][c]);
+      }
+    }
+  }
+  alignas(64) float part[R * C * kChannels];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) _mm512_store_ps(part + (r * C + c) * kChannels, acc[r][c]);
+  cpu_ext::dots::store_rows<C>(part, R, w.n, bias, out, block);
+}
+
+// The products of rows 0..R-1 (R <= kRows) by direct_blocks: the threads claim runs of C blocks.
+template <int R>
+void direct_rows(const Int4Weights& w, const cpu_ext::dots::PairRows& x, const float* bias, OutRows out) {
+  constexpr int C = R <= 2 ? 4 : 2;
+  const int64_t blocks = (w.n + kChannels - 1) / kChannels;
+  cpu_ext::parallel_claim((blocks + C - 1) / C, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t run = begin; run < end; ++run) {
+      int64_t block = run * C;
+      if (block + C <= blocks) {
+        direct_blocks<R, C>(w, x, bias, out, block);
+        continue;
+      }
+      for (; block < blocks; ++block) direct_blocks<R, 1>(w, x, bias, out, block);
+    }
+  });
+}
+
+void direct_product(int64_t rows, const Int4Weights& w, const cpu_ext::dots::PairRows& x, const float* bias,
+                    OutRows out) {
+  switch (rows) {
+    case 1: direct_rows<1>(w, x, bias, out); break;
+    case 2: direct_rows<2>(w, x, bias, out); break;
+    case 3: direct_rows<3>(w, x, bias, out); break;
+    case 4: direct_rows<4>(w, x, bias, out); break;
+    case 5: direct_rows<5>(w, x, bias, out); break;
+    default: direct_rows<cpu_ext::dots::kRows>(w, x, bias, out); break;
   }
 }
 #endif
@@ -540,7 +624,9 @@ torch::Tensor linear_int4_bf16(torch::Tensor x, torch::Tensor packed, torch::Ten
   const auto widen = [&](int64_t block, int64_t g0, int64_t count, uint32_t* codes, float* group_scales) {
     widen_int4(w, block, g0, count, codes, group_scales);
   };
-  cpu_ext::dots::run<kGroup / 2, true>(rows, n, bf.defined() ? bf.data_ptr<float>() : nullptr, out_rows(out), widen);
+  const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
+  if (m <= cpu_ext::dots::kRows) direct_product(m, w, rows, bp, out_rows(out));
+  else cpu_ext::dots::run<kGroup / 2, true>(rows, n, bp, out_rows(out), widen);
   return out;
 #else
   return linear_int4_gemm(x, packed, scales, bias, fp32_out);
