@@ -297,6 +297,15 @@ FloatCopy float_copy(const torch::Tensor& x, int64_t groups) {
 // floats 0..15: two ops a widened vector. Each row's two chains (low and high nibbles) run in linear_int4's order,
 // so every sum is the same; at one or two rows, C blocks side by side give the FMA units independent chains.
 
+#if defined(CPU_EXT_INT4_AVX512)
+// Group g's scales and offsets of the 16 channels from n0, as fp32 (zero past channel N).
+inline void group_scales(const Int4Weights& w, int64_t g, int64_t n0, __m512& s, __m512& z) {
+  const __mmask16 mask = cpu_ext::lanes_below(w.n - n0);
+  s = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, w.scale + g * w.n + n0));
+  z = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, w.offset + g * w.n + n0));
+}
+#endif
+
 constexpr int kGemmRows = 8;  // rows of x per pass: 2 chains and an accumulator a row stay in registers
 
 template <int R, int C>
@@ -329,10 +338,8 @@ void gemm_blocks(const Int4Weights& w, const FloatRows& x, int64_t first, OutRow
       }
     }
     for (int c = 0; c < C; ++c) {
-      const int64_t n0 = (block + c) * kChannels;
-      const __mmask16 mask = cpu_ext::lanes_below(w.n - n0);
-      const __m512 s = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, w.scale + g * w.n + n0));
-      const __m512 z = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, w.offset + g * w.n + n0));
+      __m512 s, z;
+      group_scales(w, g, (block + c) * kChannels, s, z);
       for (int r = 0; r < R; ++r) {
         acc[c][r] = _mm512_fmadd_ps(s, _mm512_add_ps(lo[c][r], hi[c][r]), acc[c][r]);
         acc[c][r] = _mm512_fmadd_ps(z, _mm512_set1_ps(x.t[(first + r) * x.groups + g]), acc[c][r]);
@@ -392,7 +399,6 @@ inline __m512i code_table() {
 void widen_int4(const Int4Weights& w, int64_t block, int64_t g0, int64_t count, uint32_t* codes, float* scales) {
   const __m512i table = code_table();
   const int64_t n0 = block * kChannels;
-  const __mmask16 mask = cpu_ext::lanes_below(w.n - n0);
   for (int64_t i = 0; i < count; ++i) {
     const int64_t g = g0 + i;
     const uint8_t* bytes = w.packed + (block * w.groups + g) * kGroupBytes;
@@ -404,8 +410,10 @@ void widen_int4(const Int4Weights& w, int64_t block, int64_t g0, int64_t count, 
       _mm512_storeu_si512(dst + 2 * kChannels, _mm512_permutexvar_epi16(_mm512_srli_epi32(v, 4), table));
       _mm512_storeu_si512(dst + 3 * kChannels, _mm512_permutexvar_epi16(_mm512_srli_epi32(v, 12), table));
     }
-    _mm512_storeu_ps(scales + i * 32, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, w.scale + g * w.n + n0)));
-    _mm512_storeu_ps(scales + i * 32 + 16, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, w.offset + g * w.n + n0)));
+    __m512 s, z;
+    group_scales(w, g, n0, s, z);
+    _mm512_storeu_ps(scales + i * 32, s);
+    _mm512_storeu_ps(scales + i * 32 + 16, z);
   }
 }
 
@@ -443,10 +451,8 @@ void direct_blocks(const Int4Weights& w, const cpu_ext::dots::PairRows& x, const
       }
     const float* sums = x.pass_sums(0, g);
     for (int c = 0; c < C; ++c) {
-      const int64_t n0 = (block + c) * kChannels;
-      const __mmask16 mask = cpu_ext::lanes_below(w.n - n0);
-      const __m512 s = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, w.scale + g * w.n + n0));
-      const __m512 z = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, w.offset + g * w.n + n0));
+      __m512 s, z;
+      group_scales(w, g, (block + c) * kChannels, s, z);
       for (int r = 0; r < R; ++r) {
         const __m512 d = D == 2 ? _mm512_add_ps(dot[r][c][0], dot[r][c][D - 1]) : dot[r][c][0];
         acc[r][c] = _mm512_fmadd_ps(s, d, acc[r][c]);
