@@ -6,7 +6,7 @@
 //   out[m, n] = sum_g (s[g, n] * dot[m, g, n] + z[g, n] * t[m, g]) + bias[n],
 // t the fp32 group sums of x, the weights s q + z never rounded: 32 products an instruction, where the fp32 kernels
 // widen each code to a float and do 16. Per group of 16 or 32 k this costs one or two FMAs beside the dot products,
-// so at compute-bound row counts it runs at about 0.9 of the bf16 vector kernel (tiled_linear.cpp), on a quarter
+// so at compute-bound row counts it runs at 0.85-0.9 of the bf16 vector kernel (tiled_linear.cpp), on a quarter
 // or half of its weight bytes.
 //
 // A format supplies `widen`: the codes of kBlocks 16-channel blocks, a chunk of groups at a time, as vectors of bf16
