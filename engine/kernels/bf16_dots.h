@@ -34,41 +34,44 @@
 namespace cpu_ext::dots {
 
 constexpr int kRows = 6;              // rows of x a pass: 2 blocks x (group sum + total) x 6 rows = 24 registers
+constexpr int kLanes = 8;             // row slots of a pass in PairRows: up to 8 rows for a format's own one-pass path
 constexpr int64_t kBlocks = 2;        // 16-channel blocks a pass
 constexpr int64_t kChannels = 16;     // output channels a block: one fp32 lane each
 constexpr int64_t kChunkPairs = 1024;  // pairs of k widened at a time: 2 blocks x 64 KiB stay in L2
 constexpr int64_t kCopyGrain = 256;    // rows of x pair_rows copies on one thread
 
-// x [M, K] bf16 as the passes read it: the rows split into ceil(M / kRows) passes of as equal sizes as may be (8
+// x [M, K] bf16 as the passes read it: the rows split into ceil(M / pass_rows) passes of as equal sizes as may be (8
 // rows: 4 + 4, not 6 + 2); for each pass and group, pair p of the pass's row r at [p, r] (two bf16 a word, in the
 // format's pair order), so that one pointer serves a pass's broadcasts; zeros past K. t: each group's fp32 sum.
 struct PairRows {
-  std::vector<uint32_t> pairs;  // [passes, G, group / 2, kRows]
-  std::vector<float> t;         // [passes, G, kRows]
+  std::vector<uint32_t> pairs;  // [passes, G, group / 2, kLanes]
+  std::vector<float> t;         // [passes, G, kLanes]
   int64_t groups, group_pairs, m, passes;
 
   int64_t pass_first(int64_t pass) const { return pass * (m / passes) + std::min(pass, m % passes); }
   const uint32_t* pass_pairs(int64_t pass, int64_t g) const {
-    return pairs.data() + ((pass * groups + g) * group_pairs) * kRows;
+    return pairs.data() + ((pass * groups + g) * group_pairs) * kLanes;
   }
-  const float* pass_sums(int64_t pass, int64_t g) const { return t.data() + (pass * groups + g) * kRows; }
+  const float* pass_sums(int64_t pass, int64_t g) const { return t.data() + (pass * groups + g) * kLanes; }
 };
 
 // x [M, K] bf16 -> PairRows for groups of `group` (16 or 32) k, pair p of a group holding k = order[2p],
 // order[2p + 1] (null: 2p, 2p + 1): each group's values permuted by one vpermw and scattered to their pass's lane,
 // t summed in fp32 by a vector reduction. On one thread up to kCopyGrain rows: a decode step's copy takes some
 // microseconds, less than waking a sleeping OpenMP team (OMP_WAIT_POLICY=PASSIVE) for a parallel region.
-inline PairRows pair_rows(const torch::Tensor& x, int64_t groups, int64_t group, const int* order) {
-  const int64_t m = x.size(0), k = x.size(1), passes = (m + kRows - 1) / kRows, half = group / 2;
+inline PairRows pair_rows(const torch::Tensor& x, int64_t groups, int64_t group, const int* order,
+                          int64_t pass_rows = kRows) {
+  TORCH_CHECK(1 <= pass_rows && pass_rows <= kLanes, "pair_rows: passes of 1 to ", kLanes, " rows");
+  const int64_t m = x.size(0), k = x.size(1), passes = (m + pass_rows - 1) / pass_rows, half = group / 2;
   const int64_t base = m / passes, extra = m % passes;  // pass i has base + (i < extra) rows
   const torch::Tensor xc = x.contiguous();
   const auto* src = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
-  PairRows rows{std::vector<uint32_t>(passes * groups * half * kRows), std::vector<float>(passes * groups * kRows),
+  PairRows rows{std::vector<uint32_t>(passes * groups * half * kLanes), std::vector<float>(passes * groups * kLanes),
                 groups, half, m, passes};
   alignas(64) int16_t permute_words[32];
   alignas(64) int32_t lanes[16];
   for (int64_t i = 0; i < 32; ++i) permute_words[i] = static_cast<int16_t>(order && i < group ? order[i] : i);
-  for (int64_t p = 0; p < 16; ++p) lanes[p] = static_cast<int32_t>(p * kRows);
+  for (int64_t p = 0; p < 16; ++p) lanes[p] = static_cast<int32_t>(p * kLanes);
   const __m512i permute = _mm512_load_si512(permute_words), scatter = _mm512_load_si512(lanes);
   const __mmask16 pair_lanes = lanes_below(half);
   at::parallel_for(0, m, kCopyGrain, [&](int64_t begin, int64_t end) {
@@ -83,8 +86,8 @@ inline PairRows pair_rows(const torch::Tensor& x, int64_t groups, int64_t group,
         const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(v)), 16));
         const __m512 hi =
             _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)), 16));
-        rows.t[(pass * groups + g) * kRows + lane] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
-        uint32_t* dst = rows.pairs.data() + ((pass * groups + g) * half) * kRows + lane;
+        rows.t[(pass * groups + g) * kLanes + lane] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+        uint32_t* dst = rows.pairs.data() + ((pass * groups + g) * half) * kLanes + lane;
         _mm512_mask_i32scatter_epi32(dst, pair_lanes, scatter, _mm512_permutexvar_epi16(permute, v), 4);
       }
     }
@@ -118,7 +121,7 @@ void dot_pass(const PairRows& x, int64_t pass, int64_t g0, int64_t count, const 
       __m512bh wv[C];
       for (int c = 0; c < C; ++c) wv[c] = (__m512bh)_mm512_loadu_si512(wp[c] + p * kChannels);
       for (int r = 0; r < R; ++r) {
-        const __m512bh xv = (__m512bh)_mm512_set1_epi32(xp[p * kRows + r]);
+        const __m512bh xv = (__m512bh)_mm512_set1_epi32(xp[p * kLanes + r]);
         for (int c = 0; c < C; ++c) dot[r][c] = _mm512_dpbf16_ps(dot[r][c], xv, wv[c]);
       }
     }

@@ -417,7 +417,7 @@ void widen_int4(const Int4Weights& w, int64_t block, int64_t g0, int64_t count, 
   }
 }
 
-// Up to kRows rows (one pass of PairRows): the codes widened in registers and used at once, without the buffer:
+// Up to kLanes rows (one pass of PairRows): the codes widened in registers and used at once, without the buffer:
 // a 64-byte slice costs 3 shifts, 4 lookups and 4 R dot products (int4_gemm: 7 shifts, 8 lookups and 8 R FMAs).
 // D chains a row and block hide the dot products' latency: two at one or two rows (a third faster than one chain
 // at one row), which adds a group's pairs in another order, so a product of 1-2 rows may differ in its last bits
@@ -426,7 +426,7 @@ template <int R, int C>
 void direct_blocks(const Int4Weights& w, const cpu_ext::dots::PairRows& x, const float* bias, OutRows out,
                    int64_t block) {
   constexpr int D = R <= 2 ? 2 : 1;
-  constexpr int64_t kRows = cpu_ext::dots::kRows;
+  constexpr int64_t kLanes = cpu_ext::dots::kLanes;
   const __m512i table = code_table();
   __m512 acc[R][C];
   for (int r = 0; r < R; ++r)
@@ -447,7 +447,7 @@ void direct_blocks(const Int4Weights& w, const cpu_ext::dots::PairRows& x, const
         for (int j = 0; j < 4; ++j)
           for (int r = 0; r < R; ++r)
             dot[r][c][j % D] = _mm512_dpbf16_ps(dot[r][c][j % D],
-                                                (__m512bh)_mm512_set1_epi32(xp[(4 * t + j) * kRows + r]), q[j]);
+                                                (__m512bh)_mm512_set1_epi32(xp[(4 * t + j) * kLanes + r]), q[j]);
       }
     const float* sums = x.pass_sums(0, g);
     for (int c = 0; c < C; ++c) {
@@ -466,10 +466,11 @@ void direct_blocks(const Int4Weights& w, const cpu_ext::dots::PairRows& x, const
   cpu_ext::dots::store_rows<C>(part, R, w.n, bias, out, block);
 }
 
-// The products of rows 0..R-1 (R <= kRows) by direct_blocks: the threads claim runs of C blocks.
+// The products of rows 0..R-1 (R <= kLanes) by direct_blocks: the threads claim runs of C blocks (one at 7-8 rows,
+// whose 2 x 8 accumulators fill the registers).
 template <int R>
 void direct_rows(const Int4Weights& w, const cpu_ext::dots::PairRows& x, const float* bias, OutRows out) {
-  constexpr int C = R <= 2 ? 4 : 2;
+  constexpr int C = R <= 2 ? 4 : R <= cpu_ext::dots::kRows ? 2 : 1;
   const int64_t blocks = (w.n + kChannels - 1) / kChannels;
   cpu_ext::parallel_claim((blocks + C - 1) / C, 1, [&](int64_t begin, int64_t end) {
     for (int64_t run = begin; run < end; ++run) {
@@ -491,7 +492,9 @@ void direct_product(int64_t rows, const Int4Weights& w, const cpu_ext::dots::Pai
     case 3: direct_rows<3>(w, x, bias, out); break;
     case 4: direct_rows<4>(w, x, bias, out); break;
     case 5: direct_rows<5>(w, x, bias, out); break;
-    default: direct_rows<cpu_ext::dots::kRows>(w, x, bias, out); break;
+    case 6: direct_rows<6>(w, x, bias, out); break;
+    case 7: direct_rows<7>(w, x, bias, out); break;
+    default: direct_rows<cpu_ext::dots::kLanes>(w, x, bias, out); break;
   }
 }
 #endif
@@ -626,12 +629,14 @@ torch::Tensor linear_int4_bf16(torch::Tensor x, torch::Tensor packed, torch::Ten
   }
   const auto* half = scales.data_ptr<at::Half>();
   const Int4Weights w{packed.data_ptr<uint8_t>(), half, half + groups * n, nullptr, n, groups};
-  const cpu_ext::dots::PairRows rows = cpu_ext::dots::pair_rows(x, groups, kGroup, kPairOrder);
+  const bool direct = m <= cpu_ext::dots::kLanes;  // one pass, the codes widened in registers
+  const cpu_ext::dots::PairRows rows =
+      cpu_ext::dots::pair_rows(x, groups, kGroup, kPairOrder, direct ? cpu_ext::dots::kLanes : cpu_ext::dots::kRows);
   const auto widen = [&](int64_t block, int64_t g0, int64_t count, uint32_t* codes, float* group_scales) {
     widen_int4(w, block, g0, count, codes, group_scales);
   };
   const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
-  if (m <= cpu_ext::dots::kRows) direct_product(m, w, rows, bp, out_rows(out));
+  if (direct) direct_product(m, w, rows, bp, out_rows(out));
   else cpu_ext::dots::run<kGroup / 2, true>(rows, n, bp, out_rows(out), widen);
   return out;
 #else
