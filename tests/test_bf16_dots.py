@@ -1,7 +1,7 @@
 """The int4 and int8g products on AVX-512 BF16 dot products (engine/kernels/bf16_dots.h: int4_linear.cpp
 linear_int4_bf16, int8_grouped.cpp linear_int8g_bf16): the fp32 sums within their own rounding of the float64 product
 of x and the file's weights (never rounded to bf16; int8g: gguf's own dequantised values of every block type), the
-bf16 result those sums rounded once, at every row count (int4: up to 6 rows widened in registers, more in buffered
+bf16 result those sums rounded once, at every row count (int4: up to 8 rows widened in registers, more in buffered
 passes of 1-6 rows split evenly), odd channel counts, K off a group, K past one chunk of widened groups; each row on
 its own; clear errors; and the backend and the decode stack's limits send a table's rows to each."""
 from __future__ import annotations
