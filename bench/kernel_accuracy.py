@@ -289,7 +289,8 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.kernel_accuracy", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="a GGUF file or HF folder (default: SmolLM2-135M)")
     parser.add_argument("--formats", default=",".join(FORMATS))
-    parser.add_argument("--kernels", default="shipped", help="comma-separated: shipped, w4a8, w8a8, int4_gemm, int4_bf16, int8g_bf16, floor")
+    parser.add_argument("--kernels", default="shipped",
+                        help=f"comma-separated: shipped, w4a8, w8a8, {', '.join(GEMMS)}, floor")
     parser.add_argument("--windows", type=int, default=4)
     parser.add_argument("--length", type=int, default=192)
     parser.add_argument("--threads", type=int, default=2)

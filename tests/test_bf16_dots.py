@@ -95,7 +95,8 @@ def test_a_table_naming_it_runs_it_and_the_stack_limits_say_so(monkeypatch):
     require_bf16_dots()
     rows_seen: list[int] = []
     kernel = cpu_ext.ops().linear_int4_bf16
-    monkeypatch.setattr(cpu_ext.ops(), "linear_int4_bf16", lambda x, *args: rows_seen.append(len(x)) or kernel(x, *args))
+    monkeypatch.setattr(cpu_ext.ops(), "linear_int4_bf16",
+                        lambda x, *args: rows_seen.append(len(x)) or kernel(x, *args))
     base = CpuKernelBackend().dispatch
     table = dataclasses.replace(base, int4=Route.from_points([(1, "int4_gemm"), (4, "int4_bf16"), (33, "linear")]),
                                 measured=("int4",))

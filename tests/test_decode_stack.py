@@ -234,7 +234,8 @@ def test_stack_runs_int4_layers_on_each_int4_kernel(tiny_model_dir, stack_calls,
     model.set_backend(kernel_backend(dispatch=dataclasses.replace(CpuKernelBackend().dispatch, int4=route)))
     rows_seen: list[int] = []  # the Python layers' calls (the stack's stay inside C++)
     kernel = cpu_ext.ops().linear_int4_bf16
-    monkeypatch.setattr(cpu_ext.ops(), "linear_int4_bf16", lambda x, *args: rows_seen.append(len(x)) or kernel(x, *args))
+    monkeypatch.setattr(cpu_ext.ops(), "linear_int4_bf16",
+                        lambda x, *args: rows_seen.append(len(x)) or kernel(x, *args))
     for seqs in ([0], [0, 1], [0, 1, 2], [4, 2, 0, 3, 1]):
         stack_calls.clear()
         assert_stack_matches_layers(model, seqs, stack_calls)

@@ -163,8 +163,8 @@ class CpuKernelBackend(TorchBackend):
 
     def linear_int8g(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
         """The dispatch table's int8g kernel for this row count: the weight-only kernel (the weights exact in
-        registers) or its GEMM on bf16 dot products, or F.linear on chunks of the weight dequantised to bf16 by the kernel's dequantize_int8g.
-        decode_stack.cpp's project() makes the same choice."""
+        registers) or its GEMM on bf16 dot products, or F.linear on chunks of the weight dequantised to bf16 by the
+        kernel's dequantize_int8g. decode_stack.cpp's project() makes the same choice."""
         out = self._int8g_kernel(x, w, w.bias, fp32_out=False)
         if out is not None:
             return out
@@ -279,9 +279,10 @@ class CpuKernelBackend(TorchBackend):
         return x, residual
 
     def stack_limits(self, rows: int) -> tuple[int, ...]:
-        """decode_stack.cpp's row limits (gemv, oneDNN copy, blocks, int8, W8A8, W4A8, int4, int8g, int4 GEMM, int4 and
-        int8g on bf16 dot products) that make its project() pick linear()'s kernels at `rows` rows: `rows` for the kernel the
-        table names (and for the GEMV behind a packed copy, as linear_float falls back to it), 0 for the rest."""
+        """decode_stack.cpp's row limits (gemv, oneDNN copy, blocks, int8, W8A8, W4A8, int4, int8g, int4 GEMM, int4
+        and int8g on bf16 dot products) that make its project() pick linear()'s kernels at `rows` rows: `rows` for
+        the kernel the table names (and for the GEMV behind a packed copy, as linear_float falls back to it), 0 for
+        the rest."""
         bf16, int8, int4, int8g = (self.dispatch.route(fmt).kernel(rows) for fmt in ("bf16", "int8", "int4", "int8g"))
         packed = rows if bf16 in PACKED else 0
         gemv = bf16 == "gemv" or (packed and rows <= self.config.max_gemv_rows)  # project(): after the packed copy

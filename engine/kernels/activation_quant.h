@@ -1,5 +1,6 @@
 // Activations quantised to int8 in groups of 32 along K, shared by the W8A8 (int8_linear.cpp) and W4A8
-// (int4_linear.cpp) kernels, and the output rows (bf16 or fp32) both store their results in.
+// (int4_linear.cpp) kernels; and what every quantised product shares: its bias as fp32, the output rows (bf16 or
+// fp32) it stores its results in.
 //
 // Each row of x is quantised in groups of 32: a[m, g] = max |x[m, g's 32]| / 127, q[m, k] = round(x[m, k] /
 // a[m, g]) (nearest even, codes -127..127; a = 1 for a group of zeros), codes past K zero.
@@ -9,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <vector>
 
 #include <torch/extension.h>
@@ -21,6 +23,18 @@ inline uint16_t to_bf16(float value) {
   uint32_t bits;
   std::memcpy(&bits, &value, sizeof(bits));
   return static_cast<uint16_t>((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+}
+
+// A product's bias as the kernels read it: fp32 [N] (from any float dtype), or none (absent or empty).
+struct FloatBias {
+  torch::Tensor values;
+  const float* data() const { return values.defined() ? values.data_ptr<float>() : nullptr; }
+};
+
+inline FloatBias float_bias(const std::optional<torch::Tensor>& bias, int64_t n, const char* name) {
+  if (!bias || !bias->numel()) return {};
+  TORCH_CHECK(bias->numel() == n, name, ": bias must be [N]");
+  return {bias->to(torch::kFloat32).contiguous()};
 }
 
 // A product's output rows: bf16 (to_bf16's rounding), or fp32 where the caller keeps the sums whole (the LM

@@ -190,12 +190,18 @@ void store_rows(const float* part, int64_t m, int64_t n, const float* bias, OutR
   }
 }
 
+// Groups widened at a time for groups of P pairs: kChunkPairs pairs, or every group where fewer.
+template <int P>
+constexpr int64_t chunk_groups(int64_t groups) {
+  return std::min<int64_t>(kChunkPairs / P, groups);
+}
+
 // Blocks [block, block + C) for every row: the groups widened a chunk at a time, each chunk run over all the rows,
 // the rows' fp32 totals kept in part [M, C, 16] between chunks; then bias added and the rows stored.
 template <int C, int P, bool Offsets, typename Widen>
 void dot_blocks(const PairRows& x, int64_t n, const float* bias, OutRows out, int64_t block, Scratch& buf,
                 const Widen& widen) {
-  const int64_t m = x.m, chunk = std::min<int64_t>(kChunkPairs / P, x.groups);
+  const int64_t m = x.m, chunk = chunk_groups<P>(x.groups);
   std::fill(buf.part.begin(), buf.part.begin() + m * C * kChannels, 0.f);
   Widened<C> w;
   for (int c = 0; c < C; ++c) {
@@ -219,7 +225,7 @@ void dot_blocks(const PairRows& x, int64_t n, const float* bias, OutRows out, in
 // scales)` as above, P pairs a group; Offsets: the groups have offsets z.
 template <int P, bool Offsets, typename Widen>
 void run(const PairRows& x, int64_t n, const float* bias, OutRows out, const Widen& widen) {
-  const int64_t blocks = (n + kChannels - 1) / kChannels, chunk = std::min<int64_t>(kChunkPairs / P, x.groups);
+  const int64_t blocks = (n + kChannels - 1) / kChannels, chunk = chunk_groups<P>(x.groups);
   cpu_ext::parallel_claim((blocks + kBlocks - 1) / kBlocks, 1, [&](int64_t begin, int64_t end) {
     Scratch& buf = Scratch::for_thread(chunk * P, chunk, x.m);
     for (int64_t pair = begin; pair < end; ++pair) {

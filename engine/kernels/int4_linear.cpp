@@ -527,14 +527,9 @@ torch::Tensor linear_w4a8(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   if (m == 0 || n == 0) return out;
   torch::Tensor xf = x.to(torch::kFloat32).contiguous();
   const QuantRows q = cpu_ext::quantize_activations(xf.data_ptr<float>(), m, k);
-  torch::Tensor bf;
-  if (bias && bias->numel()) {
-    TORCH_CHECK(bias->numel() == n, "linear_w4a8: bias must be [N]");
-    bf = bias->to(torch::kFloat32).contiguous();
-  }
+  const cpu_ext::FloatBias bf = cpu_ext::float_bias(bias, n, "linear_w4a8");
   const auto* half = scales.data_ptr<at::Half>();
-  const Int4Weights w{packed.data_ptr<uint8_t>(), half, half + q.groups * n, bf.defined() ? bf.data_ptr<float>() : nullptr,
-                      n, q.groups};
+  const Int4Weights w{packed.data_ptr<uint8_t>(), half, half + q.groups * n, bf.data(), n, q.groups};
   const OutRows op = out_rows(out);
   cpu_ext::parallel_claim((n + kChannels - 1) / kChannels, 4, [&](int64_t begin, int64_t end) {
     for (int64_t first = 0; first < m; first += kMaxRows)
@@ -556,14 +551,9 @@ torch::Tensor linear_int4(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   torch::Tensor out = output_rows(x, m, n, fp32_out);
   if (m == 0 || n == 0) return out;
   const FloatCopy copy = float_copy(x, groups);
-  torch::Tensor bf;
-  if (bias && bias->numel()) {
-    TORCH_CHECK(bias->numel() == n, "linear_int4: bias must be [N]");
-    bf = bias->to(torch::kFloat32).contiguous();
-  }
+  const cpu_ext::FloatBias bf = cpu_ext::float_bias(bias, n, "linear_int4");
   const auto* half = scales.data_ptr<at::Half>();
-  const Int4Weights w{packed.data_ptr<uint8_t>(), half, half + groups * n, bf.defined() ? bf.data_ptr<float>() : nullptr,
-                      n, groups};
+  const Int4Weights w{packed.data_ptr<uint8_t>(), half, half + groups * n, bf.data(), n, groups};
   const FloatRows& rows = copy.rows;
   const OutRows op = out_rows(out);
   cpu_ext::parallel_claim((n + kChannels - 1) / kChannels, 4, [&](int64_t begin, int64_t end) {
@@ -591,14 +581,9 @@ torch::Tensor linear_int4_gemm(torch::Tensor x, torch::Tensor packed, torch::Ten
   torch::Tensor out = output_rows(x, m, n, fp32_out);
   if (m == 0 || n == 0) return out;
   const FloatCopy copy = float_copy(x, groups);
-  torch::Tensor bf;
-  if (bias && bias->numel()) {
-    TORCH_CHECK(bias->numel() == n, "linear_int4_gemm: bias must be [N]");
-    bf = bias->to(torch::kFloat32).contiguous();
-  }
+  const cpu_ext::FloatBias bf = cpu_ext::float_bias(bias, n, "linear_int4_gemm");
   const auto* half = scales.data_ptr<at::Half>();
-  const Int4Weights w{packed.data_ptr<uint8_t>(), half, half + groups * n, bf.defined() ? bf.data_ptr<float>() : nullptr,
-                      n, groups};
+  const Int4Weights w{packed.data_ptr<uint8_t>(), half, half + groups * n, bf.data(), n, groups};
   const OutRows op = out_rows(out);
   cpu_ext::parallel_claim((n + kChannels - 1) / kChannels, kGemmSlice, [&](int64_t begin, int64_t end) {
     for (int64_t slice = begin; slice < end; slice += kGemmSlice) {
@@ -622,11 +607,7 @@ torch::Tensor linear_int4_bf16(torch::Tensor x, torch::Tensor packed, torch::Ten
   const int64_t n = scales.size(2), groups = scales.size(1);
   torch::Tensor out = output_rows(x, m, n, fp32_out);
   if (m == 0 || n == 0) return out;
-  torch::Tensor bf;
-  if (bias && bias->numel()) {
-    TORCH_CHECK(bias->numel() == n, "linear_int4_bf16: bias must be [N]");
-    bf = bias->to(torch::kFloat32).contiguous();
-  }
+  const cpu_ext::FloatBias bf = cpu_ext::float_bias(bias, n, "linear_int4_bf16");
   const auto* half = scales.data_ptr<at::Half>();
   const Int4Weights w{packed.data_ptr<uint8_t>(), half, half + groups * n, nullptr, n, groups};
   const bool direct = m <= cpu_ext::dots::kLanes;  // one pass, the codes widened in registers
@@ -635,7 +616,7 @@ torch::Tensor linear_int4_bf16(torch::Tensor x, torch::Tensor packed, torch::Ten
   const auto widen = [&](int64_t block, int64_t g0, int64_t count, uint32_t* codes, float* group_scales) {
     widen_int4(w, block, g0, count, codes, group_scales);
   };
-  const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
+  const float* bp = bf.data();
   if (direct) direct_product(m, w, rows, bp, out_rows(out));
   else cpu_ext::dots::run<kGroup / 2, true>(rows, n, bp, out_rows(out), widen);
   return out;

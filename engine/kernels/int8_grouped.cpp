@@ -187,14 +187,10 @@ torch::Tensor linear_int8g(torch::Tensor x, torch::Tensor codes, torch::Tensor s
   if (m == 0 || n == 0) return out;
   torch::Tensor xf = torch::zeros({m, kp}, x.options().dtype(at::kFloat));
   xf.narrow(1, 0, k).copy_(x);
-  torch::Tensor bf;
-  if (bias && bias->numel()) {
-    TORCH_CHECK(bias->numel() == n, "linear_int8g: bias must be [N]");
-    bf = bias->to(torch::kFloat32).contiguous();
-  }
+  const cpu_ext::FloatBias bf = cpu_ext::float_bias(bias, n, "linear_int8g");
   const float* sp = scales.data_ptr<float>();
   const GroupedWeights w{codes.data_ptr<int8_t>(), sp, scales.size(0) == 2 ? sp + n * groups : nullptr,
-                         bf.defined() ? bf.data_ptr<float>() : nullptr, n, kp, groups};
+                         bf.data(), n, kp, groups};
   const float* xp = xf.data_ptr<float>();
   const OutRows op = out_rows(out);
   cpu_ext::parallel_claim(n, 16, [&](int64_t begin, int64_t end) {
@@ -218,11 +214,7 @@ torch::Tensor linear_int8g_bf16(torch::Tensor x, torch::Tensor codes, torch::Ten
   const int64_t n = codes.size(0), kp = codes.size(1), groups = scales.size(2);
   torch::Tensor out = output_rows(x, m, n, fp32_out);
   if (m == 0 || n == 0) return out;
-  torch::Tensor bf;
-  if (bias && bias->numel()) {
-    TORCH_CHECK(bias->numel() == n, "linear_int8g_bf16: bias must be [N]");
-    bf = bias->to(torch::kFloat32).contiguous();
-  }
+  const cpu_ext::FloatBias bf = cpu_ext::float_bias(bias, n, "linear_int8g_bf16");
   const float* sp = scales.data_ptr<float>();
   const GroupedWeights w{codes.data_ptr<int8_t>(), sp, scales.size(0) == 2 ? sp + n * groups : nullptr, nullptr, n,
                          kp, groups};
@@ -230,7 +222,7 @@ torch::Tensor linear_int8g_bf16(torch::Tensor x, torch::Tensor codes, torch::Ten
   const auto widen = [&](int64_t block, int64_t g0, int64_t count, uint32_t* dst, float* group_scales) {
     widen_int8g(w, block, g0, count, dst, group_scales);
   };
-  const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
+  const float* bp = bf.data();
   if (w.offset) cpu_ext::dots::run<kGroup / 2, true>(rows, n, bp, out_rows(out), widen);
   else cpu_ext::dots::run<kGroup / 2, false>(rows, n, bp, out_rows(out), widen);
   return out;

@@ -216,15 +216,11 @@ torch::Tensor linear_int8(torch::Tensor x, torch::Tensor weight, torch::Tensor s
   torch::Tensor out = output_rows(x, m, n, fp32_out);
   if (m == 0 || n == 0) return out;
   torch::Tensor xf = x.to(torch::kFloat32).contiguous();
-  torch::Tensor bf;
-  if (bias && bias->numel()) {
-    TORCH_CHECK(bias->numel() == n, "linear_int8: bias must be [N]");
-    bf = bias->to(torch::kFloat32).contiguous();
-  }
+  const cpu_ext::FloatBias bf = cpu_ext::float_bias(bias, n, "linear_int8");
   const int8_t* w = weight.data_ptr<int8_t>();
   const float* xp = xf.data_ptr<float>();
   const float* sp = scale.data_ptr<float>();
-  const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
+  const float* bp = bf.data();
   const OutRows op = out_rows(out);
   cpu_ext::parallel_claim(n, 16, [&](int64_t begin, int64_t end) {
     for (int64_t first = 0; first < m; first += kMaxRows)
@@ -251,14 +247,10 @@ torch::Tensor linear_w8a8(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   if (m == 0 || n == 0) return out;
   torch::Tensor xf = x.to(torch::kFloat32).contiguous();
   const QuantRows q = cpu_ext::quantize_activations(xf.data_ptr<float>(), m, k);
-  torch::Tensor bf;
-  if (bias && bias->numel()) {
-    TORCH_CHECK(bias->numel() == n, "linear_w8a8: bias must be [N]");
-    bf = bias->to(torch::kFloat32).contiguous();
-  }
+  const cpu_ext::FloatBias bf = cpu_ext::float_bias(bias, n, "linear_w8a8");
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   const float* sp = scale.data_ptr<float>();
-  const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
+  const float* bp = bf.data();
   const OutRows op = out_rows(out);
   cpu_ext::parallel_claim(blocks, 4, [&](int64_t begin, int64_t end) {
     for (int64_t first = 0; first < m; first += kMaxRows)
