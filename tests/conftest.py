@@ -1,18 +1,23 @@
 from __future__ import annotations
 
+import atexit
 import contextlib
 import gc
+import logging
 import os
 import shutil
+import sys
+import weakref
 
 import pytest
-import torch
 
 from engine.disk_cache import ROOT_ENV
 from tests import leaks
 from tests.server_utils import wait_until
 from tests.tiers import Tier, TierError, module_tiers, tier_of, tier_selector
-from tests.tiny_models import tiny_llama_config, write_tiny_model
+
+# torch (and tests.tiny_models, which imports it) is imported by the functions that use it: pytest-xdist's
+# controller loads this file too, runs no test, and would spend 1.7 s importing torch before it starts a worker.
 
 
 # The tests allocate many short-lived objects over a heap of torch, transformers and the product's modules; at
@@ -20,6 +25,8 @@ from tests.tiny_models import tiny_llama_config, write_tiny_model
 # young generation, and what collection imported frozen out of the collector's walks, shorten both tiers
 # (measured in docs/performance.md, "Test tiers"). Reference counting still frees most objects at once.
 GC_YOUNG_THRESHOLD = 20_000
+# Modules by their slowest tier: those that start processes, then those that run engines, then the unit ones.
+START_ORDER = (Tier.PROCESS, Tier.ENGINE, Tier.UNIT)
 
 
 def worker_thread_share() -> int | None:
@@ -34,10 +41,28 @@ def pytest_configure(config):
     temporary directory of its own (tests/leaks.py), before any test module is collected; and the collector its
     larger young generation."""
     leaks.use_worker_tmpdir(os.environ.get("PYTEST_XDIST_WORKER"))
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        atexit.register(end_worker_without_finalising)  # runs after the handlers that imports register later
     share = worker_thread_share()
     if share:
+        import torch
+
         torch.set_num_threads(share)
     gc.set_threshold(GC_YOUNG_THRESHOLD, 20, 20)
+
+
+def end_worker_without_finalising() -> None:
+    """A pytest-xdist worker's last step, once its results are with the controller: finalising the interpreter
+    would free torch's and the tests' heap object by object (about 1 s), which the whole run waits for. What the
+    exit handlers registered before this one would do that matters is done here: the finalizers marked for exit
+    (temporary directories), multiprocessing's children joined, the log handlers flushed."""
+    weakref.finalize._exitfunc()  # each runs at most once, whichever handler calls it first
+    if "multiprocessing.util" in sys.modules:
+        sys.modules["multiprocessing.util"]._exit_function()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def pytest_collection_finish(session):
@@ -52,6 +77,8 @@ def worker_threads():
     `main` or an engine built with `num_threads`): two OpenMP teams on one core wait on each other's barriers,
     which made tiny-model steps tens of times slower for the rest of that worker's tests. Tests that need a
     thread count set their own."""
+    import torch
+
     share = worker_thread_share()
     if share and torch.get_num_threads() != share:
         torch.set_num_threads(share)
@@ -71,9 +98,9 @@ def pytest_ignore_collect(collection_path, config):
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by the markers given here
 def pytest_collection_modifyitems(config, items):
     """Give every test its tier marker (tests/tiers.py); a test without exactly one tier stops the run. Then put
-    the modules that start processes first, each module's tests kept together: `make test` hands whole modules to
-    its workers in this order (`--dist loadfile --no-loadscope-reorder`), so the long modules start early and the
-    many short in-process ones even out the workers' ends."""
+    the modules in START_ORDER of their slowest tier, each module's tests kept together: the workers take tests
+    (`make test`: whole modules, `--dist loadfile --no-loadscope-reorder`) in this order, so the long ones start
+    early and the many short unit tests even out the workers' ends."""
     problems, tiers = [], {}
     for item in items:
         try:
@@ -85,7 +112,7 @@ def pytest_collection_modifyitems(config, items):
         tiers.setdefault(item.path, set()).add(tier)
     if problems:
         raise pytest.UsageError("\n".join(["tests without exactly one tier:"] + problems))
-    items.sort(key=lambda item: Tier.PROCESS not in tiers[item.path])  # a stable sort: False (processes) first
+    items.sort(key=lambda item: min(map(START_ORDER.index, tiers[item.path])))  # stable: modules stay whole
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -130,6 +157,8 @@ def _starts_processes(request) -> bool:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """A 2-layer random Llama with grouped-query attention and the tiny BPE tokenizer (vocab 512)."""
+    from tests.tiny_models import tiny_llama_config, write_tiny_model
+
     config = tiny_llama_config(num_key_value_heads=2, max_position_embeddings=1024)
     return write_tiny_model(tmp_path_factory.mktemp("tiny-llama"), config, seed=7)
 
@@ -137,6 +166,8 @@ def tiny_model_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def draft_dir(tmp_path_factory):
     """Another random model with the tiny model's vocabulary: a poor but valid draft."""
+    from tests.tiny_models import tiny_llama_config, write_tiny_model
+
     config = tiny_llama_config(num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_key_value_heads=2,
                                max_position_embeddings=1024)
     return write_tiny_model(tmp_path_factory.mktemp("tiny-draft"), config, seed=99)
@@ -146,6 +177,8 @@ def draft_dir(tmp_path_factory):
 def one_thread():
     """Tiny models gain nothing from a second OpenMP thread, and lose a lot when the cores are shared (and an
     in-process draft must compute as a one-thread draft actor does). Use with pytest.mark.usefixtures."""
+    import torch
+
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -155,6 +188,8 @@ def one_thread():
 @pytest.fixture(scope="session")
 def hf_gguf_model():
     """transformers' own GGUF loading of the default model (fp32): the oracle for the loader and the model."""
+    import torch
+
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     from engine.model.gguf_loader import default_model_path

@@ -220,7 +220,9 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def generate_ids(path: Path) -> list[int]:
-    llm = LLM(model=str(path), dtype="bfloat16", num_kv_blocks=64)
+    """Six greedy tokens. The shipped kernel table: these tests are of loading, and a measured one would time the
+    kernels for every format (3 s for Q4_0's Q6_K head); tests/test_dispatch.py tests the measurement."""
+    llm = LLM(model=str(path), dtype="bfloat16", num_kv_blocks=64, kernel_dispatch="shipped")
     out = llm.generate(["The quick brown fox"], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
     return out[0].token_ids
 
