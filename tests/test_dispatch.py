@@ -146,8 +146,8 @@ def test_the_measurement_keeps_the_fastest_kernel_of_each_bucket():
     assert table.bf16.kernel(4) == "gemv" and table.bf16.kernel(5) == "onednn" and table.bf16.kernel(10_000) == "linear"
     assert table.int8 == shipped().int8 and table.int4 == shipped().int4  # formats not measured keep the base's
     assert table.measured == ("bf16",) and table.describe()["int8"] == "1-64: int8, 65+: linear (shipped)"
-    # the GEMV fell more than PRUNE_FACTOR behind at 32 rows: no larger bucket timed it; no packed copy at one row
-    assert list(dict.fromkeys(rows for _, kernel, rows in calls if kernel == "gemv")) == [1, 2, 4, 8, 16, 32]
+    # the GEMV fell more than PRUNE_FACTOR behind at 16 rows: no larger bucket timed it; no packed copy at one row
+    assert list(dict.fromkeys(rows for _, kernel, rows in calls if kernel == "gemv")) == [1, 2, 4, 8, 16]
     assert calls.count(("bf16", "gemv", 8)) == REPS
     assert ("bf16", "onednn", 1) not in calls
     assert timings["bf16"][8] == {"gemv": 9, "onednn": 7, "linear": 9}
@@ -161,6 +161,34 @@ def test_one_packing_per_table_the_one_that_wins_most_buckets():
                             dataclasses.replace(shipped(), bf16=Route.only("linear")))
     # oneDNN won 8 rows, the tiles 2 and 4: the tiles stay, and 8 goes to the fastest but oneDNN (the tiles)
     assert table.bf16 == Route.from_points([(1, "gemv"), (2, "tiles"), (9, "linear")])
+
+
+def test_a_streaming_kernel_is_pruned_against_the_kernels_that_serve_the_next_bucket():
+    """int4_bf16 (capped at 4 rows) is three times faster than int4 at 4 rows, but 8 rows go to int4 or linear:
+    int4 is timed on, wins 8 and 16, and drops out at 32 once it is PRUNE_FACTOR behind linear."""
+    calls: list = []
+    times = {"int4_bf16": {1: 1, 2: 1, 4: 1}, "int4": {1: 2, 2: 2, 4: 3, 8: 4, 16: 8, 32: 30, 64: 60},
+             "linear": {2: 9, 4: 9, 8: 9, 16: 10, 32: 12, 64: 20}}
+    table, timings = choose_table({"int4": ("int4", "int4_bf16", "linear")}, row_buckets(64),
+                                  scripted(times, calls), shipped(), {"int4_bf16": 4})
+    assert table.int4 == Route.from_points([(1, "int4_bf16"), (5, "int4"), (17, "linear")])
+    assert list(dict.fromkeys(rows for _, kernel, rows in calls if kernel == "int4")) == [1, 2, 4, 8, 16, 32]
+    assert set(timings["int4"][32]) == {"int4", "linear"}
+
+
+def test_buckets_only_one_kernel_may_serve_are_not_timed():
+    """Past the cap of int8g_bf16 and once int8g has fallen behind, linear alone serves: 128 rows and more go to it
+    untimed, and progress still counts every bucket."""
+    calls: list = []
+    heard: list = []
+    times = {"int8g": {1: 1, 2: 2, 4: 4, 8: 8, 16: 16, 32: 32, 64: 64},
+             "int8g_bf16": {r: 3 for r in (2, 4, 8, 16, 32, 64)}, "linear": {r: 20 for r in (2, 4, 8, 16, 32, 64)}}
+    table, timings = choose_table({"int8g": ("int8g", "int8g_bf16", "linear")}, row_buckets(1024),
+                                  scripted(times, calls), shipped(), {"int8g_bf16": 64},
+                                  lambda done, total: heard.append((done, total)))
+    assert table.int8g == Route.from_points([(1, "int8g"), (3, "int8g_bf16"), (65, "linear")])
+    assert max(rows for _, _, rows in calls) == 64 and set(timings["int8g"]) == {1, 2, 4, 8, 16, 32, 64}
+    assert heard[0] == (0, 11) and heard[-1] == (11, 11) and heard == sorted(heard)
 
 
 def test_capped_kernels_are_timed_only_up_to_their_cap_and_progress_is_heard():

@@ -46,13 +46,14 @@ NEEDS: Mapping[str, tuple[str, ...]] = {
     "int4": ("avx2", "fma", "f16c"), "int4_gemm": _AVX512,
     "int4_bf16": _AVX512 + ("avx512bf16",), "int8g_bf16": _AVX512 + ("avx512bf16",)}
 # A row-streaming kernel (one pass over the weight per few rows) only loses ground to a GEMM as rows grow: once it
-# takes this many times the best kernel's time at one row count, larger row counts do not time it (the factor
-# leaves room for a noisy median; the row counts it keeps timing are the cheap ones).
+# takes this many times the time of the best kernel that may serve the next row count, larger row counts do not
+# time it (the factor leaves room for a noisy median). Its time doubles with the rows, so each bucket it is timed
+# at past its last win costs as much as all the ones before.
 STREAMING = frozenset({"gemv", "int8", "w8a8", "int4", "w4a8", "int8g", "int4_gemm"})
 # The kernels a one-row product may take: the streaming ones, and int4_bf16, which widens one or two rows' codes in
 # registers (a third faster than int4_gemm at one row) and which the decode stack runs at one row too.
 ONE_ROW = STREAMING | {"int4_bf16"}
-PRUNE_FACTOR = 4.0
+PRUNE_FACTOR = 2.0
 REPS = 3  # timed runs of each kernel at each row count, alternated between the kernels: their median is its time
 
 TimeKernel = Callable[[str, str, int], float]  # (format, kernel, rows) -> seconds of one run of the product set
@@ -212,8 +213,9 @@ def choose_table(candidates: Mapping[str, Sequence[str]], buckets: Sequence[int]
     """The measured table: for each format in `candidates`, each candidate kernel timed at each row bucket (a
     packed kernel from 2 rows, a kernel in `row_caps` up to its cap, a STREAMING one until it falls PRUNE_FACTOR
     behind; `reps` runs, the kernels alternated, the median kept), the fastest kept per bucket, serving the row
-    counts up to it past the bucket before. Formats not in `candidates` keep `base`'s routes. `progress(done,
-    total)` hears each (format, bucket). Returns the table and every median."""
+    counts up to it past the bucket before. From the first bucket of 2+ rows that only one kernel may serve, that
+    kernel serves every larger count untimed. Formats not in `candidates` keep `base`'s routes. `progress(done,
+    total)` hears each (format, bucket). Returns the table and the medians of the buckets timed."""
     if not buckets or buckets[0] != 1 or list(buckets) != sorted(set(buckets)):
         raise ValueError(f"row buckets must rise from 1, not {buckets}")
     if reps < 1:
@@ -224,18 +226,24 @@ def choose_table(candidates: Mapping[str, Sequence[str]], buckets: Sequence[int]
         progress(0, total)
     for fmt, kernels in candidates.items():
         _check_candidates(fmt, kernels)
-        live, timings[fmt] = list(kernels), {}
-        for rows in buckets:
+        live, timings[fmt], winners = list(kernels), {}, []
+        for i, rows in enumerate(buckets):
             timed = _one_row_streams([k for k in live if (rows >= 2 or k not in PACKED) and rows <= caps.get(k, rows)],
                                      rows)
-            times = _medians(fmt, timed, rows, time_kernel, reps)
-            timings[fmt][rows] = times
-            best = min(times.values())
-            live = [k for k in live if k not in STREAMING or times.get(k, 0.0) <= PRUNE_FACTOR * best]
-            done += 1
+            if len(timed) == 1 and rows >= 2:  # a lone kernel serves this count and every larger one: nothing to time
+                winners += timed * (len(buckets) - i)
+                done += len(buckets) - i
+            else:
+                times = _medians(fmt, timed, rows, time_kernel, reps)
+                timings[fmt][rows] = times
+                winners.append(min(times, key=times.get))
+                live = _unpruned(live, times, buckets[i + 1] if i + 1 < len(buckets) else None, caps)
+                done += 1
             if progress is not None:
                 progress(done, total)
-        routes[fmt] = _route(buckets, timings[fmt])
+            if len(winners) == len(buckets):
+                break
+        routes[fmt] = _route(buckets, winners, timings[fmt])
     measured = tuple(f for f in FORMATS if f in routes or f in base.measured)
     return dataclasses.replace(base, **routes, measured=measured), timings
 
@@ -263,10 +271,20 @@ def _check_candidates(fmt: str, kernels: Sequence[str]) -> None:
         raise ValueError(f"{fmt} candidates must be among {KERNELS.get(fmt)} and include linear, not {kernels}")
 
 
-def _route(buckets: Sequence[int], times: Mapping[int, Mapping[str, float]]) -> Route:
-    """The fastest kernel per bucket, with one packing: the packed kernel that wins most buckets (KERNELS' order
-    breaks a tie) keeps them, the buckets another one won go to the fastest of the rest."""
-    winners = [min(times[b], key=times[b].get) for b in buckets]
+def _unpruned(live: list[str], times: Mapping[str, float], next_rows: int | None,
+              caps: Mapping[str, int]) -> list[str]:
+    """The kernels to time at the next bucket: a STREAMING one drops out once it is PRUNE_FACTOR behind the best
+    kernel that may serve the next bucket (one capped below it cannot, however fast it was here)."""
+    if next_rows is None:
+        return live
+    serving = [t for k, t in times.items() if next_rows <= caps.get(k, next_rows)]
+    best = min(serving, default=min(times.values()))
+    return [k for k in live if k not in STREAMING or times.get(k, 0.0) <= PRUNE_FACTOR * best]
+
+
+def _route(buckets: Sequence[int], winners: list[str], times: Mapping[int, Mapping[str, float]]) -> Route:
+    """The fastest kernel per bucket (`winners`), with one packing: the packed kernel that wins most buckets
+    (KERNELS' order breaks a tie) keeps them, the buckets another one won go to the fastest of the rest."""
     packings = [k for k in KERNELS["bf16"] if k in PACKED and k in winners]
     if len(packings) > 1:
         kept = max(packings, key=winners.count)

@@ -29,7 +29,7 @@ from engine.kernels.extension_build import cpu_model
 log = logging.getLogger(__name__)
 
 KIND = "kernel-dispatch"
-PROCEDURE = 2  # what a measurement does; a change makes older entries another key's
+PROCEDURE = 3  # what a measurement does; a change makes older entries another key's
 
 
 @dataclass(frozen=True)
