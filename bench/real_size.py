@@ -11,7 +11,9 @@ Each process reports:
   dispatch table, measured once per machine and model shape, is kept in DIR/dispatch-cache across runs: the first
   start of a shape's first run on a machine also measures it (`dispatch_measured` in the JSON);
 - resident memory (RSS) after load and after the decode run, against the weights as the kernels read them (every
-  tensor the model and its prepared products hold, packed copies included) plus the KV pool: their ratio;
+  tensor the model and its prepared products hold, packed copies included) plus the KV pool: their ratio; and
+  the engine's ratio, of what `LLM(...)` and the decode run added to the RSS of the process with its imports
+  (the interpreter with torch: about 0.3 GiB whatever the model);
 - batch-1 decode ms/token: greedy, `--tokens` tokens after the first, by the difference of two runs; and its bound:
   the bytes a decode step reads (each product's weight and scales as its one-row kernel reads them) over the copy
   bandwidth measured in the same process (bench/offline_throughput.py measure_copy_bandwidth), and the fraction
@@ -53,6 +55,7 @@ def child(model: str, cache_dir: str, tokens: int, kv_bytes: int, threads: int |
     process = psutil.Process()
     entries = set((Path(cache_dir) / "weights").glob("*.index"))  # a start that converts writes one more
     tables = set((Path(cache_dir) / DISPATCH_KIND).glob("*.entry"))
+    rss_base = process.memory_info().rss  # the interpreter with torch and the engine imported
     start = time.perf_counter()
     llm = LLM(model, cache_dir=cache_dir, kv_cache_memory=kv_bytes, num_threads=threads, max_num_seqs=4)
     ready_s = time.perf_counter() - start
@@ -66,9 +69,10 @@ def child(model: str, cache_dir: str, tokens: int, kv_bytes: int, threads: int |
     bound_ms = step / (bandwidth * 1e9) * 1e3
     measured = set((Path(cache_dir) / DISPATCH_KIND).glob("*.entry")) != tables
     cached = set((Path(cache_dir) / "weights").glob("*.index")) == entries != set()
-    return {"cache_hit": cached, "dispatch_measured": measured, "ready_s": ready_s, "rss_load": rss_load,
-            "rss_decode": rss_decode, "weights": weights, "kv": kv,
+    return {"cache_hit": cached, "dispatch_measured": measured, "ready_s": ready_s, "rss_base": rss_base,
+            "rss_load": rss_load, "rss_decode": rss_decode, "weights": weights, "kv": kv,
             "ratio_load": rss_load / (weights + kv), "ratio_decode": rss_decode / (weights + kv),
+            "ratio_decode_engine": (rss_decode - rss_base) / (weights + kv),
             "step_bytes": step, "decode_ms": decode_ms, "bandwidth_gbps": bandwidth, "bound_ms": bound_ms,
             "roofline": bound_ms / decode_ms, "weight_dtype": engine.runner.model.weight_dtype}
 
@@ -153,14 +157,15 @@ def _start(path: Path, cache: Path, tokens: int, kv_bytes: int, threads: int | N
 
 def table(results: list[dict[str, Any]]) -> str:
     head = ("| shape | format | weights as loaded | first start s | warm start s | RSS after load / decode (MiB) | "
-            "weights + KV (MiB) | RSS ratio load / decode | decode ms/token | bound ms | of bound | copy GB/s |")
-    lines = [head, "|" + "---|" * 12]
+            "weights + KV (MiB) | RSS ratio load / decode | engine's ratio | decode ms/token | bound ms | of bound | "
+            "copy GB/s |")
+    lines = [head, "|" + "---|" * 13]
     for r in results:
         first, warm = r["first"], r["warm"]
         lines.append(f"| {r['shape']} | {r['format']} | {warm['weight_dtype']} | {first['ready_s']:.1f} | "
                      f"{warm['ready_s']:.1f} | {warm['rss_load'] / MiB:,.0f} / {warm['rss_decode'] / MiB:,.0f} | "
                      f"{(warm['weights'] + warm['kv']) / MiB:,.0f} | {warm['ratio_load']:.2f} / "
-                     f"{warm['ratio_decode']:.2f} | {warm['decode_ms']:.1f} | {warm['bound_ms']:.1f} | "
+                     f"{warm['ratio_decode']:.2f} | {warm['ratio_decode_engine']:.2f} | {warm['decode_ms']:.1f} | {warm['bound_ms']:.1f} | "
                      f"{warm['roofline']:.0%} | {warm['bandwidth_gbps']:.1f} |")
     return "\n".join(lines)
 

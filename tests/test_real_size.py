@@ -18,6 +18,8 @@ def test_quick_mode_measures_a_first_and_a_warm_start(tmp_path, capsys):
         assert run["ready_s"] > 0 and run["decode_ms"] > 0 and run["bandwidth_gbps"] > 0
         assert run["kv"] > 0 and run["weights"] >= run["step_bytes"] > 0
         assert run["rss_load"] > run["kv"]  # the pool is resident once the engine is built
+        assert 0 < run["rss_base"] < run["rss_decode"]
+        assert run["ratio_decode_engine"] < run["ratio_decode"]  # less the imports' share
     assert json.loads((tmp_path / "real_size.json").read_text()) == results
     assert "| tiny-llama | q4_k_m |" in capsys.readouterr().out
     assert not list(tmp_path.glob("cache-*"))  # the run's cache directory is removed
