@@ -56,13 +56,19 @@ void int8g_rows(const GroupedWeights& w, const float* x, OutRows out, int64_t be
 #if defined(CPU_EXT_INT8G_AVX512)
     __m512 acc[R][2];
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < w.groups; ++g) {
+    const auto group = [&](int64_t g, int h) {  // h = g & 1, a constant in each call: acc stays in registers
       const __m512 codes = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + g * kGroup))));
       const __m512 weights = Offsets ? _mm512_fmadd_ps(codes, _mm512_set1_ps(s[g]), _mm512_set1_ps(z[g]))
                                      : _mm512_mul_ps(codes, _mm512_set1_ps(s[g]));
       for (int r = 0; r < R; ++r)
-        acc[r][g & 1] = _mm512_fmadd_ps(weights, _mm512_loadu_ps(x + r * w.kp + g * kGroup), acc[r][g & 1]);
+        acc[r][h] = _mm512_fmadd_ps(weights, _mm512_loadu_ps(x + r * w.kp + g * kGroup), acc[r][h]);
+    };
+    int64_t g = 0;
+    for (; g + 2 <= w.groups; g += 2) {
+      group(g, 0);
+      group(g + 1, 1);
     }
+    if (g < w.groups) group(g, 0);
     for (int r = 0; r < R; ++r) total[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
 #else
     for (int r = 0; r < R; ++r) total[r] = 0.f;
