@@ -165,7 +165,8 @@ def table(results: list[dict[str, Any]]) -> str:
         lines.append(f"| {r['shape']} | {r['format']} | {warm['weight_dtype']} | {first['ready_s']:.1f} | "
                      f"{warm['ready_s']:.1f} | {warm['rss_load'] / MiB:,.0f} / {warm['rss_decode'] / MiB:,.0f} | "
                      f"{(warm['weights'] + warm['kv']) / MiB:,.0f} | {warm['ratio_load']:.2f} / "
-                     f"{warm['ratio_decode']:.2f} | {warm['ratio_decode_engine']:.2f} | {warm['decode_ms']:.1f} | {warm['bound_ms']:.1f} | "
+                     f"{warm['ratio_decode']:.2f} | {warm['ratio_decode_engine']:.2f} | {warm['decode_ms']:.1f} | "
+                     f"{warm['bound_ms']:.1f} | "
                      f"{warm['roofline']:.0%} | {warm['bandwidth_gbps']:.1f} |")
     return "\n".join(lines)
 
