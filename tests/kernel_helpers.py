@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from engine.backends import CpuKernelBackend, CpuKernelConfig, KernelBuildError
+from engine.backends.dispatch import Route
 from engine.kernels import cpu_ext, packed_linear
 from engine.model.hf_loader import iter_hf_weights, read_hf_config
 from engine.model.llama import LlamaModel, build_model
@@ -104,6 +105,16 @@ def stack_calls(monkeypatch) -> list[int]:
 
 def kernel_backend(**changes) -> CpuKernelBackend:
     return CpuKernelBackend(replace(CpuKernelConfig(), **changes))
+
+
+def routed_backend(monkeypatch, op: str, fmt: str, points: list[tuple[int, str]]) -> tuple[CpuKernelBackend, list[int]]:
+    """A backend whose measured table routes `fmt` by `points` (Route.from_points), and the row counts that reach
+    the extension's `op` through it, recorded as they come."""
+    rows_seen: list[int] = []
+    kernel = getattr(cpu_ext.ops(), op)
+    monkeypatch.setattr(cpu_ext.ops(), op, lambda x, *args: rows_seen.append(len(x)) or kernel(x, *args))
+    table = replace(CpuKernelBackend().dispatch, **{fmt: Route.from_points(points)}, measured=(fmt,))
+    return CpuKernelBackend(CpuKernelConfig(dispatch=table)), rows_seen
 
 
 def kernel_model(folder, **changes) -> LlamaModel:

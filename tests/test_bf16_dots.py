@@ -6,17 +6,12 @@ passes of 1-6 rows split evenly), odd channel counts, K off a group, K past one 
 its own; clear errors; and the backend and the decode stack's limits send a table's rows to each."""
 from __future__ import annotations
 
-import dataclasses
-
 import gguf
 import pytest
 import torch
 
-from engine.backends import CpuKernelBackend
-from engine.backends.cpu_config import CpuKernelConfig
-from engine.backends.dispatch import Route
 from engine.kernels import cpu_ext
-from tests.kernel_helpers import require_kernels
+from tests.kernel_helpers import require_kernels, routed_backend
 from tests.test_gguf_exact import TYPES, file_blocks, int8g_weight
 from tests.test_weight_int4 import dequantised, int4_weight, product_case
 
@@ -93,14 +88,8 @@ def test_bad_arguments_are_refused_by_name():
 
 def test_a_table_naming_it_runs_it_and_the_stack_limits_say_so(monkeypatch):
     require_bf16_dots()
-    rows_seen: list[int] = []
-    kernel = cpu_ext.ops().linear_int4_bf16
-    monkeypatch.setattr(cpu_ext.ops(), "linear_int4_bf16",
-                        lambda x, *args: rows_seen.append(len(x)) or kernel(x, *args))
-    base = CpuKernelBackend().dispatch
-    table = dataclasses.replace(base, int4=Route.from_points([(1, "int4_gemm"), (4, "int4_bf16"), (33, "linear")]),
-                                measured=("int4",))
-    backend = CpuKernelBackend(CpuKernelConfig(dispatch=table))
+    backend, rows_seen = routed_backend(monkeypatch, "linear_int4_bf16", "int4",
+                                        [(1, "int4_gemm"), (4, "int4_bf16"), (33, "linear")])
     assert "linear_int4_bf16" in backend.kernels()
     packed, scales = int4_weight(torch.randn(70, 100) * 0.05)
     w = backend.prepare_linear(packed, None, scales)
@@ -152,14 +141,8 @@ def test_int8g_odd_shapes_and_rows_on_their_own(n, k):
 
 def test_a_table_naming_int8g_bf16_runs_it_and_the_stack_limits_say_so(monkeypatch):
     require_bf16_dots()
-    rows_seen: list[int] = []
-    kernel = cpu_ext.ops().linear_int8g_bf16
-    monkeypatch.setattr(cpu_ext.ops(), "linear_int8g_bf16",
-                        lambda x, *args: rows_seen.append(len(x)) or kernel(x, *args))
-    base = CpuKernelBackend().dispatch
-    table = dataclasses.replace(base, int8g=Route.from_points([(1, "int8g"), (3, "int8g_bf16"), (17, "linear")]),
-                                measured=("int8g",))
-    backend = CpuKernelBackend(CpuKernelConfig(dispatch=table))
+    backend, rows_seen = routed_backend(monkeypatch, "linear_int8g_bf16", "int8g",
+                                        [(1, "int8g"), (3, "int8g_bf16"), (17, "linear")])
     assert "linear_int8g_bf16" in backend.kernels()
     codes, scales = int8g_weight(file_blocks(gguf.GGMLQuantizationType.Q8_0, rows=24, k=512),
                                  gguf.GGMLQuantizationType.Q8_0)

@@ -4,16 +4,11 @@ fp32 sums kept, and within one bf16 rounding of the float64 product of x and the
 backend and the decode stack run it where a table names it."""
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
-from engine.backends import CpuKernelBackend
-from engine.backends.cpu_config import CpuKernelConfig
-from engine.backends.dispatch import Route
 from engine.kernels import cpu_ext
-from tests.kernel_helpers import require_kernels
+from tests.kernel_helpers import require_kernels, routed_backend
 from tests.test_weight_int4 import assert_rounded_once, dequantised, int4_weight, product_case
 
 ROWS = [1, 2, 3, 4, 5, 7, 8, 9, 13, 16, 17, 33, 64]
@@ -71,13 +66,8 @@ def test_gemm_rows_are_independent_and_fp32_rows_are_taken():
 
 def test_a_table_naming_the_gemm_runs_it(monkeypatch):
     require_gemm()
-    rows_seen: list[int] = []
-    gemm = cpu_ext.ops().linear_int4_gemm
-    monkeypatch.setattr(cpu_ext.ops(), "linear_int4_gemm", lambda x, *args: rows_seen.append(len(x)) or gemm(x, *args))
-    base = CpuKernelBackend().dispatch
-    table = dataclasses.replace(base, int4=Route.from_points([(1, "int4"), (3, "int4_gemm"), (9, "linear")]),
-                                measured=("int4",))
-    backend = CpuKernelBackend(CpuKernelConfig(dispatch=table))
+    backend, rows_seen = routed_backend(monkeypatch, "linear_int4_gemm", "int4",
+                                        [(1, "int4"), (3, "int4_gemm"), (9, "linear")])
     assert "linear_int4_gemm" in backend.kernels()
     packed, scales = int4_weight(torch.randn(70, 100) * 0.05)
     w = backend.prepare_linear(packed, None, scales)
