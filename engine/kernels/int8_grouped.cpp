@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <optional>
 
 #include "activation_quant.h"
@@ -35,6 +36,7 @@ using cpu_ext::output_rows;
 
 constexpr int64_t kGroup = 16;  // weights per scale (and offset)
 constexpr int kRows = 4;        // rows of x per pass: R x 2 accumulators stay in registers
+constexpr int64_t kAhead = 1024;  // bytes of codes fetched ahead of the product
 
 struct GroupedWeights {
   const int8_t* codes;   // [N, kp]
@@ -44,10 +46,28 @@ struct GroupedWeights {
   int64_t n, kp, groups;
 };
 
-// Output channels [begin, end) for R rows of x (fp32 [R, kp], zero past K). Each group's weights are made once and
-// used for all R rows; two accumulators per row alternate between groups to hide the FMA latency.
-template <int R, bool Offsets>
-void int8g_rows(const GroupedWeights& w, const float* x, OutRows out, int64_t begin, int64_t end) {
+// x's 16 values at p as fp32: bf16 widens exactly (its bits are an fp32's upper half).
+inline float x_value(const float* p) { return *p; }
+inline float x_value(const uint16_t* p) {
+  const uint32_t bits = static_cast<uint32_t>(*p) << 16;
+  float value;
+  std::memcpy(&value, &bits, sizeof value);
+  return value;
+}
+#if defined(CPU_EXT_INT8G_AVX512)
+inline __m512 x_vector(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 x_vector(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+#endif
+
+// Output channels [begin, end) for R rows of x ([R, kp], zero past K; bf16 bits or fp32). Each group's weights
+// are made once and used for all R rows; two accumulators per row alternate between groups to hide the FMA
+// latency. x stays bf16 when it comes as bf16 (widened exactly in registers) and the codes are fetched kAhead
+// bytes ahead as non-temporal, so that the stream does not push x out of L1: at K = 8192 a row of fp32 x alone
+// fills Zen 4's 32 KB L1. Measured in the engine: docs/performance.md, "int8g: x kept in L1".
+template <int R, bool Offsets, typename X>
+void int8g_rows(const GroupedWeights& w, const X* x, OutRows out, int64_t begin, int64_t end) {
   for (int64_t row = begin; row < end; ++row) {
     const int8_t* q = w.codes + row * w.kp;
     const float* s = w.scale + row * w.groups;
@@ -61,10 +81,12 @@ void int8g_rows(const GroupedWeights& w, const float* x, OutRows out, int64_t be
       const __m512 weights = Offsets ? _mm512_fmadd_ps(codes, _mm512_set1_ps(s[g]), _mm512_set1_ps(z[g]))
                                      : _mm512_mul_ps(codes, _mm512_set1_ps(s[g]));
       for (int r = 0; r < R; ++r)
-        acc[r][h] = _mm512_fmadd_ps(weights, _mm512_loadu_ps(x + r * w.kp + g * kGroup), acc[r][h]);
+        acc[r][h] = _mm512_fmadd_ps(weights, x_vector(x + r * w.kp + g * kGroup), acc[r][h]);
     };
+    const char* ahead = reinterpret_cast<const char*>(q) + kAhead;  // rows are contiguous: past one is the next
     int64_t g = 0;
     for (; g + 2 <= w.groups; g += 2) {
+      if ((g & 3) == 0) _mm_prefetch(ahead + g * kGroup, _MM_HINT_NTA);  // one 64-byte line per 4 groups
       group(g, 0);
       group(g + 1, 1);
     }
@@ -76,7 +98,7 @@ void int8g_rows(const GroupedWeights& w, const float* x, OutRows out, int64_t be
       for (int64_t i = 0; i < kGroup; ++i) {
         const float code = static_cast<float>(q[g * kGroup + i]);
         const float weight = Offsets ? std::fma(code, s[g], z[g]) : code * s[g];
-        for (int r = 0; r < R; ++r) total[r] = std::fma(weight, x[r * w.kp + g * kGroup + i], total[r]);
+        for (int r = 0; r < R; ++r) total[r] = std::fma(weight, x_value(x + r * w.kp + g * kGroup + i), total[r]);
       }
 #endif
     const float b = w.bias ? w.bias[row] : 0.f;
@@ -84,14 +106,27 @@ void int8g_rows(const GroupedWeights& w, const float* x, OutRows out, int64_t be
   }
 }
 
-template <bool Offsets>
-void int8g_pass(int64_t rows, const GroupedWeights& w, const float* x, OutRows out, int64_t begin, int64_t end) {
+template <bool Offsets, typename X>
+void int8g_pass(int64_t rows, const GroupedWeights& w, const X* x, OutRows out, int64_t begin, int64_t end) {
   switch (rows) {
     case 1: int8g_rows<1, Offsets>(w, x, out, begin, end); break;
     case 2: int8g_rows<2, Offsets>(w, x, out, begin, end); break;
     case 3: int8g_rows<3, Offsets>(w, x, out, begin, end); break;
     default: int8g_rows<4, Offsets>(w, x, out, begin, end); break;
   }
+}
+
+// Every pass of kRows rows of x ([m, kp]) over the output channels: the threads claim ranges of channels and run
+// every pass over their range, so a range's weights come from memory once and from cache for the later passes.
+template <typename X>
+void int8g_product(const GroupedWeights& w, const X* x, int64_t m, OutRows out) {
+  cpu_ext::parallel_claim(w.n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t first = 0; first < m; first += kRows) {
+      const int64_t rows = std::min<int64_t>(kRows, m - first);
+      if (w.offset) int8g_pass<true>(rows, w, x + first * w.kp, out.shifted(first * w.n), begin, end);
+      else int8g_pass<false>(rows, w, x + first * w.kp, out.shifted(first * w.n), begin, end);
+    }
+  });
 }
 
 void check_int8g(const torch::Tensor& codes, const torch::Tensor& scales, int64_t k, const char* name) {
@@ -180,8 +215,7 @@ void widen_int8g(const GroupedWeights& w, int64_t block, int64_t g0, int64_t cou
 }  // namespace
 
 // x [M, K] bf16 or fp32, codes and scales as above, bias [N] (any float dtype) or None -> [M, N] bf16 (fp32 with
-// fp32_out). The threads claim ranges of output channels and run every pass of 4 rows of x over their range, so
-// a range's weights come from memory once and from cache for the later passes.
+// fp32_out).
 torch::Tensor linear_int8g(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
                            const std::optional<torch::Tensor>& bias, bool fp32_out) {
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
@@ -191,21 +225,16 @@ torch::Tensor linear_int8g(torch::Tensor x, torch::Tensor codes, torch::Tensor s
   const int64_t n = codes.size(0), kp = codes.size(1), groups = scales.size(2);
   torch::Tensor out = output_rows(x, m, n, fp32_out);
   if (m == 0 || n == 0) return out;
-  torch::Tensor xf = torch::zeros({m, kp}, x.options().dtype(at::kFloat));
-  xf.narrow(1, 0, k).copy_(x);
+  torch::Tensor xp = torch::zeros({m, kp}, x.options());  // padded past K with zeros, in x's own dtype
+  xp.narrow(1, 0, k).copy_(x);
   const cpu_ext::FloatBias bf = cpu_ext::float_bias(bias, n, "linear_int8g");
   const float* sp = scales.data_ptr<float>();
   const GroupedWeights w{codes.data_ptr<int8_t>(), sp, scales.size(0) == 2 ? sp + n * groups : nullptr,
                          bf.data(), n, kp, groups};
-  const float* xp = xf.data_ptr<float>();
-  const OutRows op = out_rows(out);
-  cpu_ext::parallel_claim(n, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t first = 0; first < m; first += kRows) {
-      const int64_t rows = std::min<int64_t>(kRows, m - first);
-      if (w.offset) int8g_pass<true>(rows, w, xp + first * kp, op.shifted(first * n), begin, end);
-      else int8g_pass<false>(rows, w, xp + first * kp, op.shifted(first * n), begin, end);
-    }
-  });
+  if (x.scalar_type() == at::kBFloat16)
+    int8g_product(w, reinterpret_cast<const uint16_t*>(xp.data_ptr<at::BFloat16>()), m, out_rows(out));
+  else
+    int8g_product(w, xp.data_ptr<float>(), m, out_rows(out));
   return out;
 }
 
