@@ -16,8 +16,10 @@ Each process reports:
   (the interpreter with torch: about 0.3 GiB whatever the model);
 - batch-1 decode ms/token: greedy, `--tokens` tokens after the first, by the difference of two runs; and its bound:
   the bytes a decode step reads (each product's weight and scales as its one-row kernel reads them) over the copy
-  bandwidth measured in the same process (bench/offline_throughput.py measure_copy_bandwidth), and the fraction
-  of that bound reached.
+  bandwidth measured in the same process right after that round (bench/offline_throughput.py
+  measure_copy_bandwidth), and the fraction of that bound reached. The shared host's bandwidth can move by half
+  from one second to the next, so each of three rounds is paired with its own copy measurement: the table gives
+  the medians of the rounds' ms/token, bandwidths and fractions.
 The table goes to stdout and every figure to DIR/real_size.json. --quick: a tiny Llama shape as Q4_K_M, 4 tokens,
 a 16 MiB pool (what the test runs). The machine is shared: compare ratios within one run.
 """
@@ -27,6 +29,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -63,10 +66,11 @@ def child(model: str, cache_dir: str, tokens: int, kv_bytes: int, threads: int |
     engine = llm.engine
     weights, step = resident_weight_bytes(engine.runner.model), step_bytes(engine.runner.model)
     kv = engine.kv_cache.data.numel() * engine.kv_cache.data.element_size()
-    decode_ms = decode_ms_per_token(llm, SamplingParams, tokens)
+    rounds = decode_rounds(llm, SamplingParams, tokens, lambda: measure_copy_bandwidth(256, 3).best_gb_s)
     rss_decode = process.memory_info().rss
-    bandwidth = measure_copy_bandwidth(256, 5).best_gb_s
+    decode_ms, bandwidth = (statistics.median(r[key] for r in rounds) for key in ("decode_ms", "bandwidth_gbps"))
     bound_ms = step / (bandwidth * 1e9) * 1e3
+    roofline = statistics.median(step / (r["bandwidth_gbps"] * 1e9) * 1e3 / r["decode_ms"] for r in rounds)
     measured = set((Path(cache_dir) / DISPATCH_KIND).glob("*.entry")) != tables
     cached = set((Path(cache_dir) / "weights").glob("*.index")) == entries != set()
     return {"cache_hit": cached, "dispatch_measured": measured, "ready_s": ready_s, "rss_base": rss_base,
@@ -74,18 +78,23 @@ def child(model: str, cache_dir: str, tokens: int, kv_bytes: int, threads: int |
             "ratio_load": rss_load / (weights + kv), "ratio_decode": rss_decode / (weights + kv),
             "ratio_decode_engine": (rss_decode - rss_base) / (weights + kv),
             "step_bytes": step, "decode_ms": decode_ms, "bandwidth_gbps": bandwidth, "bound_ms": bound_ms,
-            "roofline": bound_ms / decode_ms, "weight_dtype": engine.runner.model.weight_dtype}
+            "roofline": roofline, "rounds": rounds, "weight_dtype": engine.runner.model.weight_dtype}
 
 
-def decode_ms_per_token(llm, params_class, tokens: int) -> float:
-    """Greedy batch-1 decode: (time of 1 + tokens tokens - time of 1 token) / tokens, best of two."""
+def decode_rounds(llm, params_class, tokens: int, bandwidth, rounds: int = 3) -> list[dict[str, float]]:
+    """Greedy batch-1 decode, each round (time of 1 + tokens tokens - time of 1 token) / tokens, followed at once
+    by `bandwidth()` (GB/s) for that round's bound."""
     def timed(n: int) -> float:
         start = time.perf_counter()
         llm.generate([PROMPT], params_class(max_tokens=n, temperature=0, ignore_eos=True))
         return time.perf_counter() - start
 
     timed(2)  # warm-up: kernels, dispatch, pages touched
-    return min((timed(1 + tokens) - timed(1)) / tokens for _ in range(2)) * 1e3
+    out = []
+    for _ in range(rounds):
+        decode_ms = (timed(1 + tokens) - timed(1)) / tokens * 1e3
+        out.append({"decode_ms": decode_ms, "bandwidth_gbps": bandwidth()})
+    return out
 
 
 def _tensors(model) -> list:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from bench import real_size
 
 
@@ -16,6 +18,8 @@ def test_quick_mode_measures_a_first_and_a_warm_start(tmp_path, capsys):
     assert "int4" in warm["weight_dtype"]  # Q4_K blocks kept as int4
     for run in (first, warm):
         assert run["ready_s"] > 0 and run["decode_ms"] > 0 and run["bandwidth_gbps"] > 0
+        fractions = sorted(run["step_bytes"] / (r["bandwidth_gbps"] * 1e6) / r["decode_ms"] for r in run["rounds"])
+        assert len(fractions) == 3 and run["roofline"] == pytest.approx(fractions[1])  # each round, its own bandwidth
         assert run["kv"] > 0 and run["weights"] >= run["step_bytes"] > 0
         assert run["rss_load"] > run["kv"]  # the pool is resident once the engine is built
         assert 0 < run["rss_base"] < run["rss_decode"]
