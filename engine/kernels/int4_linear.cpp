@@ -67,6 +67,8 @@ constexpr int64_t kGroup = cpu_ext::kActGroup;  // weight and activation values 
 constexpr int64_t kChannels = 16;               // output channels per packed block (one int32 lane each)
 constexpr int64_t kGroupBytes = kGroup * kChannels / 2;
 constexpr int kMaxRows = 8;  // rows of x per pass: R accumulator sets stay in registers
+constexpr int64_t kAhead = 1024;  // bytes of a block's codes fetched ahead of a one- or two-row product
+constexpr int64_t kScalesAhead = 4;  // groups ahead whose scales and offsets a one- or two-row product fetches
 
 struct Int4Weights {
   const uint8_t* packed;
@@ -419,9 +421,13 @@ void widen_int4(const Int4Weights& w, int64_t block, int64_t g0, int64_t count, 
 
 // Up to kLanes rows (one pass of PairRows): the codes widened in registers and used at once, without the buffer:
 // a 64-byte slice costs 3 shifts, 4 lookups and 4 R dot products (int4_gemm: 7 shifts, 8 lookups and 8 R FMAs).
-// D chains a row and block hide the dot products' latency: two at one or two rows (a third faster than one chain
-// at one row), which adds a group's pairs in another order, so a product of 1-2 rows may differ in its last bits
-// from the same rows among 3 or more (one chain, the buffered passes' order: those agree to the bit).
+// At one or two rows the products wait on memory, not on their arithmetic (in cache they run twice as fast), so
+// each block's codes are fetched kAhead bytes ahead, non-temporal (the stream then leaves the activations' pairs in
+// L1), and the scales kScalesAhead groups ahead: 4-5% more GB/s streaming a 3B file's int4 tensors
+// (docs/performance.md, "int8g: x kept in L1"). D chains a row and block hide the dot products' latency: two at
+// one or two rows (a third faster than one chain at one row), which adds a group's pairs in another order, so a
+// product of 1-2 rows may differ in its last bits from the same rows among 3 or more (one chain, the buffered
+// passes' order: those agree to the bit).
 template <int R, int C>
 void direct_blocks(const Int4Weights& w, const cpu_ext::dots::PairRows& x, const float* bias, OutRows out,
                    int64_t block) {
@@ -432,6 +438,13 @@ void direct_blocks(const Int4Weights& w, const cpu_ext::dots::PairRows& x, const
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
   for (int64_t g = 0; g < w.groups; ++g) {
+    if (R <= 2 && g + kScalesAhead < w.groups) {  // scales are [G, N]: each group's are a new line, 2N bytes on
+      const int64_t at = (g + kScalesAhead) * w.n + block * kChannels;
+      for (int64_t half = 0; half < C * kChannels; half += 32) {  // 32 fp16 a line
+        _mm_prefetch(reinterpret_cast<const char*>(w.scale + at + half), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(w.offset + at + half), _MM_HINT_T0);
+      }
+    }
     __m512 dot[R][C][D];
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < C; ++c)
@@ -439,7 +452,9 @@ void direct_blocks(const Int4Weights& w, const cpu_ext::dots::PairRows& x, const
     const uint32_t* xp = x.pass_pairs(0, g);
     for (int t = 0; t < 4; ++t)
       for (int c = 0; c < C; ++c) {
-        const __m512i v = _mm512_loadu_si512(w.packed + ((block + c) * w.groups + g) * kGroupBytes + t * 64);
+        const uint8_t* slice = w.packed + ((block + c) * w.groups + g) * kGroupBytes + t * 64;
+        if (R <= 2) _mm_prefetch(reinterpret_cast<const char*>(slice) + kAhead, _MM_HINT_NTA);
+        const __m512i v = _mm512_loadu_si512(slice);
         const __m512bh q[4] = {(__m512bh)_mm512_permutexvar_epi16(v, table),
                                (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi32(v, 8), table),
                                (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi32(v, 4), table),
