@@ -100,6 +100,17 @@ def test_kernel_is_the_fp32_product_with_the_files_values(kernels, qtype, rows):
     assert torch.equal(rounded, (got + bias).to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("rows", [1, 5])
+def test_kernel_sums_bf16_and_fp32_activations_of_the_same_values_alike(kernels, rows):
+    """linear_int8g keeps bf16 activations as bf16 and widens them in registers, fp32 ones as they are: the same
+    values give the same sums, bit for bit, at a K whose fp32 row fills L1 (8192) and past it."""
+    data = file_blocks(Q["Q6_K"], rows=24, k=8448, seed=3)
+    codes, scales = int8g_weight(data, Q["Q6_K"])
+    x = torch.randn(rows, 8448, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    assert torch.equal(cpu_ext.linear_int8g(x, codes, scales, None, True),
+                       cpu_ext.linear_int8g(x.float(), codes, scales, None, True))
+
+
 @pytest.mark.parametrize("qtype", ["Q6_K", "Q4_K"])
 def test_dequantised_rows_are_the_files_values_rounded_once_to_bf16(kernels, qtype):
     data = file_blocks(Q[qtype], rows=40, k=512)

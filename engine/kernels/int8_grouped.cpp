@@ -46,7 +46,7 @@ struct GroupedWeights {
   int64_t n, kp, groups;
 };
 
-// x's 16 values at p as fp32: bf16 widens exactly (its bits are an fp32's upper half).
+// x at p as fp32, one value or (x_vector) 16: bf16 widens exactly (its bits are an fp32's upper half).
 inline float x_value(const float* p) { return *p; }
 inline float x_value(const uint16_t* p) {
   const uint32_t bits = static_cast<uint32_t>(*p) << 16;
