@@ -23,12 +23,7 @@
 
 namespace {
 
-inline float bf16_to_float(uint16_t bits) {
-  uint32_t widened = static_cast<uint32_t>(bits) << 16;
-  float out;
-  std::memcpy(&out, &widened, sizeof(out));
-  return out;
-}
+using cpu_ext::bf16_to_float;
 
 // Round to nearest even, as torch converts float to bfloat16; NaN stays NaN.
 inline uint16_t float_to_bf16(float value) {
@@ -42,10 +37,7 @@ inline uint16_t float_to_bf16(float value) {
 inline float round_bf16(float value) { return bf16_to_float(float_to_bf16(value)); }
 
 #if defined(CPU_EXT_AVX512)
-// 16 bf16 (the lanes of `mask`; the rest 0) widened to fp32.
-inline __m512 load_bf16x16(const uint16_t* p, __mmask16 mask = 0xFFFF) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
-}
+using cpu_ext::load_bf16x16;
 
 // float_to_bf16 on 16 lanes.
 inline __m256i pack_bf16x16(__m512 x) {

@@ -15,7 +15,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <optional>
 
 #include "activation_quant.h"
@@ -23,7 +22,7 @@
 #include "parallel.h"
 #include "vec.h"
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define CPU_EXT_INT8G_AVX512 1
 #include <immintrin.h>
 #endif
@@ -46,19 +45,12 @@ struct GroupedWeights {
   int64_t n, kp, groups;
 };
 
-// x at p as fp32, one value or (x_vector) 16: bf16 widens exactly (its bits are an fp32's upper half).
+// x at p as fp32, one value or (x_vector) 16: bf16 widens exactly.
 inline float x_value(const float* p) { return *p; }
-inline float x_value(const uint16_t* p) {
-  const uint32_t bits = static_cast<uint32_t>(*p) << 16;
-  float value;
-  std::memcpy(&value, &bits, sizeof value);
-  return value;
-}
+inline float x_value(const uint16_t* p) { return cpu_ext::bf16_to_float(*p); }
 #if defined(CPU_EXT_INT8G_AVX512)
 inline __m512 x_vector(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 x_vector(const uint16_t* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-}
+inline __m512 x_vector(const uint16_t* p) { return cpu_ext::load_bf16x16(p); }
 #endif
 
 // Output channels [begin, end) for R rows of x ([R, kp], zero past K; bf16 bits or fp32). Each group's weights

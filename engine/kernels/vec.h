@@ -1,12 +1,32 @@
-// AVX-512 math shared by the kernels' translation units.
+// Math shared by the kernels' translation units: bf16 widening, and AVX-512 helpers.
 #pragma once
+
+#include <cstdint>
+#include <cstring>
+
+namespace cpu_ext {
+
+// A bf16's bits as the fp32 they are the upper half of (exact).
+inline float bf16_to_float(uint16_t bits) {
+  const uint32_t widened = static_cast<uint32_t>(bits) << 16;
+  float out;
+  std::memcpy(&out, &widened, sizeof(out));
+  return out;
+}
+
+}  // namespace cpu_ext
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
-#include <cstdint>
-
 namespace cpu_ext {
+
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+// 16 bf16 (the lanes of `mask`; the rest 0) widened to fp32.
+inline __m512 load_bf16x16(const uint16_t* p, __mmask16 mask = 0xFFFF) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
+}
+#endif
 
 // Lanes [0, n) of 16 (none for n <= 0).
 inline __mmask16 lanes_below(int64_t n) {
