@@ -45,6 +45,7 @@ class KernelCalls(list):
     def __init__(self) -> None:
         super().__init__()
         self.prompt_counts: list[tuple[int, int, int]] = []
+        self.paged_prompts = 0  # prompt-attention calls that read their keys in place from the pages
 
     def names(self) -> list[str]:
         return [name for name, _ in self]
@@ -83,6 +84,7 @@ def _spy(calls: KernelCalls, name: str, func):
         calls.append((name, args[0].shape[0]))
         if name == "prompt_attention_bf16":
             calls.prompt_counts.append((args[0].shape[0], args[3], args[6] if len(args) > 6 else 0))
+            calls.paged_prompts += len(args) > 7 and args[7] is not None
         return func(*args)
     return wrapped
 

@@ -89,6 +89,59 @@ def test_a_chunk_after_its_context_matches_a_float64_reference(context, length, 
     assert within_bf16_noise(out, reference(q, k, v, 1, scale, context), v)
 
 
+def paged(k: torch.Tensor, v: torch.Tensor, block_size: int, num_blocks: int, seed: int = 0):
+    """k, v [T, Hkv, D] written into pages [num_blocks, block_size, Hkv, D] at shuffled blocks (garbage elsewhere)
+    -> (k pages, v pages, the int64 block table that names them in order)."""
+    gen = torch.Generator().manual_seed(seed)
+    used = -(-len(k) // block_size)
+    table = torch.randperm(num_blocks, generator=gen)[:used]
+    pages = []
+    for x in (k, v):
+        page = (torch.randn(num_blocks, block_size, *x.shape[1:], generator=gen) * 50).to(torch.bfloat16)
+        padded = page[table].reshape(used * block_size, *x.shape[1:]).clone()  # garbage past the last key too
+        padded[: len(x)] = x
+        page[table] = padded.view(used, block_size, *x.shape[1:])
+        pages.append(page)
+    return pages[0], pages[1], table
+
+
+@pytest.mark.parametrize("context,length,block_size", [(1, 1, 16), (5, 17, 16), (31, 33, 32), (100, 7, 16),
+                                                       (600, 41, 16), (7, 300, 64), (1000, 512, 16)])
+def test_keys_read_in_place_from_the_pages_give_the_bits_of_gathered_keys(context, length, block_size, engine):
+    q, k, v = chunk_after_context(context, length, 9, 3, 64, seed=context + length)
+    k_pages, v_pages, table = paged(k, v, block_size, num_blocks=-(-(context + length) // block_size) + 9)
+    gathered = cpu_ext.prompt_attention(q, k, v, 1, 0.125, engine, context)
+    in_place = cpu_ext.prompt_attention(q, k_pages, v_pages, 1, 0.125, engine, context, table)
+    assert torch.equal(in_place, gathered)
+
+
+def test_paged_keys_refuse_a_table_that_does_not_fit_the_pages(engine):
+    q, k, v = chunk_after_context(40, 8, 4, 2, 64)
+    k_pages, v_pages, table = paged(k, v, 16, num_blocks=6)
+    with pytest.raises(RuntimeError, match="cover the context"):
+        cpu_ext.prompt_attention(q, k_pages, v_pages, 1, 0.1, engine, 40, table[:2])
+    with pytest.raises(RuntimeError, match="outside the pages"):
+        cpu_ext.prompt_attention(q, k_pages, v_pages, 1, 0.1, engine, 40, table + 6)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        cpu_ext.prompt_attention(q, k_pages.view(12, 8, 2, 64), v_pages.view(12, 8, 2, 64), 1, 0.1, engine, 40,
+                                 torch.arange(7))
+    with pytest.raises(RuntimeError, match="one chunk"):
+        cpu_ext.prompt_attention(torch.cat([q, q]), k_pages, v_pages, 2, 0.1, engine, 40, table)
+
+
+def test_the_backend_reads_plain_bf16_pages_in_place_and_declines_the_rest():
+    backend = CpuKernelBackend()
+    q, k, v = chunk_after_context(40, 8, 4, 2, 64)
+    k_pages, v_pages, table = paged(k, v, 16, num_blocks=6)
+    out = backend.paged_extend_attention(q, k_pages, v_pages, table, 40, 0.1)
+    assert out is not None and torch.equal(out, backend.extend_attention(q, k, v, 40, 0.1))
+    assert backend.paged_extend_attention(q, k_pages, v_pages, table, 40, 0.1, window=16) is None
+    assert backend.paged_extend_attention(q, k_pages, v_pages, table, 40, 0.1, softcap=30.0) is None
+    assert backend.paged_extend_attention(q, k_pages.float(), v_pages.float(), table, 40, 0.1) is None
+    small_k, small_v = k_pages.view(12, 8, 2, 64), v_pages.view(12, 8, 2, 64)  # 8-token blocks span a tile
+    assert backend.paged_extend_attention(q, small_k, small_v, torch.arange(7), 40, 0.1) is None
+
+
 @pytest.mark.parametrize("context", [1, 31, 32, 45, 160])
 def test_a_chunk_gives_the_bits_of_the_same_rows_of_the_whole_prompt(context, engine):
     """Chunked prefill changes no bit: the rows of a chunk after its context equal those rows of the whole
@@ -208,13 +261,13 @@ def head_dim_32_dir(tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("head_dim_32"), config)
 
 
-def test_bf16_prefill_uses_the_kernel_and_stays_within_bf16_noise(head_dim_32_dir, kernel_calls):
+@pytest.mark.parametrize("block", [4, 16])
+def test_bf16_prefill_uses_the_kernel_and_stays_within_bf16_noise(head_dim_32_dir, kernel_calls, block):
     """A step with three fresh prompts of one length (one run), a longer fresh prompt and a chunk after cached
-    context: the kernel serves the two fresh runs, the chunk after its context (its keys gathered from the pages),
-    and the forward that cached the context; logits stay within bf16 noise of the model with the kernels off, on
-    the same pages."""
+    context: the kernel serves the two fresh runs, the chunk after its context (its keys read in place from
+    pages of 16 tokens, gathered from pages of 4), and the forward that cached the context; logits stay within
+    bf16 noise of the model with the kernels off, on the same pages."""
     cfg = read_hf_config(head_dim_32_dir)
-    block = 4
     same = [[(7 * i + j) % 500 + 3 for j in range(11)] for i in range(3)]
     longer = list(range(20, 57))
     cached, chunk = list(range(100, 112)), list(range(200, 209))
@@ -237,6 +290,7 @@ def test_bf16_prefill_uses_the_kernel_and_stays_within_bf16_noise(head_dim_32_di
     assert kernel_calls.prompt_counts == ([(len(cached), 1, 0)] * cfg.num_layers
                                           + [(33, 3, 0), (len(longer), 1, 0), (len(chunk), 1, len(cached))]
                                           * cfg.num_layers)
+    assert kernel_calls.paged_prompts == (cfg.num_layers if block == 16 else 0)
     ref = logits["eager"]
     assert (logits["fast"] - ref).abs().max() <= 0.05 * ref.abs().max()
     assert (logits["fast"].argmax(-1) == ref.argmax(-1)).float().mean() >= 0.8

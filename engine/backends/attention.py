@@ -172,6 +172,10 @@ class AttentionKernels(Protocol):
                          scale: float, window: int | None = None,
                          softcap: float | None = None) -> torch.Tensor | None: ...
 
+    def paged_extend_attention(self, q: torch.Tensor, k_cache: object, v_cache: object, block_table: torch.Tensor,
+                               context: int, scale: float, window: int | None = None,
+                               softcap: float | None = None) -> torch.Tensor | None: ...
+
     def prefill_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: object,
                           v_cache: object, meta: AttentionMetadata, scale: float, out: torch.Tensor,
                           window: int | None = None, softcap: float | None = None) -> bool: ...
@@ -311,8 +315,14 @@ def _prefill_attention(q: torch.Tensor, k_cache: KVPages, v_cache: KVPages, seg:
                        backend: AttentionKernels | None = None, window: int | None = None,
                        softcap: float | None = None) -> torch.Tensor:
     # q [S, Hq, hd], a chunk after `seg.context_start` cached tokens: it attends to them and to itself, all
-    # gathered from the pages (its own keys/values were written there first).
+    # gathered from the pages (its own keys/values were written there first), or read in place by the backend.
     total = seg.context_start + seg.length
+    if backend is not None:
+        wide = window is not None and window >= total  # a window that cuts nothing
+        out = backend.paged_extend_attention(q, k_cache, v_cache, seg.block_table, seg.context_start, scale,
+                                             None if wide else window, softcap)
+        if out is not None:
+            return out
     keys = _gather(k_cache, seg.block_table[None])[:, :, :total]  # [1, Hkv, total, hd], a view of token rows
     values = _gather(v_cache, seg.block_table[None])[:, :, :total]
     if backend is not None:

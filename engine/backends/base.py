@@ -157,6 +157,13 @@ class Backend(ABC):
         [0, context + i]; None: declined."""
         return None
 
+    def paged_extend_attention(self, q: torch.Tensor, k_cache: object, v_cache: object, block_table: torch.Tensor,
+                               context: int, scale: float, window: int | None = None,
+                               softcap: float | None = None) -> torch.Tensor | None:
+        """As extend_attention, the keys and values read in place from the pages through the chunk's block table
+        (its own already written there); None: declined, and the keys are gathered for extend_attention."""
+        return None
+
     def prefill_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: object,
                           v_cache: object, meta: AttentionMetadata, scale: float, out: torch.Tensor,
                           window: int | None = None, softcap: float | None = None) -> bool:

@@ -264,6 +264,17 @@ class CpuKernelBackend(TorchBackend):
             return None
         return cpu_ext.prompt_attention(q, keys, values, 1, scale, self.engine, context)
 
+    def paged_extend_attention(self, q: torch.Tensor, k_cache: object, v_cache: object, block_table: torch.Tensor,
+                               context: int, scale: float, window: int | None = None,
+                               softcap: float | None = None) -> torch.Tensor | None:
+        """Plain bf16 pages of a multiple of 16 tokens only (a 16-key tile of the kernel stays in one page)."""
+        if (window is not None or softcap is not None or not _plain_bf16_pages(k_cache)
+                or not _plain_bf16_pages(v_cache) or k_cache.shape[1] % 16
+                or context + len(q) > self.config.max_prompt_attention_tokens
+                or not self.takes_prompts(q, q, q, 1) or q.shape[2] != k_cache.shape[3]):
+            return None
+        return cpu_ext.prompt_attention(q, k_cache, v_cache, 1, scale, self.engine, context, block_table)
+
     def decode_layers(self, stack: object | None, x: torch.Tensor, rope: Rope, meta: AttentionMetadata,
                       kv_caches: list, window: int | None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The C++ stack where it computes exactly what the layers would: a decode-only step (one token a row, all

@@ -267,11 +267,13 @@ def tiled_linear_argmax(x: torch.Tensor, packed: torch.Tensor, engine: str = "au
 
 
 def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: int, scale: float,
-                     engine: str = "auto", context: int = 0) -> torch.Tensor:
+                     engine: str = "auto", context: int = 0, block_table: torch.Tensor | None = None) -> torch.Tensor:
     """q [count * S, Hq, D], k/v [count * (C + S), Hkv, D] bf16: `count` chunks of S queries, one after another,
     each after C = `context` cached keys (its keys hold those first) -> [count * S, Hq, D] bf16, query i of a chunk
-    attending causally to keys [0, C + i]. C = 0: whole prompts attending to themselves."""
-    return ops().prompt_attention_bf16(q, k, v, count, scale, _engine_code(engine), context)
+    attending causally to keys [0, C + i]. C = 0: whole prompts attending to themselves. With `block_table`
+    (int64, count 1), k / v are the KV pages [N, block_size, Hkv, D] (block_size a multiple of 16) and the chunk's
+    keys are read in place from the blocks it names."""
+    return ops().prompt_attention_bf16(q, k, v, count, scale, _engine_code(engine), context, block_table)
 
 
 def decode_stack(num_heads: int, num_kv_heads: int, head_dim: int, eps: float, scale: float) -> object:

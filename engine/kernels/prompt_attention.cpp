@@ -5,7 +5,9 @@
 // each with its C + S keys (the cached ones first), one after another; query i of a chunk stands at position
 // C + i. Whole prompts (C = 0) pass the views paged_attention gets from the fused qkv output; a chunk after a
 // prefix passes its keys gathered from the pages. The keys and values of each (chunk, kv head) are first packed
-// into 16 x 16-pair bf16 blocks (zeros past the keys). Then each work item, (chunk, q head, block of 32
+// into 16 x 16-pair bf16 blocks (zeros past the keys), or, for a chunk after its prefix, read in place from the
+// KV pages through the chunk's block table (no gathered copy: the gather and the packing were each a cost per
+// step that grows with the prefix, paid again for every chunk of a long prompt). Then each work item, (chunk, q head, block of 32
 // queries), computes
 //   scores = Q K^T over the keys up to its last query (fp32 sums over D);
 //   exp(scale * score - max) in fp32 over each query's causal keys, its fp32 sum kept, the values rounded to
@@ -24,6 +26,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <vector>
 
 #include "amx.h"
@@ -56,7 +59,15 @@ struct Prompts {
   float scale;
   uint16_t* keys;    // [count, Hkv, 2 * key_blocks, D / 32] B tiles: 16 keys x 16 pairs of dims
   uint16_t* values;  // [count, Hkv, key_blocks, D / 16] B tiles: 16 pairs of keys x 16 dims
+  const int64_t* table = nullptr;  // paged keys (count 1): page of each block_size keys; k, v are the pages
+  int64_t block_size = 0;          // a multiple of 16: a 16-key tile never spans two pages
 };
+
+// Row of chunk b's key `pos` in k / v: the chunks' rows one after another, or its page's row.
+inline int64_t key_row(const Prompts& p, int64_t b, int64_t pos) {
+  if (p.table == nullptr) return b * p.key_len + pos;
+  return p.table[pos / p.block_size] * p.block_size + pos % p.block_size;
+}
 
 uint16_t* key_tile(const Prompts& p, int64_t b, int64_t h, int64_t key_tile, int64_t dim_block) {
   const int64_t tile = ((b * p.kv_heads + h) * 2 * p.key_blocks + key_tile) * (p.head_dim / kTileK) + dim_block;
@@ -68,19 +79,20 @@ uint16_t* value_tile(const Prompts& p, int64_t b, int64_t h, int64_t key_block, 
   return p.values + tile * kBlockElems;
 }
 
-// Key tiles of (prompt b, kv head h): tile row r holds, for each of the 16 keys, dims 2r and 2r + 1 (one
-// 32-bit pair), so row r is column r of the keys' rows read as pairs: one gather per row.
-void pack_keys(const Prompts& p, int64_t b, int64_t h) {
+// Key tiles of (prompt b, kv head h), 32-key blocks [kb0, kb1): tile row r holds, for each of the 16 keys, dims
+// 2r and 2r + 1 (one 32-bit pair), so row r is column r of the keys' rows read as pairs: one gather per row.
+void pack_keys(const Prompts& p, int64_t b, int64_t h, int64_t kb0, int64_t kb1) {
   const int64_t pair_stride = p.k_stride / 2;
   const __m512i key_offsets =
       _mm512_mullo_epi32(_mm512_set1_epi32(static_cast<int32_t>(pair_stride)),
                          _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-  for (int64_t kt = 0; kt < 2 * p.key_blocks; ++kt) {
+  for (int64_t kt = 2 * kb0; kt < 2 * kb1; ++kt) {
     const int64_t first = kt * kTileN;
     const __mmask16 present = lanes_below(p.key_len - first);
     for (int64_t d = 0; d < p.head_dim / kTileK; ++d) {
       uint16_t* tile = key_tile(p, b, h, kt, d);
-      const uint16_t* base = p.k + (b * p.key_len + first) * p.k_stride + h * p.head_dim + d * kTileK;
+      const uint16_t* base =
+          p.k + (present ? key_row(p, b, first) : 0) * p.k_stride + h * p.head_dim + d * kTileK;
       for (int64_t r = 0; r < kTileRows; ++r) {
         const __m512i pairs = present ? _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), present, key_offsets,
                                                                    base + 2 * r, 4)
@@ -91,16 +103,18 @@ void pack_keys(const Prompts& p, int64_t b, int64_t h) {
   }
 }
 
-// Value tiles of (prompt b, kv head h): tile row r interleaves keys 2r and 2r + 1 of the block, dim by dim.
-void pack_values(const Prompts& p, int64_t b, int64_t h) {
+// Value tiles of (prompt b, kv head h), 32-key blocks [kb0, kb1): tile row r interleaves keys 2r and 2r + 1 of
+// the block, dim by dim.
+void pack_values(const Prompts& p, int64_t b, int64_t h, int64_t kb0, int64_t kb1) {
   const __m512i interleave = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
                                               39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-  for (int64_t kb = 0; kb < p.key_blocks; ++kb)
+  for (int64_t kb = kb0; kb < kb1; ++kb)
     for (int64_t n = 0; n < p.head_dim / kTileN; ++n) {
       uint16_t* tile = value_tile(p, b, h, kb, n);
       for (int64_t r = 0; r < kTileRows; ++r) {
-        const int64_t key = kb * kBlock + 2 * r;
-        const uint16_t* row = p.v + (b * p.key_len + key) * p.v_stride + h * p.head_dim + n * kTileN;
+        const int64_t key = kb * kBlock + 2 * r;  // even, so key + 1 shares its page
+        const uint16_t* row =
+            p.v + (key < p.key_len ? key_row(p, b, key) : 0) * p.v_stride + h * p.head_dim + n * kTileN;
         const __m512i even = key < p.key_len ? load_row16(row) : _mm512_setzero_si512();
         const __m512i odd = key + 1 < p.key_len ? load_row16(row + p.v_stride) : _mm512_setzero_si512();
         _mm512_storeu_si512(tile + r * 2 * kTileN, _mm512_permutex2var_epi16(even, interleave, odd));
@@ -261,12 +275,17 @@ void attend_block(const Prompts& p, int64_t item, Scratch& s) {
   }
 }
 
+constexpr int64_t kPackBlocks = 16;  // 32-key blocks a packing unit takes: a long prefix splits over every thread
+
 template <typename Products>
 void run(const Prompts& p) {
-  cpu_ext::parallel_claim(p.count * p.kv_heads, 1, [&](int64_t begin, int64_t end) {
+  const int64_t spans = (p.key_blocks + kPackBlocks - 1) / kPackBlocks;
+  cpu_ext::parallel_claim(p.count * p.kv_heads * spans, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      pack_keys(p, i / p.kv_heads, i % p.kv_heads);
-      pack_values(p, i / p.kv_heads, i % p.kv_heads);
+      const int64_t span = i % spans, head = i / spans % p.kv_heads, b = i / (spans * p.kv_heads);
+      const int64_t kb0 = span * kPackBlocks, kb1 = std::min(p.key_blocks, kb0 + kPackBlocks);
+      pack_keys(p, b, head, kb0, kb1);
+      pack_values(p, b, head, kb0, kb1);
     }
   });
   cpu_ext::parallel_claim(p.count * p.heads * p.blocks, 1, [&](int64_t begin, int64_t end) {
@@ -287,17 +306,44 @@ void check_rows(const torch::Tensor& x, int64_t rows, int64_t head_dim, const ch
 
 }  // namespace
 
+void check_pages(const torch::Tensor& pages, const torch::Tensor& table, int64_t key_len, int64_t head_dim,
+                 const char* what) {
+  TORCH_CHECK(pages.dim() == 4 && pages.scalar_type() == at::kBFloat16 && pages.is_contiguous() &&
+                  pages.size(3) == head_dim && pages.size(1) % 16 == 0,
+              "prompt_attention_bf16: ", what, " pages must be contiguous bf16 [N, block_size, Hkv, D], block_size a ",
+              "multiple of 16");
+  TORCH_CHECK(table.dim() == 1 && table.scalar_type() == at::kLong && table.is_contiguous() &&
+                  table.size(0) * pages.size(1) >= key_len,
+              "prompt_attention_bf16: the block table must be int64 and cover the context and the chunk");
+  const auto* ids = table.data_ptr<int64_t>();
+  const int64_t used = (key_len + pages.size(1) - 1) / pages.size(1);
+  TORCH_CHECK(std::all_of(ids, ids + used, [&](int64_t id) { return 0 <= id && id < pages.size(0); }),
+              "prompt_attention_bf16: a block id outside the pages");
+}
+
 // q [count * S, Hq, D], k/v [count * (C + S), Hkv, D] bf16 (rows may be strided) -> [count * S, Hq, D] bf16:
 // each of the `count` chunks of S queries, standing after C = `context` cached keys, attends causally to its keys.
-// D % 32 == 0, C + S <= 8192. engine: 0 the fastest available (tiles, then vectors), 1 tiles, 2 vectors.
+// With `block_table` (count 1), k / v are the KV pages [N, block_size, Hkv, D] and the chunk's C + S keys are
+// read in place from the blocks the table names. D % 32 == 0, C + S <= 8192. engine: 0 the fastest available
+// (tiles, then vectors), 1 tiles, 2 vectors.
 torch::Tensor prompt_attention_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t count, double scale,
-                                    int64_t engine, int64_t context) {
+                                    int64_t engine, int64_t context, std::optional<torch::Tensor> block_table) {
   TORCH_CHECK(count >= 1 && context >= 0 && q.dim() == 3 && q.size(0) % count == 0 && q.size(0) > 0,
               "prompt_attention_bf16: q rows must be count x S, S >= 1, and the context at least 0");
   const int64_t rows = q.size(0), head_dim = q.size(2), len = rows / count, key_len = context + len;
   check_rows(q, rows, head_dim, "q");
-  check_rows(k, count * key_len, head_dim, "k");
-  check_rows(v, count * key_len, head_dim, "v");
+  const int64_t block_size = block_table ? k.size(1) : 0;
+  if (block_table) {
+    TORCH_CHECK(count == 1, "prompt_attention_bf16: paged keys take one chunk");
+    check_pages(k, *block_table, key_len, head_dim, "k");
+    check_pages(v, *block_table, key_len, head_dim, "v");
+    TORCH_CHECK(k.sizes() == v.sizes(), "prompt_attention_bf16: k and v pages differ in shape");
+    k = k.view({-1, k.size(2), head_dim});  // token rows; key_row() finds each key's
+    v = v.view({-1, v.size(2), head_dim});
+  } else {
+    check_rows(k, count * key_len, head_dim, "k");
+    check_rows(v, count * key_len, head_dim, "v");
+  }
   TORCH_CHECK(k.size(1) == v.size(1) && q.size(1) % k.size(1) == 0, "prompt_attention_bf16: heads");
   TORCH_CHECK(head_dim % kTileK == 0 && key_len <= kMaxPromptTokens, "prompt_attention_bf16: head_dim ", head_dim,
               " (a multiple of 32) or keys of a chunk ", key_len, " (at most ", kMaxPromptTokens, ")");
@@ -313,7 +359,7 @@ torch::Tensor prompt_attention_bf16(torch::Tensor q, torch::Tensor k, torch::Ten
   const Prompts p{bf16(q),    bf16(k),   bf16(v),    bf16(out), q.stride(0), k.stride(0),
                   v.stride(0), count,    len,        context,   q.size(1),   kv_heads,
                   head_dim,   blocks,    key_len,    key_blocks, static_cast<float>(scale), bf16(keys),
-                  bf16(values)};
+                  bf16(values), block_table ? block_table->data_ptr<int64_t>() : nullptr, block_size};
 #if defined(CPU_EXT_AMX)
   if (tiles) {
     run<Tiles>(p);
@@ -327,8 +373,8 @@ torch::Tensor prompt_attention_bf16(torch::Tensor q, torch::Tensor k, torch::Ten
 
 TORCH_LIBRARY_FRAGMENT(phase_serve, m) {
   m.def(
-      "prompt_attention_bf16(Tensor q, Tensor k, Tensor v, int count, float scale, int engine, int context=0) -> "
-      "Tensor");
+      "prompt_attention_bf16(Tensor q, Tensor k, Tensor v, int count, float scale, int engine, int context=0, "
+      "Tensor? block_table=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(phase_serve, CPU, m) { m.impl("prompt_attention_bf16", &prompt_attention_bf16); }
