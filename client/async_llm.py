@@ -77,7 +77,8 @@ class AsyncLLM:
         self.engine = None if self.layout.uses_actors else build_off_thread(lambda: build_engine_core(self.config))
         self.source = self.engine.source if self.engine else _checked_source(self.config)
         if self.engine is None:  # before any actor starts; an engine in this process checked itself
-            check_local_memory(actor_specs(self.layout, _config_options(self.config)), self.source, elastic.on)
+            check_local_memory(actor_specs(self.layout, _actor_engine_options(self.config, elastic)), self.source,
+                               elastic.on)
         self.tokenizer = self.source.tokenizer
         self.front_door = FrontDoor.for_source(self.source)
         self.processor = OutputProcessor(self.tokenizer)
@@ -85,6 +86,7 @@ class AsyncLLM:
         self._client: EngineClient | None = None
         self._ids = itertools.count()
         self._starting: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
+        self._last_updates = 0.0  # time.monotonic() of the last batch of updates
 
     async def start(self) -> None:
         """Bind to the running loop (spawning the actors, if any). Idempotent and safe to call concurrently."""
@@ -105,7 +107,7 @@ class AsyncLLM:
     async def _make_client(self, loop: asyncio.AbstractEventLoop) -> EngineClient:
         if not self.layout.uses_actors:
             return InProcessClient(self.engine, loop, self._on_updates, self._on_error)
-        specs = actor_specs(self.layout, _config_options(self.config))
+        specs = actor_specs(self.layout, _actor_engine_options(self.config, self.elastic))
         settings = RouterSettings(PlacementPolicy(self.layout.disagg), park_timeout=self.capacity_timeout,
                                   max_migrations=self.max_migrations, elastic=self.elastic,
                                   share_kv=self.layout.hands_off_kv)
@@ -256,7 +258,10 @@ class AsyncLLM:
     def _on_updates(self, updates: list[SequenceUpdate]) -> None:
         received = self._client.trace() if self.trace_tokens else ()
         interval = self.stream_interval
-        outputs, to_abort = self.processor.process(updates, interval.tokens(len(self._streams)), interval.max_wait)
+        now = time.monotonic()
+        period, self._last_updates = now - self._last_updates, now  # about a step, while steps run back to back
+        outputs, to_abort = self.processor.process(updates, interval.tokens(len(self._streams), period),
+                                                   interval.max_wait)
         if received:
             stamps = (*received, time.monotonic())
             for out in outputs:
@@ -340,5 +345,10 @@ def _checked_source(config: EngineConfig):
     return source
 
 
-def _config_options(config: EngineConfig) -> dict:
-    return {f.name: getattr(config, f.name) for f in fields(config)}
+def _actor_engine_options(config: EngineConfig, elastic: ElasticSettings) -> dict:
+    """The actors' engine options: the config's, each step carrying decodes cut to --slo-itl unless the config
+    names its own target."""
+    options = {f.name: getattr(config, f.name) for f in fields(config)}
+    if options["itl_target"] is None:
+        options["itl_target"] = elastic.slo_itl
+    return options

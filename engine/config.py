@@ -229,6 +229,9 @@ class EngineConfig:
                                           "step, and the long prefill takes at most this factor longer")
     max_partial_prefills: int = option(PrefillShares.max_partial_prefills,
                                        "most prompts part-way through their prefill at once (one of them long)")
+    # A step carrying decodes is cut to last about this long (seconds; engine/scheduler/step_times.py); None: the
+    # token budget alone. Not a flag of its own: `serve` sets it from --slo-itl, `LLM(itl_target=...)` takes it.
+    itl_target: float | None = None
     enable_prefix_caching: bool = option(True, "reuse KV blocks of identical prompt prefixes")
     max_model_len: int | None = option(None, "cap on prompt + output tokens", shown="model context")
     num_threads: int | None = option(None, "torch threads of this engine", flags=("--threads", "--num-threads"),
@@ -315,7 +318,8 @@ class EngineConfig:
                               f"got {self.kernel_dispatch!r}")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a positive power of two, got {self.block_size}")
-        for name in ("num_kv_blocks", "kv_cache_memory", "max_model_len", "num_threads", "shm_free_bytes"):
+        for name in ("num_kv_blocks", "kv_cache_memory", "max_model_len", "num_threads", "shm_free_bytes",
+                     "itl_target"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ConfigError(f"{name} must be positive, got {value}")

@@ -23,7 +23,8 @@ class ElasticSettings:
     slo_ttft_long: float = option(3.0, "the time-to-first-token target of a request whose prompt is long (seconds; "
                                   "long: at least the long-prompt threshold)")
     slo_itl: float = option(0.1, "the inter-token latency target: a request's mean time per output token after "
-                            "the first (seconds)")
+                            "the first (seconds); each actor also cuts a step that carries decodes (a long prompt's "
+                            "chunk beside them) to about this long, from the step times it measures")
     degrade: bool = option(True, "when the last decode actor is lost and none serves again within "
                            "--degrade-after seconds (a crash loop, a Ray node gone with no room left), a prefill "
                            "actor takes the decode role, colocated, instead of every request failing")

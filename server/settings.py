@@ -9,7 +9,7 @@ from actors.ray_options import RayOptions, parse_resources
 from actors.start_watch import DEFAULT_START_SILENCE
 from engine.config import ConfigError
 from engine.flags import option, parse_bytes, parse_list
-from engine.core.stream_interval import AUTO_MAX_TOKENS, AUTO_MAX_WAIT_S, AUTO_OUTPUTS_PER_STEP, StreamInterval
+from engine.core.stream_interval import AUTO_MAX_TOKENS, AUTO_MAX_WAIT_S, AUTO_OUTPUTS_PER_SECOND, StreamInterval
 from engine.sampling.fields import generation_config_names
 from engine.sampling.sampling_params import SamplingParams
 from server.quadrant import QuadrantThresholds, SpeculateQuadrants, check_speculate_quadrants
@@ -53,9 +53,9 @@ class ServerSettings:
                                 "(time.monotonic(); python -m bench.serve_latency --trace reads them)")
     stream_interval: str = option(
         "auto", f"new tokens a stream's event waits for: a number (1: every token), or auto: every token while "
-        f"up to {AUTO_OUTPUTS_PER_STEP} streams run, then fewer events per stream as more run (at most "
-        f"{AUTO_MAX_TOKENS} tokens each, none held past {AUTO_MAX_WAIT_S:g} s); first tokens and finishes are never "
-        f"held", metavar="N|auto")
+        f"the streams' events stay under about {AUTO_OUTPUTS_PER_SECOND} a second, then fewer events per stream as "
+        f"more run (at most {AUTO_MAX_TOKENS} tokens each, none held past {AUTO_MAX_WAIT_S:g} s); first tokens and "
+        f"finishes are never held", metavar="N|auto")
 
     tool_call_parser: ToolCallParserName = option(
         "auto", "how tool calls are read from the output: hermes (<tool_call> JSON; Qwen), llama3 (JSON, "

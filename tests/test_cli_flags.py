@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 COMMANDS = ("generate", "chat", "serve", "worker")
 FLAG_CLASSES = (EngineConfig, SamplingOptions, ServerSettings, LogSettings, ActorOptions, ElasticSettings,
                 cli.WorkerOptions, cli.GenerateOptions)
-NOT_FLAGS = {EngineConfig: {"seed", "kv_host_dir"},  # set in code, not flags
+NOT_FLAGS = {EngineConfig: {"seed", "kv_host_dir", "itl_target"},  # set in code (itl_target: from --slo-itl)
              ServerSettings: {"max_body_bytes", "quadrants"},
              ElasticSettings: {"plan_interval", "window", "margin", "dwell", "cooldown", "min_requests",
                                "long_prompt_tokens", "long_output_tokens", "change_timeout", "switch_seconds"}}

@@ -11,7 +11,8 @@ from engine import AsyncLLM, LLM, SamplingParams
 from engine.core.output_processor import OutputProcessor
 from engine.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.core.step import SequenceUpdate
-from engine.core.stream_interval import AUTO_MAX_TOKENS, AUTO_MAX_WAIT_S, AUTO_OUTPUTS_PER_STEP, StreamInterval
+from engine.core.stream_interval import (AUTO_MAX_TOKENS, AUTO_MAX_WAIT_S, AUTO_OUTPUTS_PER_SECOND, AUTO_OUTPUTS_PER_STEP,
+                                        StreamInterval)
 from tests.test_engine import make_prompts
 from engine.model.tokenizer import Tokenizer
 
@@ -30,6 +31,17 @@ def test_auto_sends_every_token_until_the_budget_then_groups_up_to_the_cap():
     assert auto.tokens(2 * AUTO_OUTPUTS_PER_STEP) == 2
     assert auto.tokens(8 * AUTO_OUTPUTS_PER_STEP) == min(8, AUTO_MAX_TOKENS)
     assert auto.tokens(1000 * AUTO_OUTPUTS_PER_STEP) == AUTO_MAX_TOKENS
+
+
+def test_auto_keeps_the_output_rate_where_the_step_time_is_known_and_holds_nothing_in_slow_steps():
+    auto = StreamInterval.parse("auto")
+    step = 2 / AUTO_OUTPUTS_PER_SECOND  # the steps at which the rate is the unknown-step rule's two a step
+    assert [auto.tokens(n, step) for n in (1, 2, 3, 4, 8, 16, 1000)] == [auto.tokens(n) for n in (1, 2, 3, 4, 8, 16,
+                                                                                                   1000)]
+    assert auto.tokens(4, 5 * step) == 1  # a long prompt's chunk beside the decodes: every token goes at once
+    assert auto.tokens(40, 5 * step) == 4
+    assert auto.tokens(4, 0.0) == AUTO_MAX_TOKENS  # updates back to back: as many as the cap
+    assert StreamInterval(3).tokens(4, 5 * step) == 3
 
 
 @pytest.mark.parametrize("bad", ["0", "-2", "fast", "1.5"])

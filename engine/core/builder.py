@@ -101,7 +101,7 @@ def build_engine_core(config: EngineConfig, source: ModelSource | None = None, d
         if not num_cold else TieredBlockPool(num_blocks, num_cold, config.block_size, config.enable_prefix_caching,
                                              evicted)
     limits = SchedulerLimits(config.max_num_batched_tokens, config.max_num_seqs, config.enable_chunked_prefill,
-                             config.prefill_shares(), model_cfg.attention_span)
+                             config.prefill_shares(), model_cfg.attention_span, config.itl_target)
     eos = source.tokenizer.eos_token_ids or model_cfg.eos_token_ids
     scheduler = Scheduler(pool, limits, tuple(eos), _compactor(config, pool), groups.windows, tiers)
     cold = ColdRegion(model_cfg, num_cold, num_blocks, config.block_size, dtype, device) if num_cold else None

@@ -198,11 +198,13 @@ class EngineCore:
         return self.scheduler.remote.expire(now)
 
     def step(self) -> list[SequenceUpdate]:
+        start = time.perf_counter()
         sched = self.scheduler.schedule()
         if self.speculator is not None:
             sched = self.speculator.add_drafts(sched, self.scheduler.running_tokens)
         result = self.runner.run(sched)
         updates = self.scheduler.update(sched, result)
+        self.scheduler.step_took(time.perf_counter() - start)
         if self.speculator is not None:
             self.speculator.report(sched, result, self.scheduler.finished_since_step)
         return updates

@@ -8,6 +8,10 @@ import math
 from dataclasses import dataclass
 
 AUTO_OUTPUTS_PER_STEP = 2  # under `auto`, about this many streams get an output per engine step
+# or, where the time between steps is known, about this many outputs a second: the same as two a step at the
+# 20-50 ms steps of 4-64 decoding streams, and every token once a step is slow (a long prompt's chunk beside the
+# decodes), where holding one would double the gap a reader sees for an output rate that costs nothing
+AUTO_OUTPUTS_PER_SECOND = 100
 AUTO_MAX_TOKENS = 8  # and no stream waits for more new tokens than this
 # nor longer than this since its last output: where a step is slow (a long prompt's chunk runs beside the
 # decodes), holding tokens would multiply the gap a reader sees, and saves nothing worth it
@@ -17,9 +21,9 @@ AUTO_MAX_WAIT_S = 0.25
 @dataclass(frozen=True)
 class StreamInterval:
     """How many new tokens a stream's output waits for before it is emitted; a request's first token and every
-    finish are never held. `every=None` is `auto`: each token while at most AUTO_OUTPUTS_PER_STEP streams run,
-    beyond that enough tokens per output to keep about that many outputs per step (at most AUTO_MAX_TOKENS, and
-    no token held once AUTO_MAX_WAIT_S has passed since the stream's last output).
+    finish are never held. `every=None` is `auto`: enough tokens per output to keep about AUTO_OUTPUTS_PER_SECOND
+    outputs a second over all streams (AUTO_OUTPUTS_PER_STEP a step where the step time is not known), at most
+    AUTO_MAX_TOKENS, and no token held once AUTO_MAX_WAIT_S has passed since the stream's last output.
     Each output costs the front end, and a client on the same host, a fixed amount of CPU; on a CPU host that
     time comes out of the engine's own cores, so many streams of one token per output slow every step."""
 
@@ -46,7 +50,11 @@ class StreamInterval:
         fixed interval holds to its count)."""
         return AUTO_MAX_WAIT_S if self.every is None else None
 
-    def tokens(self, active_streams: int) -> int:
+    def tokens(self, active_streams: int, step_seconds: float | None = None) -> int:
+        """New tokens an output waits for, with `active_streams` streams and steps `step_seconds` apart (None:
+        not known)."""
         if self.every is not None:
             return self.every
-        return min(AUTO_MAX_TOKENS, max(1, math.ceil(active_streams / AUTO_OUTPUTS_PER_STEP)))
+        per_output = active_streams / AUTO_OUTPUTS_PER_STEP if step_seconds is None else \
+            active_streams / (AUTO_OUTPUTS_PER_SECOND * max(step_seconds, 1e-6))
+        return min(AUTO_MAX_TOKENS, max(1, math.ceil(per_output)))

@@ -20,13 +20,16 @@ class SchedulerLimits:
     with chunked prefill and an `attention_span` (ModelConfig.attention_span), a prompt token costs 1 plus its
     attention over its context in the same units (context / attention_span), so a chunk deep in a long prompt
     takes fewer tokens and the step costs about what a step of fresh tokens costs: the decodes and short prompts
-    beside it wait no longer. A prompt alone takes whole budgets, its fastest. A decode token costs 1."""
+    beside it wait no longer. A prompt alone takes whole budgets, its fastest. A decode token costs 1. With an
+    `itl_target` (seconds), a step carrying decodes spends only the budget its measured costs fit in that time
+    (engine/scheduler/step_times.py)."""
 
     max_num_batched_tokens: int
     max_num_seqs: int
     enable_chunked_prefill: bool = True
     shares: PrefillShares = PrefillShares()
     attention_span: int | None = None
+    itl_target: float | None = None
 
     def is_long(self, seq: Sequence) -> bool:
         return is_long(seq, self.max_num_batched_tokens)
