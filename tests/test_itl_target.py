@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import pytest
 
+from client.async_llm import _actor_engine_options
+from engine.config import ConfigError, EngineConfig
 from engine.kv.block_pool import BlockPool
 from engine.sampling.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerLimits
 from engine.scheduler.step_times import MIN_UNITS, SMOOTHING, StepTimes
 from engine.core.sequence import Sequence
 from engine.core.step import runner_output
+from router.elastic_settings import ElasticSettings
 
 BUDGET = 256
 BLOCK = 4
@@ -126,3 +129,10 @@ def test_a_long_prompt_alone_is_never_cut():
     run = Run(itl_target=0.05)
     long = run.add(3000)
     assert [run.step()[long.seq_id] for _ in range(5)] == [BUDGET] * 5
+
+
+def test_the_actors_get_the_serve_itl_target_unless_the_config_names_its_own():
+    assert _actor_engine_options(EngineConfig(), ElasticSettings(slo_itl=0.25))["itl_target"] == 0.25
+    assert _actor_engine_options(EngineConfig(itl_target=0.05), ElasticSettings(slo_itl=0.25))["itl_target"] == 0.05
+    with pytest.raises(ConfigError, match="itl_target must be positive"):
+        EngineConfig(itl_target=0.0)

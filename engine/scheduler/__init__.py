@@ -4,7 +4,9 @@ Every step spends a token budget: running sequences first (decode tokens before 
 or preempted sequences from the waiting queue. A prompt token costs more of it the deeper into its prompt it
 stands (its attention over the context, SchedulerLimits.chunk_cost), so steps cost about the same all through a
 long prefill. A running long prefill leaves a share of each step to short prompts that are ready to start, and
-takes back what they leave (shares.py: stall-free batching). When the KV pool runs dry the lowest-priority running
+takes back what they leave (shares.py: stall-free batching). With an ITL target, a step that carries decodes spends
+only the budget that its measured costs fit in that time (step_times.py), so a long prompt's chunks never stretch
+the decoding streams' gaps past it. When the KV pool runs dry the lowest-priority running
 sequence is preempted by recompute: its blocks are freed and it re-enters the waiting queue keeping its
 sampled tokens, so it later resumes exactly where it stopped (often from the prefix cache).
 
@@ -38,6 +40,7 @@ The parts, each with one concern, behind Scheduler's schedule() / update():
   release, the prefix cache (registering full blocks, attaching a cached prefix).
 - queues.py: `SequenceQueues`, waiting / running / per request, and the status changes between them.
 - remote.py: `RemoteReservations`, blocks held for KV that a prefill actor writes.
+- step_times.py: `StepTimes`, what a decode step and a prefill budget unit take, learnt from the steps run.
 """
 from engine.scheduler.planning import SchedulerLimits
 from engine.scheduler.scheduler import Scheduler
