@@ -99,6 +99,7 @@ MODULE_TIERS: Mapping[str, Tier] = {
     "test_prefill_rate_bench.py": E,
     "test_prefill_shares.py": U,
     "test_itl_target.py": U,
+    "test_layered_prefill.py": E,
     "test_prompt_attention.py": E,
     "test_prompt_pass.py": E,  # the wire round trip is marked unit
     "test_ray.py": P,  # a Ray cluster on loopback and actors on it

@@ -160,7 +160,10 @@ class EngineCore:
 
     def abort_request(self, request_id: str, sample_index: int | None = None) -> list[SequenceUpdate]:
         self.scheduler.remote.cancel(request_id)
-        return self.scheduler.abort(request_id, sample_index)
+        updates = self.scheduler.abort(request_id, sample_index)
+        if self.scheduler.pacing.in_flight is None:
+            self.runner.layered = None  # its blocks went with the sequence
+        return updates
 
     def abort_all(self) -> list[SequenceUpdate]:
         updates = []
@@ -203,11 +206,23 @@ class EngineCore:
         if self.speculator is not None:
             sched = self.speculator.add_drafts(sched, self.scheduler.running_tokens)
         result = self.runner.run(sched)
+        if sched.layered is not None:
+            self.runner.start_layered(sched.layered)
         updates = self.scheduler.update(sched, result)
-        self.scheduler.step_took(time.perf_counter() - start)
+        self.scheduler.pacing.step_took(time.perf_counter() - start)
+        if self.runner.layered is not None:
+            updates += self._advance_layered(time.perf_counter() - start)
         if self.speculator is not None:
             self.speculator.report(sched, result, self.scheduler.finished_since_step)
         return updates
+
+    def _advance_layered(self, elapsed: float) -> list[SequenceUpdate]:
+        """The chunk in flight runs the layers that fit in what the step left of the ITL target."""
+        count = self.scheduler.pacing.layers_to_run(self.runner.layers_left, elapsed)
+        start = time.perf_counter()
+        result = self.runner.advance_layered(count)
+        self.scheduler.pacing.layers_took(count, time.perf_counter() - start)
+        return [] if result is None else self.scheduler.finish_layered(result)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

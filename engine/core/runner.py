@@ -21,7 +21,7 @@ from engine.kv.host_memory import keep_freed_memory
 from engine.kv.cache import KVCache
 from engine.model.progress import Progress
 from engine.kv.compress import ColdRegion, names_cold
-from engine.model.llama import LlamaModel
+from engine.model.llama import LayerPass, LlamaModel
 from engine.sampling.sampler import History, SamplingBatch, greedy_tokens, process_logits, sample, token_logprobs
 from engine.speculative.acceptance import Verdict, verify_drafts, verify_greedy
 from engine.core.prompt_pass import PromptPasses, pass_rows
@@ -42,6 +42,16 @@ class ModelInput:
     verified_chunks: tuple[ScheduledChunk, ...]
     prompt_rows: torch.Tensor  # [P] the rows prompt passes read (prompt_pass.pass_rows), chunk after chunk
     prompt_chunks: tuple[ScheduledChunk, ...]  # the chunks those rows belong to
+
+
+@dataclass
+class LayeredChunk:
+    """A long prompt's chunk running a few layers a step (SchedulerOutput.layered): its input and how far it got."""
+
+    chunk: ScheduledChunk
+    inp: ModelInput
+    state: LayerPass
+    layers: list  # the KV pages of every layer, which it writes as it goes
 
 
 def prepare_input(chunks: Sequence[ScheduledChunk], block_size: int, device: torch.device | str,
@@ -155,6 +165,7 @@ class ModelRunner:
         self.grammar_compiler = grammar_compiler
         self._guides: GuideStates | None = None
         self.prompt_passes = PromptPasses()  # prompt logprobs and embeddings being computed, chunk by chunk
+        self.layered: LayeredChunk | None = None
         self.cold = cold
         self._tiered_layers = None if cold is None else cold.layers_over(kv_cache)
         if torch.device(device).type == "cpu":
@@ -205,6 +216,28 @@ class ModelRunner:
         prompts = self.prompt_passes.add(inp.prompt_chunks, rows[num_read:], self.model)
         return dataclasses.replace(out, prompt_results=MappingProxyType(prompts)) if prompts else out
 
+    @torch.inference_mode()
+    def start_layered(self, chunk: ScheduledChunk) -> None:
+        """Begin `chunk`'s forward, to run layer by layer (advance_layered) on the runner's own pages."""
+        inp = prepare_input([chunk], self.kv_cache.block_size, self.device, self.backend.attends_in_place)
+        self.layered = LayeredChunk(chunk, inp, self.model.begin_layers(inp.input_ids, inp.positions),
+                                    self._layers(self.kv_cache, SchedulerOutput((chunk,))))
+
+    @property
+    def layers_left(self) -> int:
+        return 0 if self.layered is None else len(self.layered.layers) - self.layered.state.next_layer
+
+    @torch.inference_mode()
+    def advance_layered(self, count: int) -> RunnerOutput | None:
+        """The next `count` layers of the chunk in flight; once its last has run, what the chunk yields (its next
+        token where it ends the prompt) and the chunk is done; None while layers are left."""
+        work = self.layered
+        self.model.run_layers(work.state, work.inp.meta, work.layers, count, keep_rows=work.inp.sample_rows)
+        if self.layers_left:
+            return None
+        self.layered = None
+        return self._tokens(self.model.end_layers(work.state), work.inp)
+
     def _tokens(self, rows: torch.Tensor, inp: ModelInput) -> RunnerOutput:
         """rows [B + R, hidden]: the sampled rows, then the verified ones -> the tokens they give."""
         if not inp.sampled_chunks and not inp.verified_chunks:
@@ -230,6 +263,8 @@ class ModelRunner:
         """Drop the per-sequence state (sampler generator, grammar matcher, prompt pass) of sequences that are
         done here."""
         seq_ids = list(seq_ids)
+        if self.layered is not None and self.layered.chunk.seq_id in seq_ids:
+            self.layered = None
         self.prompt_passes.forget(seq_ids)
         for seq_id in seq_ids:
             self.generators.pop(seq_id, None)

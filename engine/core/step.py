@@ -77,6 +77,9 @@ class SchedulerOutput:
     finished_seq_ids: tuple[int, ...] = ()  # finished since the last step: drop their runner state
     preempted_seq_ids: tuple[int, ...] = ()  # preempted this step: their KV is gone, they recompute later
     compressions: tuple[tuple[int, int], ...] = ()  # (hot block, cold block) pages to compress before the forward
+    # A long prompt's chunk that starts now and runs a few layers a step beside the decode steps that follow, until
+    # its last layer (engine/scheduler/step_times.py); its result comes back through Scheduler.finish_layered.
+    layered: ScheduledChunk | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -11,6 +11,7 @@ logits; windowed layers with their own RoPE base (Gemma 3).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
@@ -142,6 +143,17 @@ class GemmaDecoderLayer(nn.Module):
         return self.post_feedforward_layernorm(self.mlp(h, prepared), prepared), residual
 
 
+@dataclass
+class LayerPass:
+    """A forward part-way through the layers: the rows after layer `next_layer - 1` (LlamaModel.run_layers)."""
+
+    x: torch.Tensor  # [T, hidden]
+    residual: torch.Tensor | None
+    rope: Rope
+    local: Rope  # the rotation of windowed layers (the same as `rope` where the model has one)
+    next_layer: int = 0
+
+
 class LlamaModel(nn.Module):
     """Decoder stack plus LM head. KV pages are passed in, never owned, so actors can share or export them."""
 
@@ -182,29 +194,47 @@ class LlamaModel(nn.Module):
         engine/kv/groups.py: each group's block tables differ), instead of `meta` for every layer; the layers
         then run one by one."""
         prepared = self.prepared
+        state = self.begin_layers(input_ids, positions)
+        kv_caches = kv_caches[:len(self.layers) if num_layers is None else num_layers]
+        window = self.cfg.sliding_window if self.cfg.windowed else None
+        stacked = None if layer_metas is not None else prepared.decode_layers(state.x, state.rope, meta, kv_caches,
+                                                                              window)
+        if stacked is not None:
+            x, residual = stacked
+            if keep_rows is not None:
+                x, residual = x[keep_rows], residual[keep_rows]
+            return self.norm.add_forward(x, residual, prepared)[0]
+        self.run_layers(state, meta, kv_caches, len(kv_caches), keep_rows, layer_metas)
+        return self.end_layers(state)
+
+    def begin_layers(self, input_ids: torch.Tensor, positions: torch.Tensor) -> LayerPass:
+        """A forward to run layer by layer (run_layers, then end_layers): the embedded rows and their rotations."""
         x = self.embed(input_ids)
         if self.cfg.scale_embeddings:  # the scale rounded to the weights' dtype first, as transformers does
             x = x * torch.tensor(self.cfg.hidden_size ** 0.5, dtype=x.dtype)
         rope = self.rope.lookup(positions, x.dtype)
         local = rope if self.local_rope is None else self.local_rope.lookup(positions, x.dtype)
-        kv_caches = kv_caches[:len(self.layers) if num_layers is None else num_layers]
-        window = self.cfg.sliding_window if self.cfg.windowed else None
-        stacked = None if layer_metas is not None else prepared.decode_layers(x, rope, meta, kv_caches, window)
-        if stacked is not None:
-            x, residual = stacked
-            if keep_rows is not None:
-                x, residual = x[keep_rows], residual[keep_rows]
-        else:
-            residual = None
-            last = len(kv_caches) - 1
-            for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
-                layer_rope = rope if layer.self_attn.window is None else local
-                layer_meta = meta if layer_metas is None else layer_metas[i]
-                x, residual = layer(x, residual, layer_rope, layer_meta, kv, prepared,
-                                    keep_rows if i == last else None)
-                if self.layer_hook is not None:
-                    self.layer_hook(i)
-        return self.norm.add_forward(x, residual, prepared)[0]
+        return LayerPass(x, None, rope, local)
+
+    def run_layers(self, state: LayerPass, meta: AttentionMetadata, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                   count: int, keep_rows: torch.Tensor | None = None,
+                   layer_metas: Sequence[AttentionMetadata] | None = None) -> None:
+        """The next `count` layers of `state` (at most those left of `kv_caches`' layers); the last layer of all
+        runs its output projection and MLP on `keep_rows` only, where given."""
+        last = len(kv_caches) - 1
+        for i in range(state.next_layer, min(state.next_layer + count, len(kv_caches))):
+            layer = self.layers[i]
+            layer_rope = state.rope if layer.self_attn.window is None else state.local
+            layer_meta = meta if layer_metas is None else layer_metas[i]
+            state.x, state.residual = layer(state.x, state.residual, layer_rope, layer_meta, kv_caches[i],
+                                            self.prepared, keep_rows if i == last else None)
+            state.next_layer = i + 1
+            if self.layer_hook is not None:
+                self.layer_hook(i)
+
+    def end_layers(self, state: LayerPass) -> torch.Tensor:
+        """The final norm over what the layers left: the hidden states forward() returns."""
+        return self.norm.add_forward(state.x, state.residual, self.prepared)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [B, hidden] -> logits [B, vocab] in float32 (Backend.lm_head), soft-capped where the model is."""

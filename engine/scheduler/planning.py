@@ -64,10 +64,12 @@ class StepPlan:
     compressions: list[Move] = field(default_factory=list)
     held_back: list[int] = field(default_factory=list)  # indexes into runs: long prefills cut by the reserve
     weighted: bool = True  # other work shares the step: prompt tokens cost their attention too (SchedulerLimits)
+    in_flight: Sequence | None = None  # a long prefill whose chunk runs layer by layer: no run of this step
 
     def partial_prefills(self) -> list[Sequence]:
-        """The planned prefills that this step leaves unfinished."""
-        return [seq for seq, n, _ in self.runs if not seq.prefill_done and n < seq.num_uncomputed]
+        """The planned prefills that this step leaves unfinished, and the one in flight."""
+        partial = [seq for seq, n, _ in self.runs if not seq.prefill_done and n < seq.num_uncomputed]
+        return partial + ([self.in_flight] if self.in_flight is not None else [])
 
 
 def tokens_to_run(seq: Sequence, budget: int, limits: SchedulerLimits, weighted: bool = True) -> int:
@@ -99,7 +101,8 @@ class RunningPlanner:
         """Adds the running sequences' runs to `plan`; returns the budget left. A long prefill leaves the share
         of the budget that `short_demand` (tokens of short prompts ready to start) is due (shares.py)."""
         # Decodes first (one token each), then continuing prefills; the queue's tail is the preemption victim.
-        queue = deque(sorted(self.queues.running, key=lambda s: (s.num_uncomputed > 1, s.sort_key)))
+        queue = deque(sorted((s for s in self.queues.running if s is not plan.in_flight),
+                             key=lambda s: (s.num_uncomputed > 1, s.sort_key)))
         short = {s for s in queue if not s.in_decode and not self.limits.is_long(s)}
         reserve = None  # held for short prompts, running or waiting; set at the first prefill, after the decodes
         while queue and budget > 0:

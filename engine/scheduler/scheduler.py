@@ -9,10 +9,10 @@ from engine.kv.block_pool import BlockPool
 from engine.kv.compaction import Compactor
 from engine.sampling.sampler import TokenLogprobs
 from engine.scheduler.blocks import SequenceBlocks
+from engine.scheduler.pacing import Pacing
 from engine.scheduler.planning import Admission, RunningPlanner, SchedulerLimits, StepPlan
 from engine.scheduler.queues import SequenceQueues
 from engine.scheduler.remote import RemoteReservations
-from engine.scheduler.step_times import StepTimes
 from engine.core.sequence import FinishReason, Sequence
 from engine.speculative.adaptive import SpecCounters, adapt
 from engine.core.step import (PromptResult, RunnerOutput, ScheduledChunk, SchedulerOutput, SequenceUpdate, build_chunk,
@@ -48,8 +48,7 @@ class Scheduler:
         self.waiting, self.running, self.by_request = self.queues.waiting, self.queues.running, self.queues.by_request
         self.spec_counters = SpecCounters()
         self.num_steps = 0
-        self.step_times = StepTimes()
-        self._last_step = (0, 0)  # (decode rows, prefill budget units) of the step schedule() planned last
+        self.pacing = Pacing(limits, pool, self.blocks, self.queues, compactor is None and pool.num_groups == 1)
 
     @property
     def num_preemptions(self) -> int:
@@ -65,6 +64,7 @@ class Scheduler:
         updates = []
         for seq in list(self.by_request.get(request_id, [])):
             if not seq.is_finished and sample_index in (None, seq.sample_index):
+                self.pacing.drop(seq)
                 self._finish(seq, FinishReason.ABORT)
                 updates.append(self._update(seq, None))
         return updates
@@ -104,37 +104,28 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         plan = StepPlan(weighted=self._shared_step())
-        budget = self.running_planner.plan(plan, self._step_budget(), self.admission.short_demand())
+        layered = self.pacing.start_layered(lambda seq, n: self._chunk(seq, n, 0))
+        plan.in_flight = None if self.pacing.in_flight is None else self.pacing.in_flight[0]
+        budget = self.running_planner.plan(plan, self.pacing.step_budget(), self.admission.short_demand())
         if not plan.preempted_seq_ids:
             budget = self.admission.plan(plan, budget)
         self.running_planner.extend(plan, budget)
         finished = self.queues.take_finished()
         self.num_steps += 1
-        self._last_step = self._step_shape(plan)
+        self.pacing.planned(plan)
         if self.num_steps % DEBUG_EVERY_STEPS == 1 and log.isEnabledFor(logging.DEBUG):
             self._log_decisions(plan)
         return SchedulerOutput(chunks=tuple(self._chunk(seq, n, slots) for seq, n, slots in plan.runs),
                                finished_seq_ids=finished, preempted_seq_ids=tuple(plan.preempted_seq_ids),
-                               compressions=tuple(plan.compressions))
+                               compressions=tuple(plan.compressions), layered=layered)
 
-    def step_took(self, seconds: float) -> None:
-        """The step schedule() planned last ran for `seconds`: what the ITL target's cut learns from."""
-        self.step_times.observe(*self._last_step, seconds)
-
-    def _step_budget(self) -> int:
-        """The token budget, cut where decodes run and an ITL target is set to what fits in it (decodes and
-        draft slots take theirs first; a prefill beside them keeps at least step_times.MIN_UNITS)."""
-        budget, target = self.limits.max_num_batched_tokens, self.limits.itl_target
-        if target is None:
-            return budget
-        decodes = sum(1 + (seq.spec.k if seq.spec is not None else 0) for seq in self.queues.running if seq.in_decode)
-        units = self.step_times.units_within(target) if decodes else None
-        return budget if units is None else min(budget, decodes + units)
-
-    def _step_shape(self, plan: StepPlan) -> tuple[int, int]:
-        decodes = sum(n + slots for seq, n, slots in plan.runs if seq.in_decode)
-        units = sum(self.limits.run_cost(seq, n, plan.weighted) for seq, n, _ in plan.runs if not seq.in_decode)
-        return decodes, units
+    def finish_layered(self, result: RunnerOutput) -> list[SequenceUpdate]:
+        """The chunk in flight has run its last layer: its tokens are computed (and its next token sampled where it
+        ends the prompt)."""
+        done = self.pacing.take_in_flight()
+        if done is None or self.queues.live(done[0].seq_id) is None:
+            return []
+        return self._apply_chunk(*done, result)
 
     def _shared_step(self) -> bool:
         """Whether more than one sequence may run this step (running, or waiting and ready to start)."""

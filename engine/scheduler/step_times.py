@@ -25,6 +25,17 @@ SMOOTHING = 0.25  # weight of the newest step in each average
 class StepTimes:
     decode_seconds: float | None = None
     unit_seconds: float | None = None
+    layer_seconds: float | None = None  # a layer of a long prompt's chunk run layer by layer
+
+    def observe_layers(self, count: int, seconds: float) -> None:
+        if count > 0:
+            self.layer_seconds = _average(self.layer_seconds, seconds / count)
+
+    def layers_within(self, seconds: float) -> int:
+        """Layers of the chunk in flight that fit in `seconds` (at least one; one until a layer has been seen)."""
+        if not self.layer_seconds or seconds <= 0:
+            return 1
+        return max(1, int(seconds / self.layer_seconds))
 
     def observe(self, decodes: int, units: int, seconds: float) -> None:
         """One finished step: `decodes` decode rows, `units` prefill budget units, `seconds` it took."""
