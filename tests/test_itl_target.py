@@ -22,7 +22,7 @@ BLOCK = 4
 DECODE_SECONDS = 0.010  # the fake machine: a step of decodes takes this
 UNIT_SECONDS = 0.002  # and each prefill unit beside them this much more
 LAYERS = 6  # the fake model's layers
-LAYER_SECONDS = 0.03  # a layer of a whole chunk running layer by layer
+LAYER_SECONDS = 0.03  # a layer of a whole budget's chunk running layer by layer (a smaller chunk's: pro rata)
 
 
 def fake_seconds(decodes: int, units: int) -> float:
@@ -66,8 +66,9 @@ class Run:
             chunk, left = self.layered
             count = self.scheduler.pacing.layers_to_run(left, seconds)
             assert 1 <= count <= left
-            self.scheduler.pacing.layers_took(count, count * LAYER_SECONDS)
-            seconds += count * LAYER_SECONDS
+            layers_seconds = count * LAYER_SECONDS * len(chunk.token_ids) / BUDGET
+            self.scheduler.pacing.layers_took(count, layers_seconds)
+            seconds += layers_seconds
             self.layered[1] -= count
             if not self.layered[1]:
                 self.scheduler.finish_layered(runner_output({chunk.seq_id: 5} if chunk.sample else {}))
@@ -183,11 +184,12 @@ def test_the_actors_get_the_serve_itl_target_unless_the_config_names_its_own():
         EngineConfig(itl_target=0.0)
 
 
-def test_the_layers_that_fit_are_learnt_from_the_layers_run():
+def test_the_layers_that_fit_are_learnt_from_the_layers_run_and_scale_with_the_chunk():
     times = StepTimes()
-    assert times.layers_within(1.0) == 1  # nothing seen: one layer, the safe guess
-    times.observe_layers(4, 0.040)
-    assert times.layers_within(0.095) == 9
-    assert times.layers_within(-0.5) == 1  # the step overran the target: the chunk still progresses
-    times.observe_layers(0, 5.0)  # nothing ran: nothing learnt
-    assert times.layer_seconds == pytest.approx(0.010)
+    assert times.layers_within(1.0, 100) == 1  # nothing seen: one layer, the safe guess
+    times.observe_layers(4, 100, 0.040)
+    assert times.layers_within(0.095, 100) == 9
+    assert times.layers_within(0.095, 200) == 4  # a chunk twice the cost (deeper in its prompt): half the layers
+    assert times.layers_within(-0.5, 100) == 1  # the step overran the target: the chunk still progresses
+    times.observe_layers(0, 100, 5.0)  # nothing ran: nothing learnt
+    assert times.layer_unit_seconds == pytest.approx(0.0001)

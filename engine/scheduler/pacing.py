@@ -34,6 +34,7 @@ class Pacing:
         self.times = StepTimes()
         self.in_flight: tuple[Sequence, ScheduledChunk] | None = None  # the chunk running layer by layer
         self._last_step = (0, 0)  # (decode rows, prefill budget units) of the step planned last
+        self._in_flight_units = 0  # the chunk in flight's cost in budget units, as if it shared a step
 
     def step_budget(self) -> int:
         """The token budget, cut where decodes run to what fits in the target (decodes and draft slots take theirs
@@ -61,6 +62,7 @@ class Pacing:
             return None
         self.blocks.grow(seq, needed)
         self.in_flight = (seq, make_chunk(seq, num_new))
+        self._in_flight_units = self.limits.chunk_cost(seq.num_computed_tokens, num_new)
         return self.in_flight[1]
 
     def take_in_flight(self) -> tuple[Sequence, ScheduledChunk] | None:
@@ -78,7 +80,7 @@ class Pacing:
         the target beside decodes (at least one), all of them with no decode waiting."""
         if self.limits.itl_target is None or not self._decoding():
             return layers_left
-        return min(layers_left, self.times.layers_within(self.limits.itl_target - elapsed))
+        return min(layers_left, self.times.layers_within(self.limits.itl_target - elapsed, self._in_flight_units))
 
     def planned(self, plan: StepPlan) -> None:
         """The step just planned, for step_took to learn from."""
@@ -91,7 +93,7 @@ class Pacing:
         self.times.observe(*self._last_step, seconds)
 
     def layers_took(self, count: int, seconds: float) -> None:
-        self.times.observe_layers(count, seconds)
+        self.times.observe_layers(count, self._in_flight_units, seconds)
 
     def _decoding(self) -> bool:
         return any(seq.in_decode for seq in self.queues.running)

@@ -25,17 +25,21 @@ SMOOTHING = 0.25  # weight of the newest step in each average
 class StepTimes:
     decode_seconds: float | None = None
     unit_seconds: float | None = None
-    layer_seconds: float | None = None  # a layer of a long prompt's chunk run layer by layer
+    # a layer of a long prompt's chunk run layer by layer, per budget unit of the chunk (its tokens and their
+    # attention: a chunk deeper in its prompt takes longer a layer, known before its first layer runs)
+    layer_unit_seconds: float | None = None
 
-    def observe_layers(self, count: int, seconds: float) -> None:
-        if count > 0:
-            self.layer_seconds = _average(self.layer_seconds, seconds / count)
+    def observe_layers(self, count: int, units: int, seconds: float) -> None:
+        """`count` layers of a chunk of `units` budget units took `seconds`."""
+        if count > 0 and units > 0:
+            self.layer_unit_seconds = _average(self.layer_unit_seconds, seconds / (count * units))
 
-    def layers_within(self, seconds: float) -> int:
-        """Layers of the chunk in flight that fit in `seconds` (at least one; one until a layer has been seen)."""
-        if not self.layer_seconds or seconds <= 0:
+    def layers_within(self, seconds: float, units: int) -> int:
+        """Layers of a chunk of `units` budget units that fit in `seconds` (at least one; one until a layer has
+        been seen)."""
+        if not self.layer_unit_seconds or seconds <= 0 or units <= 0:
             return 1
-        return max(1, int(seconds / self.layer_seconds))
+        return max(1, int(seconds / (self.layer_unit_seconds * units)))
 
     def observe(self, decodes: int, units: int, seconds: float) -> None:
         """One finished step: `decodes` decode rows, `units` prefill budget units, `seconds` it took."""
