@@ -161,7 +161,7 @@ def test_a_stream_is_the_whole_reply_in_typed_events(client):
 
 def _stream_call(client, **kwargs) -> list:
     return list(client.responses.create(model=MODEL, input="Weather in Oslo?", tools=[WEATHER], stream=True,
-                                        **{"max_output_tokens": 120, "temperature": 0, **kwargs}))
+                                        **{"max_output_tokens": 400, "temperature": 0, **kwargs}))
 
 
 def test_a_forced_call_streams_as_a_function_call_item_and_its_output_goes_back(client):
@@ -190,7 +190,7 @@ def test_a_forced_call_streams_as_a_function_call_item_and_its_output_goes_back(
 
 def test_required_is_a_call_of_an_offered_tool_whole_and_streamed_alike(client):
     whole = client.responses.create(model=MODEL, input="Weather in Oslo?", tools=[WEATHER], tool_choice="required",
-                                    parallel_tool_calls=False, max_output_tokens=120, temperature=0, store=False)
+                                    parallel_tool_calls=False, max_output_tokens=400, temperature=0, store=False)
     streamed = _stream_call(client, tool_choice="required", parallel_tool_calls=False, store=False)[-1].response
     assert [(o.type, o.name, o.arguments) for o in whole.output] == \
         [(o.type, o.name, o.arguments) for o in streamed.output]
@@ -201,7 +201,7 @@ def test_a_call_cut_by_max_output_tokens_is_incomplete_and_the_conversation_goes
     # Where the tiny model's call names its tool depends on the CPU's kernels, so the cut is set from the whole
     # call: one token short of it, its name is known and its close is not.
     forced = {"tool_choice": "required", "parallel_tool_calls": False}
-    whole = _stream_call(client, **forced, max_output_tokens=400)[-1].response
+    whole = _stream_call(client, **forced)[-1].response
     assert whole.status == "completed" and [o.type for o in whole.output] == ["function_call"]
     events = _stream_call(client, **forced, max_output_tokens=whole.usage.output_tokens - 1)
     cut = events[-1].response
@@ -215,7 +215,7 @@ def test_a_call_cut_by_max_output_tokens_is_incomplete_and_the_conversation_goes
 def test_a_json_schema_format_is_followed(client):
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}}, "required": ["city"],
               "additionalProperties": False}
-    out = client.responses.create(model=MODEL, input="A city as JSON", max_output_tokens=80, temperature=0,
+    out = client.responses.create(model=MODEL, input="A city as JSON", max_output_tokens=200, temperature=0,
                                   text={"format": {"type": "json_schema", "name": "city", "schema": schema,
                                                    "strict": True}})
     parsed = json.loads(out.output_text)
