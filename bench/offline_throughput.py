@@ -207,6 +207,20 @@ def measure_copy_bandwidth(mib: int = 512, repeats: int = 5) -> Bandwidth:
     return Bandwidth(max(rates), float(np.median(rates)), mib)
 
 
+def measure_read_bandwidth(mib: int = 256, repeats: int = 3) -> Bandwidth:
+    """GB/s of `torch.sum` over an int64 tensor: a read-only stream, what a batch-1 decode step does to its
+    weights (a copy also writes, and on a 2-core VM its read + write rate and a plain read's part by a quarter
+    either way)."""
+    src = torch.ones(mib * (1 << 20) // 8, dtype=torch.int64)
+    src.sum()  # touch the pages
+    rates = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        src.sum()
+        rates.append(src.numel() * src.element_size() / (time.perf_counter() - start) / 1e9)
+    return Bandwidth(max(rates), float(np.median(rates)), mib)
+
+
 def decode_weight_bytes(model: torch.nn.Module) -> int:
     """Parameter bytes read per decode step. A tied embedding counts once (as the LM head); an untied
     embedding's lookup reads a few rows only, so it is left out."""

@@ -17,9 +17,10 @@ Each process reports:
 - batch-1 decode ms/token: greedy, `--tokens` tokens after the first, by the difference of two runs; and its bound:
   the bytes a decode step reads (each product's weight and scales as its one-row kernel reads them) over the copy
   bandwidth measured in the same process right after that round (bench/offline_throughput.py
-  measure_copy_bandwidth), and the fraction of that bound reached. The shared host's bandwidth can move by half
-  from one second to the next, so each of three rounds is paired with its own copy measurement: the table gives
-  the medians of the rounds' ms/token, bandwidths and fractions.
+  measure_copy_bandwidth), and the fraction of that bound reached; beside it the same fraction against a plain read
+  of memory (`torch.sum`, measure_read_bandwidth), the stream a decode step's products are. The shared host's
+  bandwidth can move by half from one second to the next, so each of three rounds is paired with its own
+  measurements: the table gives the medians of the rounds' ms/token, bandwidths and fractions.
 The table goes to stdout and every figure to DIR/real_size.json. --quick: a tiny Llama shape as Q4_K_M, 4 tokens,
 a 16 MiB pool (what the test runs). The machine is shared: compare ratios within one run.
 """
@@ -52,7 +53,7 @@ MiB = 1 << 20
 def child(model: str, cache_dir: str, tokens: int, kv_bytes: int, threads: int | None) -> dict[str, Any]:
     import psutil
 
-    from bench.offline_throughput import measure_copy_bandwidth
+    from bench.offline_throughput import measure_copy_bandwidth, measure_read_bandwidth
     from engine import LLM, SamplingParams
 
     process = psutil.Process()
@@ -66,11 +67,15 @@ def child(model: str, cache_dir: str, tokens: int, kv_bytes: int, threads: int |
     engine = llm.engine
     weights, step = resident_weight_bytes(engine.runner.model), step_bytes(engine.runner.model)
     kv = engine.kv_cache.data.numel() * engine.kv_cache.data.element_size()
-    rounds = decode_rounds(llm, SamplingParams, tokens, lambda: measure_copy_bandwidth(256, 3).best_gb_s)
+    bandwidths = {"bandwidth_gbps": lambda: measure_copy_bandwidth(256, 3).best_gb_s,
+                  "read_gbps": lambda: measure_read_bandwidth(256, 3).best_gb_s}
+    rounds = decode_rounds(llm, SamplingParams, tokens, bandwidths)
     rss_decode = process.memory_info().rss
-    decode_ms, bandwidth = (statistics.median(r[key] for r in rounds) for key in ("decode_ms", "bandwidth_gbps"))
+    decode_ms, bandwidth, read = (statistics.median(r[key] for r in rounds)
+                                  for key in ("decode_ms", "bandwidth_gbps", "read_gbps"))
     bound_ms = step / (bandwidth * 1e9) * 1e3
     roofline = statistics.median(step / (r["bandwidth_gbps"] * 1e9) * 1e3 / r["decode_ms"] for r in rounds)
+    of_read = statistics.median(step / (r["read_gbps"] * 1e9) * 1e3 / r["decode_ms"] for r in rounds)
     measured = set((Path(cache_dir) / DISPATCH_KIND).glob("*.entry")) != tables
     cached = set((Path(cache_dir) / "weights").glob("*.index")) == entries != set()
     return {"cache_hit": cached, "dispatch_measured": measured, "ready_s": ready_s, "rss_base": rss_base,
@@ -78,12 +83,14 @@ def child(model: str, cache_dir: str, tokens: int, kv_bytes: int, threads: int |
             "ratio_load": rss_load / (weights + kv), "ratio_decode": rss_decode / (weights + kv),
             "ratio_decode_engine": (rss_decode - rss_base) / (weights + kv),
             "step_bytes": step, "decode_ms": decode_ms, "bandwidth_gbps": bandwidth, "bound_ms": bound_ms,
-            "roofline": roofline, "rounds": rounds, "weight_dtype": engine.runner.model.weight_dtype}
+            "roofline": roofline, "read_gbps": read, "of_read_bound": of_read, "rounds": rounds,
+            "weight_dtype": engine.runner.model.weight_dtype}
 
 
-def decode_rounds(llm, params_class, tokens: int, bandwidth, rounds: int = 3) -> list[dict[str, float]]:
+def decode_rounds(llm, params_class, tokens: int, bandwidths: dict[str, Any],
+                  rounds: int = 3) -> list[dict[str, float]]:
     """Greedy batch-1 decode, each round (time of 1 + tokens tokens - time of 1 token) / tokens, followed at once
-    by `bandwidth()` (GB/s) for that round's bound."""
+    by each of `bandwidths` (name: a function giving GB/s) for that round's bounds."""
     def timed(n: int) -> float:
         start = time.perf_counter()
         llm.generate([PROMPT], params_class(max_tokens=n, temperature=0, ignore_eos=True))
@@ -93,7 +100,7 @@ def decode_rounds(llm, params_class, tokens: int, bandwidth, rounds: int = 3) ->
     out = []
     for _ in range(rounds):
         decode_ms = (timed(1 + tokens) - timed(1)) / tokens * 1e3
-        out.append({"decode_ms": decode_ms, "bandwidth_gbps": bandwidth()})
+        out.append({"decode_ms": decode_ms, **{name: measure() for name, measure in bandwidths.items()}})
     return out
 
 
@@ -167,8 +174,8 @@ def _start(path: Path, cache: Path, tokens: int, kv_bytes: int, threads: int | N
 def table(results: list[dict[str, Any]]) -> str:
     head = ("| shape | format | weights as loaded | first start s | warm start s | RSS after load / decode (MiB) | "
             "weights + KV (MiB) | RSS ratio load / decode | engine's ratio | decode ms/token | bound ms | of bound | "
-            "copy GB/s |")
-    lines = [head, "|" + "---|" * 13]
+            "copy GB/s | of read bound | read GB/s |")
+    lines = [head, "|" + "---|" * 15]
     for r in results:
         first, warm = r["first"], r["warm"]
         lines.append(f"| {r['shape']} | {r['format']} | {warm['weight_dtype']} | {first['ready_s']:.1f} | "
@@ -176,7 +183,8 @@ def table(results: list[dict[str, Any]]) -> str:
                      f"{(warm['weights'] + warm['kv']) / MiB:,.0f} | {warm['ratio_load']:.2f} / "
                      f"{warm['ratio_decode']:.2f} | {warm['ratio_decode_engine']:.2f} | {warm['decode_ms']:.1f} | "
                      f"{warm['bound_ms']:.1f} | "
-                     f"{warm['roofline']:.0%} | {warm['bandwidth_gbps']:.1f} |")
+                     f"{warm['roofline']:.0%} | {warm['bandwidth_gbps']:.1f} | {warm['of_read_bound']:.0%} | "
+                     f"{warm['read_gbps']:.1f} |")
     return "\n".join(lines)
 
 

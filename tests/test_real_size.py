@@ -20,6 +20,8 @@ def test_quick_mode_measures_a_first_and_a_warm_start(tmp_path, capsys):
         assert run["ready_s"] > 0 and run["decode_ms"] > 0 and run["bandwidth_gbps"] > 0
         fractions = sorted(run["step_bytes"] / (r["bandwidth_gbps"] * 1e6) / r["decode_ms"] for r in run["rounds"])
         assert len(fractions) == 3 and run["roofline"] == pytest.approx(fractions[1])  # each round, its own bandwidth
+        of_read = sorted(run["step_bytes"] / (r["read_gbps"] * 1e6) / r["decode_ms"] for r in run["rounds"])
+        assert run["read_gbps"] > 0 and run["of_read_bound"] == pytest.approx(of_read[1])
         assert run["kv"] > 0 and run["weights"] >= run["step_bytes"] > 0
         assert run["rss_load"] > run["kv"]  # the pool is resident once the engine is built
         assert 0 < run["rss_base"] < run["rss_decode"]
