@@ -88,9 +88,9 @@ class TorchInt4Backend(CpuKernelBackend):
 
 
 def torch_int4pack(packed: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    n, groups = scales.shape[2], scales.shape[1]
+    n, groups = weight_ops.int4_channels(scales), scales.shape[1]
     codes = weight_ops.unpack_int4(packed, torch.arange(n))[:, :groups * weight_ops.INT4_GROUP].to(torch.int32)
-    s, z = scales[0].float(), scales[1].float()
+    s, z = (part.T.float() for part in weight_ops.int4_scales_of(scales, torch.arange(n)))  # [G, N]
     zeros = torch.stack([s, z + 8 * s], dim=-1).to(torch.bfloat16).contiguous()  # [G, N, 2]
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1), zeros
 

@@ -51,7 +51,7 @@ def as_int4(data: np.ndarray, qtype: Q) -> tuple[torch.Tensor, torch.Tensor, qua
 
 
 def int4_values(packed: torch.Tensor, scales: torch.Tensor) -> np.ndarray:
-    n, k = scales.shape[2], scales.shape[1] * weight_ops.INT4_GROUP
+    n, k = weight_ops.int4_channels(scales), scales.shape[1] * weight_ops.INT4_GROUP
     return weight_ops.int4_rows(packed, scales, torch.arange(n), k, torch.float32).numpy()
 
 
@@ -167,7 +167,8 @@ def test_w4a8_kernel_is_the_files_product_within_its_activation_rounding(qtype):
     _, a = quantize_activations(x)  # [rows, groups]
     n, groups = file_w.shape[0], a.shape[1]
     codes = weight_ops.unpack_int4(packed, torch.arange(n)).double().view(n, groups, 32)
-    centred = (scales[0].double().T.unsqueeze(2) * (codes - 7.5)).abs().sum(-1)  # [n, groups]
+    s = weight_ops.int4_scales_of(scales, torch.arange(n))[0].double()  # [n, groups]
+    centred = (s.unsqueeze(2) * (codes - 7.5)).abs().sum(-1)
     slack = (a / 2) @ centred.T + x.double().abs() @ gap.T + (x.double().abs() @ file_w.abs().T) * 2 ** -15
     assert ((got - ref).abs() <= (ref.abs() + slack) * 2 ** -8 + slack).all()
     assert not ((got - ref).abs() <= (ref.abs() * 2 ** -8)).all()  # the activations' rounding does show

@@ -249,8 +249,8 @@ def test_a_cache_that_cannot_be_written_costs_only_the_conversion(model_dir, tmp
 
 
 def test_int8g_weights_with_and_without_offsets_come_back_exactly(tmp_path, monkeypatch):
-    """auto on a Q4_K_M-style GGUF: int8g weights whose offsets the load dropped (Q6_K) and kept (Q4_K) map back
-    into the skeleton's layout."""
+    """auto on a Q4_K_M-style GGUF: int8g weights whose offsets the load dropped (Q6_K) and int4 ones (Q4_K, their
+    scales blocked) map back into the skeleton's layout."""
     from tests import test_gguf_quants as mixed
     from tests.test_gguf_exact import MIXED
 
@@ -261,5 +261,6 @@ def test_int8g_weights_with_and_without_offsets_come_back_exactly(tmp_path, monk
     second, _ = _load(path, tmp_path / "cache")
     assert conversions.count == 1 and second.weight_dtype == "int8g+int4"
     assert second.layers[0].mlp.down_proj.weight_scale.shape[0] == 1  # Q6_K
-    assert second.layers[0].self_attn.o_proj.weight_scale.shape[0] == 2  # Q4_K
+    o_proj = second.layers[0].self_attn.o_proj
+    assert o_proj.weight.dtype == torch.uint8 and o_proj.weight_scale.dim() == 4  # Q4_K: int4, blocked scales
     assert torch.equal(_logits(first), _logits(second))

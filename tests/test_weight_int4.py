@@ -45,7 +45,7 @@ def int4_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequantised(packed: torch.Tensor, scales: torch.Tensor, k: int) -> torch.Tensor:
-    return weight_ops.int4_rows(packed, scales, torch.arange(scales.shape[2]), k, torch.float64)
+    return weight_ops.int4_rows(packed, scales, torch.arange(weight_ops.int4_channels(scales)), k, torch.float64)
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,7 +66,7 @@ def reference_w4a8(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
     """The kernel's arithmetic in float64: sum_g (a_g s_g ((q - 7.5) . x_q) + (z_g + 7.5 s_g) sum_g x) + bias,
     the weights split about their group's middle, whose term takes the activations' own sums."""
     m, k = x.shape
-    n = scales.shape[2]
+    n = weight_ops.int4_channels(scales)
     xq, a = quantize_activations(x)
     codes = weight_ops.unpack_int4(packed, torch.arange(n)).double()  # [N, G * 32]
     groups = a.shape[1]
@@ -74,7 +74,7 @@ def reference_w4a8(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
     xf = torch.zeros(m, groups * G, dtype=torch.float64)
     xf[:, :k] = x.double()
     totals = xf.view(m, groups, G).sum(-1)  # [M, G]
-    s, z = scales[0].double().T, scales[1].double().T  # [N, G]
+    s, z = (part.double() for part in weight_ops.int4_scales_of(scales, torch.arange(n)))  # [N, G]
     out = (s * dots * a.unsqueeze(1) + (z + 7.5 * s) * totals.unsqueeze(1)).sum(-1)
     return out if bias is None else out + bias.double()
 
@@ -129,7 +129,7 @@ def test_pack_int4_layout():
     w = torch.randn(37, 70)
     packed, scales = int4_weight(w)
     codes, scale, offset = quant.quantize_int4(w)
-    assert packed.shape == (3, 3, 4, 16, 4) and scales.shape == (2, 3, 37)
+    assert packed.shape == (3, 3, 4, 16, 4) and scales.shape == (2, 3, 37)  # N off a block: [2, G, N]
     for n, g, t, j in [(0, 0, 0, 0), (17, 1, 3, 2), (36, 2, 1, 3), (15, 0, 2, 1)]:
         byte = int(packed[n // 16, g, t, n % 16, j])
         assert byte & 15 == codes[n, 32 * g + 4 * t + j] and byte >> 4 == codes[n, 32 * g + 16 + 4 * t + j]
@@ -138,13 +138,26 @@ def test_pack_int4_layout():
     assert torch.equal(weight_ops.unpack_int4(packed, torch.arange(37)), codes)
 
 
-def test_store_int4_row_chunks_equal_one_store():
+def test_blocked_scales_hold_each_channels_scale_and_offset():
+    torch.manual_seed(1)
+    w = torch.randn(48, 70)
+    packed, scales = int4_weight(w)
+    _, scale, offset = quant.quantize_int4(w)
+    assert scales.shape == (3, 3, 2, 16) and weight_ops.int4_channels(scales) == 48  # N a multiple of 16
+    assert torch.equal(scales[1, 2, 0, 5], scale[21, 2]) and torch.equal(scales[2, 0, 1, 15], offset[47, 0])
+    assert all(torch.equal(a, b) for a, b in zip(weight_ops.int4_scales_of(scales, torch.arange(48)), (scale, offset)))
+    assert all(torch.equal(a, b[10:30]) for a, b in zip(weight_ops.int4_scales_of(scales, slice(10, 30)),
+                                                         (scale, offset)))
+
+
+@pytest.mark.parametrize("n", [50, 64])  # scales [2, G, N], and blocked
+def test_store_int4_row_chunks_equal_one_store(n):
     """The loader writes a fused weight in pieces at row offsets that need not fall on 16-channel blocks."""
     torch.manual_seed(2)
-    w = torch.randn(50, 64)
+    w = torch.randn(n, 64)
     whole = int4_weight(w)
     packed, scales = (torch.zeros_like(t) for t in whole)
-    for first, last in ((0, 7), (7, 31), (31, 50)):
+    for first, last in ((0, 7), (7, 31), (31, n)):
         quant.store_int4(packed, scales, first, w[first:last])
     assert torch.equal(packed, whole[0]) and torch.equal(scales, whole[1])
 
@@ -162,6 +175,21 @@ def test_dequantize_kernel_is_torch_bit_for_bit(n, k):
     assert torch.equal(cpu_ext.dequantize_int4(packed, scales, k, n // 3, n), ref[n // 3:])
 
 
+def test_every_kernel_reads_blocked_scales_as_the_same_values_laid_out_2_g_n():
+    require_kernels()
+    torch.manual_seed(4)
+    n, k = 96, 300
+    packed, blocked = int4_weight(torch.randn(n, k) * 0.05)
+    flat = torch.stack(weight_ops.int4_scales_of(blocked, torch.arange(n))).transpose(1, 2).contiguous()  # [2, G, N]
+    bias = torch.randn(n).to(torch.bfloat16)
+    for rows in (1, 2, 5, 9):
+        x = torch.randn(rows, k).to(torch.bfloat16)
+        for kernel in (cpu_ext.linear_int4, cpu_ext.linear_int4_gemm, cpu_ext.linear_int4_bf16, cpu_ext.linear_w4a8):
+            got, want = kernel(x, packed, blocked, bias), kernel(x, packed, flat, bias)
+            assert torch.equal(got, want), (kernel.__name__, rows)
+    assert torch.equal(cpu_ext.dequantize_int4(packed, blocked, k, 5, 90), cpu_ext.dequantize_int4(packed, flat, k, 5, 90))
+
+
 def test_dequantize_kernel_keeps_torchs_bits_for_nan_and_huge_scales():
     """The vector path's rounding (to nearest even) against torch's, lane by lane; a NaN stays a NaN (the kernel
     writes one quiet NaN, torch keeps the sign the arithmetic gave)."""
@@ -169,8 +197,10 @@ def test_dequantize_kernel_keeps_torchs_bits_for_nan_and_huge_scales():
     torch.manual_seed(5)
     n, k = 48, 96
     packed, scales = int4_weight(torch.randn(n, k) * 0.05)
-    scales[0, 0, 1], scales[1, 1, 2], scales[0, 2, 17] = float("nan"), float("inf"), 65504.0
-    scales[1, 0, 33] = -3.0e-8  # a subnormal minimum
+    assert scales.shape == (3, 3, 2, 16)  # blocked: [N / 16, G, 2, 16]
+    # s of group 0, channel 1; z of group 1, channel 2; s of group 2, channel 17
+    scales[0, 0, 0, 1], scales[0, 1, 1, 2], scales[1, 2, 0, 1] = float("nan"), float("inf"), 65504.0
+    scales[2, 0, 1, 1] = -3.0e-8  # a subnormal minimum (z of group 0, channel 33)
     ref = weight_ops.int4_rows(packed, scales, torch.arange(n), k, torch.bfloat16)
     out = cpu_ext.dequantize_int4(packed, scales, k, 0, n)
     nan = ref.isnan()
@@ -315,7 +345,7 @@ def test_int4_model_holds_only_the_int4_layout(tiny_model_dir, untied_dir):
         assert sizes["int4"] < sizes["int8"] < sizes["bfloat16"]
         # K a multiple of 32 and N of 16 here: exactly 4 bits of code and 2 fp16 per 32 weights, 0.625 bytes each
         for module in quant.quantized_modules(int4):
-            weights = module.weight_scale.shape[2] * module.weight_scale.shape[1] * G
+            weights = weight_ops.int4_channels(module.weight_scale) * module.weight_scale.shape[1] * G
             assert module.weight.numel() + 2 * module.weight_scale.numel() == weights * 5 // 8
         # no bf16 copy beside the codes: the bf16 tensors left are the norms (and an untied embedding table)
         plain = {n for n, p in int4.named_parameters() if p.is_floating_point()}

@@ -85,13 +85,13 @@ def _chunked_linear(x: torch.Tensor, n: int, bias: torch.Tensor | None, dequanti
 
 def linear_fp32(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
                 rows_fp32=None) -> torch.Tensor:
-    """x W^T [M, N] in fp32 for a float weight, or an int8 (scale [N]) or int4 one (scales [2, G, N]): F.linear in
+    """x W^T [M, N] in fp32 for a float weight, or an int8 (scale [N]) or int4 one (int4_shapes' scales): F.linear in
     fp32 on at most DEQUANT_CHUNK_ROWS output channels widened or dequantised to fp32 at a time, each made by
     `rows_fp32(begin, end)` (default: weight_rows_fp32's)."""
     x = x.float()
     if rows_fp32 is None:
         rows_fp32 = weight_rows_fp32(weight, scale, x.shape[-1])
-    n = scale.shape[2] if scale is not None and is_int4(weight) else weight.shape[0]
+    n = int4_channels(scale) if scale is not None and is_int4(weight) else weight.shape[0]
     return _chunked_linear(x, n, None, rows_fp32)
 
 
@@ -115,9 +115,28 @@ def embed_int8(codes: torch.Tensor, scale: torch.Tensor, ids: torch.Tensor, dtyp
 
 def int4_shapes(n: int, k: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The shapes of an int4 weight [N, K]: codes uint8 [ceil(N / 16), G, 4, 16, 4], byte [b, g, t, c, j] holding
-    channel 16 b + c's k = 32 g + 4 t + j (low nibble) and k + 16 (high); scales and offsets fp16 [2, G, N]."""
+    channel 16 b + c's k = 32 g + 4 t + j (low nibble) and k + 16 (high); scales and offsets fp16, where N is a
+    multiple of 16 blocked as the codes are, [N / 16, G, 2, 16] (s of channel 16 b + c at [b, g, 0, c], z at [b, g,
+    1, c]: a one-row product streams them beside the codes, int4_linear.cpp), else [2, G, N]."""
     groups = -(-k // INT4_GROUP)
-    return (-(-n // INT4_CHANNELS), groups, 4, INT4_CHANNELS, 4), (2, groups, n)
+    blocks = -(-n // INT4_CHANNELS)
+    scales = (blocks, groups, 2, INT4_CHANNELS) if n % INT4_CHANNELS == 0 else (2, groups, n)
+    return (blocks, groups, 4, INT4_CHANNELS, 4), scales
+
+
+def int4_channels(scales: torch.Tensor) -> int:
+    """An int4 weight's output channels N, from its scales (either of int4_shapes' layouts)."""
+    return scales.shape[0] * INT4_CHANNELS if scales.dim() == 4 else scales.shape[2]
+
+
+def int4_scales_of(scales: torch.Tensor, rows: torch.Tensor | slice) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scales and offsets [len(rows), G] (fp16) of output channels `rows` of an int4 weight."""
+    if scales.dim() == 3:
+        return scales[0, :, rows].T, scales[1, :, rows].T
+    if isinstance(rows, slice):
+        rows = torch.arange(int4_channels(scales), device=scales.device)[rows]
+    block, lane = rows // INT4_CHANNELS, rows % INT4_CHANNELS
+    return scales[block, :, 0, lane], scales[block, :, 1, lane]
 
 
 def unpack_int4(packed: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -131,7 +150,7 @@ def int4_rows(packed: torch.Tensor, scales: torch.Tensor, rows: torch.Tensor, k:
     """Output channels `rows` of an int4 weight of K columns, dequantised: (s * q + z) [len(rows), K] in `dtype`,
     one rounding of s * q + z in fp32 (s * q is exact) and one to `dtype`, as int4_linear.cpp's dequantize_int4."""
     codes = unpack_int4(packed, rows).view(len(rows), -1, INT4_GROUP).float()
-    s, z = scales[0, :, rows].T.float().unsqueeze(2), scales[1, :, rows].T.float().unsqueeze(2)
+    s, z = (part.float().unsqueeze(2) for part in int4_scales_of(scales, rows))
     return (codes * s + z).view(len(rows), -1)[:, :k].to(dtype)
 
 
@@ -140,7 +159,7 @@ def linear_int4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bia
     """x [M, K] -> x W^T + bias [M, N] for an int4 weight, by F.linear on at most DEQUANT_CHUNK_ROWS output
     channels dequantised at a time (to x's dtype). `dequantize_rows(begin, end)` makes a chunk (default: torch's
     int4_rows; the CPU backend passes its kernel's, the same bits)."""
-    n, k = scales.shape[2], x.shape[-1]
+    n, k = int4_channels(scales), x.shape[-1]
     if dequantize_rows is None:
         def dequantize_rows(begin: int, end: int) -> torch.Tensor:
             return int4_rows(packed, scales, torch.arange(begin, end, device=packed.device), k, x.dtype)

@@ -40,6 +40,7 @@ torch::Tensor linear_int4_gemm(torch::Tensor x, torch::Tensor packed, torch::Ten
 torch::Tensor linear_int4_bf16(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
                                const std::optional<torch::Tensor>& bias, bool fp32_out = false);
 torch::Tensor dequantize_int4(torch::Tensor packed, torch::Tensor scales, int64_t k, int64_t begin, int64_t end);
+int64_t int4_channels(const torch::Tensor& scales);
 // int8_grouped.cpp
 torch::Tensor linear_int8g(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
                            const std::optional<torch::Tensor>& bias, bool fp32_out = false);
@@ -64,7 +65,8 @@ const c10::TypedOperatorHandle<PackedLinear>& packed_linear_op() {
 // per-channel scale [N] fp32 or None). The packed weight is 16x16-pair blocks (4-D, from tile_pack_bf16) or
 // oneDNN's packed copy (engine/kernels/packed_linear.py). With a scale the weight is int8 (engine/model/quant.py)
 // and its packed copy, where the backend made one, is the W8A8 kernel's (quant.py pack_w8a8); or, with a uint8
-// weight, int4: the weight is pack_int4's layout and the scale its fp16 [2, G, N] scales and offsets; or, with an
+// weight, int4: the weight is pack_int4's layout and the scale its fp16 scales and offsets ([2, G, N], or blocked
+// [N / 16, G, 2, 16]: engine/kernels/int4_linear.cpp); or, with an
 // int8 weight and a 3-D scale, int8g: codes [N, G * 16] and fp32 scales (and offsets) [1 or 2, N, G].
 using ProjectionArgs = std::tuple<torch::Tensor, std::optional<torch::Tensor>, std::optional<torch::Tensor>,
                                   std::optional<torch::Tensor>>;
@@ -107,7 +109,7 @@ torch::Tensor project(const Projection& p, const torch::Tensor& x, const RowLimi
     if (rows <= limits.int4_bf16) return linear_int4_bf16(x, p.weight, *p.scale, p.bias);
     if (rows <= limits.int4_gemm) return linear_int4_gemm(x, p.weight, *p.scale, p.bias);
     if (rows <= limits.int4) return linear_int4(x, p.weight, *p.scale, p.bias);
-    const int64_t n = p.scale->size(2);
+    const int64_t n = int4_channels(*p.scale);
     return at::linear(x, dequantize_int4(p.weight, *p.scale, x.size(1), 0, n), p.bias);
   }
   if (p.scale && p.scale->dim() == 3) {

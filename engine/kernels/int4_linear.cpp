@@ -16,7 +16,11 @@
 // Layout (quant.py pack_int4): packed uint8 [ceil(N / 16), G, 4, 16, 4], G = ceil(K / 32); the 64 bytes of
 // [b, g, t] hold 16 output channels x 4 consecutive k: byte [c, j] = q[16 b + c, 32 g + 4 t + j] in its low
 // nibble and q[16 b + c, 32 g + 16 + 4 t + j] in its high one. scales fp16 [2, G, N]: s at [0, g, n], z at
-// [1, g, n]. Codes past K and channels past N are 0 (and carry no scale: the row loops stop at N).
+// [1, g, n]; or, where N is a multiple of 16 (every projection and vocabulary of a real model), blocked: fp16
+// [N / 16, G, 2, 16], s of channel 16 b + c at [b, g, 0, c] and z at [b, g, 1, c], so that a block's scales follow
+// its codes group by group. A one-row product streams the blocked layout a fifth faster: each group of [2, G, N]
+// is a new line 2N bytes on, a read the memory system serves worse than the codes' own stream. Codes past K and
+// channels past N are 0 (and carry no scale: the row loops stop at N).
 //
 // With a[m, g] and codes x[m, k] the activations' groups, x_sum[m, g] the sum of their codes, t[m, g] the fp32 sum
 // of the group's own (unquantised) values, and the weights split about their group's midpoint z + 7.5 s:
@@ -55,6 +59,11 @@
 #include <immintrin.h>
 #endif
 
+// An int4 weight's output channels N, from its scales: fp16 [2, G, N], or blocked [N / 16, G, 2, 16].
+int64_t int4_channels(const torch::Tensor& scales) {
+  return scales.dim() == 4 ? scales.size(0) * scales.size(3) : scales.size(2);
+}
+
 namespace {
 
 using cpu_ext::QuantRows;
@@ -72,10 +81,18 @@ constexpr int64_t kScalesAhead = 4;  // groups ahead whose scales and offsets a 
 
 struct Int4Weights {
   const uint8_t* packed;
-  const at::Half* scale;   // [G, N]
-  const at::Half* offset;  // [G, N]
-  const float* bias;       // [N] or null
+  const at::Half* scales;  // [2, G, N], or blocked [N / 16, G, 2, 16]
+  bool blocked;
+  const float* bias;  // [N] or null
   int64_t n, groups;
+
+  // The scales of group g's 16 channels from n0 (a multiple of 16), and their offsets.
+  const at::Half* scale(int64_t g, int64_t n0) const {
+    return blocked ? scales + ((n0 / kChannels) * groups + g) * 2 * kChannels : scales + g * n + n0;
+  }
+  const at::Half* offset(int64_t g, int64_t n0) const {
+    return blocked ? scale(g, n0) + kChannels : scales + (groups + g) * n + n0;
+  }
 };
 
 // Stores channels [n0, n0 + 16) of R rows from their fp32 sums; channels past n are padding.
@@ -119,8 +136,8 @@ void w4a8_blocks(const Int4Weights& w, const QuantRows& q, int64_t first, OutRow
     for (int c = 0; c < C; ++c) {
       const int64_t n0 = (block + c) * kChannels;
       const __mmask16 mask = cpu_ext::lanes_below(w.n - n0);
-      const __m512 s = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, w.scale + g * w.n + n0));
-      const __m512 z = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, w.offset + g * w.n + n0));
+      const __m512 s = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, w.scale(g, n0)));
+      const __m512 z = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, w.offset(g, n0)));
       const __m512 half = _mm512_mul_ps(s, _mm512_set1_ps(0.5f)), mid = _mm512_fmadd_ps(s, _mm512_set1_ps(7.5f), z);
       for (int r = 0; r < R; ++r) {
         const int64_t at = (first + r) * q.groups + g;
@@ -149,8 +166,8 @@ void w4a8_blocks(const Int4Weights& w, const QuantRows& q, int64_t first, OutRow
               dot += (byte & 0x0F) * codes[4 * t + i] + (byte >> 4) * codes[16 + 4 * t + i];
             }
           const int64_t at = (first + r) * q.groups + g;
-          const float s = static_cast<float>(w.scale[g * w.n + channel]);
-          const float z = static_cast<float>(w.offset[g * w.n + channel]);
+          const float s = static_cast<float>(w.scale(g, (block + c) * kChannels)[j]);
+          const float z = static_cast<float>(w.offset(g, (block + c) * kChannels)[j]);
           const float centred = static_cast<float>(2 * dot - 15 * q.sums[at]);
           total = std::fma(std::fma(s, 7.5f, z), q.totals[at], std::fma(s * 0.5f * centred, q.scale[at], total));
         }
@@ -229,8 +246,8 @@ void int4_block(const Int4Weights& w, const FloatRows& x, int64_t first, OutRows
       }
     }
     alignas(32) at::Half s[kChannels] = {}, z[kChannels] = {};
-    std::memcpy(s, w.scale + g * w.n + n0, count * sizeof(at::Half));
-    std::memcpy(z, w.offset + g * w.n + n0, count * sizeof(at::Half));
+    std::memcpy(s, w.scale(g, n0), count * sizeof(at::Half));
+    std::memcpy(z, w.offset(g, n0), count * sizeof(at::Half));
     for (int h = 0; h < 2; ++h) {
       const __m256 sv = _mm256_cvtph_ps(_mm_load_si128((const __m128i*)(s + 8 * h)));
       const __m256 zv = _mm256_cvtph_ps(_mm_load_si128((const __m128i*)(z + 8 * h)));
@@ -255,8 +272,8 @@ void int4_block(const Int4Weights& w, const FloatRows& x, int64_t first, OutRows
             lo = std::fma(static_cast<float>(bytes[t * 64 + j] & 0x0F), xr[4 * t + j], lo);
             hi = std::fma(static_cast<float>(bytes[t * 64 + j] >> 4), xr[16 + 4 * t + j], hi);
           }
-        total = std::fma(static_cast<float>(w.scale[g * w.n + n0 + c]), lo + hi, total);
-        total = std::fma(static_cast<float>(w.offset[g * w.n + n0 + c]), x.t[(first + r) * x.groups + g], total);
+        total = std::fma(static_cast<float>(w.scale(g, n0)[c]), lo + hi, total);
+        total = std::fma(static_cast<float>(w.offset(g, n0)[c]), x.t[(first + r) * x.groups + g], total);
       }
       sums[r][c] = total;
     }
@@ -303,8 +320,8 @@ FloatCopy float_copy(const torch::Tensor& x, int64_t groups) {
 // Group g's scales and offsets of the 16 channels from n0, as fp32 (zero past channel N).
 inline void group_scales(const Int4Weights& w, int64_t g, int64_t n0, __m512& s, __m512& z) {
   const __mmask16 mask = cpu_ext::lanes_below(w.n - n0);
-  s = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, w.scale + g * w.n + n0));
-  z = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, w.offset + g * w.n + n0));
+  s = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, w.scale(g, n0)));
+  z = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, w.offset(g, n0)));
 }
 #endif
 
@@ -438,11 +455,10 @@ void direct_blocks(const Int4Weights& w, const cpu_ext::dots::PairRows& x, const
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
   for (int64_t g = 0; g < w.groups; ++g) {
-    if (R <= 2 && g + kScalesAhead < w.groups) {  // scales are [G, N]: each group's are a new line, 2N bytes on
-      const int64_t at = (g + kScalesAhead) * w.n + block * kChannels;
+    if (R <= 2 && !w.blocked && g + kScalesAhead < w.groups) {  // [2, G, N]: each group's, a new line 2N bytes on
       for (int64_t half = 0; half < C * kChannels; half += 32) {  // 32 fp16 a line
-        _mm_prefetch(reinterpret_cast<const char*>(w.scale + at + half), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(w.offset + at + half), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(w.scale(g + kScalesAhead, block * kChannels + half)), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(w.offset(g + kScalesAhead, block * kChannels + half)), _MM_HINT_T0);
       }
     }
     __m512 dot[R][C][D];
@@ -514,16 +530,22 @@ void direct_product(int64_t rows, const Int4Weights& w, const cpu_ext::dots::Pai
 }
 #endif
 
-void check_int4(const torch::Tensor& packed, const torch::Tensor& scales, int64_t k, const char* name) {
-  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.dim() == 3 && scales.size(0) == 2 && scales.is_contiguous(),
-              name, ": scales must be fp16 [2, G, N]");
-  const int64_t n = scales.size(2), groups = (k + kGroup - 1) / kGroup;
+// Checks an int4 weight of K columns and gives its Int4Weights (bias: fp32 [N] or null).
+Int4Weights int4_weights(const torch::Tensor& packed, const torch::Tensor& scales, int64_t k, const float* bias,
+                         const char* name) {
+  const bool blocked = scales.dim() == 4;
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
+                  (blocked ? scales.size(2) == 2 && scales.size(3) == kChannels
+                           : scales.dim() == 3 && scales.size(0) == 2),
+              name, ": scales must be fp16 [2, G, N] or blocked [N / 16, G, 2, 16]");
+  const int64_t n = int4_channels(scales), groups = (k + kGroup - 1) / kGroup;
   TORCH_CHECK(scales.size(1) == groups, name, ": scales have ", scales.size(1), " groups, K = ", k, " needs ", groups);
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 5 &&
                   packed.size(0) == (n + kChannels - 1) / kChannels && packed.size(1) == groups &&
                   packed.size(2) == 4 && packed.size(3) == kChannels && packed.size(4) == 4,
               name, ": packed must be pack_int4's uint8 [ceil(N / 16), ceil(K / 32), 4, 16, 4] for N = ", n,
               ", K = ", k);
+  return Int4Weights{packed.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(), blocked, bias, n, groups};
 }
 
 }  // namespace
@@ -536,15 +558,13 @@ torch::Tensor linear_w4a8(torch::Tensor x, torch::Tensor packed, torch::Tensor s
                           const std::optional<torch::Tensor>& bias, bool fp32_out) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "linear_w4a8: x must be bf16 [M, K]");
   const int64_t m = x.size(0), k = x.size(1);
-  check_int4(packed, scales, k, "linear_w4a8");
-  const int64_t n = scales.size(2);
+  const int64_t n = int4_weights(packed, scales, k, nullptr, "linear_w4a8").n;
   torch::Tensor out = output_rows(x, m, n, fp32_out);
   if (m == 0 || n == 0) return out;
   torch::Tensor xf = x.to(torch::kFloat32).contiguous();
   const QuantRows q = cpu_ext::quantize_activations(xf.data_ptr<float>(), m, k);
   const cpu_ext::FloatBias bf = cpu_ext::float_bias(bias, n, "linear_w4a8");
-  const auto* half = scales.data_ptr<at::Half>();
-  const Int4Weights w{packed.data_ptr<uint8_t>(), half, half + q.groups * n, bf.data(), n, q.groups};
+  const Int4Weights w = int4_weights(packed, scales, k, bf.data(), "linear_w4a8");
   const OutRows op = out_rows(out);
   cpu_ext::parallel_claim((n + kChannels - 1) / kChannels, 4, [&](int64_t begin, int64_t end) {
     for (int64_t first = 0; first < m; first += kMaxRows)
@@ -561,14 +581,14 @@ torch::Tensor linear_int4(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
               "linear_int4: x must be bf16 or fp32 [M, K]");
   const int64_t m = x.size(0), k = x.size(1);
-  check_int4(packed, scales, k, "linear_int4");
-  const int64_t n = scales.size(2), groups = scales.size(1);
+  const Int4Weights shape = int4_weights(packed, scales, k, nullptr, "linear_int4");
+  const int64_t n = shape.n, groups = shape.groups;
   torch::Tensor out = output_rows(x, m, n, fp32_out);
   if (m == 0 || n == 0) return out;
   const FloatCopy copy = float_copy(x, groups);
   const cpu_ext::FloatBias bf = cpu_ext::float_bias(bias, n, "linear_int4");
-  const auto* half = scales.data_ptr<at::Half>();
-  const Int4Weights w{packed.data_ptr<uint8_t>(), half, half + groups * n, bf.data(), n, groups};
+  Int4Weights w = shape;
+  w.bias = bf.data();
   const FloatRows& rows = copy.rows;
   const OutRows op = out_rows(out);
   cpu_ext::parallel_claim((n + kChannels - 1) / kChannels, 4, [&](int64_t begin, int64_t end) {
@@ -591,14 +611,14 @@ torch::Tensor linear_int4_gemm(torch::Tensor x, torch::Tensor packed, torch::Ten
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
               "linear_int4_gemm: x must be bf16 or fp32 [M, K]");
   const int64_t m = x.size(0), k = x.size(1);
-  check_int4(packed, scales, k, "linear_int4_gemm");
-  const int64_t n = scales.size(2), groups = scales.size(1);
+  const Int4Weights shape = int4_weights(packed, scales, k, nullptr, "linear_int4_gemm");
+  const int64_t n = shape.n, groups = shape.groups;
   torch::Tensor out = output_rows(x, m, n, fp32_out);
   if (m == 0 || n == 0) return out;
   const FloatCopy copy = float_copy(x, groups);
   const cpu_ext::FloatBias bf = cpu_ext::float_bias(bias, n, "linear_int4_gemm");
-  const auto* half = scales.data_ptr<at::Half>();
-  const Int4Weights w{packed.data_ptr<uint8_t>(), half, half + groups * n, bf.data(), n, groups};
+  Int4Weights w = shape;
+  w.bias = bf.data();
   const OutRows op = out_rows(out);
   cpu_ext::parallel_claim((n + kChannels - 1) / kChannels, kGemmSlice, [&](int64_t begin, int64_t end) {
     for (int64_t slice = begin; slice < end; slice += kGemmSlice) {
@@ -618,13 +638,11 @@ torch::Tensor linear_int4_bf16(torch::Tensor x, torch::Tensor packed, torch::Ten
 #if defined(CPU_EXT_BF16_DOTS)
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "linear_int4_bf16: x must be bf16 [M, K]");
   const int64_t m = x.size(0), k = x.size(1);
-  check_int4(packed, scales, k, "linear_int4_bf16");
-  const int64_t n = scales.size(2), groups = scales.size(1);
+  const Int4Weights w = int4_weights(packed, scales, k, nullptr, "linear_int4_bf16");
+  const int64_t n = w.n, groups = w.groups;
   torch::Tensor out = output_rows(x, m, n, fp32_out);
   if (m == 0 || n == 0) return out;
   const cpu_ext::FloatBias bf = cpu_ext::float_bias(bias, n, "linear_int4_bf16");
-  const auto* half = scales.data_ptr<at::Half>();
-  const Int4Weights w{packed.data_ptr<uint8_t>(), half, half + groups * n, nullptr, n, groups};
   const bool direct = m <= cpu_ext::dots::kLanes;  // one pass, the codes widened in registers
   const cpu_ext::dots::PairRows rows =
       cpu_ext::dots::pair_rows(x, groups, kGroup, kPairOrder, direct ? cpu_ext::dots::kLanes : cpu_ext::dots::kRows);
@@ -661,19 +679,19 @@ inline void dequantize_group(const uint8_t* bytes, float s, float z, uint16_t* d
 // Whole groups run on AVX-512 where built: every prefill step of more rows than the int4 kernels take dequantises
 // each weight once (python -m bench.stall_free: a fifth of a 256-token step on the scalar loop).
 torch::Tensor dequantize_int4(torch::Tensor packed, torch::Tensor scales, int64_t k, int64_t begin, int64_t end) {
-  check_int4(packed, scales, k, "dequantize_int4");
-  const int64_t n = scales.size(2), groups = scales.size(1);
+  const Int4Weights w = int4_weights(packed, scales, k, nullptr, "dequantize_int4");
+  const int64_t n = w.n, groups = w.groups;
   TORCH_CHECK(0 <= begin && begin <= end && end <= n, "dequantize_int4: rows [", begin, ", ", end, ") of ", n);
   torch::Tensor out = torch::empty({end - begin, k}, packed.options().dtype(at::kBFloat16));
   const uint8_t* pp = packed.data_ptr<uint8_t>();
-  const at::Half* sp = scales.data_ptr<at::Half>();
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   at::parallel_for(begin, end, 16, [&](int64_t first, int64_t last) {
     for (int64_t row = first; row < last; ++row) {
       const int64_t block = row / kChannels, c = row % kChannels;
       uint16_t* dst = op + (row - begin) * k;
       for (int64_t g = 0; g < groups; ++g) {
-        const float s = static_cast<float>(sp[g * n + row]), z = static_cast<float>(sp[(groups + g) * n + row]);
+        const float s = static_cast<float>(w.scale(g, block * kChannels)[c]);
+        const float z = static_cast<float>(w.offset(g, block * kChannels)[c]);
         const uint8_t* bytes = pp + (block * groups + g) * kGroupBytes + c * 4;
 #if defined(CPU_EXT_INT4_AVX512)
         if ((g + 1) * kGroup <= k) {

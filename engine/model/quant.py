@@ -281,8 +281,13 @@ def store_int4(packed: torch.Tensor, scales: torch.Tensor, first: int, weight: t
 def _place_int4(packed: torch.Tensor, scales: torch.Tensor, first: int, rows: Int4Rows) -> None:
     """Rows first.. of the weight: whole 16-channel blocks by one strided copy, the rows around them by index."""
     n = rows.codes.shape[0]
-    scales[0, :, first:first + n] = rows.scale.T.to(scales.device)
-    scales[1, :, first:first + n] = rows.offset.T.to(scales.device)
+    if scales.dim() == 4:  # blocked: [N / 16, G, 2, 16]
+        index = torch.arange(first, first + n, device=scales.device)
+        scales[index // INT4_CHANNELS, :, 0, index % INT4_CHANNELS] = rows.scale.to(scales.device)
+        scales[index // INT4_CHANNELS, :, 1, index % INT4_CHANNELS] = rows.offset.to(scales.device)
+    else:
+        scales[0, :, first:first + n] = rows.scale.T.to(scales.device)
+        scales[1, :, first:first + n] = rows.offset.T.to(scales.device)
     codes = rows.codes.to(packed.device).contiguous()
     start = min(n, -first % INT4_CHANNELS)  # the rows before the first whole block
     blocks = (n - start) // INT4_CHANNELS
@@ -298,7 +303,7 @@ def _place_int4(packed: torch.Tensor, scales: torch.Tensor, first: int, rows: In
 
 def int4_layout(modules: list[nn.Module], device: torch.device | str) -> None:
     """As int8_layout, for int4: each module's weight becomes pack_int4's uint8 layout, with its fp16 scales and
-    offsets [2, G, N] as the module's `weight_scale` (filled by load_weights, `store_int4`)."""
+    offsets (int4_shapes') as the module's `weight_scale` (filled by load_weights, `store_int4`)."""
     for module in modules:
         rows, cols = module.weight.shape
         codes, scales = int4_shapes(rows, cols)
