@@ -281,13 +281,9 @@ def store_int4(packed: torch.Tensor, scales: torch.Tensor, first: int, weight: t
 def _place_int4(packed: torch.Tensor, scales: torch.Tensor, first: int, rows: Int4Rows) -> None:
     """Rows first.. of the weight: whole 16-channel blocks by one strided copy, the rows around them by index."""
     n = rows.codes.shape[0]
-    if scales.dim() == 4:  # blocked: [N / 16, G, 2, 16]
-        index = torch.arange(first, first + n, device=scales.device)
-        scales[index // INT4_CHANNELS, :, 0, index % INT4_CHANNELS] = rows.scale.to(scales.device)
-        scales[index // INT4_CHANNELS, :, 1, index % INT4_CHANNELS] = rows.offset.to(scales.device)
-    else:
-        scales[0, :, first:first + n] = rows.scale.T.to(scales.device)
-        scales[1, :, first:first + n] = rows.offset.T.to(scales.device)
+    pair = torch.stack([rows.scale, rows.offset], dim=2).to(scales.device)  # [n, G, 2]
+    if scales.dim() == 3:
+        scales[:, :, first:first + n] = pair.permute(2, 1, 0)
     codes = rows.codes.to(packed.device).contiguous()
     start = min(n, -first % INT4_CHANNELS)  # the rows before the first whole block
     blocks = (n - start) // INT4_CHANNELS
@@ -296,9 +292,13 @@ def _place_int4(packed: torch.Tensor, scales: torch.Tensor, first: int, rows: In
         block = (first + start) // INT4_CHANNELS
         whole = codes[start:stop].view(torch.int32).view(blocks, INT4_CHANNELS, *codes.shape[1:3], 1)
         packed.view(torch.int32)[block:block + blocks] = whole.permute(0, 2, 3, 1, 4)
-    for part, offset in ((codes[:start], first), (codes[stop:], first + stop)):
-        index = torch.arange(offset, offset + part.shape[0])
-        packed[index // INT4_CHANNELS, :, :, index % INT4_CHANNELS, :] = part
+        if scales.dim() == 4:  # blocked scales: [blocks, 16, G, 2] -> [blocks, G, 2, 16]
+            scales[block:block + blocks] = pair[start:stop].view(blocks, INT4_CHANNELS, -1, 2).permute(0, 2, 3, 1)
+    for first_row, last_row in ((0, start), (stop, n)):
+        index = torch.arange(first + first_row, first + last_row)
+        packed[index // INT4_CHANNELS, :, :, index % INT4_CHANNELS, :] = codes[first_row:last_row]
+        if scales.dim() == 4:
+            scales[index // INT4_CHANNELS, :, :, index % INT4_CHANNELS] = pair[first_row:last_row]
 
 
 def int4_layout(modules: list[nn.Module], device: torch.device | str) -> None:
