@@ -97,7 +97,7 @@ class Backend(ABC):
         return weight_ops.linear_int8(x, w.data, w.scale, w.bias)
 
     def linear_int4(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
-        """x W^T + bias for an int4 weight (codes in int4_shapes' layout, fp16 scales and offsets [2, G, N]); here by
+        """x W^T + bias for an int4 weight (codes, fp16 scales and offsets in int4_shapes' layouts); here by
         F.linear on chunks of the weight dequantised to x's dtype."""
         return weight_ops.linear_int4(x, w.data, w.scale, w.bias)
 

@@ -41,7 +41,7 @@ class Weight:
     data: torch.Tensor  # [N, K] float; int8 codes [N, K]; int4 codes in int4_shapes' layout (uint8)
     _: KW_ONLY
     bias: torch.Tensor | None = None
-    scale: torch.Tensor | None = None  # int8: [N] fp32; int4: [2, G, N] fp16; int8g: [1 or 2, N, G] fp32; float: None
+    scale: torch.Tensor | None = None  # int8: [N] fp32; int4: int4_shapes'; int8g: [1 or 2, N, G] fp32; float: None
     packed: torch.Tensor | None = None  # the backend's copy: of a bf16 weight (blocks or oneDNN's), or int8's W8A8
     silu_fused: torch.Tensor | None = None  # a gate|up weight's interleaved blocks, for silu(gate) * up as one product
 
