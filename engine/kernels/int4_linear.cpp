@@ -558,13 +558,14 @@ torch::Tensor linear_w4a8(torch::Tensor x, torch::Tensor packed, torch::Tensor s
                           const std::optional<torch::Tensor>& bias, bool fp32_out) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "linear_w4a8: x must be bf16 [M, K]");
   const int64_t m = x.size(0), k = x.size(1);
-  const int64_t n = int4_weights(packed, scales, k, nullptr, "linear_w4a8").n;
+  Int4Weights w = int4_weights(packed, scales, k, nullptr, "linear_w4a8");
+  const int64_t n = w.n;
   torch::Tensor out = output_rows(x, m, n, fp32_out);
   if (m == 0 || n == 0) return out;
   torch::Tensor xf = x.to(torch::kFloat32).contiguous();
   const QuantRows q = cpu_ext::quantize_activations(xf.data_ptr<float>(), m, k);
   const cpu_ext::FloatBias bf = cpu_ext::float_bias(bias, n, "linear_w4a8");
-  const Int4Weights w = int4_weights(packed, scales, k, bf.data(), "linear_w4a8");
+  w.bias = bf.data();
   const OutRows op = out_rows(out);
   cpu_ext::parallel_claim((n + kChannels - 1) / kChannels, 4, [&](int64_t begin, int64_t end) {
     for (int64_t first = 0; first < m; first += kMaxRows)
@@ -581,13 +582,12 @@ torch::Tensor linear_int4(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
               "linear_int4: x must be bf16 or fp32 [M, K]");
   const int64_t m = x.size(0), k = x.size(1);
-  const Int4Weights shape = int4_weights(packed, scales, k, nullptr, "linear_int4");
-  const int64_t n = shape.n, groups = shape.groups;
+  Int4Weights w = int4_weights(packed, scales, k, nullptr, "linear_int4");
+  const int64_t n = w.n, groups = w.groups;
   torch::Tensor out = output_rows(x, m, n, fp32_out);
   if (m == 0 || n == 0) return out;
   const FloatCopy copy = float_copy(x, groups);
   const cpu_ext::FloatBias bf = cpu_ext::float_bias(bias, n, "linear_int4");
-  Int4Weights w = shape;
   w.bias = bf.data();
   const FloatRows& rows = copy.rows;
   const OutRows op = out_rows(out);
@@ -611,13 +611,12 @@ torch::Tensor linear_int4_gemm(torch::Tensor x, torch::Tensor packed, torch::Ten
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
               "linear_int4_gemm: x must be bf16 or fp32 [M, K]");
   const int64_t m = x.size(0), k = x.size(1);
-  const Int4Weights shape = int4_weights(packed, scales, k, nullptr, "linear_int4_gemm");
-  const int64_t n = shape.n, groups = shape.groups;
+  Int4Weights w = int4_weights(packed, scales, k, nullptr, "linear_int4_gemm");
+  const int64_t n = w.n, groups = w.groups;
   torch::Tensor out = output_rows(x, m, n, fp32_out);
   if (m == 0 || n == 0) return out;
   const FloatCopy copy = float_copy(x, groups);
   const cpu_ext::FloatBias bf = cpu_ext::float_bias(bias, n, "linear_int4_gemm");
-  Int4Weights w = shape;
   w.bias = bf.data();
   const OutRows op = out_rows(out);
   cpu_ext::parallel_claim((n + kChannels - 1) / kChannels, kGemmSlice, [&](int64_t begin, int64_t end) {
