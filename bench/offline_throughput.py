@@ -195,29 +195,26 @@ def log(message: str) -> None:
 
 def measure_copy_bandwidth(mib: int = 512, repeats: int = 5) -> Bandwidth:
     """GB/s of `dst.copy_(src)` on a bf16 tensor, counting read + write (2 x bytes per copy)."""
-    numel = mib * (1 << 20) // 2
-    src = torch.ones(numel, dtype=torch.bfloat16)
+    src = torch.ones(mib * (1 << 20) // 2, dtype=torch.bfloat16)
     dst = torch.empty_like(src)
-    dst.copy_(src)  # touch the pages
-    rates = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        dst.copy_(src)
-        rates.append(2 * src.numel() * src.element_size() / (time.perf_counter() - start) / 1e9)
-    return Bandwidth(max(rates), float(np.median(rates)), mib)
+    return _bandwidth(lambda: dst.copy_(src), 2 * mib * (1 << 20), repeats, mib)
 
 
 def measure_read_bandwidth(mib: int = 256, repeats: int = 3) -> Bandwidth:
-    """GB/s of `torch.sum` over an int64 tensor: a read-only stream, what a batch-1 decode step does to its
-    weights (a copy also writes, and on a 2-core VM its read + write rate and a plain read's part by a quarter
-    either way)."""
+    """GB/s of `torch.sum` over an int64 tensor: a read-only stream, as a batch-1 decode step reads its weights (a
+    copy also writes; on a shared host the two rates need not move together)."""
     src = torch.ones(mib * (1 << 20) // 8, dtype=torch.int64)
-    src.sum()  # touch the pages
+    return _bandwidth(src.sum, mib * (1 << 20), repeats, mib)
+
+
+def _bandwidth(run, nbytes: int, repeats: int, mib: int) -> Bandwidth:
+    """GB/s of `run()` moving `nbytes`, over `repeats` timed calls after one that touches the pages."""
+    run()
     rates = []
     for _ in range(repeats):
         start = time.perf_counter()
-        src.sum()
-        rates.append(src.numel() * src.element_size() / (time.perf_counter() - start) / 1e9)
+        run()
+        rates.append(nbytes / (time.perf_counter() - start) / 1e9)
     return Bandwidth(max(rates), float(np.median(rates)), mib)
 
 

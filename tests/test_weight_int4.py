@@ -187,7 +187,8 @@ def test_every_kernel_reads_blocked_scales_as_the_same_values_laid_out_2_g_n():
         for kernel in (cpu_ext.linear_int4, cpu_ext.linear_int4_gemm, cpu_ext.linear_int4_bf16, cpu_ext.linear_w4a8):
             got, want = kernel(x, packed, blocked, bias), kernel(x, packed, flat, bias)
             assert torch.equal(got, want), (kernel.__name__, rows)
-    assert torch.equal(cpu_ext.dequantize_int4(packed, blocked, k, 5, 90), cpu_ext.dequantize_int4(packed, flat, k, 5, 90))
+    assert torch.equal(cpu_ext.dequantize_int4(packed, blocked, k, 5, 90),
+                       cpu_ext.dequantize_int4(packed, flat, k, 5, 90))
 
 
 def test_dequantize_kernel_keeps_torchs_bits_for_nan_and_huge_scales():

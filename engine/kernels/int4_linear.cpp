@@ -440,7 +440,7 @@ void widen_int4(const Int4Weights& w, int64_t block, int64_t g0, int64_t count, 
 // a 64-byte slice costs 3 shifts, 4 lookups and 4 R dot products (int4_gemm: 7 shifts, 8 lookups and 8 R FMAs).
 // At one or two rows the products wait on memory, not on their arithmetic (in cache they run twice as fast), so
 // each block's codes are fetched kAhead bytes ahead, non-temporal (the stream then leaves the activations' pairs in
-// L1), and the scales kScalesAhead groups ahead: 4-5% more GB/s streaming a 3B file's int4 tensors
+// L1), and [2, G, N] scales kScalesAhead groups ahead (blocked ones follow the codes' stream): 4-5% more GB/s
 // (docs/performance.md, "int8g: x kept in L1"). D chains a row and block hide the dot products' latency: two at
 // one or two rows (a third faster than one chain at one row), which adds a group's pairs in another order, so a
 // product of 1-2 rows may differ in its last bits from the same rows among 3 or more (one chain, the buffered
