@@ -10,6 +10,7 @@ import gguf
 import pytest
 import torch
 
+from engine.backends import weight_ops
 from engine.kernels import cpu_ext
 from tests.kernel_helpers import require_kernels, routed_backend
 from tests.test_gguf_exact import TYPES, file_blocks, int8g_weight
@@ -123,20 +124,71 @@ def test_int8g_odd_shapes_and_rows_on_their_own(n, k):
     require_bf16_dots()
     gen = torch.Generator().manual_seed(n + k)
     groups = -(-k // 16)
-    codes = torch.randint(-127, 128, (n, groups * 16), generator=gen, dtype=torch.int8)
-    codes[:, k:] = 0
-    scales = torch.rand(2, n, groups, generator=gen) * 0.01 - 0.002
-    weights = (codes.double().view(n, groups, 16) * scales[0].double().unsqueeze(2)
-               + scales[1].double().unsqueeze(2)).view(n, -1)[:, :k]
+    rows = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    scale, offset = torch.rand(2, n, groups, generator=gen) * 0.01 - 0.002
+    codes, scales = weight_ops.int8g_pack(rows, scale, offset, k)
+    weights = (torch.nn.functional.pad(rows, (0, groups * 16 - k)).double().view(n, groups, 16)
+               * scale.double().unsqueeze(2) + offset.double().unsqueeze(2)).view(n, -1)[:, :k]
     x = torch.randn(9, k, generator=gen).to(torch.bfloat16)
     sums = cpu_ext.linear_int8g_bf16(x, codes, scales, None, True)
     assert_fp32_sums(sums, x, weights, None, (n, k))
-    for r in (0, 4, 8):
-        assert torch.equal(cpu_ext.linear_int8g_bf16(x[r:r + 1], codes, scales, None, True), sums[r:r + 1])
+    for r in (0, 3, 6):  # 9 rows buffered (passes of 5 and 4), 3 direct: one chain a row, the same bits
+        assert torch.equal(cpu_ext.linear_int8g_bf16(x[r:r + 3], codes, scales, None, True), sums[r:r + 3])
+    pair = cpu_ext.linear_int8g_bf16(x[:2], codes, scales, None, True)  # two chains a row at one and two rows
+    assert_fp32_sums(pair, x[:2], weights, None, (n, k))
+    for r in range(2):
+        assert torch.equal(cpu_ext.linear_int8g_bf16(x[r:r + 1], codes, scales, None, True), pair[r:r + 1])
     with pytest.raises(RuntimeError, match="x must be bf16"):
         cpu_ext.linear_int8g_bf16(x.float(), codes, scales)
     with pytest.raises(RuntimeError, match="scales must be"):
-        cpu_ext.linear_int8g_bf16(x, codes, scales[:, :, :1].contiguous())
+        cpu_ext.linear_int8g_bf16(x, codes, scales[:, :1].contiguous())
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 21])
+def test_int8g_argmax_is_torchs_max_of_the_sums(rows):
+    """linear_int8g_bf16_argmax against torch's max over linear_int8g_bf16's fp32 sums, direct and buffered rows, 50
+    channels (a block's tail): ties go to the lower column (channels 7 and 33, in other blocks, are one weight and
+    the best of most rows), and a NaN channel wins every row it reaches."""
+    require_bf16_dots()
+    gen = torch.Generator().manual_seed(rows)
+    q = torch.randint(-127, 128, (50, 100), generator=gen, dtype=torch.int8)
+    scale = torch.rand(50, 7, generator=gen) * 0.01
+    scale[7] += 0.05
+    q[33], scale[33] = q[7], scale[7]
+    codes, scales = weight_ops.int8g_pack(q, scale, None, 100)
+    x = torch.randn(rows, 100, generator=gen).to(torch.bfloat16)
+    x[0] = 0  # all sums 0: a tie of every column, the first wins
+    sums = cpu_ext.linear_int8g_bf16(x, codes, scales, None, True)
+    want = sums.max(dim=1).indices
+    assert torch.equal(cpu_ext.linear_int8g_bf16_argmax(x, codes, scales), want) and want[0] == 0
+    assert rows == 1 or (want[1:] == 7).any()
+    q[7] //= 2
+    codes, scales = weight_ops.int8g_pack(q, scale, None, 100)  # 33 now above 7 where the two were best
+    best = cpu_ext.linear_int8g_bf16_argmax(x, codes, scales)
+    assert torch.equal(best, cpu_ext.linear_int8g_bf16(x, codes, scales, None, True).max(dim=1).indices)
+    assert rows == 1 or (best[1:] == 33).any()
+    scale[45, 3] = float("nan")
+    codes, scales = weight_ops.int8g_pack(q, scale, None, 100)
+    assert (cpu_ext.linear_int8g_bf16_argmax(x, codes, scales) == 45).all()
+
+
+def test_greedy_tokens_take_the_int8g_argmax_where_the_route_is_int8g_bf16(monkeypatch):
+    """The backend's greedy pick off an int8g head: the argmax kernel where the table names int8g_bf16 for the rows,
+    torch's max of the logits otherwise (None: the caller's path), the same tokens either way."""
+    require_bf16_dots()
+    backend, rows_seen = routed_backend(monkeypatch, "linear_int8g_bf16_argmax", "int8g",
+                                        [(1, "int8g"), (3, "int8g_bf16"), (17, "linear")])
+    codes, scales = int8g_weight(file_blocks(gguf.GGMLQuantizationType.Q8_0, rows=40, k=512),
+                                 gguf.GGMLQuantizationType.Q8_0)
+    head = backend.prepare_linear(codes, None, scales)
+    for rows in (2, 3, 16, 17):
+        hidden = torch.randn(rows, 512).to(torch.bfloat16)
+        picked = backend.greedy_tokens(hidden, head)
+        if rows in (3, 16):
+            assert torch.equal(picked, backend.lm_head(hidden, head).max(dim=1).indices)
+        else:
+            assert picked is None
+    assert rows_seen == [3, 16] and "lm_head_argmax" in backend.kernels()
 
 
 def test_a_table_naming_int8g_bf16_runs_it_and_the_stack_limits_say_so(monkeypatch):

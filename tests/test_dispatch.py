@@ -358,9 +358,8 @@ def check_int8g(backend: CpuKernelBackend, kernel: str, rows: int, gen: torch.Ge
     """The int8g kernel: the fp32 product with its exact weights within the sums' rounding, then rounded to bf16
     once; F.linear: torch's chunks of the weight dequantised to bf16, to the bit."""
     x = torch.randn(rows, 100, generator=gen).to(torch.bfloat16)
-    codes = torch.randint(-32, 32, (70, 112), generator=gen, dtype=torch.int8)
-    codes[:, 100:] = 0
-    scales = torch.rand(2, 70, 7, generator=gen) * 0.01
+    codes, scales = weight_ops.int8g_pack(torch.randint(-32, 32, (70, 100), generator=gen, dtype=torch.int8),
+                                          *torch.rand(2, 70, 7, generator=gen) * 0.01, 100)
     got = backend.linear(x, backend.prepare_linear(codes, None, scales))
     weights = weight_ops.int8g_rows(codes, scales, slice(0, 70), 100, torch.float32).double()
     if kernel == "linear":

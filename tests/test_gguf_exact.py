@@ -36,19 +36,44 @@ def file_blocks(qtype: Q, rows: int = 24, k: int = 512, seed: int = 0) -> np.nda
 
 
 def int8g_weight(data: np.ndarray, qtype: Q) -> tuple[torch.Tensor, torch.Tensor]:
-    """The file's blocks as an int8g weight (codes, scales [1 or 2, N, G])."""
+    """The file's blocks as an int8g weight (codes [ceil(N / 16), G, 256], scales [1 or 2, G, N])."""
     repack = repack_int8g(data, qtype)
-    parts = [repack.scale] + ([] if repack.offset is None else [repack.offset])
-    return torch.from_numpy(repack.codes), torch.from_numpy(np.stack(parts))
+    offset = None if repack.offset is None else torch.from_numpy(repack.offset)
+    return weight_ops.int8g_pack(torch.from_numpy(repack.codes), torch.from_numpy(repack.scale), offset,
+                                 repack.codes.shape[1])
 
 
 @pytest.mark.parametrize("qtype", TYPES)
 def test_int8g_holds_each_type_as_gguf_dequantises_it_bit_for_bit(qtype):
     data = file_blocks(Q[qtype])
     codes, scales = int8g_weight(data, Q[qtype])
-    ours = weight_ops.int8g_rows(codes, scales, slice(0, codes.shape[0]), 512, torch.float32).numpy()
+    ours = weight_ops.int8g_rows(codes, scales, slice(0, data.shape[0]), 512, torch.float32).numpy()
     theirs = gguf.quants.dequantize(data, Q[qtype])
     assert np.array_equal(ours.view(np.uint32), theirs.view(np.uint32))
+
+
+def test_int8g_blocks_hold_a_pair_of_k_for_16_channels_side_by_side():
+    """codes[b, g, 32 p + 2 c + j] = q[16 b + c, 16 g + 2 p + j], zeros past N and K; scales [S, G, N]; rows put in
+    pieces that cross blocks land where a whole pack puts them, and read back by any index."""
+    gen = torch.Generator().manual_seed(5)
+    n, k = 37, 40  # a block's tail of 5 channels, a group's tail of 8 k
+    q = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+    scale, offset = torch.rand(2, n, 3, generator=gen)
+    codes, scales = weight_ops.int8g_pack(q, scale, offset, k)
+    assert codes.shape == (3, 3, 256) and scales.shape == (2, 3, n)
+    blocks = codes.view(3, 3, 8, 16, 2)
+    for row, col in [(0, 0), (0, 1), (5, 17), (16, 0), (36, 39), (21, 30)]:
+        assert codes[row // 16, col // 16, 32 * (col % 16 // 2) + 2 * (row % 16) + col % 2] == q[row, col]
+    assert not blocks[2, :, :, 5:].any() and not blocks[:, 2, 4:].any()  # channels 37-47, k 40-47
+    assert torch.equal(scales[0], scale.T) and torch.equal(scales[1], offset.T)
+    pieces = torch.zeros_like(codes), torch.zeros_like(scales)
+    for first, last in [(0, 10), (10, 33), (33, 37)]:
+        weight_ops.int8g_put(*pieces, first, q[first:last], scale[first:last], offset[first:last])
+    assert torch.equal(pieces[0], codes) and torch.equal(pieces[1], scales)
+    picked = weight_ops.int8g_rows(codes, scales, torch.tensor([36, 0, 17]), k, torch.float64)
+    want = (torch.nn.functional.pad(q, (0, 8)).double().view(n, 3, 16) * scale.double().unsqueeze(2)
+            + offset.double().unsqueeze(2)).view(n, 48)[[36, 0, 17], :k]
+    assert torch.allclose(picked, want, rtol=2 ** -23, atol=0)
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
@@ -167,7 +192,8 @@ def test_auto_loads_each_tensor_exactly_and_says_so(tmp_path, caplog):
                                (model.lm_head, "output.weight", None)):
         tensor = reader[name]
         k = tensor.shape[0]
-        ours = weight_ops.int8g_rows(module.weight, module.weight_scale, slice(0, rows or module.weight.shape[0]),
+        ours = weight_ops.int8g_rows(module.weight, module.weight_scale,
+                                     slice(0, rows or weight_ops.int8g_channels(module.weight_scale)),
                                      int(k), torch.float32)
         theirs = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         ours, theirs = ours.numpy().view(np.uint32), theirs.view(np.uint32)

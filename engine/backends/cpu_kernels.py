@@ -303,10 +303,16 @@ class CpuKernelBackend(TorchBackend):
                 rows if int4 == "int4_bf16" else 0, rows if int8g == "int8g_bf16" else 0)
 
     def greedy_tokens(self, hidden: torch.Tensor, head: Weight) -> torch.Tensor | None:
-        """The argmax as the packed LM head's results come out, where the head is bf16 packed in blocks and the row
-        count within their limit."""
+        """The argmax as the LM head's results come out, where the head is bf16 packed in blocks (and the row count
+        within their limit) or int8g on bf16 dot products at this row count."""
+        if hidden.dtype != torch.bfloat16 or hidden.shape[0] < 2:
+            return None
+        if weight_ops.is_int8g(head.data, head.scale):
+            if self.dispatch.int8g.kernel(hidden.shape[0]) != "int8g_bf16":
+                return None
+            return cpu_ext.linear_int8g_bf16_argmax(hidden, head.data, head.scale)
         packed = head.packed
-        if (head.scale is not None or packed is None or packed.dim() != 4 or hidden.shape[0] < 2
+        if (head.scale is not None or packed is None or packed.dim() != 4
                 or self.dispatch.bf16.kernel(hidden.shape[0]) not in ENGINES):
             return None
         return cpu_ext.tiled_linear_argmax(hidden, packed, self.engine)
@@ -320,7 +326,7 @@ class CpuKernelBackend(TorchBackend):
         """The kernels this backend runs (where the row counts and page formats of a step allow)."""
         table = self.dispatch
         on = {"gemv": table.bf16.uses("gemv"), "packed_blocks": self.tiled, "onednn_packed": self.onednn,
-              "fused_gate_up": self.fused_gate_up, "lm_head_argmax": self.tiled,
+              "fused_gate_up": self.fused_gate_up, "lm_head_argmax": self.tiled or table.int8g.uses("int8g_bf16"),
               "decode_attention_bf16": self.attends_in_place, "decode_attention_fp8": self.attends_in_place,
               "prompt_attention": self.engine is not None, "linear_int8": table.int8.uses("int8"),
               "linear_w8a8": table.int8.uses("w8a8"), "linear_w4a8": table.int4.uses("w4a8"),

@@ -16,8 +16,8 @@ The kernels, by format:
   `int4_gemm` (int4's sums on AVX-512, each group widened once per 8 rows), `int4_bf16` (weight-only on AVX-512 BF16
   dot products: the codes, exact in bf16, widened once per call), `linear` (dequantised to bf16 in chunks for
   F.linear).
-- int8g: `int8g` (weight-only, the codes dequantised exactly in registers against fp32 activations), `int8g_bf16`
-  (weight-only on AVX-512 BF16 dot products, as int4_bf16), `linear`.
+- int8g: `int8g` (weight-only, the codes widened in registers against fp32 activations), `int8g_bf16` (weight-only
+  on AVX-512 BF16 dot products: up to 8 rows widened in registers, more once per call, as int4_bf16), `linear`.
 Pure: no torch, no timing.
 """
 from __future__ import annotations

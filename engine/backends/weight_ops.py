@@ -13,11 +13,13 @@ int4: W ~ s * q + z per group of 32 consecutive k, the codes in `int4_shapes`' l
 int4_linear.cpp). Decode-sized products run W4A8 on VNNI, larger ones and every other backend dequantise at most
 DEQUANT_CHUNK_ROWS rows at a time to the activations' dtype for F.linear (`linear_int4`).
 
-int8g: codes Q [N, G * 16] int8 (zero past K) with, per group of 16 consecutive k, an fp32 scale s and (for the
-GGUF types with minimums) an fp32 offset z: scales fp32 [1, N, G] (s) or [2, N, G] (s, z); W = s q, or s q + z
-rounded once in fp32 (engine/model/gguf_int8g.py: every GGUF block type's values exactly). Decode-sized products
-run on the weights dequantised in registers against fp32 activations (engine/kernels/int8_grouped.cpp), larger
-ones and every other backend dequantise chunks of rows to the activations' dtype for F.linear (`linear_int8g`).
+int8g: int8 codes q with, per group of 16 consecutive k, an fp32 scale s and (for the GGUF types with minimums)
+an fp32 offset z; W = s q (+ z), a file's values exactly (engine/model/gguf_int8g.py), never rounded in the
+products. The codes lie in blocks of 16 output channels, [ceil(N / 16), G, 256] (`int8g_shapes`, `int8g_pack`):
+32 bytes hold one pair of k of a group for the block's 16 channels side by side, so the kernels widen them to
+vectors of channels without a transpose; scales fp32 [1, G, N] (s) or [2, G, N] (s, z). Decode-sized products run
+on the codes widened in registers, many rows on bf16 dot products (engine/kernels/int8_grouped.cpp); larger ones
+and every other backend dequantise chunks of rows to the activations' dtype for F.linear (`linear_int8g`).
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ W8A8_CHANNELS = 16  # output channels per packed block: one int32 lane each
 INT4_GROUP = 32  # weights per scale and offset along K (GGUF's Q4 block), and activations per scale in W4A8
 INT4_CHANNELS = 16  # output channels per packed block: one int32 lane each
 INT8G_GROUP = 16  # int8g weights per scale (and offset) along K
+INT8G_CHANNELS = 16  # int8g output channels per block of codes
 
 
 @dataclass(frozen=True, eq=False)
@@ -41,7 +44,7 @@ class Weight:
     data: torch.Tensor  # [N, K] float; int8 codes [N, K]; int4 codes in int4_shapes' layout (uint8)
     _: KW_ONLY
     bias: torch.Tensor | None = None
-    scale: torch.Tensor | None = None  # int8: [N] fp32; int4: int4_shapes'; int8g: [1 or 2, N, G] fp32; float: None
+    scale: torch.Tensor | None = None  # int8: [N] fp32; int4: int4_shapes'; int8g: [1 or 2, G, N] fp32; float: None
     packed: torch.Tensor | None = None  # the backend's copy: of a bf16 weight (blocks or oneDNN's), or int8's W8A8
     silu_fused: torch.Tensor | None = None  # a gate|up weight's interleaved blocks, for silu(gate) * up as one product
 
@@ -91,7 +94,7 @@ def linear_fp32(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | Non
     x = x.float()
     if rows_fp32 is None:
         rows_fp32 = weight_rows_fp32(weight, scale, x.shape[-1])
-    n = int4_channels(scale) if scale is not None and is_int4(weight) else weight.shape[0]
+    n = output_channels(weight, scale)
     return _chunked_linear(x, n, None, rows_fp32)
 
 
@@ -172,21 +175,60 @@ def embed_int4(packed: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor, k:
     return int4_rows(packed, scales, ids.reshape(-1), k, dtype).view(*ids.shape, k)
 
 
-def int8g_shapes(n: int, k: int, offsets: bool) -> tuple[tuple[int, int], tuple[int, int, int]]:
-    """The shapes of an int8g weight [N, K]: codes int8 [N, G * 16], scales (and offsets) fp32 [1 or 2, N, G]."""
+def int8g_shapes(n: int, k: int, offsets: bool) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """The shapes of an int8g weight [N, K]: codes int8 [ceil(N / 16), G, 256], scales (and offsets) fp32
+    [1 or 2, G, N]."""
     groups = -(-k // INT8G_GROUP)
-    return (n, groups * INT8G_GROUP), (2 if offsets else 1, n, groups)
+    return (-(-n // INT8G_CHANNELS), groups, INT8G_CHANNELS * INT8G_GROUP), (2 if offsets else 1, groups, n)
+
+
+def int8g_channels(scales: torch.Tensor) -> int:
+    """N, the output channels of an int8g weight, from its scales [1 or 2, G, N]."""
+    return scales.shape[2]
+
+
+def _int8g_blocks(codes: torch.Tensor) -> torch.Tensor:
+    """An int8g weight's codes [Nb, G, 256] as [Nb, G, 8 pairs, 16 channels, 2]."""
+    return codes.view(codes.shape[0], codes.shape[1], INT8G_GROUP // 2, INT8G_CHANNELS, 2)
+
+
+def int8g_put(codes: torch.Tensor, scales: torch.Tensor, first: int, rows: torch.Tensor, scale: torch.Tensor,
+              offset: torch.Tensor | None) -> None:
+    """Output channels first..first+R of an int8g weight from their codes int8 [R, K'] (K' <= G * 16), scales fp32
+    [R, G] and offsets [R, G] (None: left as they are)."""
+    n = rows.shape[0]
+    channels = torch.arange(first, first + n, device=codes.device)
+    padded = torch.zeros(n, codes.shape[1] * INT8G_GROUP, dtype=torch.int8, device=codes.device)
+    padded[:, :rows.shape[1]] = rows
+    _int8g_blocks(codes)[channels // INT8G_CHANNELS, :, :, channels % INT8G_CHANNELS, :] = \
+        padded.view(n, codes.shape[1], INT8G_GROUP // 2, 2)
+    scales[0, :, first:first + n] = scale.t()
+    if offset is not None:
+        scales[1, :, first:first + n] = offset.t()
+
+
+def int8g_pack(rows: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
+               k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A whole int8g weight of K columns from its channels' codes int8 [N, K'] (K' <= G * 16), scales fp32 [N, G]
+    and offsets [N, G] or None -> (codes, scales [1 or 2, G, N])."""
+    codes_shape, scales_shape = int8g_shapes(rows.shape[0], k, offsets=offset is not None)
+    codes = torch.zeros(codes_shape, dtype=torch.int8)
+    scales = torch.zeros(scales_shape, dtype=torch.float32)
+    int8g_put(codes, scales, 0, rows, scale, offset)
+    return codes, scales
 
 
 def int8g_rows(codes: torch.Tensor, scales: torch.Tensor, rows: slice | torch.Tensor, k: int,
                dtype: torch.dtype) -> torch.Tensor:
     """Output channels `rows` of an int8g weight of K columns, dequantised: s q (+ z) [R, K] in `dtype`, the fp32
     value rounded once (s q is exact), then to `dtype`, as int8_grouped.cpp computes it."""
-    picked = codes[rows]
-    values = picked.float().view(picked.shape[0], -1, INT8G_GROUP) * scales[0][rows].unsqueeze(2)
+    if isinstance(rows, slice):
+        rows = torch.arange(*rows.indices(int8g_channels(scales)), device=codes.device)
+    picked = _int8g_blocks(codes)[rows // INT8G_CHANNELS, :, :, rows % INT8G_CHANNELS, :]  # [R, G, 8, 2]
+    values = picked.float().view(rows.shape[0], -1, INT8G_GROUP) * scales[0][:, rows].t().unsqueeze(2)
     if scales.shape[0] == 2:
-        values += scales[1][rows].unsqueeze(2)
-    return values.view(picked.shape[0], -1)[:, :k].to(dtype)
+        values += scales[1][:, rows].t().unsqueeze(2)
+    return values.view(rows.shape[0], -1)[:, :k].to(dtype)
 
 
 def linear_int8g(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
@@ -197,7 +239,7 @@ def linear_int8g(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bia
     if dequantize_rows is None:
         def dequantize_rows(begin: int, end: int) -> torch.Tensor:
             return int8g_rows(codes, scales, slice(begin, end), k, x.dtype)
-    return _chunked_linear(x, codes.shape[0], bias, dequantize_rows)
+    return _chunked_linear(x, int8g_channels(scales), bias, dequantize_rows)
 
 
 def embed_int8g(codes: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor, k: int,
@@ -205,6 +247,15 @@ def embed_int8g(codes: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor, k:
     """The embedding rows of `ids` from an int8g table, dequantised exactly (then to `dtype`)."""
     flat = ids.reshape(-1)
     return int8g_rows(codes, scales, flat, k, dtype).view(*ids.shape, k)
+
+
+def output_channels(weight: torch.Tensor, scale: torch.Tensor | None) -> int:
+    """N, the output channels of a weight in any format (int4 and int8g hold theirs in blocks of 16)."""
+    if scale is not None and is_int4(weight):
+        return int4_channels(scale)
+    if is_int8g(weight, scale):
+        return int8g_channels(scale)
+    return weight.shape[0]
 
 
 def weight_format(weight: torch.Tensor, scale: torch.Tensor | None) -> str:
@@ -216,7 +267,7 @@ def weight_format(weight: torch.Tensor, scale: torch.Tensor | None) -> str:
 
 
 def is_int8g(weight: torch.Tensor, scale: torch.Tensor | None) -> bool:
-    """Whether a weight is int8g: int8 codes with grouped fp32 scales [1 or 2, N, G] (int8's are [N])."""
+    """Whether a weight is int8g: int8 codes with grouped fp32 scales [1 or 2, G, N] (int8's are [N])."""
     return scale is not None and weight.dtype == torch.int8 and scale.dim() == 3
 
 

@@ -190,6 +190,16 @@ void store_rows(const float* part, int64_t m, int64_t n, const float* bias, OutR
   }
 }
 
+// store_rows for C = c (1, 2 or 4) blocks.
+inline void store_blocks(const float* part, int64_t m, int c, int64_t n, const float* bias, OutRows out,
+                         int64_t block) {
+  switch (c) {
+    case 4: store_rows<4>(part, m, n, bias, out, block); break;
+    case 2: store_rows<2>(part, m, n, bias, out, block); break;
+    default: TORCH_CHECK(c == 1, "store_blocks: 1, 2 or 4 blocks"); store_rows<1>(part, m, n, bias, out, block);
+  }
+}
+
 // Groups widened at a time for groups of P pairs: kChunkPairs pairs, or every group where fewer.
 template <int P>
 constexpr int64_t chunk_groups(int64_t groups) {
@@ -197,10 +207,9 @@ constexpr int64_t chunk_groups(int64_t groups) {
 }
 
 // Blocks [block, block + C) for every row: the groups widened a chunk at a time, each chunk run over all the rows,
-// the rows' fp32 totals kept in part [M, C, 16] between chunks; then bias added and the rows stored.
-template <int C, int P, bool Offsets, typename Widen>
-void dot_blocks(const PairRows& x, int64_t n, const float* bias, OutRows out, int64_t block, Scratch& buf,
-                const Widen& widen) {
+// the rows' fp32 totals kept in part [M, C, 16] between chunks; then finish(part, M, block, C).
+template <int C, int P, bool Offsets, typename Widen, typename Finish>
+void dot_blocks(const PairRows& x, int64_t block, Scratch& buf, const Widen& widen, const Finish& finish) {
   const int64_t m = x.m, chunk = chunk_groups<P>(x.groups);
   std::fill(buf.part.begin(), buf.part.begin() + m * C * kChannels, 0.f);
   Widened<C> w;
@@ -218,21 +227,30 @@ void dot_blocks(const PairRows& x, int64_t n, const float* bias, OutRows out, in
                               buf.part.data() + first * C * kChannels);
     }
   }
-  store_rows<C>(buf.part.data(), m, n, bias, out, block);
+  finish(buf.part.data(), m, block, C);
 }
 
-// The product of x (PairRows) and N channels' widened weights into out [M, N]: `widen(block, g0, count, codes,
-// scales)` as above, P pairs a group; Offsets: the groups have offsets z.
-template <int P, bool Offsets, typename Widen>
-void run(const PairRows& x, int64_t n, const float* bias, OutRows out, const Widen& widen) {
+// The product of x (PairRows) and N channels' widened weights, each pair of blocks' fp32 totals handed to
+// `finish(part [M, C, 16], M, block, C)` on the thread that made them: `widen(block, g0, count, codes, scales)` as
+// above, P pairs a group; Offsets: the groups have offsets z.
+template <int P, bool Offsets, typename Widen, typename Finish>
+void run(const PairRows& x, int64_t n, const Widen& widen, const Finish& finish) {
   const int64_t blocks = (n + kChannels - 1) / kChannels, chunk = chunk_groups<P>(x.groups);
   cpu_ext::parallel_claim((blocks + kBlocks - 1) / kBlocks, 1, [&](int64_t begin, int64_t end) {
     Scratch& buf = Scratch::for_thread(chunk * P, chunk, x.m);
     for (int64_t pair = begin; pair < end; ++pair) {
       const int64_t block = pair * kBlocks;
-      if (block + kBlocks <= blocks) dot_blocks<2, P, Offsets>(x, n, bias, out, block, buf, widen);
-      else dot_blocks<1, P, Offsets>(x, n, bias, out, block, buf, widen);
+      if (block + kBlocks <= blocks) dot_blocks<2, P, Offsets>(x, block, buf, widen, finish);
+      else dot_blocks<1, P, Offsets>(x, block, buf, widen, finish);
     }
+  });
+}
+
+// run() into out [M, N] (bias added): the rows stored as store_rows writes them.
+template <int P, bool Offsets, typename Widen>
+void run(const PairRows& x, int64_t n, const float* bias, OutRows out, const Widen& widen) {
+  run<P, Offsets>(x, n, widen, [&](const float* part, int64_t m, int64_t block, int c) {
+    store_blocks(part, m, c, n, bias, out, block);
   });
 }
 

@@ -8,9 +8,9 @@ for which product, step or row count is engine/backends/cpu_kernels.py's decisio
 - `linear_w8a8`: the same int8 weights against each row of x quantised to int8, int32 sums on AVX-512 VNNI.
 - `linear_w4a8` / `linear_int4` / `linear_int4_gemm` / `linear_int4_bf16` / `dequantize_int4`: int4 weights with
   group scales and offsets, on int8, fp32 or (bf16 dot products) bf16 activations; and to bf16 rows.
-- `linear_int8g` / `linear_int8g_bf16` / `dequantize_int8g`: int8g weights (int8 codes, fp32 scales and offsets
-  per 16 along K, a GGUF file's values exactly) against fp32 (or, bf16 dot products, bf16) activations; and to bf16
-  rows.
+- `linear_int8g` / `linear_int8g_bf16` (`_argmax`) / `dequantize_int8g`: int8g weights (int8 codes in blocks of
+  16 channels, fp32 scales and offsets per 16 along K, a GGUF file's values exactly) against fp32 (or, bf16 dot
+  products, bf16) activations; and to bf16 rows.
 - `decode_attention_bf16` / `_fp8`: one query a row against its context read in place from the pages through its
   block table (no gather copy, no padding mask); fp8 pages decoded to bf16 in registers.
 - `rms_norm` (+ the residual add), `silu_mul`, `rotary_`: one pass each instead of 3-10 torch ops, rounding to
@@ -181,9 +181,9 @@ def w4a8_vnni() -> bool:
 
 def linear_int8g(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
                  fp32_out: bool = False) -> torch.Tensor:
-    """x [M, K] bf16 or fp32, an int8g weight (codes int8 [N, ceil(K / 16) * 16], scales fp32 [1 or 2, N, G]: s,
-    or s and z), bias [N] -> [M, N] bf16 (fp32 with fp32_out) = x W^T + bias with W = s q (+ z) rounded once in
-    fp32 (the file's values exactly), every sum in fp32 against x in fp32."""
+    """x [M, K] bf16 or fp32, an int8g weight (weight_ops.int8g_shapes: codes int8 [ceil(N / 16), G, 256], scales
+    fp32 [1 or 2, G, N]: s, or s and z), bias [N] -> [M, N] bf16 (fp32 with fp32_out) = x W^T + bias with W = s q
+    (+ z), the file's values, never rounded: each group's fp32 sum of q x against x in fp32, then s dot + z t."""
     return ops().linear_int8g(x, codes, scales, bias, fp32_out)
 
 
@@ -192,6 +192,12 @@ def linear_int8g_bf16(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
     """linear_int8g's product (s q + z never rounded) on AVX-512 BF16 dot products for many rows: the codes, exact
     in bf16, widened once per call; fp32 sums in another order than linear_int8g's."""
     return ops().linear_int8g_bf16(x, codes, scales, bias, fp32_out)
+
+
+def linear_int8g_bf16_argmax(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [M, K] bf16 (M >= 1), an int8g weight -> [M] int64 = the argmax of linear_int8g_bf16(x, codes, scales,
+    fp32_out=True) (torch's max), without writing the [M, N] product: the greedy pick straight off the LM head."""
+    return ops().linear_int8g_bf16_argmax(x, codes, scales)
 
 
 @functools.cache

@@ -1,11 +1,17 @@
-// Products on int8g weights (engine/backends/weight_ops.py): int8 codes q [N, Kp] (Kp = G * 16, zero past K) and
-// fp32 scales [S, N, G], S = 1 (scales s) or 2 (scales s, offsets z), per group of 16 along K; the weight is
-// w = s q, or s q + z rounded once in fp32: a GGUF file's values exactly (engine/model/gguf_int8g.py).
-// - linear_int8g: decode-sized row counts, weight-only. Each group's 16 codes are widened to fp32 and scaled in
-//   registers (one FMA with the offset: s q is exact, so it rounds where gguf's float32 s q + z does), then
-//   multiplied into fp32 sums against the fp32 activations. The weights are the file's; only the sums round.
-// - linear_int8g_bf16: the weight-only product for many rows on AVX-512 BF16 dot products (bf16_dots.h): the
-//   codes, exact in bf16, widened once per call; s q + z is never rounded (the sums are s dot + z t).
+// Products on int8g weights (engine/backends/weight_ops.py): int8 codes in blocks of 16 output channels,
+// codes [Nb, G, 256] (Nb = ceil(N / 16)): codes[b, g, 32 p + 2 c + j] = q[16 b + c, 16 g + 2 p + j], zero past N
+// and K, so that 32 bytes hold the pair of k (2p, 2p + 1) of one group for 16 channels side by side; and fp32 scales
+// [S, G, N], S = 1 (s) or 2 (s, z), per group of 16 along K. The weight is w = s q (+ z): a GGUF file's values
+// exactly (engine/model/gguf_int8g.py). Every product sums each group's q x and then adds s dot + z t (t the
+// group's sum of x), so the weights s q + z are never rounded; only the fp32 sums are.
+// - linear_int8g: decode-sized row counts. Each pair's 32 codes are widened in registers to two fp32 vectors
+//   (lanes: 8 channels x the pair's two k) and multiplied into fp32 dot sums against the rows of x in fp32 (bf16
+//   widened exactly, once a call); each group's scale and offset are permuted to those lanes, and a block's two
+//   lanes per channel added at its end.
+// - linear_int8g_bf16: the weight-only product for many rows on AVX-512 BF16 dot products (bf16_dots.h): each
+//   pair's codes widened once per call to one vector of 16 bf16 pairs, exact; no transpose, the blocks already
+//   hold the channels side by side.
+// - linear_int8g_bf16_argmax: its greedy pick, each row's argmax of the fp32 sums, without the [M, N] sums.
 // - dequantize_int8g: rows of the weight to bf16, for the larger row counts that take at::linear (prefill).
 //
 // out[m, n] = bf16(sum_k w[n, k] x[m, k] + bias[n]); each row's result depends on that row only.
@@ -15,11 +21,15 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <optional>
+#include <type_traits>
+#include <vector>
 
 #include "activation_quant.h"
 #include "bf16_dots.h"
 #include "parallel.h"
+#include "row_best.h"
 #include "vec.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -33,174 +43,290 @@ using cpu_ext::OutRows;
 using cpu_ext::out_rows;
 using cpu_ext::output_rows;
 
-constexpr int64_t kGroup = 16;  // weights per scale (and offset)
-constexpr int kRows = 4;        // rows of x per pass: R x 2 accumulators stay in registers
-constexpr int64_t kAhead = 1024;  // bytes of codes fetched ahead of the product
+constexpr int64_t kGroup = 16;                       // weights per scale (and offset) along K
+constexpr int64_t kChannels = 16;                    // output channels a block
+constexpr int64_t kBlockBytes = kChannels * kGroup;  // one group of one block: 8 pairs x 16 channels x 2 codes
+constexpr int kRows = 4;                             // rows of x per pass of linear_int8g
+constexpr int64_t kAhead = 1024;                     // bytes of a block's codes fetched ahead by direct_blocks
 
 struct GroupedWeights {
-  const int8_t* codes;   // [N, kp]
-  const float* scale;    // [N, groups]
-  const float* offset;   // [N, groups], or null
-  const float* bias;     // [N], or null
-  int64_t n, kp, groups;
+  const int8_t* codes;   // [blocks, groups, 256]
+  const float* scale;    // [groups, n]
+  const float* offset;   // [groups, n], or null
+  const float* bias;     // [n], or null
+  int64_t n, blocks, groups;
+
+  const int8_t* group(int64_t block, int64_t g) const { return codes + (block * groups + g) * kBlockBytes; }
 };
 
-// x at p as fp32, one value or (x_vector) 16: bf16 widens exactly.
-inline float x_value(const float* p) { return *p; }
-inline float x_value(const uint16_t* p) { return cpu_ext::bf16_to_float(*p); }
-#if defined(CPU_EXT_INT8G_AVX512)
-inline __m512 x_vector(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 x_vector(const uint16_t* p) { return cpu_ext::load_bf16x16(p); }
-#endif
-
-// Output channels [begin, end) for R rows of x ([R, kp], zero past K; bf16 bits or fp32). Each group's weights
-// are made once and used for all R rows; two accumulators per row alternate between groups to hide the FMA
-// latency. x stays bf16 when it comes as bf16 (widened exactly in registers) and the codes are fetched kAhead
-// bytes ahead as non-temporal, so that the stream does not push x out of L1: at K = 8192 a row of fp32 x alone
-// fills Zen 4's 32 KB L1. Measured in the engine: docs/performance.md, "int8g: x kept in L1".
-template <int R, bool Offsets, typename X>
-void int8g_rows(const GroupedWeights& w, const X* x, OutRows out, int64_t begin, int64_t end) {
-  for (int64_t row = begin; row < end; ++row) {
-    const int8_t* q = w.codes + row * w.kp;
-    const float* s = w.scale + row * w.groups;
-    const float* z = Offsets ? w.offset + row * w.groups : nullptr;
-    float total[R];
-#if defined(CPU_EXT_INT8G_AVX512)
-    __m512 acc[R][2];
-    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-    const auto group = [&](int64_t g, int h) {  // h = g & 1, a constant in each call: acc stays in registers
-      const __m512 codes = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + g * kGroup))));
-      const __m512 weights = Offsets ? _mm512_fmadd_ps(codes, _mm512_set1_ps(s[g]), _mm512_set1_ps(z[g]))
-                                     : _mm512_mul_ps(codes, _mm512_set1_ps(s[g]));
-      for (int r = 0; r < R; ++r)
-        acc[r][h] = _mm512_fmadd_ps(weights, x_vector(x + r * w.kp + g * kGroup), acc[r][h]);
-    };
-    const char* ahead = reinterpret_cast<const char*>(q) + kAhead;  // rows are contiguous: past one is the next
-    int64_t g = 0;
-    for (; g + 2 <= w.groups; g += 2) {
-      if ((g & 3) == 0) _mm_prefetch(ahead + g * kGroup, _MM_HINT_NTA);  // one 64-byte line per 4 groups
-      group(g, 0);
-      group(g + 1, 1);
-    }
-    if (g < w.groups) group(g, 0);
-    for (int r = 0; r < R; ++r) total[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
-#else
-    for (int r = 0; r < R; ++r) total[r] = 0.f;
-    for (int64_t g = 0; g < w.groups; ++g)
-      for (int64_t i = 0; i < kGroup; ++i) {
-        const float code = static_cast<float>(q[g * kGroup + i]);
-        const float weight = Offsets ? std::fma(code, s[g], z[g]) : code * s[g];
-        for (int r = 0; r < R; ++r) total[r] = std::fma(weight, x_value(x + r * w.kp + g * kGroup + i), total[r]);
-      }
-#endif
-    const float b = w.bias ? w.bias[row] : 0.f;
-    for (int r = 0; r < R; ++r) out.put(r * w.n + row, total[r] + b);
-  }
+// codes and scales checked as the layout above for K columns -> the weight (bias null).
+GroupedWeights int8g_weights(const torch::Tensor& codes, const torch::Tensor& scales, int64_t k, const char* name) {
+  const int64_t groups = (k + kGroup - 1) / kGroup;
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.dim() == 3 && scales.is_contiguous() &&
+                  (scales.size(0) == 1 || scales.size(0) == 2) && scales.size(1) == groups,
+              name, ": scales must be fp32 [1 or 2, ceil(K / 16), N] for K = ", k);
+  const int64_t n = scales.size(2), blocks = (n + kChannels - 1) / kChannels;
+  TORCH_CHECK(codes.scalar_type() == at::kChar && codes.dim() == 3 && codes.is_contiguous() &&
+                  codes.size(0) == blocks && codes.size(1) == groups && codes.size(2) == kBlockBytes,
+              name, ": codes must be int8 [ceil(N / 16), ceil(K / 16), 256] for N = ", n, ", K = ", k);
+  const float* sp = scales.data_ptr<float>();
+  return {codes.data_ptr<int8_t>(), sp, scales.size(0) == 2 ? sp + groups * n : nullptr, nullptr, n, blocks, groups};
 }
 
-template <bool Offsets, typename X>
-void int8g_pass(int64_t rows, const GroupedWeights& w, const X* x, OutRows out, int64_t begin, int64_t end) {
-  switch (rows) {
-    case 1: int8g_rows<1, Offsets>(w, x, out, begin, end); break;
-    case 2: int8g_rows<2, Offsets>(w, x, out, begin, end); break;
-    case 3: int8g_rows<3, Offsets>(w, x, out, begin, end); break;
-    default: int8g_rows<4, Offsets>(w, x, out, begin, end); break;
-  }
-}
+// x [M, K] (bf16 or fp32) as fp32 rows [M, G * 16], zero past K, and each group's fp32 sum t [M, G] (with offsets).
+struct FloatRows {
+  std::vector<float> x, t;
+  int64_t kp;
+};
 
-// Every pass of kRows rows of x ([m, kp]) over the output channels: the threads claim ranges of channels and run
-// every pass over their range, so a range's weights come from memory once and from cache for the later passes.
 template <typename X>
-void int8g_product(const GroupedWeights& w, const X* x, int64_t m, OutRows out) {
-  cpu_ext::parallel_claim(w.n, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t first = 0; first < m; first += kRows) {
-      const int64_t rows = std::min<int64_t>(kRows, m - first);
-      if (w.offset) int8g_pass<true>(rows, w, x + first * w.kp, out.shifted(first * w.n), begin, end);
-      else int8g_pass<false>(rows, w, x + first * w.kp, out.shifted(first * w.n), begin, end);
+FloatRows float_rows(const X* src, int64_t m, int64_t k, int64_t groups, bool sums) {
+  FloatRows rows{std::vector<float>(m * groups * kGroup, 0.f), std::vector<float>(sums ? m * groups : 0),
+                 groups * kGroup};
+  for (int64_t r = 0; r < m; ++r) {
+    float* dst = rows.x.data() + r * rows.kp;
+    for (int64_t i = 0; i < k; ++i) {
+      if constexpr (std::is_same_v<X, float>) dst[i] = src[r * k + i];
+      else dst[i] = cpu_ext::bf16_to_float(src[r * k + i]);
+    }
+    if (sums)
+      for (int64_t g = 0; g < groups; ++g) {
+        float t = 0.f;
+        for (int64_t i = 0; i < kGroup; ++i) t += dst[g * kGroup + i];
+        rows.t[r * groups + g] = t;
+      }
+  }
+  return rows;
+}
+
+#if defined(CPU_EXT_INT8G_AVX512)
+// 16 results (channels 16 block ..) of one row, bias added, into out's row; channels past N not written.
+inline void store16(OutRows out, int64_t row, const GroupedWeights& w, int64_t block, __m512 v) {
+  const int64_t n0 = block * kChannels;
+  const __mmask16 live = cpu_ext::lanes_below(w.n - n0);
+  if (w.bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(live, w.bias + n0));
+  const int64_t at = row * w.n + n0;
+  if (out.fp32) _mm512_mask_storeu_ps(static_cast<float*>(out.data) + at, live, v);
+  else _mm256_mask_storeu_epi16(static_cast<uint16_t*>(out.data) + at, live, cpu_ext::bf16_round(v));
+}
+
+// Block `block` for rows [first, first + R) of x: fp32 FMAs on the codes widened in registers. Lanes 2c + j of
+// the low vector are channel c's code of k = 2p + j (c < 8), of the high vector channel 8 + c's.
+template <int R, bool Offsets>
+void block_rows(const GroupedWeights& w, const FloatRows& x, int64_t first, int64_t block, OutRows out) {
+  const __m512i lo_lanes = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+  const __m512i hi_lanes = _mm512_add_epi32(lo_lanes, _mm512_set1_epi32(8));
+  const int64_t n0 = block * kChannels;
+  const __mmask16 live = cpu_ext::lanes_below(w.n - n0);
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < w.groups; ++g) {
+    const int8_t* q = w.group(block, g);
+    __m512 dot[R][2];
+    for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm512_setzero_ps();
+#pragma GCC unroll 8
+    for (int p = 0; p < 8; ++p) {
+      const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + 32 * p))));
+      const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + 32 * p + 16))));
+      for (int r = 0; r < R; ++r) {
+        double pair;  // x[2p], x[2p + 1] of the row, broadcast to every lane pair
+        std::memcpy(&pair, x.x.data() + (first + r) * x.kp + g * kGroup + 2 * p, sizeof(pair));
+        const __m512 xv = _mm512_castpd_ps(_mm512_set1_pd(pair));
+        dot[r][0] = _mm512_fmadd_ps(lo, xv, dot[r][0]);
+        dot[r][1] = _mm512_fmadd_ps(hi, xv, dot[r][1]);
+      }
+    }
+    const __m512 s = _mm512_maskz_loadu_ps(live, w.scale + g * w.n + n0);
+    const __m512 s_lo = _mm512_permutexvar_ps(lo_lanes, s), s_hi = _mm512_permutexvar_ps(hi_lanes, s);
+    for (int r = 0; r < R; ++r) {
+      acc[r][0] = _mm512_fmadd_ps(s_lo, dot[r][0], acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(s_hi, dot[r][1], acc[r][1]);
+    }
+    if (Offsets) {  // z t once a channel: in its even lane
+      const __m512 z = _mm512_maskz_loadu_ps(live, w.offset + g * w.n + n0);
+      const __m512 z_lo = _mm512_maskz_permutexvar_ps(0x5555, lo_lanes, z);
+      const __m512 z_hi = _mm512_maskz_permutexvar_ps(0x5555, hi_lanes, z);
+      for (int r = 0; r < R; ++r) {
+        const __m512 t = _mm512_set1_ps(x.t[(first + r) * w.groups + g]);
+        acc[r][0] = _mm512_fmadd_ps(z_lo, t, acc[r][0]);
+        acc[r][1] = _mm512_fmadd_ps(z_hi, t, acc[r][1]);
+      }
+    }
+  }
+  const __m512i evens = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odds = _mm512_add_epi32(evens, _mm512_set1_epi32(1));
+  for (int r = 0; r < R; ++r)
+    store16(out, first + r, w, block,
+            _mm512_add_ps(_mm512_permutex2var_ps(acc[r][0], evens, acc[r][1]),
+                          _mm512_permutex2var_ps(acc[r][0], odds, acc[r][1])));
+}
+#else
+// Block `block` for rows [first, first + R): the same sums in scalar code.
+template <int R, bool Offsets>
+void block_rows(const GroupedWeights& w, const FloatRows& x, int64_t first, int64_t block, OutRows out) {
+  for (int64_t c = 0; c < kChannels && block * kChannels + c < w.n; ++c) {
+    const int64_t channel = block * kChannels + c;
+    for (int r = 0; r < R; ++r) {
+      const float* row = x.x.data() + (first + r) * x.kp;
+      float total = 0.f;
+      for (int64_t g = 0; g < w.groups; ++g) {
+        const int8_t* q = w.group(block, g);
+        float dot = 0.f;
+        for (int64_t i = 0; i < kGroup; ++i)
+          dot += static_cast<float>(q[(i / 2) * 32 + 2 * c + i % 2]) * row[g * kGroup + i];
+        total = std::fma(w.scale[g * w.n + channel], dot, total);
+        if (Offsets) total = std::fma(w.offset[g * w.n + channel], x.t[(first + r) * w.groups + g], total);
+      }
+      out.put((first + r) * w.n + channel, total + (w.bias ? w.bias[channel] : 0.f));
+    }
+  }
+}
+#endif
+
+template <bool Offsets>
+void block_pass(int64_t rows, const GroupedWeights& w, const FloatRows& x, int64_t first, int64_t block, OutRows out) {
+  switch (rows) {
+    case 1: block_rows<1, Offsets>(w, x, first, block, out); break;
+    case 2: block_rows<2, Offsets>(w, x, first, block, out); break;
+    case 3: block_rows<3, Offsets>(w, x, first, block, out); break;
+    default: block_rows<kRows, Offsets>(w, x, first, block, out); break;
+  }
+}
+
+// The threads claim runs of blocks and run every pass of kRows rows over one block before the next, so a block's
+// codes come from memory once and from cache for the later passes.
+void int8g_product(const GroupedWeights& w, const FloatRows& x, int64_t m, OutRows out) {
+  cpu_ext::parallel_claim(w.blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t block = begin; block < end; ++block)
+      for (int64_t first = 0; first < m; first += kRows) {
+        const int64_t rows = std::min<int64_t>(kRows, m - first);
+        if (w.offset) block_pass<true>(rows, w, x, first, block, out);
+        else block_pass<false>(rows, w, x, first, block, out);
+      }
+  });
+}
+
+#if defined(CPU_EXT_BF16_DOTS)
+// One pair of a group for 16 channels (32 codes at q) -> 16 bf16 pairs, exact.
+inline __m512bh widen_pair(const int8_t* q) {
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)q)));
+  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + 16))));
+  return _mm512_cvtne2ps_pbh(hi, lo);
+}
+
+// Groups [g0, g0 + count) of block `block` -> codes [count, 8 pairs, 16 channels] (bf16 pairs) and scales
+// [count, 2, 16]: each pair's 32 codes widened to fp32 and packed to 16 bf16 pairs (both exact); zero past N.
+void widen_int8g(const GroupedWeights& w, int64_t block, int64_t g0, int64_t count, uint32_t* codes, float* scales) {
+  const int64_t n0 = block * kChannels;
+  const __mmask16 live = cpu_ext::lanes_below(w.n - n0);
+  for (int64_t i = 0; i < count; ++i) {
+    const int8_t* q = w.group(block, g0 + i);
+#pragma GCC unroll 8
+    for (int p = 0; p < 8; ++p) _mm512_storeu_si512(codes + (i * 8 + p) * kChannels, (__m512i)widen_pair(q + 32 * p));
+    float* dst = scales + i * 2 * kChannels;
+    const int64_t g = g0 + i;
+    _mm512_storeu_ps(dst, _mm512_maskz_loadu_ps(live, w.scale + g * w.n + n0));
+    _mm512_storeu_ps(dst + kChannels,
+                     w.offset ? _mm512_maskz_loadu_ps(live, w.offset + g * w.n + n0) : _mm512_setzero_ps());
+  }
+}
+
+// Up to kLanes rows in one pass, the codes widened in registers as they are used (no buffer): blocks
+// [block, block + C) for rows 0..R-1 of x (PairRows of one pass), their fp32 totals to finish(part, R, block, C).
+// D chains a row and block hide the dot products' latency at one or two rows (a group's pairs then added in
+// another order: a product of 1-2 rows may differ in its last bits from the same rows among more).
+template <int R, int C, bool Offsets, typename Finish>
+void direct_blocks(const GroupedWeights& w, const cpu_ext::dots::PairRows& x, int64_t block, const Finish& finish) {
+  constexpr int D = R <= 2 ? 2 : 1;
+  constexpr int64_t kLanes = cpu_ext::dots::kLanes;
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < w.groups; ++g) {
+    __m512 dot[R][C][D];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c)
+        for (int d = 0; d < D; ++d) dot[r][c][d] = _mm512_setzero_ps();
+    const uint32_t* xp = x.pass_pairs(0, g);
+    for (int c = 0; c < C; ++c)  // the stream's next lines, non-temporal: x's pairs stay in L1
+      _mm_prefetch(reinterpret_cast<const char*>(w.group(block + c, g)) + kAhead, _MM_HINT_NTA);
+#pragma GCC unroll 8
+    for (int p = 0; p < 8; ++p)
+      for (int c = 0; c < C; ++c) {
+        const __m512bh q = widen_pair(w.group(block + c, g) + 32 * p);
+        for (int r = 0; r < R; ++r)
+          dot[r][c][p % D] =
+              _mm512_dpbf16_ps(dot[r][c][p % D], (__m512bh)_mm512_set1_epi32(xp[p * kLanes + r]), q);
+      }
+    const float* sums = x.pass_sums(0, g);
+    for (int c = 0; c < C; ++c) {
+      const int64_t n0 = (block + c) * kChannels;
+      const __mmask16 live = cpu_ext::lanes_below(w.n - n0);
+      const __m512 s = _mm512_maskz_loadu_ps(live, w.scale + g * w.n + n0);
+      const __m512 z = Offsets ? _mm512_maskz_loadu_ps(live, w.offset + g * w.n + n0) : _mm512_setzero_ps();
+      for (int r = 0; r < R; ++r) {
+        const __m512 d = D == 2 ? _mm512_add_ps(dot[r][c][0], dot[r][c][D - 1]) : dot[r][c][0];
+        acc[r][c] = _mm512_fmadd_ps(s, d, acc[r][c]);
+        if (Offsets) acc[r][c] = _mm512_fmadd_ps(z, _mm512_set1_ps(sums[r]), acc[r][c]);
+      }
+    }
+  }
+  alignas(64) float part[R * C * kChannels];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) _mm512_store_ps(part + (r * C + c) * kChannels, acc[r][c]);
+  finish(part, R, block, C);
+}
+
+// The product of rows 0..R-1 (R <= kLanes) by direct_blocks: the threads claim runs of C blocks, four side by side
+// at one or two rows, else one (bench.lm_head on the EPYC: two blocks at 3-6 rows ran 10-25% slower than one).
+template <int R, bool Offsets, typename Finish>
+void direct_rows(const GroupedWeights& w, const cpu_ext::dots::PairRows& x, const Finish& finish) {
+  constexpr int C = R <= 2 ? 4 : 1;
+  cpu_ext::parallel_claim((w.blocks + C - 1) / C, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t run = begin; run < end; ++run) {
+      int64_t block = run * C;
+      if (block + C <= w.blocks) {
+        direct_blocks<R, C, Offsets>(w, x, block, finish);
+        continue;
+      }
+      for (; block < w.blocks; ++block) direct_blocks<R, 1, Offsets>(w, x, block, finish);
     }
   });
 }
 
-void check_int8g(const torch::Tensor& codes, const torch::Tensor& scales, int64_t k, const char* name) {
-  const int64_t groups = (k + kGroup - 1) / kGroup;
-  TORCH_CHECK(codes.scalar_type() == at::kChar && codes.dim() == 2 && codes.is_contiguous() &&
-                  codes.size(1) == groups * kGroup,
-              name, ": codes must be int8 [N, ceil(K / 16) * 16] for K = ", k);
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.dim() == 3 && scales.is_contiguous() &&
-                  (scales.size(0) == 1 || scales.size(0) == 2) && scales.size(1) == codes.size(0) &&
-                  scales.size(2) == groups,
-              name, ": scales must be fp32 [1 or 2, N, ceil(K / 16)]");
-}
-
-#if defined(CPU_EXT_BF16_DOTS)
-// 16 vectors of 16 dwords transposed: r[i] lane j <- r[j] lane i (dword unpacks, then 128-bit lane shuffles).
-inline void transpose16(__m512i (&r)[16]) {
-  __m512i t[16], u[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  for (int a = 0; a < 16; a += 4) {  // u[a + q], lane L: column 4L + q of rows a..a + 3
-    u[a] = _mm512_unpacklo_epi64(t[a], t[a + 2]);
-    u[a + 1] = _mm512_unpackhi_epi64(t[a], t[a + 2]);
-    u[a + 2] = _mm512_unpacklo_epi64(t[a + 1], t[a + 3]);
-    u[a + 3] = _mm512_unpackhi_epi64(t[a + 1], t[a + 3]);
-  }
-  for (int q = 0; q < 4; ++q) {
-    t[q] = _mm512_shuffle_i32x4(u[q], u[q + 4], 0x88);
-    t[q + 4] = _mm512_shuffle_i32x4(u[q], u[q + 4], 0xDD);
-    t[q + 8] = _mm512_shuffle_i32x4(u[q + 8], u[q + 12], 0x88);
-    t[q + 12] = _mm512_shuffle_i32x4(u[q + 8], u[q + 12], 0xDD);
-  }
-  for (int q = 0; q < 4; ++q) {
-    r[q] = _mm512_shuffle_i32x4(t[q], t[q + 8], 0x88);
-    r[q + 4] = _mm512_shuffle_i32x4(t[q + 4], t[q + 12], 0x88);
-    r[q + 8] = _mm512_shuffle_i32x4(t[q], t[q + 8], 0xDD);
-    r[q + 12] = _mm512_shuffle_i32x4(t[q + 4], t[q + 12], 0xDD);
+template <bool Offsets, typename Finish>
+void direct_product(int64_t rows, const GroupedWeights& w, const cpu_ext::dots::PairRows& x, const Finish& finish) {
+  switch (rows) {
+    case 1: direct_rows<1, Offsets>(w, x, finish); break;
+    case 2: direct_rows<2, Offsets>(w, x, finish); break;
+    case 3: direct_rows<3, Offsets>(w, x, finish); break;
+    case 4: direct_rows<4, Offsets>(w, x, finish); break;
+    case 5: direct_rows<5, Offsets>(w, x, finish); break;
+    case 6: direct_rows<6, Offsets>(w, x, finish); break;
+    case 7: direct_rows<7, Offsets>(w, x, finish); break;
+    default: direct_rows<cpu_ext::dots::kLanes, Offsets>(w, x, finish); break;
   }
 }
 
-// Groups [g0, g0 + count) of block `block` (channels 16 block ..) -> codes [count, 8 pairs, 16 channels] and scales
-// [count, 2, 16], two groups at a time: each channel's 32 codes widened to fp32 (exact) and packed to 16 bf16 pairs
-// (exact too), then the 16 channels' vectors transposed so that each holds one pair of all 16; zero past channel N.
-void widen_int8g(const GroupedWeights& w, int64_t block, int64_t g0, int64_t count, uint32_t* codes, float* scales) {
-  const int64_t n0 = block * 16, live_rows = std::min<int64_t>(16, w.n - n0);
-  const __mmask16 live = cpu_ext::lanes_below(live_rows);
-  const __m512i row_groups = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                                _mm512_set1_epi32(static_cast<int32_t>(w.groups)));
-  // The next pair of blocks' codes, into L2 under this pair's products, a line a row at a time: 16 rows read side
-  // by side stall on memory (a 49152-row head widened at 5.9 G codes/s without, 8.2 with, 12 from cache).
-  const int64_t next = n0 + cpu_ext::dots::kBlocks * 16, ahead = std::clamp<int64_t>(w.n - next, 0, 16);
-  for (int64_t i = 0; i < count; i += 2) {
-    const bool second = i + 1 < count;
-    if (i % 4 == 0)
-      for (int64_t r = 0; r < ahead; ++r) _mm_prefetch(w.codes + (next + r) * w.kp + (g0 + i) * kGroup, _MM_HINT_T1);
-    __m512i pairs[16];
-    for (int64_t r = 0; r < 16; ++r) {
-      if (r >= live_rows) {
-        pairs[r] = _mm512_setzero_si512();
-        continue;
-      }
-      const int8_t* q = w.codes + (n0 + r) * w.kp + (g0 + i) * kGroup;
-      const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
-      const __m512 b = second ? _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                                    _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + kGroup))))
-                              : _mm512_setzero_ps();
-      pairs[r] = (__m512i)_mm512_cvtne2ps_pbh(b, a);  // dword p: the codes of k = 2p, 2p + 1
-    }
-    transpose16(pairs);
-    for (int64_t p = 0; p < (second ? 16 : 8); ++p)
-      _mm512_storeu_si512(codes + (i * kGroup / 2 + p) * 16, pairs[p]);
-    for (int64_t h = 0; h < (second ? 2 : 1); ++h) {
-      const int64_t g = g0 + i + h;
-      float* dst = scales + (i + h) * 32;
-      _mm512_storeu_ps(dst, _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, row_groups,
-                                                     w.scale + n0 * w.groups + g, 4));
-      _mm512_storeu_ps(dst + 16, w.offset ? _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, row_groups,
-                                                                     w.offset + n0 * w.groups + g, 4)
-                                          : _mm512_setzero_ps());
-    }
+// The product on bf16 dot products, each block's (or pair of blocks') fp32 totals to finish(part [m, c, 16], m,
+// block, c): up to kLanes rows in one pass widened in registers (direct_product), more through bf16_dots.h's run(),
+// each pair's codes widened once a call into a buffer that every pass of kRows rows reads.
+template <typename Finish>
+void int8g_dots(const torch::Tensor& x, const GroupedWeights& w, const Finish& finish) {
+  const int64_t m = x.size(0);
+  const bool direct = m <= cpu_ext::dots::kLanes;
+  const cpu_ext::dots::PairRows rows = cpu_ext::dots::pair_rows(
+      x, w.groups, kGroup, nullptr, direct ? cpu_ext::dots::kLanes : cpu_ext::dots::kRows);
+  if (direct) {
+    if (w.offset) direct_product<true>(m, w, rows, finish);
+    else direct_product<false>(m, w, rows, finish);
+    return;
   }
+  const auto widen = [&](int64_t block, int64_t g0, int64_t count, uint32_t* dst, float* group_scales) {
+    widen_int8g(w, block, g0, count, dst, group_scales);
+  };
+  if (w.offset) cpu_ext::dots::run<kGroup / 2, true>(rows, w.n, widen, finish);
+  else cpu_ext::dots::run<kGroup / 2, false>(rows, w.n, widen, finish);
 }
 #endif
 
@@ -213,20 +339,17 @@ torch::Tensor linear_int8g(torch::Tensor x, torch::Tensor codes, torch::Tensor s
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
               "linear_int8g: x must be bf16 or fp32 [M, K]");
   const int64_t m = x.size(0), k = x.size(1);
-  check_int8g(codes, scales, k, "linear_int8g");
-  const int64_t n = codes.size(0), kp = codes.size(1), groups = scales.size(2);
-  torch::Tensor out = output_rows(x, m, n, fp32_out);
-  if (m == 0 || n == 0) return out;
-  torch::Tensor xp = torch::zeros({m, kp}, x.options());  // padded past K with zeros, in x's own dtype
-  xp.narrow(1, 0, k).copy_(x);
-  const cpu_ext::FloatBias bf = cpu_ext::float_bias(bias, n, "linear_int8g");
-  const float* sp = scales.data_ptr<float>();
-  const GroupedWeights w{codes.data_ptr<int8_t>(), sp, scales.size(0) == 2 ? sp + n * groups : nullptr,
-                         bf.data(), n, kp, groups};
-  if (x.scalar_type() == at::kBFloat16)
-    int8g_product(w, reinterpret_cast<const uint16_t*>(xp.data_ptr<at::BFloat16>()), m, out_rows(out));
-  else
-    int8g_product(w, xp.data_ptr<float>(), m, out_rows(out));
+  GroupedWeights w = int8g_weights(codes, scales, k, "linear_int8g");
+  torch::Tensor out = output_rows(x, m, w.n, fp32_out);
+  if (m == 0 || w.n == 0) return out;
+  const cpu_ext::FloatBias bf = cpu_ext::float_bias(bias, w.n, "linear_int8g");
+  w.bias = bf.data();
+  const torch::Tensor xc = x.contiguous();
+  const FloatRows rows =
+      x.scalar_type() == at::kBFloat16
+          ? float_rows(reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()), m, k, w.groups, w.offset)
+          : float_rows(xc.data_ptr<float>(), m, k, w.groups, w.offset);
+  int8g_product(w, rows, m, out_rows(out));
   return out;
 }
 
@@ -237,25 +360,48 @@ torch::Tensor linear_int8g_bf16(torch::Tensor x, torch::Tensor codes, torch::Ten
 #if defined(CPU_EXT_BF16_DOTS)
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "linear_int8g_bf16: x must be bf16 [M, K]");
   const int64_t m = x.size(0), k = x.size(1);
-  check_int8g(codes, scales, k, "linear_int8g_bf16");
-  const int64_t n = codes.size(0), kp = codes.size(1), groups = scales.size(2);
-  torch::Tensor out = output_rows(x, m, n, fp32_out);
-  if (m == 0 || n == 0) return out;
-  const cpu_ext::FloatBias bf = cpu_ext::float_bias(bias, n, "linear_int8g_bf16");
-  const float* sp = scales.data_ptr<float>();
-  const GroupedWeights w{codes.data_ptr<int8_t>(), sp, scales.size(0) == 2 ? sp + n * groups : nullptr, nullptr, n,
-                         kp, groups};
-  const cpu_ext::dots::PairRows rows = cpu_ext::dots::pair_rows(x, groups, kGroup, nullptr);
-  const auto widen = [&](int64_t block, int64_t g0, int64_t count, uint32_t* dst, float* group_scales) {
-    widen_int8g(w, block, g0, count, dst, group_scales);
-  };
+  const GroupedWeights w = int8g_weights(codes, scales, k, "linear_int8g_bf16");
+  torch::Tensor out = output_rows(x, m, w.n, fp32_out);
+  if (m == 0 || w.n == 0) return out;
+  const cpu_ext::FloatBias bf = cpu_ext::float_bias(bias, w.n, "linear_int8g_bf16");
   const float* bp = bf.data();
-  if (w.offset) cpu_ext::dots::run<kGroup / 2, true>(rows, n, bp, out_rows(out), widen);
-  else cpu_ext::dots::run<kGroup / 2, false>(rows, n, bp, out_rows(out), widen);
+  const OutRows into = out_rows(out);
+  int8g_dots(x, w, [&](const float* part, int64_t rows, int64_t block, int c) {
+    cpu_ext::dots::store_blocks(part, rows, c, w.n, bp, into, block);
+  });
   return out;
 #else
   return linear_int8g(x, codes, scales, bias, fp32_out);
 #endif
+}
+
+// x [M, K] bf16 (M >= 1), codes and scales as above -> [M] int64: for each row, the first column of the maximum
+// (NaN counting as the maximum) of linear_int8g_bf16(x, codes, scales, None, fp32_out=True) (torch's max on those
+// fp32 sums), without writing the [M, N] product: the greedy pick straight off the LM head.
+torch::Tensor linear_int8g_bf16_argmax(torch::Tensor x, torch::Tensor codes, torch::Tensor scales) {
+  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1, "linear_int8g_bf16_argmax: x must have rows");
+  torch::Tensor out = torch::empty({x.size(0)}, x.options().dtype(torch::kLong));
+#if defined(CPU_EXT_BF16_DOTS)
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "linear_int8g_bf16_argmax: x must be bf16 [M, K]");
+  const int64_t m = x.size(0);
+  const GroupedWeights w = int8g_weights(codes, scales, x.size(1), "linear_int8g_bf16_argmax");
+  std::vector<cpu_ext::RowBest> mine(at::get_num_threads(), cpu_ext::RowBest(m));  // each thread's own
+  int8g_dots(x, w, [&](const float* part, int64_t rows, int64_t block, int c) {
+    cpu_ext::RowBest& best = mine[at::get_thread_num()];
+    for (int64_t r = 0; r < rows; ++r)
+      for (int j = 0; j < c; ++j) {
+        const int64_t n0 = (block + j) * kChannels;
+        cpu_ext::offer_lanes(best, r, _mm512_loadu_ps(part + (r * c + j) * kChannels), n0,
+                             cpu_ext::lanes_below(w.n - n0));
+      }
+  });
+  cpu_ext::RowBest best(m);
+  for (const cpu_ext::RowBest& one : mine) best.fold(one);
+  std::copy(best.column.begin(), best.column.end(), out.data_ptr<int64_t>());
+#else
+  out.copy_(std::get<1>(at::max(linear_int8g(x, codes, scales, std::nullopt, true), 1)));
+#endif
+  return out;
 }
 
 // Whether linear_int8g_bf16 runs on AVX-512 BF16 here (else on linear_int8g: tests only).
@@ -270,19 +416,26 @@ bool int8g_bf16_vectorized() {
 // Output channels [begin, end) of the int8g weight of K columns -> bf16 [end - begin, K]: bf16(s q (+ z)), the fp32
 // value rounded once, as weight_ops.int8g_rows computes it.
 torch::Tensor dequantize_int8g(torch::Tensor codes, torch::Tensor scales, int64_t k, int64_t begin, int64_t end) {
-  check_int8g(codes, scales, k, "dequantize_int8g");
-  const int64_t n = codes.size(0), groups = scales.size(2);
-  TORCH_CHECK(0 <= begin && begin <= end && end <= n, "dequantize_int8g: rows [", begin, ", ", end, ") of ", n);
-  torch::Tensor values = codes.narrow(0, begin, end - begin).to(at::kFloat).view({end - begin, groups, kGroup});
-  values.mul_(scales[0].narrow(0, begin, end - begin).unsqueeze(2));
-  if (scales.size(0) == 2) values.add_(scales[1].narrow(0, begin, end - begin).unsqueeze(2));
-  return values.view({end - begin, groups * kGroup}).narrow(1, 0, k).to(at::kBFloat16);
+  const GroupedWeights w = int8g_weights(codes, scales, k, "dequantize_int8g");
+  TORCH_CHECK(0 <= begin && begin <= end && end <= w.n, "dequantize_int8g: rows [", begin, ", ", end, ") of ", w.n);
+  const int64_t b0 = begin / kChannels, b1 = (end + kChannels - 1) / kChannels, rows = end - begin;
+  // [blocks, G, 8 pairs, 16 channels, 2] -> channel rows [blocks * 16, G * 16]
+  torch::Tensor q = codes.narrow(0, b0, b1 - b0)
+                        .view({b1 - b0, w.groups, kGroup / 2, kChannels, 2})
+                        .permute({0, 3, 1, 2, 4})
+                        .reshape({(b1 - b0) * kChannels, w.groups * kGroup})
+                        .narrow(0, begin - b0 * kChannels, rows);
+  torch::Tensor values = q.to(at::kFloat).view({rows, w.groups, kGroup});
+  values.mul_(scales[0].narrow(1, begin, rows).t().unsqueeze(2));
+  if (scales.size(0) == 2) values.add_(scales[1].narrow(1, begin, rows).t().unsqueeze(2));
+  return values.view({rows, w.groups * kGroup}).narrow(1, 0, k).to(at::kBFloat16);
 }
 
 TORCH_LIBRARY_FRAGMENT(phase_serve, m) {
   m.def("linear_int8g(Tensor x, Tensor codes, Tensor scales, Tensor? bias, bool fp32_out=False) -> Tensor");
   m.def("dequantize_int8g(Tensor codes, Tensor scales, int k, int begin, int end) -> Tensor");
   m.def("linear_int8g_bf16(Tensor x, Tensor codes, Tensor scales, Tensor? bias, bool fp32_out=False) -> Tensor");
+  m.def("linear_int8g_bf16_argmax(Tensor x, Tensor codes, Tensor scales) -> Tensor");
   m.def("int8g_bf16_vectorized() -> bool", &int8g_bf16_vectorized);
 }
 
@@ -290,4 +443,5 @@ TORCH_LIBRARY_IMPL(phase_serve, CPU, m) {
   m.impl("linear_int8g", &linear_int8g);
   m.impl("dequantize_int8g", &dequantize_int8g);
   m.impl("linear_int8g_bf16", &linear_int8g_bf16);
+  m.impl("linear_int8g_bf16_argmax", &linear_int8g_bf16_argmax);
 }

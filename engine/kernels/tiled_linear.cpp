@@ -40,11 +40,13 @@
 
 #include "amx.h"
 #include "parallel.h"
+#include "row_best.h"
 #include "vec.h"
 
 namespace {
 
 using namespace cpu_ext::amx;
+using cpu_ext::RowBest;
 
 #if defined(CPU_EXT_VECTOR_BF16)
 
@@ -286,38 +288,11 @@ void run_silu_mul(const Problem& p) {
   });
 }
 
-// Each row's best column so far, by torch's max(dim) rule: NaN first, then the larger value, then the lower
-// column (so the result does not depend on which thread saw which columns).
-struct RowBest {
-  std::vector<float> value;
-  std::vector<int64_t> column;  // -1: none yet
-
-  explicit RowBest(int64_t rows) : value(rows, 0.f), column(rows, -1) {}
-
-  void offer(int64_t row, float v, int64_t col) {
-    const int64_t best = column[row];
-    const bool v_nan = std::isnan(v), best_nan = best >= 0 && std::isnan(value[row]);
-    const bool wins = best < 0 || (v_nan != best_nan ? v_nan
-                                                     : !v_nan && v != value[row] ? v > value[row] : col < best);
-    if (wins) {
-      value[row] = v;
-      column[row] = col;
-    }
-  }
-};
-
 // One row of a 16x16 fp32 tile as store_row would write it with out32 (the fp32 sums), offered to `best`.
 void best_in_row(const Problem& p, const float* c_row, int64_t row, int64_t col_block, RowBest& best) {
   const int64_t col0 = col_block * kTileN;
   const __m512 bias = p.bias ? _mm512_loadu_ps(p.bias + col0) : _mm512_setzero_ps();
-  const __m512 v = _mm512_add_ps(_mm512_load_ps(c_row), bias);
-  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  if (nan) {
-    best.offer(row, v[__builtin_ctz(nan)], col0 + __builtin_ctz(nan));
-    return;
-  }
-  const float top = _mm512_reduce_max_ps(v);
-  best.offer(row, top, col0 + __builtin_ctz(_mm512_cmp_ps_mask(v, _mm512_set1_ps(top), _CMP_EQ_OQ)));
+  cpu_ext::offer_lanes(best, row, _mm512_add_ps(_mm512_load_ps(c_row), bias), col0);
 }
 
 // Each claim keeps its rows' best in its own RowBest, folded into `into` at its end.
@@ -331,8 +306,7 @@ void run_argmax(const Problem& p, RowBest& into) {
         if (c1) best_in_row(s, c1, row, n0 + 1, mine);
       });
       const std::lock_guard<std::mutex> hold(fold);
-      for (int64_t row = 0; row < s.m; ++row)
-        if (mine.column[row] >= 0) into.offer(first_row + row, mine.value[row], mine.column[row]);
+      into.fold(mine, first_row);
     });
   });
 }

@@ -323,8 +323,7 @@ class LlamaModel(nn.Module):
         params = dict(self.named_parameters())
         scales = quant.weight_scales(self)  # quantised weights: each tensor's rows quantised as they arrive
         rows_filled = dict.fromkeys(params, 0)
-        rows_needed = {n: weight_ops.int4_channels(scales[n]) if n in scales and weight_ops.is_int4(p) else p.shape[0]
-                       for n, p in params.items()}
+        rows_needed = {n: weight_ops.output_channels(p, scales.get(n)) for n, p in params.items()}
         for name, tensor in weights:
             target, offset = self._fused_target(name)
             if target is None:

@@ -189,7 +189,7 @@ def restore(model: LlamaModel, stored: weight_cache.Stored, backend: Backend) ->
 
 
 def _offsets_dropped(wanted: torch.Tensor, mapped: torch.Tensor) -> torch.Tensor:
-    """The skeleton's int8g scales and offsets [2, N, G] as [1, N, G] where the entry holds scales alone (the load
+    """The skeleton's int8g scales and offsets [2, G, N] as [1, G, N] where the entry holds scales alone (the load
     dropped offsets that were all zero: quant.drop_zero_offsets); any other scales as they are."""
     if wanted.dim() == 3 and wanted.dtype == torch.float32 and wanted.shape[0] == 2 and mapped.shape[0] == 1:
         return wanted[:1]

@@ -38,7 +38,7 @@ from typing import Callable, Iterator, Literal, Mapping, NamedTuple, Protocol
 import torch
 from torch import nn
 
-from engine.backends.weight_ops import INT4_CHANNELS, INT4_GROUP, int4_shapes, int8g_shapes
+from engine.backends.weight_ops import INT4_CHANNELS, INT4_GROUP, int4_shapes, int8g_put, int8g_shapes
 from engine.config import WEIGHT_DTYPES
 from engine.model.layers import Linear
 
@@ -313,21 +313,18 @@ def int4_layout(modules: list[nn.Module], device: torch.device | str) -> None:
 
 def store_int8g(codes: torch.Tensor, scales: torch.Tensor, first: int, weight: torch.Tensor | FileBlocks) -> None:
     """Puts a file's blocks [R, K] (rows first..first+R of the weight) in their place in an int8g weight's codes
-    and scales [2, N, G], as they are (a tensor without offsets leaves its rows' offsets zero)."""
+    and scales [2, G, N], as they are (a tensor without offsets leaves its rows' offsets zero)."""
     if not isinstance(weight, FileBlocks) or weight.int8g_rows is None:
         raise ValueError("int8g takes a file's quantised blocks only (there is no int8g quantiser of float weights); "
                          f"expected GGUF blocks of {', '.join(sorted(EXACT_INT8G_TYPES))}")
     for start, rows in weight.int8g_rows():
-        at, n = first + start, rows.codes.shape[0]
-        codes[at:at + n, :rows.codes.shape[1]] = rows.codes
-        scales[0, at:at + n] = rows.scale
-        if rows.offset is not None:
-            scales[1, at:at + n] = rows.offset
+        int8g_put(codes, scales, first + start, rows.codes, rows.scale, rows.offset)
 
 
 def int8g_layout(modules: list[nn.Module], device: torch.device | str) -> None:
-    """As int4_layout, for int8g: int8 codes [N, G * 16] (zero past K) and fp32 scales and offsets [2, N, G]
-    (filled by load_weights, `store_int8g`; `drop_zero_offsets` then drops offsets that are all zero)."""
+    """As int4_layout, for int8g: int8 codes in 16-channel blocks [ceil(N / 16), G, 256] (zero past N and K) and
+    fp32 scales and offsets [2, G, N] (filled by load_weights, `store_int8g`; `drop_zero_offsets` then drops
+    offsets that are all zero)."""
     for module in modules:
         rows, cols = module.weight.shape
         codes, scales = int8g_shapes(rows, cols, offsets=True)
