@@ -195,13 +195,22 @@ def _int8g_blocks(codes: torch.Tensor) -> torch.Tensor:
 def int8g_put(codes: torch.Tensor, scales: torch.Tensor, first: int, rows: torch.Tensor, scale: torch.Tensor,
               offset: torch.Tensor | None) -> None:
     """Output channels first..first+R of an int8g weight from their codes int8 [R, K'] (K' <= G * 16), scales fp32
-    [R, G] and offsets [R, G] (None: left as they are)."""
-    n = rows.shape[0]
-    channels = torch.arange(first, first + n, device=codes.device)
-    padded = torch.zeros(n, codes.shape[1] * INT8G_GROUP, dtype=torch.int8, device=codes.device)
+    [R, G] and offsets [R, G] (None: left as they are): whole 16-channel blocks by one strided copy (two codes, an
+    int16, at a time), the channels around them by index."""
+    n, groups = rows.shape[0], codes.shape[1]
+    padded = torch.zeros(n, groups * INT8G_GROUP, dtype=torch.int8, device=codes.device)
     padded[:, :rows.shape[1]] = rows
-    _int8g_blocks(codes)[channels // INT8G_CHANNELS, :, :, channels % INT8G_CHANNELS, :] = \
-        padded.view(n, codes.shape[1], INT8G_GROUP // 2, 2)
+    pairs = padded.view(torch.int16).view(n, groups, INT8G_GROUP // 2)  # [R, G, 8 pairs]
+    target = _int8g_blocks(codes).view(torch.int16).squeeze(-1)  # [Nb, G, 8 pairs, 16 channels]
+    start = min(n, -first % INT8G_CHANNELS)  # the channels before the first whole block
+    blocks = (n - start) // INT8G_CHANNELS
+    stop = start + blocks * INT8G_CHANNELS
+    if blocks:
+        block = (first + start) // INT8G_CHANNELS
+        target[block:block + blocks] = pairs[start:stop].view(blocks, INT8G_CHANNELS, groups, -1).permute(0, 2, 3, 1)
+    for lo, hi in ((0, start), (stop, n)):
+        channels = torch.arange(first + lo, first + hi, device=codes.device)
+        target[channels // INT8G_CHANNELS, :, :, channels % INT8G_CHANNELS] = pairs[lo:hi]
     scales[0, :, first:first + n] = scale.t()
     if offset is not None:
         scales[1, :, first:first + n] = offset.t()
