@@ -47,7 +47,7 @@ constexpr int64_t kGroup = 16;                       // weights per scale (and o
 constexpr int64_t kChannels = 16;                    // output channels a block
 constexpr int64_t kBlockBytes = kChannels * kGroup;  // one group of one block: 8 pairs x 16 channels x 2 codes
 constexpr int kRows = 4;                             // rows of x per pass of linear_int8g
-constexpr int64_t kAhead = 1024;                     // bytes of a block's codes fetched ahead by direct_blocks
+constexpr int64_t kAhead = 1024;                     // bytes of a block's codes fetched ahead of the products
 
 struct GroupedWeights {
   const int8_t* codes;   // [blocks, groups, 256]
@@ -122,6 +122,8 @@ void block_rows(const GroupedWeights& w, const FloatRows& x, int64_t first, int6
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   for (int64_t g = 0; g < w.groups; ++g) {
     const int8_t* q = w.group(block, g);
+    for (int line = 0; line < 4; ++line)  // the stream's next lines, non-temporal: x's rows stay in L1
+      _mm_prefetch(reinterpret_cast<const char*>(q) + kAhead + 64 * line, _MM_HINT_NTA);
     __m512 dot[R][2];
     for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm512_setzero_ps();
 #pragma GCC unroll 8
@@ -249,7 +251,8 @@ void direct_blocks(const GroupedWeights& w, const cpu_ext::dots::PairRows& x, in
         for (int d = 0; d < D; ++d) dot[r][c][d] = _mm512_setzero_ps();
     const uint32_t* xp = x.pass_pairs(0, g);
     for (int c = 0; c < C; ++c)  // the stream's next lines, non-temporal: x's pairs stay in L1
-      _mm_prefetch(reinterpret_cast<const char*>(w.group(block + c, g)) + kAhead, _MM_HINT_NTA);
+      for (int line = 0; line < 4; ++line)
+        _mm_prefetch(reinterpret_cast<const char*>(w.group(block + c, g)) + kAhead + 64 * line, _MM_HINT_NTA);
 #pragma GCC unroll 8
     for (int p = 0; p < 8; ++p)
       for (int c = 0; c < C; ++c) {
