@@ -79,7 +79,7 @@ def main() -> None:
     calls = kernels(auto, bf16)
     sizes = {"int8g": auto.data.numel() + auto.scale.numel() * 4, "bf16": bf16.data.numel() * 2}
     print(f"LM head {tuple(bf16.data.shape)}: int8g {sizes['int8g'] / 1e6:.1f} MB, bf16 {sizes['bf16'] / 1e6:.1f} MB; "
-          f"{torch.get_num_threads()} threads, median of {args.repeats} calls, ms\n")
+          f"{torch.get_num_threads()} threads, median of {args.repeats} rounds, ms\n")
     print(f"{'rows':>5} " + " ".join(f"{name:>18}" for name in calls))
     results = {"sizes": sizes, "ms": {}}
     gen = torch.Generator().manual_seed(0)
