@@ -417,10 +417,15 @@ inline __m512i code_table() {
 
 void widen_int4(const Int4Weights& w, int64_t block, int64_t g0, int64_t count, uint32_t* codes, float* scales) {
   const __m512i table = code_table();
-  const int64_t n0 = block * kChannels;
+  const int64_t n0 = block * kChannels, blocks = (w.n + kChannels - 1) / kChannels;
+  // The same groups of the next pair of blocks, into L2 under this pair's products (the bf16 kernel's order).
+  const int64_t next = block + cpu_ext::dots::kBlocks < blocks ? block + cpu_ext::dots::kBlocks : -1;
   for (int64_t i = 0; i < count; ++i) {
     const int64_t g = g0 + i;
     const uint8_t* bytes = w.packed + (block * w.groups + g) * kGroupBytes;
+    if (next >= 0)
+      for (int64_t line = 0; line < kGroupBytes; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(w.packed + (next * w.groups + g) * kGroupBytes + line), _MM_HINT_T1);
     for (int64_t t = 0; t < 4; ++t) {
       const __m512i v = _mm512_loadu_si512(bytes + t * 64);
       uint32_t* dst = codes + (i * kGroup / 2 + 4 * t) * kChannels;

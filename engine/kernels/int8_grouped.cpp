@@ -221,8 +221,13 @@ inline __m512bh widen_pair(const int8_t* q) {
 void widen_int8g(const GroupedWeights& w, int64_t block, int64_t g0, int64_t count, uint32_t* codes, float* scales) {
   const int64_t n0 = block * kChannels;
   const __mmask16 live = cpu_ext::lanes_below(w.n - n0);
+  // The same groups of the next pair of blocks, into L2 under this pair's products (the bf16 kernel's order).
+  const int64_t next = block + cpu_ext::dots::kBlocks < w.blocks ? block + cpu_ext::dots::kBlocks : -1;
   for (int64_t i = 0; i < count; ++i) {
     const int8_t* q = w.group(block, g0 + i);
+    if (next >= 0)
+      for (int64_t line = 0; line < kBlockBytes; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(w.group(next, g0 + i)) + line, _MM_HINT_T1);
 #pragma GCC unroll 8
     for (int p = 0; p < 8; ++p) _mm512_storeu_si512(codes + (i * 8 + p) * kChannels, (__m512i)widen_pair(q + 32 * p));
     float* dst = scales + i * 2 * kChannels;
