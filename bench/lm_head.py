@@ -61,18 +61,18 @@ def kernels(auto, bf16) -> dict:
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rows", default="1,2,4,8,16,32,64")
+    p.add_argument("--model", default=None, help="a GGUF whose auto head is int8g (default: the default model)")
+    p.add_argument("--rows", default="1,2,4,8,16,32,64", help="comma-separated row counts")
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--model", default=None)
     p.add_argument("--json", default=None)
     return p.parse_args()
 
 
 def main() -> None:
     args = parse_args()
-    torch.set_num_threads(args.threads)
     auto, bf16 = head_of(args.model, "auto", args.threads), head_of(args.model, "bfloat16", args.threads)
+    torch.set_num_threads(args.threads)
     if auto.scale is None or auto.scale.dim() != 3:
         raise SystemExit("this model's auto head is not int8g: nothing to compare")
     k = bf16.data.shape[1]

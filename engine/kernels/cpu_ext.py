@@ -189,8 +189,8 @@ def linear_int8g(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bia
 
 def linear_int8g_bf16(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
                       fp32_out: bool = False) -> torch.Tensor:
-    """linear_int8g's product (s q + z never rounded) on AVX-512 BF16 dot products for many rows: the codes, exact
-    in bf16, widened once per call; fp32 sums in another order than linear_int8g's."""
+    """linear_int8g's product (s q + z never rounded) on AVX-512 BF16 dot products: the codes, exact in bf16, widened
+    in registers for up to 8 rows, once per call for more; fp32 sums in another order than linear_int8g's."""
     return ops().linear_int8g_bf16(x, codes, scales, bias, fp32_out)
 
 

@@ -7,10 +7,10 @@
 // - linear_int8g: decode-sized row counts. Each pair's 32 codes are widened in registers to two fp32 vectors
 //   (lanes: 8 channels x the pair's two k) and multiplied into fp32 dot sums against the rows of x in fp32 (bf16
 //   widened exactly, once a call); each group's scale and offset are permuted to those lanes, and a block's two
-//   lanes per channel added at its end.
-// - linear_int8g_bf16: the weight-only product for many rows on AVX-512 BF16 dot products (bf16_dots.h): each
-//   pair's codes widened once per call to one vector of 16 bf16 pairs, exact; no transpose, the blocks already
-//   hold the channels side by side.
+//   lanes per channel added at its end. The codes' stream is fetched ahead, non-temporal, so x stays in L1.
+// - linear_int8g_bf16: the weight-only product on AVX-512 BF16 dot products (bf16_dots.h): each pair's codes
+//   widen to one vector of 16 bf16 pairs, exact, with no transpose (the blocks hold the channels side by side):
+//   in registers as they are used for up to 8 rows, once per call into a buffer for more.
 // - linear_int8g_bf16_argmax: its greedy pick, each row's argmax of the fp32 sums, without the [M, N] sums.
 // - dequantize_int8g: rows of the weight to bf16, for the larger row counts that take at::linear (prefill).
 //
