@@ -192,6 +192,13 @@ def _int8g_blocks(codes: torch.Tensor) -> torch.Tensor:
     return codes.view(codes.shape[0], codes.shape[1], INT8G_GROUP // 2, INT8G_CHANNELS, 2)
 
 
+def whole_blocks(first: int, n: int, channels: int) -> tuple[int, int]:
+    """Of n output channels put from channel `first` into a weight held in blocks of `channels`: the ones
+    [start, stop) that fill whole blocks (a strided copy moves them; those before and after go by index)."""
+    start = min(n, -first % channels)
+    return start, start + (n - start) // channels * channels
+
+
 def int8g_put(codes: torch.Tensor, scales: torch.Tensor, first: int, rows: torch.Tensor, scale: torch.Tensor,
               offset: torch.Tensor | None) -> None:
     """Output channels first..first+R of an int8g weight from their codes int8 [R, K'] (K' <= G * 16), scales fp32
@@ -202,11 +209,9 @@ def int8g_put(codes: torch.Tensor, scales: torch.Tensor, first: int, rows: torch
     padded[:, :rows.shape[1]] = rows
     pairs = padded.view(torch.int16).view(n, groups, INT8G_GROUP // 2)  # [R, G, 8 pairs]
     target = _int8g_blocks(codes).view(torch.int16).squeeze(-1)  # [Nb, G, 8 pairs, 16 channels]
-    start = min(n, -first % INT8G_CHANNELS)  # the channels before the first whole block
-    blocks = (n - start) // INT8G_CHANNELS
-    stop = start + blocks * INT8G_CHANNELS
-    if blocks:
-        block = (first + start) // INT8G_CHANNELS
+    start, stop = whole_blocks(first, n, INT8G_CHANNELS)
+    if stop > start:
+        block, blocks = (first + start) // INT8G_CHANNELS, (stop - start) // INT8G_CHANNELS
         target[block:block + blocks] = pairs[start:stop].view(blocks, INT8G_CHANNELS, groups, -1).permute(0, 2, 3, 1)
     for lo, hi in ((0, start), (stop, n)):
         channels = torch.arange(first + lo, first + hi, device=codes.device)

@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "activation_quant.h"
@@ -252,6 +253,39 @@ void run(const PairRows& x, int64_t n, const float* bias, OutRows out, const Wid
   run<P, Offsets>(x, n, widen, [&](const float* part, int64_t m, int64_t block, int c) {
     store_blocks(part, m, c, n, bias, out, block);
   });
+}
+
+// One pass of up to kLanes rows whose codes a format widens in registers as it uses them (int4_linear.cpp and
+// int8_grouped.cpp direct_blocks): for R = rows, the threads claim runs of C = BlocksFor(R) blocks and call
+// body(R, C, block) on each (as std::integral_constant), C = 1 on the blocks past the last whole run.
+template <int R, int (*BlocksFor)(int), typename Body>
+void direct_runs(int64_t blocks, const Body& body) {
+  constexpr int C = BlocksFor(R);
+  const std::integral_constant<int, R> rows;
+  cpu_ext::parallel_claim((blocks + C - 1) / C, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t run = begin; run < end; ++run) {
+      int64_t block = run * C;
+      if (block + C <= blocks) {
+        body(rows, std::integral_constant<int, C>{}, block);
+        continue;
+      }
+      for (; block < blocks; ++block) body(rows, std::integral_constant<int, 1>{}, block);
+    }
+  });
+}
+
+template <int (*BlocksFor)(int), typename Body>
+void direct_pass(int64_t rows, int64_t blocks, const Body& body) {
+  switch (rows) {
+    case 1: direct_runs<1, BlocksFor>(blocks, body); break;
+    case 2: direct_runs<2, BlocksFor>(blocks, body); break;
+    case 3: direct_runs<3, BlocksFor>(blocks, body); break;
+    case 4: direct_runs<4, BlocksFor>(blocks, body); break;
+    case 5: direct_runs<5, BlocksFor>(blocks, body); break;
+    case 6: direct_runs<6, BlocksFor>(blocks, body); break;
+    case 7: direct_runs<7, BlocksFor>(blocks, body); break;
+    default: direct_runs<kLanes, BlocksFor>(blocks, body); break;
+  }
 }
 
 }  // namespace cpu_ext::dots

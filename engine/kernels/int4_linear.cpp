@@ -502,37 +502,10 @@ void direct_blocks(const Int4Weights& w, const cpu_ext::dots::PairRows& x, const
   cpu_ext::dots::store_rows<C>(part, R, w.n, bias, out, block);
 }
 
-// The products of rows 0..R-1 (R <= kLanes) by direct_blocks: the threads claim runs of C blocks (one at 7-8 rows,
-// whose 2 x 8 accumulators fill the registers).
-template <int R>
-void direct_rows(const Int4Weights& w, const cpu_ext::dots::PairRows& x, const float* bias, OutRows out) {
-  constexpr int C = R <= 2 ? 4 : R <= cpu_ext::dots::kRows ? 2 : 1;
-  const int64_t blocks = (w.n + kChannels - 1) / kChannels;
-  cpu_ext::parallel_claim((blocks + C - 1) / C, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t run = begin; run < end; ++run) {
-      int64_t block = run * C;
-      if (block + C <= blocks) {
-        direct_blocks<R, C>(w, x, bias, out, block);
-        continue;
-      }
-      for (; block < blocks; ++block) direct_blocks<R, 1>(w, x, bias, out, block);
-    }
-  });
-}
+// Blocks a thread claims side by side in direct_blocks' pass of R rows: one at 7-8 rows, whose 2 x 8 accumulators
+// fill the registers.
+constexpr int direct_blocks_for(int rows) { return rows <= 2 ? 4 : rows <= cpu_ext::dots::kRows ? 2 : 1; }
 
-void direct_product(int64_t rows, const Int4Weights& w, const cpu_ext::dots::PairRows& x, const float* bias,
-                    OutRows out) {
-  switch (rows) {
-    case 1: direct_rows<1>(w, x, bias, out); break;
-    case 2: direct_rows<2>(w, x, bias, out); break;
-    case 3: direct_rows<3>(w, x, bias, out); break;
-    case 4: direct_rows<4>(w, x, bias, out); break;
-    case 5: direct_rows<5>(w, x, bias, out); break;
-    case 6: direct_rows<6>(w, x, bias, out); break;
-    case 7: direct_rows<7>(w, x, bias, out); break;
-    default: direct_rows<cpu_ext::dots::kLanes>(w, x, bias, out); break;
-  }
-}
 #endif
 
 // Checks an int4 weight of K columns and gives its Int4Weights (bias: fp32 [N] or null).
@@ -654,8 +627,13 @@ torch::Tensor linear_int4_bf16(torch::Tensor x, torch::Tensor packed, torch::Ten
     widen_int4(w, block, g0, count, codes, group_scales);
   };
   const float* bp = bf.data();
-  if (direct) direct_product(m, w, rows, bp, out_rows(out));
-  else cpu_ext::dots::run<kGroup / 2, true>(rows, n, bp, out_rows(out), widen);
+  const OutRows into = out_rows(out);
+  const int64_t blocks = (n + kChannels - 1) / kChannels;
+  if (direct)
+    cpu_ext::dots::direct_pass<direct_blocks_for>(m, blocks, [&](auto r, auto c, int64_t block) {
+      direct_blocks<decltype(r)::value, decltype(c)::value>(w, rows, bp, into, block);
+    });
+  else cpu_ext::dots::run<kGroup / 2, true>(rows, n, bp, into, widen);
   return out;
 #else
   return linear_int4_gemm(x, packed, scales, bias, fp32_out);

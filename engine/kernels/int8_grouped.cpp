@@ -285,39 +285,12 @@ void direct_blocks(const GroupedWeights& w, const cpu_ext::dots::PairRows& x, in
   finish(part, R, block, C);
 }
 
-// The product of rows 0..R-1 (R <= kLanes) by direct_blocks: the threads claim runs of C blocks, four side by side
-// at one or two rows, else one (bench.lm_head on the EPYC: two blocks at 3-6 rows ran 10-25% slower than one).
-template <int R, bool Offsets, typename Finish>
-void direct_rows(const GroupedWeights& w, const cpu_ext::dots::PairRows& x, const Finish& finish) {
-  constexpr int C = R <= 2 ? 4 : 1;
-  cpu_ext::parallel_claim((w.blocks + C - 1) / C, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t run = begin; run < end; ++run) {
-      int64_t block = run * C;
-      if (block + C <= w.blocks) {
-        direct_blocks<R, C, Offsets>(w, x, block, finish);
-        continue;
-      }
-      for (; block < w.blocks; ++block) direct_blocks<R, 1, Offsets>(w, x, block, finish);
-    }
-  });
-}
-
-template <bool Offsets, typename Finish>
-void direct_product(int64_t rows, const GroupedWeights& w, const cpu_ext::dots::PairRows& x, const Finish& finish) {
-  switch (rows) {
-    case 1: direct_rows<1, Offsets>(w, x, finish); break;
-    case 2: direct_rows<2, Offsets>(w, x, finish); break;
-    case 3: direct_rows<3, Offsets>(w, x, finish); break;
-    case 4: direct_rows<4, Offsets>(w, x, finish); break;
-    case 5: direct_rows<5, Offsets>(w, x, finish); break;
-    case 6: direct_rows<6, Offsets>(w, x, finish); break;
-    case 7: direct_rows<7, Offsets>(w, x, finish); break;
-    default: direct_rows<cpu_ext::dots::kLanes, Offsets>(w, x, finish); break;
-  }
-}
+// Blocks a thread claims side by side in direct_blocks' pass of R rows: four at one or two rows, else one
+// (bench.lm_head on the EPYC: two blocks at 3-6 rows ran 10-25% slower than one).
+constexpr int direct_blocks_for(int rows) { return rows <= 2 ? 4 : 1; }
 
 // The product on bf16 dot products, each block's (or pair of blocks') fp32 totals to finish(part [m, c, 16], m,
-// block, c): up to kLanes rows in one pass widened in registers (direct_product), more through bf16_dots.h's run(),
+// block, c): up to kLanes rows in one pass widened in registers (direct_pass), more through bf16_dots.h's run(),
 // each pair's codes widened once a call into a buffer that every pass of kRows rows reads.
 template <typename Finish>
 void int8g_dots(const torch::Tensor& x, const GroupedWeights& w, const Finish& finish) {
@@ -326,8 +299,10 @@ void int8g_dots(const torch::Tensor& x, const GroupedWeights& w, const Finish& f
   const cpu_ext::dots::PairRows rows = cpu_ext::dots::pair_rows(
       x, w.groups, kGroup, nullptr, direct ? cpu_ext::dots::kLanes : cpu_ext::dots::kRows);
   if (direct) {
-    if (w.offset) direct_product<true>(m, w, rows, finish);
-    else direct_product<false>(m, w, rows, finish);
+    cpu_ext::dots::direct_pass<direct_blocks_for>(m, w.blocks, [&](auto r, auto c, int64_t block) {
+      if (w.offset) direct_blocks<decltype(r)::value, decltype(c)::value, true>(w, rows, block, finish);
+      else direct_blocks<decltype(r)::value, decltype(c)::value, false>(w, rows, block, finish);
+    });
     return;
   }
   const auto widen = [&](int64_t block, int64_t g0, int64_t count, uint32_t* dst, float* group_scales) {

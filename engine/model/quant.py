@@ -38,7 +38,7 @@ from typing import Callable, Iterator, Literal, Mapping, NamedTuple, Protocol
 import torch
 from torch import nn
 
-from engine.backends.weight_ops import INT4_CHANNELS, INT4_GROUP, int4_shapes, int8g_put, int8g_shapes
+from engine.backends.weight_ops import INT4_CHANNELS, INT4_GROUP, int4_shapes, int8g_put, int8g_shapes, whole_blocks
 from engine.config import WEIGHT_DTYPES
 from engine.model.layers import Linear
 
@@ -285,11 +285,9 @@ def _place_int4(packed: torch.Tensor, scales: torch.Tensor, first: int, rows: In
     if scales.dim() == 3:
         scales[:, :, first:first + n] = pair.permute(2, 1, 0)
     codes = rows.codes.to(packed.device).contiguous()
-    start = min(n, -first % INT4_CHANNELS)  # the rows before the first whole block
-    blocks = (n - start) // INT4_CHANNELS
-    stop = start + blocks * INT4_CHANNELS
-    if blocks:  # [blocks, 16, G, 4, 4] -> [blocks, G, 4, 16, 4], moving 4 bytes (one int32) at a time
-        block = (first + start) // INT4_CHANNELS
+    start, stop = whole_blocks(first, n, INT4_CHANNELS)
+    if stop > start:  # [blocks, 16, G, 4, 4] -> [blocks, G, 4, 16, 4], moving 4 bytes (one int32) at a time
+        block, blocks = (first + start) // INT4_CHANNELS, (stop - start) // INT4_CHANNELS
         whole = codes[start:stop].view(torch.int32).view(blocks, INT4_CHANNELS, *codes.shape[1:3], 1)
         packed.view(torch.int32)[block:block + blocks] = whole.permute(0, 2, 3, 1, 4)
         if scales.dim() == 4:  # blocked scales: [blocks, 16, G, 2] -> [blocks, G, 2, 16]
