@@ -3,10 +3,10 @@
     python -m bench.lm_head [--rows 1,2,4,8,16,32,64] [--repeats 15] [--threads 2] [--model PATH] [--json OUT]
 
 Loads the model with `--weight-dtype auto` (the default GGUF's Q8_0 head as int8g: int8 codes in 16-channel blocks,
-fp32 scales per 16) and with bfloat16 weights (the head packed in 16x16-pair blocks), then times on random bf16 rows,
-each kernel a dispatch table may name for a greedy step's head: int8g (the codes widened in registers,
-fp32 FMAs), int8g_bf16 with torch's max of its fp32 logits after it, int8g_bf16_argmax (the pick as the sums come
-out), and bf16's argmax on the packed blocks (its GEMV at one row). Prints the median ms of `--repeats` rounds
+fp32 scales per 32, as Q8_0 holds them) and with bfloat16 weights (the head packed in 16x16-pair blocks), then times
+on random bf16 rows, each kernel a dispatch table may name for a greedy step's head: int8g (the codes widened in
+registers, fp32 FMAs), int8g_bf16 with torch's max of its fp32 logits after it, int8g_bf16_argmax (the pick as the
+sums come out), and bf16's argmax on the packed blocks (its GEMV at one row). Prints the median ms of `--repeats` rounds
 (the kernels alternated in each), and the head's bytes in each format.
 """
 from __future__ import annotations

@@ -141,7 +141,7 @@ def test_int8g_odd_shapes_and_rows_on_their_own(n, k):
     with pytest.raises(RuntimeError, match="x must be bf16"):
         cpu_ext.linear_int8g_bf16(x.float(), codes, scales)
     with pytest.raises(RuntimeError, match="scales must be"):
-        cpu_ext.linear_int8g_bf16(x, codes, scales[:, :1].contiguous())
+        cpu_ext.linear_int8g_bf16(x, codes, torch.cat([scales, scales[:, :1]], 1))  # neither 16 nor 32 a scale
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 21])
@@ -203,3 +203,46 @@ def test_a_table_naming_int8g_bf16_runs_it_and_the_stack_limits_say_so(monkeypat
         backend.linear(torch.randn(rows, 512).to(torch.bfloat16), w)
     assert rows_seen == [3, 16]
     assert backend.stack_limits(8)[INT8G_BF16_LIMIT] == 8 and backend.stack_limits(2)[INT8G_BF16_LIMIT] == 0
+
+
+@pytest.mark.parametrize("n,k,offsets", [(40, 100, True), (33, 64, False), (70, 4200, True), (1, 17, False)])
+def test_int8g_scales_per_32_give_the_bits_of_the_same_scales_per_16(n, k, offsets):
+    """A file's factors that hold for 32 values kept once a pair of groups (pair_int8g_scales): every kernel, the
+    dequantised rows and the greedy pick give the same bits as the same factors written for each group of 16."""
+    require_bf16_dots()
+    gen = torch.Generator().manual_seed(n * k)
+    groups, pairs = -(-k // 16), -(-k // 32)
+    rows = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    factors = torch.rand(2, n, pairs, generator=gen) * 0.01 - 0.002
+    scale, offset = factors.repeat_interleave(2, dim=2)[:, :, :groups]
+    codes, per16 = weight_ops.int8g_pack(rows, scale, offset if offsets else None, k)
+    per32 = weight_ops.pair_int8g_scales(per16)
+    assert per32 is not None and per32.shape == (per16.shape[0], pairs, n)
+    assert weight_ops.int8g_scale_group(per16, k) == 16
+    assert weight_ops.int8g_scale_group(per32, k) == (32 if k > 16 else 16)
+    x = torch.randn(11, k, generator=gen).to(torch.bfloat16)
+    for m in (1, 2, 5, 8, 11):  # one and two chains, one direct pass, buffered passes
+        assert torch.equal(cpu_ext.linear_int8g_bf16(x[:m], codes, per32, None, True),
+                           cpu_ext.linear_int8g_bf16(x[:m], codes, per16, None, True))
+        assert torch.equal(cpu_ext.linear_int8g(x[:m], codes, per32, None, True),
+                           cpu_ext.linear_int8g(x[:m], codes, per16, None, True))
+        assert torch.equal(cpu_ext.linear_int8g_bf16_argmax(x[:m], codes, per32),
+                           cpu_ext.linear_int8g_bf16_argmax(x[:m], codes, per16))
+    assert torch.equal(cpu_ext.dequantize_int8g(codes, per32, k, 0, n), cpu_ext.dequantize_int8g(codes, per16, k, 0, n))
+    assert torch.equal(weight_ops.int8g_rows(codes, per32, slice(0, n), k, torch.float32),
+                       weight_ops.int8g_rows(codes, per16, slice(0, n), k, torch.float32))
+
+
+def test_int8g_scales_stay_per_16_where_a_pair_differs_in_any_bit():
+    scales = torch.ones(1, 4, 3)
+    assert weight_ops.pair_int8g_scales(scales).shape == (1, 2, 3)
+    scales[0, 3, 2] = 1.0000001
+    assert weight_ops.pair_int8g_scales(scales) is None
+    zeros = torch.zeros(2, 2, 5)
+    zeros[1, 1, 0] = -0.0  # equal as numbers, not as bits: the file's sign of a zero stays
+    assert weight_ops.pair_int8g_scales(zeros) is None
+    assert weight_ops.pair_int8g_scales(torch.ones(1, 1, 3)) is None  # one group: nothing to pair
+    odd = torch.arange(15.0).view(1, 5, 3).repeat_interleave(2, dim=1)[:, :5]  # the last group alone
+    assert torch.equal(weight_ops.pair_int8g_scales(odd), odd[:, 0::2])
+    with pytest.raises(ValueError, match="neither 16 nor 32"):
+        weight_ops.int8g_scale_group(torch.ones(1, 5, 3), 100)

@@ -183,8 +183,8 @@ def test_auto_loads_each_tensor_exactly_and_says_so(tmp_path, caplog):
     assert model.weight_dtype == "int8g+int4"
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("weight dtype auto")]
     assert lines == ["weight dtype auto: projections int4 (the file's codes and scales repacked; Q4_K's sub-block "
-                     "scales to fp16): 7 Q4_K, 3 Q4_0; int8g (the file's codes as int8, fp32 scales per 16, exactly): "
-                     "2 Q4_K, 2 Q6_K; LM head Q6_K -> int8g"]
+                     "scales to fp16): 7 Q4_K, 3 Q4_0; int8g (the file's codes as int8, fp32 scales per 16 or 32, "
+                     "exactly): 2 Q4_K, 2 Q6_K; LM head Q6_K -> int8g"]
     reader = {t.name: t for t in gguf.GGUFReader(path).tensors}
     qkv = model.layers[0].self_attn.qkv_proj
     for module, name, rows in ((model.layers[0].mlp.down_proj, "blk.0.ffn_down.weight", None),
@@ -202,6 +202,28 @@ def test_auto_loads_each_tensor_exactly_and_says_so(tmp_path, caplog):
         assert np.array_equal(ours, theirs), name
     assert model.layers[0].mlp.down_proj.weight_scale.shape[0] == 1  # Q6_K: no offsets kept
     assert qkv.weight_scale.shape[0] == 2  # Q4_K's minimums
+    for module in (model.layers[0].mlp.down_proj, qkv, model.lm_head):  # Q6_K's scales differ a group of 16
+        assert weight_ops.int8g_scale_group(module.weight_scale, module.weight.shape[1] * 16) == 16
+
+
+def test_q8_0_keeps_one_scale_per_32_values_and_every_value(tmp_path):
+    """Q8_0's fp16 d holds for a block of 32: the load keeps it once a pair of groups (1.125 bytes a value, not
+    1.25), and the values stay gguf's own."""
+    path = tmp_path / "q8.gguf"
+    mixed.write_mixed_gguf(path, dict.fromkeys(MIXED, Q.Q8_0))
+    model = load_model(resolve_model(path), torch.bfloat16, weight_dtype="auto")
+    reader = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    int8g = {name: m for name, m in model.named_modules() if isinstance(m, Linear)} | {"lm_head": model.lm_head}
+    for name, module in int8g.items():
+        k = module.weight.shape[1] * 16
+        assert module.weight_scale.shape[:2] == (1, -(-k // 32)), name
+    for module, tensor in ((model.layers[1].mlp.down_proj, reader["blk.1.ffn_down.weight"]),
+                           (model.lm_head, reader["output.weight"])):
+        ours = weight_ops.int8g_rows(module.weight, module.weight_scale,
+                                     slice(0, weight_ops.int8g_channels(module.weight_scale)), int(tensor.shape[0]),
+                                     torch.float32)
+        theirs = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        assert np.array_equal(ours.numpy().view(np.uint32), theirs.view(np.uint32))
 
 
 def test_auto_generates_the_greedy_tokens_of_bf16_weights_from_the_same_file(tmp_path):

@@ -236,8 +236,8 @@ def test_auto_repacks_q4_k_and_keeps_q6_k_in_int8g(tmp_path, caplog):
     assert weight_ops.weight_format(model.lm_head.weight, model.lm_head.weight_scale) == "int8g"
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("weight dtype auto")]
     assert lines == ["weight dtype auto: projections int4 (the file's codes and scales repacked; Q4_K's sub-block "
-                     "scales to fp16): 10 Q4_K; int8g (the file's codes as int8, fp32 scales per 16, exactly): 2 Q4_K, "
-                     "2 Q6_K; LM head Q6_K -> int8g"]
+                     "scales to fp16): 10 Q4_K; int8g (the file's codes as int8, fp32 scales per 16 or 32, exactly): "
+                     "2 Q4_K, 2 Q6_K; LM head Q6_K -> int8g"]
 
 
 def test_explicit_int4_repacks_q4_k_and_quantises_q6_k(tmp_path):

@@ -33,7 +33,7 @@ W8A8_GROUP = 32  # activation codes per scale in the W8A8 kernel (its packed cop
 W8A8_CHANNELS = 16  # output channels per packed block: one int32 lane each
 INT4_GROUP = 32  # weights per scale and offset along K (GGUF's Q4 block), and activations per scale in W4A8
 INT4_CHANNELS = 16  # output channels per packed block: one int32 lane each
-INT8G_GROUP = 16  # int8g weights per scale (and offset) along K
+INT8G_GROUP = 16  # int8g weights per group of codes along K, and per scale (and offset) unless paired
 INT8G_CHANNELS = 16  # int8g output channels per block of codes
 
 
@@ -182,6 +182,29 @@ def int8g_shapes(n: int, k: int, offsets: bool) -> tuple[tuple[int, int, int], t
     return (-(-n // INT8G_CHANNELS), groups, INT8G_CHANNELS * INT8G_GROUP), (2 if offsets else 1, groups, n)
 
 
+def int8g_scale_group(scales: torch.Tensor, k: int) -> int:
+    """The values along K that an int8g weight of K columns holds per scale (and offset): 16 where its scales are
+    [S, ceil(K / 16), N], 32 where they are [S, ceil(K / 32), N] (pair_int8g_scales)."""
+    for group in (INT8G_GROUP, 2 * INT8G_GROUP):
+        if scales.shape[1] == -(-k // group):
+            return group
+    raise ValueError(f"int8g scales {tuple(scales.shape)} fit neither 16 nor 32 values a scale for K = {k}")
+
+
+def pair_int8g_scales(scales: torch.Tensor) -> torch.Tensor | None:
+    """int8g scales and offsets [S, G, N] per group of 16 as [S, ceil(G / 2), N] per 32 values where each pair of
+    groups holds the same bits (a file's types whose factors hold for 32 values: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, the
+    K-quants with 32-value sub-blocks), else None. A Q8_0 weight then reads 1.125 bytes a value, not 1.25."""
+    groups = scales.shape[1]
+    if groups < 2:
+        return None
+    bits = scales.view(torch.int32)
+    whole = groups // 2 * 2
+    if not torch.equal(bits[:, 0:whole:2], bits[:, 1:whole:2]):
+        return None
+    return scales[:, 0::2].contiguous()
+
+
 def int8g_channels(scales: torch.Tensor) -> int:
     """N, the output channels of an int8g weight, from its scales [1 or 2, G, N]."""
     return scales.shape[2]
@@ -239,9 +262,12 @@ def int8g_rows(codes: torch.Tensor, scales: torch.Tensor, rows: slice | torch.Te
     if isinstance(rows, slice):
         rows = torch.arange(*rows.indices(int8g_channels(scales)), device=codes.device)
     picked = _int8g_blocks(codes)[rows // INT8G_CHANNELS, :, :, rows % INT8G_CHANNELS, :]  # [R, G, 8, 2]
-    values = picked.float().view(rows.shape[0], -1, INT8G_GROUP) * scales[0][:, rows].t().unsqueeze(2)
+    factors = scales[:, :, rows].transpose(1, 2)  # [S, R, G']
+    if int8g_scale_group(scales, k) != INT8G_GROUP:
+        factors = factors.repeat_interleave(2, dim=2)[:, :, :codes.shape[1]]
+    values = picked.float().view(rows.shape[0], -1, INT8G_GROUP) * factors[0].unsqueeze(2)
     if scales.shape[0] == 2:
-        values += scales[1][:, rows].t().unsqueeze(2)
+        values += factors[1].unsqueeze(2)
     return values.view(rows.shape[0], -1)[:, :k].to(dtype)
 
 

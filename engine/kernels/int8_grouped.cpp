@@ -1,7 +1,9 @@
 // Products on int8g weights (engine/backends/weight_ops.py): int8 codes in blocks of 16 output channels,
 // codes [Nb, G, 256] (Nb = ceil(N / 16)): codes[b, g, 32 p + 2 c + j] = q[16 b + c, 16 g + 2 p + j], zero past N
 // and K, so that 32 bytes hold the pair of k (2p, 2p + 1) of one group for 16 channels side by side; and fp32 scales
-// [S, G, N], S = 1 (s) or 2 (s, z), per group of 16 along K. The weight is w = s q (+ z): a GGUF file's values
+// [S, G', N], S = 1 (s) or 2 (s, z), per group of 16 along K (G' = G) or, where a file's scales hold for 32 values
+// (Q8_0, the 4- and 5-bit types), per pair of groups (G' = ceil(K / 32)): a Q8_0 weight then takes 1.125 bytes a
+// value, not 1.25. The weight is w = s q (+ z): a GGUF file's values
 // exactly (engine/model/gguf_int8g.py). Every product sums each group's q x and then adds s dot + z t (t the
 // group's sum of x), so the weights s q + z are never rounded; only the fp32 sums are.
 // - linear_int8g: decode-sized row counts. Each pair's 32 codes are widened in registers to two fp32 vectors
@@ -43,7 +45,7 @@ using cpu_ext::OutRows;
 using cpu_ext::out_rows;
 using cpu_ext::output_rows;
 
-constexpr int64_t kGroup = 16;                       // weights per scale (and offset) along K
+constexpr int64_t kGroup = 16;                       // weights per group of codes along K (a scale's 16 or 32)
 constexpr int64_t kChannels = 16;                    // output channels a block
 constexpr int64_t kBlockBytes = kChannels * kGroup;  // one group of one block: 8 pairs x 16 channels x 2 codes
 constexpr int kRows = 4;                             // rows of x per pass of linear_int8g
@@ -51,26 +53,31 @@ constexpr int64_t kAhead = 1024;                     // bytes of a block's codes
 
 struct GroupedWeights {
   const int8_t* codes;   // [blocks, groups, 256]
-  const float* scale;    // [groups, n]
-  const float* offset;   // [groups, n], or null
+  const float* scale;    // [groups >> shift, n]
+  const float* offset;   // [groups >> shift, n], or null
   const float* bias;     // [n], or null
   int64_t n, blocks, groups;
+  int shift;             // 0: a scale per group of 16; 1: per pair of groups
 
   const int8_t* group(int64_t block, int64_t g) const { return codes + (block * groups + g) * kBlockBytes; }
+  const float* scales_of(int64_t g) const { return scale + (g >> shift) * n; }   // group g's scales [n]
+  const float* offsets_of(int64_t g) const { return offset + (g >> shift) * n; }
 };
 
 // codes and scales checked as the layout above for K columns -> the weight (bias null).
 GroupedWeights int8g_weights(const torch::Tensor& codes, const torch::Tensor& scales, int64_t k, const char* name) {
-  const int64_t groups = (k + kGroup - 1) / kGroup;
+  const int64_t groups = (k + kGroup - 1) / kGroup, pairs = (k + 2 * kGroup - 1) / (2 * kGroup);
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.dim() == 3 && scales.is_contiguous() &&
-                  (scales.size(0) == 1 || scales.size(0) == 2) && scales.size(1) == groups,
-              name, ": scales must be fp32 [1 or 2, ceil(K / 16), N] for K = ", k);
+                  (scales.size(0) == 1 || scales.size(0) == 2) && (scales.size(1) == groups || scales.size(1) == pairs),
+              name, ": scales must be fp32 [1 or 2, ceil(K / 16) or ceil(K / 32), N] for K = ", k);
+  const int shift = scales.size(1) == groups ? 0 : 1;
   const int64_t n = scales.size(2), blocks = (n + kChannels - 1) / kChannels;
   TORCH_CHECK(codes.scalar_type() == at::kChar && codes.dim() == 3 && codes.is_contiguous() &&
                   codes.size(0) == blocks && codes.size(1) == groups && codes.size(2) == kBlockBytes,
               name, ": codes must be int8 [ceil(N / 16), ceil(K / 16), 256] for N = ", n, ", K = ", k);
   const float* sp = scales.data_ptr<float>();
-  return {codes.data_ptr<int8_t>(), sp, scales.size(0) == 2 ? sp + groups * n : nullptr, nullptr, n, blocks, groups};
+  return {codes.data_ptr<int8_t>(), sp, scales.size(0) == 2 ? sp + scales.size(1) * n : nullptr, nullptr, n, blocks,
+          groups, shift};
 }
 
 // x [M, K] (bf16 or fp32) as fp32 rows [M, G * 16], zero past K, and each group's fp32 sum t [M, G] (with offsets).
@@ -138,14 +145,14 @@ void block_rows(const GroupedWeights& w, const FloatRows& x, int64_t first, int6
         dot[r][1] = _mm512_fmadd_ps(hi, xv, dot[r][1]);
       }
     }
-    const __m512 s = _mm512_maskz_loadu_ps(live, w.scale + g * w.n + n0);
+    const __m512 s = _mm512_maskz_loadu_ps(live, w.scales_of(g) + n0);
     const __m512 s_lo = _mm512_permutexvar_ps(lo_lanes, s), s_hi = _mm512_permutexvar_ps(hi_lanes, s);
     for (int r = 0; r < R; ++r) {
       acc[r][0] = _mm512_fmadd_ps(s_lo, dot[r][0], acc[r][0]);
       acc[r][1] = _mm512_fmadd_ps(s_hi, dot[r][1], acc[r][1]);
     }
     if (Offsets) {  // z t once a channel: in its even lane
-      const __m512 z = _mm512_maskz_loadu_ps(live, w.offset + g * w.n + n0);
+      const __m512 z = _mm512_maskz_loadu_ps(live, w.offsets_of(g) + n0);
       const __m512 z_lo = _mm512_maskz_permutexvar_ps(0x5555, lo_lanes, z);
       const __m512 z_hi = _mm512_maskz_permutexvar_ps(0x5555, hi_lanes, z);
       for (int r = 0; r < R; ++r) {
@@ -176,8 +183,8 @@ void block_rows(const GroupedWeights& w, const FloatRows& x, int64_t first, int6
         float dot = 0.f;
         for (int64_t i = 0; i < kGroup; ++i)
           dot += static_cast<float>(q[(i / 2) * 32 + 2 * c + i % 2]) * row[g * kGroup + i];
-        total = std::fma(w.scale[g * w.n + channel], dot, total);
-        if (Offsets) total = std::fma(w.offset[g * w.n + channel], x.t[(first + r) * w.groups + g], total);
+        total = std::fma(w.scales_of(g)[channel], dot, total);
+        if (Offsets) total = std::fma(w.offsets_of(g)[channel], x.t[(first + r) * w.groups + g], total);
       }
       out.put((first + r) * w.n + channel, total + (w.bias ? w.bias[channel] : 0.f));
     }
@@ -232,9 +239,9 @@ void widen_int8g(const GroupedWeights& w, int64_t block, int64_t g0, int64_t cou
     for (int p = 0; p < 8; ++p) _mm512_storeu_si512(codes + (i * 8 + p) * kChannels, (__m512i)widen_pair(q + 32 * p));
     float* dst = scales + i * 2 * kChannels;
     const int64_t g = g0 + i;
-    _mm512_storeu_ps(dst, _mm512_maskz_loadu_ps(live, w.scale + g * w.n + n0));
+    _mm512_storeu_ps(dst, _mm512_maskz_loadu_ps(live, w.scales_of(g) + n0));
     _mm512_storeu_ps(dst + kChannels,
-                     w.offset ? _mm512_maskz_loadu_ps(live, w.offset + g * w.n + n0) : _mm512_setzero_ps());
+                     w.offset ? _mm512_maskz_loadu_ps(live, w.offsets_of(g) + n0) : _mm512_setzero_ps());
   }
 }
 
@@ -270,8 +277,8 @@ void direct_blocks(const GroupedWeights& w, const cpu_ext::dots::PairRows& x, in
     for (int c = 0; c < C; ++c) {
       const int64_t n0 = (block + c) * kChannels;
       const __mmask16 live = cpu_ext::lanes_below(w.n - n0);
-      const __m512 s = _mm512_maskz_loadu_ps(live, w.scale + g * w.n + n0);
-      const __m512 z = Offsets ? _mm512_maskz_loadu_ps(live, w.offset + g * w.n + n0) : _mm512_setzero_ps();
+      const __m512 s = _mm512_maskz_loadu_ps(live, w.scales_of(g) + n0);
+      const __m512 z = Offsets ? _mm512_maskz_loadu_ps(live, w.offsets_of(g) + n0) : _mm512_setzero_ps();
       for (int r = 0; r < R; ++r) {
         const __m512 d = D == 2 ? _mm512_add_ps(dot[r][c][0], dot[r][c][D - 1]) : dot[r][c][0];
         acc[r][c] = _mm512_fmadd_ps(s, d, acc[r][c]);
@@ -409,8 +416,11 @@ torch::Tensor dequantize_int8g(torch::Tensor codes, torch::Tensor scales, int64_
                         .reshape({(b1 - b0) * kChannels, w.groups * kGroup})
                         .narrow(0, begin - b0 * kChannels, rows);
   torch::Tensor values = q.to(at::kFloat).view({rows, w.groups, kGroup});
-  values.mul_(scales[0].narrow(1, begin, rows).t().unsqueeze(2));
-  if (scales.size(0) == 2) values.add_(scales[1].narrow(1, begin, rows).t().unsqueeze(2));
+  // [S, G', N] -> the rows' factors per group [S, rows, G]
+  torch::Tensor factors = scales.narrow(2, begin, rows).transpose(1, 2);
+  if (w.shift) factors = factors.repeat_interleave(2, 2).narrow(2, 0, w.groups);
+  values.mul_(factors[0].unsqueeze(2));
+  if (scales.size(0) == 2) values.add_(factors[1].unsqueeze(2));
   return values.view({rows, w.groups * kGroup}).narrow(1, 0, k).to(at::kBFloat16);
 }
 

@@ -335,7 +335,7 @@ class LlamaModel(nn.Module):
         missing = sorted(n for n, rows in rows_filled.items() if rows != rows_needed[n])
         if missing:
             raise KeyError(f"checkpoint lacks or mis-sizes {len(missing)} tensors, e.g. {missing[:3]}")
-        quant.drop_zero_offsets(self)
+        quant.compact_int8g_scales(self)
 
     def _store(self, param: torch.Tensor, scale: torch.Tensor | None, offset: int, target: str,
                tensor: torch.Tensor | quant.FileBlocks) -> None:

@@ -174,7 +174,7 @@ def restore(model: LlamaModel, stored: weight_cache.Stored, backend: Backend) ->
                     mapped = _fitting(tensors[f"param/{prefix}{leaf}"], value, f"{prefix}{leaf}")
                     table[leaf] = nn.Parameter(mapped, requires_grad=False) if table is module._parameters else mapped
         if getattr(module, "weight_scale", None) is not None:
-            module.weight_scale = _fitting(tensors[f"scale/{name}"], _offsets_dropped(module.weight_scale,
+            module.weight_scale = _fitting(tensors[f"scale/{name}"], _int8g_compacted(module.weight_scale,
                                                                                       tensors[f"scale/{name}"]),
                                            f"{name} scales")
     model.eval().requires_grad_(False)
@@ -188,11 +188,16 @@ def restore(model: LlamaModel, stored: weight_cache.Stored, backend: Backend) ->
     return model
 
 
-def _offsets_dropped(wanted: torch.Tensor, mapped: torch.Tensor) -> torch.Tensor:
-    """The skeleton's int8g scales and offsets [2, G, N] as [1, G, N] where the entry holds scales alone (the load
-    dropped offsets that were all zero: quant.drop_zero_offsets); any other scales as they are."""
-    if wanted.dim() == 3 and wanted.dtype == torch.float32 and wanted.shape[0] == 2 and mapped.shape[0] == 1:
-        return wanted[:1]
+def _int8g_compacted(wanted: torch.Tensor, mapped: torch.Tensor) -> torch.Tensor:
+    """The skeleton's int8g scales and offsets [2, G, N] as the load compacts them where the entry holds them so
+    (quant.compact_int8g_scales): [1, ...] where the offsets were all zero, [..., ceil(G / 2), N] where pairs of
+    groups shared their scales; any other scales as they are."""
+    if wanted.dim() != 3 or wanted.dtype != torch.float32 or wanted.shape[0] != 2 or mapped.dim() != 3:
+        return wanted
+    if mapped.shape[0] == 1:
+        wanted = wanted[:1]
+    if mapped.shape[1] == -(-wanted.shape[1] // 2) != wanted.shape[1]:
+        wanted = wanted[:, 0::2]
     return wanted
 
 

@@ -17,8 +17,8 @@ the loader hands them over as `FileBlocks`, whose codes and scales go into the i
 (engine/model/gguf_repack.py: Q4_0 and Q4_1 exactly, Q4_K with its sub-block scales d * sc and offsets dmin * m
 rounded once to fp16), never dequantised and searched again.
 
-int8g: int8 codes with an fp32 scale (and, for the types with minimums, an fp32 offset) per group of 16 along K
-(engine/backends/weight_ops.py). It holds every GGUF block type's values exactly (engine/model/gguf_int8g.py), so
+int8g: int8 codes with an fp32 scale (and, for the types with minimums, an fp32 offset) per group of 16 along K,
+or per 32 where the file's factors hold for 32 values (engine/backends/weight_ops.py). It holds every GGUF block type's values exactly (engine/model/gguf_int8g.py), so
 the loader's `FileBlocks` go into it as they are; there is no quantiser of float weights into it.
 
 `auto` on a GGUF file keeps the values the file holds, but for Q4_K's sub-block scales. It chooses per projection:
@@ -38,7 +38,8 @@ from typing import Callable, Iterator, Literal, Mapping, NamedTuple, Protocol
 import torch
 from torch import nn
 
-from engine.backends.weight_ops import INT4_CHANNELS, INT4_GROUP, int4_shapes, int8g_put, int8g_shapes, whole_blocks
+from engine.backends.weight_ops import (INT4_CHANNELS, INT4_GROUP, int4_shapes, int8g_put, int8g_shapes,
+                                        pair_int8g_scales, whole_blocks)
 from engine.config import WEIGHT_DTYPES
 from engine.model.layers import Linear
 
@@ -59,7 +60,7 @@ def resolve_weight_dtype(name: str) -> WeightFormat:
 
 EXACT_INT4_TYPES = frozenset({"Q4_0", "Q4_1"})  # GGUF types the int4 format holds exactly (gguf_repack)
 # Q4_K in int4: its per-32 scales d * sc and offsets dmin * m rounded once to an fp16 pair (gguf_repack; most
-# sub-blocks exactly), at 0.625 bytes a weight against int8g's 1.5, the bytes a decode step reads
+# sub-blocks exactly), at 0.625 bytes a weight against int8g's 1.25, the bytes a decode step reads
 AUTO_INT4_TYPES = EXACT_INT4_TYPES | {"Q4_K"}
 # GGUF types the int8g format holds exactly (gguf_int8g); the loader hands them over as FileBlocks
 EXACT_INT8G_TYPES = frozenset({"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"})
@@ -113,7 +114,7 @@ def exact_format(kinds: set[str] | frozenset[str]) -> WeightFormat:
 
 AUTO_REASONS: Mapping[str, str] = MappingProxyType({
     "int4": "int4 (the file's codes and scales repacked; Q4_K's sub-block scales to fp16)",
-    "int8g": "int8g (the file's codes as int8, fp32 scales per 16, exactly)",
+    "int8g": "int8g (the file's codes as int8, fp32 scales per 16 or 32, exactly)",
     "bfloat16": "bfloat16 (float tensors, or fused with one)"})
 
 
@@ -321,8 +322,8 @@ def store_int8g(codes: torch.Tensor, scales: torch.Tensor, first: int, weight: t
 
 def int8g_layout(modules: list[nn.Module], device: torch.device | str) -> None:
     """As int4_layout, for int8g: int8 codes in 16-channel blocks [ceil(N / 16), G, 256] (zero past N and K) and
-    fp32 scales and offsets [2, G, N] (filled by load_weights, `store_int8g`; `drop_zero_offsets` then drops
-    offsets that are all zero)."""
+    fp32 scales and offsets [2, G, N] (filled by load_weights, `store_int8g`; `compact_int8g_scales` then drops
+    offsets that are all zero and pairs groups that share their scales)."""
     for module in modules:
         rows, cols = module.weight.shape
         codes, scales = int8g_shapes(rows, cols, offsets=True)
@@ -330,14 +331,18 @@ def int8g_layout(modules: list[nn.Module], device: torch.device | str) -> None:
         module.weight_scale = torch.zeros(scales, dtype=torch.float32, device=device)
 
 
-def drop_zero_offsets(model: nn.Module) -> None:
+def compact_int8g_scales(model: nn.Module) -> None:
     """int8g weights whose offsets are all zero (types without minimums) keep their scales only: the products then
-    skip the offsets, and s q keeps the file's sign of a zero."""
+    skip the offsets, and s q keeps the file's sign of a zero. Where every pair of groups of 16 holds the same
+    scales (and offsets), one per 32 values stays (pair_int8g_scales)."""
     for module in model.modules():
         scale = getattr(module, "weight_scale", None)
-        if scale is not None and scale.dim() == 3 and scale.dtype == torch.float32 and scale.shape[0] == 2 \
-                and not scale[1].any():
-            module.weight_scale = scale[:1].clone()
+        if scale is None or scale.dim() != 3 or scale.dtype != torch.float32:
+            continue
+        if scale.shape[0] == 2 and not scale[1].any():
+            scale = scale[:1].clone()
+        paired = pair_int8g_scales(scale)
+        module.weight_scale = scale if paired is None else paired
 
 
 def int8_layout(modules: list[nn.Module], device: torch.device | str) -> None:
