@@ -73,7 +73,7 @@ def main() -> None:
     args = parse_args()
     auto, bf16 = head_of(args.model, "auto", args.threads), head_of(args.model, "bfloat16", args.threads)
     torch.set_num_threads(args.threads)
-    if auto.scale is None or auto.scale.dim() != 3:
+    if auto.scale is None or auto.scale.dim() not in (3, 4):
         raise SystemExit("this model's auto head is not int8g: nothing to compare")
     k = bf16.data.shape[1]
     calls = kernels(auto, bf16)

@@ -205,10 +205,12 @@ def test_a_table_naming_int8g_bf16_runs_it_and_the_stack_limits_say_so(monkeypat
     assert backend.stack_limits(8)[INT8G_BF16_LIMIT] == 8 and backend.stack_limits(2)[INT8G_BF16_LIMIT] == 0
 
 
-@pytest.mark.parametrize("n,k,offsets", [(40, 100, True), (33, 64, False), (70, 4200, True), (1, 17, False)])
-def test_int8g_scales_per_32_give_the_bits_of_the_same_scales_per_16(n, k, offsets):
-    """A file's factors that hold for 32 values kept once a pair of groups (pair_int8g_scales): every kernel, the
-    dequantised rows and the greedy pick give the same bits as the same factors written for each group of 16."""
+@pytest.mark.parametrize("n,k,offsets", [(40, 100, True), (33, 64, False), (80, 4200, True), (1, 17, False),
+                                         (48, 100, False)])
+def test_int8g_scales_per_32_and_blocked_give_the_bits_of_the_same_scales_per_16(n, k, offsets):
+    """A file's factors that hold for 32 values kept once a pair of groups (pair_int8g_scales), and the scales in
+    the codes' blocks where N is a multiple of 16 (block_int8g_scales): every kernel, the dequantised rows and the
+    greedy pick give the same bits as the same factors written for each group of 16, [S, G, N]."""
     require_bf16_dots()
     gen = torch.Generator().manual_seed(n * k)
     groups, pairs = -(-k // 16), -(-k // 32)
@@ -220,17 +222,29 @@ def test_int8g_scales_per_32_give_the_bits_of_the_same_scales_per_16(n, k, offse
     assert per32 is not None and per32.shape == (per16.shape[0], pairs, n)
     assert weight_ops.int8g_scale_group(per16, k) == 16
     assert weight_ops.int8g_scale_group(per32, k) == (32 if k > 16 else 16)
+    forms = [per32]
+    for scales in (per16, per32):
+        blocked = weight_ops.block_int8g_scales(scales)
+        assert (blocked is None) == (n % 16 != 0)
+        if blocked is not None:
+            assert blocked.shape == (n // 16, scales.shape[1], scales.shape[0], 16)
+            assert torch.equal(weight_ops.int8g_flat_scales(blocked), scales)
+            assert weight_ops.int8g_channels(blocked) == n and weight_ops.is_int8g(codes, blocked)
+            forms.append(blocked)
     x = torch.randn(11, k, generator=gen).to(torch.bfloat16)
-    for m in (1, 2, 5, 8, 11):  # one and two chains, one direct pass, buffered passes
-        assert torch.equal(cpu_ext.linear_int8g_bf16(x[:m], codes, per32, None, True),
-                           cpu_ext.linear_int8g_bf16(x[:m], codes, per16, None, True))
-        assert torch.equal(cpu_ext.linear_int8g(x[:m], codes, per32, None, True),
-                           cpu_ext.linear_int8g(x[:m], codes, per16, None, True))
-        assert torch.equal(cpu_ext.linear_int8g_bf16_argmax(x[:m], codes, per32),
-                           cpu_ext.linear_int8g_bf16_argmax(x[:m], codes, per16))
-    assert torch.equal(cpu_ext.dequantize_int8g(codes, per32, k, 0, n), cpu_ext.dequantize_int8g(codes, per16, k, 0, n))
-    assert torch.equal(weight_ops.int8g_rows(codes, per32, slice(0, n), k, torch.float32),
-                       weight_ops.int8g_rows(codes, per16, slice(0, n), k, torch.float32))
+    rows = torch.tensor([n - 1, 0, n // 2])
+    for scales in forms:
+        for m in (1, 2, 5, 8, 11):  # one and two chains, one direct pass, buffered passes
+            assert torch.equal(cpu_ext.linear_int8g_bf16(x[:m], codes, scales, None, True),
+                               cpu_ext.linear_int8g_bf16(x[:m], codes, per16, None, True))
+            assert torch.equal(cpu_ext.linear_int8g(x[:m], codes, scales, None, True),
+                               cpu_ext.linear_int8g(x[:m], codes, per16, None, True))
+            assert torch.equal(cpu_ext.linear_int8g_bf16_argmax(x[:m], codes, scales),
+                               cpu_ext.linear_int8g_bf16_argmax(x[:m], codes, per16))
+        assert torch.equal(cpu_ext.dequantize_int8g(codes, scales, k, 0, n),
+                           cpu_ext.dequantize_int8g(codes, per16, k, 0, n))
+        assert torch.equal(weight_ops.int8g_rows(codes, scales, rows, k, torch.float32),
+                           weight_ops.int8g_rows(codes, per16, rows, k, torch.float32))
 
 
 def test_int8g_scales_stay_per_16_where_a_pair_differs_in_any_bit():

@@ -17,7 +17,7 @@ import torch
 from engine.backends.cpu_config import CpuKernelConfig
 from engine.backends.cpu_kernels import CpuKernelBackend
 from engine.backends.dispatch import FORMATS, Route
-from engine.backends.weight_ops import Weight, int4_shapes, int8g_shapes
+from engine.backends.weight_ops import Weight, block_int8g_scales, int4_shapes, int8g_shapes
 
 
 Shape = tuple[int, int]
@@ -102,9 +102,11 @@ class KernelTimer:
         if fmt == "int8":
             return torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8), None, torch.rand(n, generator=g)
         if fmt == "int8g":
-            codes, scales = int8g_shapes(n, k, offsets=True)
-            return (torch.randint(-32, 32, codes, generator=g, dtype=torch.int8), None,
-                    torch.rand(scales, generator=g) * 0.01)
+            codes, scales = int8g_shapes(n, k, offsets=True)  # scales per 16, with offsets: the most a type reads
+            scale = torch.rand(scales, generator=g) * 0.01
+            blocked = block_int8g_scales(scale)  # as a loaded model holds them where N allows
+            return torch.randint(-32, 32, codes, generator=g, dtype=torch.int8), None, \
+                scale if blocked is None else blocked
         codes, scales = int4_shapes(n, k)
         return (torch.randint(0, 256, codes, generator=g, dtype=torch.uint8), None,
                 (torch.rand(scales, generator=g) * 0.01).to(torch.float16))

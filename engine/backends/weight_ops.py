@@ -176,15 +176,16 @@ def embed_int4(packed: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor, k:
 
 
 def int8g_shapes(n: int, k: int, offsets: bool) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
-    """The shapes of an int8g weight [N, K]: codes int8 [ceil(N / 16), G, 256], scales (and offsets) fp32
-    [1 or 2, G, N]."""
+    """The shapes of an int8g weight [N, K] as it is filled: codes int8 [ceil(N / 16), G, 256], scales (and offsets)
+    fp32 [1 or 2, G, N]. After the load the scales may be paired (pair_int8g_scales) and blocked
+    (block_int8g_scales); the kernels and int8g_rows take every form."""
     groups = -(-k // INT8G_GROUP)
     return (-(-n // INT8G_CHANNELS), groups, INT8G_CHANNELS * INT8G_GROUP), (2 if offsets else 1, groups, n)
 
 
 def int8g_scale_group(scales: torch.Tensor, k: int) -> int:
     """The values along K that an int8g weight of K columns holds per scale (and offset): 16 where its scales are
-    [S, ceil(K / 16), N], 32 where they are [S, ceil(K / 32), N] (pair_int8g_scales)."""
+    [S, ceil(K / 16), N] (or blocked [N / 16, ceil(K / 16), S, 16]), 32 where ceil(K / 32) (pair_int8g_scales)."""
     for group in (INT8G_GROUP, 2 * INT8G_GROUP):
         if scales.shape[1] == -(-k // group):
             return group
@@ -205,9 +206,26 @@ def pair_int8g_scales(scales: torch.Tensor) -> torch.Tensor | None:
     return scales[:, 0::2].contiguous()
 
 
+def block_int8g_scales(scales: torch.Tensor) -> torch.Tensor | None:
+    """int8g scales and offsets [S, G', N] as the codes' blocks hold their channels, [N / 16, G', S, 16], where N is
+    a multiple of 16 (else None): a block's scales then stream beside its codes (int8_grouped.cpp)."""
+    count, groups, n = scales.shape
+    if n % INT8G_CHANNELS:
+        return None
+    return scales.view(count, groups, n // INT8G_CHANNELS, INT8G_CHANNELS).permute(2, 1, 0, 3).contiguous()
+
+
+def int8g_flat_scales(scales: torch.Tensor) -> torch.Tensor:
+    """An int8g weight's scales (and offsets) as [S, G', N], whichever form they are held in."""
+    if scales.dim() == 3:
+        return scales
+    blocks, groups, count, _ = scales.shape
+    return scales.permute(2, 1, 0, 3).reshape(count, groups, blocks * INT8G_CHANNELS)
+
+
 def int8g_channels(scales: torch.Tensor) -> int:
-    """N, the output channels of an int8g weight, from its scales [1 or 2, G, N]."""
-    return scales.shape[2]
+    """N, the output channels of an int8g weight, from its scales [1 or 2, G', N] or [N / 16, G', 1 or 2, 16]."""
+    return scales.shape[0] * INT8G_CHANNELS if scales.dim() == 4 else scales.shape[2]
 
 
 def _int8g_blocks(codes: torch.Tensor) -> torch.Tensor:
@@ -262,11 +280,14 @@ def int8g_rows(codes: torch.Tensor, scales: torch.Tensor, rows: slice | torch.Te
     if isinstance(rows, slice):
         rows = torch.arange(*rows.indices(int8g_channels(scales)), device=codes.device)
     picked = _int8g_blocks(codes)[rows // INT8G_CHANNELS, :, :, rows % INT8G_CHANNELS, :]  # [R, G, 8, 2]
-    factors = scales[:, :, rows].transpose(1, 2)  # [S, R, G']
+    if scales.dim() == 4:  # blocked
+        factors = scales[rows // INT8G_CHANNELS, :, :, rows % INT8G_CHANNELS].permute(2, 0, 1)  # [S, R, G']
+    else:
+        factors = scales[:, :, rows].transpose(1, 2)
     if int8g_scale_group(scales, k) != INT8G_GROUP:
         factors = factors.repeat_interleave(2, dim=2)[:, :, :codes.shape[1]]
     values = picked.float().view(rows.shape[0], -1, INT8G_GROUP) * factors[0].unsqueeze(2)
-    if scales.shape[0] == 2:
+    if factors.shape[0] == 2:
         values += factors[1].unsqueeze(2)
     return values.view(rows.shape[0], -1)[:, :k].to(dtype)
 
@@ -307,8 +328,8 @@ def weight_format(weight: torch.Tensor, scale: torch.Tensor | None) -> str:
 
 
 def is_int8g(weight: torch.Tensor, scale: torch.Tensor | None) -> bool:
-    """Whether a weight is int8g: int8 codes with grouped fp32 scales [1 or 2, G, N] (int8's are [N])."""
-    return scale is not None and weight.dtype == torch.int8 and scale.dim() == 3
+    """Whether a weight is int8g: int8 codes with grouped fp32 scales (3 or 4 dimensions; int8's are [N])."""
+    return scale is not None and weight.dtype == torch.int8 and scale.dim() in (3, 4)
 
 
 def is_int4(weight: torch.Tensor) -> bool:

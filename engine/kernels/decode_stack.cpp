@@ -47,6 +47,7 @@ torch::Tensor linear_int8g(torch::Tensor x, torch::Tensor codes, torch::Tensor s
 torch::Tensor linear_int8g_bf16(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
                                 const std::optional<torch::Tensor>& bias, bool fp32_out = false);
 torch::Tensor dequantize_int8g(torch::Tensor codes, torch::Tensor scales, int64_t k, int64_t begin, int64_t end);
+int64_t int8g_channels(const torch::Tensor& scales);
 
 namespace {
 
@@ -67,8 +68,8 @@ const c10::TypedOperatorHandle<PackedLinear>& packed_linear_op() {
 // and its packed copy, where the backend made one, is the W8A8 kernel's (quant.py pack_w8a8); or, with a uint8
 // weight, int4: the weight is pack_int4's layout and the scale its fp16 scales and offsets ([2, G, N], or blocked
 // [N / 16, G, 2, 16]: engine/kernels/int4_linear.cpp); or, with an
-// int8 weight and a 3-D scale, int8g: codes in 16-channel blocks [ceil(N / 16), G, 256] and fp32 scales (and
-// offsets) [1 or 2, G, N] (engine/kernels/int8_grouped.cpp).
+// int8 weight and a 3- or 4-D scale, int8g: codes in 16-channel blocks [ceil(N / 16), G, 256] and fp32 scales (and
+// offsets) [1 or 2, G', N] or blocked [N / 16, G', 1 or 2, 16] (engine/kernels/int8_grouped.cpp).
 using ProjectionArgs = std::tuple<torch::Tensor, std::optional<torch::Tensor>, std::optional<torch::Tensor>,
                                   std::optional<torch::Tensor>>;
 
@@ -113,10 +114,10 @@ torch::Tensor project(const Projection& p, const torch::Tensor& x, const RowLimi
     const int64_t n = int4_channels(*p.scale);
     return at::linear(x, dequantize_int4(p.weight, *p.scale, x.size(1), 0, n), p.bias);
   }
-  if (p.scale && p.scale->dim() == 3) {
+  if (p.scale && p.scale->dim() >= 3) {
     if (rows <= limits.int8g_bf16) return linear_int8g_bf16(x, p.weight, *p.scale, p.bias);
     if (rows <= limits.int8g) return linear_int8g(x, p.weight, *p.scale, p.bias);
-    return at::linear(x, dequantize_int8g(p.weight, *p.scale, x.size(1), 0, p.scale->size(2)), p.bias);
+    return at::linear(x, dequantize_int8g(p.weight, *p.scale, x.size(1), 0, int8g_channels(*p.scale)), p.bias);
   }
   if (p.scale) {
     if (p.packed && rows <= limits.w8a8) return linear_w8a8(x, *p.packed, *p.scale, p.bias);

@@ -3,8 +3,10 @@
 // and K, so that 32 bytes hold the pair of k (2p, 2p + 1) of one group for 16 channels side by side; and fp32 scales
 // [S, G', N], S = 1 (s) or 2 (s, z), per group of 16 along K (G' = G) or, where a file's scales hold for 32 values
 // (Q8_0, the 4- and 5-bit types), per pair of groups (G' = ceil(K / 32)): a Q8_0 weight then takes 1.125 bytes a
-// value, not 1.25. The weight is w = s q (+ z): a GGUF file's values
-// exactly (engine/model/gguf_int8g.py). Every product sums each group's q x and then adds s dot + z t (t the
+// value, not 1.25. Where N is a multiple of 16 the scales lie in the codes' blocks, [N / 16, G', S, 16], so that a
+// block's scales are one stream beside its codes: read at [S, G', N], each group's 64 bytes lay N * 4 bytes from
+// the last, a new page each, and their loads took half a one-row product's time. The weight is w = s q (+ z): a
+// GGUF file's values exactly (engine/model/gguf_int8g.py). Every product sums each group's q x and then adds s dot + z t (t the
 // group's sum of x), so the weights s q + z are never rounded; only the fp32 sums are.
 // - linear_int8g: decode-sized row counts. Each pair's 32 codes are widened in registers to two fp32 vectors
 //   (lanes: 8 channels x the pair's two k) and multiplied into fp32 dot sums against the rows of x in fp32 (bf16
@@ -53,31 +55,41 @@ constexpr int64_t kAhead = 1024;                     // bytes of a block's codes
 
 struct GroupedWeights {
   const int8_t* codes;   // [blocks, groups, 256]
-  const float* scale;    // [groups >> shift, n]
-  const float* offset;   // [groups >> shift, n], or null
+  const float* scale;    // [groups >> shift, n], or blocked: [blocks, groups >> shift, S, 16]
+  const float* offset;   // as scale (blocked: scale + 16), or null
   const float* bias;     // [n], or null
   int64_t n, blocks, groups;
   int shift;             // 0: a scale per group of 16; 1: per pair of groups
+  int64_t block_stride;  // blocked: floats from one group's scales of a block to the next (S * 16); else 0
 
   const int8_t* group(int64_t block, int64_t g) const { return codes + (block * groups + g) * kBlockBytes; }
-  const float* scales_of(int64_t g) const { return scale + (g >> shift) * n; }   // group g's scales [n]
-  const float* offsets_of(int64_t g) const { return offset + (g >> shift) * n; }
+  // The scales (offsets) of block `block`'s 16 channels in group g.
+  int64_t at(int64_t block, int64_t g) const {
+    const int64_t row = g >> shift;
+    return block_stride ? (block * ((groups + shift) >> shift) + row) * block_stride : row * n + block * kChannels;
+  }
+  const float* scales16(int64_t block, int64_t g) const { return scale + at(block, g); }
+  const float* offsets16(int64_t block, int64_t g) const { return offset + at(block, g); }
 };
 
 // codes and scales checked as the layout above for K columns -> the weight (bias null).
 GroupedWeights int8g_weights(const torch::Tensor& codes, const torch::Tensor& scales, int64_t k, const char* name) {
   const int64_t groups = (k + kGroup - 1) / kGroup, pairs = (k + 2 * kGroup - 1) / (2 * kGroup);
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.dim() == 3 && scales.is_contiguous() &&
-                  (scales.size(0) == 1 || scales.size(0) == 2) && (scales.size(1) == groups || scales.size(1) == pairs),
-              name, ": scales must be fp32 [1 or 2, ceil(K / 16) or ceil(K / 32), N] for K = ", k);
+  const bool blocked = scales.dim() == 4;
+  const int64_t count = blocked ? scales.size(2) : scales.size(0);  // S
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && (count == 1 || count == 2) &&
+                  (blocked ? scales.size(3) == kChannels : scales.dim() == 3) &&
+                  (scales.size(1) == groups || scales.size(1) == pairs),
+              name, ": scales must be fp32 [1 or 2, G', N] or [N / 16, G', 1 or 2, 16], G' = ceil(K / 16) or ",
+              "ceil(K / 32), for K = ", k);
   const int shift = scales.size(1) == groups ? 0 : 1;
-  const int64_t n = scales.size(2), blocks = (n + kChannels - 1) / kChannels;
+  const int64_t n = blocked ? scales.size(0) * kChannels : scales.size(2), blocks = (n + kChannels - 1) / kChannels;
   TORCH_CHECK(codes.scalar_type() == at::kChar && codes.dim() == 3 && codes.is_contiguous() &&
                   codes.size(0) == blocks && codes.size(1) == groups && codes.size(2) == kBlockBytes,
               name, ": codes must be int8 [ceil(N / 16), ceil(K / 16), 256] for N = ", n, ", K = ", k);
   const float* sp = scales.data_ptr<float>();
-  return {codes.data_ptr<int8_t>(), sp, scales.size(0) == 2 ? sp + scales.size(1) * n : nullptr, nullptr, n, blocks,
-          groups, shift};
+  const float* offsets = count == 1 ? nullptr : blocked ? sp + kChannels : sp + scales.size(1) * n;
+  return {codes.data_ptr<int8_t>(), sp, offsets, nullptr, n, blocks, groups, shift, blocked ? count * kChannels : 0};
 }
 
 // x [M, K] (bf16 or fp32) as fp32 rows [M, G * 16], zero past K, and each group's fp32 sum t [M, G] (with offsets).
@@ -145,14 +157,14 @@ void block_rows(const GroupedWeights& w, const FloatRows& x, int64_t first, int6
         dot[r][1] = _mm512_fmadd_ps(hi, xv, dot[r][1]);
       }
     }
-    const __m512 s = _mm512_maskz_loadu_ps(live, w.scales_of(g) + n0);
+    const __m512 s = _mm512_maskz_loadu_ps(live, w.scales16(block, g));
     const __m512 s_lo = _mm512_permutexvar_ps(lo_lanes, s), s_hi = _mm512_permutexvar_ps(hi_lanes, s);
     for (int r = 0; r < R; ++r) {
       acc[r][0] = _mm512_fmadd_ps(s_lo, dot[r][0], acc[r][0]);
       acc[r][1] = _mm512_fmadd_ps(s_hi, dot[r][1], acc[r][1]);
     }
     if (Offsets) {  // z t once a channel: in its even lane
-      const __m512 z = _mm512_maskz_loadu_ps(live, w.offsets_of(g) + n0);
+      const __m512 z = _mm512_maskz_loadu_ps(live, w.offsets16(block, g));
       const __m512 z_lo = _mm512_maskz_permutexvar_ps(0x5555, lo_lanes, z);
       const __m512 z_hi = _mm512_maskz_permutexvar_ps(0x5555, hi_lanes, z);
       for (int r = 0; r < R; ++r) {
@@ -183,8 +195,8 @@ void block_rows(const GroupedWeights& w, const FloatRows& x, int64_t first, int6
         float dot = 0.f;
         for (int64_t i = 0; i < kGroup; ++i)
           dot += static_cast<float>(q[(i / 2) * 32 + 2 * c + i % 2]) * row[g * kGroup + i];
-        total = std::fma(w.scales_of(g)[channel], dot, total);
-        if (Offsets) total = std::fma(w.offsets_of(g)[channel], x.t[(first + r) * w.groups + g], total);
+        total = std::fma(w.scales16(block, g)[c], dot, total);
+        if (Offsets) total = std::fma(w.offsets16(block, g)[c], x.t[(first + r) * w.groups + g], total);
       }
       out.put((first + r) * w.n + channel, total + (w.bias ? w.bias[channel] : 0.f));
     }
@@ -239,9 +251,9 @@ void widen_int8g(const GroupedWeights& w, int64_t block, int64_t g0, int64_t cou
     for (int p = 0; p < 8; ++p) _mm512_storeu_si512(codes + (i * 8 + p) * kChannels, (__m512i)widen_pair(q + 32 * p));
     float* dst = scales + i * 2 * kChannels;
     const int64_t g = g0 + i;
-    _mm512_storeu_ps(dst, _mm512_maskz_loadu_ps(live, w.scales_of(g) + n0));
+    _mm512_storeu_ps(dst, _mm512_maskz_loadu_ps(live, w.scales16(block, g)));
     _mm512_storeu_ps(dst + kChannels,
-                     w.offset ? _mm512_maskz_loadu_ps(live, w.offsets_of(g) + n0) : _mm512_setzero_ps());
+                     w.offset ? _mm512_maskz_loadu_ps(live, w.offsets16(block, g)) : _mm512_setzero_ps());
   }
 }
 
@@ -277,8 +289,8 @@ void direct_blocks(const GroupedWeights& w, const cpu_ext::dots::PairRows& x, in
     for (int c = 0; c < C; ++c) {
       const int64_t n0 = (block + c) * kChannels;
       const __mmask16 live = cpu_ext::lanes_below(w.n - n0);
-      const __m512 s = _mm512_maskz_loadu_ps(live, w.scales_of(g) + n0);
-      const __m512 z = Offsets ? _mm512_maskz_loadu_ps(live, w.offsets_of(g) + n0) : _mm512_setzero_ps();
+      const __m512 s = _mm512_maskz_loadu_ps(live, w.scales16(block + c, g));
+      const __m512 z = Offsets ? _mm512_maskz_loadu_ps(live, w.offsets16(block + c, g)) : _mm512_setzero_ps();
       for (int r = 0; r < R; ++r) {
         const __m512 d = D == 2 ? _mm512_add_ps(dot[r][c][0], dot[r][c][D - 1]) : dot[r][c][0];
         acc[r][c] = _mm512_fmadd_ps(s, d, acc[r][c]);
@@ -403,6 +415,11 @@ bool int8g_bf16_vectorized() {
 #endif
 }
 
+// N, the output channels of an int8g weight, from its scales ([S, G', N] or blocked [N / 16, G', S, 16]).
+int64_t int8g_channels(const torch::Tensor& scales) {
+  return scales.dim() == 4 ? scales.size(0) * kChannels : scales.size(2);
+}
+
 // Output channels [begin, end) of the int8g weight of K columns -> bf16 [end - begin, K]: bf16(s q (+ z)), the fp32
 // value rounded once, as weight_ops.int8g_rows computes it.
 torch::Tensor dequantize_int8g(torch::Tensor codes, torch::Tensor scales, int64_t k, int64_t begin, int64_t end) {
@@ -416,11 +433,13 @@ torch::Tensor dequantize_int8g(torch::Tensor codes, torch::Tensor scales, int64_
                         .reshape({(b1 - b0) * kChannels, w.groups * kGroup})
                         .narrow(0, begin - b0 * kChannels, rows);
   torch::Tensor values = q.to(at::kFloat).view({rows, w.groups, kGroup});
-  // [S, G', N] -> the rows' factors per group [S, rows, G]
-  torch::Tensor factors = scales.narrow(2, begin, rows).transpose(1, 2);
+  // [S, G', N] (or blocked [N / 16, G', S, 16]) -> the rows' factors per group [S, rows, G]
+  const torch::Tensor flat =
+      scales.dim() == 4 ? scales.permute({2, 1, 0, 3}).reshape({scales.size(2), scales.size(1), w.n}) : scales;
+  torch::Tensor factors = flat.narrow(2, begin, rows).transpose(1, 2);
   if (w.shift) factors = factors.repeat_interleave(2, 2).narrow(2, 0, w.groups);
   values.mul_(factors[0].unsqueeze(2));
-  if (scales.size(0) == 2) values.add_(factors[1].unsqueeze(2));
+  if (w.offset) values.add_(factors[1].unsqueeze(2));
   return values.view({rows, w.groups * kGroup}).narrow(1, 0, k).to(at::kBFloat16);
 }
 

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from engine.backends.base import Backend
-from engine.backends.weight_ops import Weight
+from engine.backends.weight_ops import Weight, int8g_flat_scales
 from engine.kv.host_memory import release_freed_memory
 from engine.model import weight_cache
 from engine.model.identity import checkpoint_key
@@ -191,13 +191,17 @@ def restore(model: LlamaModel, stored: weight_cache.Stored, backend: Backend) ->
 def _int8g_compacted(wanted: torch.Tensor, mapped: torch.Tensor) -> torch.Tensor:
     """The skeleton's int8g scales and offsets [2, G, N] as the load compacts them where the entry holds them so
     (quant.compact_int8g_scales): [1, ...] where the offsets were all zero, [..., ceil(G / 2), N] where pairs of
-    groups shared their scales; any other scales as they are."""
-    if wanted.dim() != 3 or wanted.dtype != torch.float32 or wanted.shape[0] != 2 or mapped.dim() != 3:
+    groups shared their scales, then [N / 16, G', S, 16] where blocked; any other scales as they are."""
+    if wanted.dim() != 3 or wanted.dtype != torch.float32 or wanted.shape[0] != 2 or mapped.dim() not in (3, 4):
         return wanted
-    if mapped.shape[0] == 1:
+    flat = mapped if mapped.dim() == 3 else int8g_flat_scales(mapped)
+    if flat.shape[0] == 1:
         wanted = wanted[:1]
-    if mapped.shape[1] == -(-wanted.shape[1] // 2) != wanted.shape[1]:
+    if flat.shape[1] == -(-wanted.shape[1] // 2) != wanted.shape[1]:
         wanted = wanted[:, 0::2]
+    if mapped.dim() == 4 and flat.shape == wanted.shape:  # the shape block_int8g_scales gives
+        count, groups, n = wanted.shape
+        wanted = torch.empty(n // 16, groups, count, 16, device="meta")
     return wanted
 
 

@@ -18,8 +18,9 @@ the loader hands them over as `FileBlocks`, whose codes and scales go into the i
 rounded once to fp16), never dequantised and searched again.
 
 int8g: int8 codes with an fp32 scale (and, for the types with minimums, an fp32 offset) per group of 16 along K,
-or per 32 where the file's factors hold for 32 values (engine/backends/weight_ops.py). It holds every GGUF block type's values exactly (engine/model/gguf_int8g.py), so
-the loader's `FileBlocks` go into it as they are; there is no quantiser of float weights into it.
+or per 32 where the file's factors hold for 32 values (engine/backends/weight_ops.py). It holds every GGUF block
+type's values exactly (engine/model/gguf_int8g.py), so the loader's `FileBlocks` go into it as they are; there is no
+quantiser of float weights into it.
 
 `auto` on a GGUF file keeps the values the file holds, but for Q4_K's sub-block scales. It chooses per projection:
 int4 where every tensor the projection fuses (q|k|v, gate|up) is Q4_0, Q4_1 or Q4_K (int4 holds the first two
@@ -38,8 +39,8 @@ from typing import Callable, Iterator, Literal, Mapping, NamedTuple, Protocol
 import torch
 from torch import nn
 
-from engine.backends.weight_ops import (INT4_CHANNELS, INT4_GROUP, int4_shapes, int8g_put, int8g_shapes,
-                                        pair_int8g_scales, whole_blocks)
+from engine.backends.weight_ops import (INT4_CHANNELS, INT4_GROUP, block_int8g_scales, int4_shapes, int8g_put,
+                                        int8g_shapes, pair_int8g_scales, whole_blocks)
 from engine.config import WEIGHT_DTYPES
 from engine.model.layers import Linear
 
@@ -334,7 +335,8 @@ def int8g_layout(modules: list[nn.Module], device: torch.device | str) -> None:
 def compact_int8g_scales(model: nn.Module) -> None:
     """int8g weights whose offsets are all zero (types without minimums) keep their scales only: the products then
     skip the offsets, and s q keeps the file's sign of a zero. Where every pair of groups of 16 holds the same
-    scales (and offsets), one per 32 values stays (pair_int8g_scales)."""
+    scales (and offsets), one per 32 values stays (pair_int8g_scales); then the scales go into the codes' blocks
+    where N allows (block_int8g_scales)."""
     for module in model.modules():
         scale = getattr(module, "weight_scale", None)
         if scale is None or scale.dim() != 3 or scale.dtype != torch.float32:
@@ -342,7 +344,9 @@ def compact_int8g_scales(model: nn.Module) -> None:
         if scale.shape[0] == 2 and not scale[1].any():
             scale = scale[:1].clone()
         paired = pair_int8g_scales(scale)
-        module.weight_scale = scale if paired is None else paired
+        scale = scale if paired is None else paired
+        blocked = block_int8g_scales(scale)
+        module.weight_scale = scale if blocked is None else blocked
 
 
 def int8_layout(modules: list[nn.Module], device: torch.device | str) -> None:
