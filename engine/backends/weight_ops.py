@@ -215,6 +215,14 @@ def block_int8g_scales(scales: torch.Tensor) -> torch.Tensor | None:
     return scales.view(count, groups, n // INT8G_CHANNELS, INT8G_CHANNELS).permute(2, 1, 0, 3).contiguous()
 
 
+def int8g_flat_shape(scales: torch.Tensor) -> tuple[int, int, int]:
+    """(S, G', N) of an int8g weight's scales, whichever form they are held in."""
+    if scales.dim() == 3:
+        return tuple(scales.shape)
+    blocks, groups, count, _ = scales.shape
+    return count, groups, blocks * INT8G_CHANNELS
+
+
 def int8g_flat_scales(scales: torch.Tensor) -> torch.Tensor:
     """An int8g weight's scales (and offsets) as [S, G', N], whichever form they are held in."""
     if scales.dim() == 3:

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from engine.backends.base import Backend
-from engine.backends.weight_ops import Weight, int8g_flat_scales
+from engine.backends.weight_ops import Weight, int8g_flat_shape
 from engine.kv.host_memory import release_freed_memory
 from engine.model import weight_cache
 from engine.model.identity import checkpoint_key
@@ -194,14 +194,13 @@ def _int8g_compacted(wanted: torch.Tensor, mapped: torch.Tensor) -> torch.Tensor
     groups shared their scales, then [N / 16, G', S, 16] where blocked; any other scales as they are."""
     if wanted.dim() != 3 or wanted.dtype != torch.float32 or wanted.shape[0] != 2 or mapped.dim() not in (3, 4):
         return wanted
-    flat = mapped if mapped.dim() == 3 else int8g_flat_scales(mapped)
-    if flat.shape[0] == 1:
+    count, groups, n = int8g_flat_shape(mapped)  # the shapes only: a copy would read every mapped page
+    if count == 1:
         wanted = wanted[:1]
-    if flat.shape[1] == -(-wanted.shape[1] // 2) != wanted.shape[1]:
+    if groups == -(-wanted.shape[1] // 2) != wanted.shape[1]:
         wanted = wanted[:, 0::2]
-    if mapped.dim() == 4 and flat.shape == wanted.shape:  # the shape block_int8g_scales gives
-        count, groups, n = wanted.shape
-        wanted = torch.empty(n // 16, groups, count, 16, device="meta")
+    if mapped.dim() == 4 and (count, groups, n) == tuple(wanted.shape):
+        wanted = torch.empty(mapped.shape, device="meta")
     return wanted
 
 
