@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from engine.backends import CpuKernelBackend, CpuKernelConfig, TorchBackend
 from engine.backends import dispatch_store, weight_ops
-from engine.backends.dispatch import (ENGINES, FORMATS, KERNELS, PACKED, REPS, DispatchTable, Route,
+from engine.backends.dispatch import (ENGINES, FORMATS, KERNELS, PACKED, PRUNE_FACTOR, REPS, DispatchTable, Route,
                                       choose_table, row_buckets, valid_kernels)
 from engine.backends.dispatch_store import Measured, measured_table
 from engine.backends.kernel_timing import KernelTimer, Workload
@@ -411,7 +411,7 @@ def test_the_kernel_timer_times_one_run_of_the_kernel_itself(kernel_calls):
 
 def test_a_kernels_time_is_the_median_of_runs_taken_in_turns():
     order: list = []
-    runs = {"gemv": iter([3.0, 3.0, 3.0, 5.0, 1.0, 2.0]), "linear": iter([1.5, 9.0, 1.6])}
+    runs = {"gemv": iter([3.0, 3.0, 3.0, 3.0, 1.0, 2.0]), "linear": iter([1.5, 9.0, 1.6])}
 
     def timer(fmt: str, kernel: str, rows: int) -> float:
         order.append(kernel)
@@ -422,6 +422,23 @@ def test_a_kernels_time_is_the_median_of_runs_taken_in_turns():
     assert timings["bf16"][2] == {"gemv": 2.0, "linear": 1.6} and table.bf16.kernel(2) == "linear"
     with pytest.raises(ValueError, match="reps"):
         choose_table({"bf16": ("gemv", "linear")}, (1,), timer, shipped(), reps=0)
+
+
+def test_a_kernel_far_behind_on_its_first_run_is_not_run_again_at_that_count():
+    """More than PRUNE_FACTOR times the fastest first run: its one run stands for it at that count; at the next
+    count it runs again."""
+    first = {"gemv": 1.0, "linear": PRUNE_FACTOR * 1.0 + 0.5, "onednn": PRUNE_FACTOR * 1.0}
+    calls: list = []
+
+    def timer(fmt: str, kernel: str, rows: int) -> float:
+        calls.append((kernel, rows))
+        return first[kernel]
+
+    table, timings = choose_table({"bf16": ("gemv", "onednn", "linear")}, (1, 2, 4), timer, shipped())
+    for rows in (2, 4):
+        assert calls.count(("gemv", rows)) == REPS and calls.count(("onednn", rows)) == REPS  # within the factor
+        assert calls.count(("linear", rows)) == 1 and timings["bf16"][rows]["linear"] == first["linear"]
+    assert table.bf16.kernel(4) == "gemv"
 
 
 def test_one_row_keeps_a_streaming_kernel_for_the_decode_stack():
