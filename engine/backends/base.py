@@ -102,7 +102,7 @@ class Backend(ABC):
         return weight_ops.linear_int4(x, w.data, w.scale, w.bias)
 
     def linear_int8g(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
-        """x W^T + bias for an int8g weight (int8 codes, fp32 scales and offsets per group of 16); here by F.linear
+        """x W^T + bias for an int8g weight (int8 codes, fp32 scales and offsets per 16 or 32 values); here by F.linear
         on chunks of the weight dequantised to x's dtype."""
         return weight_ops.linear_int8g(x, w.data, w.scale, w.bias)
 

@@ -17,7 +17,9 @@ int8g: int8 codes q with, per group of 16 consecutive k, an fp32 scale s and (fo
 an fp32 offset z; W = s q (+ z), a file's values exactly (engine/model/gguf_int8g.py), never rounded in the
 products. The codes lie in blocks of 16 output channels, [ceil(N / 16), G, 256] (`int8g_shapes`, `int8g_pack`):
 32 bytes hold one pair of k of a group for the block's 16 channels side by side, so the kernels widen them to
-vectors of channels without a transpose; scales fp32 [1, G, N] (s) or [2, G, N] (s, z). Decode-sized products run
+vectors of channels without a transpose; scales fp32 [1, G, N] (s) or [2, G, N] (s, z) as filled, then one per
+32 values where a file's factors hold for 32 (`pair_int8g_scales`) and in the codes' blocks, [N / 16, G', S, 16],
+where N allows (`block_int8g_scales`). Decode-sized products run
 on the codes widened in registers, many rows on bf16 dot products (engine/kernels/int8_grouped.cpp); larger ones
 and every other backend dequantise chunks of rows to the activations' dtype for F.linear (`linear_int8g`).
 """
@@ -44,7 +46,7 @@ class Weight:
     data: torch.Tensor  # [N, K] float; int8 codes [N, K]; int4 codes in int4_shapes' layout (uint8)
     _: KW_ONLY
     bias: torch.Tensor | None = None
-    scale: torch.Tensor | None = None  # int8: [N] fp32; int4: int4_shapes'; int8g: [1 or 2, G, N] fp32; float: None
+    scale: torch.Tensor | None = None  # int8: [N] fp32; int4: int4_shapes'; int8g: fp32, 3-D or blocked; float: None
     packed: torch.Tensor | None = None  # the backend's copy: of a bf16 weight (blocks or oneDNN's), or int8's W8A8
     silu_fused: torch.Tensor | None = None  # a gate|up weight's interleaved blocks, for silu(gate) * up as one product
 

@@ -182,8 +182,9 @@ def w4a8_vnni() -> bool:
 def linear_int8g(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
                  fp32_out: bool = False) -> torch.Tensor:
     """x [M, K] bf16 or fp32, an int8g weight (weight_ops.int8g_shapes: codes int8 [ceil(N / 16), G, 256], scales
-    fp32 [1 or 2, G, N]: s, or s and z), bias [N] -> [M, N] bf16 (fp32 with fp32_out) = x W^T + bias with W = s q
-    (+ z), the file's values, never rounded: each group's fp32 sum of q x against x in fp32, then s dot + z t."""
+    fp32 [1 or 2, G', N] or [N / 16, G', 1 or 2, 16]: s, or s and z, G' = G or ceil(K / 32)), bias [N] -> [M, N]
+    bf16 (fp32 with fp32_out) = x W^T + bias with W = s q (+ z), the file's values, never rounded: each group's fp32
+    sum of q x against x in fp32, then s dot + z t."""
     return ops().linear_int8g(x, codes, scales, bias, fp32_out)
 
 
