@@ -44,17 +44,33 @@ constexpr int64_t kCopyGrain = 256;    // rows of x pair_rows copies on one thre
 // x [M, K] bf16 as the passes read it: the rows split into ceil(M / pass_rows) passes of as equal sizes as may be (8
 // rows: 4 + 4, not 6 + 2); for each pass and group, pair p of the pass's row r at [p, r] (two bf16 a word, in the
 // format's pair order), so that one pointer serves a pass's broadcasts; zeros past K. t: each group's fp32 sum.
+// The lanes a pass leaves empty are never read, so the buffers are not cleared; they are the calling thread's own
+// (pair_buffers), valid until its next pair_rows.
 struct PairRows {
-  std::vector<uint32_t> pairs;  // [passes, G, group / 2, kLanes]
-  std::vector<float> t;         // [passes, G, kLanes]
+  uint32_t* pairs;  // [passes, G, group / 2, kLanes]
+  float* t;         // [passes, G, kLanes]
   int64_t groups, group_pairs, m, passes;
 
   int64_t pass_first(int64_t pass) const { return pass * (m / passes) + std::min(pass, m % passes); }
   const uint32_t* pass_pairs(int64_t pass, int64_t g) const {
-    return pairs.data() + ((pass * groups + g) * group_pairs) * kLanes;
+    return pairs + ((pass * groups + g) * group_pairs) * kLanes;
   }
-  const float* pass_sums(int64_t pass, int64_t g) const { return t.data() + (pass * groups + g) * kLanes; }
+  const float* pass_sums(int64_t pass, int64_t g) const { return t + (pass * groups + g) * kLanes; }
 };
+
+// The calling thread's PairRows buffers, grown and kept: at 32-64 rows a product's copy of x is 100-300 KiB, which a
+// fresh zeroed allocation took from mmap, a page fault a page, every call.
+struct PairBuffers {
+  std::vector<uint32_t> pairs;
+  std::vector<float> t;
+};
+
+inline PairBuffers& pair_buffers(int64_t pairs, int64_t sums) {
+  thread_local PairBuffers buffers;
+  if (static_cast<int64_t>(buffers.pairs.size()) < pairs) buffers.pairs.resize(pairs);
+  if (static_cast<int64_t>(buffers.t.size()) < sums) buffers.t.resize(sums);
+  return buffers;
+}
 
 // x [M, K] bf16 -> PairRows for groups of `group` (16 or 32) k, pair p of a group holding k = order[2p],
 // order[2p + 1] (null: 2p, 2p + 1): each group's values permuted by one vpermw and scattered to their pass's lane,
@@ -67,8 +83,8 @@ inline PairRows pair_rows(const torch::Tensor& x, int64_t groups, int64_t group,
   const int64_t base = m / passes, extra = m % passes;  // pass i has base + (i < extra) rows
   const torch::Tensor xc = x.contiguous();
   const auto* src = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
-  PairRows rows{std::vector<uint32_t>(passes * groups * half * kLanes), std::vector<float>(passes * groups * kLanes),
-                groups, half, m, passes};
+  PairBuffers& buffers = pair_buffers(passes * groups * half * kLanes, passes * groups * kLanes);
+  PairRows rows{buffers.pairs.data(), buffers.t.data(), groups, half, m, passes};
   alignas(64) int16_t permute_words[32];
   alignas(64) int32_t lanes[16];
   for (int64_t i = 0; i < 32; ++i) permute_words[i] = static_cast<int16_t>(order && i < group ? order[i] : i);
@@ -88,7 +104,7 @@ inline PairRows pair_rows(const torch::Tensor& x, int64_t groups, int64_t group,
         const __m512 hi =
             _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)), 16));
         rows.t[(pass * groups + g) * kLanes + lane] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
-        uint32_t* dst = rows.pairs.data() + ((pass * groups + g) * half) * kLanes + lane;
+        uint32_t* dst = rows.pairs + ((pass * groups + g) * half) * kLanes + lane;
         _mm512_mask_i32scatter_epi32(dst, pair_lanes, scatter, _mm512_permutexvar_epi16(permute, v), 4);
       }
     }
