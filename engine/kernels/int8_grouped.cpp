@@ -6,8 +6,8 @@
 // value, not 1.25. Where N is a multiple of 16 the scales lie in the codes' blocks, [N / 16, G', S, 16], so that a
 // block's scales are one stream beside its codes: read at [S, G', N], each group's 64 bytes lay N * 4 bytes from
 // the last, a new page each, and their loads took half a one-row product's time. The weight is w = s q (+ z): a
-// GGUF file's values exactly (engine/model/gguf_int8g.py). Every product sums each group's q x and then adds s dot + z t (t the
-// group's sum of x), so the weights s q + z are never rounded; only the fp32 sums are.
+// GGUF file's values exactly (engine/model/gguf_int8g.py). Every product sums each group's q x and then adds
+// s dot + z t (t the group's sum of x), so the weights s q + z are never rounded; only the fp32 sums are.
 // - linear_int8g: decode-sized row counts. Each pair's 32 codes are widened in registers to two fp32 vectors
 //   (lanes: 8 channels x the pair's two k) and multiplied into fp32 dot sums against the rows of x in fp32 (bf16
 //   widened exactly, once a call); each group's scale and offset are permuted to those lanes, and a block's two
