@@ -228,7 +228,8 @@ def test_int8g_scales_per_32_and_blocked_give_the_bits_of_the_same_scales_per_16
         assert (blocked is None) == (n % 16 != 0)
         if blocked is not None:
             assert blocked.shape == (n // 16, scales.shape[1], scales.shape[0], 16)
-            assert torch.equal(weight_ops.int8g_flat_scales(blocked), scales)
+            assert torch.equal(blocked.permute(2, 1, 0, 3).reshape(scales.shape), scales)
+            assert weight_ops.int8g_flat_shape(blocked) == tuple(scales.shape)
             assert weight_ops.int8g_channels(blocked) == n and weight_ops.is_int8g(codes, blocked)
             forms.append(blocked)
     x = torch.randn(11, k, generator=gen).to(torch.bfloat16)

@@ -200,9 +200,9 @@ def test_auto_loads_each_tensor_exactly_and_says_so(tmp_path, caplog):
         if module is qkv:  # q's rows in the model's rotary order, which the file permutes: the same rows
             ours, theirs = np.unique(ours, axis=0), np.unique(theirs, axis=0)
         assert np.array_equal(ours, theirs), name
-    flat = weight_ops.int8g_flat_scales
-    assert flat(model.layers[0].mlp.down_proj.weight_scale).shape[0] == 1  # Q6_K: no offsets kept
-    assert flat(qkv.weight_scale).shape[0] == 2  # Q4_K's minimums
+    flat = weight_ops.int8g_flat_shape
+    assert flat(model.layers[0].mlp.down_proj.weight_scale)[0] == 1  # Q6_K: no offsets kept
+    assert flat(qkv.weight_scale)[0] == 2  # Q4_K's minimums
     for module in (model.layers[0].mlp.down_proj, qkv, model.lm_head):  # Q6_K's scales differ a group of 16
         assert weight_ops.int8g_scale_group(module.weight_scale, module.weight.shape[1] * 16) == 16
 

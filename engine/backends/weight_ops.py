@@ -225,14 +225,6 @@ def int8g_flat_shape(scales: torch.Tensor) -> tuple[int, int, int]:
     return count, groups, blocks * INT8G_CHANNELS
 
 
-def int8g_flat_scales(scales: torch.Tensor) -> torch.Tensor:
-    """An int8g weight's scales (and offsets) as [S, G', N], whichever form they are held in."""
-    if scales.dim() == 3:
-        return scales
-    blocks, groups, count, _ = scales.shape
-    return scales.permute(2, 1, 0, 3).reshape(count, groups, blocks * INT8G_CHANNELS)
-
-
 def int8g_channels(scales: torch.Tensor) -> int:
     """N, the output channels of an int8g weight, from its scales [1 or 2, G', N] or [N / 16, G', 1 or 2, 16]."""
     return scales.shape[0] * INT8G_CHANNELS if scales.dim() == 4 else scales.shape[2]
