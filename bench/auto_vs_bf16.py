@@ -1,7 +1,7 @@
 """`--weight-dtype auto` against bfloat16 weights on the embedded engine: decode tokens/s at each batch size.
 
     python -m bench.auto_vs_bf16 [--batch 1,8,32,64] [--rounds 5] [--steps 32] [--context 64] [--threads 2]
-        [--dispatch measured|shipped] [--model PATH] [--json OUT]
+        [--dispatch measured|shipped] [--model PATH] [--omp-wait-policy default|passive|active] [--json OUT]
 
 Two `LLM`s of the same model (the default: SmolLM2-135M's Q4_1 GGUF, whose `auto` is int4 layers), one with `auto`
 weights and one with bfloat16, each on the dispatch table it measured (or read from the cache) at start
@@ -10,6 +10,10 @@ batch size B: B sequences of `--context` tokens of English text prefilled (untim
 steps (bench.kv_accuracy.decode_rate), the two engines alternated over `--rounds` (which goes first alternates
 too); the median tok/s of each and the median of the per-round ratios auto / bf16. Prints the table, the formats
 `auto` chose, and each engine's dispatch table.
+
+OpenMP's wait policy is libgomp's own by default (spin briefly, then sleep), as the actors run it
+(actors/spec.py `child_environment`) and as an embedded `LLM` gets it; `passive` puts a futex wake-up behind each
+parallel region of a step, a fixed cost of some 20 us each that weighs most at batch 1.
 """
 from __future__ import annotations
 
@@ -17,9 +21,28 @@ import argparse
 import json
 import os
 import statistics
+import sys
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP: the cores are shared
+WAIT_POLICIES = ("default", "passive", "active")
+
+
+def add_wait_policy(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--omp-wait-policy", choices=WAIT_POLICIES, default="default",
+                   help="OpenMP's wait policy (default: libgomp's own, as the actors run)")
+
+
+def set_wait_policy(argv: list[str]) -> None:
+    """OMP_WAIT_POLICY from --omp-wait-policy: read before torch loads OpenMP, which reads it once."""
+    pre = argparse.ArgumentParser(add_help=False)
+    add_wait_policy(pre)
+    policy = pre.parse_known_args(argv)[0].omp_wait_policy
+    if policy != "default":
+        os.environ["OMP_WAIT_POLICY"] = policy.upper()
+
+
+if __name__ == "__main__":
+    set_wait_policy(sys.argv[1:])
 
 import torch  # noqa: E402
 
@@ -65,6 +88,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dispatch", default="measured", choices=("measured", "shipped"))
     p.add_argument("--model", default=None)
     p.add_argument("--json", default=None)
+    add_wait_policy(p)
     return p.parse_args()
 
 
@@ -77,7 +101,7 @@ def main() -> None:
     windows = corpus_windows(llms["bf16"].tokenizer, args.context, 16)
     results = {"engines": {name: describe(llm) for name, llm in llms.items()}, "speed": {}}
     print(f"{torch.get_num_threads()} threads, {args.dispatch} dispatch; {args.context} tokens of context, {args.steps} timed decode steps, "
-          f"{args.rounds} rounds alternated\n")
+          f"{args.rounds} rounds alternated; OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}\n")
     print(f"{'batch':>5} {'bf16 tok/s':>11} {'auto tok/s':>11} {'auto / bf16':>12}  (medians; ratio: of rounds)")
     for batch in batches:
         prompts = [windows[i % len(windows)] for i in range(batch)]
