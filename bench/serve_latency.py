@@ -13,7 +13,9 @@ exactly --max-tokens tokens each (greedy, EOS ignored):
 Per-token time is decode time / (tokens - 1) (the median stream for the server), aggregate tok/s is
 N * (tokens - 1) / decode time. The ratio column is server / embedded per-token time (goal: at most 1.15 at one
 stream) and server / embedded aggregate (goal: at least 0.9 at 8 streams). Rounds alternate the two sides and
-report medians.
+report medians. With actors, the server's main process (the front end and router) and this process (the client)
+also give their CPU time per stream event (every chunk read), the cost `--stream-interval auto` budgets for
+(engine/core/stream_interval.py).
 
 --trace serves with --trace-tokens and prints, per number of streams, the median time of each hop a chunk's
 tokens take: engine step done -> frame sent (actor loop) -> received (router) -> detokenised -> handed to the
@@ -46,6 +48,9 @@ class Side:
     streams: int
     per_token_ms: float
     aggregate_tok_s: float
+    events: int = 0  # stream chunks read (the server only)
+    server_cpu_ms: float | None = None  # the server's main process's CPU time over the round, where measured
+    client_cpu_ms: float | None = None  # this process's
 
 
 def prompts(tokenizer, count: int, length: int, round_index: int) -> list[list[int]]:
@@ -71,20 +76,21 @@ def embedded(llm, batch: list[list[int]], max_tokens: int) -> Side:
     return Side(len(batch), decode / steps * 1e3, len(batch) * steps / decode)
 
 
-async def one_stream(client, model: str, prompt: list[int], max_tokens: int) -> tuple[float, int]:
-    """-> (seconds from the first text chunk to the last, completion tokens)."""
+async def one_stream(client, model: str, prompt: list[int], max_tokens: int) -> tuple[float, int, int]:
+    """-> (seconds from the first text chunk to the last, completion tokens, chunks read)."""
     stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
                                              stream=True, stream_options={"include_usage": True},
                                              extra_body={"ignore_eos": True})
     first = last = None
-    tokens = 0
+    tokens = chunks = 0
     async for chunk in stream:
+        chunks += 1
         if chunk.choices and chunk.choices[0].text:
             last = time.perf_counter()
             first = first or last
         if chunk.usage is not None:
             tokens = chunk.usage.completion_tokens
-    return (last - first) if first else 0.0, tokens
+    return (last - first) if first else 0.0, tokens, chunks
 
 
 HOPS = ("step->sent", "sent->received", "received->detokenised", "detokenised->written", "written->read")
@@ -121,15 +127,36 @@ def print_trace(rows: dict[int, list[list[float]]], mode: str) -> None:
         print(f"{n:>7}  " + "  ".join(f"{v:>22.0f}" for v in medians) + f"  {total:>9.0f}")
 
 
-async def served(url: str, model: str, batch: list[list[int]], max_tokens: int) -> Side:
+async def served(url: str, model: str, batch: list[list[int]], max_tokens: int, server_pid: int | None) -> Side:
+    """The streams of `batch` through the server; `server_pid`: the process whose CPU time to take (None: none)."""
     from openai import AsyncOpenAI
 
+    server_cpu, client_cpu = cpu_seconds(server_pid), time.process_time()
     async with AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as client:
         results = await asyncio.gather(*(one_stream(client, model, p, max_tokens) for p in batch))
-    steps = [tokens - 1 for _, tokens in results]
-    per_token = statistics.median(seconds / n for (seconds, _), n in zip(results, steps))
-    decode = statistics.median(seconds for seconds, _ in results)
-    return Side(len(batch), per_token * 1e3, sum(steps) / decode)
+    server_ms = None if server_pid is None else (cpu_seconds(server_pid) - server_cpu) * 1e3
+    client_ms = (time.process_time() - client_cpu) * 1e3
+    steps = [tokens - 1 for _, tokens, _ in results]
+    per_token = statistics.median(seconds / n for (seconds, _, _), n in zip(results, steps))
+    decode = statistics.median(seconds for seconds, _, _ in results)
+    return Side(len(batch), per_token * 1e3, sum(steps) / decode, sum(chunks for _, _, chunks in results),
+                server_ms, client_ms)
+
+
+def cpu_seconds(pid: int | None) -> float:
+    """User and system CPU seconds of process `pid` (0.0 for None)."""
+    if pid is None:
+        return 0.0
+    import psutil
+
+    times = psutil.Process(pid).cpu_times()
+    return times.user + times.system
+
+
+def per_event_ms(sides: list[Side], field: str) -> float | None:
+    """The median over rounds of `field` (server_cpu_ms or client_cpu_ms) per event, None where not measured."""
+    values = [getattr(s, field) / s.events for s in sides if getattr(s, field) is not None and s.events]
+    return statistics.median(values) if values else None
 
 
 def start_server(extra: list[str]) -> tuple[subprocess.Popen, str]:
@@ -144,13 +171,17 @@ def start_server(extra: list[str]) -> tuple[subprocess.Popen, str]:
 
 
 def print_table(rows: dict[int, tuple[list[Side], list[Side]]], mode: str) -> None:
-    print(f"server ({mode}) against the embedded engine; medians of rounds")
-    print("streams  embedded ms/token  server ms/token  ratio   embedded tok/s  server tok/s  ratio")
+    print(f"server ({mode}) against the embedded engine; medians of rounds; CPU ms per stream event")
+    print("streams  embedded ms/token  server ms/token  ratio   embedded tok/s  server tok/s  ratio   "
+          "events  server CPU  client CPU")
     for n, (emb, srv) in rows.items():
         e_ms, s_ms = (statistics.median(s.per_token_ms for s in side) for side in (emb, srv))
         e_tps, s_tps = (statistics.median(s.aggregate_tok_s for s in side) for side in (emb, srv))
+        events = statistics.median(s.events for s in srv)
+        cpu = [per_event_ms(srv, field) for field in ("server_cpu_ms", "client_cpu_ms")]
+        cpu_text = "  ".join(f"{'-' if v is None else f'{v:.3f}':>10}" for v in cpu)
         print(f"{n:>7}  {e_ms:>17.2f}  {s_ms:>15.2f}  {s_ms / e_ms:>5.2f}   {e_tps:>14.1f}  {s_tps:>12.1f}  "
-              f"{s_tps / e_tps:>5.2f}")
+              f"{s_tps / e_tps:>5.2f}  {events:>7.0f}  {cpu_text}")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -187,8 +218,10 @@ def main(argv: list[str] | None = None) -> None:
             for n in args.stream_counts:
                 batch = prompts(llm.tokenizer, n, args.input_len, r)
                 rows[n][0].append(embedded(llm, batch, args.max_tokens))
+                server_pid = None if args.in_process else proc.pid  # in process, its CPU is the engine's too
                 rows[n][1].append(asyncio.run(served(url, name, prompts(llm.tokenizer, n, args.input_len,
-                                                                         r + args.rounds), args.max_tokens)))
+                                                                         r + args.rounds), args.max_tokens,
+                                                     server_pid)))
     finally:
         proc.terminate()
         proc.wait(timeout=60)

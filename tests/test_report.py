@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import struct
 from pathlib import Path
 
@@ -162,3 +163,16 @@ def test_every_bench_json_says_which_bench_and_how(inputs):
         assert doc["timestamp"].endswith("+00:00")
     requests = json.loads(inputs["load"][0].read_text())["requests"]
     assert len(requests) == 4 and requests[0]["ttft"] == pytest.approx(0.1) and requests[0]["itls"]
+
+
+def test_serve_latency_gives_cpu_per_event_where_measured():
+    """The median over rounds of CPU time per stream event; None where no round measured it (in process, or a
+    round that read no event)."""
+    side = serve_latency.Side
+    rounds = [side(8, 17.0, 470.0, 1000, 150.0, 300.0), side(8, 18.0, 460.0, 1000, 130.0, 280.0),
+              side(8, 18.0, 460.0, 500, 90.0, 160.0)]
+    assert serve_latency.per_event_ms(rounds, "server_cpu_ms") == pytest.approx(0.15)
+    assert serve_latency.per_event_ms(rounds, "client_cpu_ms") == pytest.approx(0.30)
+    assert serve_latency.per_event_ms([side(8, 17.0, 470.0, 1000)], "server_cpu_ms") is None
+    assert serve_latency.per_event_ms([side(8, 17.0, 470.0, 0, 10.0, 10.0)], "client_cpu_ms") is None
+    assert serve_latency.cpu_seconds(None) == 0.0 and serve_latency.cpu_seconds(os.getpid()) > 0
