@@ -27,7 +27,7 @@ import re
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, BinaryIO, Callable, Mapping
 
 log = logging.getLogger(__name__)
 
@@ -149,13 +149,20 @@ def _parse(data: bytes, kind: str, key: dict[str, Any]) -> tuple[bytes | None, s
 
 
 def _write_atomically(path: Path, data: bytes) -> None:
-    """The whole of `data` at `path`, or nothing new there: written beside it, synced, then renamed over it."""
+    """The whole of `data` at `path`, or nothing new there."""
     path.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(path.parent)
-    fd, temp = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=SUFFIX, dir=path.parent)
+    replace_file(path, lambda out: out.write(data), TEMP_PREFIX, SUFFIX)
+
+
+def replace_file(path: Path, fill: Callable[[BinaryIO], object], prefix: str, suffix: str) -> None:
+    """`fill(file)` writes a temporary file beside `path` (named prefix...suffix), which is synced and renamed over
+    it: the whole of it at `path`, or nothing new there. The temporary file is removed on any error."""
+    fd, temp = tempfile.mkstemp(prefix=prefix, suffix=suffix, dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as out:
-            out.write(data)
+            fill(out)
+            out.truncate()
             out.flush()
             os.fsync(out.fileno())
         os.replace(temp, path)

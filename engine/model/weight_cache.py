@@ -30,7 +30,6 @@ import logging
 import math
 import mmap
 import os
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +37,7 @@ from typing import Any, Callable, Iterator, Mapping, NamedTuple
 
 import torch
 
-from engine.disk_cache import key_digest
+from engine.disk_cache import key_digest, replace_file
 
 log = logging.getLogger(__name__)
 
@@ -222,10 +221,11 @@ def write(entry: Entry, tensors: Mapping[str, torch.Tensor], notes: Mapping[str,
     for path in [entry.index, *entry.directory.glob(f"{entry.temp_prefix}*")]:  # under the lock: a dead writer's
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
-    _replace(entry.data, entry.temp_prefix, lambda out: _write_data(out, tensors, layout))
+    replace_file(entry.data, lambda out: _write_data(out, tensors, layout), entry.temp_prefix, entry.data.suffix)
     index = {"format": FORMAT, "key": entry.key, "data_size": size,
              "ends_sha256": _ends_digest(entry.data, size), "tensors": layout, "notes": dict(notes or {})}
-    _replace(entry.index, entry.temp_prefix, lambda out: out.write(json.dumps(index).encode()))
+    replace_file(entry.index, lambda out: out.write(json.dumps(index).encode()), entry.temp_prefix,
+                 entry.index.suffix)
 
 
 def prune_stale(entry: Entry, same: Callable[[dict[str, Any]], bool]) -> int:
@@ -291,17 +291,3 @@ def _write_data(out, tensors: Mapping[str, torch.Tensor], layout: Mapping[str, A
             out.write(memoryview(raw[start:start + WRITE_CHUNK_BYTES].numpy()))
 
 
-def _replace(path: Path, prefix: str, fill: Callable[[Any], Any]) -> None:
-    """`fill(file)` writes a temporary file beside `path`, which is synced and renamed over it; removed on error."""
-    fd, temp = tempfile.mkstemp(prefix=prefix, suffix=path.suffix, dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as out:
-            fill(out)
-            out.truncate()
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(temp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(temp)
-        raise
