@@ -23,6 +23,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenM
 import torch  # noqa: E402
 
 from engine import LLM  # noqa: E402
+from engine.backends.weight_ops import is_int8g  # noqa: E402
 from engine.kernels import cpu_ext  # noqa: E402
 
 
@@ -73,7 +74,7 @@ def main() -> None:
     args = parse_args()
     auto, bf16 = head_of(args.model, "auto", args.threads), head_of(args.model, "bfloat16", args.threads)
     torch.set_num_threads(args.threads)
-    if auto.scale is None or auto.scale.dim() not in (3, 4):
+    if not is_int8g(auto.data, auto.scale):
         raise SystemExit("this model's auto head is not int8g: nothing to compare")
     k = bf16.data.shape[1]
     calls = kernels(auto, bf16)

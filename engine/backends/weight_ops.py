@@ -19,9 +19,9 @@ products. The codes lie in blocks of 16 output channels, [ceil(N / 16), G, 256] 
 32 bytes hold one pair of k of a group for the block's 16 channels side by side, so the kernels widen them to
 vectors of channels without a transpose; scales fp32 [1, G, N] (s) or [2, G, N] (s, z) as filled, then one per
 32 values where a file's factors hold for 32 (`pair_int8g_scales`) and in the codes' blocks, [N / 16, G', S, 16],
-where N allows (`block_int8g_scales`). Decode-sized products run
-on the codes widened in registers, many rows on bf16 dot products (engine/kernels/int8_grouped.cpp); larger ones
-and every other backend dequantise chunks of rows to the activations' dtype for F.linear (`linear_int8g`).
+where N allows (`block_int8g_scales`). Decode-sized products run on the codes widened in registers, many rows on
+bf16 dot products (engine/kernels/int8_grouped.cpp); larger ones and every other backend dequantise chunks of rows
+to the activations' dtype for F.linear (`linear_int8g`).
 """
 from __future__ import annotations
 

@@ -41,6 +41,8 @@
 #include <immintrin.h>
 #endif
 
+int64_t int8g_channels(const torch::Tensor& scales);  // below: the decode stack calls it too
+
 namespace {
 
 using cpu_ext::OutRows;
@@ -83,7 +85,7 @@ GroupedWeights int8g_weights(const torch::Tensor& codes, const torch::Tensor& sc
               name, ": scales must be fp32 [1 or 2, G', N] or [N / 16, G', 1 or 2, 16], G' = ceil(K / 16) or ",
               "ceil(K / 32), for K = ", k);
   const int shift = scales.size(1) == groups ? 0 : 1;
-  const int64_t n = blocked ? scales.size(0) * kChannels : scales.size(2), blocks = (n + kChannels - 1) / kChannels;
+  const int64_t n = int8g_channels(scales), blocks = (n + kChannels - 1) / kChannels;
   TORCH_CHECK(codes.scalar_type() == at::kChar && codes.dim() == 3 && codes.is_contiguous() &&
                   codes.size(0) == blocks && codes.size(1) == groups && codes.size(2) == kBlockBytes,
               name, ": codes must be int8 [ceil(N / 16), ceil(K / 16), 256] for N = ", n, ", K = ", k);
