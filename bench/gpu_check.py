@@ -11,7 +11,9 @@ is recorded as skipped):
 - models: the default model (bf16 weights) and a random-weight Llama-3.2-1B shape (bench/real_shapes.py), each
   built as `serve` builds an engine (CUDA backend, CUDA graphs captured at start-up): decode tok/s at each
   --batches size with CUDA graphs on and off, each against its HBM bound (weights read once a step plus every
-  row's KV, at the bandwidth measured above), and a --prefill-tokens prompt's prefill against the GEMM rate;
+  row's KV, at the bandwidth measured above), and a --prefill-tokens prompt's prefill against the GEMM rate,
+  then the same prompt streamed as for a decode actor on another host (its pages leaving layer by layer, copied
+  off the GPU on a side stream, against device views copied by the sink's thread), over the plain prefill;
 - attention: the decode kernels alone at batch 64 (Triton, and FlashInfer where it imports: the measurement
   --gpu-attention's choice rests on);
 - ipc: a KV pool exported by CUDA IPC, written by another process through its handle: GB/s, and the owner's
@@ -33,10 +35,12 @@ import json
 import math
 import multiprocessing as mp
 import os
+import queue
 import random
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import xml.etree.ElementTree as ElementTree
@@ -192,6 +196,7 @@ def measure_model(name: str, path: Path, args: argparse.Namespace, device: torch
             out["decode"].append(decode_point(engine, batch, args, graphs_on, out, hbm))
     out["graph_replays"] = dict(graphs.replays) if graphs is not None else {}
     out["prefill"] = prefill_point(engine, args.prefill_tokens, device, matmul)
+    out["streamed_prefill"] = streamed_point(engine, args.prefill_tokens, device, out["prefill"]["seconds"])
     out.update(ratios(out["decode"]))
     del engine, model, graphs
     gc.collect()  # the runner's captured steps hold the model in closures: free it before the next one loads
@@ -262,6 +267,73 @@ def prefill_point(engine, tokens: int, device: torch.device, matmul: dict | None
     if matmul:
         point["fraction_of_gemm"] = sig(point["tflops"] / matmul["tflops"])
     return point
+
+
+class _WaitingSink:
+    """A PageSink for a destination on another host whose thread (as transport.kv_stream's sender) waits for
+    each layer's pages to be readable, then drops them: the prefill's cost of letting its pages leave."""
+
+    def __init__(self) -> None:
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.bytes = 0
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while (item := self.queue.get()) is not None:
+            pages, ready = item
+            if ready is not None:
+                ready()
+            self.bytes += pages.cpu().numel() * pages.element_size()  # .cpu(): a device view is copied here
+
+    def send_pages(self, request_id, layer, block_ids, pages, bytes_per_block, ready=None) -> None:
+        self.queue.put((pages, ready))
+
+    def end(self, request_id, deadline, done) -> None:
+        pass
+
+    def cancel(self, request_id) -> None:
+        pass
+
+    def drain(self) -> None:
+        self.queue.put(None)
+        self.thread.join()
+
+
+def streamed_point(engine, tokens: int, device: torch.device, plain_s: float) -> dict[str, Any]:
+    """The same prompt prefilled for a decode actor on another host, its pages leaving layer by layer as chunks
+    complete them: staged (engine.kv.staging: pinned memory, a side stream) and, for comparison, handed over as
+    device views that the sink's thread copies with `.cpu()`. Seconds until every page is readable on the host,
+    over the plain prefill's."""
+    from engine.core.prefill_engine import PrefillEngine, PrefillJob
+    from engine.core.runner import ModelRunner
+    from engine.kv.staging import HostStager
+    from engine.sampling.sampling_params import SamplingParams
+
+    base = engine.runner
+    prefill = PrefillEngine(engine.config, engine.source, dtype=engine.kv_cache.dtype, device=str(device),
+                            runner=ModelRunner(base.model, None, device, base.backend))
+    rng = random.Random(tokens)
+    prompt = [rng.randrange(engine.source.config.vocab_size) for _ in range(tokens)]
+    blocks = -(-tokens // engine.config.block_size)
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    out: dict[str, Any] = {"tokens": tokens, "plain_seconds": plain_s}
+    for name, stager in (("staged", HostStager.for_device(device)), ("device_views", HostStager(None))):
+        prefill.stager = stager
+
+        def run() -> None:
+            sink = _WaitingSink()
+            job = PrefillJob(f"streamed-{time.perf_counter_ns()}", prompt, one, list(range(blocks)), 0, "",
+                             time.monotonic() + 600)
+            prefill.add_streamed(job, engine.kv_cache.kv_format, sink)
+            while prefill.has_work():
+                prefill.step()
+            sink.drain()
+            out["bytes"] = sink.bytes
+
+        seconds = timed(run, device, repeats=2)
+        out[name] = {"seconds": sig(seconds), "over_plain": sig(seconds / plain_s)}
+    return out
 
 
 def ratios(points: list[dict]) -> dict[str, Any]:

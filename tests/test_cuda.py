@@ -13,12 +13,14 @@ import pytest
 import torch
 
 from engine.backends import CudaBackend, TorchBackend
-from engine.core.builder import build_engine_core
+from engine.config import EngineConfig
+from engine.core.builder import build_engine_core, build_prefill_engine
 from engine import AsyncLLM, SamplingParams
 from engine.kernels import (build_cuda_kernels, cpu_kernels, dequantize_fp4, dequantize_fp8, quantize_fp4,
                             quantize_fp8)
 from tests.kv_quant_cudasim_check import cpu_map, gpu_map, make_pages, same_bits, scalar_cases
-from tests.test_engine import assert_pool_clean, make_prompts, tiny_llm
+from tests.test_engine import GREEDY, assert_pool_clean, make_prompts, tiny_llm
+from tests.test_kv_staging import OPTIONS as OPTIONS_STAGING, RecordingSink, streamed_generation
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -126,6 +128,23 @@ def test_seeded_samples_on_cuda_repeat_and_do_not_depend_on_the_batch(tiny_model
     assert [s.token_ids for s in in_batch.outputs] == [s.token_ids for s in alone.outputs]
     assert alone.outputs[0].token_ids != alone.outputs[1].token_ids  # two samples, not one twice
     assert_pool_clean(gpu)
+
+
+def test_streamed_pages_leave_the_gpu_on_a_side_stream_and_decode_as_colocated(tiny_model_dir):
+    """A prefill engine on the GPU streaming to a destination on another host: each layer's pages are copied to
+    pinned host memory on the stager's side stream while later layers run; written into a GPU decode engine's
+    reserved blocks they decode as a colocated GPU engine does (fp32, same kernels)."""
+    options = dict(OPTIONS_STAGING, cuda_graphs="off")
+    decode, colocated = cuda_llm(tiny_model_dir, **options), cuda_llm(tiny_model_dir, **options)
+    prefill = build_prefill_engine(EngineConfig(model=str(tiny_model_dir), **options),
+                                   source=decode.engine.source, device="cuda")
+    assert prefill.stager.copies
+    prompts = [p * 3 for p in make_prompts(2, seed=41)]
+    sink = RecordingSink()
+    want = [o.token_ids for o in colocated.generate(prompts, GREEDY)]
+    assert streamed_generation(decode, prefill, prompts, sink) == want
+    assert sink.sources and all(pages.device.type == "cpu" and pages.is_pinned() for pages in sink.sources)
+    assert_pool_clean(decode)
 
 
 @pytest.mark.process

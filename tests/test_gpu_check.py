@@ -36,6 +36,9 @@ def test_the_dry_run_runs_every_part_and_writes_sane_json(tmp_path):
         assert model["graph_replays"] == {"1": 3, "2": 3}  # warm-up and timed steps replayed; eager ones not
         assert set(model["graph_speedup"]) == {"1", "2"} and model["largest_over_batch1"] > 0
         assert model["prefill"]["tokens"] == 16 and model["prefill"]["tflops"] > 0
+        streamed = model["streamed_prefill"]  # every page of the one 16-token block left, in both variants
+        assert streamed["bytes"] == model["kv_bytes_per_token"] * 16
+        assert streamed["staged"]["over_plain"] > 0 and streamed["device_views"]["over_plain"] > 0
     assert results["attention"]["faster"] == "triton" and results["attention"]["triton"]["us"] > 0
     assert results["ipc"]["kind"] == "shm" and results["ipc"]["verified"] is True
     assert (results["tests"]["tests"], results["tests"]["failures"], results["tests"]["errors"]) == (1, 0, 0)

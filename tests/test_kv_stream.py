@@ -170,6 +170,41 @@ def test_pages_land_in_the_reserved_blocks_and_the_ack_counts_them():
         server.close()
 
 
+def test_pages_are_read_only_once_their_copy_is_ready_and_a_failed_copy_fails_that_request():
+    """`ready` stands for a copy off a GPU still running: the sender's thread waits for it before it reads the
+    pages, and a copy that fails fails its request only."""
+    sink = Sink()
+    server = KVStreamServer("127.0.0.1", 0, SECRET, sink)
+    sender = KVStreamSender(*server.address, SECRET)
+    try:
+        source = torch.randint(1, 255, (1, 2, 2, 64), dtype=torch.uint8)
+        host = torch.zeros_like(source[0])  # what the copy will have written once it is ready
+        sink.reserved["a"] = {3, 4}
+        done = threading.Event()
+        result = []
+        sender.send_pages("a", 0, [3, 4], host, 128, ready=lambda: host.copy_(source[0]))
+        sender.end("a", time.monotonic() + 10, lambda n, err, busy: (result.append((n, err)), done.set()))
+        assert done.wait(10) and result == [(2 * 2 * 64, None)]
+        assert torch.equal(sink.pool[0][:, [3, 4]], source[0])
+
+        def failed_copy() -> None:
+            raise RuntimeError("an illegal memory access")
+        sink.reserved["b"] = {5}
+        before = sink.pool.clone()
+        done.clear()
+        sender.send_pages("b", 0, [5], source[0, :, :1], 128, ready=failed_copy)
+        sender.end("b", time.monotonic() + 10, lambda n, err, busy: (result.append((n, err)), done.set()))
+        assert done.wait(10)
+        n, err = result[-1]
+        assert n == 0 and "copying pages off the device" in err and "illegal memory access" in err
+        assert torch.equal(sink.pool, before)
+        sink.reserved["c"] = {6}  # the link itself is fine
+        assert _stream(sender, "c", source, slice(0, 1), [6]) == (128, None)
+    finally:
+        sender.close()
+        server.close()
+
+
 def _raw_client(address) -> socket.socket:
     sock = socket.create_connection(address, timeout=5)
     auth.client_handshake_blocking(sock, SECRET)

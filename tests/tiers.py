@@ -77,6 +77,7 @@ MODULE_TIERS: Mapping[str, Tier] = {
     "test_kernel_build.py": E,  # build keys and errors; one test runs a failing compiler
     "test_kv_cache_quant.py": E,  # one test starts actors: marked process
     "test_kv_compress.py": E,
+    "test_kv_staging.py": E,
     "test_kv_stream.py": P,  # real sockets and threads; one test runs a decode worker
     "test_kv_tier_store.py": U,  # the tests with writers in subprocesses are marked process
     "test_kv_tiers.py": E,

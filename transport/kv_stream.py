@@ -95,10 +95,12 @@ class KVStreamSender:
         self._thread.start()
 
     def send_pages(self, request_id: str, layer: int, block_ids: list[int], pages: torch.Tensor,
-                   bytes_per_block: int) -> None:
+                   bytes_per_block: int, ready: Callable[[], None] | None = None) -> None:
         """Queue one layer's pages of `block_ids`, laid out [2, len(block_ids), *page] (`pages` may be a view
-        of a pool the caller no longer writes these blocks of; the queue holds it until it is sent)."""
-        self._queue.put(("pages", request_id, layer, list(block_ids), pages, bytes_per_block))
+        of a pool the caller no longer writes these blocks of; the queue holds it until it is sent). `ready`,
+        when given, blocks until `pages` hold their data (a copy off a GPU still running); the thread calls it
+        before it reads them."""
+        self._queue.put(("pages", request_id, layer, list(block_ids), pages, bytes_per_block, ready))
 
     def end(self, request_id: str, deadline: float, done: StreamDone) -> None:
         """Queue the request's end; `done` runs once the peer acknowledges (or the stream fails). `deadline`
@@ -126,10 +128,16 @@ class KVStreamSender:
         self._disconnect()
 
     def _pages(self, request_id: str, layer: int, block_ids: list[int], pages: torch.Tensor,
-               bytes_per_block: int) -> None:
+               bytes_per_block: int, ready: Callable[[], None] | None) -> None:
         req = self._requests.setdefault(request_id, _Request())
         if req.error is not None:
             return
+        if ready is not None:
+            try:
+                ready()  # not the link's time: the busy seconds start after it
+            except Exception as exc:  # a device error in the copy: this request fails, the link is fine
+                req.error = f"copying pages off the device: {type(exc).__name__}: {exc}"
+                return
         per_frame = max(1, self.max_payload // max(1, bytes_per_block))
         start = self._clock()
         try:

@@ -10,19 +10,22 @@ pool sized to it (the destination's cached prefix is recomputed here, its KV is 
 result carries the pages the destination lacks, per layer, for the actor to send in KVPages messages. With a
 `PageSink` (a direct stream to that host, transport.kv_stream), pages go to it instead, as they become final:
 by default after each layer of each chunk, the blocks that chunk completed (`--kv-stream-overlap`), so the
-transfer runs behind the rest of the prefill.
+transfer runs behind the rest of the prefill. On a GPU each layer's pages reach host memory by a copy on a side
+stream (engine.kv.staging), so neither the compute stream nor the step thread waits for them.
 """
 from __future__ import annotations
 
 import itertools
 import time
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
 
 from engine.config import EngineConfig
 from engine.kv.cache import KVCache
+from engine.kv.staging import HostStager
 from engine.model.loader import ModelSource
 from engine.core.runner import ModelRunner
 from engine.sampling.sampler import TokenLogprobs
@@ -34,7 +37,8 @@ class PageSink(Protocol):
     """Where a streamed job's pages go (transport.kv_stream.KVStreamSender); called on the step thread."""
 
     def send_pages(self, request_id: str, layer: int, block_ids: list[int], pages: torch.Tensor,
-                   bytes_per_block: int) -> None: ...
+                   bytes_per_block: int, ready: Callable[[], None] | None = None) -> None:
+        """`pages` are host memory, readable once `ready()` (when given) has returned."""
 
     def end(self, request_id: str, deadline: float, done) -> None: ...
 
@@ -88,6 +92,7 @@ class PrefillEngine:
         self.jobs: dict[str, PrefillJob] = {}
         self._seq_ids = itertools.count()
         self.stream_overlap = config.kv_stream_overlap  # when a streamed job's pages go to its sink
+        self.stager = HostStager.for_device(device)  # how they reach host memory
 
     def attach_pool(self, name: str, kv_cache: KVCache) -> None:
         """Compute into `kv_cache`, another engine's pool: in the plain layout only, the one hand-off writes."""
@@ -192,12 +197,12 @@ class PrefillEngine:
                 streams.append((job, job.num_sent_blocks, hi))
         return streams
 
-    @staticmethod
-    def _send_layer(streams: list[tuple[PrefillJob, int, int]], pool: KVCache, layer: int) -> None:
+    def _send_layer(self, streams: list[tuple[PrefillJob, int, int]], pool: KVCache, layer: int) -> None:
         for job, lo, hi in streams:
             skip = len(job.block_table) - len(job.stream_to)
-            job.sink.send_pages(job.request_id, layer, job.stream_to[lo - skip:hi - skip], pool.data[layer, :, lo:hi],
-                                pool.bytes_per_layer_block)
+            staged = self.stager.stage(pool.data[layer, :, lo:hi])
+            job.sink.send_pages(job.request_id, layer, job.stream_to[lo - skip:hi - skip], staged.pages,
+                                pool.bytes_per_layer_block, staged.ready)
 
     def _schedule(self, destination: str) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens

@@ -11,6 +11,7 @@
 - `compaction`: which old pages of running sequences move to the FP4 cold region (bookkeeping, no torch).
 - `compress`: the cold region's tensors and the tiered pages that read both regions.
 - `export`: a decode actor's pool exported once (shared memory on CPU, CUDA IPC on GPU) for prefill actors.
+- `staging`: a streamed hand-off's pages copied off a GPU on a side stream, layer by layer, into pinned memory.
 - `host_memory`: keep freed heap memory in the process between steps.
 - `tiers`: the KV tiers below the pool (host, disk): keys, write-back of evicted blocks, loads at admission.
 - `tier_store`: one tier's directory of checked entry files, shared by processes, with its capacity and eviction.
