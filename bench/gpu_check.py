@@ -16,6 +16,8 @@ is recorded as skipped):
   off the GPU on a side stream, against device views copied by the sink's thread), over the plain prefill;
 - attention: the decode kernels alone at batch 64 (Triton, and FlashInfer where it imports: the measurement
   --gpu-attention's choice rests on);
+- sampler: the sampler's distribution at the largest batch over a 128k vocabulary, plain against compiled
+  (torch.compile through the CUDA backend), and the start-up seconds of compiling it;
 - ipc: a KV pool exported by CUDA IPC, written by another process through its handle: GB/s, and the owner's
   check that the bytes arrived;
 - tests: tests/test_cuda.py and tests/test_triton_attention.py (the kernels compiled) under pytest;
@@ -377,6 +379,38 @@ def measure_attention(args: argparse.Namespace, device: torch.device) -> dict[st
 # ---------------------------------------------------------------- KV hand-off across processes
 
 
+def measure_sampler(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    """The sampler's distribution over the 1B's vocabulary at the largest batch: plain torch (it skips what no
+    row asks) against the CUDA backend's compiled dense_distribution, without and with top-k/top-p (the
+    vocabulary sort), their largest difference, and the seconds the compile warm-up adds to start-up. A dry run
+    times the branch-free function uncompiled."""
+    from engine.backends import CudaBackend, GpuConfig
+    from engine.sampling.sampler import SamplingBatch, dense_distribution, process_logits, warm_dense
+    from engine.sampling.sampling_params import SamplingParams
+
+    vocab, rows = (1000, 4) if args.dry_run else (128256, max(args.batches))
+    backend = CudaBackend(device, GpuConfig(attention="triton", compile_elementwise=not args.dry_run),
+                          processors=1 if args.dry_run else None)
+    dense = backend.fuse(dense_distribution) or dense_distribution
+    start = time.perf_counter()
+    with torch.inference_mode():
+        warm_dense(dense, vocab, device)
+    synchronize(device)
+    out: dict[str, Any] = {"vocab": vocab, "rows": rows, "compiled": dense is not dense_distribution,
+                           "warm_up_seconds": round(time.perf_counter() - start, 2)}
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0)).mul_(3).to(device)
+    for name, params in (("temperature", SamplingParams(temperature=0.8)),
+                         ("top_k_top_p", SamplingParams(temperature=0.8, top_k=50, top_p=0.9))):
+        batch = SamplingBatch.build([params] * rows, [None] * rows, [()] * rows, device)
+        with torch.inference_mode():
+            plain_s = timed(lambda: process_logits(logits, batch), device, repeats=20)
+            fused_s = timed(lambda: process_logits(logits, batch, dense), device, repeats=20)
+            diff = (process_logits(logits, batch) - process_logits(logits, batch, dense)).abs().max().item()
+        out[name] = {"plain_us": sig(plain_s * 1e6), "fused_us": sig(fused_s * 1e6),
+                     "speedup": sig(plain_s / fused_s), "max_abs_diff": sig(diff)}
+    return out
+
+
 def measure_ipc(device: torch.device, nbytes: int) -> dict[str, Any]:
     """The owner exports a pool (CUDA IPC on a GPU, shared memory on the CPU); a spawned process maps it by its
     handle and copies pages into it; the owner checks that the last copy's bytes arrived."""
@@ -508,6 +542,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for name, path in paths.items():
         run.part(name, lambda: measure_model(name, Path(path), args, device, hbm, matmul), into=run.results["models"])
     run.part("attention", lambda: measure_attention(args, device))
+    run.part("sampler", lambda: measure_sampler(args, device))
     run.part("ipc", lambda: measure_ipc(device, (16 if args.dry_run else 1024) << 20))
     if args.tests:
         run.part("tests", lambda: run_tests(args.tests, run.deadline - time.monotonic(), args.dry_run))

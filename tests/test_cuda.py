@@ -12,10 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from engine.backends import CudaBackend, TorchBackend
+from engine.backends import CudaBackend, GpuConfig, TorchBackend
 from engine.config import EngineConfig
 from engine.core.builder import build_engine_core, build_prefill_engine
 from engine import AsyncLLM, SamplingParams
+from engine.sampling.sampler import SamplingBatch, dense_distribution, process_logits, warm_dense
 from engine.kernels import (build_cuda_kernels, cpu_kernels, dequantize_fp4, dequantize_fp8, quantize_fp4,
                             quantize_fp8)
 from tests.kv_quant_cudasim_check import cpu_map, gpu_map, make_pages, same_bits, scalar_cases
@@ -128,6 +129,18 @@ def test_seeded_samples_on_cuda_repeat_and_do_not_depend_on_the_batch(tiny_model
     assert [s.token_ids for s in in_batch.outputs] == [s.token_ids for s in alone.outputs]
     assert alone.outputs[0].token_ids != alone.outputs[1].token_ids  # two samples, not one twice
     assert_pool_clean(gpu)
+
+
+def test_the_compiled_sampler_distribution_gives_the_plain_values_on_cuda():
+    """torch.compile'd dense_distribution (Triton kernels from inductor) against the plain ops, mixed rows."""
+    dense = CudaBackend("cuda", GpuConfig(attention="triton")).fuse(dense_distribution)
+    params = [SamplingParams(temperature=0.8, top_k=40, top_p=0.9), SamplingParams(temperature=1.3, min_p=0.1),
+              SamplingParams(temperature=0.0), SamplingParams(top_p=0.5)] * 4
+    batch = SamplingBatch.build(params, [None] * len(params), [()] * len(params), "cuda")
+    logits = torch.randn(len(params), 32000, device="cuda") * 3
+    assert warm_dense(dense, 32000, "cuda") == 4
+    torch.testing.assert_close(process_logits(logits, batch, dense), process_logits(logits, batch),
+                               atol=1e-6, rtol=1e-5)
 
 
 def test_streamed_pages_leave_the_gpu_on_a_side_stream_and_decode_as_colocated(tiny_model_dir):

@@ -23,6 +23,8 @@ from engine.config import ConfigError, EngineConfig, ModelConfig  # noqa: E402
 from engine.core.cuda_graphs import GraphPlan, graph_plan, graph_refusal  # noqa: E402
 from engine.kv.cache import KVCache  # noqa: E402
 from engine.kv.groups import KVGroups  # noqa: E402
+from engine.sampling.sampler import SamplingBatch, dense_distribution, sample, warm_dense  # noqa: E402
+from engine.sampling.sampling_params import SamplingParams  # noqa: E402
 
 
 def installed(monkeypatch, *packages: str) -> None:
@@ -163,3 +165,38 @@ def test_compiled_ops_fall_back_to_plain_torch_once_when_compiling_fails(monkeyp
     assert torch.equal(first, want) and torch.equal(second, want)
     assert attempts == [_rms_norm] and caplog.text.count("torch.compile of _rms_norm failed") == 1
     assert CompiledOps(enabled=False)(_rms_norm, x, w, 1e-5).equal(want) and attempts == [_rms_norm]
+
+
+def test_the_sampler_distribution_is_compiled_once_warmed_in_each_variant_and_samples_the_same(monkeypatch):
+    """A CUDA backend compiles the sampler's dense_distribution (torch.compile recorded here, not run); the
+    warm-up calls it in the four shapes a compiler specialises; seeded draws through it equal the plain path's.
+    Plain torch backends, and a CUDA one with compiled elementwise ops off, fuse nothing."""
+    compiled, calls = [], []
+
+    def recording_compile(fn, **kwargs):
+        compiled.append((fn, kwargs))
+
+        def run(*args):
+            calls.append((args[0].shape[0], args[-1]))
+            return fn(*args)
+        return run
+
+    monkeypatch.setattr(torch, "compile", recording_compile)
+    backend = CudaBackend("cpu", GpuConfig(attention="triton"), processors=1)
+    dense = backend.fuse(dense_distribution)
+    assert warm_dense(dense, 50, "cpu") == 4
+    assert compiled == [(dense_distribution, {"dynamic": True})]
+    assert sorted(calls) == [(1, False), (1, True), (2, False), (2, True)]
+    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=3), SamplingParams(temperature=1.2, min_p=0.1, seed=4),
+              SamplingParams(temperature=0.0)]
+
+    def draws(dense_fn):
+        batch = SamplingBatch.build(params, [torch.Generator().manual_seed(p.seed or 0) for p in params],
+                                    [()] * 3, "cpu")
+        return [sample(logits, batch, dense=dense_fn).token_ids for _ in range(20)]
+
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(7)) * 2
+    assert draws(dense) == draws(None) and calls[-1] == (3, True)
+    assert TorchBackend().fuse(dense_distribution) is None
+    assert CudaBackend("cpu", GpuConfig(attention="triton", compile_elementwise=False),
+                       processors=1).fuse(dense_distribution) is None

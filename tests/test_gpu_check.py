@@ -41,9 +41,12 @@ def test_the_dry_run_runs_every_part_and_writes_sane_json(tmp_path):
         assert streamed["staged"]["over_plain"] > 0 and streamed["device_views"]["over_plain"] > 0
     assert results["attention"]["faster"] == "triton" and results["attention"]["triton"]["us"] > 0
     assert results["ipc"]["kind"] == "shm" and results["ipc"]["verified"] is True
+    sampler = results["sampler"]  # the branch-free distribution, uncompiled, gives the plain one's values
+    assert sampler["compiled"] is False and sampler["warm_up_seconds"] >= 0
+    assert all(sampler[v]["max_abs_diff"] == 0 and sampler[v]["fused_us"] > 0 for v in ("temperature", "top_k_top_p"))
     assert (results["tests"]["tests"], results["tests"]["failures"], results["tests"]["errors"]) == (1, 0, 0)
     assert set(results["goals"]) == {"1b_batch1_within_2x_of_hbm", "largest_batch_10x_batch1",
                                      "graphs_1_5x_eager_at_batch1", "meaningful"}
     assert results["goals"]["meaningful"] is False
     assert set(results["part_seconds"]) == {"hbm", "matmul", "model_paths", "default", "llama-3.2-1b", "attention",
-                                            "ipc", "tests", "goals"}
+                                            "sampler", "ipc", "tests", "goals"}

@@ -11,7 +11,7 @@ import torch
 import engine.sampling.sampler as sampler_mod
 from actors.convert import params_from_wire, params_to_wire
 from engine.core.runner import _histories, _verify_histories
-from engine.sampling.sampler import History, SamplingBatch, process_logits, sample
+from engine.sampling.sampler import History, SamplingBatch, dense_distribution, process_logits, sample
 from engine.sampling.sampling_params import SamplingParams, SamplingParamsError
 from engine.core.step import ScheduledChunk, build_chunk
 from server.errors import ApiError
@@ -75,6 +75,24 @@ def test_batched_distribution_matches_the_reference(control, seed):
     logits = torch.randn(len(params), VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
     probs = process_logits(logits, batch_of(params, histories))
     torch.testing.assert_close(probs.double(), reference(logits, params, histories), atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("control", [*CONTROLS, "combined", "none"])
+@pytest.mark.parametrize("seed", range(3))
+def test_the_branch_free_distribution_gives_the_branching_ones_values(control, seed):
+    """dense_distribution (what a GPU backend compiles) applies every control to every row, neutral where a
+    row does not ask: the same probabilities, bit for bit, as the path that skips them; with and without the
+    vocabulary sort (top-k/top-p asked by no row), with and without greedy rows."""
+    rng = random.Random(100 + seed)
+    make = combined if control == "combined" else CONTROLS.get(control, lambda rng: {})
+    truncating = [random_params(rng, make(rng), greedy=i % 4 == 3) for i in range(12)]
+    plain = [SamplingParams(temperature=rng.uniform(0.3, 1.7), **make(rng)) for _ in range(5)]
+    for params in (truncating, plain, plain + [SamplingParams(temperature=0.0)]):
+        histories = [random_history(rng) for _ in params]
+        batch = batch_of(params, histories)
+        logits = torch.randn(len(params), VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
+        assert torch.equal(process_logits(logits, batch, dense_distribution), process_logits(logits, batch))
+    assert not batch.needs_top_k and not batch.needs_top_p and batch.any_greedy
 
 
 @pytest.mark.parametrize("seed", range(4))

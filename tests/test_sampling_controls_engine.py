@@ -9,9 +9,13 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.backends import TorchBackend
 from engine.backends.attention import AttentionMetadata
+from engine.core.runner import ModelRunner
 from engine.kv.cache import KVCache
 from engine.model.loader import load_model, resolve_model
+from engine.model.progress import COMPILING_SAMPLER
+from engine.sampling.sampler import dense_distribution
 from tests.sampling_reference import adjusted_logits, distribution
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -191,3 +195,38 @@ def test_the_lm_head_argmax_shortcut_is_skipped_under_controls(tiny_model_dir, m
         assert reference_mismatches(model, prompt, out, PENALISED) == []
     llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     assert shortcut  # plain greedy still takes it
+
+
+class FusingBackend(TorchBackend):
+    """Plain torch ops that 'fuse' the sampler's distribution by counting its calls (a GPU backend compiles it)."""
+
+    def __init__(self) -> None:
+        super().__init__("cpu")
+        self.calls: list[tuple[int, bool]] = []
+
+    def fuse(self, fn):
+        def counted(*args):
+            self.calls.append((args[0].shape[0], args[-1]))
+            return fn(*args)
+        return counted
+
+
+def test_a_runner_samples_through_its_backends_fused_distribution_warmed_at_build(tiny_model_dir):
+    """Built on a backend that fuses, the runner warms the distribution in all four variants before any step;
+    seeded sampling, plain and speculative (the verifier's distribution), goes through it to the plain tokens."""
+    fused_model = load_model(resolve_model(str(tiny_model_dir)), torch.float32)
+    backend = FusingBackend()
+    heard = []
+    runner = ModelRunner(fused_model, None, "cpu", backend=backend, progress=lambda *a: heard.append(a))
+    assert sorted(backend.calls) == [(1, False), (1, True), (2, False), (2, True)] and runner.dense is not None
+    assert heard == [(COMPILING_SAMPLER, done, 4) for done in range(5)]
+    params = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, min_p=0.05, seed=21, ignore_eos=True)
+    prompts = make_prompts(3, seed=22)
+    for options in ({}, dict(speculative="draft", draft_model="self:1", num_speculative_tokens=2)):
+        want = [o.token_ids for o in tiny_llm(tiny_model_dir, **options).generate(prompts, params)]
+        llm = tiny_llm(tiny_model_dir, **options)
+        llm.engine.runner.dense = backend.fuse(dense_distribution)
+        before = len(backend.calls)
+        assert [o.token_ids for o in llm.generate(prompts, params)] == want
+        rows = [n for n, _ in backend.calls[before:]]
+        assert rows and (not options or max(rows) > len(prompts))  # speculative: a verify step's rows

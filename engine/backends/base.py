@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
@@ -132,6 +132,11 @@ class Backend(ABC):
     @abstractmethod
     def row_argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """[B, V] -> [B] int64, logits.max(dim=-1).indices."""
+
+    def fuse(self, fn: Callable[..., Any]) -> Callable[..., Any] | None:
+        """`fn` (pure tensor work, e.g. the sampler's dense_distribution) compiled into fused kernels on first
+        call, or None where this backend runs such work as plain torch ops (the caller keeps its own path)."""
+        return None
 
     def write_kv(self, cache: object, x: torch.Tensor, slot_mapping: torch.Tensor) -> bool:
         """New tokens' keys or values x [T, Hkv, D] into their slots of one layer's pages; False: declined (the

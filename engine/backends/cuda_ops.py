@@ -1,6 +1,7 @@
 """The CUDA backend: plain torch products (cuBLAS), paged attention read in place by Triton kernels
 (engine/backends/triton_attention.py) or FlashInfer's decode kernel, KV writes that skip padding rows, and the
-elementwise work (RMSNorm, add + RMSNorm, RoPE, SiLU * up) as one torch.compile'd kernel each.
+elementwise work (RMSNorm, add + RMSNorm, RoPE, SiLU * up, the sampler's dense distribution) as one
+torch.compile'd kernel each.
 
 Its decode step on plain pages issues no host sync and launches grids fixed by the row count, so the engine
 captures it as CUDA graphs (`captures_decode`, engine/core/cuda_graphs.py). Building it touches no GPU (the
@@ -10,7 +11,7 @@ faked, and its attention runs on CPU tensors under TRITON_INTERPRET=1.
 from __future__ import annotations
 
 import logging
-from functools import cached_property
+from functools import cached_property, partial
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -124,6 +125,9 @@ class CudaBackend(TorchBackend):
 
     def gate_up_silu(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
         return self.ops(_silu_mul, self.linear(x, w))
+
+    def fuse(self, fn: Callable[..., Any]) -> Callable[..., Any] | None:
+        return partial(self.ops, fn) if self.config.compile_elementwise else None
 
     # ---- paged attention ------------------------------------------------------------------------------------
 

@@ -15,7 +15,8 @@ class GpuConfig:
     # paged attention on a CUDA device: the Triton kernels (engine/backends/triton_attention.py), FlashInfer's
     # decode kernel (the Triton ones for prefill), or auto: Triton where it imports
     attention: GpuAttention = "auto"
-    # RMSNorm (+ residual add), RoPE on q and k, SiLU * up as one torch.compile'd kernel each
+    # RMSNorm (+ residual add), RoPE on q and k, SiLU * up, the sampler's dense distribution as one
+    # torch.compile'd kernel each
     compile_elementwise: bool = True
     # most context splits of a decode launch (a power of two): a small batch of long contexts fills the GPU
     max_splits: int = 16

@@ -19,10 +19,11 @@ from engine.backends import Backend, TorchBackend
 from engine.core.cuda_graphs import DecodeGraphs, GraphPlan
 from engine.kv.host_memory import keep_freed_memory
 from engine.kv.cache import KVCache
-from engine.model.progress import Progress
+from engine.model.progress import COMPILING_SAMPLER, Progress, counted
 from engine.kv.compress import ColdRegion, names_cold
 from engine.model.llama import LayerPass, LlamaModel
-from engine.sampling.sampler import History, SamplingBatch, greedy_tokens, process_logits, sample, token_logprobs
+from engine.sampling.sampler import (History, SamplingBatch, dense_distribution, dense_warm_ups, greedy_tokens,
+                                    process_logits, sample, token_logprobs)
 from engine.speculative.acceptance import Verdict, verify_drafts, verify_greedy
 from engine.core.prompt_pass import PromptPasses, pass_rows
 from engine.core.step import RunnerOutput, ScheduledChunk, SchedulerOutput, position_seed, runner_output
@@ -174,11 +175,22 @@ class ModelRunner:
         if backend is not None:
             self.set_backend(backend)
         self.graphs = None if graphs is None else self._capture(graphs, progress)
+        self.dense = self._warm_dense(progress)
 
     @torch.inference_mode()
     def _capture(self, plan: GraphPlan, progress: Progress | None) -> DecodeGraphs | None:
         forward = lambda ids, positions, meta, layers: self.model(ids, positions, meta, layers)  # noqa: E731
         return DecodeGraphs.capture_or_none(plan, forward, self.kv_cache.layers, self.device, progress)
+
+    def _warm_dense(self, progress: Progress | None) -> Callable | None:
+        """The backend's fused sampler distribution (Backend.fuse), compiled now in every variant; None: plain."""
+        dense = self.backend.fuse(dense_distribution)
+        if dense is not None:
+            warm_ups = dense_warm_ups(self.model.cfg.vocab_size, self.device)
+            with torch.inference_mode():
+                for args in counted(warm_ups, progress, COMPILING_SAMPLER, len(warm_ups)):
+                    dense(*args)
+        return dense
 
     def set_backend(self, backend: Backend) -> None:
         """Run the model on `backend` (which prepares its weights now). A model that runs on this very backend
@@ -301,7 +313,7 @@ class ModelRunner:
         batch = SamplingBatch.build([c.params for c in chunks], [self._generator(c) for c in chunks],
                                     [c.banned_token_ids for c in chunks], self.device, _histories(chunks),
                                     self._grammar(chunks))
-        out = sample(logits, batch, self.backend.row_argmax)
+        out = sample(logits, batch, self.backend.row_argmax, self.dense)
         ids = [c.seq_id for c in chunks]
         logprobs = {} if out.logprobs is None else {i: lp for i, lp in zip(ids, out.logprobs) if lp is not None}
         return dict(zip(ids, out.token_ids)), logprobs
@@ -331,7 +343,7 @@ class ModelRunner:
             target = torch.nn.utils.rnn.pad_sequence(list(greedy_tokens(logits, batch).split(sizes)),
                                                      batch_first=True)  # [B, K+1]
             return verify_greedy(target, drafts, num_drafts)
-        probs = process_logits(logits, batch)  # [R, V]: what plain sampling would draw from at each position
+        probs = process_logits(logits, batch, self.dense)  # [R, V]: what plain sampling would draw at each position
         target = torch.nn.utils.rnn.pad_sequence(list(probs.split(sizes)), batch_first=True)  # [B, K+1, V]
         uniforms, noise = self._acceptance_noise(chunks, k, probs.shape[-1])
         return verify_drafts(target, drafts, self._draft_probs(chunks, drafts, probs.shape[-1]), num_drafts,

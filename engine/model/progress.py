@@ -20,8 +20,9 @@ LOADING_DRAFT = "loading the draft model"
 CALIBRATING = "calibrating"
 WARMING_UP = "warming up"
 CAPTURING_GRAPHS = "capturing CUDA graphs"
+COMPILING_SAMPLER = "compiling the sampler"  # on a GPU (engine/sampling/sampler.py dense_distribution)
 STAGE_UNITS: Mapping[str, str] = {LOADING_WEIGHTS: "tensors", CALIBRATING: "runs", CAPTURING_GRAPHS: "batch sizes",
-                                 MEASURING_KERNELS: "row counts"}
+                                 MEASURING_KERNELS: "row counts", COMPILING_SAMPLER: "variants"}
 
 T = TypeVar("T")
 

@@ -5,6 +5,10 @@ The order is vLLM's, after the grammar masks of constrained rows (structured out
 penalties (all on the raw logits, so greedy rows see them too); then temperature, min-p, top-k and top-p.
 Every step is a tensor op over the whole batch (or over the rows that need it); a batch in which no row asks
 for a control skips that control's work entirely.
+
+On a GPU the dense part (temperature, min-p, top-k/top-p, the softmax and the greedy rows' one-hots) runs as
+`dense_distribution`, branch-free over the batch, which the backend compiles into fused kernels
+(Backend.fuse): one compiled variant with the vocabulary sort, one without, each dynamic in the row count.
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ from engine.sampling.sampling_params import SamplingParams
 from engine.sampling.structured import mask_logits
 
 Argmax = Callable[[torch.Tensor], torch.Tensor]  # [B, V] -> [B] int64, the first maximal index of each row
+Dense = Callable[..., torch.Tensor]  # dense_distribution, or the backend's compiled version of it
 Index = tuple[torch.Tensor, torch.Tensor]  # (rows, token ids), flattened
 
 
@@ -297,9 +302,15 @@ def _apply_top_k_top_p(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tens
     return logits.masked_fill(~keep_vocab, float("-inf"))
 
 
-def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Return the exact per-row distribution that ``sample`` draws from: probs [B, V] float32."""
+def process_logits(logits: torch.Tensor, batch: SamplingBatch, dense: Dense | None = None) -> torch.Tensor:
+    """Return the exact per-row distribution that ``sample`` draws from: probs [B, V] float32. `dense`: the
+    backend's compiled dense_distribution (Backend.fuse), which gives the same values; None: skip what no row
+    asks for."""
     logits = adjust_logits(logits.float(), batch)  # [B, V]
+    if dense is not None:
+        min_p = torch.zeros_like(batch.temperature) if batch.min_p is None else batch.min_p
+        return dense(logits, batch.temperature, batch.greedy, min_p, batch.top_k, batch.top_p,
+                     batch.needs_top_k or batch.needs_top_p)
     temperature = torch.where(batch.greedy, torch.ones_like(batch.temperature), batch.temperature)
     scaled = logits / temperature[:, None]  # [B, V]
     if batch.min_p is not None:
@@ -311,6 +322,50 @@ def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         one_hot = F.one_hot(row_argmax(logits), logits.shape[-1]).to(probs.dtype)  # [B, V]
         probs = torch.where(batch.greedy[:, None], one_hot, probs)
     return probs
+
+
+def dense_distribution(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor, min_p: torch.Tensor,
+                       top_k: torch.Tensor, top_p: torch.Tensor, truncate: bool) -> torch.Tensor:
+    """process_logits' dense part with every control applied to every row, the values process_logits gives:
+    logits [B, V] float32 (biases, bans, penalties applied); temperature [B] (greedy rows: any), min_p [B]
+    (0: off), top_k [B] (0: off), top_p [B] (1: off); `truncate`: top-k and top-p at all (the vocabulary sort).
+    No branch on the values, so one compile serves every batch. Returns probs [B, V] float32."""
+    vocab = logits.shape[-1]
+    scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]  # [B, V]
+    probs = scaled.softmax(dim=-1)
+    scaled = scaled.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, float("-inf"))
+    if truncate:
+        sorted_logits, order = scaled.sort(dim=-1, descending=True, stable=True)  # [B, V]
+        k = torch.where(top_k > 0, top_k, vocab)  # [B]
+        keep = torch.arange(vocab, device=logits.device)[None, :] < k[:, None]  # [B, V] in sorted order
+        sorted_logits = sorted_logits.masked_fill(~keep, float("-inf"))
+        mass_before = F.pad(sorted_logits.softmax(dim=-1).cumsum(dim=-1)[:, :-1], (1, 0))
+        keep = keep & ((mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0))
+        scaled = scaled.masked_fill(~torch.empty_like(keep).scatter_(1, order, keep), float("-inf"))
+    probs = scaled.softmax(dim=-1)  # [B, V]
+    one_hot = torch.arange(vocab, device=logits.device)[None, :] == row_argmax(logits)[:, None]  # [B, V]
+    return torch.where(greedy[:, None], one_hot.to(probs.dtype), probs)
+
+
+def dense_warm_ups(vocab: int, device: torch.device | str) -> list[tuple]:
+    """dense_distribution's arguments in each shape a compiler specialises (one row and several; with and
+    without the sort): called once each at start-up, so no step waits for a compile."""
+    calls = []
+    for rows in (1, 2):
+        for truncate in (False, True):
+            ones = torch.ones(rows, dtype=torch.float32, device=device)
+            calls.append((torch.zeros(rows, vocab, dtype=torch.float32, device=device), ones,
+                          torch.zeros(rows, dtype=torch.bool, device=device), ones * 0,
+                          torch.zeros(rows, dtype=torch.int64, device=device), ones, truncate))
+    return calls
+
+
+def warm_dense(dense: Dense, vocab: int, device: torch.device | str) -> int:
+    """Call `dense` in every shape of dense_warm_ups; returns the number of calls."""
+    warm_ups = dense_warm_ups(vocab, device)
+    for args in warm_ups:
+        dense(*args)
+    return len(warm_ups)
 
 
 def _exponential_noise(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -370,15 +425,17 @@ def exponential_race(probs: torch.Tensor, generators: list[torch.Generator | Non
     return (probs / noise.clamp_(min=torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch, argmax: Argmax = row_argmax) -> SamplerOutput:
+def sample(logits: torch.Tensor, batch: SamplingBatch, argmax: Argmax = row_argmax,
+           dense: Dense | None = None) -> SamplerOutput:
     """Pick one token per row of ``logits`` [B, V] (any float dtype: all but a plain greedy pick run in fp32);
-    logprobs come from the raw (unprocessed) logits. `argmax` makes greedy picks (row_argmax's contract)."""
+    logprobs come from the raw (unprocessed) logits. `argmax` makes greedy picks (row_argmax's contract);
+    `dense` as process_logits takes it."""
     if batch.all_greedy and batch.max_logprobs is None:
         return SamplerOutput(token_ids=greedy_tokens(logits, batch, argmax).tolist(), logprobs=None)
     logits = logits.float()
     if batch.all_greedy:
         tokens = greedy_tokens(logits, batch, argmax)  # [B]
     else:
-        tokens = _draw(process_logits(logits, batch), batch)  # [B]
+        tokens = _draw(process_logits(logits, batch, dense), batch)  # [B]
     logprobs = _logprobs(logits, tokens, batch) if batch.max_logprobs is not None else None
     return SamplerOutput(token_ids=tokens.tolist(), logprobs=logprobs)
