@@ -105,7 +105,9 @@ def kernel_config(kernels: str) -> CpuKernelConfig:
         return CpuKernelConfig()
     if kernels in ("w4a8", "w8a8"):
         return CpuKernelConfig(max_w4a8_rows=1 << 30, max_w8a8_rows=1 << 30, max_int8_rows=1 << 30)
-    if kernels in GEMMS or kernels == "floor":
+    if kernels == "floor":  # the reference's own math: F.linear in bf16 on the dequantised weights
+        return CpuKernelConfig(linear_fp32=False)
+    if kernels in GEMMS:
         return CpuKernelConfig()
     raise ValueError(f"unknown kernel set {kernels!r}: shipped, w4a8, w8a8, {', '.join(GEMMS)} or floor")
 

@@ -321,7 +321,10 @@ def check_bf16(backend: CpuKernelBackend, kernel: str, rows: int, gen: torch.Gen
     w = (torch.randn(160, 96, generator=gen) * 0.1).to(torch.bfloat16)
     bias = torch.randn(160, generator=gen).to(torch.bfloat16)
     got = backend.linear(x, backend.prepare_linear(w, bias, None))
-    if kernel in ("linear", "onednn"):  # oneDNN's packed copy is F.linear to the bit
+    if kernel == "linear" and backend.linear_fp32:
+        exact = w.double()
+        assert_rounded_once(got, x.double() @ exact.T + bias.double(), x, exact, (rows, 160), sum_error=2 ** -20)
+    elif kernel in ("linear", "onednn"):  # oneDNN's packed copy is F.linear to the bit
         assert torch.equal(got, F.linear(x, w, bias))
     else:  # fp32 sums rounded once
         torch.testing.assert_close(got.float(), F.linear(x.float(), w.float(), bias.float()), rtol=2 ** -8, atol=1e-4)
@@ -331,7 +334,10 @@ def check_int8(backend: CpuKernelBackend, kernel: str, rows: int, gen: torch.Gen
     x = torch.randn(rows, 100, generator=gen).to(torch.bfloat16)
     codes, scale = quant.quantize_rows(torch.randn(70, 100, generator=gen) * 0.05)
     got = backend.linear(x, backend.prepare_linear(codes, None, scale))
-    if kernel == "linear":
+    if kernel == "linear" and backend.linear_fp32:
+        exact = codes.double() * scale.double()[:, None]
+        assert_rounded_once(got, x.double() @ exact.T, x, exact, (rows, 70), sum_error=2 ** -20)
+    elif kernel == "linear":
         assert torch.equal(got, TorchBackend().linear(x, weight_ops.Weight(codes, scale=scale)))
     elif kernel == "w8a8":
         ref = reference_w8a8(x, codes, scale, None)
@@ -344,7 +350,10 @@ def check_int4(backend: CpuKernelBackend, kernel: str, rows: int, gen: torch.Gen
     x = torch.randn(rows, 100, generator=gen).to(torch.bfloat16)
     packed, scales = int4_weight(torch.randn(70, 100, generator=gen) * 0.05 + 0.01)
     got = backend.linear(x, backend.prepare_linear(packed, None, scales))
-    if kernel == "linear":  # the kernel's dequantisation is torch's to the bit
+    if kernel == "linear" and backend.linear_fp32:
+        weights = dequantised(packed, scales, 100)
+        assert_rounded_once(got, x.double() @ weights.T, x, weights, (rows, 70), sum_error=2 ** -20)
+    elif kernel == "linear":  # the kernel's dequantisation is torch's to the bit
         assert torch.equal(got, TorchBackend().linear(x, weight_ops.Weight(packed, scale=scales)))
     elif kernel == "w4a8":
         assert_rounded_once(got, reference_w4a8(x, packed, scales, None), x, dequantised(packed, scales, 100),
@@ -356,13 +365,13 @@ def check_int4(backend: CpuKernelBackend, kernel: str, rows: int, gen: torch.Gen
 
 def check_int8g(backend: CpuKernelBackend, kernel: str, rows: int, gen: torch.Generator) -> None:
     """The int8g kernel: the fp32 product with its exact weights within the sums' rounding, then rounded to bf16
-    once; F.linear: torch's chunks of the weight dequantised to bf16, to the bit."""
+    once; F.linear: torch's chunks of the weight dequantised to bf16, to the bit (with linear_fp32: as the kernel)."""
     x = torch.randn(rows, 100, generator=gen).to(torch.bfloat16)
     codes, scales = weight_ops.int8g_pack(torch.randint(-32, 32, (70, 100), generator=gen, dtype=torch.int8),
                                           *torch.rand(2, 70, 7, generator=gen) * 0.01, 100)
     got = backend.linear(x, backend.prepare_linear(codes, None, scales))
     weights = weight_ops.int8g_rows(codes, scales, slice(0, 70), 100, torch.float32).double()
-    if kernel == "linear":
+    if kernel == "linear" and not backend.linear_fp32:
         assert torch.equal(got, TorchBackend().linear(x, weight_ops.Weight(codes, scale=scales)))
     else:
         assert_rounded_once(got, x.double() @ weights.T, x, weights, (rows, 70), sum_error=2 ** -20)
@@ -563,3 +572,34 @@ def test_a_format_only_the_head_has_is_timed_on_the_heads_shape(tmp_path):
     int4_everywhere = load_model(resolve_model(path), torch.bfloat16, weight_dtype="int4")
     same = kernel_workload(int4_everywhere, 32)
     assert same.formats == ("int4",) and same.own_shapes == () and "own_shapes" not in same.to_key()
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
+def test_linear_in_fp32_is_the_exact_weights_product_rounded_once(fmt):
+    """With linear_fp32 (the default where the kernels lack AVX-512) the table's "linear" multiplies in fp32 by the
+    weight widened or dequantised exactly: within one bf16 rounding of the float64 product (fp32 sums), where
+    the bf16 F.linear it replaces rounds a dequantised weight first. It turns the decode stack off (the stack's
+    own F.linear is bf16), and /status names it."""
+    require_kernels()
+    torch.manual_seed(11)
+    n, k = 48, 96
+    w = torch.randn(n, k) * 0.05
+    if fmt == "bf16":
+        data, scale, exact = w.to(torch.bfloat16), None, w.to(torch.bfloat16).double()
+    elif fmt == "int8":
+        scale = w.abs().amax(dim=1) / 127
+        data = torch.round(w / scale[:, None]).to(torch.int8)
+        exact = data.double() * scale.double()[:, None]
+    else:
+        data, scale = int4_weight(w)
+        exact = dequantised(data, scale, k)
+    bias = torch.randn(n).to(torch.bfloat16)
+    table = dataclasses.replace(CpuKernelBackend().dispatch, **{fmt: Route.only("linear")})
+    backend = CpuKernelBackend(CpuKernelConfig(dispatch=table, linear_fp32=True))
+    assert backend.linear_fp32 and not backend.stacks and "linear_fp32" in backend.kernels()
+    weight = backend.prepare_linear(data, bias, scale)
+    x = torch.randn(5, k).to(torch.bfloat16)
+    got = backend.linear(x, weight)
+    ref = x.double() @ exact.T + bias.double()
+    assert_rounded_once(got, ref, x, exact, (5, n), sum_error=2 ** -20)
+    assert CpuKernelBackend().linear_fp32 == (not cpu_ext.vectorized())

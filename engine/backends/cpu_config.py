@@ -67,6 +67,12 @@ class CpuKernelConfig:
     # has no int8g mode); a measured dispatch table times both int8g kernels on the model's own shapes.
     max_int8g_rows: int = 64
 
+    # "linear" in the dispatch table (F.linear on the plain weight, or on the weight dequantised) in fp32 on the
+    # weight widened or dequantised to fp32 (exact), rounded once to bf16; off: in bf16. None: on where the kernels
+    # were built without AVX-512 (no decode stack then, whose own F.linear is bf16). Backed by python -m
+    # bench.product_dtypes on a Zen 3 EPYC (AVX2 only): torch's bf16 products 0.4-17 GFLOP/s against fp32's 95-124.
+    linear_fp32: bool | None = None
+
     # oneDNN's packed copy serves 2..this many rows.
     # Backed by python -m bench.tiled_linear (part 1) on a Sapphire Rapids Xeon (AMX).
     max_onednn_rows: int = 128

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from engine.backends import weight_ops
 from engine.backends.base import Rope, StackLayer, StackShape
 from engine.backends.cpu_config import CpuKernelConfig
-from engine.backends.dispatch import ENGINES, PACKED, DispatchTable, valid_kernels
+from engine.backends.dispatch import ENGINES, FORMATS, PACKED, DispatchTable, valid_kernels
 from engine.backends.torch_ops import TorchBackend, split_heads
 from engine.backends.weight_ops import Weight
 from engine.kernels import cpu_ext, packed_linear
@@ -48,7 +48,8 @@ class CpuKernelBackend(TorchBackend):
         self.onednn = self.packing is not None and packed_linear.onednn_available()
         self.fused_gate_up = config.fused_gate_up and self.tiled and self.elementwise
         # the C++ stack runs the packed products on the first engine ("auto"), as the Python layers do by default
-        self.stacks = (config.decode_stack and self.elementwise and self.attends_in_place
+        self.linear_fp32 = not vectorized if config.linear_fp32 is None else config.linear_fp32
+        self.stacks = (config.decode_stack and self.elementwise and self.attends_in_place and not self.linear_fp32
                        and (self.engine is None or self.engine == cpu_ext.matrix_engines()[0]))
 
     # ---- prepare: the packed copies and the decode stack, once per model ----------------------------------
@@ -105,7 +106,17 @@ class CpuKernelBackend(TorchBackend):
         up to max_gemv_rows rows, else F.linear. decode_stack.cpp's project() makes the same choice from the limits
         `stack_limits` gives it."""
         out = self._bf16_kernel(x, w.data, w.bias, w.packed, fp32_out=False)
-        return F.linear(x, w.data, w.bias) if out is None else out
+        if out is not None:
+            return out
+        return self._linear_fp32(x, w) if self.linear_fp32 else F.linear(x, w.data, w.bias)
+
+    def _linear_fp32(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
+        """The table's "linear" where config.linear_fp32: F.linear in fp32 on chunks of the weight widened or
+        dequantised to fp32 (the file's values, exactly), plus the bias, rounded once to x's dtype."""
+        out = weight_ops.linear_fp32(x, w.data, w.scale)
+        if w.bias is not None:
+            out += w.bias
+        return out.to(x.dtype)
 
     def _bf16_kernel(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                      packed: torch.Tensor | None, fp32_out: bool) -> torch.Tensor | None:
@@ -126,7 +137,9 @@ class CpuKernelBackend(TorchBackend):
         on the weight's W8A8 copy), the int8 kernel (weights widened to fp32 in registers), or F.linear on the weight
         dequantised to bf16. decode_stack.cpp's project() makes the same choice."""
         out = self._int8_kernel(x, w, w.bias, fp32_out=False)
-        return super().linear_int8(x, w) if out is None else out
+        if out is not None:
+            return out
+        return self._linear_fp32(x, w) if self.linear_fp32 else super().linear_int8(x, w)
 
     def _int8_kernel(self, x: torch.Tensor, w: Weight, bias: torch.Tensor | None,
                      fp32_out: bool) -> torch.Tensor | None:
@@ -170,6 +183,8 @@ class CpuKernelBackend(TorchBackend):
             return out
         if x.dtype != torch.bfloat16:
             return super().linear_int8g(x, w)
+        if self.linear_fp32:
+            return self._linear_fp32(x, w)
         k = x.shape[-1]
         return weight_ops.linear_int8g(x, w.data, w.scale, w.bias,
                                        lambda begin, end: cpu_ext.dequantize_int8g(w.data, w.scale, k, begin, end))
@@ -196,6 +211,8 @@ class CpuKernelBackend(TorchBackend):
         out = self._int4_kernel(x, w.data, w.scale, w.bias, fp32_out=False)
         if out is not None:
             return out
+        if self.linear_fp32:
+            return self._linear_fp32(x, w)
         k = x.shape[-1]
         return weight_ops.linear_int4(x, w.data, w.scale, w.bias,
                                       lambda begin, end: cpu_ext.dequantize_int4(w.data, w.scale, k, begin, end))
@@ -334,7 +351,8 @@ class CpuKernelBackend(TorchBackend):
               "linear_int4_bf16": table.int4.uses("int4_bf16"),
               "linear_int8g": table.int8g.uses("int8g"), "linear_int8g_bf16": table.int8g.uses("int8g_bf16"),
               "rms_norm": self.elementwise,
-              "rotary": self.elementwise, "silu_mul": self.elementwise, "decode_stack": self.stacks}
+              "rotary": self.elementwise, "silu_mul": self.elementwise, "decode_stack": self.stacks,
+              "linear_fp32": self.linear_fp32 and any(table.route(fmt).uses("linear") for fmt in FORMATS)}
         return [name for name, used in on.items() if used]
 
 

@@ -64,7 +64,7 @@ def measured_table(config: CpuKernelConfig, workload: Workload, cache: DiskCache
     backend = CpuKernelBackend(config)
     candidates = {fmt: backend.candidates[fmt] for fmt in workload.formats}
     buckets = row_buckets(workload.max_rows)
-    key = dispatch_key(candidates, workload, buckets, config.row_caps())
+    key = dispatch_key(candidates, workload, buckets, config.row_caps(), backend.linear_fp32)
     with _one_measurer(cache, key):
         found = None if recalibrate else _lookup(cache, key)
         if found is not None:
@@ -81,10 +81,12 @@ def measured_table(config: CpuKernelConfig, workload: Workload, cache: DiskCache
 
 
 def dispatch_key(candidates: dict[str, tuple[str, ...]], workload: Workload, buckets: tuple[int, ...],
-                 caps: dict[str, int]) -> dict[str, Any]:
+                 caps: dict[str, int], linear_fp32: bool = False) -> dict[str, Any]:
+    """`linear_fp32`: the table's "linear" multiplies in fp32 (CpuKernelConfig.linear_fp32), another kernel's time."""
     return {"procedure": PROCEDURE, "build": cpu_ext.key().name, "cpu": cpu_model(), "cores": os.cpu_count(),
             "workload": workload.to_key(), "buckets": list(buckets),
-            "candidates": {fmt: list(kernels) for fmt, kernels in candidates.items()}, "caps": caps}
+            "candidates": {fmt: list(kernels) for fmt, kernels in candidates.items()}, "caps": caps,
+            **({"linear_fp32": True} if linear_fp32 else {})}
 
 
 def summary(table: DispatchTable) -> str:
