@@ -11,24 +11,13 @@ path; the line after the table says which features this CPU has.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
+from bench.kv_transfer import median_ms
 from bench.provenance import provenance
 from engine.kernels.extension_build import build_key, cpu_model
-
-
-def seconds(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -47,14 +36,14 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"{'rows':>6} {'bf16':>9} {'fp32 (widened)':>15} {'fp32 / bf16':>12}")
     for rows in (int(r) for r in args.rows.split(",")):
         x = torch.randn(rows, k).to(torch.bfloat16)
-        bf16 = seconds(lambda: F.linear(x, weight), args.repeats)
-        fp32 = seconds(lambda: F.linear(x.float(), weight.float()).to(torch.bfloat16), args.repeats)
+        bf16 = median_ms(lambda: F.linear(x, weight), args.repeats) / 1e3
+        fp32 = median_ms(lambda: F.linear(x.float(), weight.float()).to(torch.bfloat16), args.repeats) / 1e3
         flops = 2 * rows * n * k
         out["rows"][rows] = {"bf16_gflops": flops / bf16 / 1e9, "fp32_gflops": flops / fp32 / 1e9}
         print(f"{rows:>6} {flops / bf16 / 1e9:>9.1f} {flops / fp32 / 1e9:>15.1f} {bf16 / fp32:>12.2f}", flush=True)
     for dtype in (torch.bfloat16, torch.float32):
         a = torch.randn(2048, 2048).to(dtype)
-        rate = 2 * 2048 ** 3 / seconds(lambda: a @ a, 2) / 1e9
+        rate = 2 * 2048 ** 3 / (median_ms(lambda: a @ a, 2) / 1e3) / 1e9
         out[f"square_2048_{str(dtype).split('.')[-1]}_gflops"] = rate
         print(f"2048^3 {str(dtype).split('.')[-1]}: {rate:.1f} GFLOP/s")
     print(f"CPU: {out['cpu']}; kernel ISA features: {', '.join(out['features'])}")
