@@ -70,7 +70,8 @@ class CpuKernelConfig:
     # "linear" in the dispatch table (F.linear on the plain weight, or on the weight dequantised) in fp32 on the
     # weight widened or dequantised to fp32 (exact), rounded once to bf16; off: in bf16. None: on where the kernels
     # were built without AVX-512 (no decode stack then, whose own F.linear is bf16). Backed by python -m
-    # bench.product_dtypes on a Zen 3 EPYC (AVX2 only): torch's bf16 products 0.4-17 GFLOP/s against fp32's 95-124.
+    # bench.product_dtypes on a Zen 3 EPYC (AVX2 only): torch's bf16 products at 0.3-19 GFLOP/s, fp32's (the weight
+    # widened in the call) at 67-138 from 32 rows.
     linear_fp32: bool | None = None
 
     # oneDNN's packed copy serves 2..this many rows.

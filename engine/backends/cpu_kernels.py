@@ -47,8 +47,8 @@ class CpuKernelBackend(TorchBackend):
         self.engine = self.packing if self.tiled else self.engine
         self.onednn = self.packing is not None and packed_linear.onednn_available()
         self.fused_gate_up = config.fused_gate_up and self.tiled and self.elementwise
-        # the C++ stack runs the packed products on the first engine ("auto"), as the Python layers do by default
         self.linear_fp32 = not vectorized if config.linear_fp32 is None else config.linear_fp32
+        # the C++ stack runs the packed products on the first engine ("auto"), as the Python layers do by default
         self.stacks = (config.decode_stack and self.elementwise and self.attends_in_place and not self.linear_fp32
                        and (self.engine is None or self.engine == cpu_ext.matrix_engines()[0]))
 
@@ -135,7 +135,7 @@ class CpuKernelBackend(TorchBackend):
     def linear_int8(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
         """The dispatch table's int8 kernel for this row count: W8A8 (x quantised to int8 per row, int32 sums on VNNI;
         on the weight's W8A8 copy), the int8 kernel (weights widened to fp32 in registers), or F.linear on the weight
-        dequantised to bf16. decode_stack.cpp's project() makes the same choice."""
+        dequantised to bf16 (to fp32 with linear_fp32). decode_stack.cpp's project() makes the same choice."""
         out = self._int8_kernel(x, w, w.bias, fp32_out=False)
         if out is not None:
             return out
@@ -177,7 +177,8 @@ class CpuKernelBackend(TorchBackend):
     def linear_int8g(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
         """The dispatch table's int8g kernel for this row count: the weight-only kernel (the weights exact in
         registers) or its GEMM on bf16 dot products, or F.linear on chunks of the weight dequantised to bf16 by the
-        kernel's dequantize_int8g. decode_stack.cpp's project() makes the same choice."""
+        kernel's dequantize_int8g (with linear_fp32: to fp32, exactly). decode_stack.cpp's project() makes the same
+        choice."""
         out = self._int8g_kernel(x, w, w.bias, fp32_out=False)
         if out is not None:
             return out
@@ -204,8 +205,8 @@ class CpuKernelBackend(TorchBackend):
 
     def linear_int4(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
         """The dispatch table's int4 kernel for this row count: W4A8, the weight-only kernel (or its AVX-512 GEMM),
-        or F.linear on chunks of the weight dequantised to bf16 by the kernel's dequantize_int4. decode_stack.cpp's
-        project() makes the same choice."""
+        or F.linear on chunks of the weight dequantised to bf16 by the kernel's dequantize_int4 (with linear_fp32: to
+        fp32, exactly). decode_stack.cpp's project() makes the same choice."""
         if x.dtype != torch.bfloat16:
             return super().linear_int4(x, w)
         out = self._int4_kernel(x, w.data, w.scale, w.bias, fp32_out=False)
