@@ -21,7 +21,8 @@ from engine.kernels import (build_cuda_kernels, cpu_kernels, dequantize_fp4, deq
                             quantize_fp8)
 from tests.kv_quant_cudasim_check import cpu_map, gpu_map, make_pages, same_bits, scalar_cases
 from tests.test_engine import GREEDY, assert_pool_clean, make_prompts, tiny_llm
-from tests.test_kv_staging import OPTIONS as OPTIONS_STAGING, RecordingSink, streamed_generation
+from tests.test_disagg_inprocess import run_disaggregated
+from tests.test_kv_staging import OPTIONS as OPTIONS_STAGING, RecordingSink
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -155,7 +156,8 @@ def test_streamed_pages_leave_the_gpu_on_a_side_stream_and_decode_as_colocated(t
     prompts = [p * 3 for p in make_prompts(2, seed=41)]
     sink = RecordingSink()
     want = [o.token_ids for o in colocated.generate(prompts, GREEDY)]
-    assert streamed_generation(decode, prefill, prompts, sink) == want
+    outs, _ = run_disaggregated(decode, prefill, prompts, GREEDY, streamed=True, sink=sink)
+    assert [o.token_ids for o in outs] == want
     assert sink.sources and all(pages.device.type == "cpu" and pages.is_pinned() for pages in sink.sources)
     assert_pool_clean(decode)
 

@@ -26,10 +26,11 @@ def pair(tiny_model_dir):
 
 
 def run_disaggregated(decode: LLM, prefill: PrefillEngine, prompts: list[list[int]], params: SamplingParams,
-                      streamed: bool = False):
+                      streamed: bool = False, sink=None):
     """Reserve on the decode side, prefill into those blocks, hand the first token over, decode to the end.
     `streamed`: as for a decode actor on another host, the prefill computes into its own pool and the pages
-    are written into the reserved blocks from the result."""
+    are written into the reserved blocks from the result, or with `sink` (tests/test_kv_staging.py RecordingSink)
+    from what the sink was sent as the prefill ran."""
     engine = decode.engine
     processor = OutputProcessor(decode.tokenizer)
     computed = {}
@@ -38,12 +39,14 @@ def run_disaggregated(decode: LLM, prefill: PrefillEngine, prompts: list[list[in
         processor.add(rid, None, prompt, params)
         blocks, cached = engine.reserve_remote_prefill(rid, prompt, time.monotonic() + 30)
         job = PrefillJob(rid, prompt, params, blocks, cached, "decode-0", time.monotonic() + 30)
-        prefill.add_streamed(job, engine.kv_cache.kv_format) if streamed else prefill.add(job)
+        prefill.add_streamed(job, engine.kv_cache.kv_format, sink) if streamed else prefill.add(job)
     finals = {}
     while prefill.has_work():
         for res in prefill.step():
             for layer, payload in enumerate(res.pages or ()):
                 engine.kv_cache.write_pages(layer, res.dest_block_ids, payload)
+            for layer, block_ids, payload in sink.pages_of(res.request_id) if sink is not None else ():
+                engine.kv_cache.write_pages(layer, block_ids, payload)
             computed[res.request_id] = len(prompts[int(res.request_id[1:])]) - res.num_cached_tokens
             req = EngineRequest(res.request_id, prompts[int(res.request_id[1:])], params)
             updates = engine.add_prefilled_request(req, res.first_token, res.logprobs, res.checksum)

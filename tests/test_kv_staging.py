@@ -4,7 +4,6 @@ recorded on the compute stream, and the sender waits for that copy only. A strea
 gives the pages a plain one does, and they decode as colocated."""
 from __future__ import annotations
 
-import time
 from contextlib import contextmanager
 
 import torch
@@ -12,10 +11,8 @@ import torch
 from engine import LLM
 from engine.config import EngineConfig
 from engine.core.builder import build_prefill_engine
-from engine.core.engine_core import EngineRequest
-from engine.core.output_processor import OutputProcessor
-from engine.core.prefill_engine import PrefillEngine, PrefillJob
 from engine.kv.staging import HostStager
+from tests.test_disagg_inprocess import run_disaggregated
 from tests.test_engine import GREEDY, make_prompts
 
 OPTIONS = dict(dtype="float32", num_kv_blocks=128, block_size=8, max_num_batched_tokens=16)
@@ -128,31 +125,10 @@ class RecordingSink:
     def cancel(self, request_id) -> None:
         raise AssertionError(f"{request_id} was cancelled")
 
-
-def streamed_generation(decode: LLM, prefill: PrefillEngine, prompts: list[list[int]],
-                        sink: RecordingSink) -> list[list[int]]:
-    """Reserve on the decode side, prefill each prompt streamed to `sink` (a destination on another host),
-    write what the sink got into the reserved blocks, decode to the end: each prompt's greedy tokens."""
-    engine = decode.engine
-    processor = OutputProcessor(decode.tokenizer)
-    for i, prompt in enumerate(prompts):
-        blocks, cached = engine.reserve_remote_prefill(f"r{i}", prompt, time.monotonic() + 30)
-        processor.add(f"r{i}", None, prompt, GREEDY)
-        prefill.add_streamed(PrefillJob(f"r{i}", prompt, GREEDY, blocks, cached, "decode-0", time.monotonic() + 30),
-                             engine.kv_cache.kv_format, sink)
-    finals = {}
-    while prefill.has_work():
-        for res in prefill.step():
-            for _, layer, ids, pages in (s for s in sink.sent if s[0] == res.request_id):
-                engine.kv_cache.write_pages(layer, ids, pages.contiguous().view(torch.uint8).numpy().tobytes())
-            req = EngineRequest(res.request_id, prompts[int(res.request_id[1:])], GREEDY)
-            outs, _ = processor.process(engine.add_prefilled_request(req, res.first_token, res.logprobs,
-                                                                     res.checksum))
-            finals.update((o.request_id, o) for o in outs if o.finished)
-    while engine.has_unfinished_requests():
-        outs, _ = processor.process(engine.step())
-        finals.update((o.request_id, o) for o in outs if o.finished)
-    return [finals[f"r{i}"].token_ids for i in range(len(prompts))]
+    def pages_of(self, request_id: str) -> list[tuple[int, list[int], bytes]]:
+        """(layer, destination blocks, read_pages' bytes) of each send for the request, in order."""
+        return [(layer, ids, pages.contiguous().view(torch.uint8).numpy().tobytes())
+                for rid, layer, ids, pages in self.sent if rid == request_id]
 
 
 def test_a_streamed_prefill_staged_through_side_streams_decodes_as_colocated(tiny_model_dir):
@@ -166,11 +142,12 @@ def test_a_streamed_prefill_staged_through_side_streams_decodes_as_colocated(tin
     prompts = [p * 3 for p in make_prompts(2, seed=41)]  # several chunks each
     colocated = LLM(str(tiny_model_dir), **OPTIONS).generate(prompts, GREEDY)
     sink = RecordingSink()
-    assert streamed_generation(decode, prefill, prompts, sink) == [o.token_ids for o in colocated]
+    outs, _ = run_disaggregated(decode, prefill, prompts, GREEDY, streamed=True, sink=sink)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in colocated]
     num_layers = engine.kv_cache.data.shape[0]
     per_request = {rid: sum(len(ids) for r, layer, ids, _ in sink.sent if r == rid and layer == 0)
-                   for rid in ("r0", "r1")}
-    assert per_request == {f"r{i}": -(-len(p) // 8) for i, p in enumerate(prompts)}  # every block, once
+                   for rid in ("d0", "d1")}
+    assert per_request == {f"d{i}": -(-len(p) // 8) for i, p in enumerate(prompts)}  # every block, once
     assert len({layer for _, layer, _, _ in sink.sent}) == num_layers
     assert len(sink.sent) > 2 * num_layers  # a prompt's pages went out in more than one chunk
     copies = [e for e in ops.log if e[0] == "keep"]
