@@ -19,8 +19,10 @@ Kernel sets: `shipped` is `CpuKernelBackend()` on this CPU (the shipped dispatch
 int8-activation kernels for every row count they take (their scalar loop where this CPU lacks AVX-512 VNNI), to
 measure the activation format itself; `int4_gemm` / `int4_bf16` / `int8g_bf16` give every product of their format
 up to their row cap (CpuKernelConfig.row_caps) to the AVX-512 int4 GEMM / the int4 or int8g product on bf16 dot
-products, as a measured table may. tests/test_kernel_accuracy.py runs `shipped` on the real models (and those on
-the int4 and `auto` weights they serve).
+products, as a measured table may. `floor` gives every product to F.linear in the reference's own bf16 math,
+`floor32` to F.linear in fp32 on the exact weights (`linear32`, which the shipped table names on a CPU without bf16
+dot products): each is as far from the reference as the rounding order alone puts a model. tests/test_kernel_accuracy.py
+runs `shipped` on the real models (and those on the int4 and `auto` weights they serve).
 """
 from __future__ import annotations
 
@@ -107,9 +109,9 @@ def kernel_config(kernels: str) -> CpuKernelConfig:
         return CpuKernelConfig(max_w4a8_rows=1 << 30, max_w8a8_rows=1 << 30, max_int8_rows=1 << 30)
     if kernels == "floor":  # the reference's own math: F.linear in bf16 on the dequantised weights
         return CpuKernelConfig(linear_fp32=False)
-    if kernels in GEMMS:
+    if kernels in GEMMS or kernels == "floor32":
         return CpuKernelConfig()
-    raise ValueError(f"unknown kernel set {kernels!r}: shipped, w4a8, w8a8, {', '.join(GEMMS)} or floor")
+    raise ValueError(f"unknown kernel set {kernels!r}: shipped, w4a8, w8a8, {', '.join(GEMMS)}, floor or floor32")
 
 
 def forced_backend(kernels: str) -> CpuKernelBackend:
@@ -121,9 +123,10 @@ def forced_backend(kernels: str) -> CpuKernelBackend:
         cap = backend.config.row_caps()[kernels]
         table = dataclasses.replace(backend.dispatch, **{GEMMS[kernels]: Route.from_rule(
             lambda rows: kernels if rows <= cap else "linear", (cap,))})
-    elif kernels == "floor":
-        table = dataclasses.replace(backend.dispatch, **{fmt: Route.only("linear") for fmt in DISPATCH_FORMATS})
-        return MemoisedFloor(dataclasses.replace(backend.config, dispatch=table))
+    elif kernels in ("floor", "floor32"):
+        linear, memoised = ("linear", MemoisedFloor) if kernels == "floor" else ("linear32", MemoisedFloor32)
+        table = dataclasses.replace(backend.dispatch, **{fmt: Route.only(linear) for fmt in DISPATCH_FORMATS})
+        return memoised(dataclasses.replace(backend.config, dispatch=table))
     else:
         table = dataclasses.replace(backend.dispatch, int8=Route.only("w8a8"), int4=Route.only("w4a8"))
     return CpuKernelBackend(dataclasses.replace(backend.config, dispatch=table))
@@ -189,6 +192,25 @@ class MemoisedFloor(CpuKernelBackend):
 
     def lm_head(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
         return super().lm_head(x, w) if w.scale is None else self.reference.lm_head(x, w)
+
+
+class MemoisedFloor32(CpuKernelBackend):
+    """The `floor32` set: this CPU's kernels with every product on the "linear32" route (F.linear in fp32 on the
+    weights widened or dequantised to fp32, exactly), the LM head's as the reference's; the fp32 chunks kept."""
+
+    def __init__(self, config: CpuKernelConfig) -> None:
+        super().__init__(config)
+        self.reference = MemoisedReference()
+
+    def _linear_fp32(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
+        rows = self.reference.kept(w.data, x.float(), weight_ops.weight_rows_fp32(w.data, w.scale, x.shape[-1]))
+        out = weight_ops.linear_fp32(x, w.data, w.scale, rows)
+        if w.bias is not None:
+            out += w.bias
+        return out.to(x.dtype)
+
+    def lm_head(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
+        return self.reference.lm_head(x, w)
 
 
 def load(source: ModelSource, weight_dtype: str) -> LlamaModel:
@@ -292,7 +314,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--model", default=None, help="a GGUF file or HF folder (default: SmolLM2-135M)")
     parser.add_argument("--formats", default=",".join(FORMATS))
     parser.add_argument("--kernels", default="shipped",
-                        help=f"comma-separated: shipped, w4a8, w8a8, {', '.join(GEMMS)}, floor")
+                        help=f"comma-separated: shipped, w4a8, w8a8, {', '.join(GEMMS)}, floor, floor32")
     parser.add_argument("--windows", type=int, default=4)
     parser.add_argument("--length", type=int, default=192)
     parser.add_argument("--threads", type=int, default=2)

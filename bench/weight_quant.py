@@ -46,6 +46,7 @@ from engine import LLM  # noqa: E402
 from engine.backends import CpuKernelBackend  # noqa: E402
 from engine.backends import weight_ops  # noqa: E402
 from engine.backends.cpu_config import CpuKernelConfig  # noqa: E402
+from engine.backends.dispatch import FALLBACKS  # noqa: E402
 from engine.backends.weight_ops import Weight  # noqa: E402
 from engine.model import quant  # noqa: E402
 from engine.model.llama import LlamaModel  # noqa: E402
@@ -81,7 +82,7 @@ class TorchInt4Backend(CpuKernelBackend):
 
     def linear_int4(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
         entry = self.torch_int4.get(id(w.data))
-        if entry is None or entry[0] is not w.data or self.dispatch.int4.kernel(x.shape[0]) == "linear":
+        if entry is None or entry[0] is not w.data or self.dispatch.int4.kernel(x.shape[0]) in FALLBACKS:
             return super().linear_int4(x, w)
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, entry[1], weight_ops.INT4_GROUP, entry[2])
         return out if w.bias is None else out + w.bias

@@ -96,8 +96,29 @@ def test_stack_is_bit_identical_to_the_python_layers(tiny_model_dir, seqs, stack
 @pytest.mark.parametrize("gemv_rows,packed_rows", [(0, 0), (8, 0)], ids=["f-linear", "gemv-several-rows"])
 def test_stack_follows_the_product_limits(tiny_model_dir, gemv_rows, packed_rows, stack_calls):
     model = kernel_model(tiny_model_dir, max_gemv_rows=gemv_rows, max_onednn_rows=packed_rows,
-                         max_tiled_rows=packed_rows)
+                         max_tiled_rows=packed_rows, linear_fp32=False)  # F.linear in bf16, as the stack has it
     assert_stack_matches_layers(model, [0, 1, 2], stack_calls)
+
+
+def test_steps_the_table_sends_to_linear32_run_the_python_layers(tiny_model_dir, stack_calls):
+    """The stack's F.linear is bf16's: at a row count the table sends to linear32 (F.linear in fp32) the step runs
+    the layers from Python, at the others the stack, and the logits are the same either way."""
+    route = Route.from_points([(1, "gemv"), (3, "linear32")])
+    table = dataclasses.replace(CpuKernelBackend().dispatch, bf16=route, measured=("bf16",))
+    model = kernel_model(tiny_model_dir, dispatch=table)
+    kv, tables = prefilled(model)
+    for seqs, stacked in (([0, 1], True), ([0, 1, 2], False), ([4, 2, 0, 3, 1], False)):
+        stack_calls.clear()
+        layers_logits, _ = decode_steps(model, kv, tables, seqs, stack=False)
+        logits, _ = decode_steps(model, kv, tables, seqs, stack=True)
+        assert stack_calls == ([len(seqs)] * 3 if stacked else [])
+        assert all(torch.equal(a, b) for a, b in zip(logits, layers_logits))
+    # a format the layers do not have going to linear32 keeps the stack (these layers are bf16)
+    other = dataclasses.replace(CpuKernelBackend().dispatch, int4=Route.only("linear32"), measured=("int4",))
+    model = kernel_model(tiny_model_dir, dispatch=other)
+    stack_calls.clear()
+    decode_steps(model, *prefilled(model), [0, 1, 2], stack=True)
+    assert stack_calls == [3] * 3
 
 
 @pytest.mark.parametrize("points", [[(1, "gemv"), (3, "packed")], [(1, "linear"), (2, "packed"), (3, "gemv"),

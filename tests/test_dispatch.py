@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from engine.backends import CpuKernelBackend, CpuKernelConfig, TorchBackend
 from engine.backends import dispatch_store, weight_ops
 from engine.backends.dispatch import (ENGINES, FORMATS, KERNELS, PACKED, PRUNE_FACTOR, REPS, DispatchTable, Route,
-                                      choose_table, row_buckets, valid_kernels)
+                                      choose_table, native_bf16, row_buckets, valid_kernels)
 from engine.backends.dispatch_store import Measured, measured_table
 from engine.backends.kernel_timing import KernelTimer, Workload
 from engine.config import EngineConfig
@@ -50,8 +50,8 @@ def cost(fmt: str, kernel: str, rows: int) -> float:
     fixed, per_row = {"gemv": (1.0, 1.0), "int8": (1.0, 1.2), "int4": (1.0, 0.8), "w8a8": (0.8, 0.9),
                       "w4a8": (0.8, 0.7), "int4_gemm": (1.2, 0.35), "int4_bf16": (2.0, 0.2), "tiles": (3.0, 0.2),
                       "vectors": (3.5, 0.22), "int8g_bf16": (2.0, 0.25),
-                      "onednn": (4.0, 0.3), "int8g": (1.0, 1.1), "linear": (8.0, 0.25)}[kernel]
-    return fixed + per_row * rows + (2.0 if fmt != "bf16" and kernel == "linear" else 0.0)
+                      "onednn": (4.0, 0.3), "int8g": (1.0, 1.1), "linear": (8.0, 0.25), "linear32": (9.0, 0.24)}[kernel]
+    return fixed + per_row * rows + (2.0 if fmt != "bf16" and kernel in ("linear", "linear32") else 0.0)
 
 
 def assert_valid_for(table: DispatchTable, features: tuple[str, ...]) -> None:
@@ -68,49 +68,58 @@ def assert_valid_for(table: DispatchTable, features: tuple[str, ...]) -> None:
 
 
 def test_each_kind_of_cpu_has_the_kernels_its_features_build():
-    int8g = {"int8g": ("int8g", "linear")}  # its vector code needs no more than its scalar loop's build
-    int8g_bf16 = {"int8g": ("int8g", "int8g_bf16", "linear")}
-    assert valid_kernels(AMX) == {"bf16": ("gemv", "tiles", "vectors", "onednn", "linear"),
-                                  "int8": ("w8a8", "int8", "linear"),
-                                  "int4": ("w4a8", "int4", "int4_gemm", "int4_bf16", "linear"), **int8g_bf16}
-    assert valid_kernels(AVX512_BF16)["bf16"] == ("gemv", "vectors", "onednn", "linear")
-    assert valid_kernels(AVX512_BF16)["int4"] == ("w4a8", "int4", "int4_gemm", "int4_bf16", "linear")
-    assert valid_kernels(AVX512) == {"bf16": ("gemv", "onednn", "linear"), "int8": ("w8a8", "int8", "linear"),
-                                     "int4": ("w4a8", "int4", "int4_gemm", "linear"), **int8g}
-    assert valid_kernels(BASE) == {"bf16": ("gemv", "linear"), "int8": ("int8", "linear"),
-                                   "int4": ("int4", "linear"), **int8g}
-    assert valid_kernels(()) == {"bf16": ("gemv", "linear"), "int8": ("int8", "linear"), "int4": ("linear",),
-                                 **int8g}
+    fl = ("linear", "linear32")  # F.linear in bf16 and in fp32: everywhere
+    int8g = {"int8g": ("int8g",) + fl}  # its vector code needs no more than its scalar loop's build
+    int8g_bf16 = {"int8g": ("int8g", "int8g_bf16") + fl}
+    assert valid_kernels(AMX) == {"bf16": ("gemv", "tiles", "vectors", "onednn") + fl, "int8": ("w8a8", "int8") + fl,
+                                  "int4": ("w4a8", "int4", "int4_gemm", "int4_bf16") + fl, **int8g_bf16}
+    assert valid_kernels(AVX512_BF16)["bf16"] == ("gemv", "vectors", "onednn") + fl
+    assert valid_kernels(AVX512_BF16)["int4"] == ("w4a8", "int4", "int4_gemm", "int4_bf16") + fl
+    assert valid_kernels(AVX512) == {"bf16": ("gemv", "onednn") + fl, "int8": ("w8a8", "int8") + fl,
+                                     "int4": ("w4a8", "int4", "int4_gemm") + fl, **int8g}
+    assert valid_kernels(BASE) == {"bf16": ("gemv",) + fl, "int8": ("int8",) + fl, "int4": ("int4",) + fl, **int8g}
+    assert valid_kernels(()) == {"bf16": ("gemv",) + fl, "int8": ("int8",) + fl, "int4": fl, **int8g}
+    assert [cpu for cpu, features in CPUS.items() if native_bf16(features)] == ["amx", "avx512-bf16"]
 
 
 @pytest.mark.parametrize("cpu", CPUS)
 @pytest.mark.parametrize("config", [CpuKernelConfig(), QUANTISED_ACTIVATIONS], ids=["default", "w8a8-w4a8"])
 def test_the_shipped_table_for_each_kind_of_cpu_names_valid_kernels(cpu, config):
-    table = config.shipped_table(faked_candidates(CPUS[cpu], config))
+    table = config.shipped_table(faked_candidates(CPUS[cpu], config), native_bf16(CPUS[cpu]))
     assert table.source == "shipped"
     assert_valid_for(table, CPUS[cpu])
 
 
 def test_the_shipped_tables_are_the_row_limits():
+    """F.linear in bf16 where the CPU has bf16 dot products, in fp32 (linear32) where it has not."""
     expected = {"amx": "1: gemv, 2-1024: tiles, 1025+: linear",
                 "avx512-bf16": "1: gemv, 2-4096: vectors, 4097+: linear",
-                "avx512": "1: gemv, 2-128: onednn, 129+: linear", "avx2": "1-5: gemv, 6+: linear"}
+                "avx512": "1: gemv, 2-128: onednn, 129+: linear32", "avx2": "1-5: gemv, 6+: linear32"}
     for cpu, features in CPUS.items():
-        table = CpuKernelConfig().shipped_table(faked_candidates(features))
+        table = CpuKernelConfig().shipped_table(faked_candidates(features), native_bf16(features))
+        linear = "linear" if native_bf16(features) else "linear32"
         assert table.bf16.describe() == expected[cpu]
-        assert table.int8.describe() == "1-64: int8, 65+: linear"
-        assert table.int4.describe() == "1-64: int4, 65+: linear"
-    asked = QUANTISED_ACTIVATIONS.shipped_table(faked_candidates(AVX512, QUANTISED_ACTIVATIONS))
+        assert table.int8.describe() == f"1-64: int8, 65+: {linear}"
+        assert table.int4.describe() == f"1-64: int4, 65+: {linear}"
+    asked = QUANTISED_ACTIVATIONS.shipped_table(faked_candidates(AVX512, QUANTISED_ACTIVATIONS), True)
     assert asked.int8.describe() == "1-64: w8a8, 65+: linear" and asked.int4.describe() == "1-64: w4a8, 65+: linear"
-    no_vnni = QUANTISED_ACTIVATIONS.shipped_table(faked_candidates(BASE, QUANTISED_ACTIVATIONS))
+    no_vnni = QUANTISED_ACTIVATIONS.shipped_table(faked_candidates(BASE, QUANTISED_ACTIVATIONS), True)
     assert no_vnni.int8.describe() == "1-64: int8, 65+: linear"  # W8A8 asked for, but no VNNI to run it
+    for forced, linear in ((True, "linear32"), (False, "linear")):  # linear_fp32 set: whatever the CPU has
+        config = CpuKernelConfig(linear_fp32=forced)
+        for features in CPUS.values():
+            candidates = faked_candidates(features, config)
+            assert all(linear in kernels and len(set(kernels) & {"linear", "linear32"}) == 1
+                       for kernels in candidates.values())
+            table = config.shipped_table(candidates, native_bf16(features))
+            assert table.int4.describe() == f"1-64: int4, 65+: {linear}"
 
 
 @pytest.mark.parametrize("cpu", CPUS)
 @pytest.mark.parametrize("config", [CpuKernelConfig(), QUANTISED_ACTIVATIONS], ids=["default", "w8a8-w4a8"])
 def test_a_measured_table_for_each_kind_of_cpu_names_valid_kernels(cpu, config):
     candidates = faked_candidates(CPUS[cpu], config)
-    base = config.shipped_table(candidates)
+    base = config.shipped_table(candidates, native_bf16(CPUS[cpu]))
     table, timings = choose_table(candidates, BUCKETS, cost, base, config.row_caps())
     assert table.source == "measured" and set(timings) == set(FORMATS)
     assert_valid_for(table, CPUS[cpu])
@@ -131,7 +140,7 @@ def scripted(times: dict[str, dict[int, float]], calls: list | None = None):
 
 
 def shipped() -> DispatchTable:
-    return CpuKernelConfig().shipped_table(faked_candidates(AVX512))
+    return CpuKernelConfig().shipped_table(faked_candidates(AVX512), native_bf16(AVX512))
 
 
 def test_the_measurement_keeps_the_fastest_kernel_of_each_bucket():
@@ -145,7 +154,7 @@ def test_the_measurement_keeps_the_fastest_kernel_of_each_bucket():
     assert table.bf16 == Route.from_points([(1, "gemv"), (5, "onednn"), (65, "linear")])
     assert table.bf16.kernel(4) == "gemv" and table.bf16.kernel(5) == "onednn" and table.bf16.kernel(10_000) == "linear"
     assert table.int8 == shipped().int8 and table.int4 == shipped().int4  # formats not measured keep the base's
-    assert table.measured == ("bf16",) and table.describe()["int8"] == "1-64: int8, 65+: linear (shipped)"
+    assert table.measured == ("bf16",) and table.describe()["int8"] == "1-64: int8, 65+: linear32 (shipped)"
     # the GEMV fell more than PRUNE_FACTOR behind at 16 rows: no larger bucket timed it; no packed copy at one row
     assert list(dict.fromkeys(rows for _, kernel, rows in calls if kernel == "gemv")) == [1, 2, 4, 8, 16]
     assert calls.count(("bf16", "gemv", 8)) == REPS
@@ -205,7 +214,7 @@ def test_capped_kernels_are_timed_only_up_to_their_cap_and_progress_is_heard():
 
 def test_a_measurement_refuses_bad_candidates_and_buckets():
     timer = scripted({})
-    with pytest.raises(ValueError, match="include linear"):
+    with pytest.raises(ValueError, match="include one of"):
         choose_table({"bf16": ("gemv",)}, (1, 2), timer, shipped())
     with pytest.raises(ValueError, match="among"):
         choose_table({"int4": ("gemv", "linear")}, (1, 2), timer, shipped())
@@ -321,7 +330,7 @@ def check_bf16(backend: CpuKernelBackend, kernel: str, rows: int, gen: torch.Gen
     w = (torch.randn(160, 96, generator=gen) * 0.1).to(torch.bfloat16)
     bias = torch.randn(160, generator=gen).to(torch.bfloat16)
     got = backend.linear(x, backend.prepare_linear(w, bias, None))
-    if kernel == "linear" and backend.linear_fp32:
+    if kernel == "linear32":
         exact = w.double()
         assert_rounded_once(got, x.double() @ exact.T + bias.double(), x, exact, (rows, 160), sum_error=2 ** -20)
     elif kernel in ("linear", "onednn"):  # oneDNN's packed copy is F.linear to the bit
@@ -334,7 +343,7 @@ def check_int8(backend: CpuKernelBackend, kernel: str, rows: int, gen: torch.Gen
     x = torch.randn(rows, 100, generator=gen).to(torch.bfloat16)
     codes, scale = quant.quantize_rows(torch.randn(70, 100, generator=gen) * 0.05)
     got = backend.linear(x, backend.prepare_linear(codes, None, scale))
-    if kernel == "linear" and backend.linear_fp32:
+    if kernel == "linear32":
         exact = codes.double() * scale.double()[:, None]
         assert_rounded_once(got, x.double() @ exact.T, x, exact, (rows, 70), sum_error=2 ** -20)
     elif kernel == "linear":
@@ -350,7 +359,7 @@ def check_int4(backend: CpuKernelBackend, kernel: str, rows: int, gen: torch.Gen
     x = torch.randn(rows, 100, generator=gen).to(torch.bfloat16)
     packed, scales = int4_weight(torch.randn(70, 100, generator=gen) * 0.05 + 0.01)
     got = backend.linear(x, backend.prepare_linear(packed, None, scales))
-    if kernel == "linear" and backend.linear_fp32:
+    if kernel == "linear32":
         weights = dequantised(packed, scales, 100)
         assert_rounded_once(got, x.double() @ weights.T, x, weights, (rows, 70), sum_error=2 ** -20)
     elif kernel == "linear":  # the kernel's dequantisation is torch's to the bit
@@ -365,13 +374,13 @@ def check_int4(backend: CpuKernelBackend, kernel: str, rows: int, gen: torch.Gen
 
 def check_int8g(backend: CpuKernelBackend, kernel: str, rows: int, gen: torch.Generator) -> None:
     """The int8g kernel: the fp32 product with its exact weights within the sums' rounding, then rounded to bf16
-    once; F.linear: torch's chunks of the weight dequantised to bf16, to the bit (with linear_fp32: as the kernel)."""
+    once; F.linear: torch's chunks of the weight dequantised to bf16, to the bit (linear32: as the kernel)."""
     x = torch.randn(rows, 100, generator=gen).to(torch.bfloat16)
     codes, scales = weight_ops.int8g_pack(torch.randint(-32, 32, (70, 100), generator=gen, dtype=torch.int8),
                                           *torch.rand(2, 70, 7, generator=gen) * 0.01, 100)
     got = backend.linear(x, backend.prepare_linear(codes, None, scales))
     weights = weight_ops.int8g_rows(codes, scales, slice(0, 70), 100, torch.float32).double()
-    if kernel == "linear" and not backend.linear_fp32:
+    if kernel == "linear":
         assert torch.equal(got, TorchBackend().linear(x, weight_ops.Weight(codes, scale=scales)))
     else:
         assert_rounded_once(got, x.double() @ weights.T, x, weights, (rows, 70), sum_error=2 ** -20)
@@ -435,7 +444,7 @@ def test_a_kernels_time_is_the_median_of_runs_taken_in_turns():
 
 def test_a_kernel_far_behind_on_its_first_run_is_not_run_again_at_that_count():
     """More than PRUNE_FACTOR times the fastest first run: its one run stands for it at that count; at the next
-    count it runs again."""
+    count, which it cannot take in less time, it does not run."""
     first = {"gemv": 1.0, "linear": PRUNE_FACTOR * 1.0 + 0.5, "onednn": PRUNE_FACTOR * 1.0}
     calls: list = []
 
@@ -446,8 +455,21 @@ def test_a_kernel_far_behind_on_its_first_run_is_not_run_again_at_that_count():
     table, timings = choose_table({"bf16": ("gemv", "onednn", "linear")}, (1, 2, 4), timer, shipped())
     for rows in (2, 4):
         assert calls.count(("gemv", rows)) == REPS and calls.count(("onednn", rows)) == REPS  # within the factor
-        assert calls.count(("linear", rows)) == 1 and timings["bf16"][rows]["linear"] == first["linear"]
+    assert calls.count(("linear", 2)) == 1 and timings["bf16"][2]["linear"] == first["linear"]
+    assert ("linear", 4) not in calls and "linear" not in timings["bf16"][4]
     assert table.bf16.kernel(4) == "gemv"
+
+
+def test_a_kernel_whose_time_at_fewer_rows_is_far_behind_is_not_run():
+    """A kernel's slowest time at the counts before is a floor under its time here: past PRUNE_FACTOR times the
+    best first run here it is not run; within it, it is, and it wins where it is fastest."""
+    times = {"gemv": {1: 1.0, 2: 1.5, 4: 2.0, 8: 4.5, 16: 9.0}, "linear": {2: 5.0, 4: 5.0, 8: 5.5, 16: 6.0}}
+    calls: list = []
+    table, timings = choose_table({"bf16": ("gemv", "linear")}, (1, 2, 4, 8, 16), scripted(times, calls), shipped())
+    # 4 rows: its 5.0 at 2 rows is past twice gemv's 2.0; 8 rows: within twice 4.5
+    assert list(dict.fromkeys(rows for _, kernel, rows in calls if kernel == "linear")) == [2, 8, 16]
+    assert "linear" not in timings["bf16"][4]
+    assert table.bf16 == Route.from_points([(1, "gemv"), (9, "linear")])
 
 
 def test_one_row_keeps_a_streaming_kernel_for_the_decode_stack():
@@ -484,6 +506,28 @@ def test_the_table_is_measured_once_and_read_back(tmp_path, caplog):
     other = dataclasses.replace(WORKLOAD, shapes=((48, 64),))
     measured_table(CpuKernelConfig(), other, cache, time_kernel=counting_timer(calls))
     assert len(calls) == 3 * timed  # other shapes: another key
+
+
+def test_a_head_only_format_is_timed_up_to_the_rows_of_one_head_product(tmp_path):
+    """own_max_rows bounds the buckets of the formats timed on their own shapes; the layers' formats keep max_rows;
+    the progress counts both groups as one measurement; the bound is part of the key."""
+    require_kernels()
+    calls: list = []
+    heard: list = []
+    workload = Workload(((32, 64),), ("bf16", "int8g"), 64, own_shapes=(("int8g", ((48, 32),)),), own_max_rows=8)
+    measured = measured_table(CpuKernelConfig(), workload, DiskCache(tmp_path), time_kernel=counting_timer(calls),
+                              progress=lambda done, total: heard.append((done, total)))
+    assert max(rows for fmt, _, rows in calls if fmt == "int8g") == 8 and set(measured.timings["int8g"]) <= {1, 2, 4, 8}
+    assert max(rows for fmt, _, rows in calls if fmt == "bf16") > 8
+    total = len(row_buckets(64)) + len(row_buckets(8))
+    assert heard[-1] == (total, total) and all(t == total for _, t in heard)
+    assert [done for done, _ in heard] == sorted(done for done, _ in heard)
+    assert workload.to_key()["own_max_rows"] == 8 and "own_max_rows" not in WORKLOAD.to_key()
+    assert workload.max_rows_of("int8g") == 8 and workload.max_rows_of("bf16") == 64
+    with pytest.raises(ValueError, match="own_max_rows"):
+        dataclasses.replace(workload, own_max_rows=128)
+    with pytest.raises(ValueError, match="own_max_rows"):
+        dataclasses.replace(WORKLOAD, own_max_rows=8)
 
 
 @pytest.mark.parametrize("damage", ["bytes", "json"])
@@ -569,17 +613,19 @@ def test_a_format_only_the_head_has_is_timed_on_the_heads_shape(tmp_path):
     assert workload.shapes_of("int4") == workload.shapes and (model.cfg.vocab_size, model.cfg.hidden_size) not in \
         workload.shapes
     assert workload.to_key()["own_shapes"] == {"int8g": [[model.cfg.vocab_size, model.cfg.hidden_size]]}
+    assert kernel_workload(model, 32, head_rows=8).max_rows_of("int8g") == 8
+    assert kernel_workload(model, 32, head_rows=320).max_rows_of("int8g") == 32  # never past the step's rows
     int4_everywhere = load_model(resolve_model(path), torch.bfloat16, weight_dtype="int4")
-    same = kernel_workload(int4_everywhere, 32)
+    same = kernel_workload(int4_everywhere, 32, head_rows=8)
     assert same.formats == ("int4",) and same.own_shapes == () and "own_shapes" not in same.to_key()
+    assert same.own_max_rows is None
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
 def test_linear_in_fp32_is_the_exact_weights_product_rounded_once(fmt):
-    """With linear_fp32 (the default where the kernels lack AVX-512) the table's "linear" multiplies in fp32 by the
-    weight widened or dequantised exactly: within one bf16 rounding of the float64 product (fp32 sums), where
-    the bf16 F.linear it replaces rounds a dequantised weight first. It turns the decode stack off (the stack's
-    own F.linear is bf16), and /status names it."""
+    """The table's "linear32" multiplies in fp32 by the weight widened or dequantised exactly: within one bf16
+    rounding of the float64 product (fp32 sums), where the bf16 F.linear rounds a dequantised weight first. /status
+    names it; the shipped table names it where this CPU lacks bf16 dot products."""
     require_kernels()
     torch.manual_seed(11)
     n, k = 48, 96
@@ -594,12 +640,14 @@ def test_linear_in_fp32_is_the_exact_weights_product_rounded_once(fmt):
         data, scale = int4_weight(w)
         exact = dequantised(data, scale, k)
     bias = torch.randn(n).to(torch.bfloat16)
-    table = dataclasses.replace(CpuKernelBackend().dispatch, **{fmt: Route.only("linear")})
-    backend = CpuKernelBackend(CpuKernelConfig(dispatch=table, linear_fp32=True))
-    assert backend.linear_fp32 and not backend.stacks and "linear_fp32" in backend.kernels()
+    table = dataclasses.replace(CpuKernelBackend(CpuKernelConfig(linear_fp32=False)).dispatch,
+                                **{fmt: Route.only("linear32")})
+    backend = CpuKernelBackend(CpuKernelConfig(dispatch=table))
+    assert "linear_fp32" in backend.kernels()
     weight = backend.prepare_linear(data, bias, scale)
     x = torch.randn(5, k).to(torch.bfloat16)
     got = backend.linear(x, weight)
     ref = x.double() @ exact.T + bias.double()
     assert_rounded_once(got, ref, x, exact, (5, n), sum_error=2 ** -20)
-    assert CpuKernelBackend().linear_fp32 == (not cpu_ext.vectorized())
+    shipped = CpuKernelBackend().dispatch
+    assert shipped.route(fmt).uses("linear32") == (not native_bf16(cpu_ext.key().features))

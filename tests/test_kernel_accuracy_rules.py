@@ -1,12 +1,13 @@
 """The accuracy gate's rules (bench/kernel_accuracy.py), without a model: the KL bound and its floor, and the
-`floor` kernel set's table and its memoised products."""
+`floor` and `floor32` kernel sets' tables and their memoised products."""
 from __future__ import annotations
 
 import gguf
 import pytest
 import torch
 
-from bench.kernel_accuracy import FLOOR_CAP, FLOOR_MARGIN, MAX_KL_MEAN, MemoisedFloor, forced_backend, within_bound
+from bench.kernel_accuracy import (FLOOR_CAP, FLOOR_MARGIN, MAX_KL_MEAN, MemoisedFloor, MemoisedFloor32, forced_backend,
+                                   within_bound)
 from engine.backends.cpu_kernels import CpuKernelBackend
 from engine.backends.dispatch import FORMATS
 from engine.backends.weight_ops import Weight
@@ -28,10 +29,11 @@ def test_past_the_bound_a_set_passes_only_near_a_floor_under_its_cap():
     assert not within_bound(FLOOR_CAP * 1.05, FLOOR_CAP * 1.05)  # a shared kernel that far off fails on its own
 
 
-def test_the_floor_set_gives_every_product_of_every_row_count_to_f_linear():
-    table = forced_backend("floor").dispatch
+@pytest.mark.parametrize("floor,linear", [("floor", "linear"), ("floor32", "linear32")])
+def test_the_floor_sets_give_every_product_of_every_row_count_to_f_linear(floor, linear):
+    table = forced_backend(floor).dispatch
     for fmt in FORMATS:
-        assert table.route(fmt).kernels == ("linear",), fmt
+        assert table.route(fmt).kernels == (linear,), fmt
 
 
 def floor_weights() -> dict[str, Weight]:
@@ -60,4 +62,21 @@ def test_the_memoised_floor_computes_the_floor_tables_products_to_the_bit(rows):
             assert torch.equal(getattr(floor, f"linear_{fmt}")(x, w), product), fmt
             if head is not None:
                 assert torch.equal(floor.lm_head(x, w), head), fmt
+    assert floor.reference.chunks
+
+
+@pytest.mark.parametrize("rows", [1, 70])
+def test_the_memoised_floor32_computes_its_tables_products_to_the_bit(rows):
+    """floor32 keeps the fp32 chunks: the same bits as its table run by the kernel backend itself (linear32, and
+    the LM head in fp32), which widens or dequantises at every call; twice, so the kept chunks are read too."""
+    floor = forced_backend("floor32")
+    plain = CpuKernelBackend(floor.config)
+    assert isinstance(floor, MemoisedFloor32) and plain.dispatch == floor.dispatch
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+    weights = floor_weights() | {"float": Weight((torch.randn(200, 512) * 0.05).to(torch.bfloat16))}
+    for fmt, w in weights.items():
+        product, head = plain.linear(x, w), plain.lm_head(x, w)
+        for _ in range(2):
+            assert torch.equal(floor.linear(x, w), product), fmt
+            assert torch.equal(floor.lm_head(x, w), head), fmt
     assert floor.reference.chunks

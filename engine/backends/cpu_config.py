@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Literal, Mapping
 
-from engine.backends.dispatch import ENGINES, PACKED, DispatchTable, Route
+from engine.backends.dispatch import ENGINES, FALLBACKS, PACKED, DispatchTable, Route
 from engine.kernels.cpu_ext import KERNEL_MAX_PROMPT_TOKENS
 
 MatrixEngine = Literal["auto", "tiles", "vectors"]
@@ -67,11 +67,12 @@ class CpuKernelConfig:
     # has no int8g mode); a measured dispatch table times both int8g kernels on the model's own shapes.
     max_int8g_rows: int = 64
 
-    # "linear" in the dispatch table (F.linear on the plain weight, or on the weight dequantised) in fp32 on the
-    # weight widened or dequantised to fp32 (exact), rounded once to bf16; off: in bf16. None: on where the kernels
-    # were built without AVX-512 (no decode stack then, whose own F.linear is bf16). Backed by python -m
-    # bench.product_dtypes on a Zen 3 EPYC (AVX2 only): torch's bf16 products at 0.3-19 GFLOP/s, fp32's (the weight
-    # widened in the call) at 67-138 from 32 rows.
+    # Which F.linear a table may name where no kernel of its own serves: "linear" (bf16) or "linear32" (fp32 on the
+    # weight widened or dequantised to fp32, exact, rounded once to bf16). None: both, a measured table times them;
+    # the shipped table takes linear32 where the CPU lacks bf16 dot products (AVX-512 BF16 or AMX). True: linear32
+    # only; False: linear only. Backed by python -m bench.product_dtypes: on a Zen 3 EPYC (AVX2 only) torch's bf16
+    # products ran at 0.3-19 GFLOP/s, fp32's (the weight widened in the call) at 67-138 from 32 rows; on an Intel
+    # Xeon with AVX-512 but no BF16, bf16 at 41-63, fp32 at 42-308 from 8 rows.
     linear_fp32: bool | None = None
 
     # oneDNN's packed copy serves 2..this many rows.
@@ -104,10 +105,13 @@ class CpuKernelConfig:
                    engine: str | None) -> dict[str, tuple[str, ...]]:
         """Per format, the kernels a table may name here: those `available` (built with their vector code and running
         in this process), the packed blocks only on `engine` and only with tiled_packing, W8A8 and W4A8 only where
-        their row limit is above 0 (int8 activations fail the accuracy gate: they run on request only)."""
+        their row limit is above 0 (int8 activations fail the accuracy gate: they run on request only), F.linear in
+        bf16 and in fp32 as linear_fp32 allows."""
         def allowed(kernel: str) -> bool:
             if kernel in ENGINES:
                 return self.tiled_packing and kernel == engine
+            if kernel in FALLBACKS:
+                return self.linear_fp32 is not (kernel == "linear")
             return {"w8a8": self.max_w8a8_rows, "w4a8": self.max_w4a8_rows}.get(kernel, 1) > 0
         return {fmt: tuple(k for k in kernels if allowed(k)) for fmt, kernels in available.items()}
 
@@ -118,12 +122,14 @@ class CpuKernelConfig:
         return {"w8a8": min(self.max_w8a8_rows, self.max_int8_rows), "w4a8": self.max_w4a8_rows,
                 "int4_gemm": self.max_int4_rows, "int4_bf16": self.max_int4_rows, "int8g_bf16": self.max_int8g_rows}
 
-    def shipped_table(self, candidates: Mapping[str, tuple[str, ...]]) -> DispatchTable:
+    def shipped_table(self, candidates: Mapping[str, tuple[str, ...]], native_bf16: bool) -> DispatchTable:
         """The table these row limits make among `candidates` (a `candidates` answer): on bf16 weights the packed
         copy (the engine's blocks, else oneDNN's) for 2..its limit, the GEMV up to max_gemv_rows, else F.linear; on
-        int8 W8A8, then the int8 kernel; on int4 W4A8, then the weight-only kernel; on int8g its weight-only kernel; else
-        the dequantised F.linear."""
+        int8 W8A8, then the int8 kernel; on int4 W4A8, then the weight-only kernel; on int8g its weight-only kernel;
+        else the dequantised F.linear: in bf16 where the CPU has `native_bf16` dot products and linear_fp32 allows,
+        else in fp32 (linear32)."""
         bf16, int8, int4 = candidates["bf16"], candidates["int8"], candidates["int4"]
+        linear = "linear" if "linear" in bf16 and (native_bf16 or "linear32" not in bf16) else "linear32"
         packing = next((k for k in bf16 if k in PACKED), None)
         packed = 0 if packing is None else (
             self.engine_max_tiled_rows(packing) if packing in ENGINES else self.max_onednn_rows)
@@ -135,12 +141,12 @@ class CpuKernelConfig:
         int8g_rows = self.max_int8g_rows if "int8g" in candidates.get("int8g", ()) else 0
         return DispatchTable(
             bf16=Route.from_rule(lambda r: packing if packing and 2 <= r <= packed else "gemv" if r <= gemv
-                                 else "linear", (packed, gemv)),
-            int8=Route.from_rule(lambda r: "w8a8" if r <= w8a8 else "int8" if r <= int8_rows else "linear",
+                                 else linear, (packed, gemv)),
+            int8=Route.from_rule(lambda r: "w8a8" if r <= w8a8 else "int8" if r <= int8_rows else linear,
                                  (w8a8, int8_rows)),
-            int4=Route.from_rule(lambda r: "w4a8" if r <= w4a8 else "int4" if r <= int4_rows else "linear",
+            int4=Route.from_rule(lambda r: "w4a8" if r <= w4a8 else "int4" if r <= int4_rows else linear,
                                  (w4a8, int4_rows)),
-            int8g=Route.from_rule(lambda r: "int8g" if r <= int8g_rows else "linear", (int8g_rows,)))
+            int8g=Route.from_rule(lambda r: "int8g" if r <= int8g_rows else linear, (int8g_rows,)))
 
     def engine_max_tiled_rows(self, engine: str | None) -> int:
         """The most rows a product on the packed blocks takes on `engine` (0 where none runs them)."""

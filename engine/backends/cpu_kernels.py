@@ -8,6 +8,7 @@ and `decode_layers`.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
@@ -16,7 +17,7 @@ import torch.nn.functional as F
 from engine.backends import weight_ops
 from engine.backends.base import Rope, StackLayer, StackShape
 from engine.backends.cpu_config import CpuKernelConfig
-from engine.backends.dispatch import ENGINES, FORMATS, PACKED, DispatchTable, valid_kernels
+from engine.backends.dispatch import ENGINES, FALLBACKS, FORMATS, PACKED, DispatchTable, native_bf16, valid_kernels
 from engine.backends.torch_ops import TorchBackend, split_heads
 from engine.backends.weight_ops import Weight
 from engine.kernels import cpu_ext, packed_linear
@@ -38,7 +39,7 @@ class CpuKernelBackend(TorchBackend):
         self.elementwise = config.fused_elementwise and vectorized
         self.attends_in_place = vectorized
         self.candidates = config.candidates(available_kernels(), self.engine)  # what a measured table times here
-        self.dispatch = config.dispatch or config.shipped_table(self.candidates)
+        self.dispatch = config.dispatch or config.shipped_table(self.candidates, native_bf16(cpu_ext.key().features))
         _check_runs_here(self.dispatch)
         # the bf16 weights' packed copy (a weight whose blocks do not fit takes oneDNN's where the table reads the
         # blocks); a table's engine is the engine of every product on blocks
@@ -47,9 +48,8 @@ class CpuKernelBackend(TorchBackend):
         self.engine = self.packing if self.tiled else self.engine
         self.onednn = self.packing is not None and packed_linear.onednn_available()
         self.fused_gate_up = config.fused_gate_up and self.tiled and self.elementwise
-        self.linear_fp32 = not vectorized if config.linear_fp32 is None else config.linear_fp32
         # the C++ stack runs the packed products on the first engine ("auto"), as the Python layers do by default
-        self.stacks = (config.decode_stack and self.elementwise and self.attends_in_place and not self.linear_fp32
+        self.stacks = (config.decode_stack and self.elementwise and self.attends_in_place
                        and (self.engine is None or self.engine == cpu_ext.matrix_engines()[0]))
 
     # ---- prepare: the packed copies and the decode stack, once per model ----------------------------------
@@ -88,11 +88,14 @@ class CpuKernelBackend(TorchBackend):
         if not self.stacks:
             return None
         stack = cpu_ext.decode_stack(shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.eps, shape.scale)
+        formats = set()
         for layer in layers:
             stack.add_layer(layer.input_norm, _projection(layer.qkv), _projection(layer.o), layer.post_attention_norm,
                             _projection(layer.gate_up), _projection(layer.down), layer.gate_up.silu_fused,
                             layer.q_norm, layer.k_norm)
-        return stack
+            formats |= {weight_ops.weight_format(w.data, w.scale) for w in (layer.qkv, layer.o, layer.gate_up,
+                                                                            layer.down)}
+        return NativeStack(stack, frozenset(formats))
 
     # ---- the operations -------------------------------------------------------------------------------------
 
@@ -108,11 +111,12 @@ class CpuKernelBackend(TorchBackend):
         out = self._bf16_kernel(x, w.data, w.bias, w.packed, fp32_out=False)
         if out is not None:
             return out
-        return self._linear_fp32(x, w) if self.linear_fp32 else F.linear(x, w.data, w.bias)
+        return self._linear_fp32(x, w) if self.dispatch.bf16.kernel(x.shape[0]) == "linear32" else \
+            F.linear(x, w.data, w.bias)
 
     def _linear_fp32(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
-        """The table's "linear" where config.linear_fp32: F.linear in fp32 on chunks of the weight widened or
-        dequantised to fp32 (the file's values, exactly), plus the bias, rounded once to x's dtype."""
+        """The table's "linear32": F.linear in fp32 on chunks of the weight widened or dequantised to fp32 (the
+        file's values, exactly), plus the bias, rounded once to x's dtype."""
         out = weight_ops.linear_fp32(x, w.data, w.scale)
         if w.bias is not None:
             out += w.bias
@@ -135,16 +139,17 @@ class CpuKernelBackend(TorchBackend):
     def linear_int8(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
         """The dispatch table's int8 kernel for this row count: W8A8 (x quantised to int8 per row, int32 sums on VNNI;
         on the weight's W8A8 copy), the int8 kernel (weights widened to fp32 in registers), or F.linear on the weight
-        dequantised to bf16 (to fp32 with linear_fp32). decode_stack.cpp's project() makes the same choice."""
+        dequantised to bf16 (linear32: to fp32). decode_stack.cpp's project() makes the same choice."""
         out = self._int8_kernel(x, w, w.bias, fp32_out=False)
         if out is not None:
             return out
-        return self._linear_fp32(x, w) if self.linear_fp32 else super().linear_int8(x, w)
+        return self._linear_fp32(x, w) if self.dispatch.int8.kernel(x.shape[0]) == "linear32" else \
+            super().linear_int8(x, w)
 
     def _int8_kernel(self, x: torch.Tensor, w: Weight, bias: torch.Tensor | None,
                      fp32_out: bool) -> torch.Tensor | None:
         kernel = self.dispatch.int8.kernel(x.shape[0])
-        if kernel == "linear" or x.dtype != torch.bfloat16:
+        if kernel in FALLBACKS or x.dtype != torch.bfloat16:
             return None
         if w.packed is not None and kernel == "w8a8":
             return cpu_ext.linear_w8a8(x, w.packed, w.scale, bias, fp32_out)
@@ -177,14 +182,14 @@ class CpuKernelBackend(TorchBackend):
     def linear_int8g(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
         """The dispatch table's int8g kernel for this row count: the weight-only kernel (the weights exact in
         registers) or its GEMM on bf16 dot products, or F.linear on chunks of the weight dequantised to bf16 by the
-        kernel's dequantize_int8g (with linear_fp32: to fp32, exactly). decode_stack.cpp's project() makes the same
+        kernel's dequantize_int8g (linear32: to fp32, exactly). decode_stack.cpp's project() makes the same
         choice."""
         out = self._int8g_kernel(x, w, w.bias, fp32_out=False)
         if out is not None:
             return out
         if x.dtype != torch.bfloat16:
             return super().linear_int8g(x, w)
-        if self.linear_fp32:
+        if self.dispatch.int8g.kernel(x.shape[0]) == "linear32":
             return self._linear_fp32(x, w)
         k = x.shape[-1]
         return weight_ops.linear_int8g(x, w.data, w.scale, w.bias,
@@ -205,14 +210,14 @@ class CpuKernelBackend(TorchBackend):
 
     def linear_int4(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
         """The dispatch table's int4 kernel for this row count: W4A8, the weight-only kernel (or its AVX-512 GEMM),
-        or F.linear on chunks of the weight dequantised to bf16 by the kernel's dequantize_int4 (with linear_fp32: to
+        or F.linear on chunks of the weight dequantised to bf16 by the kernel's dequantize_int4 (linear32: to
         fp32, exactly). decode_stack.cpp's project() makes the same choice."""
         if x.dtype != torch.bfloat16:
             return super().linear_int4(x, w)
         out = self._int4_kernel(x, w.data, w.scale, w.bias, fp32_out=False)
         if out is not None:
             return out
-        if self.linear_fp32:
+        if self.dispatch.int4.kernel(x.shape[0]) == "linear32":
             return self._linear_fp32(x, w)
         k = x.shape[-1]
         return weight_ops.linear_int4(x, w.data, w.scale, w.bias,
@@ -297,14 +302,16 @@ class CpuKernelBackend(TorchBackend):
                       kv_caches: list, window: int | None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The C++ stack where it computes exactly what the layers would: a decode-only step (one token a row, all
         in the attention kernel's group) on plain bf16 pages (no quantised or tiered caches) in every layer, every
-        context within the window."""
-        if (stack is None or not kv_caches or not meta.use_kernels or meta.prefills
+        context within the window, no layer's product sent to linear32."""
+        if (not isinstance(stack, NativeStack) or not kv_caches or not meta.use_kernels or meta.prefills
                 or not 0 < meta.num_decode == x.shape[0] or meta.num_decode_seqs > self.config.max_attention_seqs
                 or (window is not None and meta.max_decode_context > window)
                 or not all(_plain_bf16_pages(k) and _plain_bf16_pages(v) for k, v in kv_caches)):
             return None
-        x, residual = stack.forward(x, *rope, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens,
-                                    kv_caches, *self.stack_limits(x.shape[0]))
+        if any(self.dispatch.route(fmt).kernel(x.shape[0]) == "linear32" for fmt in stack.formats):
+            return None  # the stack's own F.linear is bf16's
+        x, residual = stack.native.forward(x, *rope, meta.slot_mapping, meta.decode_block_tables,
+                                           meta.decode_context_lens, kv_caches, *self.stack_limits(x.shape[0]))
         return x, residual
 
     def stack_limits(self, rows: int) -> tuple[int, ...]:
@@ -315,8 +322,8 @@ class CpuKernelBackend(TorchBackend):
         bf16, int8, int4, int8g = (self.dispatch.route(fmt).kernel(rows) for fmt in ("bf16", "int8", "int4", "int8g"))
         packed = rows if bf16 in PACKED else 0
         gemv = bf16 == "gemv" or (packed and rows <= self.config.max_gemv_rows)  # project(): after the packed copy
-        return (rows if gemv else 0, packed, packed, 0 if int8 == "linear" else rows,
-                rows if int8 == "w8a8" else 0, rows if int4 == "w4a8" else 0, 0 if int4 == "linear" else rows,
+        return (rows if gemv else 0, packed, packed, 0 if int8 in FALLBACKS else rows,
+                rows if int8 == "w8a8" else 0, rows if int4 == "w4a8" else 0, 0 if int4 in FALLBACKS else rows,
                 rows if int8g == "int8g" else 0, rows if int4 == "int4_gemm" else 0,
                 rows if int4 == "int4_bf16" else 0, rows if int8g == "int8g_bf16" else 0)
 
@@ -353,8 +360,17 @@ class CpuKernelBackend(TorchBackend):
               "linear_int8g": table.int8g.uses("int8g"), "linear_int8g_bf16": table.int8g.uses("int8g_bf16"),
               "rms_norm": self.elementwise,
               "rotary": self.elementwise, "silu_mul": self.elementwise, "decode_stack": self.stacks,
-              "linear_fp32": self.linear_fp32 and any(table.route(fmt).uses("linear") for fmt in FORMATS)}
+              "linear_fp32": any(table.route(fmt).uses("linear32") for fmt in FORMATS)}
         return [name for name, used in on.items() if used]
+
+
+@dataclass(frozen=True)
+class NativeStack:
+    """decode_stack.cpp's DecodeStack and the weight formats of its layers: a step whose table sends one of them to
+    linear32 runs the layers from Python (the stack multiplies in bf16 where the table names F.linear)."""
+
+    native: object
+    formats: frozenset[str]
 
 
 def available_kernels() -> dict[str, tuple[str, ...]]:

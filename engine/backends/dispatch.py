@@ -7,7 +7,9 @@ constants (shipped) or from a measurement on the machine that runs it (`measured
 engine/backends/dispatch_store.py): `choose_table` times each candidate kernel at each row bucket through a timer it
 is given (engine/backends/kernel_timing.py times the real kernels; tests pass fakes) and keeps the fastest.
 
-The kernels, by format:
+The kernels, by format (each format also has `linear32`: F.linear in fp32 on the weight widened or dequantised to
+fp32, exactly the file's values, rounded once to bf16; on a CPU without bf16 dot products torch's bf16 products take
+a slow path, and this one can be several times faster):
 - bf16: `gemv` (cpu_ext.linear_bf16, each weight row streamed once), `tiles` / `vectors` (the weight's packed blocks
   on AMX tiles / AVX-512 BF16 vectors), `onednn` (oneDNN's packed copy), `linear` (F.linear on the plain weight).
 - int8: `w8a8` (activations quantised to int8, VNNI sums), `int8` (codes widened to fp32 in registers), `linear`
@@ -29,18 +31,19 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 FORMATS = ("bf16", "int8", "int4", "int8g")
-KERNELS: Mapping[str, tuple[str, ...]] = {"bf16": ("gemv", "tiles", "vectors", "onednn", "linear"),
-                                          "int8": ("w8a8", "int8", "linear"),
-                                          "int4": ("w4a8", "int4", "int4_gemm", "int4_bf16", "linear"),
-                                          "int8g": ("int8g", "int8g_bf16", "linear")}
+FALLBACKS = ("linear", "linear32")  # F.linear on the whole weight: serves every row count of every format
+KERNELS: Mapping[str, tuple[str, ...]] = {"bf16": ("gemv", "tiles", "vectors", "onednn") + FALLBACKS,
+                                          "int8": ("w8a8", "int8") + FALLBACKS,
+                                          "int4": ("w4a8", "int4", "int4_gemm", "int4_bf16") + FALLBACKS,
+                                          "int8g": ("int8g", "int8g_bf16") + FALLBACKS}
 ENGINES = ("tiles", "vectors")  # the packed blocks' engines, as cpu_ext.matrix_engines names them
 PACKED = frozenset({"tiles", "vectors", "onednn"})  # on a packed copy of the weight: 2+ rows (one row: not these)
 _AVX512 = ("avx512f", "avx512bw", "avx512vl")
 # The ISA features (engine/kernels/extension_build.py FEATURES) each kernel's vector code needs. gemv, int8 and
-# linear run everywhere: their loops fall back to what the compiler makes of them for -march=native. The others'
+# the FALLBACKS run everywhere: their loops fall back to what the compiler makes of them for -march=native. The others'
 # scalar fallbacks exist for tests only, and oneDNN refuses bf16 weights without AVX-512.
 NEEDS: Mapping[str, tuple[str, ...]] = {
-    "gemv": (), "linear": (), "int8": (), "int8g": (),
+    "gemv": (), "linear": (), "linear32": (), "int8": (), "int8g": (),
     "tiles": ("amx-tile", "amx-bf16", "avx512bf16", "avx512bw"), "vectors": ("avx512bf16", "avx512bw"),
     "onednn": ("avx512f",), "w8a8": _AVX512 + ("avx512vnni",), "w4a8": _AVX512 + ("avx512vnni",),
     "int4": ("avx2", "fma", "f16c"), "int4_gemm": _AVX512,
@@ -64,6 +67,12 @@ def valid_kernels(features: Iterable[str]) -> dict[str, tuple[str, ...]]:
     """Per format, the kernels whose vector code a build for `features` has (KERNELS' order)."""
     have = set(features)
     return {fmt: tuple(k for k in kernels if set(NEEDS[k]) <= have) for fmt, kernels in KERNELS.items()}
+
+
+def native_bf16(features: Iterable[str]) -> bool:
+    """Whether a CPU of `features` has bf16 dot products (AVX-512 BF16 or AMX), which torch's bf16 products need to
+    run at its fp32 products' pace."""
+    return bool({"avx512bf16", "amx-bf16"} & set(features))
 
 
 def row_buckets(max_rows: int) -> tuple[int, ...]:
@@ -234,7 +243,7 @@ def choose_table(candidates: Mapping[str, Sequence[str]], buckets: Sequence[int]
                 winners += timed * (len(buckets) - i)
                 done += len(buckets) - i
             else:
-                times = _medians(fmt, timed, rows, time_kernel, reps)
+                times = _medians(fmt, timed, rows, time_kernel, reps, _slowest(timings[fmt]))
                 timings[fmt][rows] = times
                 winners.append(min(times, key=times.get))
                 live = _unpruned(live, times, buckets[i + 1] if i + 1 < len(buckets) else None, caps)
@@ -256,24 +265,41 @@ def _one_row_streams(kernels: list[str], rows: int) -> list[str]:
     return streams if rows == 1 and streams else kernels
 
 
-def _medians(fmt: str, kernels: Sequence[str], rows: int, time_kernel: TimeKernel, reps: int) -> dict[str, float]:
+def _medians(fmt: str, kernels: Sequence[str], rows: int, time_kernel: TimeKernel, reps: int,
+             floors: Mapping[str, float]) -> dict[str, float]:
     """Each kernel's median of `reps` runs, the kernels taking turns (a burst of load slows all of them alike). A
     kernel whose first run took PRUNE_FACTOR times the fastest first run is not run again at this count: its one
     run stands for it (on an 8B shape `linear`, which dequantises every weight a call, took a third of a
-    measurement at the small counts it never wins)."""
-    samples: dict[str, list[float]] = {k: [time_kernel(fmt, k, rows)] for k in kernels}
+    measurement at the small counts it never wins). More rows never take less time: a kernel whose time at a
+    smaller count (its floor, `floors`) was PRUNE_FACTOR times a first run here is not run at all (the F.linears
+    of a 49152-row LM head, a fifth of a second a call however few the rows, took half of a measurement)."""
+    samples: dict[str, list[float]] = {}
+    for kernel in kernels:
+        best = min((runs[0] for runs in samples.values()), default=float("inf"))
+        if floors.get(kernel, 0.0) <= PRUNE_FACTOR * best:
+            samples[kernel] = [time_kernel(fmt, kernel, rows)]
     best = min(runs[0] for runs in samples.values())
-    close = [k for k in kernels if samples[k][0] <= PRUNE_FACTOR * best]
+    close = [k for k in kernels if k in samples and samples[k][0] <= PRUNE_FACTOR * best]
     for _ in range(reps - 1):
         for kernel in close:
             samples[kernel].append(time_kernel(fmt, kernel, rows))
     return {k: statistics.median(runs) for k, runs in samples.items()}
 
 
+def _slowest(timed: Mapping[int, Mapping[str, float]]) -> dict[str, float]:
+    """Each kernel's largest time over the buckets timed so far: a floor under its time at any larger count."""
+    floors: dict[str, float] = {}
+    for times in timed.values():
+        for kernel, seconds in times.items():
+            floors[kernel] = max(floors.get(kernel, 0.0), seconds)
+    return floors
+
+
 def _check_candidates(fmt: str, kernels: Sequence[str]) -> None:
     unknown = [k for k in kernels if k not in KERNELS.get(fmt, ())]
-    if fmt not in KERNELS or unknown or "linear" not in kernels:
-        raise ValueError(f"{fmt} candidates must be among {KERNELS.get(fmt)} and include linear, not {kernels}")
+    if fmt not in KERNELS or unknown or not set(FALLBACKS) & set(kernels):
+        raise ValueError(f"{fmt} candidates must be among {KERNELS.get(fmt)} and include one of {FALLBACKS}, "
+                         f"not {kernels}")
 
 
 def _unpruned(live: list[str], times: Mapping[str, float], next_rows: int | None,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import logging
 import os
 import time
@@ -29,7 +30,7 @@ from engine.kernels.extension_build import cpu_model
 log = logging.getLogger(__name__)
 
 KIND = "kernel-dispatch"
-PROCEDURE = 3  # what a measurement does; a change makes older entries another key's
+PROCEDURE = 4  # what a measurement does; a change makes older entries another key's
 
 
 @dataclass(frozen=True)
@@ -64,15 +65,15 @@ def measured_table(config: CpuKernelConfig, workload: Workload, cache: DiskCache
     backend = CpuKernelBackend(config)
     candidates = {fmt: backend.candidates[fmt] for fmt in workload.formats}
     buckets = row_buckets(workload.max_rows)
-    key = dispatch_key(candidates, workload, buckets, config.row_caps(), backend.linear_fp32)
+    key = dispatch_key(candidates, workload, buckets, config.row_caps())
     with _one_measurer(cache, key):
         found = None if recalibrate else _lookup(cache, key)
         if found is not None:
             log.info("kernel dispatch: reused from %s: %s", cache.path(KIND, key), summary(found.table))
             return found
         start = time.perf_counter()
-        table, timings = choose_table(candidates, buckets, time_kernel or KernelTimer(config, workload),
-                                      backend.dispatch, config.row_caps(), progress)
+        table, timings = _choose(candidates, workload, time_kernel or KernelTimer(config, workload), backend.dispatch,
+                                 config.row_caps(), progress)
         measured = Measured(table, timings, time.perf_counter() - start)
         stored = _store(cache, key, measured)
     log.info("kernel dispatch: measured in %.2f s%s, %s: %s", measured.seconds,
@@ -80,13 +81,34 @@ def measured_table(config: CpuKernelConfig, workload: Workload, cache: DiskCache
     return measured
 
 
+def _choose(candidates: dict[str, tuple[str, ...]], workload: Workload, time_kernel: TimeKernel,
+            base: DispatchTable, caps: dict[str, int],
+            progress: Callable[[int, int], None] | None) -> tuple[DispatchTable, Timings]:
+    """choose_table over each format's own row buckets (Workload.max_rows_of): one measurement a row limit, each
+    table the base of the next, `progress` counting over all of them."""
+    groups: dict[int, dict[str, tuple[str, ...]]] = {}
+    for fmt, kernels in candidates.items():
+        groups.setdefault(workload.max_rows_of(fmt), {})[fmt] = kernels
+    total = sum(len(group) * len(row_buckets(rows)) for rows, group in groups.items())
+    table, timings, offset = base, {}, 0
+    for rows, group in sorted(groups.items()):
+        buckets = row_buckets(rows)
+        heard = None if progress is None else functools.partial(_shifted, progress, offset, total)
+        table, times = choose_table(group, buckets, time_kernel, table, caps, heard)
+        timings.update(times)
+        offset += len(group) * len(buckets)
+    return table, timings
+
+
+def _shifted(progress: Callable[[int, int], None], offset: int, total: int, done: int, _: int) -> None:
+    progress(offset + done, total)
+
+
 def dispatch_key(candidates: dict[str, tuple[str, ...]], workload: Workload, buckets: tuple[int, ...],
-                 caps: dict[str, int], linear_fp32: bool = False) -> dict[str, Any]:
-    """`linear_fp32`: the table's "linear" multiplies in fp32 (CpuKernelConfig.linear_fp32), another kernel's time."""
+                 caps: dict[str, int]) -> dict[str, Any]:
     return {"procedure": PROCEDURE, "build": cpu_ext.key().name, "cpu": cpu_model(), "cores": os.cpu_count(),
             "workload": workload.to_key(), "buckets": list(buckets),
-            "candidates": {fmt: list(kernels) for fmt, kernels in candidates.items()}, "caps": caps,
-            **({"linear_fp32": True} if linear_fp32 else {})}
+            "candidates": {fmt: list(kernels) for fmt, kernels in candidates.items()}, "caps": caps}
 
 
 def summary(table: DispatchTable) -> str:

@@ -27,12 +27,14 @@ Shape = tuple[int, int]
 class Workload:
     """What a measurement times: each of `shapes` ([N, K] products, the model's distinct layer shapes) once per
     timed run, in each of `formats`, at row counts up to `max_rows` (the engine's largest step); a format named in
-    `own_shapes` times those instead (a format only the LM head has: the head's own shape)."""
+    `own_shapes` times those instead (a format only the LM head has: the head's own shape), up to `own_max_rows`
+    rows where given (the most rows of one LM-head product)."""
 
     shapes: tuple[Shape, ...]
     formats: tuple[str, ...]
     max_rows: int
     own_shapes: tuple[tuple[str, tuple[Shape, ...]], ...] = ()
+    own_max_rows: int | None = None
 
     def __post_init__(self) -> None:
         if not self.shapes or any(n < 1 or k < 1 for n, k in self.shapes):
@@ -45,14 +47,23 @@ class Workload:
             if fmt not in self.formats or not shapes or any(n < 1 or k < 1 for n, k in shapes):
                 raise ValueError(f"a kernel workload's own shapes are of its formats and at least 1, not {fmt}: "
                                  f"{shapes}")
+        if self.own_max_rows is not None and not (self.own_shapes and 1 <= self.own_max_rows <= self.max_rows):
+            raise ValueError(f"a kernel workload's own_max_rows is for its own shapes, from 1 to max_rows "
+                             f"({self.max_rows}), not {self.own_max_rows}")
 
     def shapes_of(self, fmt: str) -> tuple[Shape, ...]:
         return dict(self.own_shapes).get(fmt, self.shapes)
+
+    def max_rows_of(self, fmt: str) -> int:
+        own = self.own_max_rows is not None and fmt in dict(self.own_shapes)
+        return self.own_max_rows if own else self.max_rows
 
     def to_key(self) -> dict:
         key = {"shapes": [list(s) for s in self.shapes], "formats": list(self.formats), "max_rows": self.max_rows}
         if self.own_shapes:
             key["own_shapes"] = {fmt: [list(s) for s in shapes] for fmt, shapes in self.own_shapes}
+        if self.own_max_rows is not None:
+            key["own_max_rows"] = self.own_max_rows
         return key
 
 

@@ -28,6 +28,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.core.cuda_graphs import graph_plan
 from engine.core.engine_core import EngineCore
 from engine.core.prefill_engine import PrefillEngine
+from engine.core.prompt_pass import SCORE_ROWS
 from engine.core.runner import ModelRunner
 from engine.disk_cache import DiskCache, cache_root
 from engine.kv.block_pool import BlockPool, TieredBlockPool
@@ -182,16 +183,20 @@ def _measured_dispatch(config: EngineConfig, model: torch.nn.Module, progress: P
         report(progress, MEASURING_KERNELS, done, total)
 
     cache = DiskCache(cache_root(config.cache_dir))
-    return measured_table(kernels, kernel_workload(model, config.max_num_batched_tokens), cache, config.recalibrate,
+    # one LM-head product: the sampled rows and the verified drafts of a step, or a slice of a scored prompt
+    head_rows = max(SCORE_ROWS, config.max_num_seqs * (1 + config.num_speculative_tokens))
+    workload = kernel_workload(model, config.max_num_batched_tokens, head_rows)
+    return measured_table(kernels, workload, cache, config.recalibrate,
                           heard).table
 
 
-def kernel_workload(model: torch.nn.Module, max_rows: int) -> Workload:
+def kernel_workload(model: torch.nn.Module, max_rows: int, head_rows: int | None = None) -> Workload:
     """What a dispatch measurement times for this model: its layers' distinct [N, K] shapes, in the formats of its
     layers and LM head, up to `max_rows` rows. A format only the LM head has (SmolLM2's Q8_0 head beside Q4_1
     layers) is timed on the head's own shape, whose route it alone follows (a 49152-row head is memory-bound where
-    the layers' shapes sit in cache); a head sharing its layers' format is not timed (its size would slow the
-    largest buckets for a product run once a step)."""
+    the layers' shapes sit in cache), up to `head_rows` rows (the most one head product takes; past them the route's
+    last kernel); a head sharing its layers' format is not timed (its size would slow the largest buckets for a
+    product run once a step)."""
     layers = [m for m in model.modules() if isinstance(m, Linear)]
     head = model.head_module()
     formats = {weight_format(m.weight, m.weight_scale) for m in layers}
@@ -199,7 +204,8 @@ def kernel_workload(model: torch.nn.Module, max_rows: int) -> Workload:
     own = () if head_format in formats else ((head_format, ((model.cfg.vocab_size, model.cfg.hidden_size),)),)
     formats.add(head_format)
     shapes = sorted({(m.out_features, m.in_features) for m in layers})
-    return Workload(tuple(shapes), tuple(f for f in FORMATS if f in formats), max_rows, own)
+    own_rows = min(head_rows, max_rows) if own and head_rows is not None else None
+    return Workload(tuple(shapes), tuple(f for f in FORMATS if f in formats), max_rows, own, own_rows)
 
 
 def _set_torch_threads(config: EngineConfig) -> None:
