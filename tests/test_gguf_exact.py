@@ -143,6 +143,9 @@ def test_dequantised_rows_are_the_files_values_rounded_once_to_bf16(kernels, qty
     want = torch.from_numpy(gguf.quants.dequantize(data, Q[qtype])).to(torch.bfloat16)[5:30, :500]
     assert torch.equal(cpu_ext.dequantize_int8g(codes, scales, 500, 5, 30), want)
     assert torch.equal(weight_ops.int8g_rows(codes, scales, slice(5, 30), 500, torch.bfloat16), want)
+    exact = torch.from_numpy(gguf.quants.dequantize(data, Q[qtype]))[5:30, :500]  # what linear32 multiplies by
+    assert torch.equal(cpu_ext.dequantize_int8g(codes, scales, 500, 5, 30, fp32_out=True), exact)
+    assert torch.equal(weight_ops.int8g_rows(codes, scales, slice(5, 30), 500, torch.float32), exact)
 
 
 INT8G_LIMIT = 7  # its place among stack_limits' row limits

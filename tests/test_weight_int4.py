@@ -173,6 +173,8 @@ def test_dequantize_kernel_is_torch_bit_for_bit(n, k):
     ref = weight_ops.int4_rows(packed, scales, torch.arange(n), k, torch.bfloat16)
     assert torch.equal(cpu_ext.dequantize_int4(packed, scales, k, 0, n), ref)
     assert torch.equal(cpu_ext.dequantize_int4(packed, scales, k, n // 3, n), ref[n // 3:])
+    exact = weight_ops.int4_rows(packed, scales, torch.arange(n), k, torch.float32)  # what linear32 multiplies by
+    assert torch.equal(cpu_ext.dequantize_int4(packed, scales, k, n // 3, n, fp32_out=True), exact[n // 3:])
 
 
 def test_every_kernel_reads_blocked_scales_as_the_same_values_laid_out_2_g_n():

@@ -8,8 +8,9 @@ and `decode_layers`.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -116,8 +117,9 @@ class CpuKernelBackend(TorchBackend):
 
     def _linear_fp32(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
         """The table's "linear32": F.linear in fp32 on chunks of the weight widened or dequantised to fp32 (the
-        file's values, exactly), plus the bias, rounded once to x's dtype."""
-        out = weight_ops.linear_fp32(x, w.data, w.scale)
+        file's values, exactly, an int4 or int8g weight by the kernels' dequantisers), plus the bias, rounded once
+        to x's dtype."""
+        out = weight_ops.linear_fp32(x, w.data, w.scale, _rows_fp32(w, x.shape[-1]))
         if w.bias is not None:
             out += w.bias
         return out.to(x.dtype)
@@ -401,6 +403,16 @@ def _matrix_engine(asked: str, engines: tuple[str, ...]) -> str | None:
     if asked not in engines:
         raise ValueError(f"matrix engine {asked!r} is not available here (this CPU and build have {engines or 'none'})")
     return asked
+
+
+def _rows_fp32(w: Weight, k: int) -> Callable[[int, int], torch.Tensor] | None:
+    """(begin, end) -> those output channels of an int4 or int8g weight in fp32 by the kernels' dequantisers
+    (weight_ops.weight_rows_fp32's bits, in a fraction of the time); None for the others (torch's widening)."""
+    if w.scale is not None and weight_ops.is_int4(w.data):
+        return functools.partial(cpu_ext.dequantize_int4, w.data, w.scale, k, fp32_out=True)
+    if weight_ops.is_int8g(w.data, w.scale):
+        return functools.partial(cpu_ext.dequantize_int8g, w.data, w.scale, k, fp32_out=True)
+    return None
 
 
 def _projection(w: Weight) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:

@@ -167,10 +167,11 @@ def int4_bf16_vectorized() -> bool:
     return bool(ops().int4_bf16_vectorized())
 
 
-def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, k: int, begin: int, end: int) -> torch.Tensor:
-    """Output channels [begin, end) of an int4 weight of K columns -> bf16 [end - begin, K], quant.int4_rows'
-    bits."""
-    return ops().dequantize_int4(packed, scales, k, begin, end)
+def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, k: int, begin: int, end: int,
+                    fp32_out: bool = False) -> torch.Tensor:
+    """Output channels [begin, end) of an int4 weight of K columns -> bf16 (fp32_out: fp32) [end - begin, K],
+    weight_ops.int4_rows' bits."""
+    return ops().dequantize_int4(packed, scales, k, begin, end, fp32_out)
 
 
 @functools.cache
@@ -207,10 +208,11 @@ def int8g_bf16_vectorized() -> bool:
     return bool(ops().int8g_bf16_vectorized())
 
 
-def dequantize_int8g(codes: torch.Tensor, scales: torch.Tensor, k: int, begin: int, end: int) -> torch.Tensor:
-    """Output channels [begin, end) of an int8g weight of K columns -> bf16 [end - begin, K], weight_ops.int8g_rows'
-    bits."""
-    return ops().dequantize_int8g(codes, scales, k, begin, end)
+def dequantize_int8g(codes: torch.Tensor, scales: torch.Tensor, k: int, begin: int, end: int,
+                     fp32_out: bool = False) -> torch.Tensor:
+    """Output channels [begin, end) of an int8g weight of K columns -> bf16 (fp32_out: fp32) [end - begin, K],
+    weight_ops.int8g_rows' bits."""
+    return ops().dequantize_int8g(codes, scales, k, begin, end, fp32_out)
 
 
 def decode_attention_bf16(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,

@@ -39,14 +39,16 @@ torch::Tensor linear_int4_gemm(torch::Tensor x, torch::Tensor packed, torch::Ten
                                const std::optional<torch::Tensor>& bias, bool fp32_out = false);
 torch::Tensor linear_int4_bf16(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
                                const std::optional<torch::Tensor>& bias, bool fp32_out = false);
-torch::Tensor dequantize_int4(torch::Tensor packed, torch::Tensor scales, int64_t k, int64_t begin, int64_t end);
+torch::Tensor dequantize_int4(torch::Tensor packed, torch::Tensor scales, int64_t k, int64_t begin, int64_t end,
+                              bool fp32_out);
 int64_t int4_channels(const torch::Tensor& scales);
 // int8_grouped.cpp
 torch::Tensor linear_int8g(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
                            const std::optional<torch::Tensor>& bias, bool fp32_out = false);
 torch::Tensor linear_int8g_bf16(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
                                 const std::optional<torch::Tensor>& bias, bool fp32_out = false);
-torch::Tensor dequantize_int8g(torch::Tensor codes, torch::Tensor scales, int64_t k, int64_t begin, int64_t end);
+torch::Tensor dequantize_int8g(torch::Tensor codes, torch::Tensor scales, int64_t k, int64_t begin, int64_t end,
+                               bool fp32_out);
 int64_t int8g_channels(const torch::Tensor& scales);
 
 namespace {
@@ -112,12 +114,12 @@ torch::Tensor project(const Projection& p, const torch::Tensor& x, const RowLimi
     if (rows <= limits.int4_gemm) return linear_int4_gemm(x, p.weight, *p.scale, p.bias);
     if (rows <= limits.int4) return linear_int4(x, p.weight, *p.scale, p.bias);
     const int64_t n = int4_channels(*p.scale);
-    return at::linear(x, dequantize_int4(p.weight, *p.scale, x.size(1), 0, n), p.bias);
+    return at::linear(x, dequantize_int4(p.weight, *p.scale, x.size(1), 0, n, false), p.bias);
   }
   if (p.scale && p.scale->dim() >= 3) {
     if (rows <= limits.int8g_bf16) return linear_int8g_bf16(x, p.weight, *p.scale, p.bias);
     if (rows <= limits.int8g) return linear_int8g(x, p.weight, *p.scale, p.bias);
-    return at::linear(x, dequantize_int8g(p.weight, *p.scale, x.size(1), 0, int8g_channels(*p.scale)), p.bias);
+    return at::linear(x, dequantize_int8g(p.weight, *p.scale, x.size(1), 0, int8g_channels(*p.scale), false), p.bias);
   }
   if (p.scale) {
     if (p.packed && rows <= limits.w8a8) return linear_w8a8(x, *p.packed, *p.scale, p.bias);

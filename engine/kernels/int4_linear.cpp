@@ -10,7 +10,7 @@
 // - linear_int4_bf16: the weight-only product for many rows on AVX-512 BF16 dot products (bf16_dots.h): the
 //   codes, exact in bf16, widened once per call and multiplied by vdpbf16ps against the bf16 activations, 32
 //   products an instruction where linear_int4_gemm's fp32 FMAs do 16.
-// - dequantize_int4: rows of the weight to bf16, for the larger row counts that take at::linear (prefill).
+// - dequantize_int4: rows of the weight to bf16 (or fp32), for the larger row counts that take at::linear (prefill).
 // Figures: docs/performance.md, "int8 and int4 weights" (python -m bench.weight_quant).
 //
 // Layout (quant.py pack_int4): packed uint8 [ceil(N / 16), G, 4, 16, 4], G = ceil(K / 32); the 64 bytes of
@@ -39,6 +39,7 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #include "activation_quant.h"
@@ -641,8 +642,9 @@ torch::Tensor linear_int4_bf16(torch::Tensor x, torch::Tensor packed, torch::Ten
 }
 
 #if defined(CPU_EXT_INT4_AVX512)
-// One whole group of a row: its 16 bytes (4 runs of 4, 64 bytes apart) -> 32 bf16, low nibbles first.
-inline void dequantize_group(const uint8_t* bytes, float s, float z, uint16_t* dst) {
+// One whole group of a row: its 16 bytes (4 runs of 4, 64 bytes apart) -> 32 bf16 (or fp32), low nibbles first.
+template <typename Out>
+inline void dequantize_group(const uint8_t* bytes, float s, float z, Out* dst) {
   int32_t runs[4];
   for (int t = 0; t < 4; ++t) std::memcpy(&runs[t], bytes + t * 64, 4);
   const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(runs));
@@ -651,26 +653,25 @@ inline void dequantize_group(const uint8_t* bytes, float s, float z, uint16_t* d
   const __m512 scale = _mm512_set1_ps(s), zero = _mm512_set1_ps(z);
   const __m512 lo = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(low)), zero);  // s * q exact
   const __m512 hi = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(high)), zero);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), cpu_ext::bf16_round(lo));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16), cpu_ext::bf16_round(hi));
+  if constexpr (std::is_same_v<Out, float>) {
+    _mm512_storeu_ps(dst, lo);
+    _mm512_storeu_ps(dst + 16, hi);
+  } else {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), cpu_ext::bf16_round(lo));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16), cpu_ext::bf16_round(hi));
+  }
 }
 #endif
 
-// Output channels [begin, end) of the int4 weight of K columns -> bf16 [end - begin, K]: bf16(s * q + z) (s * q
-// is exact in fp32, so the one rounding of the sum and the one to bf16 are torch's quant.dequantize_int4's too).
-// Whole groups run on AVX-512 where built: every prefill step of more rows than the int4 kernels take dequantises
-// each weight once (python -m bench.stall_free: a fifth of a 256-token step on the scalar loop).
-torch::Tensor dequantize_int4(torch::Tensor packed, torch::Tensor scales, int64_t k, int64_t begin, int64_t end) {
-  const Int4Weights w = int4_weights(packed, scales, k, nullptr, "dequantize_int4");
-  const int64_t n = w.n, groups = w.groups;
-  TORCH_CHECK(0 <= begin && begin <= end && end <= n, "dequantize_int4: rows [", begin, ", ", end, ") of ", n);
-  torch::Tensor out = torch::empty({end - begin, k}, packed.options().dtype(at::kBFloat16));
-  const uint8_t* pp = packed.data_ptr<uint8_t>();
-  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+// dequantize_int4's rows into `op` (Out: uint16_t for bf16 bits, or float): s * q + z rounded once in fp32, then
+// for bf16 once more.
+template <typename Out>
+void dequantize_int4_rows(const Int4Weights& w, const uint8_t* pp, int64_t k, int64_t begin, int64_t end, Out* op) {
+  const int64_t groups = w.groups;
   at::parallel_for(begin, end, 16, [&](int64_t first, int64_t last) {
     for (int64_t row = first; row < last; ++row) {
       const int64_t block = row / kChannels, c = row % kChannels;
-      uint16_t* dst = op + (row - begin) * k;
+      Out* dst = op + (row - begin) * k;
       for (int64_t g = 0; g < groups; ++g) {
         const float s = static_cast<float>(w.scale(g, block * kChannels)[c]);
         const float z = static_cast<float>(w.offset(g, block * kChannels)[c]);
@@ -685,12 +686,35 @@ torch::Tensor dequantize_int4(torch::Tensor packed, torch::Tensor scales, int64_
           for (int64_t i = 0; i < 4; ++i) {
             const uint8_t byte = bytes[t * 64 + i];
             const int64_t lo = g * kGroup + 4 * t + i, hi = lo + 16;
-            if (lo < k) dst[lo] = to_bf16(s * static_cast<float>(byte & 0x0F) + z);
-            if (hi < k) dst[hi] = to_bf16(s * static_cast<float>(byte >> 4) + z);
+            const float low = s * static_cast<float>(byte & 0x0F) + z, high = s * static_cast<float>(byte >> 4) + z;
+            if constexpr (std::is_same_v<Out, float>) {
+              if (lo < k) dst[lo] = low;
+              if (hi < k) dst[hi] = high;
+            } else {
+              if (lo < k) dst[lo] = to_bf16(low);
+              if (hi < k) dst[hi] = to_bf16(high);
+            }
           }
       }
     }
   });
+}
+
+// Output channels [begin, end) of the int4 weight of K columns -> bf16 [end - begin, K]: bf16(s * q + z) (s * q
+// is exact in fp32, so the one rounding of the sum and the one to bf16 are torch's quant.dequantize_int4's too), or
+// with fp32_out the fp32 sum itself (quant.int4_rows' fp32 bits: the table's linear32). Whole groups run on AVX-512
+// where built: every prefill step of more rows than the int4 kernels take dequantises each weight once (python -m
+// bench.stall_free: a fifth of a 256-token step on the scalar loop).
+torch::Tensor dequantize_int4(torch::Tensor packed, torch::Tensor scales, int64_t k, int64_t begin, int64_t end,
+                              bool fp32_out) {
+  const Int4Weights w = int4_weights(packed, scales, k, nullptr, "dequantize_int4");
+  TORCH_CHECK(0 <= begin && begin <= end && end <= w.n, "dequantize_int4: rows [", begin, ", ", end, ") of ", w.n);
+  torch::Tensor out = torch::empty({end - begin, k}, packed.options().dtype(fp32_out ? at::kFloat : at::kBFloat16));
+  const uint8_t* pp = packed.data_ptr<uint8_t>();
+  if (fp32_out)
+    dequantize_int4_rows(w, pp, k, begin, end, out.data_ptr<float>());
+  else
+    dequantize_int4_rows(w, pp, k, begin, end, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()));
   return out;
 }
 
@@ -737,7 +761,7 @@ TORCH_LIBRARY_FRAGMENT(phase_serve, m) {
   m.def("int4_gemm_vectorized() -> bool", &int4_gemm_vectorized);
   m.def("linear_int4_bf16(Tensor x, Tensor packed, Tensor scales, Tensor? bias, bool fp32_out=False) -> Tensor");
   m.def("int4_bf16_vectorized() -> bool", &int4_bf16_vectorized);
-  m.def("dequantize_int4(Tensor packed, Tensor scales, int k, int begin, int end) -> Tensor");
+  m.def("dequantize_int4(Tensor packed, Tensor scales, int k, int begin, int end, bool fp32_out=False) -> Tensor");
   m.def("w4a8_vnni() -> bool", &w4a8_vnni);
   m.def("int4_vectorized() -> bool", &int4_vectorized);
 }

@@ -16,7 +16,7 @@
 //   widen to one vector of 16 bf16 pairs, exact, with no transpose (the blocks hold the channels side by side):
 //   in registers as they are used for up to 8 rows, once per call into a buffer for more.
 // - linear_int8g_bf16_argmax: its greedy pick, each row's argmax of the fp32 sums, without the [M, N] sums.
-// - dequantize_int8g: rows of the weight to bf16, for the larger row counts that take at::linear (prefill).
+// - dequantize_int8g: rows of the weight to bf16 (or fp32), for the larger row counts that take at::linear (prefill).
 //
 // out[m, n] = bf16(sum_k w[n, k] x[m, k] + bias[n]); each row's result depends on that row only.
 #include <torch/extension.h>
@@ -423,8 +423,9 @@ int64_t int8g_channels(const torch::Tensor& scales) {
 }
 
 // Output channels [begin, end) of the int8g weight of K columns -> bf16 [end - begin, K]: bf16(s q (+ z)), the fp32
-// value rounded once, as weight_ops.int8g_rows computes it.
-torch::Tensor dequantize_int8g(torch::Tensor codes, torch::Tensor scales, int64_t k, int64_t begin, int64_t end) {
+// value rounded once, as weight_ops.int8g_rows computes it; with fp32_out that fp32 value (the table's linear32).
+torch::Tensor dequantize_int8g(torch::Tensor codes, torch::Tensor scales, int64_t k, int64_t begin, int64_t end,
+                               bool fp32_out) {
   const GroupedWeights w = int8g_weights(codes, scales, k, "dequantize_int8g");
   TORCH_CHECK(0 <= begin && begin <= end && end <= w.n, "dequantize_int8g: rows [", begin, ", ", end, ") of ", w.n);
   const int64_t b0 = begin / kChannels, b1 = (end + kChannels - 1) / kChannels, rows = end - begin;
@@ -442,12 +443,12 @@ torch::Tensor dequantize_int8g(torch::Tensor codes, torch::Tensor scales, int64_
   if (w.shift) factors = factors.repeat_interleave(2, 2).narrow(2, 0, w.groups);
   values.mul_(factors[0].unsqueeze(2));
   if (w.offset) values.add_(factors[1].unsqueeze(2));
-  return values.view({rows, w.groups * kGroup}).narrow(1, 0, k).to(at::kBFloat16);
+  return values.view({rows, w.groups * kGroup}).narrow(1, 0, k).to(fp32_out ? at::kFloat : at::kBFloat16);
 }
 
 TORCH_LIBRARY_FRAGMENT(phase_serve, m) {
   m.def("linear_int8g(Tensor x, Tensor codes, Tensor scales, Tensor? bias, bool fp32_out=False) -> Tensor");
-  m.def("dequantize_int8g(Tensor codes, Tensor scales, int k, int begin, int end) -> Tensor");
+  m.def("dequantize_int8g(Tensor codes, Tensor scales, int k, int begin, int end, bool fp32_out=False) -> Tensor");
   m.def("linear_int8g_bf16(Tensor x, Tensor codes, Tensor scales, Tensor? bias, bool fp32_out=False) -> Tensor");
   m.def("linear_int8g_bf16_argmax(Tensor x, Tensor codes, Tensor scales) -> Tensor");
   m.def("int8g_bf16_vectorized() -> bool", &int8g_bf16_vectorized);
