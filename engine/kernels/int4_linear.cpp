@@ -4,7 +4,8 @@
 //   as the weights', activation_quant.h), the nibbles unpacked in registers and multiplied by AVX-512 VNNI into
 //   exact int32 sums per group.
 // - linear_int4: decode-sized row counts, weight-only: the nibbles widened to fp32 in registers against the fp32
-//   activations (AVX2, FMA and F16C), so the activations keep all their bits.
+//   activations (AVX2, FMA and F16C), so the activations keep all their bits; past one pass of rows each group
+//   widened once into L1 for every pass.
 // - linear_int4_gemm: linear_int4's arithmetic on AVX-512 for any row count: each group of a 16-channel block
 //   widened once per pass of up to 8 rows (a 16-float table lookup per nibble position), every value the same.
 // - linear_int4_bf16: the weight-only product for many rows on AVX-512 BF16 dot products (bf16_dots.h): the
@@ -282,6 +283,83 @@ void int4_block(const Int4Weights& w, const FloatRows& x, int64_t first, OutRows
   store<R>(sums, w, first, out, n0);
 }
 
+// Many rows (more than one pass): int4_block's arithmetic, each group's codes widened once for every row instead of
+// once a pass. The widened group (2 KB) and the rows' sums (M x 16 floats) stay in L1; a pass reads the codes'
+// vectors where int4_block makes them (three ALU ops a vector, which left AVX2's FMAs idle half the time), in
+// the same order, so every sum is int4_block's to the bit.
+#if defined(CPU_EXT_INT4_AVX2)
+// Group g of a block -> wq[t][j][h][nibble][8 lanes]: the codes int4_block's (t, j, h) step widens, as fp32.
+inline void widen_group(const uint8_t* bytes, float* wq) {
+  const __m256i nibble = _mm256_set1_epi32(0x0F);
+  for (int64_t t = 0; t < 4; ++t) {
+    const __m256i v[2] = {_mm256_loadu_si256((const __m256i*)(bytes + t * 64)),
+                          _mm256_loadu_si256((const __m256i*)(bytes + t * 64 + 32))};
+    for (int j = 0; j < 4; ++j)
+      for (int h = 0; h < 2; ++h) {
+        float* dst = wq + ((t * 4 + j) * 2 + h) * 16;
+        _mm256_store_ps(dst, _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v[h], 8 * j), nibble)));
+        _mm256_store_ps(dst + 8, _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v[h], 8 * j + 4), nibble)));
+      }
+  }
+}
+
+// Group g's contribution to rows [first, first + R): acc[r] (16 floats a row) += s * (lo + hi) + z * t[r, g].
+template <int R>
+void widened_group_rows(const float* wq, const FloatRows& x, int64_t first, int64_t g, const __m256 (&sv)[2],
+                        const __m256 (&zv)[2], float* acc) {
+  __m256 dot[R][2][2];
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < 2; ++h) dot[r][h][0] = dot[r][h][1] = _mm256_setzero_ps();
+  for (int64_t t = 0; t < 4; ++t)
+    for (int j = 0; j < 4; ++j)
+      for (int h = 0; h < 2; ++h) {
+        const float* codes = wq + ((t * 4 + j) * 2 + h) * 16;
+        const __m256 lo = _mm256_load_ps(codes), hi = _mm256_load_ps(codes + 8);
+        for (int r = 0; r < R; ++r) {
+          const float* xr = x.x + (first + r) * x.kp + g * kGroup + 4 * t + j;
+          dot[r][h][0] = _mm256_fmadd_ps(lo, _mm256_set1_ps(xr[0]), dot[r][h][0]);
+          dot[r][h][1] = _mm256_fmadd_ps(hi, _mm256_set1_ps(xr[16]), dot[r][h][1]);
+        }
+      }
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < 2; ++h) {
+      float* a = acc + r * kChannels + 8 * h;
+      __m256 sum = _mm256_fmadd_ps(sv[h], _mm256_add_ps(dot[r][h][0], dot[r][h][1]), _mm256_loadu_ps(a));
+      sum = _mm256_fmadd_ps(zv[h], _mm256_set1_ps(x.t[(first + r) * x.groups + g]), sum);
+      _mm256_storeu_ps(a, sum);
+    }
+}
+#endif
+
+// Every row of x against block `block`, its groups widened once (acc: M x 16 floats of scratch).
+void int4_block_widened(const Int4Weights& w, const FloatRows& x, int64_t m, OutRows out, int64_t block,
+                        float* acc) {
+#if defined(CPU_EXT_INT4_AVX2)
+  const int64_t n0 = block * kChannels, count = std::min<int64_t>(kChannels, w.n - n0);
+  alignas(32) float wq[4 * 4 * 2 * 16];
+  std::fill(acc, acc + m * kChannels, 0.f);
+  for (int64_t g = 0; g < w.groups; ++g) {
+    widen_group(w.packed + (block * w.groups + g) * kGroupBytes, wq);
+    alignas(32) at::Half s[kChannels] = {}, z[kChannels] = {};
+    std::memcpy(s, w.scale(g, n0), count * sizeof(at::Half));
+    std::memcpy(z, w.offset(g, n0), count * sizeof(at::Half));
+    const __m256 sv[2] = {_mm256_cvtph_ps(_mm_load_si128((const __m128i*)s)),
+                          _mm256_cvtph_ps(_mm_load_si128((const __m128i*)(s + 8)))};
+    const __m256 zv[2] = {_mm256_cvtph_ps(_mm_load_si128((const __m128i*)z)),
+                          _mm256_cvtph_ps(_mm_load_si128((const __m128i*)(z + 8)))};
+    int64_t first = 0;
+    for (; first + kWeightOnlyRows <= m; first += kWeightOnlyRows)
+      widened_group_rows<kWeightOnlyRows>(wq, x, first, g, sv, zv, acc + first * kChannels);
+    if (first < m) widened_group_rows<1>(wq, x, first, g, sv, zv, acc + first * kChannels);
+  }
+  for (int64_t r = 0; r < m; ++r)
+    store<1>(*reinterpret_cast<const float(*)[1][kChannels]>(acc + r * kChannels), w, r, out, n0);
+#else
+  (void)acc;
+  for (int64_t r = 0; r < m; ++r) int4_block<1>(w, x, r, out, block);
+#endif
+}
+
 // x [M, K] (bf16 or fp32) as linear_int4's kernels read it: fp32 rows padded with zeros to G * 32, and each
 // group's sum added in k order (the totals both kernels use, so that they agree to the bit).
 struct FloatCopy {
@@ -553,9 +631,9 @@ torch::Tensor linear_w4a8(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   return out;
 }
 
-// x [M, K] bf16 (or fp32), packed and scales as above, bias [N] or None -> [M, N] bf16 or (fp32_out) fp32 (the weight-only product
-// above). The threads claim ranges of 16-channel blocks and run every pass of rows over each block in turn, so a
-// block's weights come from memory once.
+// x [M, K] bf16 (or fp32), packed and scales as above, bias [N] or None -> [M, N] bf16 or (fp32_out) fp32 (the
+// weight-only product above). The threads claim ranges of 16-channel blocks and run every pass of rows over each
+// block in turn, so a block's weights come from memory once.
 torch::Tensor linear_int4(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
                           const std::optional<torch::Tensor>& bias, bool fp32_out) {
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
@@ -571,6 +649,11 @@ torch::Tensor linear_int4(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   const FloatRows& rows = copy.rows;
   const OutRows op = out_rows(out);
   cpu_ext::parallel_claim((n + kChannels - 1) / kChannels, 4, [&](int64_t begin, int64_t end) {
+    if (m > kWeightOnlyRows) {  // more than one pass: each group widened once for all of them
+      std::vector<float> acc(m * kChannels);
+      for (int64_t block = begin; block < end; ++block) int4_block_widened(w, rows, m, op, block, acc.data());
+      return;
+    }
     for (int64_t block = begin; block < end; ++block)
       for (int64_t first = 0; first < m; first += kWeightOnlyRows) {
         if (m - first >= 2) int4_block<2>(w, rows, first, op, block);
