@@ -202,12 +202,9 @@ class MemoisedFloor32(CpuKernelBackend):
         super().__init__(config)
         self.reference = MemoisedReference()
 
-    def _linear_fp32(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
-        rows = self.reference.kept(w.data, x.float(), weight_ops.weight_rows_fp32(w.data, w.scale, x.shape[-1]))
-        out = weight_ops.linear_fp32(x, w.data, w.scale, rows)
-        if w.bias is not None:
-            out += w.bias
-        return out.to(x.dtype)
+    def _rows_fp32(self, w: Weight, x: torch.Tensor):
+        rows = super()._rows_fp32(w, x) or weight_ops.weight_rows_fp32(w.data, w.scale, x.shape[-1])
+        return self.reference.kept(w.data, x.float(), rows)
 
     def lm_head(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
         return self.reference.lm_head(x, w)

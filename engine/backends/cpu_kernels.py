@@ -119,10 +119,20 @@ class CpuKernelBackend(TorchBackend):
         """The table's "linear32": F.linear in fp32 on chunks of the weight widened or dequantised to fp32 (the
         file's values, exactly, an int4 or int8g weight by the kernels' dequantisers), plus the bias, rounded once
         to x's dtype."""
-        out = weight_ops.linear_fp32(x, w.data, w.scale, _rows_fp32(w, x.shape[-1]))
+        out = weight_ops.linear_fp32(x, w.data, w.scale, self._rows_fp32(w, x))
         if w.bias is not None:
             out += w.bias
         return out.to(x.dtype)
+
+    def _rows_fp32(self, w: Weight, x: torch.Tensor) -> Callable[[int, int], torch.Tensor] | None:
+        """(begin, end) -> those output channels of an int4 or int8g weight in fp32 by the kernels' dequantisers
+        (weight_ops.weight_rows_fp32's bits, in a fraction of the time); None for the others (torch's widening)."""
+        k = x.shape[-1]
+        if w.scale is not None and weight_ops.is_int4(w.data):
+            return functools.partial(cpu_ext.dequantize_int4, w.data, w.scale, k, fp32_out=True)
+        if weight_ops.is_int8g(w.data, w.scale):
+            return functools.partial(cpu_ext.dequantize_int8g, w.data, w.scale, k, fp32_out=True)
+        return None
 
     def _bf16_kernel(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                      packed: torch.Tensor | None, fp32_out: bool) -> torch.Tensor | None:
@@ -403,16 +413,6 @@ def _matrix_engine(asked: str, engines: tuple[str, ...]) -> str | None:
     if asked not in engines:
         raise ValueError(f"matrix engine {asked!r} is not available here (this CPU and build have {engines or 'none'})")
     return asked
-
-
-def _rows_fp32(w: Weight, k: int) -> Callable[[int, int], torch.Tensor] | None:
-    """(begin, end) -> those output channels of an int4 or int8g weight in fp32 by the kernels' dequantisers
-    (weight_ops.weight_rows_fp32's bits, in a fraction of the time); None for the others (torch's widening)."""
-    if w.scale is not None and weight_ops.is_int4(w.data):
-        return functools.partial(cpu_ext.dequantize_int4, w.data, w.scale, k, fp32_out=True)
-    if weight_ops.is_int8g(w.data, w.scale):
-        return functools.partial(cpu_ext.dequantize_int8g, w.data, w.scale, k, fp32_out=True)
-    return None
 
 
 def _projection(w: Weight) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:

@@ -186,8 +186,7 @@ def _measured_dispatch(config: EngineConfig, model: torch.nn.Module, progress: P
     # one LM-head product: the sampled rows and the verified drafts of a step, or a slice of a scored prompt
     head_rows = max(SCORE_ROWS, config.max_num_seqs * (1 + config.num_speculative_tokens))
     workload = kernel_workload(model, config.max_num_batched_tokens, head_rows)
-    return measured_table(kernels, workload, cache, config.recalibrate,
-                          heard).table
+    return measured_table(kernels, workload, cache, config.recalibrate, heard).table
 
 
 def kernel_workload(model: torch.nn.Module, max_rows: int, head_rows: int | None = None) -> Workload:
