@@ -20,6 +20,7 @@ import signal
 import time
 from typing import Any, Awaitable, Callable
 
+from actors.cores import set_cores
 from actors.spec import ActorSpec, Role, node_identity
 from actors.startup import Startup, StartupRelay
 from engine.core.engine_thread import EngineThread
@@ -178,7 +179,8 @@ class Actor:
 
     async def _dispatch_messages(self, conn: Connection) -> None:
         process = {m.Heartbeat: self.on_heartbeat, m.Shutdown: self.on_shutdown, m.Drain: self.on_drain,
-                   m.CheckIntegrity: self.on_check_integrity}
+                   m.CheckIntegrity: self.on_check_integrity,
+                   m.SetCores: lambda conn, msg: _on_set_cores(self, conn, msg)}
         if self.change_role is not None:
             process[m.ChangeRole] = lambda conn, msg: self.change_role(self, conn, msg)
         playing, handlers = None, process
@@ -251,6 +253,12 @@ def integrity_error(pool: Any) -> str | None:
     except AssertionError as exc:
         return str(exc)
     return None
+
+
+async def _on_set_cores(process: Actor, conn: Connection, msg: m.SetCores) -> None:
+    """Run on other cores from the next step on (actors/cores.py)."""
+    current = process.current
+    await send_quietly(conn, await set_cores(process.spec.actor_id, current.thread, process.changing, msg))
 
 
 async def send_quietly(conn: Connection, msg: m.Message) -> None:

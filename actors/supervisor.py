@@ -86,6 +86,8 @@ class ActorHandle:
     start_error: str | None = None  # why its last start failed, in the actor's words when it gave them
     draining: bool = False  # being drained (router.drain): no new work, and its exit is a planned restart
     changing_role: Role | None = None  # changing to this role (router.roles): no new work until it has
+    parked: bool = False  # its cores are lent to a widened peer (router.merges): no new work until it gets them back
+    widened: tuple[int, ...] | None = None  # the cores it runs on, its parked peers' among them (router.merges)
     last_exit: int | None = None  # the exit status of its previous process (negative: killed by that signal)
     down_at: float | None = None  # monotonic time it went down, until its replacement is ready
     watch: StartWatch | None = None  # its latest start: what it reported, and when it last did
@@ -233,9 +235,9 @@ class Supervisor:
         raise KeyError(actor_id)
 
     def ready(self, role: Role) -> list[ActorHandle]:
-        """The actors of `role` that take new work (ready, neither draining nor changing role)."""
+        """The actors of `role` that take new work (ready, neither draining, changing role nor parked)."""
         return [h for h in self.handles if h.spec.role == role and h.state is ActorState.READY and not h.draining
-                and h.changing_role is None]
+                and h.changing_role is None and not h.parked]
 
     # ---------------------------------------------------------------- start / stop
 

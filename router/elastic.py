@@ -1,11 +1,12 @@
 """The elastic layout in the running router: every `plan_interval` seconds the planner (router/planner.py) is
 shown the live mix (router/traffic.py), the actors' measured costs and what a role change costs, and decides;
-with `--elastic on` a decision to switch changes one actor's role (router/roles.py). With it off, the decisions
-are still made and shown in /status, and nothing changes.
+with `--elastic on` a decision to switch changes actors' roles (router/roles.py), or merges every actor's cores
+into one decode actor and splits them again (router/merges.py). With it off, the decisions are still made and
+shown in /status, and nothing changes.
 
 The layout is the count of ready prefill and decode actors among those that may change role (local actors and
-Ray actors; not workers that joined from another host, nor draft actors). `LayoutClock` keeps the time spent in
-each layout for /metrics.
+Ray actors; not workers that joined from another host, nor draft actors), and of those parked with their cores
+lent to a merged decode actor. `LayoutClock` keeps the time spent in each layout for /metrics.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from router.cost_model import DecodeCost, PrefillCost
 from router.elastic_settings import ElasticSettings
 from router.handoff import HANDOFF_PHASES, Phase, Routed
 from router.layout_model import ActorCosts, Layout
+from router.merges import CoreMerges, mergeable
 from router.placer import DEFAULT_DECODE, Placer, decode_cost
 from router.planner import Decision, Planner, SwitchCost
 from router.roles import RoleChanges
@@ -50,9 +52,9 @@ class LayoutClock:
 
 
 class Elastic:
-    def __init__(self, supervisor: Supervisor, roles: RoleChanges, placer: Placer, routed: Mapping[str, Routed],
-                 traffic: TrafficWindow, settings: ElasticSettings, now: float) -> None:
-        self.supervisor, self.roles, self.placer, self.routed = supervisor, roles, placer, routed
+    def __init__(self, supervisor: Supervisor, roles: RoleChanges, merges: CoreMerges, placer: Placer,
+                 routed: Mapping[str, Routed], traffic: TrafficWindow, settings: ElasticSettings, now: float) -> None:
+        self.supervisor, self.roles, self.merges, self.placer, self.routed = supervisor, roles, merges, placer, routed
         self.traffic, self.settings = traffic, settings
         self.planner = Planner(settings)
         self.clock = LayoutClock(now)
@@ -67,9 +69,13 @@ class Elastic:
 
     def layout(self) -> Layout | None:
         """The live layout, None while no decode actor serves."""
-        roles = [h.changing_role or h.spec.role for h in self.switchable()]
+        actors = self.switchable()
+        roles = [h.changing_role or h.spec.role for h in actors if not h.parked]
         decodes = roles.count(Role.DECODE)
-        return Layout(roles.count(Role.PREFILL), decodes) if decodes else None
+        lent = sum(h.parked for h in actors)
+        if not decodes or (lent and (decodes > 1 or Role.PREFILL in roles)):
+            return None
+        return Layout(roles.count(Role.PREFILL), decodes, lent)
 
     def tick(self, now: float, decide: bool = True) -> None:
         """From the router's upkeep loop: account the time, and decide when a decision is due (`decide=False`: a
@@ -82,7 +88,8 @@ class Elastic:
         if layout is None or layout.size < 2 or self.roles.busy or (self._task and not self._task.done()):
             return
         mix = self.traffic.snapshot(now, self._queued_prompt_tokens())
-        decision = self.planner.decide(now, layout, mix, self.costs(), self._switch_cost())
+        decision = self.planner.decide(now, layout, mix, self.costs(), self._switch_cost(),
+                                       mergeable(self.switchable()))
         self.last = decision
         if not decision.switch:
             return
@@ -95,15 +102,39 @@ class Elastic:
         self._task = asyncio.ensure_future(self._apply(decision))
 
     async def _apply(self, decision: Decision) -> None:
-        picked = self._pick(decision.current, decision.target)
-        if picked is None:
-            return
-        handle, role = picked
-        try:
-            if await self.roles.change(handle.actor_id, role, f"elastic: {decision.reason}"):
-                self.switches += 1
-        except ValueError as exc:
-            log.info("no switch after all: %s", exc)
+        reason, target = f"elastic: {decision.reason}", decision.target
+        if target.lent:
+            survivor = self._survivor()
+            others = [h for h in self.switchable() if h is not survivor]
+            done = survivor is not None and await self.merges.merge(survivor, others, reason)
+        else:
+            done = (not decision.current.lent or await self.merges.split(reason)) \
+                and await self._change_roles(target, reason)
+        if done:
+            self.switches += 1
+
+    async def _change_roles(self, target: Layout, reason: str) -> bool:
+        """Role changes, one actor at a time, until the layout is `target`; False when one failed or was refused."""
+        for _ in range(len(self.switchable())):
+            current = self.layout()
+            if current == target:
+                return True
+            picked = None if current is None else self._pick(current, target)
+            if picked is None:
+                return False
+            handle, role = picked
+            try:
+                if not await self.roles.change(handle.actor_id, role, reason) or self.layout() == current:
+                    return False
+            except ValueError as exc:
+                log.info("no switch after all: %s", exc)
+                return False
+        return self.layout() == target
+
+    def _survivor(self) -> ActorHandle | None:
+        """The decode actor that takes every core in a merge: the one holding the most (its streams stay)."""
+        decodes = self.supervisor.ready(Role.DECODE)
+        return max(decodes, key=lambda h: self._held_tokens(h.actor_id), default=None)
 
     def _pick(self, current: Layout, target: Layout) -> tuple[ActorHandle, Role] | None:
         """The actor that changes: the decode actor holding the fewest streams, or the prefill actor with the

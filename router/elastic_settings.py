@@ -16,7 +16,8 @@ ElasticMode = Literal["off", "on"]
 class ElasticSettings:
     elastic: ElasticMode = option(
         "off", "on: a planner in the router watches the traffic mix and latencies and changes prefill actors into "
-        "decode actors and back (colocated <-> disaggregated) when its cost model predicts more requests within "
+        "decode actors and back (colocated <-> disaggregated), or puts one decode actor on every actor's cores, "
+        "when its cost model predicts more requests within "
         "--slo-ttft / --slo-itl; off: the layout stays as started (the planner's view is still in /status). Off by "
         "default until `python -m bench.elastic` shows on a machine that its switches pay")
     slo_ttft: float = option(1.0, "the time-to-first-token target of a request whose prompt is short (seconds)")

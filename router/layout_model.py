@@ -1,8 +1,9 @@
 """How well a layout of prefill and decode actors would serve a traffic mix: the predicted goodput (requests per
 second within their TTFT and ITL targets) of each candidate, from the actors' measured cost curves.
 
-A layout is `p` prefill actors and `d` decode actors sharing the machine's switchable actors. In it, a long-in
-request (its quadrant's) is prefilled on a prefill actor and handed off when there is one (as `auto` placement
+A layout is `p` prefill actors and `d` decode actors sharing the machine's switchable actors, or one decode actor
+on the cores of all of them (the others parked: `lent`), with its curves widened to that many shares. In it, a
+long-in request (its quadrant's) is prefilled on a prefill actor and handed off when there is one (as `auto` placement
 mostly decides), every other request on its decode actor, colocated. Traffic spreads evenly over the actors of a
 role. For each actor, with the class rates `l`, mean prompt `P` and output `O`:
 
@@ -34,22 +35,31 @@ from router.traffic import ClassLoad, Mix
 class Layout:
     prefill: int
     decode: int
+    lent: int = 0  # actors parked with their cores lent to the decode actor (router/merges.py): one merged actor
 
     def __post_init__(self) -> None:
-        if self.prefill < 0 or self.decode < 1:
-            raise ValueError(f"a layout needs at least one decode actor and no negative count, got {self}")
+        if self.prefill < 0 or self.decode < 1 or self.lent < 0:
+            raise ValueError(f"a layout needs at least one decode actor and no negative count, got {self!r}")
+        if self.lent and (self.prefill or self.decode != 1):
+            raise ValueError(f"actors lend their cores to one decode actor and no prefill actor, got {self!r}")
 
     def __str__(self) -> str:
-        return f"{self.prefill}P+{self.decode}D"
+        return f"{self.prefill}P+{self.decode}D" + (f"*{self.cores}" if self.lent else "")
 
     @property
     def size(self) -> int:
-        return self.prefill + self.decode
+        return self.prefill + self.decode + self.lent
+
+    @property
+    def cores(self) -> int:
+        """The share of the machine each decode actor runs on, in actors' shares."""
+        return 1 + self.lent // self.decode
 
 
-def candidates(size: int) -> list[Layout]:
-    """Every layout of `size` switchable actors (at least one decodes)."""
-    return [Layout(p, size - p) for p in range(size)]
+def candidates(size: int, mergeable: bool = False) -> list[Layout]:
+    """Every layout of `size` switchable actors (at least one decodes), and, when their cores can be merged, one
+    decode actor on all of them."""
+    return [Layout(p, size - p) for p in range(size)] + ([Layout(0, 1, size - 1)] if mergeable and size > 1 else [])
 
 
 @dataclass(frozen=True)
@@ -69,6 +79,17 @@ class ActorCosts:
     prefill: PrefillCost
     decode: DecodeCost
     step_tokens: int = 512  # prefill tokens per engine step (a colocated chunk)
+
+    def widened(self, cores: int) -> "ActorCosts":
+        """An estimate of the curves on `cores` actors' shares of the machine, from one share's: the work that
+        grows with tokens and sequences (the products) divides among the cores; a step's fixed cost (the Python
+        around it, one sequence's weights read) does not. Optimistic for prefill, where threads never scale
+        perfectly, pessimistic for the fixed cost, whose weight reads do share out."""
+        if cores == 1:
+            return self
+        p, d = self.prefill, self.decode
+        return ActorCosts(PrefillCost(p.fixed, p.per_token / cores, p.per_token_sq / cores),
+                          DecodeCost(d.fixed, d.per_seq / cores), self.step_tokens)
 
 
 @dataclass(frozen=True)
@@ -115,6 +136,7 @@ class _Queue:
 
 
 def predict(layout: Layout, mix: Mix, costs: ActorCosts, targets: Targets) -> Prediction:
+    costs = costs.widened(layout.cores)
     disagg = tuple(c for c in mix.classes if c.long_prompt and layout.prefill)
     coloc = tuple(c for c in mix.classes if c not in disagg)
     tpot, decode_ok, batch = _decode(layout, mix.classes, coloc, costs)

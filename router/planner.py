@@ -13,7 +13,10 @@ request within its targets is left alone). A switch is taken only when all of th
 - dwell: the same better layout won `dwell` consecutive decisions (noise in the arrivals does not switch);
 - cooldown: `cooldown` seconds have passed since the last switch (a switch is not undone at once).
 
-The planner decides; router/elastic.py acts (one actor changes role per switch) and shows the decisions.
+The candidates are every split of the actors between the two roles and, where their cores can be merged, one
+decode actor on all of them (its curves estimated from one share's: ActorCosts.widened).
+
+The planner decides; router/elastic.py acts (role changes, or a merge or split of cores) and shows the decisions.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ import time
 from dataclasses import dataclass
 
 from router.elastic_settings import ElasticSettings
-from router.layout_model import ActorCosts, Layout, Prediction, Targets, predict
+from router.layout_model import ActorCosts, Layout, Prediction, Targets, candidates, predict
 from router.traffic import Mix
 
 
@@ -64,9 +67,12 @@ class Planner:
         self.streak: tuple[Layout | None, int] = (None, 0)
         self.last_switch = -math.inf  # monotonic
 
-    def decide(self, now: float, current: Layout, mix: Mix, costs: ActorCosts, cost: SwitchCost) -> Decision:
-        """`now`: monotonic seconds (a fake clock in tests)."""
-        predictions = tuple(predict(layout, mix, costs, self.targets) for layout in _candidates(current))
+    def decide(self, now: float, current: Layout, mix: Mix, costs: ActorCosts, cost: SwitchCost,
+               mergeable: bool = False) -> Decision:
+        """`now`: monotonic seconds (a fake clock in tests); `mergeable`: the actors' cores can go to one of them
+        (router/merges.py), so one decode actor on all of them is a candidate."""
+        predictions = tuple(predict(layout, mix, costs, self.targets)
+                            for layout in candidates(current.size, mergeable or bool(current.lent)))
         by_layout = {p.layout: p for p in predictions}
         best = max(predictions, key=lambda p: (p.goodput, p.layout == current))
         held, source = self._held_goodput(by_layout[current], mix)
@@ -107,6 +113,3 @@ class Planner:
             return f"the last switch was {now - self.last_switch:.0f} s ago (cooldown {s.cooldown:g} s)"
         return None
 
-
-def _candidates(current: Layout) -> list[Layout]:
-    return [Layout(p, current.size - p) for p in range(current.size)]

@@ -28,6 +28,7 @@ from router.delivery import TokenDelivery
 from router.drains import Drains
 from router.elastic import Elastic
 from router.elastic_settings import ElasticSettings
+from router.merges import CoreMerges
 from router.failover import WATCH_SECONDS, Failover
 from router.handoff import Handoff, Phase, Routed, attachable, export_for
 from router.integrity import IntegrityChecks
@@ -72,8 +73,10 @@ class ActorRouter:
         self.integrity = IntegrityChecks(self.supervisor)
         self.roles = RoleChanges(self.supervisor, self.failover, self._role_changed, settings.share_kv,
                                  elastic.change_timeout, elastic.switch_seconds)
+        self.merges = CoreMerges(self.supervisor, self.failover, self.roles, elastic.change_timeout)
         self.degrade = Degrade(self.supervisor, self.roles, elastic)
-        self.elastic = Elastic(self.supervisor, self.roles, self.placer, self.routed, self.traffic, elastic, now)
+        self.elastic = Elastic(self.supervisor, self.roles, self.merges, self.placer, self.routed, self.traffic,
+                               elastic, now)
         self._watchdog: asyncio.Task | None = None
         self._upkeep: asyncio.Task | None = None
         self._handlers = {m.TokenUpdates: self.delivery.on_tokens, m.BlocksReserved: self.handoff.on_reserved,
@@ -81,7 +84,7 @@ class ActorRouter:
                           m.KVReady: self.handoff.on_kv_ready, m.KVPages: self.handoff.on_kv_pages,
                           m.RequestFailed: self.failover.on_request_failed, m.Error: self._on_actor_error,
                           m.IntegrityReport: self.integrity.on_report, m.Leaving: self.drains.on_leaving,
-                          m.RoleChanged: self.roles.on_changed}
+                          m.RoleChanged: self.roles.on_changed, m.CoresSet: self.merges.on_cores_set}
 
     # ---------------------------------------------------------------- EngineClient
 
@@ -158,8 +161,9 @@ class ActorRouter:
 
     def layout_status(self) -> dict:
         """What /status shows of the layout: the current one and the time spent in each, the planner's last
-        decision with the predicted goodput of each candidate, the role changes, and the degraded stand-ins."""
-        return self.elastic.status(time.monotonic()) | {"roles": self.roles.status(),
+        decision with the predicted goodput of each candidate, the role changes, the merged cores, and the degraded
+        stand-ins."""
+        return self.elastic.status(time.monotonic()) | {"roles": self.roles.status(), "merges": self.merges.status(),
                                                         "degrade": self.degrade.status()}
 
     async def drain(self, actor_id: str) -> int:
@@ -248,6 +252,7 @@ class ActorRouter:
 
     async def _on_down(self, handle: ActorHandle) -> None:
         self.roles.on_down(handle)
+        self.merges.on_down(handle)
         if handle.spec.role is Role.DECODE:
             for prefill in self.supervisor.ready(Role.PREFILL):
                 await prefill.send(m.DetachPool(handle.actor_id))

@@ -1,7 +1,8 @@
 """Actors that change role, on real actor processes with the tiny model: a prefill and a decode actor switch roles
 back and forth under streaming load and every stream ends with the text a static layout gives, with no block
 left behind; a decode actor that is lost hands its role to the prefill actor (degrade instead of fail), which
-goes back to prefilling once the decode actor serves again, or keeps the role when it never comes back."""
+goes back to prefilling once the decode actor serves again, or keeps the role when it never comes back; a merge
+puts the decode actor on both actors' cores and a split gives them back, under the same load."""
 from __future__ import annotations
 
 import asyncio
@@ -110,6 +111,58 @@ async def test_streams_are_unchanged_by_repeated_role_changes(pair, reference):
     body = ServerMetrics(EngineStats, "tiny", layout=pair.layout_status).render().decode()
     assert 'layout_seconds_total{layout="0P+2D",model_name="tiny"}' in body
     assert 'phase_serve:layout{layout="1P+1D",model_name="tiny"} 1.0' in body
+
+
+def allowed_cpus(pid: int) -> set[frozenset[int]]:
+    """The distinct CPU sets the threads of process `pid` may run on."""
+    sets = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            sets.add(frozenset(os.sched_getaffinity(int(tid))))
+        except ProcessLookupError:
+            pass
+    return sets
+
+
+@on_module_loop
+async def test_a_merge_gives_the_decode_actor_every_core_and_a_split_gives_them_back(pair, reference):
+    router = pair._client
+    decode, prefill = router.supervisor.by_id("decode-0"), router.supervisor.by_id("prefill-0")
+    pids, own = {h.actor_id: h.pid for h in router.supervisor.handles}, frozenset(decode.spec.cpus)
+    assert allowed_cpus(decode.pid) == {own}
+    wave = await waves(reference, 560, 570)
+    first = await Streams.started(pair, wave[0])  # handed off from prefill-0
+    assert await router.merges.merge(decode, [prefill], "test: merge")
+    assert allowed_cpus(decode.pid) == {own | set(prefill.spec.cpus)}
+    status = pair.layout_status()
+    assert status["current"] == "0P+1D*2" and status["merges"]["parked"] == ["prefill-0"]
+    assert status["merges"]["widened"] == {"actor": "decode-0", "cpus": sorted(own | set(prefill.spec.cpus))}
+    transfers = router.counters()["kv_transfers"]
+    second = await Streams.started(pair, wave[1])  # prefill-0 is parked: every prompt prefills on decode-0
+    assert router.counters()["kv_transfers"] == transfers
+    assert await router.merges.split("test: split")
+    assert allowed_cpus(decode.pid) == {own} and not prefill.parked and decode.widened is None
+    for streams in (first, second):
+        assert await streams.outputs() == streams.expected
+    assert pair.layout_status()["current"] == "1P+1D"
+    assert {h.actor_id: h.pid for h in router.supervisor.handles} == pids
+    await assert_clean(pair)
+
+
+@on_module_loop
+async def test_the_parked_actor_serves_again_when_the_widened_actor_dies(pair, reference):
+    router = pair._client
+    decode, prefill = router.supervisor.by_id("decode-0"), router.supervisor.by_id("prefill-0")
+    assert await router.merges.merge(decode, [prefill], "test: merge")
+    streams = await Streams.started(pair, (await waves(reference, 580))[0])
+    os.kill(decode.pid, signal.SIGKILL)
+    await wait_for(lambda: not prefill.parked, 10, "the parked actor to take work again")
+    assert decode.widened is None and pair.layout_status()["merges"]["parked"] == []
+    assert await streams.outputs() == streams.expected
+    await wait_for(lambda: decode.state == "ready" and roles(pair) == {"prefill-0": "prefill", "decode-0": "decode"},
+                   120, "the decode actor back on its own cores")
+    assert allowed_cpus(decode.pid) == {frozenset(decode.spec.cpus)}
+    await assert_clean(pair)
 
 
 @on_module_loop

@@ -96,14 +96,50 @@ def test_prompts_queued_now_count_against_the_layout_that_must_prefill_them():
     assert queued.classes[0].ttft > calm.classes[0].ttft + 1.0 and queued.goodput < calm.goodput
 
 
+MERGED = Layout(0, 1, 1)  # one decode actor on both actors' cores, the other parked
+LONG_PROMPTS = ClassLoad("LISO", 0.4, 2000, 20)  # documents to summarise
+
+
+def test_one_decode_actor_on_every_core_is_a_candidate_only_where_cores_merge():
+    assert [str(layout) for layout in candidates(2, mergeable=True)] == ["0P+2D", "1P+1D", "0P+1D*2"]
+    assert MERGED not in candidates(2) and MERGED.size == 2 and MERGED.cores == 2
+    for bad in ((1, 1, 1), (0, 2, 1), (0, 1, -1)):
+        with pytest.raises(ValueError):
+            Layout(*bad)
+
+
+def test_a_merged_actor_prefills_faster_and_serves_long_prompts_the_split_layouts_cannot():
+    wide = COSTS.widened(2)
+    assert wide.prefill.seconds(1000) == pytest.approx(0.01 + 0.4) and wide.decode == DecodeCost(0.04, 0.0005)
+    assert COSTS.widened(1) is COSTS
+    by_layout = {str(layout): predict(layout, mix(LONG_PROMPTS), COSTS, TARGETS) for layout in candidates(2, True)}
+    assert by_layout["1P+1D"].goodput < 0.3  # 1.6 s a prompt, 0.65 s of prefill each second on one share
+    assert by_layout["0P+2D"].goodput < 0.36 < by_layout["0P+1D*2"].goodput  # the merged actor's prefill: 0.8 s
+
+
+def test_the_planner_merges_for_long_prompts_and_splits_for_long_outputs_beside_chats():
+    """A merged actor is the only layout that keeps up with a burst of long prompts; once the long prompts carry
+    long answers beside chats, a prefill actor keeps the decode actor's steps within the ITL target."""
+    sim = Simulation(DISAGGREGATED, seed=4, mergeable=True)
+    sim.run(60, [LONG_PROMPTS])
+    assert [(a, b) for _, a, b in sim.switches] == [(DISAGGREGATED, MERGED)]
+    assert "0P+1D*2 is predicted to serve" in next(d for d in sim.decisions if d.switch).reason
+    sim.run(90, [DOCUMENTS])
+    assert [b for _, _, b in sim.switches] == [MERGED, DISAGGREGATED]
+    sim.run(60, [DOCUMENTS])
+    assert len(sim.switches) == 2  # it stays
+
+
 # ------------------------------------------------------------------------------------------ planner
 
 class Simulation:
     """Poisson traffic into a TrafficWindow on a fake clock; the planner decides every interval and the layout
     changes when it says switch."""
 
-    def __init__(self, layout: Layout, seed: int = 0, settings: ElasticSettings = SETTINGS) -> None:
+    def __init__(self, layout: Layout, seed: int = 0, settings: ElasticSettings = SETTINGS,
+                 mergeable: bool = False) -> None:
         self.rng = np.random.default_rng(seed)
+        self.mergeable = mergeable
         self.window = TrafficWindow(settings, started=0.0)
         self.planner = Planner(settings)
         self.layout, self.now, self.settings = layout, 0.0, settings
@@ -119,7 +155,8 @@ class Simulation:
                     self.window.arrival(float(t), round(c.prompt_tokens), round(c.output_tokens),
                                         c.long_prompt)
             self.now += step
-            decision = self.planner.decide(self.now, self.layout, self.window.snapshot(self.now), COSTS, cost)
+            decision = self.planner.decide(self.now, self.layout, self.window.snapshot(self.now), COSTS, cost,
+                                           self.mergeable)
             self.decisions.append(decision)
             if decision.switch:
                 self.switches.append((self.now, self.layout, decision.target))
@@ -265,12 +302,13 @@ class FakeSupervisor:
 
 
 class FakeRoles:
-    """RoleChanges as the loop uses it: it records the changes asked for."""
+    """RoleChanges as the loop uses it: it records the changes asked for, and makes them."""
 
     busy = False
     seconds_per_change = 2.0
 
-    def __init__(self) -> None:
+    def __init__(self, supervisor: FakeSupervisor) -> None:
+        self.supervisor = supervisor
         self.asked: list[tuple[str, Role, str]] = []
 
     def refusal(self, handle: ActorHandle, role: Role) -> str | None:
@@ -278,6 +316,29 @@ class FakeRoles:
 
     async def change(self, actor_id: str, role: Role, reason: str) -> bool:
         self.asked.append((actor_id, role, reason))
+        handle = self.supervisor.by_id(actor_id)
+        handle.spec = replace(handle.spec, role=role)
+        return True
+
+
+class FakeMerges:
+    """CoreMerges as the loop uses it: it records the merges and splits asked for, and parks as asked."""
+
+    def __init__(self, supervisor: FakeSupervisor) -> None:
+        self.supervisor = supervisor
+        self.asked: list[tuple] = []
+
+    async def merge(self, survivor: ActorHandle, others: list[ActorHandle], reason: str) -> bool:
+        self.asked.append(("merge", survivor.actor_id, [h.actor_id for h in others]))
+        for handle in others:
+            handle.parked = True
+        survivor.widened = (0, 1)
+        return True
+
+    async def split(self, reason: str) -> bool:
+        self.asked.append(("split",))
+        for handle in self.supervisor.handles:
+            handle.parked, handle.widened = False, None
         return True
 
 
@@ -286,29 +347,63 @@ CALIBRATION = {"prefill": [[n, COSTS.prefill.seconds(n)] for n in (100, 500, 100
                "decode": [[b, COSTS.decode.step_seconds(b)] for b in (1, 4, 16)]}
 
 
-def ready_actor(actor_id: str, role: Role) -> ActorHandle:
+def ready_actor(actor_id: str, role: Role, cpus: tuple[int, ...] = ()) -> ActorHandle:
     from transport import messages as m
 
-    h = handle(actor_id, role, ActorState.READY)
+    h = ActorHandle(ActorSpec(actor_id, role, cpus=cpus), ActorState.READY)
     h.ready = m.Ready(actor_id, 256, 16, {"kind": "shm"}, CALIBRATION, None, 512)
     return h
 
 
-async def run_loop(mode: str) -> tuple[Elastic, FakeRoles]:
+def elastic_loop(mode: str, cpus: tuple[tuple[int, ...], ...] = ((), ())) -> tuple[Elastic, FakeRoles, FakeMerges]:
     from router.placer import Placer
     from router.placement import PlacementPolicy
 
     settings = replace(SETTINGS, elastic=mode, dwell=1, cooldown=0.0)
-    supervisor = FakeSupervisor([ready_actor("prefill-0", Role.PREFILL), ready_actor("decode-0", Role.DECODE)])
-    roles, traffic = FakeRoles(), TrafficWindow(settings, started=0.0)
-    loop = Elastic(supervisor, roles, Placer(supervisor, {}, PlacementPolicy()), {}, traffic, settings, now=0.0)
-    for i in range(90):  # SISO chat at 3 requests/s for 30 s
-        traffic.arrival(i / 3, 100, 100)
-    for now in (1.0, 30.0):
+    supervisor = FakeSupervisor([ready_actor("prefill-0", Role.PREFILL, cpus[0]),
+                                 ready_actor("decode-0", Role.DECODE, cpus[1])])
+    roles, merges, traffic = FakeRoles(supervisor), FakeMerges(supervisor), TrafficWindow(settings, started=0.0)
+    loop = Elastic(supervisor, roles, merges, Placer(supervisor, {}, PlacementPolicy()), {}, traffic, settings,
+                   now=0.0)
+    return loop, roles, merges
+
+
+async def ticks(loop: Elastic, *times: float) -> None:
+    for now in times:
         loop.tick(now)
-    if loop._task is not None:
-        await loop._task
+        if loop._task is not None:
+            await loop._task
+
+
+async def run_loop(mode: str) -> tuple[Elastic, FakeRoles]:
+    loop, roles, _ = elastic_loop(mode)
+    for i in range(90):  # SISO chat at 3 requests/s for 30 s
+        loop.traffic.arrival(i / 3, 100, 100)
+    await ticks(loop, 1.0, 30.0)
     return loop, roles
+
+
+async def test_the_elastic_loop_merges_cores_for_long_prompts_and_splits_them_for_long_answers():
+    loop, roles, merges = elastic_loop("on", cpus=((0,), (1,)))
+    for i in range(12):  # documents: 0.4 per second for 30 s
+        loop.traffic.arrival(i * 2.5, 2000, 20)
+    await ticks(loop, 1.0, 30.0)
+    assert merges.asked == [("merge", "decode-0", ["prefill-0"])] and roles.asked == []
+    assert str(loop.last.target) == "0P+1D*2" and loop.layout() == Layout(0, 1, 1) and loop.switches == 1
+    assert loop.status(30.0)["current"] == "0P+1D*2"
+    for i in range(30):  # then long prompts with long answers: a merged actor's prefills stretch its streams' ITL
+        loop.traffic.arrival(60 + i, 1000, 300)
+    await ticks(loop, 90.0)
+    assert str(loop.last.target) == "1P+1D" and merges.asked[1:] == [("split",)]
+    assert roles.asked == [] and loop.layout() == Layout(1, 1) and loop.switches == 2  # prefill-0 is one already
+
+
+async def test_actors_whose_cores_cannot_merge_are_never_merged():
+    loop, _, merges = elastic_loop("on")  # no pinned cores: nothing to lend
+    for i in range(12):
+        loop.traffic.arrival(i * 2.5, 2000, 20)
+    await ticks(loop, 1.0, 30.0)
+    assert merges.asked == [] and "0P+1D*2" not in {c["layout"] for c in loop.last.to_dict()["candidates"]}
 
 
 async def test_the_elastic_loop_changes_the_role_the_planner_asks_for():
@@ -319,7 +414,7 @@ async def test_the_elastic_loop_changes_the_role_the_planner_asks_for():
     assert roles.asked[0][2].startswith("elastic: 0P+2D is predicted to serve")
     assert loop.switches == 1
     status = loop.status(30.0)
-    assert status["current"] == "1P+1D" and status["decision"]["target"] == "0P+2D"  # the fake changed nothing
+    assert status["current"] == "0P+2D" and status["decision"]["target"] == "0P+2D"
     assert status["seconds_in_layout"] == {"1P+1D": 30.0} and status["mix"]["quadrants"]["SISO"]["rate"] == 3.0
 
 

@@ -34,6 +34,8 @@ Flows (router = main process):
               messages) with `resume`, the tokens the client already has.
 - role change: router -> ChangeRole (to an actor the router has moved every request off), actor -> RoleChanged
               once its engine of the new role runs on the weights it already holds (with its new Ready).
+- cores:      router -> SetCores (an actor takes its idle peers' cores, or gives them back), actor -> CoresSet
+              once its steps run on them.
 - stop:       router -> Drain (finish running work, accept none), router -> Shutdown; either side -> Error.
               An actor sent SIGTERM says Leaving; the router moves its streams off, then sends Shutdown.
 """
@@ -45,6 +47,7 @@ from dataclasses import dataclass, fields, is_dataclass
 from types import MappingProxyType
 from typing import Any, ClassVar
 
+# 16: SetCores, CoresSet (an actor's threads and cores change while it serves: elastic merges)
 # 15: EngineStats carries the KV tiers' counters (kv_host_*, kv_disk_*, kv_tier_*)
 # 14: TokenUpdate.prompt_logprobs and .embedding (a request's prompt pass); `sampling` carries prompt_logprobs
 #     and pooling
@@ -55,7 +58,7 @@ from typing import Any, ClassVar
 # 8: KVReady.streamed_bytes; KVPageFrame, KVStreamEnd, KVStreamAck (direct KV streams, out-of-band pages)
 # 7: AddRequest.resume, PrefillRequest.num_prompt_tokens (migrated streams), Leaving; no generator_state
 # 6: `guide.kind` may be structural_tag (tool calls); 5: `sampling` carries `guide`
-PROTOCOL_VERSION = 15
+PROTOCOL_VERSION = 16
 
 KV_EXPORT_KINDS = ("shm", "cuda_ipc", "tcp", "none")
 """`Ready.kv_export["kind"]`: how peers map the actor's KV pool, or (`tcp`, with `host` and `port`) where
@@ -566,6 +569,30 @@ class RoleChanged(Message):
     role: str
     ready: Ready
     seconds: float = 0.0  # from ChangeRole to the new engine serving
+
+
+@dataclass(frozen=True, slots=True)
+class SetCores(Message):
+    """Run on these cores with this many threads from the next step on (the requests the actor holds stay). The
+    router widens an actor onto the cores of peers it has stopped placing work on, and narrows it back before they
+    serve again. `cpus` empty: leave the affinity as it is."""
+
+    TAG: ClassVar[str] = "set_cores"
+    threads: int
+    cpus: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class CoresSet(Message):
+    """The actor's steps run with `threads` threads on `cpus` now; or, with `error`, why it could not change them
+    (its cores are then as they were)."""
+
+    TAG: ClassVar[str] = "cores_set"
+    actor_id: str
+    threads: int
+    cpus: list[int]
+    seconds: float = 0.0  # from SetCores to the change taking effect (the step in flight ends first)
+    error: str = ""
 
 
 @dataclass(frozen=True, slots=True)
