@@ -54,6 +54,7 @@ MODULE_TIERS: Mapping[str, Tier] = {
     "test_draft_actor.py": P,  # the layout and flag tests are marked unit
     "test_elastic.py": P,  # role changes and degrading on real actor processes
     "test_elastic_bench.py": U,
+    "test_merges.py": U,  # the router's side of merging cores, against fake actors
     "test_embeddings_api.py": P,  # slow: the default model; the parser's fuzz is marked unit
     "test_engine.py": E,
     "test_engine_client.py": U,
