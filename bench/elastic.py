@@ -9,7 +9,8 @@ LILO): SISO chat (short prompts and answers), LISO (prompts of `--long-in` token
 (long prompts and answers of `--long-out` tokens). Every server gets the same requests at the same times (one seed),
 one server at a time so that each has the machine to itself:
 
-- `elastic`: one prefill and one decode actor with `--elastic on`: the planner changes their roles as the mix moves;
+- `elastic`: one prefill and one decode actor with `--elastic on`: the planner changes their roles, or merges their
+  cores into one decode actor and splits them again, as the mix moves;
 - `colocated-2core`: one decode actor on both cores, no prefill actor;
 - `two-decode`: two decode actors, one core each, every request colocated;
 - `split`: one prefill and one decode actor, one core each, `--disagg auto`.

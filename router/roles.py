@@ -74,6 +74,8 @@ class RoleChanges:
             return f"an actor changes role between prefill and decode only ({handle.actor_id} is {handle.spec.role})"
         if handle.spec.remote and not handle.spec.ray:
             return f"{handle.actor_id} is a worker on another host: its role is its own"
+        if handle.parked or handle.widened is not None:
+            return f"{handle.actor_id} {'lends' if handle.parked else 'runs on'} merged cores: split them first"
         if handle.state is not ActorState.READY or handle.draining or handle.changing_role is not None:
             return f"{handle.actor_id} is {handle.state.value}{', draining' if handle.draining else ''}" \
                    f"{', changing role' if handle.changing_role is not None else ''}"

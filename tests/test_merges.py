@@ -133,3 +133,16 @@ def test_the_merged_share_adds_threads_and_cores():
                ActorHandle(ActorSpec("b", Role.PREFILL, threads=1, cpus=(0,)))]
     share = merged_share(handles)
     assert (share.threads, share.cpus) == (3, (0, 2, 3))
+
+
+async def test_no_merged_actor_changes_role_until_the_cores_are_split():
+    from router.roles import RoleChanges
+
+    actors, failover, merges = setup()
+    decode, prefill = actors.handles
+    roles = RoleChanges(actors, failover, None, share_kv=True, timeout=1.0, default_seconds=1.0)
+    assert await merges.merge(decode, [prefill], "test")
+    assert roles.refusal(decode, Role.PREFILL) == "decode-0 runs on merged cores: split them first"
+    assert roles.refusal(prefill, Role.DECODE) == "prefill-0 lends merged cores: split them first"
+    assert await merges.split("test")
+    assert roles.refusal(prefill, Role.DECODE) is None
