@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from actors.supervisor import ActorHandle, ActorState, Supervisor
 from router.failover import Failover
-from router.roles import RoleChanges
+from router.roles import RoleChanges, ask
 from transport import messages as m
 
 log = logging.getLogger("router")
@@ -119,16 +119,9 @@ class CoreMerges:
         self.failover.unpark()
 
     async def _set(self, handle: ActorHandle, share: CoreShare) -> None:
-        future = self.pending[handle.actor_id] = asyncio.get_running_loop().create_future()
-        try:
-            if not await handle.send(m.SetCores(share.threads, list(share.cpus))):
-                raise MergeFailed(f"{handle.actor_id} cannot be reached")
-            await asyncio.wait_for(future, self.timeout)
-        except asyncio.TimeoutError:
-            self.supervisor.kill(handle.actor_id)  # restarted on its own cores
-            raise MergeFailed(f"{handle.actor_id} did not change cores within {self.timeout:g} s") from None
-        finally:
-            self.pending.pop(handle.actor_id, None)
+        """SetCores, answered within the deadline (else the actor is killed: it restarts on its own cores)."""
+        sent = handle.send(m.SetCores(share.threads, list(share.cpus)))
+        await ask(self.supervisor, self.pending, handle, sent, self.timeout, "change cores", MergeFailed)
 
     def on_cores_set(self, handle: ActorHandle, msg: m.CoresSet) -> None:
         future = self.pending.get(handle.actor_id)

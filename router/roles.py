@@ -18,7 +18,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, replace
-from typing import Awaitable, Callable
+from typing import Any, Awaitable, Callable
 
 from actors.spec import Role
 from actors.supervisor import ActorHandle, ActorState, Supervisor
@@ -50,6 +50,23 @@ class RoleChangeRecord:
 
 class RoleChangeFailed(RuntimeError):
     """The actor could not be told, died, or did not answer in time."""
+
+
+async def ask(supervisor: Supervisor, pending: dict[str, asyncio.Future], handle: ActorHandle,
+              sent: Awaitable[bool], timeout: float, what: str, failed: type[Exception]) -> Any:
+    """Wait for `handle`'s answer to what `sent` sends (its handler resolves `pending[actor_id]`) for `timeout`
+    seconds; an actor that cannot be reached or does not answer in time raises `failed`, and the latter is killed:
+    its supervisor restarts it as its spec says."""
+    future = pending[handle.actor_id] = asyncio.get_running_loop().create_future()
+    try:
+        if not await sent:
+            raise failed(f"{handle.actor_id} cannot be reached")
+        return await asyncio.wait_for(future, timeout)
+    except asyncio.TimeoutError:
+        supervisor.kill(handle.actor_id)
+        raise failed(f"{handle.actor_id} did not {what} within {timeout:g} s") from None
+    finally:
+        pending.pop(handle.actor_id, None)
 
 
 class RoleChanges:
@@ -124,19 +141,10 @@ class RoleChanges:
     async def _ask(self, handle: ActorHandle, role: Role) -> m.RoleChanged:
         if handle.ready is not None and handle.ready.calibration:
             self.calibrations[(handle.actor_id, handle.spec.role)] = handle.ready.calibration
-        future = self.pending[handle.actor_id] = asyncio.get_running_loop().create_future()
-        try:
-            # After the aborts move_off queued (each send is a task): ChangeRole must not overtake them
-            change = m.ChangeRole(role.value, self.share_kv, self._calibration_for(handle, role))
-            sent = await asyncio.ensure_future(handle.send(change))
-            if not sent:
-                raise RoleChangeFailed(f"{handle.actor_id} cannot be reached")
-            return await asyncio.wait_for(future, self.timeout)
-        except asyncio.TimeoutError:
-            self.supervisor.kill(handle.actor_id)  # restarted in its old role
-            raise RoleChangeFailed(f"{handle.actor_id} did not change role within {self.timeout:g} s") from None
-        finally:
-            self.pending.pop(handle.actor_id, None)
+        change = m.ChangeRole(role.value, self.share_kv, self._calibration_for(handle, role))
+        # After the aborts move_off queued (each send is a task): ChangeRole must not overtake them
+        sent = asyncio.ensure_future(handle.send(change))
+        return await ask(self.supervisor, self.pending, handle, sent, self.timeout, "change role", RoleChangeFailed)
 
     def _adopt(self, handle: ActorHandle, changed: m.RoleChanged) -> None:
         """The handle carries the new role from now on (a restart starts the actor in it)."""

@@ -28,10 +28,10 @@ from router.delivery import TokenDelivery
 from router.drains import Drains
 from router.elastic import Elastic
 from router.elastic_settings import ElasticSettings
-from router.merges import CoreMerges
 from router.failover import WATCH_SECONDS, Failover
 from router.handoff import Handoff, Phase, Routed, attachable, export_for
 from router.integrity import IntegrityChecks
+from router.merges import CoreMerges
 from router.placement import DISAGGREGATED, Placement, PlacementPolicy
 from router.placer import Placer
 from router.roles import RoleChanges
